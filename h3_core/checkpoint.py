@@ -1,0 +1,278 @@
+"""Finding and loading DiT weights from every layout users have, strictly and shard by shard.
+
+Accepted: an original release root or partition folder (`FL2VA/transformer`, `Ref2VA/transformer`:
+sharded safetensors + index, qkv interleaved per head), a diffusers folder (`transformer/` or
+`transformer_ref/`), or a ComfyUI single file (qkv stacked). Tensors are read one at a time from
+safetensors and assigned into a model built on the meta device, so the model is never held twice.
+Checkpoint dtypes are kept unless a dtype is asked for. Pickle formats are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from . import keymap
+from .config import DiTConfig
+from .dit import FP32_MODULES, H3DiT, rope_inverse_frequencies
+
+PARTITIONS = {"fl2va": ("FL2VA", "transformer"), "ref2va": ("Ref2VA", "transformer_ref")}
+PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
+INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, malformed or not an H3 DiT; the message names the file and tensor."""
+
+
+@dataclass(frozen=True)
+class DiTSource:
+    """Where a DiT's tensors live and how they are spelled."""
+
+    files: tuple[Path, ...]
+    naming: str  # "native" (original / ComfyUI names) or "diffusers"
+    qkv_layout: str  # "interleaved" (original shards) or "stacked" (ComfyUI, diffusers after concat)
+    config: DiTConfig | None  # None: infer from tensor shapes (single files carry no config)
+    origin: str  # a short description for messages: "original partition", "diffusers folder", ...
+
+
+def locate_dit(path: str | Path, partition: str = "fl2va") -> DiTSource:
+    """Resolve a user path (release root, partition folder, transformer folder or single file)."""
+    path = Path(path).expanduser()
+    if partition not in PARTITIONS:
+        raise ValueError(f"Unknown partition {partition!r}; choose one of {', '.join(PARTITIONS)}.")
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist.")
+    if path.is_file():
+        return _single_file(path)
+    original_partition, diffusers_folder = PARTITIONS[partition]
+    for candidate in (path, path / "transformer", path / original_partition / "transformer", path / diffusers_folder):
+        if (candidate / "config.json").is_file() and _has_safetensors(candidate):
+            return _folder(candidate)
+    raise CheckpointError(
+        f"{path} is not an H3 DiT checkpoint for partition {partition!r}: expected a folder with config.json and "
+        f"*.safetensors shards (an original '{original_partition}/transformer' folder, a diffusers "
+        f"'{diffusers_folder}' folder, or either of their parents), or a single .safetensors file."
+    )
+
+
+def _has_safetensors(folder: Path) -> bool:
+    return any(folder.glob("*.safetensors"))
+
+
+def _single_file(path: Path) -> DiTSource:
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise CheckpointError(
+            f"{path.name} is a pickle checkpoint ({path.suffix}); H3 loads only .safetensors files, which cannot run "
+            "code on load. Convert it to safetensors first."
+        )
+    if path.suffix.lower() != ".safetensors":
+        raise CheckpointError(f"{path.name} is not a .safetensors file; H3 DiT single files must be safetensors.")
+    with safe_open(path, "pt") as handle:
+        keys = list(handle.keys())
+    naming = _naming(keys, path)
+    return DiTSource((path,), naming, "stacked", None, "single file")
+
+
+def _folder(folder: Path) -> DiTSource:
+    config_path = folder / "config.json"
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{config_path} is not valid JSON: {error}.") from None
+    files = _shard_files(folder)
+    keys = []
+    for file in files:
+        with safe_open(file, "pt") as handle:
+            keys.extend(handle.keys())
+    naming = _naming(keys, folder)
+    if naming == "diffusers":
+        return DiTSource(files, naming, "stacked", DiTConfig.from_dict(raw), "diffusers folder")
+    return DiTSource(files, naming, "interleaved", DiTConfig.from_dict(raw), "original partition folder")
+
+
+def _shard_files(folder: Path) -> tuple[Path, ...]:
+    for name in INDEX_NAMES:
+        index_path = folder / name
+        if index_path.is_file():
+            weight_map = json.loads(index_path.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"{index_path} has no 'weight_map'.")
+            files = tuple(folder / shard for shard in sorted(set(weight_map.values())))
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise CheckpointError(f"{index_path} lists shards that are not in {folder}: {', '.join(missing)}.")
+            return files
+    files = tuple(sorted(folder.glob("*.safetensors")))
+    if len(files) > 1:
+        raise CheckpointError(f"{folder} holds {len(files)} .safetensors files but no index file ({INDEX_NAMES[0]}).")
+    return files
+
+
+def _naming(keys: list[str], path: Path) -> str:
+    stripped = [keymap.strip_prefix(k) for k in keys]
+    if any(k.startswith("adaln_t_table") or ".adaln_t_table" in k for k in stripped):
+        raise CheckpointError(
+            f"{path.name} is a pruned H3 checkpoint (AdaLN replaced by 'adaln_t_table'): a different architecture "
+            "that this loader does not run. Use the full (non-pruned) bf16 checkpoint."
+        )
+    if any(k.endswith((".weight_scale", ".comfy_quant", ".scale_weight")) for k in stripped):
+        raise CheckpointError(f"{path.name} is a quantized checkpoint; quantized DiT files are not supported yet.")
+    if any(k.startswith("transformer_blocks.") for k in stripped):
+        return "diffusers"
+    if any(k.startswith("blocks.") for k in stripped):
+        return "native"
+    raise CheckpointError(
+        f"{path.name} holds no H3 DiT tensors (expected keys 'blocks.N.*' or 'transformer_blocks.N.*')."
+    )
+
+
+def infer_config(source: DiTSource) -> DiTConfig:
+    """Read a config off the tensor shapes (single files ship none)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    inv_freq = None
+    for path in source.files:
+        with safe_open(path, "pt") as handle:
+            for key in handle.keys():
+                name = keymap.strip_prefix(key)
+                if source.naming == "diffusers":
+                    name = keymap.diffusers_to_native_name(name)[0]
+                shapes[name] = tuple(handle.get_slice(key).get_shape())
+                if name == "rope.inv_freq":
+                    inv_freq = handle.get_tensor(key)
+
+    def shape(name):
+        if name not in shapes:
+            raise CheckpointError(f"{source.files[0].name} has no tensor '{name}'; cannot tell the model size.")
+        return shapes[name]
+
+    head_dim = shape("blocks.0.attn.q_norm.weight")[0]
+    patch_volume = 4
+    num_layers = 1 + max(int(m.group(1)) for k in shapes if (m := re.match(r"blocks\.(\d+)\.", k)))
+    refiner = {int(m.group(1)) for k in shapes if (m := re.match(r"token_refiner\.blocks\.(\d+)\.", k))}
+    freq_dim = shape("time_embedder.proj_in.weight")[1]
+    return DiTConfig(
+        num_attention_heads=shape("blocks.0.attn.out_proj.weight")[1] // head_dim,
+        attention_head_dim=head_dim,
+        hidden_size=shape("condition_proj.weight")[0],
+        num_layers=num_layers,
+        num_refiner_layers=len(refiner),
+        ffn_dim=shape("blocks.0.mlp.fc2.weight")[1],
+        in_channels=shape("video_patch_proj.weight")[1] // patch_volume,
+        audio_in_channels=shape("audio_patch_proj.weight")[1],
+        text_dim=shape("condition_proj.weight")[1],
+        freq_dim=freq_dim,
+        time_embed_hidden_dim=shape("time_embedder.proj_in.weight")[0],
+        time_embed_dim=shape("time_embedder.proj_out.weight")[0],
+        # The release ships rope.inv_freq; without it, the release's ratio (16 frequencies per 128 channels).
+        rope_freq_dim=int(inv_freq.numel()) if inv_freq is not None else head_dim // 8,
+    )
+
+
+def iter_native_tensors(source: DiTSource, head_dim: int):
+    """Yield (our name, tensor, file) one tensor at a time, read shard by shard."""
+
+    def read():
+        for path in source.files:
+            with safe_open(path, "pt") as handle:
+                for key in handle.keys():
+                    yield key, handle.get_tensor(key), path
+
+    return to_native(read(), source.naming, source.qkv_layout, head_dim)
+
+
+def to_native(items, naming: str, qkv_layout: str, head_dim: int):
+    """Map (key, tensor, where) items of any layout onto our names; diffusers q/k/v are fused as soon as
+    all three have been read, so at most a few attention weights wait in memory."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor, where in items:
+        name = keymap.strip_prefix(key)
+        if naming == "diffusers":
+            name, part = keymap.diffusers_to_native_name(name)
+            if name.endswith(".mlp.fc1.weight"):
+                tensor = keymap.swap_halves(tensor)
+            if part is not None:
+                parts = pending.setdefault(name, {})
+                parts[part] = tensor
+                if len(parts) == 3:
+                    del pending[name]
+                    yield name, torch.cat([parts["q"], parts["k"], parts["v"]], dim=0), where
+                continue
+        elif qkv_layout == "interleaved" and name.endswith(".attn.qkv_proj.weight"):
+            if tensor.shape[0] % (3 * head_dim):
+                raise CheckpointError(
+                    f"'{key}' in {where} has shape {list(tensor.shape)}; its rows must be a multiple of "
+                    f"3 x head_dim ({3 * head_dim})."
+                )
+            tensor = keymap.deinterleave_qkv(tensor, head_dim)
+        yield name, tensor, where
+    for name, parts in pending.items():
+        missing = sorted(set("qkv") - set(parts))
+        raise CheckpointError(f"'{name}': the diffusers checkpoint lacks to_{'/to_'.join(missing)} for this attention.")
+
+
+def convert_state_dict(state_dict: dict, naming: str, qkv_layout: str = "stacked", head_dim: int = 128) -> dict:
+    """An in-memory state dict of any layout -> our names (what `load_dit` streams from files)."""
+    items = ((key, tensor, "state dict") for key, tensor in state_dict.items())
+    return {name: tensor for name, tensor, _ in to_native(items, naming, qkv_layout, head_dim)}
+
+
+def load_dit(
+    path: str | Path,
+    partition: str = "fl2va",
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    config: DiTConfig | None = None,
+) -> H3DiT:
+    """Load a DiT strictly. `dtype=None` keeps each tensor's checkpoint dtype; else the release policy
+    (fp32 projections/heads, `dtype` elsewhere) is applied tensor by tensor while streaming."""
+    source = locate_dit(path, partition)
+    config = config or source.config or infer_config(source)
+    with torch.device("meta"):
+        model = H3DiT(config)
+    expected = dict(model.state_dict())
+    seen: set[str] = set()
+    for name, tensor, file in iter_native_tensors(source, config.attention_head_dim):
+        if name == "rope.inv_freq":
+            _check_inv_freq(tensor, model, file)
+            continue
+        if name not in expected:
+            raise CheckpointError(f"Unexpected tensor '{name}' in {file} ({source.origin}); it is not part of the H3 DiT.")
+        if name in seen:
+            raise CheckpointError(f"Tensor '{name}' appears twice ({file}).")
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"Tensor '{name}' in {file} has shape {list(tensor.shape)}, expected {list(expected[name].shape)} "
+                f"for this config."
+            )
+        if dtype is not None:
+            tensor = tensor.to(torch.float32 if name.startswith(FP32_MODULES) else dtype)
+        _assign(model, name, tensor.to(device))
+        seen.add(name)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{source.files[0].parent} ({source.origin}) is missing {len(missing)} tensor(s): {shown}.")
+    model.rope_inv_freq = rope_inverse_frequencies(config).to(device)
+    return model.eval().requires_grad_(False)
+
+
+def _assign(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    module._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
+
+
+def _check_inv_freq(tensor: torch.Tensor, model: H3DiT, file: Path) -> None:
+    expected = rope_inverse_frequencies(model.config)
+    if tensor.shape != expected.shape:
+        raise CheckpointError(f"'rope.inv_freq' in {file} has shape {list(tensor.shape)}, expected {list(expected.shape)}.")
+    if not torch.allclose(tensor.float(), expected, rtol=1e-6, atol=0):
+        raise CheckpointError(
+            f"'rope.inv_freq' in {file} does not match rope_theta={model.config.rope_theta} from the config."
+        )

@@ -1,0 +1,273 @@
+"""The H3 diffusion transformer, with the original checkpoint's module names.
+
+One packed sequence of S rows (text | conditioning | audio | video) runs through a token refiner
+(text only), 50 AdaLN-modulated blocks of full self-attention, and a final layer. Shapes:
+
+    video_rows   [B, Nv, C*4]   patchified video latents (conditioning rows first), fp32 in
+    audio_rows   [B, Na, Ca]    channel-major audio latents, fp32 in
+    text_states  [B, T, text_dim]
+    timesteps    [K]            the distinct t = 1 - sigma values of this step (t = 1 is clean)
+    timestep_indices, token_tags [S]; position_ids [S, 3] (t, h, w); *_indices: row positions
+    -> video velocity [B, Nv, C*4], audio velocity [B, Na, Ca], fp32 (data-ward: x0 = x_t + sigma*v)
+
+Precision policy (the checkpoint's): the patch projections, the time embedder and the two output
+heads are fp32; everything else runs in the model dtype (bf16 for the release). Module names equal
+the original keys, with `attn.qkv_proj` held in the stacked [q; k; v] row order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import attention
+from .config import DiTConfig
+
+MODALITIES = 3  # AdaLN table rows per timestep: 0 video, 1 text, 2 audio
+FP32_MODULES = ("video_patch_proj", "audio_patch_proj", "time_embedder", "final_layer.video_out", "final_layer.audio_out")
+
+
+def timestep_features(timesteps: torch.Tensor, dim: int) -> torch.Tensor:
+    """[K] -> [K, dim]: [cos(t f_i), sin(t f_i)], f_i = 10000^(-i / (dim/2)); t unscaled in [0, 1]."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timesteps.device) / half)
+    angles = timesteps.float()[:, None] * freqs[None, :]
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
+
+
+def rope_inverse_frequencies(config: DiTConfig) -> torch.Tensor:
+    """theta^(-i/f) for i < f, shared by the t, h and w axes (the release ships it as `rope.inv_freq`)."""
+    f = config.rope_freq_dim
+    return 1.0 / (config.rope_theta ** (torch.arange(0, 2 * f, 2, dtype=torch.float32) / (2 * f)))
+
+
+def rope_tables(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t, h, w) positions [S, 3] -> cos, sin [S, 6f]: f angles per axis, concatenated, then duplicated."""
+    angles = position_ids.to(torch.float32)[:, :, None] * inv_freq[None, None, :]  # [S, 3, f]
+    angles = angles.flatten(1)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first cos.shape[-1] channels of each head; the rest pass through. x: [B, S, H, D]."""
+    width = cos.shape[-1]
+    cos = cos.to(x.dtype)[None, :, None, :]
+    sin = sin.to(x.dtype)[None, :, None, :]
+    rotary, rest = x[..., :width], x[..., width:]
+    first, second = rotary.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return torch.cat([rotary * cos + rotated * sin, rest], dim=-1)
+
+
+class Attention(nn.Module):
+    """Self-attention with a fused stacked qkv projection, per-head RMSNorm on q and k, optional RoPE."""
+
+    def __init__(self, config: DiTConfig):
+        super().__init__()
+        self.heads, self.head_dim = config.num_attention_heads, config.attention_head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, 3 * config.inner_dim, bias=False)
+        self.q_norm = nn.RMSNorm(config.attention_head_dim, eps=config.qk_norm_eps)
+        self.k_norm = nn.RMSNorm(config.attention_head_dim, eps=config.qk_norm_eps)
+        self.out_proj = nn.Linear(config.inner_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        batch, rows, _ = x.shape
+        q, k, v = self.qkv_proj(x).view(batch, rows, 3, self.heads, self.head_dim).unbind(2)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = attention(q, k, v)
+        return self.out_proj(out.reshape(batch, rows, -1))
+
+
+class SwiGLU(nn.Module):
+    """fc2(silu(gate) * value) with fc1 rows stored as [gate; value]."""
+
+    def __init__(self, config: DiTConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, 2 * config.ffn_dim, bias=False)
+        self.fc2 = nn.Linear(config.ffn_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, value = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(F.silu(gate) * value)
+
+
+class RefinerBlock(nn.Module):
+    """Plain pre-norm block over the text rows: no RoPE, no AdaLN."""
+
+    def __init__(self, config: DiTConfig):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn = Attention(config)
+        self.norm2 = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TokenRefiner(nn.Module):
+    def __init__(self, config: DiTConfig):
+        super().__init__()
+        self.blocks = nn.ModuleList(RefinerBlock(config) for _ in range(config.num_refiner_layers))
+        self.final_norm = nn.RMSNorm(config.hidden_size, eps=config.final_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.final_norm(x)
+
+
+class TimeEmbedder(nn.Module):
+    """Sinusoidal features -> proj_in -> SiLU -> proj_out, all fp32; one embedding per distinct timestep."""
+
+    def __init__(self, config: DiTConfig):
+        super().__init__()
+        self.freq_dim = config.freq_dim
+        self.proj_in = nn.Linear(config.freq_dim, config.time_embed_hidden_dim)
+        self.proj_out = nn.Linear(config.time_embed_hidden_dim, config.time_embed_dim)
+
+    def forward(self, timesteps: torch.Tensor) -> torch.Tensor:
+        features = timestep_features(timesteps, self.freq_dim).to(self.proj_in.weight.dtype)
+        return self.proj_out(F.silu(self.proj_in(features)))
+
+
+class AdaLNProjection(nn.Module):
+    """temb [K, E] -> table [K * rows_per_timestep, width]; table row timestep_index * rows + tag."""
+
+    def __init__(self, in_features: int, out_features: int, rows_per_timestep: int):
+        super().__init__()
+        self.rows_per_timestep = rows_per_timestep
+        self.linear = nn.Linear(in_features, out_features)
+
+    def forward(self, temb: torch.Tensor) -> torch.Tensor:
+        # SiLU at temb's fp32 precision, cast only after: every block reads the same temb, so an early
+        # rounding would bias all blocks' modulations alike (the reference's order).
+        table = self.linear(F.silu(temb).to(self.linear.weight.dtype))
+        return table.view(temb.shape[0] * self.rows_per_timestep, -1)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1.0 + scale) + shift
+
+
+class Block(nn.Module):
+    """AdaLN block: modulation rows are picked per packed row from the (timestep, modality) table."""
+
+    def __init__(self, config: DiTConfig):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn = Attention(config)
+        self.norm2 = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = SwiGLU(config)
+        self.adaln_proj = AdaLNProjection(config.time_embed_dim, 6 * MODALITIES * config.hidden_size, MODALITIES)
+
+    def forward(self, x, table: torch.Tensor, adaln_index: torch.Tensor, rope) -> torch.Tensor:
+        """table [3K, 6H] from `adaln_proj`; adaln_index [S] = timestep_index * 3 + tag."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table.chunk(6, dim=-1)
+        pick = lambda param: param.index_select(0, adaln_index)  # noqa: E731  [S, H]
+        x = x + pick(gate_msa) * self.attn(modulate(self.norm1(x), pick(shift_msa), pick(scale_msa)), rope)
+        x = x + pick(gate_mlp) * self.mlp(modulate(self.norm2(x), pick(shift_mlp), pick(scale_mlp)))
+        return x
+
+
+class FinalLayer(nn.Module):
+    """Shift/scale RMSNorm indexed by timestep only (no modality), then the fp32 video and audio heads."""
+
+    def __init__(self, config: DiTConfig):
+        super().__init__()
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.final_norm_eps)
+        self.adaln_proj = AdaLNProjection(config.time_embed_dim, 2 * config.hidden_size, 1)
+        self.video_out = nn.Linear(config.hidden_size, config.video_patch_dim)
+        self.audio_out = nn.Linear(config.hidden_size, config.audio_in_channels)
+
+    def forward(self, x, temb, timestep_indices, video_indices, audio_indices):
+        shift, scale = self.adaln_proj(temb).chunk(2, dim=-1)
+        x = modulate(self.norm(x), shift.index_select(0, timestep_indices), scale.index_select(0, timestep_indices))
+        video = x.index_select(1, video_indices).to(self.video_out.weight.dtype)
+        audio = x.index_select(1, audio_indices).to(self.audio_out.weight.dtype)
+        return self.video_out(video), self.audio_out(audio)
+
+
+class H3DiT(nn.Module):
+    """The MiniMax-H3 DiT (`MiniMaxH3DiTModel`); see the module docstring for the data contract."""
+
+    def __init__(self, config: DiTConfig = DiTConfig()):
+        super().__init__()
+        self.config = config
+        self.video_patch_proj = nn.Linear(config.video_patch_dim, config.hidden_size)
+        self.audio_patch_proj = nn.Linear(config.audio_in_channels, config.hidden_size)
+        self.condition_proj = nn.Linear(config.text_dim, config.hidden_size)
+        self.time_embedder = TimeEmbedder(config)
+        self.token_refiner = TokenRefiner(config)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.final_layer = FinalLayer(config)
+        self.register_buffer("rope_inv_freq", rope_inverse_frequencies(config), persistent=False)
+
+    @classmethod
+    def build(cls, config: DiTConfig, dtype: torch.dtype = torch.bfloat16, device="cpu") -> "H3DiT":
+        """A model with random init in the release's precision policy (`device="meta"` allocates nothing)."""
+        with torch.device(device):
+            model = cls(config)
+        model.set_dtype(dtype)
+        return model
+
+    def set_dtype(self, dtype: torch.dtype) -> "H3DiT":
+        """Cast everything but the fp32 modules (patch projections, time embedder, heads) to `dtype`."""
+        for name, module in self.named_children():
+            if name == "final_layer":
+                module.norm.to(dtype)
+                module.adaln_proj.to(dtype)
+            elif name not in FP32_MODULES:
+                module.to(dtype)
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.condition_proj.weight.dtype
+
+    def embed_time(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """[K] timesteps -> fp32 time embedding [K, time_embed_dim], shared by every AdaLN projection."""
+        return self.time_embedder(timesteps.to(self.time_embedder.proj_in.weight.device))
+
+    def forward(
+        self,
+        video_rows: torch.Tensor,
+        audio_rows: torch.Tensor,
+        text_states: torch.Tensor,
+        timesteps: torch.Tensor,
+        timestep_indices: torch.Tensor,
+        token_tags: torch.Tensor,
+        position_ids: torch.Tensor,
+        video_indices: torch.Tensor,
+        audio_indices: torch.Tensor,
+        text_indices: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = position_ids.shape[0]
+        if position_ids.shape != (rows, 3) or token_tags.shape != (rows,) or timestep_indices.shape != (rows,):
+            raise ValueError(
+                f"position_ids must be [S, 3] with token_tags and timestep_indices [S]; got "
+                f"{list(position_ids.shape)}, {list(token_tags.shape)}, {list(timestep_indices.shape)}."
+            )
+        rope = rope_tables(position_ids, self.rope_inv_freq)
+
+        video = self.video_patch_proj(video_rows.to(self.video_patch_proj.weight.dtype))
+        audio = self.audio_patch_proj(audio_rows.to(self.audio_patch_proj.weight.dtype))
+        text = self.token_refiner(self.condition_proj(text_states.to(self.condition_proj.weight.dtype)))
+
+        x = text.new_zeros(text.shape[0], rows, text.shape[-1])
+        x = x.index_copy(1, text_indices, text)
+        x = x.index_copy(1, video_indices, video.to(x.dtype))
+        x = x.index_copy(1, audio_indices, audio.to(x.dtype))
+
+        temb = self.embed_time(timesteps)
+        adaln_index = timestep_indices * MODALITIES + token_tags
+        for block in self.blocks:
+            x = block(x, block.adaln_proj(temb), adaln_index, rope)
+        return self.final_layer(x, temb, timestep_indices, video_indices, audio_indices)

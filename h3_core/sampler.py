@@ -1,0 +1,137 @@
+"""The dual-clock flow sampler: one sigma ladder per modality, Euler steps in fp32.
+
+H3's convention: t = 1 - sigma, t = 1 is clean. The DiT predicts a data-ward velocity, so
+x0 = x_t + sigma * v, and an Euler step blends x_next = r * x_t + (1 - r) * x0 with r = s_next / s.
+Video rows and text run on the video clock (shift 12), audio rows on the audio clock (shift 3);
+conditioning rows are never written (their timesteps come from the layout's row clocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+VIDEO_SHIFT = 12.0
+AUDIO_SHIFT = 3.0
+
+
+def sigma_ladder(points: int, shift: float) -> torch.Tensor:
+    """`points` sigmas from 1 to 0 inclusive (so points - 1 model calls), shifted, duplicates collapsed.
+
+    The grid is built in fp32 on the CPU so the schedule never depends on the device.
+    """
+    if int(points) != points or points < 2:
+        raise ValueError(f"steps counts sigma points including the final 0, so it must be an integer >= 2; got {points}.")
+    if shift <= 0:
+        raise ValueError(f"shift must be positive, got {shift}.")
+    base = torch.linspace(1.0, 0.0, int(points), dtype=torch.float32)
+    return torch.unique_consecutive(shift * base / (1 + (shift - 1) * base))
+
+
+def custom_ladder(sigmas: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """User sigmas, used verbatim: at least two, strictly decreasing, ending at exactly 0."""
+    ladder = torch.as_tensor(sigmas, dtype=torch.float32).flatten().cpu()
+    if ladder.numel() < 2 or not bool((ladder[1:] < ladder[:-1]).all()) or ladder[-1].item() != 0.0:
+        raise ValueError(f"Custom sigmas must be at least two strictly decreasing values ending at 0.0; got {ladder.tolist()}.")
+    if ladder[0].item() > 1.0:
+        raise ValueError(f"Custom sigmas must not exceed 1.0 (pure noise); got {ladder[0].item()}.")
+    return ladder
+
+
+@dataclass(frozen=True)
+class DualClockSchedule:
+    """The two ladders of one request; both have the same point count unless de-duplication shortened one."""
+
+    video: torch.Tensor
+    audio: torch.Tensor
+
+    @classmethod
+    def build(
+        cls,
+        steps: int = 50,
+        video_shift: float = VIDEO_SHIFT,
+        audio_shift: float = AUDIO_SHIFT,
+        video_sigmas: Sequence[float] | None = None,
+        audio_sigmas: Sequence[float] | None = None,
+    ) -> "DualClockSchedule":
+        video = custom_ladder(video_sigmas) if video_sigmas is not None else sigma_ladder(steps, video_shift)
+        audio = custom_ladder(audio_sigmas) if audio_sigmas is not None else sigma_ladder(steps, audio_shift)
+        return cls(video, audio)
+
+    @property
+    def num_calls(self) -> int:
+        """Model calls; like the reference, the two ladders are walked together up to the shorter one."""
+        return min(self.video.numel(), self.audio.numel()) - 1
+
+    def timesteps(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (t_video, t_audio) fp32 scalars the model sees at `step`."""
+        return 1.0 - self.video[step], 1.0 - self.audio[step]
+
+
+def euler_step(
+    x: torch.Tensor, velocity: torch.Tensor, t: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor
+) -> torch.Tensor:
+    """One eta = 0 step. x0 uses sigma = 1 - t as the model saw it; the blend ratio uses the ladder
+    (the two differ in the last fp32 bit below 0.5, and the reference keeps both)."""
+    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    denoised = x + (1 - t.to(x.device, x.dtype)) * velocity
+    ratio = sigma_next.to(x.device, compute) / sigma.to(x.device, compute)
+    return (ratio * x.to(compute) + (1.0 - ratio) * denoised.to(compute)).to(x.dtype)
+
+
+@dataclass
+class StepState:
+    """What a per-step callback sees: progress, the current rows (for previews), and the ladders."""
+
+    step: int
+    total: int
+    video_rows: torch.Tensor
+    audio_rows: torch.Tensor
+    schedule: DualClockSchedule
+
+
+StepCallback = Callable[[StepState], None]
+
+
+def denoise(
+    dit,
+    layout,
+    text_states: torch.Tensor,
+    video_rows: torch.Tensor,
+    audio_rows: torch.Tensor,
+    schedule: DualClockSchedule,
+    callback: StepCallback | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the whole ladder. video_rows [B, Nv, C*4] and audio_rows [B, Na, Ca] (fp32, conditioning
+    rows first, as the layout orders them) are updated in place and returned. A callback may raise to
+    stop (interrupt); the rows then hold the last completed step."""
+    n_video, n_audio = layout.num_condition_video_rows, layout.num_condition_audio_rows
+    device = video_rows.device
+    layout = layout.to(device)
+    total = schedule.num_calls
+    for step in range(total):
+        t_video, t_audio = schedule.timesteps(step)
+        timesteps, timestep_indices = layout.row_timesteps(float(t_video), float(t_audio))
+        video_velocity, audio_velocity = dit(
+            video_rows=video_rows,
+            audio_rows=audio_rows,
+            text_states=text_states,
+            timesteps=timesteps.to(device),
+            timestep_indices=timestep_indices.to(device),
+            token_tags=layout.token_tags,
+            position_ids=layout.position_ids,
+            video_indices=layout.video_indices,
+            audio_indices=layout.audio_indices,
+            text_indices=layout.text_indices,
+        )
+        video_rows[:, n_video:] = euler_step(
+            video_rows[:, n_video:], video_velocity[:, n_video:].float(), t_video, schedule.video[step], schedule.video[step + 1]
+        )
+        audio_rows[:, n_audio:] = euler_step(
+            audio_rows[:, n_audio:], audio_velocity[:, n_audio:].float(), t_audio, schedule.audio[step], schedule.audio[step + 1]
+        )
+        if callback is not None:
+            callback(StepState(step + 1, total, video_rows, audio_rows, schedule))
+    return video_rows, audio_rows

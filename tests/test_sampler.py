@@ -1,0 +1,82 @@
+"""Our ladders and Euler steps equal diffusers' MiniMaxH3Scheduler exactly."""
+
+import pytest
+import torch
+from diffusers import MiniMaxH3Scheduler
+
+from h3_core.sampler import DualClockSchedule, custom_ladder, euler_step, sigma_ladder
+
+
+@pytest.mark.parametrize("points", [50, 9, 5])
+@pytest.mark.parametrize("shift", [12.0, 6.0, 3.0])
+def test_ladder_equals_reference(points, shift):
+    reference = MiniMaxH3Scheduler(shift=shift)
+    reference.set_timesteps(points)
+    ours = sigma_ladder(points, shift)
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours, reference.sigmas)
+    assert torch.equal(1.0 - ours[:-1], reference.timesteps)
+
+
+def test_ladder_fact_sheet_values():
+    assert torch.allclose(sigma_ladder(5, 12.0), torch.tensor([1.0, 0.97297, 0.92308, 0.8, 0.0]), atol=1e-5)
+    assert torch.allclose(sigma_ladder(9, 3.0), torch.tensor([1.0, 0.95455, 0.9, 0.83333, 0.75, 0.64286, 0.5, 0.3, 0.0]), atol=1e-5)
+    video = sigma_ladder(50, 12.0)
+    assert video.numel() == 50 and video[-2].item() == pytest.approx(0.2, abs=1e-6)
+
+
+def test_duplicates_collapse_like_reference():
+    # A huge shift pushes the top of the grid to 1.0 in fp32: duplicates collapse to fewer points.
+    reference = MiniMaxH3Scheduler(shift=1e9)
+    reference.set_timesteps(50)
+    ours = sigma_ladder(50, 1e9)
+    assert ours.numel() < 50
+    assert torch.equal(ours, reference.sigmas)
+
+
+def test_schedule_walks_the_shorter_ladder():
+    schedule = DualClockSchedule.build(steps=5, video_sigmas=[1.0, 0.5, 0.0])
+    assert schedule.num_calls == 2
+    assert DualClockSchedule.build(steps=50).num_calls == 49
+
+
+@pytest.mark.parametrize("bad", [5.5, 1, 0])
+def test_bad_step_counts_are_refused(bad):
+    with pytest.raises(ValueError, match="sigma points"):
+        sigma_ladder(bad, 12.0)
+
+
+@pytest.mark.parametrize("bad", [[1.0, 0.5], [0.5, 0.7, 0.0], [1.0], [2.0, 0.0]])
+def test_bad_custom_sigmas_are_refused(bad):
+    with pytest.raises(ValueError, match="sigmas"):
+        custom_ladder(bad)
+
+
+def test_custom_sigmas_equal_reference():
+    sigmas = [0.9999, 0.98579, 0.96758, 0.94317, 0.90909, 0.85714, 0.76923, 0.58824, 0.0]
+    reference = MiniMaxH3Scheduler()
+    reference.set_timesteps(sigmas=sigmas)
+    assert torch.equal(custom_ladder(sigmas), reference.sigmas)
+
+
+@pytest.mark.parametrize("shift", [12.0, 3.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_euler_steps_equal_reference(shift, dtype):
+    reference = MiniMaxH3Scheduler(shift=shift)
+    reference.set_timesteps(9)
+    sigmas = sigma_ladder(9, shift)
+    x_ref = torch.randn(37, 96).to(dtype)
+    x_ours = x_ref.clone()
+    for step, t in enumerate(reference.timesteps):
+        velocity = torch.randn(37, 96)
+        x_ref = reference.step(velocity, t, x_ref, return_dict=False)[0]
+        x_ours = euler_step(x_ours, velocity, 1.0 - sigmas[step], sigmas[step], sigmas[step + 1])
+        assert x_ours.dtype == dtype
+        assert torch.equal(x_ours, x_ref), f"step {step}"
+
+
+def test_euler_last_step_returns_the_x0_estimate():
+    x, v = torch.randn(10), torch.randn(10)
+    sigma = torch.tensor(0.2)
+    out = euler_step(x, v, 1.0 - sigma, sigma, torch.tensor(0.0))
+    assert torch.allclose(out, x + 0.2 * v, atol=1e-6)
