@@ -109,22 +109,23 @@ def denoise(
     stop (interrupt); the rows then hold the last completed step."""
     n_video, n_audio = layout.num_condition_video_rows, layout.num_condition_audio_rows
     device = video_rows.device
-    layout = layout.to(device)
+    on_device = layout.to(device)
     total = schedule.num_calls
     for step in range(total):
         t_video, t_audio = schedule.timesteps(step)
-        timesteps, timestep_indices = layout.row_timesteps(float(t_video), float(t_audio))
+        # Per-row timesteps are planned on the CPU copy: no device sync inside the loop.
+        timesteps, timestep_indices = layout.to("cpu").row_timesteps(float(t_video), float(t_audio))
         video_velocity, audio_velocity = dit(
             video_rows=video_rows,
             audio_rows=audio_rows,
             text_states=text_states,
             timesteps=timesteps.to(device),
             timestep_indices=timestep_indices.to(device),
-            token_tags=layout.token_tags,
-            position_ids=layout.position_ids,
-            video_indices=layout.video_indices,
-            audio_indices=layout.audio_indices,
-            text_indices=layout.text_indices,
+            token_tags=on_device.token_tags,
+            position_ids=on_device.position_ids,
+            video_indices=on_device.video_indices,
+            audio_indices=on_device.audio_indices,
+            text_indices=on_device.text_indices,
         )
         video_rows[:, n_video:] = euler_step(
             video_rows[:, n_video:], video_velocity[:, n_video:].float(), t_video, schedule.video[step], schedule.video[step + 1]

@@ -1,0 +1,343 @@
+"""The packed sequence the DiT denoises: row order, positions, tags and clocks (h3-model.md A.4-A.6).
+
+t2va / fl2va:  [ text (T) | keyframe rows | target audio (A ch0 rows, A ch1 rows) | target video (L*R) ]
+with R = (h/2)*(w/2) rows per latent frame. Per row: `position_ids` [S, 3] float64 (t, h, w),
+`token_tags` [S] (0 video, 1 text, 2 audio; they address the AdaLN table) and `row_clock` [S]
+(which timestep the row takes each step). Video rows are patchified latents:
+[B, C, L, h, w] <-> [B, L*(h/2)*(w/2), C*4]. Within each modality, conditioning rows come first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from einops import rearrange
+
+from . import geometry
+
+VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2  # checkpoint contract
+
+# Rotary time: 40 units per second for both modalities, so an audio latent is 1 unit and a pixel
+# frame 5/3. A latent frame starts (1, 4, 4, 4, 4, 1, 4, ...) pixel frames after the previous one:
+# the VAE's first latent of a chunk covers one frame, the other four cover four each.
+FRAME_TIME = geometry.AUDIO_LATENTS_PER_SECOND / geometry.FPS
+PIXEL_FRAMES_PER_LATENT = (1, 4, 4, 4, 4)
+SPATIAL_SCALE = 32.0
+
+KEYFRAME_ANCHORS = ("first", "last")
+
+
+class RowClock(enum.IntEnum):
+    """Which timestep a row takes in a step (A.5)."""
+
+    VIDEO = 0  # target video rows and all text rows: t_video
+    AUDIO = 1  # target audio rows: t_audio
+    VISUAL_CONDITION = 2  # keyframe / reference / guide video rows: max(t_video, 0.999)
+    AUDIO_CONDITION = 3  # reference audio rows: 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Patchify
+
+
+def patchify(latents: torch.Tensor, patch_size: tuple[int, int, int] = geometry.PATCH_SIZE) -> torch.Tensor:
+    """[B, C, L, h, w] -> [B, (L/pt)*(h/ph)*(w/pw), C*pt*ph*pw]; rows frame-major, then row-major."""
+    pt, ph, pw = patch_size
+    _, _, frames, height, width = latents.shape
+    if frames % pt or height % ph or width % pw:
+        raise ValueError(f"Latents of shape {list(latents.shape)} do not divide into patches {tuple(patch_size)}.")
+    return rearrange(latents, "b c (l pt) (h ph) (w pw) -> b (l h w) (c pt ph pw)", pt=pt, ph=ph, pw=pw)
+
+
+def unpatchify(
+    rows: torch.Tensor,
+    latent_frames: int,
+    latent_height: int,
+    latent_width: int,
+    patch_size: tuple[int, int, int] = geometry.PATCH_SIZE,
+) -> torch.Tensor:
+    """[B, N, C*pt*ph*pw] -> [B, C, L, h, w]; the inverse of `patchify`."""
+    pt, ph, pw = patch_size
+    return rearrange(
+        rows,
+        "b (l h w) (c pt ph pw) -> b c (l pt) (h ph) (w pw)",
+        l=latent_frames // pt,
+        h=latent_height // ph,
+        w=latent_width // pw,
+        pt=pt,
+        ph=ph,
+        pw=pw,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Positions
+
+
+def spatial_axis(size: int, patch: int, sqrt_area: float) -> np.ndarray:
+    """Rotary coordinates of one spatial axis of `size` latents: size/patch points, float64.
+
+    The axis is normalized by sqrt(h*w) and centred on [0, 1) (a square canvas spans [0, 32)).
+    """
+    ratio = size / sqrt_area
+    left = (1.0 - ratio) / 2.0
+    # np.linspace(endpoint=False) computes start + arange(n) * (stop - start) / n; torch.linspace
+    # rounds differently, and the float64 grid must match the reference bit for bit.
+    return np.linspace(left, left + ratio, size // patch, endpoint=False) * SPATIAL_SCALE
+
+
+def frame_grid(
+    latent_height: int, latent_width: int, patch_size: tuple[int, int, int] = geometry.PATCH_SIZE
+) -> tuple[torch.Tensor, np.ndarray]:
+    """(h, w) positions of one latent frame's rows [R, 2] float64 (row-major), and its width axis."""
+    _, ph, pw = patch_size
+    sqrt_area = np.sqrt(latent_height * latent_width)
+    h_axis = spatial_axis(latent_height, ph, sqrt_area)
+    w_axis = spatial_axis(latent_width, pw, sqrt_area)
+    hh, ww = np.meshgrid(h_axis, w_axis, indexing="ij")
+    return torch.from_numpy(np.stack([hh.reshape(-1), ww.reshape(-1)], axis=-1)), w_axis
+
+
+def _frame_spans(num_latent_frames: int) -> np.ndarray:
+    """Rotary time from each latent frame to the next, float64 [L]: 5/3 * (1, 4, 4, 4, 4, 1, ...)."""
+    pattern = np.resize(np.asarray(PIXEL_FRAMES_PER_LATENT, dtype=np.float64), num_latent_frames)
+    return FRAME_TIME * pattern
+
+
+def latent_frame_times(num_latent_frames: int, origin: float) -> np.ndarray:
+    """Rotary time of every latent frame, float64 [L]: origin + a sequential running sum of spans."""
+    offsets = np.concatenate([[0.0], np.cumsum(_frame_spans(num_latent_frames)[:-1])])
+    return origin + offsets
+
+
+def last_pixel_frame_time(num_latent_frames: int, origin: float) -> float:
+    """Rotary time of the last pixel frame, where an FL2VA "last" keyframe sits: origin + 5/3 * (F-1).
+
+    The reference sums the span series with numpy's pairwise summation (not sequentially), then
+    adds it to the origin and subtracts 5/3, in that order; from 16 latent frames on the other
+    orders differ in the last ulp.
+    """
+    return float(origin) + float(np.sum(_frame_spans(num_latent_frames))) - FRAME_TIME
+
+
+# ----------------------------------------------------------------------------------------------
+# The layout
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """One request's packed sequence. Index tensors are int64 row positions in sequence order."""
+
+    position_ids: torch.Tensor  # [S, 3] float64 (t, h, w)
+    token_tags: torch.Tensor  # [S] int64, VIDEO_TAG / TEXT_TAG / AUDIO_TAG
+    row_clock: torch.Tensor  # [S] int64, RowClock values
+    text_indices: torch.Tensor  # [T]
+    video_indices: torch.Tensor  # [Nv], conditioning rows first
+    audio_indices: torch.Tensor  # [Na], conditioning rows first
+    num_condition_video_rows: int
+    num_condition_audio_rows: int
+    latent_frames: int  # target geometry from here on
+    latent_height: int
+    latent_width: int
+    audio_latents: int  # per channel
+
+    @property
+    def sequence_length(self) -> int:
+        return self.position_ids.shape[0]
+
+    @property
+    def num_text_rows(self) -> int:
+        return self.text_indices.shape[0]
+
+    @property
+    def target_video_indices(self) -> torch.Tensor:
+        return self.video_indices[self.num_condition_video_rows :]
+
+    @property
+    def target_audio_indices(self) -> torch.Tensor:
+        return self.audio_indices[self.num_condition_audio_rows :]
+
+    def row_timesteps(
+        self, t_video: float, t_audio: float, visual_condition_floor: float = 0.999
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's distinct timesteps [K] float32 (sorted) and each row's index into them [S] int64.
+
+        t = 1 - sigma (1 is clean). Equal to `torch.unique(per_row_t, sorted=True, return_inverse=True)`
+        over the float32 per-row timesteps, computed over the four clocks instead of S rows.
+        """
+        t_video, t_audio = float(t_video), float(t_audio)
+        per_clock = torch.tensor(  # indexed by RowClock
+            [t_video, t_audio, max(t_video, visual_condition_floor), 1.0],
+            dtype=torch.float32,
+            device=self.row_clock.device,
+        )
+        present = torch.bincount(self.row_clock, minlength=len(RowClock)).nonzero().squeeze(1)
+        timesteps, clock_to_index = torch.unique(per_clock[present], sorted=True, return_inverse=True)
+        lookup = torch.zeros(len(RowClock), dtype=torch.int64, device=self.row_clock.device)
+        lookup[present] = clock_to_index
+        return timesteps, lookup[self.row_clock]
+
+    def to(self, device: torch.device | str) -> PackedLayout:
+        moved = {
+            field.name: getattr(self, field.name).to(device)
+            for field in dataclasses.fields(self)
+            if isinstance(getattr(self, field.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **moved)
+
+
+class _SequenceBuilder:
+    """Appends segments in sequence order, recording each row's position, tag and clock."""
+
+    def __init__(self) -> None:
+        self.length = 0
+        self._positions: list[torch.Tensor] = []
+        self._tags: list[torch.Tensor] = []
+        self._clocks: list[torch.Tensor] = []
+        self._rows: dict[str, list[torch.Tensor]] = {"text": [], "video": [], "audio": []}
+        self._condition_rows = {"video": 0, "audio": 0}
+        self._has_target = {"video": False, "audio": False}
+
+    def _append(self, kind: str, positions: torch.Tensor, tags: torch.Tensor, clock: RowClock, condition: bool):
+        count = positions.shape[0]
+        self._positions.append(positions)
+        self._tags.append(tags)
+        self._clocks.append(torch.full((count,), int(clock), dtype=torch.int64))
+        self._rows[kind].append(torch.arange(self.length, self.length + count))
+        if kind in self._has_target:
+            if condition and self._has_target[kind]:
+                raise ValueError(f"{kind} conditioning rows must come before the target {kind} rows.")
+            self._has_target[kind] |= not condition
+            self._condition_rows[kind] += count if condition else 0
+        self.length += count
+
+    def text(self, text_tags: torch.Tensor) -> None:
+        """Text rows at (j, 0, 0), on the video clock."""
+        count = text_tags.shape[0]
+        positions = torch.zeros(count, 3, dtype=torch.float64)
+        positions[:, 0] = torch.arange(count, dtype=torch.float64)
+        self._append("text", positions, text_tags.to(torch.int64), RowClock.VIDEO, condition=False)
+
+    def video(self, frame_times: np.ndarray, grid: torch.Tensor, clock: RowClock) -> None:
+        """Latent frames at the given times, each a full grid of rows [R, 2] (frame-major)."""
+        rows_per_frame = grid.shape[0]
+        positions = torch.empty(len(frame_times), rows_per_frame, 3, dtype=torch.float64)
+        positions[:, :, 0] = torch.from_numpy(np.asarray(frame_times, dtype=np.float64))[:, None]
+        positions[:, :, 1:] = grid[None]
+        tags = torch.full((positions.shape[0] * rows_per_frame,), VIDEO_TAG, dtype=torch.int64)
+        self._append("video", positions.reshape(-1, 3), tags, clock, clock == RowClock.VISUAL_CONDITION)
+
+    def audio(self, num_latents: int, origin: float, w_axis: np.ndarray, clock: RowClock) -> None:
+        """Stereo audio, channel-major: t = origin + j, h = 0, w = leftmost (ch0) / rightmost (ch1) column."""
+        times = float(origin) + torch.arange(num_latents, dtype=torch.float64)
+        positions = torch.zeros(geometry.AUDIO_CHANNELS, num_latents, 3, dtype=torch.float64)
+        positions[:, :, 0] = times
+        positions[0, :, 2] = float(w_axis[0])
+        positions[1, :, 2] = float(w_axis[-1])
+        tags = torch.full((positions.shape[0] * num_latents,), AUDIO_TAG, dtype=torch.int64)
+        self._append("audio", positions.reshape(-1, 3), tags, clock, clock == RowClock.AUDIO_CONDITION)
+
+    def finish(self, latent_frames: int, latent_height: int, latent_width: int, audio_latents: int) -> PackedLayout:
+        def indices(kind: str) -> torch.Tensor:
+            return torch.cat(self._rows[kind]) if self._rows[kind] else torch.zeros(0, dtype=torch.int64)
+
+        return PackedLayout(
+            position_ids=torch.cat(self._positions),
+            token_tags=torch.cat(self._tags),
+            row_clock=torch.cat(self._clocks),
+            text_indices=indices("text"),
+            video_indices=indices("video"),
+            audio_indices=indices("audio"),
+            num_condition_video_rows=self._condition_rows["video"],
+            num_condition_audio_rows=self._condition_rows["audio"],
+            latent_frames=latent_frames,
+            latent_height=latent_height,
+            latent_width=latent_width,
+            audio_latents=audio_latents,
+        )
+
+
+def _checked_text_tags(text_tags: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    tags = torch.as_tensor(text_tags).to("cpu", torch.int64)
+    if tags.dim() != 1:
+        raise ValueError(f"text_tags must be one tag per text row, shape [T]; got shape {list(tags.shape)}.")
+    if not bool(((tags == TEXT_TAG) | (tags == VIDEO_TAG)).all()):
+        raise ValueError(
+            f"text_tags must be {TEXT_TAG} (text) or {VIDEO_TAG} (rows of a vision block); "
+            f"got values {sorted(set(tags.tolist()))}."
+        )
+    return tags
+
+
+def build_t2va_layout(
+    text_tags: torch.Tensor | Sequence[int],
+    latent_frames: int,
+    latent_height: int,
+    latent_width: int,
+    audio_latents: int,
+    keyframe_anchors: Sequence[str] = (),
+    patch_size: tuple[int, int, int] = geometry.PATCH_SIZE,
+) -> PackedLayout:
+    """`[text | keyframe rows | target audio | target video]` for t2va (no anchors) and fl2va.
+
+    `text_tags` [T]: 1 for text rows, 0 for the rows of a vision block in the text stream.
+    `keyframe_anchors`: one entry per keyframe block in packed order, "first" or "last"; each block
+    is one latent frame on the target grid, at the time of the first / last pixel frame.
+    """
+    tags = _checked_text_tags(text_tags)
+    _, ph, pw = patch_size
+    if latent_frames < 1 or audio_latents < 1:
+        raise ValueError(f"Need at least one latent frame and one audio latent, got {latent_frames}, {audio_latents}.")
+    if latent_height % ph or latent_width % pw:
+        raise ValueError(f"Latent size {latent_height}x{latent_width} does not divide into {ph}x{pw} patches.")
+    for anchor in keyframe_anchors:
+        if anchor not in KEYFRAME_ANCHORS:
+            raise ValueError(f"A keyframe anchor must be one of {KEYFRAME_ANCHORS}, got {anchor!r}.")
+    if len(set(keyframe_anchors)) != len(keyframe_anchors):
+        raise ValueError(f"Each keyframe anchor may be used once, got {tuple(keyframe_anchors)}.")
+
+    origin = float(tags.shape[0])  # the media clock starts where the text ends
+    grid, w_axis = frame_grid(latent_height, latent_width, patch_size)
+    sequence = _SequenceBuilder()
+    sequence.text(tags)
+    for anchor in keyframe_anchors:
+        time = origin if anchor == "first" else last_pixel_frame_time(latent_frames, origin)
+        sequence.video(np.array([time]), grid, RowClock.VISUAL_CONDITION)
+    sequence.audio(audio_latents, origin, w_axis, RowClock.AUDIO)
+    sequence.video(latent_frame_times(latent_frames, origin), grid, RowClock.VIDEO)
+    return sequence.finish(latent_frames, latent_height, latent_width, audio_latents)
+
+
+def build_request_layout(
+    width: int,
+    height: int,
+    num_frames: int,
+    text_tags: torch.Tensor | Sequence[int],
+    keyframe_anchors: Sequence[str] = (),
+) -> PackedLayout:
+    """t2va / fl2va layout from a pixel canvas and a 17n+5 pixel frame count."""
+    geometry.check_canvas(width, height)
+    latent_height, latent_width = geometry.latent_size(width, height)
+    return build_t2va_layout(
+        text_tags,
+        geometry.latent_frames(num_frames),
+        latent_height,
+        latent_width,
+        geometry.audio_latents(num_frames),
+        keyframe_anchors,
+    )
+
+
+def pack_audio(latents: torch.Tensor) -> torch.Tensor:
+    """[B, channels, C, A] per-channel latents -> [B, channels*A, C] rows, channel-major (left, then right)."""
+    return rearrange(latents, "b ch c a -> b (ch a) c")
+
+
+def unpack_audio(rows: torch.Tensor, channels: int = geometry.AUDIO_CHANNELS) -> torch.Tensor:
+    """[B, channels*A, C] rows -> [B, channels, C, A]: one mono latent per stereo channel, as the audio VAE takes."""
+    return rearrange(rows, "b (ch a) c -> b ch c a", ch=channels)

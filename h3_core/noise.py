@@ -1,0 +1,45 @@
+"""Initial noise, drawn exactly as the diffusers pipeline draws it for the same seed.
+
+One CPU generator per request, one `torch.randn` per tensor, in this order: each visual condition
+(packed order; added with conditioning), the target video as a [1, C, L, h, w] latent, then the
+target audio directly as [2A, Ca] channel-major rows. Drawing on the CPU makes a seed give the same
+noise on every device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import PackedLayout, patchify
+
+
+def request_generator(seed: int) -> torch.Generator:
+    return torch.Generator("cpu").manual_seed(int(seed))
+
+
+def target_noise(
+    layout: PackedLayout, generator: torch.Generator, latent_channels: int = 24, audio_latent_channels: int = 32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Noise for the generated rows: video [1, Nv_target, C*4] and audio [1, 2A, Ca], fp32 on the CPU."""
+    video = torch.randn(
+        (1, latent_channels, layout.latent_frames, layout.latent_height, layout.latent_width),
+        generator=generator,
+        dtype=torch.float32,
+    )
+    channels = layout.target_audio_indices.numel() // layout.audio_latents
+    audio = torch.randn((channels * layout.audio_latents, audio_latent_channels), generator=generator, dtype=torch.float32)
+    return patchify(video), audio[None]
+
+
+VISUAL_CONDITION_T = 0.999  # visual conditioning sits just off clean: t = 1 is off-distribution
+
+
+def condition_rows(latents: list[torch.Tensor], generator: torch.Generator, t: float = VISUAL_CONDITION_T) -> torch.Tensor:
+    """Visual conditions [1, C, L_i, h_i, w_i] (packed order) -> their rows [1, N, C*4], each mixed once to
+    x = t*z + (1-t)*noise with one draw per condition from the request generator (before the target's)."""
+    packed = []
+    for condition in latents:
+        noise = torch.randn(condition.shape, generator=generator, dtype=torch.float32)
+        level = torch.tensor(t, dtype=torch.float32)
+        packed.append(patchify(level * condition.float().cpu() + (1.0 - level) * noise))
+    return torch.cat(packed, dim=1)

@@ -1,0 +1,197 @@
+"""The DiT loader on tiny random checkpoints written in every layout users have, and its errors."""
+
+import json
+
+import pytest
+import torch
+from reference_checkpoints import (
+    original_state_dict,
+    reference_dit,
+    write_comfy_single_file,
+    write_diffusers_folder,
+    write_original_partition,
+)
+from safetensors.torch import load_file, save_file
+
+import h3_core.checkpoint as checkpoint
+from h3_core.checkpoint import CheckpointError, convert_state_dict, load_dit, locate_dit
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from h3_core.config import TINY_DIT
+
+    return reference_dit(TINY_DIT, seed=11)
+
+
+@pytest.fixture(scope="module")
+def expected(reference):
+    return convert_state_dict(reference.state_dict(), "diffusers", head_dim=32)
+
+
+def assert_same_weights(model, expected):
+    got = model.state_dict()
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.mark.parametrize("where", ["root", "partition", "transformer"])
+def test_original_partition_layouts(tmp_path, reference, expected, tiny_config, where):
+    folder = write_original_partition(tmp_path, reference.state_dict(), tiny_config)
+    path = {"root": tmp_path, "partition": tmp_path / "FL2VA", "transformer": folder}[where]
+    source = locate_dit(path)
+    assert source.naming == "native" and source.qkv_layout == "interleaved" and len(source.files) == 3
+    assert source.config == tiny_config
+    assert_same_weights(load_dit(path), expected)
+
+
+def test_ref2va_partition_is_chosen_by_name(tmp_path, reference, expected, tiny_config):
+    other = reference_dit(tiny_config, seed=99)
+    write_original_partition(tmp_path, other.state_dict(), tiny_config, partition="FL2VA")
+    write_original_partition(tmp_path, reference.state_dict(), tiny_config, partition="Ref2VA")
+    assert_same_weights(load_dit(tmp_path, partition="ref2va"), expected)
+    with pytest.raises(AssertionError):
+        assert_same_weights(load_dit(tmp_path, partition="fl2va"), expected)
+
+
+def test_diffusers_layout(tmp_path, reference, expected, tiny_config):
+    write_diffusers_folder(tmp_path / "transformer_ref", reference)
+    assert len(list((tmp_path / "transformer_ref").glob("*.safetensors"))) > 2  # really sharded
+    source = locate_dit(tmp_path, partition="ref2va")
+    assert source.naming == "diffusers" and source.config == tiny_config
+    assert_same_weights(load_dit(tmp_path, partition="ref2va"), expected)
+
+
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model.", "diffusion_model."])
+def test_comfy_single_file(tmp_path, reference, expected, tiny_config, prefix):
+    path = write_comfy_single_file(tmp_path / "minimax_h3_fl2va_bf16.safetensors", reference.state_dict(), tiny_config, prefix)
+    source = locate_dit(path)
+    assert source.qkv_layout == "stacked" and source.config is None
+    model = load_dit(path)
+    assert model.config == tiny_config  # inferred from shapes
+    assert_same_weights(model, expected)
+
+
+def test_checkpoint_dtypes_are_kept(tmp_path, reference, tiny_config):
+    tensors = original_state_dict(reference.state_dict(), tiny_config, qkv_layout="stacked")
+    fp32 = ("video_patch_proj", "audio_patch_proj", "time_embedder", "final_layer.video_out", "final_layer.audio_out", "rope")
+    mixed = {k: (v if k.startswith(fp32) else v.to(torch.bfloat16)) for k, v in tensors.items()}
+    save_file(mixed, str(tmp_path / "dit.safetensors"))
+    model = load_dit(tmp_path / "dit.safetensors")
+    for name, param in model.state_dict().items():
+        assert param.dtype == mixed[name].dtype, name
+    assert model.dtype == torch.bfloat16
+
+
+def test_loading_streams_one_tensor_at_a_time(tmp_path, reference, monkeypatch):
+    """Tensors are read and assigned one by one (diffusers q/k/v wait for their siblings): never a second copy."""
+    write_diffusers_folder(tmp_path / "transformer", reference)
+    reads, consumed, waiting = [0], [0], []
+    real_to_native, real_assign = checkpoint.to_native, checkpoint._assign
+
+    def counting_to_native(items, *args):
+        def counted():
+            for item in items:
+                reads[0] += 1
+                yield item
+
+        return real_to_native(counted(), *args)
+
+    def counting_assign(model, name, tensor):
+        consumed[0] += 3 if name.endswith("qkv_proj.weight") else 1  # a fused qkv came from three reads
+        waiting.append(reads[0] - consumed[0])
+        real_assign(model, name, tensor)
+
+    monkeypatch.setattr(checkpoint, "to_native", counting_to_native)
+    monkeypatch.setattr(checkpoint, "_assign", counting_assign)
+    load_dit(tmp_path)
+    assert consumed[0] == reads[0] == len(reference.state_dict())
+    assert max(waiting) <= 2  # at most two of a q/k/v triple wait for the third
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+def shard_holding(folder, name):
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    return folder / index["weight_map"][name]
+
+
+def test_missing_tensor_is_named(tmp_path, reference, tiny_config):
+    folder = write_original_partition(tmp_path, reference.state_dict(), tiny_config)
+    shard = shard_holding(folder, "blocks.1.mlp.fc2.weight")
+    tensors = load_file(str(shard))
+    del tensors["blocks.1.mlp.fc2.weight"]
+    save_file(tensors, str(shard))
+    with pytest.raises(CheckpointError, match=r"missing 1 tensor.*blocks\.1\.mlp\.fc2\.weight"):
+        load_dit(tmp_path)
+
+
+def test_unexpected_tensor_is_named_with_its_file(tmp_path, reference, tiny_config):
+    folder = write_original_partition(tmp_path, reference.state_dict(), tiny_config)
+    shard = shard_holding(folder, "condition_proj.weight")
+    tensors = load_file(str(shard))
+    tensors["blocks.0.attn.bias_we_never_had"] = torch.zeros(3)
+    save_file(tensors, str(shard))
+    with pytest.raises(CheckpointError, match=rf"blocks\.0\.attn\.bias_we_never_had.*{shard.name}"):
+        load_dit(tmp_path)
+
+
+def test_misshaped_tensor_is_named_with_shapes(tmp_path, reference, tiny_config):
+    path = write_comfy_single_file(tmp_path / "dit.safetensors", reference.state_dict(), tiny_config, "")
+    tensors = load_file(str(path))
+    tensors["blocks.1.mlp.fc2.weight"] = torch.zeros(64, 100)
+    save_file(tensors, str(path))
+    with pytest.raises(CheckpointError, match=r"blocks\.1\.mlp\.fc2\.weight.*\[64, 100\].*\[64, 128\]"):
+        load_dit(path)
+
+
+def test_missing_diffusers_qkv_part(tmp_path, reference):
+    sd = {k: v for k, v in reference.state_dict().items() if k != "transformer_blocks.1.attn.to_v.weight"}
+    save_file(sd, str(tmp_path / "dit.safetensors"))
+    with pytest.raises(CheckpointError, match=r"blocks\.1\.attn\.qkv_proj.*to_v"):
+        load_dit(tmp_path / "dit.safetensors")
+
+
+def test_index_naming_a_missing_shard(tmp_path, reference, tiny_config):
+    folder = write_original_partition(tmp_path, reference.state_dict(), tiny_config)
+    (folder / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model-00002-of-00003"):
+        load_dit(tmp_path)
+
+
+def test_folder_that_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(CheckpointError, match="not an H3 DiT checkpoint.*config.json"):
+        load_dit(tmp_path)
+
+
+def test_nonexistent_path(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_dit(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("suffix", [".ckpt", ".pt", ".pth", ".bin"])
+def test_pickle_files_are_refused(tmp_path, suffix):
+    path = tmp_path / f"model{suffix}"
+    path.write_bytes(b"not even opened")
+    with pytest.raises(CheckpointError, match="safetensors"):
+        load_dit(path)
+
+
+def test_safetensors_without_dit_tensors(tmp_path):
+    save_file({"encoder.conv_in.weight": torch.zeros(2, 2)}, str(tmp_path / "vae.safetensors"))
+    with pytest.raises(CheckpointError, match="no H3 DiT tensors"):
+        load_dit(tmp_path / "vae.safetensors")
+
+
+def test_pruned_checkpoint_is_explained(tmp_path):
+    save_file({"blocks.0.norm1.weight": torch.ones(4), "adaln_t_table": torch.zeros(1025, 8)}, str(tmp_path / "p.safetensors"))
+    with pytest.raises(CheckpointError, match="pruned"):
+        load_dit(tmp_path / "p.safetensors")
+
+
+def test_unknown_partition():
+    with pytest.raises(ValueError, match="fl2va, ref2va"):
+        locate_dit(".", partition="t2v")
