@@ -1,0 +1,135 @@
+"""Seconds per DiT forward at the real config with random weights (timing does not depend on values).
+
+Prints one JSON line per case. `--reference` also times diffusers' MiniMaxH3Transformer3DModel on the
+same inputs in the same process (needs diffusers installed), one model on the GPU at a time.
+
+    python bench/dit_forward.py --frames 124 209 --text-rows 512 [--reference]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from h3_core import geometry
+from h3_core.config import DiTConfig
+from h3_core.dit import H3DiT, rope_inverse_frequencies
+from h3_core.layout import build_request_layout
+from h3_core.sampler import sigma_ladder
+
+
+def randomize_(model: torch.nn.Module) -> torch.nn.Module:
+    """Materialize a meta-built model on the GPU and fill it with small random values (not zeros)."""
+    model.to_empty(device="cuda")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.02)
+    return model
+
+
+def build_ours(config: DiTConfig) -> H3DiT:
+    with torch.device("meta"):
+        model = H3DiT(config)
+    model.set_dtype(torch.bfloat16)
+    randomize_(model)
+    model.rope_inv_freq = rope_inverse_frequencies(config).cuda()
+    return model.eval().requires_grad_(False)
+
+
+def build_reference(config: DiTConfig):
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    with torch.device("meta"):
+        model = MiniMaxH3Transformer3DModel(**config.to_dict())
+    model.to(torch.bfloat16)
+    for name, module in model.named_modules():
+        if name in MiniMaxH3Transformer3DModel._keep_in_fp32_modules:
+            module.float()
+    randomize_(model)
+    model.rope.inv_freq = rope_inverse_frequencies(config).cuda()
+    return model.eval().requires_grad_(False)
+
+
+def make_inputs(config: DiTConfig, frames: int, text_rows: int, width: int, height: int):
+    layout = build_request_layout(width, height, frames, torch.ones(text_rows, dtype=torch.long)).to("cuda")
+    sigmas = sigma_ladder(50, 12.0)
+    t_video, t_audio = 1.0 - float(sigmas[10]), 1.0 - float(sigma_ladder(50, 3.0)[10])
+    timesteps, indices = layout.row_timesteps(t_video, t_audio)
+    g = torch.Generator("cuda").manual_seed(0)
+    return layout, dict(
+        video_rows=torch.randn(1, layout.video_indices.numel(), config.video_patch_dim, device="cuda", generator=g),
+        audio_rows=torch.randn(1, layout.audio_indices.numel(), config.audio_in_channels, device="cuda", generator=g),
+        text_states=torch.randn(1, text_rows, config.text_dim, device="cuda", generator=g).bfloat16(),
+        timesteps=timesteps.cuda(),
+        timestep_indices=indices.cuda(),
+    )
+
+
+def time_forward(call, repeats: int) -> list[float]:
+    call()  # warm-up
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000.0)
+    return times
+
+
+def bench(name, model, config, cases, text_rows, width, height, repeats):
+    for frames in cases:
+        layout, inputs = make_inputs(config, frames, text_rows, width, height)
+        structure = dict(
+            token_tags=layout.token_tags, position_ids=layout.position_ids, video_indices=layout.video_indices,
+            audio_indices=layout.audio_indices, text_indices=layout.text_indices,
+        )
+        if name == "ours":
+            call = lambda: model(**inputs, **structure)  # noqa: E731
+        else:
+            call = lambda: model(  # noqa: E731
+                hidden_states=inputs["video_rows"], audio_hidden_states=inputs["audio_rows"],
+                encoder_hidden_states=inputs["text_states"], timestep=inputs["timesteps"],
+                timestep_indices=inputs["timestep_indices"], return_dict=False, **structure,
+            )
+        torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            times = sorted(time_forward(call, repeats))
+        print(json.dumps({
+            "impl": name, "width": width, "height": height, "frames": frames, "text_rows": text_rows,
+            "rows": layout.sequence_length, "seconds_per_forward_median": round(times[len(times) // 2], 4),
+            "seconds_all": [round(t, 4) for t in times], "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "torch": torch.__version__, "device": torch.cuda.get_device_name(),
+        }), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--frames", type=int, nargs="+", default=[124, 209])
+    parser.add_argument("--text-rows", type=int, default=512)
+    parser.add_argument("--aspect-ratio", default="16:9")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=50, help="fewer blocks for a quick check")
+    parser.add_argument("--reference", action="store_true", help="also time diffusers' DiT")
+    args = parser.parse_args()
+    config = DiTConfig(num_layers=args.layers)
+    width, height = geometry.canvas_size(args.aspect_ratio)
+    started = time.time()
+    model = build_ours(config)
+    print(json.dumps({"built": "ours", "seconds": round(time.time() - started, 1),
+                      "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 2)}), flush=True)
+    bench("ours", model, config, args.frames, args.text_rows, width, height, args.repeats)
+    del model
+    torch.cuda.empty_cache()
+    if args.reference:
+        model = build_reference(config)
+        bench("diffusers", model, config, args.frames, args.text_rows, width, height, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

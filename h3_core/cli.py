@@ -1,0 +1,183 @@
+"""The `h3` command line.
+
+    h3 info PATH                 what a DiT checkpoint is (layout, config, size), from file headers only
+    h3 denoise --model M ...     the dual-clock denoise of a T2VA request, latents saved as safetensors
+
+`h3 generate` (prompt to MP4) arrives with the VAEs and the text encoder; until then `denoise` takes
+precomputed text states (`--text-states`), or draws seeded random ones for `--model tiny-random`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from . import geometry
+from .checkpoint import CheckpointError, infer_config, load_dit, locate_dit
+from .layout import build_request_layout, unpack_audio, unpatchify
+from .noise import request_generator, target_noise
+from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, denoise
+from .tiny import TINY_RANDOM, tiny_random_dit
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (CheckpointError, ValueError, FileNotFoundError) as error:
+        print(f"h3: error: {error}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="h3", description="MiniMax-H3 engine (h3_core).")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    info = sub.add_parser("info", help="describe a DiT checkpoint without loading it")
+    info.add_argument("path", help="release root, partition folder, diffusers folder or single .safetensors file")
+    info.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"])
+    info.set_defaults(run=run_info)
+
+    den = sub.add_parser("denoise", help="run the dual-clock denoise of a T2VA request and save the latents")
+    den.add_argument("--model", default=TINY_RANDOM, help=f"checkpoint path or '{TINY_RANDOM}' (default)")
+    den.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"])
+    den.add_argument("--text-states", type=Path,
+                     help="safetensors with 'prompt_embeds' [1, T, text_dim] (and optional 'text_token_tags' [T])")
+    den.add_argument("--aspect-ratio", default="16:9", help=f"one of {', '.join(geometry.ASPECT_RATIOS)}")
+    den.add_argument("--width", type=int, help="explicit width (multiple of 32; with --height)")
+    den.add_argument("--height", type=int, help="explicit height (multiple of 32; with --width)")
+    den.add_argument("--duration", type=float, default=5.0, help="seconds (snapped up to 17n+5 frames at 24 fps)")
+    den.add_argument("--steps", type=int, default=50, help="sigma points including the final 0 (50 -> 49 model calls)")
+    den.add_argument("--video-shift", type=float, default=VIDEO_SHIFT)
+    den.add_argument("--audio-shift", type=float, default=AUDIO_SHIFT)
+    den.add_argument("--seed", type=int, default=0)
+    den.add_argument("--save-latents", type=Path, required=True, help="output .safetensors: 'video' and 'audio'")
+    den.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    den.add_argument("--dtype", default=None, choices=list(DTYPES),
+                     help="model dtype (default: bf16 on GPU, fp32 on CPU; fp32 heads stay fp32)")
+    den.set_defaults(run=run_denoise)
+    return parser
+
+
+def run_info(args) -> int:
+    source = locate_dit(args.path, args.partition)
+    config = source.config or infer_config(source)
+    count, bytes_by_dtype = 0, {}
+    for path in source.files:
+        with safe_open(path, "pt") as handle:
+            for key in handle.keys():
+                tensor = handle.get_slice(key)
+                numel = 1
+                for size in tensor.get_shape():
+                    numel *= size
+                dtype = tensor.get_dtype()
+                bytes_by_dtype[dtype] = bytes_by_dtype.get(dtype, 0) + numel * _bytes_per(dtype)
+                count += 1
+    print(json.dumps({
+        "origin": source.origin, "naming": source.naming, "qkv_layout": source.qkv_layout,
+        "files": len(source.files), "tensors": count,
+        "gib_by_dtype": {k: round(v / 2**30, 3) for k, v in sorted(bytes_by_dtype.items())},
+        "config": config.to_dict(),
+    }, indent=2))
+    return 0
+
+
+def _bytes_per(dtype: str) -> int:
+    return {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}.get(dtype, 1)
+
+
+def _canvas(args) -> tuple[int, int]:
+    if (args.width is None) != (args.height is None):
+        raise ValueError("--width and --height go together; give both or neither (then --aspect-ratio is used).")
+    if args.width is not None:
+        geometry.check_canvas(args.width, args.height)
+        return args.width, args.height
+    return geometry.canvas_size(args.aspect_ratio)
+
+
+def _text_states(args, text_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if args.text_states is not None:
+        tensors = load_file(str(args.text_states))
+        if "prompt_embeds" not in tensors:
+            raise ValueError(f"{args.text_states} has no 'prompt_embeds' tensor (found: {', '.join(tensors)}).")
+        text = tensors["prompt_embeds"]
+        if text.ndim != 3 or text.shape[0] != 1 or text.shape[2] != text_dim:
+            raise ValueError(f"'prompt_embeds' must be [1, T, {text_dim}] for this model, got {list(text.shape)}.")
+        tags = tensors.get("text_token_tags", torch.ones(text.shape[1], dtype=torch.long))
+        return text, tags
+    generator = torch.Generator().manual_seed(args.seed)
+    return torch.randn(1, 16, text_dim, generator=generator), torch.ones(16, dtype=torch.long)
+
+
+def run_denoise(args) -> int:
+    from tqdm import tqdm
+
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    width, height = _canvas(args)
+    frames = geometry.frames_for_duration(args.duration)
+    schedule = DualClockSchedule.build(args.steps, args.video_shift, args.audio_shift)
+    if args.save_latents.suffix != ".safetensors":
+        raise ValueError(f"--save-latents must name a .safetensors file, got {args.save_latents}.")
+    if args.model != TINY_RANDOM and args.text_states is None:
+        raise ValueError("A real model needs --text-states (prompt embeddings) until the text encoder lands.")
+    if args.text_states is not None and not args.text_states.is_file():
+        raise FileNotFoundError(f"--text-states {args.text_states} does not exist.")
+    timings = {}
+
+    started = time.perf_counter()
+    if args.model == TINY_RANDOM:
+        model = tiny_random_dit(dtype, device)
+    else:
+        model = load_dit(args.model, args.partition, dtype=dtype, device=device)
+    timings["load"] = time.perf_counter() - started
+    text, tags = _text_states(args, model.config.text_dim)
+
+    started = time.perf_counter()
+    layout = build_request_layout(width, height, frames, tags)
+    video, audio = target_noise(layout, request_generator(args.seed), model.config.in_channels, model.config.audio_in_channels)
+    bar = tqdm(total=schedule.num_calls, desc="denoise", unit="step", file=sys.stderr)
+    with torch.inference_mode():
+        video, audio = denoise(
+            model, layout, text.to(device), video.to(device), audio.to(device), schedule,
+            callback=lambda state: bar.update(1),
+        )
+    bar.close()
+    timings["denoise"] = time.perf_counter() - started
+
+    started = time.perf_counter()
+    latents = unpatchify(video.cpu(), layout.latent_frames, layout.latent_height, layout.latent_width)
+    args.save_latents.parent.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {"video": latents.contiguous(), "audio": unpack_audio(audio.cpu())[0].contiguous()},
+        str(args.save_latents),
+        metadata={"width": str(width), "height": str(height), "frames": str(frames), "seed": str(args.seed),
+                  "steps": str(args.steps), "model": str(args.model)},
+    )
+    timings["save"] = time.perf_counter() - started
+    print(_summary(args.save_latents, width, height, frames, timings, device))
+    return 0
+
+
+def _summary(path, width, height, frames, timings, device) -> str:
+    if device.type == "cuda":
+        peak = f"peak GPU {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+    else:
+        peak = f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+    stages = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in timings.items())
+    return f"{path}: {width}x{height}, {frames} frames; {stages}; {peak}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

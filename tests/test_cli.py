@@ -1,0 +1,89 @@
+"""The `h3` command: the README's main command, determinism, real-checkpoint path and errors."""
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+from reference_checkpoints import reference_dit, write_diffusers_folder
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from h3_core.cli import main
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_main_command() -> list[str]:
+    line = next(line for line in README.read_text().splitlines() if line.startswith("h3 denoise --model tiny-random"))
+    return shlex.split(line)[1:]
+
+
+def with_output(argv: list[str], path: Path) -> list[str]:
+    argv = list(argv)
+    argv[argv.index("--save-latents") + 1] = str(path)
+    return argv
+
+
+def test_readme_main_command_runs(tmp_path, capsys):
+    out = tmp_path / "latents.safetensors"
+    assert main(with_output(readme_main_command(), out)) == 0
+    tensors = load_file(str(out))
+    # 256x160, 5 s -> 124 frames -> 37 latent frames of 10x16 latents; 207 audio latents per channel.
+    assert tensors["video"].shape == (1, 24, 37, 10, 16)
+    assert tensors["audio"].shape == (2, 32, 207)
+    assert torch.isfinite(tensors["video"]).all() and torch.isfinite(tensors["audio"]).all()
+    with safe_open(str(out), "pt") as handle:
+        assert handle.metadata()["frames"] == "124"
+    summary = capsys.readouterr().out
+    assert re.search(r"256x160, 124 frames; load .*denoise .*peak", summary)
+
+
+def test_seed_decides_the_result(tmp_path):
+    base = ["denoise", "--width", "128", "--height", "64", "--duration", "5", "--steps", "3"]
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        assert main(base + ["--seed", str(seed), "--save-latents", str(tmp_path / f"{name}.safetensors")]) == 0
+    a, b, c = (load_file(str(tmp_path / f"{n}.safetensors")) for n in "abc")
+    assert torch.equal(a["video"], b["video"]) and torch.equal(a["audio"], b["audio"])
+    assert not torch.equal(a["video"], c["video"])
+
+
+def test_denoise_from_a_checkpoint_with_text_states(tmp_path, tiny_config):
+    write_diffusers_folder(tmp_path / "transformer", reference_dit(tiny_config))
+    save_file({"prompt_embeds": torch.randn(1, 5, 48), "text_token_tags": torch.tensor([1, 0, 0, 1, 1])},
+              str(tmp_path / "prompt.safetensors"))
+    out = tmp_path / "out.safetensors"
+    argv = ["denoise", "--model", str(tmp_path), "--text-states", str(tmp_path / "prompt.safetensors"),
+            "--width", "96", "--height", "64", "--steps", "3", "--save-latents", str(out)]
+    assert main(argv) == 0
+    assert load_file(str(out))["video"].shape == (1, 24, 37, 4, 6)
+
+
+def test_info_describes_a_checkpoint(tmp_path, tiny_config, capsys):
+    write_diffusers_folder(tmp_path / "transformer", reference_dit(tiny_config))
+    assert main(["info", str(tmp_path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["naming"] == "diffusers" and report["config"]["hidden_size"] == 64
+    assert report["files"] > 1 and "F32" in report["gib_by_dtype"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["denoise", "--model", "{ckpt}", "--save-latents", "{out}"], "needs --text-states"),
+        (["denoise", "--width", "256", "--save-latents", "{out}"], "--width and --height go together"),
+        (["denoise", "--width", "250", "--height", "128", "--save-latents", "{out}"], "multiple"),
+        (["denoise", "--aspect-ratio", "5:1", "--save-latents", "{out}"], "1:4"),
+        (["denoise", "--steps", "1", "--save-latents", "{out}"], "sigma points"),
+        (["denoise", "--save-latents", "{tmp}/x.pt"], ".safetensors"),
+        (["info", "{tmp}/nothing-here"], "does not exist"),
+    ],
+)
+def test_bad_input_is_a_clear_error(tmp_path, tiny_config, capsys, argv, message):
+    write_diffusers_folder(tmp_path / "ckpt" / "transformer", reference_dit(tiny_config))
+    fill = {"ckpt": str(tmp_path / "ckpt"), "out": str(tmp_path / "o.safetensors"), "tmp": str(tmp_path)}
+    assert main([a.format(**fill) for a in argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o.safetensors").exists()
