@@ -20,14 +20,10 @@ from safetensors import safe_open
 from . import keymap
 from .config import DiTConfig
 from .dit import FP32_MODULES, H3DiT, rope_inverse_frequencies
+from .weights import CheckpointError, assign_strictly, check_safetensors_file, read_tensors, tensor_names
 
 PARTITIONS = {"fl2va": ("FL2VA", "transformer"), "ref2va": ("Ref2VA", "transformer_ref")}
-PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
 INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, malformed or not an H3 DiT; the message names the file and tensor."""
 
 
 @dataclass(frozen=True)
@@ -66,16 +62,8 @@ def _has_safetensors(folder: Path) -> bool:
 
 
 def _single_file(path: Path) -> DiTSource:
-    if path.suffix.lower() in PICKLE_SUFFIXES:
-        raise CheckpointError(
-            f"{path.name} is a pickle checkpoint ({path.suffix}); H3 loads only .safetensors files, which cannot run "
-            "code on load. Convert it to safetensors first."
-        )
-    if path.suffix.lower() != ".safetensors":
-        raise CheckpointError(f"{path.name} is not a .safetensors file; H3 DiT single files must be safetensors.")
-    with safe_open(path, "pt") as handle:
-        keys = list(handle.keys())
-    naming = _naming(keys, path)
+    check_safetensors_file(path, "H3 DiT single")
+    naming = _naming(tensor_names([path]), path)
     return DiTSource((path,), naming, "stacked", None, "single file")
 
 
@@ -86,11 +74,7 @@ def _folder(folder: Path) -> DiTSource:
     except json.JSONDecodeError as error:
         raise CheckpointError(f"{config_path} is not valid JSON: {error}.") from None
     files = _shard_files(folder)
-    keys = []
-    for file in files:
-        with safe_open(file, "pt") as handle:
-            keys.extend(handle.keys())
-    naming = _naming(keys, folder)
+    naming = _naming(tensor_names(files), folder)
     if naming == "diffusers":
         return DiTSource(files, naming, "stacked", DiTConfig.from_dict(raw), "diffusers folder")
     return DiTSource(files, naming, "interleaved", DiTConfig.from_dict(raw), "original partition folder")
@@ -176,14 +160,7 @@ def infer_config(source: DiTSource) -> DiTConfig:
 
 def iter_native_tensors(source: DiTSource, head_dim: int):
     """Yield (our name, tensor, file) one tensor at a time, read shard by shard."""
-
-    def read():
-        for path in source.files:
-            with safe_open(path, "pt") as handle:
-                for key in handle.keys():
-                    yield key, handle.get_tensor(key), path
-
-    return to_native(read(), source.naming, source.qkv_layout, head_dim)
+    return to_native(read_tensors(source.files), source.naming, source.qkv_layout, head_dim)
 
 
 def to_native(items, naming: str, qkv_layout: str, head_dim: int):
@@ -235,37 +212,23 @@ def load_dit(
     config = config or source.config or infer_config(source)
     with torch.device("meta"):
         model = H3DiT(config)
-    expected = dict(model.state_dict())
-    seen: set[str] = set()
-    for name, tensor, file in iter_native_tensors(source, config.attention_head_dim):
-        if name == "rope.inv_freq":
-            _check_inv_freq(tensor, model, file)
-            continue
-        if name not in expected:
-            raise CheckpointError(f"Unexpected tensor '{name}' in {file} ({source.origin}); it is not part of the H3 DiT.")
-        if name in seen:
-            raise CheckpointError(f"Tensor '{name}' appears twice ({file}).")
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointError(
-                f"Tensor '{name}' in {file} has shape {list(tensor.shape)}, expected {list(expected[name].shape)} "
-                f"for this config."
-            )
-        if dtype is not None:
-            tensor = tensor.to(torch.float32 if name.startswith(FP32_MODULES) else dtype)
-        _assign(model, name, tensor.to(device))
-        seen.add(name)
-    missing = sorted(set(expected) - seen)
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise CheckpointError(f"{source.files[0].parent} ({source.origin}) is missing {len(missing)} tensor(s): {shown}.")
+
+    def without_inv_freq():
+        for name, tensor, file in iter_native_tensors(source, config.attention_head_dim):
+            if name == "rope.inv_freq":  # shipped by the release; we recompute it, after checking it agrees
+                _check_inv_freq(tensor, model, file)
+            else:
+                yield name, tensor, file
+
+    def release_policy(name: str) -> torch.dtype | None:
+        if dtype is None:
+            return None
+        return torch.float32 if name.startswith(FP32_MODULES) else dtype
+
+    origin = f"{source.files[0].parent if len(source.files) > 1 else source.files[0]} ({source.origin})"
+    assign_strictly(model, without_inv_freq(), origin, release_policy, device)
     model.rope_inv_freq = rope_inverse_frequencies(config).to(device)
     return model.eval().requires_grad_(False)
-
-
-def _assign(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
-    module_name, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    module._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
 
 
 def _check_inv_freq(tensor: torch.Tensor, model: H3DiT, file: Path) -> None:

@@ -14,6 +14,7 @@ from reference_checkpoints import (
 from safetensors.torch import load_file, save_file
 
 import h3_core.checkpoint as checkpoint
+import h3_core.weights as weights
 from h3_core.checkpoint import CheckpointError, convert_state_dict, load_dit, locate_dit
 
 
@@ -88,7 +89,7 @@ def test_loading_streams_one_tensor_at_a_time(tmp_path, reference, monkeypatch):
     """Tensors are read and assigned one by one (diffusers q/k/v wait for their siblings): never a second copy."""
     write_diffusers_folder(tmp_path / "transformer", reference)
     reads, consumed, waiting = [0], [0], []
-    real_to_native, real_assign = checkpoint.to_native, checkpoint._assign
+    real_to_native, real_assign = checkpoint.to_native, weights._assign
 
     def counting_to_native(items, *args):
         def counted():
@@ -104,7 +105,7 @@ def test_loading_streams_one_tensor_at_a_time(tmp_path, reference, monkeypatch):
         real_assign(model, name, tensor)
 
     monkeypatch.setattr(checkpoint, "to_native", counting_to_native)
-    monkeypatch.setattr(checkpoint, "_assign", counting_assign)
+    monkeypatch.setattr(weights, "_assign", counting_assign)
     load_dit(tmp_path)
     assert consumed[0] == reads[0] == len(reference.state_dict())
     assert max(waiting) <= 2  # at most two of a q/k/v triple wait for the third

@@ -1,0 +1,90 @@
+"""Strict, streamed safetensors loading shared by every model of the engine (DiT, VAEs).
+
+A model is built on the meta device and each tensor is assigned as it is read, so no model is ever
+held twice. Every mismatch is an error naming the tensor and the file. Pickle formats are refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+
+PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
+
+Item = tuple[str, torch.Tensor, Path | str]  # (name, tensor, where it came from)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, malformed or not what was asked for; the message names file and tensor."""
+
+
+def check_safetensors_file(path: Path, what: str) -> None:
+    """Refuse pickles (they can run code on load) and anything that is not .safetensors."""
+    suffix = path.suffix.lower()
+    if suffix in PICKLE_SUFFIXES:
+        raise CheckpointError(
+            f"{path.name} is a pickle checkpoint ({suffix}); H3 loads only .safetensors files, which cannot run "
+            "code on load. Convert it to safetensors first."
+        )
+    if suffix != ".safetensors":
+        raise CheckpointError(f"{path.name} is not a .safetensors file; {what} files must be safetensors.")
+
+
+def tensor_names(files: Iterable[Path]) -> list[str]:
+    """All tensor names of some safetensors files, from their headers only."""
+    names = []
+    for path in files:
+        with safe_open(path, "pt") as handle:
+            names.extend(handle.keys())
+    return names
+
+
+def read_tensors(files: Iterable[Path]) -> Iterator[Item]:
+    """Yield (name, tensor, file) one tensor at a time, file by file."""
+    for path in files:
+        with safe_open(path, "pt") as handle:
+            for key in handle.keys():
+                yield key, handle.get_tensor(key), path
+
+
+def assign_strictly(
+    model: torch.nn.Module,
+    items: Iterable[Item],
+    origin: str,
+    dtype_for: Callable[[str], torch.dtype | None] = lambda name: None,
+    device: str | torch.device = "cpu",
+) -> torch.nn.Module:
+    """Fill a meta-built `model` from streamed items. Unexpected, repeated, mis-shaped or missing
+    tensors are errors. `dtype_for(name)` may cast a tensor (None keeps the checkpoint's dtype)."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    seen: set[str] = set()
+    for name, tensor, where in items:
+        if name not in expected:
+            raise CheckpointError(f"Unexpected tensor '{name}' in {where} ({origin}); it is not part of this model.")
+        if name in seen:
+            raise CheckpointError(f"Tensor '{name}' appears twice ({where}).")
+        if tuple(tensor.shape) != expected[name]:
+            raise CheckpointError(
+                f"Tensor '{name}' in {where} has shape {list(tensor.shape)}, expected {list(expected[name])} "
+                "for this config."
+            )
+        dtype = dtype_for(name)
+        _assign(model, name, tensor.to(device=device, dtype=dtype) if dtype is not None else tensor.to(device))
+        seen.add(name)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{origin} is missing {len(missing)} tensor(s): {shown}.")
+    return model
+
+
+def _assign(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if leaf in module._buffers:
+        module._buffers[leaf] = tensor
+    else:
+        module._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
