@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from . import geometry
+from .attention import resolve_backend
 from .checkpoint import CheckpointError, infer_config, load_dit, locate_dit
 from .layout import build_request_layout, unpack_audio, unpatchify
 from .noise import request_generator, target_noise
@@ -66,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     den.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     den.add_argument("--dtype", default=None, choices=list(DTYPES),
                      help="model dtype (default: bf16 on GPU, fp32 on CPU; fp32 heads stay fp32)")
+    den.add_argument("--attention", default="auto",
+                     help="attention backend: auto (fastest exact available), sdpa, flash3, flash, sage (lossy)")
+    den.add_argument("--compile", action="store_true",
+                     help="torch.compile the repeated block (~10%% faster per step on an H200; not bitwise exact)")
     den.set_defaults(run=run_denoise)
     return parser
 
@@ -132,6 +137,7 @@ def run_denoise(args) -> int:
         raise ValueError(f"--save-latents must name a .safetensors file, got {args.save_latents}.")
     if args.model != TINY_RANDOM and args.text_states is None:
         raise ValueError("A real model needs --text-states (prompt embeddings) until the text encoder lands.")
+    resolve_backend(args.attention, device)  # an unavailable backend fails before any loading
     if args.text_states is not None and not args.text_states.is_file():
         raise FileNotFoundError(f"--text-states {args.text_states} does not exist.")
     timings = {}
@@ -141,6 +147,9 @@ def run_denoise(args) -> int:
         model = tiny_random_dit(dtype, device)
     else:
         model = load_dit(args.model, args.partition, dtype=dtype, device=device)
+    backend = model.set_attention_backend(args.attention)
+    if args.compile:
+        model.compile_blocks()
     timings["load"] = time.perf_counter() - started
     text, tags = _text_states(args, model.config.text_dim)
 
@@ -166,7 +175,7 @@ def run_denoise(args) -> int:
                   "steps": str(args.steps), "model": str(args.model)},
     )
     timings["save"] = time.perf_counter() - started
-    print(_summary(args.save_latents, width, height, frames, timings, device))
+    print(_summary(args.save_latents, width, height, frames, timings, device) + f"; attention {backend}")
     return 0
 
 

@@ -8,6 +8,7 @@ conditioning rows are never written (their timesteps come from the layout's row 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -103,36 +104,52 @@ def denoise(
     audio_rows: torch.Tensor,
     schedule: DualClockSchedule,
     callback: StepCallback | None = None,
+    reuse_adaln: bool = True,
+    offload_adaln: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the whole ladder. video_rows [B, Nv, C*4] and audio_rows [B, Na, Ca] (fp32, conditioning
     rows first, as the layout orders them) are updated in place and returned. A callback may raise to
-    stop (interrupt); the rows then hold the last completed step."""
+    stop (interrupt); the rows then hold the last completed step.
+
+    `reuse_adaln` computes every step's AdaLN tables before the loop (exactly what each forward would
+    compute); `offload_adaln` then keeps the AdaLN weights on the CPU during the loop (~24 GiB freed on
+    the release model)."""
     n_video, n_audio = layout.num_condition_video_rows, layout.num_condition_audio_rows
     device = video_rows.device
     on_device = layout.to(device)
     total = schedule.num_calls
+    # Per-row timesteps for every step, planned on the CPU layout: no device sync inside the loop.
+    plan = []
     for step in range(total):
         t_video, t_audio = schedule.timesteps(step)
-        # Per-row timesteps are planned on the CPU copy: no device sync inside the loop.
-        timesteps, timestep_indices = layout.to("cpu").row_timesteps(float(t_video), float(t_audio))
-        video_velocity, audio_velocity = dit(
-            video_rows=video_rows,
-            audio_rows=audio_rows,
-            text_states=text_states,
-            timesteps=timesteps.to(device),
-            timestep_indices=timestep_indices.to(device),
-            token_tags=on_device.token_tags,
-            position_ids=on_device.position_ids,
-            video_indices=on_device.video_indices,
-            audio_indices=on_device.audio_indices,
-            text_indices=on_device.text_indices,
-        )
-        video_rows[:, n_video:] = euler_step(
-            video_rows[:, n_video:], video_velocity[:, n_video:].float(), t_video, schedule.video[step], schedule.video[step + 1]
-        )
-        audio_rows[:, n_audio:] = euler_step(
-            audio_rows[:, n_audio:], audio_velocity[:, n_audio:].float(), t_audio, schedule.audio[step], schedule.audio[step + 1]
-        )
-        if callback is not None:
-            callback(StepState(step + 1, total, video_rows, audio_rows, schedule))
+        timesteps, indices = layout.to("cpu").row_timesteps(float(t_video), float(t_audio))
+        plan.append((t_video, t_audio, timesteps.to(device), indices.to(device)))
+    modulations = [dit.modulation(timesteps) for _, _, timesteps, _ in plan] if reuse_adaln else [None] * total
+    offloaded = dit.adaln_offloaded() if (reuse_adaln and offload_adaln) else contextlib.nullcontext()
+    with offloaded:
+        for step, (t_video, t_audio, timesteps, timestep_indices) in enumerate(plan):
+            video_velocity, audio_velocity = dit(
+                video_rows=video_rows,
+                audio_rows=audio_rows,
+                text_states=text_states,
+                timesteps=timesteps,
+                timestep_indices=timestep_indices,
+                token_tags=on_device.token_tags,
+                position_ids=on_device.position_ids,
+                video_indices=on_device.video_indices,
+                audio_indices=on_device.audio_indices,
+                text_indices=on_device.text_indices,
+                modulation=modulations[step],
+            )
+            modulations[step] = None  # each step's tables are used once
+            video_rows[:, n_video:] = euler_step(
+                video_rows[:, n_video:], video_velocity[:, n_video:].float(), t_video,
+                schedule.video[step], schedule.video[step + 1],
+            )
+            audio_rows[:, n_audio:] = euler_step(
+                audio_rows[:, n_audio:], audio_velocity[:, n_audio:].float(), t_audio,
+                schedule.audio[step], schedule.audio[step + 1],
+            )
+            if callback is not None:
+                callback(StepState(step + 1, total, video_rows, audio_rows, schedule))
     return video_rows, audio_rows
