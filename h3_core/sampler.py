@@ -124,9 +124,9 @@ def denoise(
         t_video, t_audio = schedule.timesteps(step)
         timesteps, indices = layout.to("cpu").row_timesteps(float(t_video), float(t_audio))
         plan.append((t_video, t_audio, timesteps.to(device), indices.to(device)))
-    modulations = [dit.modulation(timesteps) for _, _, timesteps, _ in plan] if reuse_adaln else [None] * total
     offloaded = dit.adaln_offloaded() if (reuse_adaln and offload_adaln) else contextlib.nullcontext()
     with offloaded:
+        modulations = dit.modulation_schedule([p[2] for p in plan]) if reuse_adaln else [None] * total
         for step, (t_video, t_audio, timesteps, timestep_indices) in enumerate(plan):
             video_velocity, audio_velocity = dit(
                 video_rows=video_rows,

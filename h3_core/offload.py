@@ -1,0 +1,149 @@
+"""Streaming DiT blocks from CPU memory so the 62 GB model runs on a small GPU.
+
+The first `resident` blocks live on the GPU; every other block lives in (pinned) CPU memory and is
+copied, ahead of use and on a side stream, into one of `prefetch + 2` fixed GPU slots. A slot is
+reused only after the GPU has finished the block that used it (a stream wait, no CPU sync), so the
+GPU memory of streaming is exactly the slots, however far the CPU runs ahead. The AdaLN projections
+never travel: with precomputed tables (`H3DiT.modulation_schedule`, exact) the loop does not read
+them, so only the ~0.77 GB per block of attention and FFN weights stream. Outputs are bitwise those
+of the resident model: the same kernels run on the same values.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .dit import H3DiT
+
+ALIGN = 256  # bytes; every weight starts on an aligned offset inside its block's flat buffer
+
+
+def _streamed_parameters(block: nn.Module) -> list[nn.Parameter]:
+    """A block's weights that the denoise loop reads (everything but its AdaLN projection)."""
+    return [p for name, p in block.named_parameters() if not name.startswith("adaln_proj.")]
+
+
+def _packing(params: list[nn.Parameter]) -> tuple[list[int], int]:
+    """Byte offsets of each weight in one flat buffer, and the buffer's size."""
+    offsets, size = [], 0
+    for p in params:
+        offsets.append(size)
+        size += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
+    return offsets, size
+
+
+def _views(buffer: torch.Tensor, params: list[nn.Parameter], offsets: list[int]) -> list[torch.Tensor]:
+    return [
+        buffer[o : o + p.numel() * p.element_size()].view(p.dtype).view(p.shape) for p, o in zip(params, offsets)
+    ]
+
+
+class BlockStreamer:
+    """Installs hooks on a DiT whose non-resident blocks sit on the CPU; `remove()` undoes them.
+
+    device: the compute device. resident: how many leading blocks stay on it. prefetch: how many
+    blocks ahead are copied; the GPU holds prefetch + 2 slots of one block each.
+    """
+
+    def __init__(self, dit: H3DiT, device: torch.device | str, resident: int, prefetch: int = 1):
+        self.device = torch.device(device)
+        self.blocks = list(dit.blocks)
+        if not 0 <= resident <= len(self.blocks):
+            raise ValueError(f"resident blocks must be between 0 and {len(self.blocks)}, got {resident}.")
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be at least 1 block, got {prefetch}.")
+        self.resident, self.prefetch = resident, prefetch
+        cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.home: dict[int, list[torch.Tensor]] = {}  # CPU views of each streamed block's weights
+        self.offsets, slot_bytes = _packing(_streamed_parameters(self.blocks[0]))
+        for index, block in enumerate(self.blocks):
+            params = _streamed_parameters(block)
+            if index < resident:
+                for param in params:
+                    param.data = param.data.to(self.device)
+                continue
+            flat = torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=cuda)
+            self.home[index] = _views(flat, params, self.offsets)
+            for param, view in zip(params, self.home[index]):
+                view.copy_(param.data)
+                param.data = view
+        streamed = len(self.blocks) - resident
+        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(min(streamed, prefetch + 2))]
+        self.slot_free: list[torch.cuda.Event | None] = [None] * len(self.slots)
+        self.next_slot = 0
+        self.loaded: dict[int, tuple[int, torch.cuda.Event | None]] = {}  # block -> (slot, copy done)
+        self.hooks = [block.register_forward_pre_hook(self._before(i)) for i, block in enumerate(self.blocks)]
+        self.hooks += [block.register_forward_hook(self._after(i)) for i, block in enumerate(self.blocks)]
+
+    def _fetch(self, index: int) -> None:
+        """Start copying block `index` into the next slot, once the GPU is done with its last user."""
+        if index in self.loaded or index not in self.home:
+            return
+        slot = self.next_slot
+        self.next_slot = (slot + 1) % len(self.slots)
+        targets = _views(self.slots[slot], _streamed_parameters(self.blocks[index]), self.offsets)
+        if self.copy_stream is None:
+            for target, source in zip(targets, self.home[index]):
+                target.copy_(source)
+            self.loaded[index] = (slot, None)
+            return
+        with torch.cuda.stream(self.copy_stream):
+            if self.slot_free[slot] is not None:
+                self.copy_stream.wait_event(self.slot_free[slot])
+            for target, source in zip(targets, self.home[index]):
+                target.copy_(source, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.copy_stream)
+        self.loaded[index] = (slot, copied)
+
+    def _before(self, index: int):
+        def hook(module, args):
+            self._fetch(index)
+            if index in self.home:
+                slot, copied = self.loaded[index]
+                if copied is not None:
+                    torch.cuda.current_stream(self.device).wait_event(copied)
+                views = _views(self.slots[slot], _streamed_parameters(module), self.offsets)
+                for param, view in zip(_streamed_parameters(module), views):
+                    param.data = view
+            for ahead in range(index + 1, min(index + 1 + self.prefetch, len(self.blocks))):
+                self._fetch(ahead)
+
+        return hook
+
+    def _after(self, index: int):
+        def hook(module, args, output):
+            if index not in self.home:
+                return
+            for param, view in zip(_streamed_parameters(module), self.home[index]):
+                param.data = view
+            slot, _ = self.loaded.pop(index)
+            if self.copy_stream is not None:
+                free = torch.cuda.Event()
+                free.record(torch.cuda.current_stream(self.device))
+                self.slot_free[slot] = free
+
+        return hook
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+
+
+def stream_blocks(dit: H3DiT, device: torch.device | str, resident: int, prefetch: int = 1) -> BlockStreamer:
+    """Put the small shared parts on `device`, keep the AdaLN weights on the CPU (the sampler's
+    `modulation_schedule` brings each over once) and stream the blocks; see BlockStreamer."""
+    adaln = set(map(id, dit.adaln_modules()))
+    for name, module in dit.named_children():
+        if name == "final_layer":
+            for child in module.children():
+                child.to("cpu" if id(child) in adaln else device)
+        elif name != "blocks":
+            module.to("cpu" if id(module) in adaln else device)
+    for block in dit.blocks:
+        block.adaln_proj.to("cpu")
+    dit.rope_inv_freq = dit.rope_inv_freq.to(device)
+    return BlockStreamer(dit, device, resident, prefetch)
