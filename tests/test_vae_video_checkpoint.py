@@ -1,0 +1,200 @@
+"""The video VAE loader on tiny random checkpoints written in every layout users have, and its errors."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from video_vae_checkpoints import (
+    original_configs,
+    original_state_dict,
+    reference_video_vae,
+    tiny_config,
+    write_comfy_single_file,
+    write_diffusers_folder,
+    write_original_partition,
+)
+
+from h3_core.vae_video import FP32_MODULES
+from h3_core.vae_video_checkpoint import CheckpointError, convert_state_dict, load_video_vae, locate_video_vae
+
+
+@pytest.fixture(scope="module")
+def config():
+    return tiny_config(seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(config):
+    return reference_video_vae(config, seed=11)
+
+
+@pytest.fixture(scope="module")
+def expected(reference, config):
+    return convert_state_dict(reference.state_dict(), "diffusers", config)
+
+
+def assert_same_weights(model, expected, dtype=torch.float32):
+    got = model.state_dict()
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == dtype, name
+        assert torch.equal(got[name], tensor.to(dtype)), name
+
+
+def test_mapping_matches_the_release_names(reference, config, expected):
+    """Our names are the release's: the fixture's independent inverse mapping lands on them exactly."""
+    release = original_state_dict(reference.state_dict(), config)
+    assert set(release) - set(expected) == {"decoder.mask_token"}
+    assert all(torch.equal(release[name], tensor) for name, tensor in expected.items())
+
+
+@pytest.mark.parametrize("where", ["root", "partition", "video_vae", "source"])
+def test_original_release_layouts(tmp_path, reference, config, expected, where):
+    folder = write_original_partition(tmp_path, reference.state_dict(), config.replace(decoder_tiling=False))
+    path = {"root": tmp_path, "partition": tmp_path / "FL2VA", "video_vae": folder, "source": folder / "source"}[where]
+    source = locate_video_vae(path)
+    assert source.naming == "original" and source.files == (folder / "source" / "model.safetensors",)
+    model = load_video_vae(path)
+    assert model.config == config.replace(decoder_tiling=False)  # shapes, statistics and tiling from the two configs
+    assert_same_weights(model, expected)
+
+
+def test_diffusers_layout_sharded(tmp_path, reference, config, expected):
+    write_diffusers_folder(tmp_path / "vae", reference)
+    assert len(list((tmp_path / "vae").glob("*.safetensors"))) > 2  # really sharded, with an index
+    source = locate_video_vae(tmp_path)
+    assert source.naming == "diffusers" and source.config == config
+    assert_same_weights(load_video_vae(tmp_path / "vae"), expected)
+
+
+@pytest.mark.parametrize("prefix", ["", "vae.", "video_vae."])
+def test_comfy_single_file(tmp_path, reference, config, expected, prefix):
+    others = {  # an all-in-one file's other models, never read
+        "model.diffusion_model.blocks.0.norm1.weight": torch.ones(4),
+        "audio_vae.encoder.block.0.weight": torch.ones(2),
+    }
+    path = write_comfy_single_file(
+        tmp_path / "minimax_h3_video_vae_fp16.safetensors", reference.state_dict(), config, prefix,
+        extra=others if prefix else None,
+    )  # fmt: skip
+    source = locate_video_vae(path)
+    assert (source.naming, source.prefix, source.config) == ("original", prefix, None)
+    # Single files carry no config; the latent statistics come from the file's own tensors.
+    model = load_video_vae(path, config=config.replace(latents_mean=(0.0,) * 24, latents_std=(1.0,) * 24))
+    assert model.config == config
+    assert_same_weights(model, {k: v.half() for k, v in expected.items()}, dtype=torch.float16)
+
+
+def test_dtype_policy_at_load(tmp_path, reference, config, expected):
+    write_original_partition(tmp_path, reference.state_dict(), config)
+    model = load_video_vae(tmp_path, dtype=torch.bfloat16)
+    for name, tensor in model.state_dict().items():
+        fp32 = any(part in FP32_MODULES for part in name.split("."))
+        assert tensor.dtype == (torch.float32 if fp32 else torch.bfloat16), name
+        assert torch.equal(tensor, expected[name].to(tensor.dtype)), name
+    assert model.dtype == torch.bfloat16 and model.encoder.conv_in.weight.dtype == torch.float32
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def original(tmp_path, reference, config):
+    folder = write_original_partition(tmp_path, reference.state_dict(), config)
+    return folder / "source" / "model.safetensors"
+
+
+def rewrite(path, change):
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path))
+
+
+def test_missing_tensor_is_named(original):
+    rewrite(original, lambda t: t.pop("decoder.transformer_blocks.0.ff.w2.bias"))
+    pattern = r"missing 1 tensor\(s\): decoder\.transformer_blocks\.0\.ff\.w2\.bias\."
+    with pytest.raises(CheckpointError, match=pattern) as error:
+        load_video_vae(original.parent.parent)
+    assert str(original.parent) in str(error.value)
+
+
+def test_unexpected_tensor_is_named_with_its_file(original):
+    rewrite(original, lambda t: t.update({"decoder.extra.weight": torch.zeros(2)}))
+    with pytest.raises(CheckpointError, match=r"Unexpected tensor 'decoder\.extra\.weight' in .*model\.safetensors"):
+        load_video_vae(original.parent.parent)
+
+
+def test_misshaped_tensor_is_named_with_its_file(original):
+    rewrite(original, lambda t: t.update({"encoder.conv_in.bias": torch.zeros(9)}))
+    pattern = r"'encoder\.conv_in\.bias' in .*model\.safetensors has shape \[9\], expected \[8\]"
+    with pytest.raises(CheckpointError, match=pattern):
+        load_video_vae(original.parent.parent)
+
+
+def test_misshaped_mask_token_is_refused(original):
+    rewrite(original, lambda t: t.update({"decoder.mask_token": torch.zeros(1, 1, 3)}))
+    with pytest.raises(CheckpointError, match=r"'decoder\.mask_token' in .*model\.safetensors has shape \[1, 1, 3\]"):
+        load_video_vae(original.parent.parent)
+
+
+def test_single_file_of_another_size_needs_its_config(tmp_path, reference, config):
+    path = write_comfy_single_file(tmp_path / "vae.safetensors", reference.state_dict(), config)
+    with pytest.raises(CheckpointError, match=r"Tensor '[\w.]+' in .*vae\.safetensors has shape \[[\d, ]+\], expected"):
+        load_video_vae(path)  # the release's config, checked tensor by tensor
+
+
+def test_diffusers_folder_missing_a_qkv_part(tmp_path, reference):
+    folder = write_diffusers_folder(tmp_path / "vae", reference, max_shard_size="10GB")
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    rewrite(weights, lambda t: t.pop("decoder.transformer_blocks.0.attn.to_v.bias"))
+    with pytest.raises(CheckpointError, match=r"lacks to_v for this attention"):
+        load_video_vae(folder)
+
+
+def test_wrong_folders_say_what_was_expected(tmp_path, reference, config):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_video_vae(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"not an H3 video VAE: expected an original 'video_vae' folder"):
+        load_video_vae(tmp_path / "empty")
+    transformer = tmp_path / "transformer"
+    transformer.mkdir()
+    (transformer / "config.json").write_text(json.dumps({"_class_name": "MiniMaxH3Transformer3DModel"}))
+    save_file({"proj_in.weight": torch.zeros(2, 2)}, str(transformer / "diffusion_pytorch_model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"holds a MiniMaxH3Transformer3DModel checkpoint, not the H3 video VAE"):
+        load_video_vae(transformer)
+    save_file({"blocks.0.norm1.weight": torch.zeros(2)}, str(tmp_path / "dit.safetensors"))
+    with pytest.raises(CheckpointError, match=r"dit\.safetensors is not an H3 video VAE file"):
+        load_video_vae(tmp_path / "dit.safetensors")
+
+
+def test_other_architecture_in_the_source_config_is_refused(tmp_path, reference, config):
+    folder = write_original_partition(tmp_path, reference.state_dict(), config)
+    _, source = original_configs(config)
+    source["use_vit_decoder"] = False
+    (folder / "source" / "config.json").write_text(json.dumps(source))
+    with pytest.raises(CheckpointError, match=r"another architecture .*use_vit_decoder=False"):
+        load_video_vae(folder)
+    del source["z_channels"]
+    source["use_vit_decoder"] = True
+    (folder / "source" / "config.json").write_text(json.dumps(source))
+    with pytest.raises(CheckpointError, match=r"source/config\.json lacks 'z_channels'"):
+        load_video_vae(folder)
+
+
+@pytest.mark.parametrize("name", ["minimax_h3_video_vae.ckpt", "video_vae.pt"])
+def test_pickles_are_refused(tmp_path, name):
+    path = tmp_path / name
+    torch.save({"encoder.conv_in.weight": torch.zeros(1)}, path)
+    with pytest.raises(CheckpointError, match="pickle checkpoint"):
+        load_video_vae(path)
+
+
+def test_quantized_single_file_is_refused(tmp_path, reference, config):
+    path = write_comfy_single_file(
+        tmp_path / "q.safetensors", reference.state_dict(), config,
+        extra={"decoder.transformer_blocks.0.ff.w1.weight_scale": torch.ones(1)},
+    )  # fmt: skip
+    with pytest.raises(CheckpointError, match="quantized video VAE"):
+        load_video_vae(path, config=config)
