@@ -1,0 +1,146 @@
+"""The media contract of H3 and conforming caller arrays to it (h3-model.md C, F).
+
+H3 speaks one format in and out:
+- video: RGB frames, **uint8 [N, H, W, 3]** (channels last, like a ComfyUI IMAGE batch), 24 fps;
+- audio: **float32 [2, N]** stereo (left, right), nominally -1..1, 32000 Hz.
+
+`media_write.py` turns that into an MP4 (H.264 + AAC), `media_read.py` turns reference files into it.
+This module holds what both share: the rates, the errors, and the functions that bring a caller's
+numpy/torch arrays onto the contract (`as_uint8_frames`, `as_stereo_waveform`, `resample_audio`).
+Request limits (clip lengths, counts) are not media facts; the conditioning code checks them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import av
+import numpy as np
+import torch
+
+from h3_core import geometry
+
+FPS = geometry.FPS  # 24
+SAMPLE_RATE = 32000  # the audio VAE's rate
+AUDIO_CHANNELS = geometry.AUDIO_CHANNELS  # 2
+# Resample long waveforms in pieces so no single PyAV frame gets huge.
+_RESAMPLE_PIECE = 1 << 16
+
+
+class MediaError(Exception):
+    """A media file could not be read or written as H3 needs it."""
+
+
+class UnreadableMediaError(MediaError):
+    """PyAV could not open or decode a file (corrupt, truncated, or an unsupported format)."""
+
+
+class EncoderUnavailableError(MediaError):
+    """This PyAV/FFmpeg build has no usable encoder for a codec the MP4 needs."""
+
+
+def audio_samples_for_frames(num_frames: int) -> int:
+    """Samples per channel at 32 kHz that last as long as `num_frames` video frames at 24 fps."""
+    return round(num_frames * SAMPLE_RATE / FPS)
+
+
+def _to_numpy(array: Any, what: str) -> np.ndarray:
+    """A numpy view of a numpy array or torch tensor (moved to the CPU; bfloat16 widened)."""
+    if isinstance(array, np.ndarray):
+        return array
+    if isinstance(array, torch.Tensor):
+        tensor = array.detach().cpu()
+        if tensor.dtype in (torch.bfloat16, torch.float16):
+            tensor = tensor.float()  # numpy has no bfloat16; float32 holds both exactly
+        return tensor.numpy()
+    raise ValueError(f"{what} must be a numpy array or a torch tensor, got {type(array).__name__}.")
+
+
+def as_uint8_frames(frames: Any) -> np.ndarray:
+    """Frames as a C-contiguous uint8 [N, H, W, 3] RGB array.
+
+    Accepts numpy or torch, channels last, either uint8 (0..255, passed through) or floating point
+    read over 0..1 (clipped, then rounded to the nearest of 256 levels). Other layouts or dtypes
+    raise ValueError: guessing channels-first or an integer range would silently corrupt colours.
+    """
+    array = _to_numpy(frames, "Video frames")
+    if array.ndim != 4 or array.shape[-1] != 3:
+        hint = ""
+        if array.ndim == 4 and array.shape[1] == 3:
+            hint = " This looks channels-first; permute it to [N, H, W, 3]."
+        elif array.ndim == 3 and array.shape[-1] == 3:
+            hint = " For a single frame add a leading axis: frames[None]."
+        raise ValueError(
+            f"Video frames must be [N, H, W, 3] RGB (channels last), got shape {tuple(array.shape)}.{hint}"
+        )
+    if array.dtype == np.uint8:
+        return np.ascontiguousarray(array)
+    if not np.issubdtype(array.dtype, np.floating):
+        raise ValueError(
+            f"Video frames must be uint8 (0..255) or floating point (0..1), got dtype {array.dtype}."
+        )
+    if not np.isfinite(array).all():
+        raise ValueError("Video frames hold NaN or infinite values; floating point frames must be finite, in 0..1.")
+    scaled = np.clip(array.astype(np.float32, copy=False), 0.0, 1.0) * 255.0
+    return np.rint(scaled).astype(np.uint8)
+
+
+def as_stereo_waveform(waveform: Any) -> np.ndarray:
+    """A waveform as C-contiguous float32 [2, N] (left, right); values are not rescaled.
+
+    Accepts numpy or torch floating point [N] or [1, N] (mono: duplicated into both channels, as the
+    reference pipeline upmixes) or [2, N]. More channels raise ValueError: which ones are left and
+    right depends on a layout an array does not carry, so the caller must downmix.
+    """
+    array = _to_numpy(waveform, "Audio waveform")
+    if not np.issubdtype(array.dtype, np.floating):
+        raise ValueError(f"Audio waveform must be floating point (nominally -1..1), got dtype {array.dtype}.")
+    if array.ndim == 1:
+        array = array[None]
+    if array.ndim != 2 or array.shape[0] not in (1, 2):
+        hint = ""
+        if array.ndim == 3:
+            hint = " A ComfyUI AUDIO waveform is [batch, channels, samples]: pass one item, waveform[0]."
+        raise ValueError(
+            f"Audio waveform must be [samples], [1, samples] or [2, samples] (mono or stereo), "
+            f"got shape {tuple(array.shape)}.{hint}"
+        )
+    if not np.isfinite(array).all():
+        raise ValueError("Audio waveform holds NaN or infinite values.")
+    if array.shape[0] == 1:
+        array = np.concatenate([array, array])
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+def resample_audio(waveform: Any, sample_rate: int) -> np.ndarray:
+    """A mono or stereo waveform at `sample_rate` Hz -> float32 [2, M] at 32 kHz.
+
+    Input as `as_stereo_waveform` takes it. The rate conversion is FFmpeg's swresample through
+    PyAV's AudioResampler, one pass over the whole waveform (pieces share the filter state, so there
+    are no seams). M = round(N * 32000 / sample_rate); a waveform already at 32 kHz is returned as is.
+    """
+    if not (isinstance(sample_rate, (int, np.integer)) and sample_rate > 0):
+        raise ValueError(f"sample_rate must be a positive integer (Hz), got {sample_rate!r}.")
+    stereo = as_stereo_waveform(waveform)
+    if sample_rate == SAMPLE_RATE:
+        return stereo
+    resampler = av.AudioResampler(format="fltp", layout="stereo", rate=SAMPLE_RATE)
+    pieces = []
+    for start in range(0, stereo.shape[1], _RESAMPLE_PIECE):
+        frame = av.AudioFrame.from_ndarray(
+            np.ascontiguousarray(stereo[:, start : start + _RESAMPLE_PIECE]), format="fltp", layout="stereo"
+        )
+        frame.sample_rate = sample_rate
+        frame.pts = start
+        pieces += [out.to_ndarray() for out in resampler.resample(frame)]
+    pieces += [out.to_ndarray() for out in resampler.resample(None)]  # what the filter still holds
+    target = round(stereo.shape[1] * SAMPLE_RATE / sample_rate)
+    return _fit_length(np.concatenate(pieces, axis=1) if pieces else np.zeros((2, 0), np.float32), target)
+
+
+def _fit_length(waveform: np.ndarray, num_samples: int) -> np.ndarray:
+    """A [C, N] waveform cut or zero-padded at its end to exactly `num_samples` samples."""
+    if waveform.shape[1] >= num_samples:
+        return np.ascontiguousarray(waveform[:, :num_samples])
+    padding = np.zeros((waveform.shape[0], num_samples - waveform.shape[1]), dtype=waveform.dtype)
+    return np.concatenate([waveform, padding], axis=1)

@@ -1,0 +1,327 @@
+"""Reading reference media onto H3's clock: video at 24 fps, audio at 32 kHz stereo (h3-model.md C, F).
+
+- `read_video` / `iter_video_frames`: RGB uint8 frames [N, H, W, 3], turned upright by the stream's
+  display rotation, resampled to 24 fps by whole frames (no blending), as the reference pipeline
+  does: counting source frames from the first one at or after `start_seconds`, frame i goes to slot
+  s(i) = floor(i * 24 / fps + 0.5) and is held until slot s(i+1); so a slot shows the latest source
+  frame that has reached it (frames sharing a slot: the later wins; gaps: the earlier repeats).
+  `fps` is the stream's average rate and s(i) is computed in float64, both as the reference does;
+  timestamps only locate the start.
+- `read_audio`: any soundtrack or audio file (WAV, MP3, AAC, FLAC, ...) -> float32 [2, M] at 32 kHz.
+  The window is cut at the native rate, then resampled once (the reference order). Mono is
+  duplicated into both channels; more than two channels are downmixed to stereo by FFmpeg's
+  standard matrix (the reference rejects them; a 5.1 clip is still a usable reference).
+- `probe`: stream facts from the container header plus one decoded frame (for the rotation).
+
+All times are seconds from the container's start (its earliest stream), so a video's frames and its
+soundtrack read with the same `start_seconds` stay in sync. Files PyAV cannot open or decode raise
+`UnreadableMediaError` naming the file. Clip-length and count limits live in the conditioning code.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import av
+import numpy as np
+
+from h3_core.media import FPS, MediaError, UnreadableMediaError, resample_audio
+
+# A frame stamped up to this much before `start_seconds` still counts as at the start (timestamps
+# are rationals in the stream's time base; a float start rarely equals them exactly).
+_START_TOLERANCE_SECONDS = 1e-3
+_LIMITED_RANGE, _FULL_RANGE = 1, 2  # FFmpeg's AVCOL_RANGE_MPEG / AVCOL_RANGE_JPEG
+
+
+@dataclass(frozen=True)
+class VideoStreamInfo:
+    """The first (non cover-art) video stream. Size is as displayed, i.e. after `rotation`."""
+
+    codec: str
+    width: int
+    height: int
+    fps: float | None  # average rate; None when the container does not say
+    frame_count: int | None  # source frames per the header; None when unknown
+    rotation: int  # counterclockwise degrees applied for display: 0, 90, 180 or 270
+    pixel_format: str | None
+
+
+@dataclass(frozen=True)
+class AudioStreamInfo:
+    """The first audio stream."""
+
+    codec: str
+    sample_rate: int
+    channels: int
+
+
+@dataclass(frozen=True)
+class MediaInfo:
+    """What `probe` reports; `video` / `audio` are None for a file without that kind of stream."""
+
+    path: Path
+    duration_seconds: float | None
+    video: VideoStreamInfo | None
+    audio: AudioStreamInfo | None
+
+
+@dataclass(frozen=True)
+class VideoClip:
+    """A reference video on H3's clock.
+
+    frames: uint8 [N, H, W, 3] RGB at 24 fps. audio: float32 [2, M] at 32 kHz covering the same span
+    (M = round(N * 32000 / 24), fewer samples only if the soundtrack ends early), or None when the
+    file has no soundtrack in that span. source_fps: the rate the frames were resampled from.
+    """
+
+    frames: np.ndarray
+    audio: np.ndarray | None
+    source_fps: float
+
+
+@contextmanager
+def _open_media(path: Path) -> Iterator[av.container.InputContainer]:
+    """An input container; FFmpeg errors while opening or decoding become `UnreadableMediaError`."""
+    if not path.is_file():
+        raise FileNotFoundError(f"No media file at {path}.")
+    try:
+        container = av.open(str(path))
+    except av.error.FFmpegError as error:
+        raise UnreadableMediaError(f"Cannot open {path} as audio or video: {error}") from error
+    try:
+        with container:
+            yield container
+    except av.error.FFmpegError as error:
+        raise UnreadableMediaError(f"Cannot decode {path}: {error}") from error
+
+
+def _origin_seconds(container) -> float:
+    """Where the container's timeline starts (its earliest stream), in seconds."""
+    return container.start_time / av.time_base if container.start_time is not None else 0.0
+
+
+def _video_stream(container):
+    """The first video stream that is not an embedded cover picture (MP3/M4A album art)."""
+    for stream in container.streams.video:
+        if not stream.disposition & av.stream.Disposition.attached_pic:
+            return stream
+    return None
+
+
+def _frame_rate(stream) -> float | None:
+    rate = stream.average_rate or stream.guessed_rate
+    return float(rate) if rate else None
+
+
+def _quarter_turns(frame: av.VideoFrame) -> int:
+    """Counterclockwise quarter turns that make a frame upright.
+
+    `frame.rotation` is the display matrix's counterclockwise angle; FFmpeg's player and CLI apply it
+    (e.g. a phone's portrait clip stores -90: turn clockwise). diffusers 0.42.1's reference loader
+    turns the other way (np.rot90 by -turns), which shows such a clip upside down; we follow FFmpeg.
+    Flips in the matrix are not handled.
+    """
+    return round((frame.rotation or 0) / 90) % 4
+
+
+def _to_rgb(frame: av.VideoFrame) -> np.ndarray:
+    """uint8 [H, W, 3] RGB, converted with the matrix and range the frame is tagged with.
+
+    Untagged frames count as BT.601 limited range (swscale's default). Both ranges are named (RGB
+    is full range) because PyAV 14 only applies a source matrix when something seems to change;
+    without that it decodes BT.709 as BT.601, ~20 levels off in saturated colours.
+    """
+    rgb = frame.reformat(
+        format="rgb24",
+        src_colorspace=frame.colorspace,
+        src_color_range=frame.color_range or _LIMITED_RANGE,
+        dst_color_range=_FULL_RANGE,
+    )
+    return rgb.to_ndarray()
+
+
+def _check_start(start_seconds: float) -> None:
+    if not (math.isfinite(start_seconds) and start_seconds >= 0):
+        raise ValueError(f"start_seconds must be a finite number >= 0, got {start_seconds!r}.")
+
+
+def _seek(container, stream, seconds: float) -> None:
+    """Jump to the keyframe at or before `seconds` (absolute); decoding from the top still works if not."""
+    if seconds <= 0:
+        return
+    try:
+        container.seek(int(seconds / stream.time_base), stream=stream)
+    except av.error.FFmpegError:
+        container.seek(0)
+
+
+def probe(path: str | os.PathLike) -> MediaInfo:
+    """Duration, video size/fps/rotation and audio rate/channels of a file, decoding one frame at most."""
+    path = Path(path)
+    with _open_media(path) as container:
+        duration = container.duration / av.time_base if container.duration else None
+        video_info = audio_info = None
+        stream = _video_stream(container)
+        if stream is not None:
+            first = next(container.decode(stream), None)
+            turns = _quarter_turns(first) if first is not None else 0
+            width, height = stream.codec_context.width, stream.codec_context.height
+            if turns % 2:
+                width, height = height, width
+            video_info = VideoStreamInfo(
+                codec=stream.codec_context.name,
+                width=width,
+                height=height,
+                fps=_frame_rate(stream),
+                frame_count=stream.frames or None,
+                rotation=turns * 90,
+                pixel_format=stream.codec_context.pix_fmt,
+            )
+        if container.streams.audio:
+            audio = container.streams.audio[0]
+            audio_info = AudioStreamInfo(
+                codec=audio.codec_context.name, sample_rate=audio.sample_rate, channels=audio.channels
+            )
+        return MediaInfo(path=path, duration_seconds=duration, video=video_info, audio=audio_info)
+
+
+def _checked_video_stream(container, path: Path):
+    """The video stream to read and its frame rate, or a MediaError saying why there is none."""
+    stream = _video_stream(container)
+    if stream is None:
+        raise MediaError(f"{path} has no video stream.")
+    fps = _frame_rate(stream)
+    if fps is None:
+        raise UnreadableMediaError(f"{path} does not state its frame rate, so it cannot be resampled to {FPS} fps.")
+    stream.thread_type = "AUTO"
+    return stream, fps
+
+
+def _frames_on_24fps_grid(container, stream, fps: float, start_seconds: float, max_frames: int | None):
+    """Decode `stream` from `start_seconds` and yield upright RGB frames on the 24 fps slot grid."""
+    origin = _origin_seconds(container)
+    _seek(container, stream, origin + start_seconds)
+    scale = FPS / fps
+    kept = emitted = 0
+    for decoded, frame in enumerate(container.decode(stream)):
+        seconds = frame.time - origin if frame.pts is not None else decoded / fps
+        if seconds < start_seconds - _START_TOLERANCE_SECONDS:
+            continue
+        # Source frame `kept` fills slots s(kept) .. s(kept + 1) - 1; none when the next one shares its slot.
+        repeats = math.floor((kept + 1) * scale + 0.5) - math.floor(kept * scale + 0.5)
+        kept += 1
+        if repeats == 0:
+            continue
+        rgb = _to_rgb(frame)
+        turns = _quarter_turns(frame)
+        if turns:
+            rgb = np.ascontiguousarray(np.rot90(rgb, k=turns))
+        for _ in range(repeats):
+            yield rgb
+            emitted += 1
+            if emitted == max_frames:
+                return
+
+
+def _check_max_frames(max_frames: int | None) -> None:
+    if max_frames is not None and not (isinstance(max_frames, int) and max_frames > 0):
+        raise ValueError(f"max_frames must be a positive integer or None, got {max_frames!r}.")
+
+
+def iter_video_frames(
+    path: str | os.PathLike, start_seconds: float = 0.0, max_frames: int | None = None
+) -> Iterator[np.ndarray]:
+    """Yield a video's frames one at a time on the 24 fps grid: uint8 [H, W, 3] RGB, upright.
+
+    Streams (a long or large reference never has to fit in memory); the rule is in the module
+    docstring. A repeated frame is yielded as the same array: copy it before changing it in place.
+    """
+    path = Path(path)
+    _check_start(start_seconds)
+    _check_max_frames(max_frames)
+    with _open_media(path) as container:
+        stream, fps = _checked_video_stream(container, path)
+        yield from _frames_on_24fps_grid(container, stream, fps, start_seconds, max_frames)
+
+
+def read_video(
+    path: str | os.PathLike, start_seconds: float = 0.0, max_frames: int | None = None, *, with_audio: bool = True
+) -> VideoClip:
+    """A video file's frames at 24 fps (at most `max_frames`, from `start_seconds`) and its soundtrack.
+
+    The soundtrack is read for exactly the span of the returned frames (N / 24 s from the same
+    start), as `read_audio` would. Raises MediaError if no frame lies at or after `start_seconds`.
+    """
+    path = Path(path)
+    _check_start(start_seconds)
+    _check_max_frames(max_frames)
+    with _open_media(path) as container:
+        stream, fps = _checked_video_stream(container, path)
+        frames = list(_frames_on_24fps_grid(container, stream, fps, start_seconds, max_frames))
+    if not frames:
+        raise MediaError(f"{path} has no video frames at or after {start_seconds} s.")
+    audio = None
+    if with_audio:
+        with _open_media(path) as container:
+            if container.streams.audio:
+                waveform, rate = _decode_audio_window(container, start_seconds, len(frames) / FPS)
+                audio = resample_audio(waveform, rate) if waveform.shape[1] else None
+    return VideoClip(frames=np.stack(frames), audio=audio, source_fps=fps)
+
+
+def read_audio(path: str | os.PathLike, start_seconds: float = 0.0, max_seconds: float | None = None) -> np.ndarray:
+    """The first audio stream of a file as float32 [2, M] at 32 kHz, from `start_seconds`.
+
+    At most `max_seconds` (None: to the end); M = round(native samples * 32000 / native rate). A
+    window that starts before the audio does (a late soundtrack) is led with silence to stay in sync.
+    """
+    path = Path(path)
+    _check_start(start_seconds)
+    if max_seconds is not None and not (math.isfinite(max_seconds) and max_seconds > 0):
+        raise ValueError(f"max_seconds must be a positive number or None, got {max_seconds!r}.")
+    with _open_media(path) as container:
+        if not container.streams.audio:
+            raise MediaError(f"{path} has no audio stream.")
+        waveform, rate = _decode_audio_window(container, start_seconds, max_seconds)
+    if waveform.shape[1] == 0:
+        raise MediaError(f"{path} has no audio at or after {start_seconds} s.")
+    return resample_audio(waveform, rate)
+
+
+def _decode_audio_window(container, start_seconds: float, max_seconds: float | None) -> tuple[np.ndarray, int]:
+    """The first audio stream's samples in [start, start + max) at the native rate: (float32 [C, n], rate).
+
+    C is 1 or 2; wider layouts are downmixed to stereo here (format conversion only, same rate).
+    """
+    stream = container.streams.audio[0]
+    rate = stream.sample_rate
+    origin = _origin_seconds(container)
+    _seek(container, stream, origin + start_seconds)
+    # fltp at the native rate: only the sample format (and a >2-channel layout) changes here.
+    converter = av.AudioResampler(format="fltp", layout="stereo" if stream.channels > 2 else None, rate=rate)
+    wanted = round(max_seconds * rate) if max_seconds is not None else None
+    pieces: list[np.ndarray] = []
+    skip = None  # samples to drop (> 0) or silence to lead with (< 0) before `start_seconds`
+    collected = 0
+    for frame in container.decode(stream):
+        if skip is None:
+            first_seconds = frame.time - origin if frame.pts is not None else 0.0
+            skip = round((start_seconds - first_seconds) * rate)
+            if skip < 0:
+                pieces.append(np.zeros((min(stream.channels, 2), -skip), np.float32))
+                collected, skip = -skip, 0
+        for converted in converter.resample(frame):
+            pieces.append(converted.to_ndarray())
+            collected += converted.samples
+        if wanted is not None and collected >= skip + wanted:
+            break
+    pieces += [converted.to_ndarray() for converted in converter.resample(None)]
+    if not pieces:
+        return np.zeros((1, 0), np.float32), rate
+    waveform = np.concatenate(pieces, axis=1)[:, skip:]
+    return (waveform[:, :wanted] if wanted is not None else waveform), rate
