@@ -1,0 +1,204 @@
+"""The text conditioner: Qwen3-VL-32B read after decoder layer 50 (h3-model.md E).
+
+    encoder = load_text_encoder("/models/MiniMax-H3/FL2VA")           # or a text_encoder/ folder,
+    presentation = encoder.presenter.fl2va(prompt, [first, last])      # an HF folder, or the Comfy-Org
+    text = encoder.encode(presentation)                                # single file + tokenizer=...
+    text.prompt_embeds  # [1, T, 5120] in the encoder dtype
+    text.token_tags     # [T] int64: 1 text, 0 the rows of a vision block
+
+What H3 conditions on is the **un-normalized** residual stream after decoder layer 50 (of 64):
+`hidden_states[50]` of the language model, index 0 being the embeddings. The encoder is built with
+exactly 50 decoder layers and its final RMSNorm replaced by identity, so the model's last hidden
+state *is* that stream (a plain 50-layer stack would return it post-norm, which is not what the DiT
+was trained on). The call is the reference's: the presentation's input_ids, an all-ones attention
+mask (the LM is causal inside), Qwen's `mm_token_type_ids` (0 text, 1 image pad, 2 video pad) and
+the processor's pixel tensors; no cache, no LM head.
+
+Memory: about 51.5 GB in bf16 for the 32B (embedding, 50 layers, vision tower). Weights stream
+tensor by tensor straight to `device`; `to(device)` moves the encoder (e.g. to the CPU between
+requests) and `release()` drops it. The DiT casts the embeddings to its own dtype.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .prompt import (
+    IMAGE_PAD,
+    VIDEO_PAD,
+    VISION_END,
+    VISION_START,
+    Presentation,
+    Presenter,
+    VisionProcessor,
+    load_tokenizer,
+)
+from .text_checkpoint import TEXT_ENCODER_LAYER, CheckpointError, load_qwen3vl, locate_text_encoder, qwen3vl_config
+
+
+@dataclass(frozen=True)
+class TextConditioning:
+    """What the DiT takes from the text encoder.
+
+    prompt_embeds [1, T, hidden] (5120 for the 32B) in the encoder dtype, on the encoder's device.
+    token_tags    [T] int64 on the CPU: 1 for text rows, 0 for the rows of a vision block."""
+
+    prompt_embeds: torch.Tensor
+    token_tags: torch.Tensor
+
+    def as_tensors(self) -> dict[str, torch.Tensor]:
+        """The `--text-states` safetensors layout of `h3 denoise`: prompt_embeds and text_token_tags."""
+        return {"prompt_embeds": self.prompt_embeds.contiguous().cpu(), "text_token_tags": self.token_tags.cpu()}
+
+
+class TextEncoder:
+    """Qwen3-VL truncated after decoder layer `layer`, with the presenter that feeds it.
+
+    `model`: transformers' `Qwen3VLModel` holding `layer` decoder layers and an identity final norm
+    (as `text_checkpoint.load_qwen3vl` builds it). `presenter`: tokenizer + vision processor."""
+
+    def __init__(self, model, presenter: Presenter, layer: int = TEXT_ENCODER_LAYER):
+        self.model = model
+        self.presenter = presenter
+        self.layer = layer
+        _check_compatible(model.config, presenter)
+
+    @property
+    def device(self) -> torch.device:
+        return self._loaded().language_model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._loaded().language_model.embed_tokens.weight.dtype
+
+    def present(self, task: str, prompt: str, keyframes=(), references=()) -> Presentation:
+        """`Presenter.present`: the request as Qwen3-VL reads it (no model needed)."""
+        return self.presenter.present(task, prompt, keyframes, references)
+
+    @torch.no_grad()
+    def encode(self, presentation: Presentation) -> TextConditioning:
+        """The hidden state after decoder layer `layer` for every row of `presentation`."""
+        model = self._loaded()
+        if not isinstance(presentation, Presentation):
+            raise TypeError(
+                f"encode takes a Presentation (see TextEncoder.present), got {type(presentation).__name__}."
+            )
+        config = model.config
+        if (presentation.image_token_id, presentation.video_token_id) != (config.image_token_id, config.video_token_id):
+            raise ValueError(
+                "This presentation was built with another tokenizer (its image/video pad ids are "
+                f"{presentation.image_token_id}/{presentation.video_token_id}, the encoder's "
+                f"{config.image_token_id}/{config.video_token_id}); build it with this encoder's presenter."
+            )
+        vocab = model.language_model.embed_tokens.num_embeddings
+        if presentation.num_tokens == 0 or int(presentation.input_ids.max()) >= vocab:
+            raise ValueError(
+                f"The presentation's token ids must be non-empty and below the encoder's vocabulary ({vocab})."
+            )
+
+        device, dtype = self.device, self.dtype
+        input_ids = presentation.input_ids.to(device)[None]
+        vision = {
+            name: value.to(device, dtype) if name.startswith("pixel_") else value.to(device)
+            for name, value in presentation.vision_inputs.items()
+        }
+        model.rope_deltas = None  # transformers caches multimodal RoPE offsets for generation; start clean
+        output = model(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            mm_token_type_ids=presentation.mm_token_type_ids.to(device)[None],
+            use_cache=False,
+            **vision,
+        )
+        return TextConditioning(output.last_hidden_state, presentation.token_tags.clone())
+
+    def to(self, device: str | torch.device) -> "TextEncoder":
+        """Move the weights (e.g. "cpu" to park the encoder while the DiT runs)."""
+        self.model = self._loaded().to(device)
+        return self
+
+    def release(self) -> None:
+        """Drop the weights and free their memory; the presenter stays usable."""
+        device = None if self.model is None else self.device
+        self.model = None
+        gc.collect()
+        if device is not None and device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _loaded(self):
+        if self.model is None:
+            raise RuntimeError("This text encoder was released; load it again with load_text_encoder.")
+        return self.model
+
+
+def load_text_encoder(
+    path: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    *,
+    tokenizer: str | Path | None = None,
+    processor: str | Path | None = None,
+    config: dict | str | Path | None = None,
+    layer: int = TEXT_ENCODER_LAYER,
+) -> TextEncoder:
+    """Load the text conditioner from any layout users have.
+
+    path       a release root, a partition folder (`FL2VA/`), its `text_encoder/`, an HF-layout
+               Qwen3-VL folder, or the Comfy-Org single file `qwen3vl_32b_minimax_h3_bf16.safetensors`.
+    tokenizer  the H3 tokenizer folder (`FL2VA/tokenizer`), or a folder holding `tokenizer/` and
+               `processor/` (the partition or the release root). Found beside folder layouts;
+               required for a single file, which carries none.
+    processor  the Qwen3-VL processor folder (`FL2VA/processor`); found beside the tokenizer if omitted.
+    config     a Qwen3-VL config (dict, config.json or its folder) overriding the folder's; a single
+               file defaults to the built-in Qwen3-VL-32B config.
+    layer      the decoder layer whose output H3 reads: 50 for the released checkpoints.
+    Only the embedding, the first `layer` decoder layers and the vision tower are read, cast to
+    `dtype` and put on `device` one tensor at a time."""
+    source = locate_text_encoder(path, tokenizer, processor, layer)
+    if source.tokenizer_folder is None:
+        hint = (
+            " A single file carries none: pass tokenizer= the release's FL2VA/tokenizer (or FL2VA) folder."
+            if (source.origin == "single file")
+            else ""
+        )
+        raise CheckpointError(f"No tokenizer found for {path}.{hint}")
+    if source.processor_folder is None:
+        raise CheckpointError(
+            f"No Qwen3-VL processor config found for {path}; pass processor= the release's FL2VA/processor folder."
+        )
+    presenter = Presenter(load_tokenizer(source.tokenizer_folder), VisionProcessor.from_folder(source.processor_folder))
+    qwen_config = qwen3vl_config(config if config is not None else source.config, layer)
+    _check_compatible(qwen_config, presenter)  # before reading ~51 GB of weights
+    model = load_qwen3vl(source, dtype, device, qwen_config, layer)
+    return TextEncoder(model, presenter, layer)
+
+
+def _check_compatible(config, presenter: Presenter) -> None:
+    """The tokenizer, the processor and the model (its `Qwen3VLConfig`) must agree on special tokens
+    and patch geometry."""
+    expected = {
+        VISION_START: config.vision_start_token_id,
+        VISION_END: config.vision_end_token_id,
+        IMAGE_PAD: config.image_token_id,
+        VIDEO_PAD: config.video_token_id,
+    }
+    wrong = [
+        f"{t} is {presenter.special_ids[t]} in the tokenizer, {i} in the model"
+        for t, i in expected.items()
+        if presenter.special_ids[t] != i
+    ]
+    if wrong:
+        raise CheckpointError(f"Tokenizer and text encoder disagree: {'; '.join(wrong)}. Use the release's tokenizer.")
+    vision = config.vision_config
+    for name, processor in (("image", presenter.vision.image_processor), ("video", presenter.vision.video_processor)):
+        got = (processor.patch_size, processor.temporal_patch_size, processor.merge_size)
+        want = (vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size)
+        if tuple(int(v) for v in got) != tuple(int(v) for v in want):
+            raise CheckpointError(
+                f"The {name} processor's (patch, temporal patch, merge) sizes {got} do not match the vision tower's "
+                f"{want}; use the release's processor/ folder."
+            )

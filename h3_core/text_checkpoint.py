@@ -1,0 +1,348 @@
+"""Finding and loading the Qwen3-VL text encoder's weights, truncated to the layers H3 reads.
+
+H3 conditions on the residual stream after decoder layer 50 of Qwen3-VL-32B (h3-model.md E.1), so
+only the token embedding, the first 50 decoder layers and the vision tower are loaded (about 25.6 B
+parameters, 51.5 GB in bf16); decoder layers 50..63, the final norm and the LM head are never read
+(sharded folders: shards that hold only those are not even opened).
+
+Layouts (h3-model.md I):
+- an original release partition: `FL2VA/text_encoder/` (config.json + sharded safetensors + index),
+  with `FL2VA/tokenizer/` and `FL2VA/processor/` beside it; the release root or the partition folder
+  may be given instead;
+- an HF-layout model folder (config.json, shards, tokenizer and processor files in one folder);
+- the Comfy-Org single file (`qwen3vl_32b_minimax_h3_bf16.safetensors`: 50 layers, no final norm,
+  no LM head, keys optionally prefixed `text_encoders.qwen3vl_32b.transformer.`). It carries neither
+  config nor tokenizer: the tokenizer/processor folders are given separately and the config is the
+  built-in Qwen3-VL-32B one (or one given).
+Tensor names may be spelled `model.language_model.*` / `model.visual.*` (transformers >= 4.57) or
+`model.*` / `visual.*` (older Qwen-VL naming, the single file). Only safetensors are read.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .weights import PICKLE_SUFFIXES, CheckpointError, assign_strictly, check_safetensors_file, tensor_names
+
+TEXT_ENCODER_LAYER = 50  # H3 reads hidden_states[50]: the residual stream after decoder layer 50
+PARTITION_FOLDERS = ("FL2VA", "Ref2VA")  # both partitions ship the same text encoder
+INDEX_NAME = "model.safetensors.index.json"
+KEY_PREFIXES = ("text_encoders.qwen3vl_32b.transformer.", "qwen3vl_32b.transformer.")
+TOKENIZER_MARKERS = ("tokenizer.json", "vocab.json")
+PROCESSOR_MARKERS = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+# Qwen3-VL-32B (the config the release's text_encoder/config.json carries), for the single file.
+QWEN3VL_32B_CONFIG = {
+    "model_type": "qwen3_vl",
+    "text_config": {
+        "vocab_size": 151936,
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 262144,
+        "attention_bias": False,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 5000000.0,
+            "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True,
+        },
+    },
+    "vision_config": {
+        "depth": 27,
+        "hidden_size": 1152,
+        "intermediate_size": 4304,
+        "num_heads": 16,
+        "hidden_act": "gelu_pytorch_tanh",
+        "in_channels": 3,
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+        "out_hidden_size": 5120,
+        "num_position_embeddings": 2304,
+        "deepstack_visual_indexes": [8, 16, 24],
+    },
+    "image_token_id": 151655,
+    "video_token_id": 151656,
+    "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+    "tie_word_embeddings": False,
+}
+
+
+@dataclass(frozen=True)
+class TextEncoderSource:
+    """Where the text encoder's pieces are. `config` is None for a single file (none shipped)."""
+
+    files: tuple[Path, ...]  # safetensors holding the tensors that are used
+    config: dict | None
+    tokenizer_folder: Path | None
+    processor_folder: Path | None
+    origin: str  # "original partition", "HF-layout folder" or "single file", for messages
+
+
+def locate_text_encoder(
+    path: str | Path,
+    tokenizer: str | Path | None = None,
+    processor: str | Path | None = None,
+    layers: int = TEXT_ENCODER_LAYER,
+) -> TextEncoderSource:
+    """Resolve a user path to the text encoder's weights, config, tokenizer and processor folders.
+
+    `path`: a release root, a partition folder (`FL2VA/`), a `text_encoder/` folder, an HF-layout
+    model folder, or a single .safetensors file. `tokenizer` / `processor`: folders overriding the
+    ones found beside the weights; each may also be a folder holding `tokenizer/` and `processor/`
+    (a partition folder or the release root), which is how a single file is paired with them.
+    `layers`: how many decoder layers will be loaded (decides which shards are needed)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist.")
+    if path.is_file():
+        check_safetensors_file(path, "Text encoder single")
+        files, config, roots, origin = (path,), None, [], "single file"
+    else:
+        folder = _weights_folder(path)
+        config = _read_config(folder / "config.json")
+        files = _shards(folder, layers)
+        roots = [folder, folder.parent]
+        origin = "original partition" if (folder.parent / "tokenizer").is_dir() else "HF-layout folder"
+
+    tokenizer_roots = [Path(tokenizer).expanduser()] if tokenizer is not None else roots
+    tokenizer_folder = _find(tokenizer_roots, "tokenizer", TOKENIZER_MARKERS)
+    if tokenizer is not None and tokenizer_folder is None:
+        raise CheckpointError(
+            f"{tokenizer} holds no tokenizer (expected {' or '.join(TOKENIZER_MARKERS)} in it or in a tokenizer/ "
+            "folder inside it)."
+        )
+    processor_roots = [Path(processor).expanduser()] if processor is not None else list(tokenizer_roots)
+    if processor is None and tokenizer_folder is not None:
+        processor_roots += [tokenizer_folder, tokenizer_folder.parent]
+    processor_folder = _find(processor_roots, "processor", PROCESSOR_MARKERS)
+    if processor is not None and processor_folder is None:
+        raise CheckpointError(
+            f"{processor} holds no Qwen3-VL processor config (expected one of {', '.join(PROCESSOR_MARKERS)} in it "
+            "or in a processor/ folder inside it)."
+        )
+    return TextEncoderSource(tuple(files), config, tokenizer_folder, processor_folder, origin)
+
+
+def _weights_folder(path: Path) -> Path:
+    candidates = [path, path / "text_encoder"] + [path / p / "text_encoder" for p in PARTITION_FOLDERS]
+    for candidate in candidates:
+        if (candidate / "config.json").is_file():
+            if any(candidate.glob("*.safetensors")):
+                return candidate
+            pickles = sorted(p.name for p in candidate.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
+            if pickles:
+                raise CheckpointError(
+                    f"{candidate} holds only pickle weights ({', '.join(pickles[:3])}); H3 loads only .safetensors, "
+                    "which cannot run code on load. Convert them to safetensors first."
+                )
+    raise CheckpointError(
+        f"{path} is not a Qwen3-VL text encoder: expected a folder with config.json and *.safetensors (an original "
+        "'FL2VA/text_encoder' folder, an HF-layout model folder, or a release root / partition folder holding one), "
+        "or a single .safetensors file."
+    )
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path} is not valid JSON: {error}.") from None
+    if not isinstance(config, dict) or "text_config" not in config or "vision_config" not in config:
+        raise CheckpointError(f"{path} is not a Qwen3-VL config (it needs 'text_config' and 'vision_config').")
+    return config
+
+
+def _shards(folder: Path, layers: int) -> tuple[Path, ...]:
+    """The shards to open: from the index, only those holding a tensor that is used."""
+    index_path = folder / INDEX_NAME
+    if not index_path.is_file():
+        return tuple(sorted(folder.glob("*.safetensors")))
+    try:
+        weight_map = json.loads(index_path.read_text()).get("weight_map")
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{index_path} is not valid JSON: {error}.") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path} has no 'weight_map'.")
+    needed = sorted({shard for key, shard in weight_map.items() if model_name(key, layers) is not None})
+    for shard in needed:
+        check_safetensors_file(folder / shard, "Text encoder shard")
+    missing = [shard for shard in needed if not (folder / shard).is_file()]
+    if missing:
+        raise CheckpointError(f"{index_path} lists shards that are not in {folder}: {', '.join(missing)}.")
+    return tuple(folder / shard for shard in needed)
+
+
+def _find(roots: list[Path], subfolder: str, markers: tuple[str, ...]) -> Path | None:
+    for root in roots:
+        candidates = [root, root / subfolder] + [root / p / subfolder for p in PARTITION_FOLDERS]
+        for candidate in candidates:
+            if candidate.is_dir() and any((candidate / marker).is_file() for marker in markers):
+                return candidate
+    return None
+
+
+def model_name(key: str, layers: int = TEXT_ENCODER_LAYER) -> str | None:
+    """A checkpoint key -> the `Qwen3VLModel` parameter it fills, or None when H3 does not use it
+    (the LM head, the final norm, decoder layers >= `layers`). Unknown keys are returned as they
+    are, so the strict loader names them."""
+    for prefix in KEY_PREFIXES:
+        if key.startswith(prefix):
+            key = key[len(prefix) :]
+            break
+    if key.startswith("lm_head."):
+        return None
+    if key.startswith("model.language_model."):
+        name = "language_model." + key[len("model.language_model.") :]
+    elif key.startswith("model.visual."):
+        name = "visual." + key[len("model.visual.") :]
+    elif key.startswith(("visual.", "language_model.")):
+        name = key
+    elif key.startswith("model."):
+        name = "language_model." + key[len("model.") :]
+    else:
+        return key
+    if name.startswith("language_model.norm."):
+        return None
+    match = re.match(r"language_model\.layers\.(\d+)\.", name)
+    if match and int(match.group(1)) >= layers:
+        return None
+    return name
+
+
+def checkpoint_layers(keys: list[str]) -> int:
+    """How many decoder layers a checkpoint holds (1 + the highest layer index)."""
+    indices = [int(m.group(1)) for k in keys if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", k))]
+    return 1 + max(indices) if indices else 0
+
+
+def qwen3vl_config(config, layers: int = TEXT_ENCODER_LAYER):
+    """A transformers `Qwen3VLConfig` from a `Qwen3VLConfig`, a config dict, a config.json path or
+    its folder (None: the built-in Qwen3-VL-32B one), with the text stack cut to `layers` layers."""
+    from transformers import Qwen3VLConfig
+
+    if isinstance(config, Qwen3VLConfig):
+        config = config.to_dict()
+    if config is None:
+        raw = copy.deepcopy(QWEN3VL_32B_CONFIG)
+    elif isinstance(config, dict):
+        raw = copy.deepcopy(config)
+    else:
+        path = Path(config).expanduser()
+        raw = _read_config(path / "config.json" if path.is_dir() else path)
+    if "text_config" not in raw or "vision_config" not in raw:
+        raise CheckpointError("A Qwen3-VL config needs 'text_config' and 'vision_config'.")
+    available = int(raw["text_config"].get("num_hidden_layers", 0))
+    if available < layers:
+        raise CheckpointError(
+            f"H3 reads the state after decoder layer {layers}, but this Qwen3-VL config has {available} layers."
+        )
+    text = dict(raw["text_config"], num_hidden_layers=layers)
+    top = {
+        k: raw[k]
+        for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+        if k in raw
+    }
+    return Qwen3VLConfig(text_config=text, vision_config=dict(raw["vision_config"]), tie_word_embeddings=False, **top)
+
+
+def load_qwen3vl(
+    source: TextEncoderSource,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    config=None,
+    layers: int = TEXT_ENCODER_LAYER,
+):
+    """Build transformers' `Qwen3VLModel` with `layers` decoder layers and an identity final norm,
+    and fill it tensor by tensor (cast to `dtype`, placed on `device`) from `source`.
+
+    With the stack cut after decoder layer `layers` and no final norm, the model's
+    `last_hidden_state` is the un-normalized residual stream after that layer, i.e. the full
+    model's `hidden_states[layers]`. `config` (anything `qwen3vl_config` takes) overrides the
+    folder's config.json; a single file without one is read as Qwen3-VL-32B."""
+    from transformers import Qwen3VLModel
+
+    names = tensor_names(source.files)
+    _check_is_text_encoder(names, source)
+    qwen_config = qwen3vl_config(config if config is not None else source.config, layers)
+    deepstack = len(qwen_config.vision_config.deepstack_visual_indexes)
+    if layers <= deepstack:
+        raise CheckpointError(
+            f"Layer {layers} is one of the first {deepstack} layers that take DeepStack vision features after them; "
+            "H3 reads layer 50."
+        )
+    held = checkpoint_layers([name for name in _all_model_names(names) if name.startswith("language_model.")])
+    if held < layers:
+        raise CheckpointError(
+            f"{_origin(source)} holds {held} decoder layers; H3 reads the state after layer {layers}, so it needs at "
+            f"least {layers}."
+        )
+
+    with torch.device("meta"):
+        model = Qwen3VLModel(qwen_config)
+    model.language_model.norm = torch.nn.Identity()  # H3 reads the stream before the final norm
+    assign_strictly(model, _used_tensors(source.files, layers), _origin(source), lambda name: dtype, device)
+    _rebuild_rotary_buffers(model, device)
+    return model.eval().requires_grad_(False)
+
+
+def _used_tensors(files: tuple[Path, ...], layers: int):
+    """(model name, tensor, file) for the tensors H3 uses; the others are never read from disk."""
+    for path in files:
+        with safe_open(path, "pt") as handle:
+            for key in handle.keys():
+                name = model_name(key, layers)
+                if name is not None:
+                    yield name, handle.get_tensor(key), path
+
+
+def _all_model_names(keys: list[str]) -> list[str]:
+    """Model names of all keys, every layer kept (LM head and final norm dropped)."""
+    return [name for name in (model_name(key, layers=10**9) for key in keys) if name is not None]
+
+
+def _check_is_text_encoder(names: list[str], source: TextEncoderSource) -> None:
+    stripped = _all_model_names(names)
+    if any(k.endswith((".weight_scale", ".comfy_quant", ".scale_weight", ".input_scale")) for k in names):
+        raise CheckpointError(
+            f"{_origin(source)} is a quantized text encoder; only the bf16 (or fp16/fp32) file is supported."
+        )
+    if "language_model.embed_tokens.weight" not in stripped:
+        raise CheckpointError(
+            f"{_origin(source)} holds no Qwen3-VL text encoder (no 'model.embed_tokens.weight' or "
+            "'model.language_model.embed_tokens.weight'); is it another model's file?"
+        )
+
+
+def _rebuild_rotary_buffers(model: torch.nn.Module, device) -> None:
+    """Rotary frequency tables are non-persistent buffers computed in __init__ (on meta above);
+    recompute them by rebuilding those modules from their config on the target device."""
+    for name, module in list(model.named_modules()):
+        if not any(buffer.is_meta for buffer in module.buffers(recurse=False)):
+            continue
+        if "RotaryEmbedding" not in type(module).__name__ or not hasattr(module, "config"):
+            raise CheckpointError(f"Module '{name}' ({type(module).__name__}) has buffers that were never loaded.")
+        with torch.device(device):
+            model.set_submodule(name, type(module)(module.config))
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise CheckpointError(f"Tensors left unloaded: {', '.join(left[:5])}.")
+
+
+def _origin(source: TextEncoderSource) -> str:
+    where = source.files[0] if len(source.files) == 1 else source.files[0].parent
+    return f"{where} ({source.origin})"

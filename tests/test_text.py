@@ -1,0 +1,653 @@
+"""The text conditioner: presentation, layer-50 capture and loading, against diffusers' text-encode steps.
+
+One tiny Qwen3-VL (transformers' own class, 52 decoder layers so `hidden_states[50]` exists, DeepStack
+after both vision blocks) with random weights is written in every layout (original release partition,
+HF-layout folder, Comfy-Org single file) and loaded through `h3_core.text.load_text_encoder`; the
+diffusers 0.42.1 steps `MiniMaxH3TextEncoderStep`, `MiniMaxH3FL2VATextEncoderStep` and
+`MiniMaxH3Ref2VATextEncoderStep` run on the in-memory 52-layer model with the same tokenizer.
+
+Tolerance for hidden states: 1e-5 absolute in fp32 (the same transformers modules run on the same
+inputs in the same order; observed exactly equal), on states of magnitude ~20.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tiny_qwen
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from h3_core.prompt import (
+    AudioReference,
+    ImageReference,
+    Presenter,
+    VideoReference,
+    VisionProcessor,
+    sample_video_frames,
+    timestamp_label,
+)
+from h3_core.text import TextConditioning, load_text_encoder
+from h3_core.text_checkpoint import CheckpointError, load_qwen3vl, locate_text_encoder, qwen3vl_config
+
+PROMPT = "A red fox walks along the beach at sunset. <d>[English] Hello there.</d>"
+ATOL = 1e-5
+
+
+def picture(height: int, width: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def clip(frames: int, seed: int, height: int = 64, width: int = 96) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (frames, height, width, 3), dtype=np.uint8)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The tiny model's ops are microseconds; on small CPUs torch's thread pool wake-ups cost
+    milliseconds per op (measured 16 ms vs 14 us per attention call on 2 cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_qwen")
+    tokenizer = tiny_qwen.write_tokenizer(root / "tokenizer")
+    config = tiny_qwen.config_dict(tokenizer)
+    model = tiny_qwen.random_model(config, seed=11)
+    release = tiny_qwen.write_original_release(root / "MiniMax-H3", model, tokenizer)
+    hf = tiny_qwen.write_hf_folder(root / "qwen3vl-hf", model, tokenizer)
+    single = tiny_qwen.write_single_file(
+        root / "text_encoders" / "qwen3vl_32b_minimax_h3_bf16.safetensors",
+        model,
+        prefix="text_encoders.qwen3vl_32b.transformer.",
+    )
+    return {
+        "root": root,
+        "tokenizer": tokenizer,
+        "config": config,
+        "model": model,
+        "release": release,
+        "hf": hf,
+        "single": single,
+        "partition": release / "FL2VA",
+    }
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny):
+    return load_text_encoder(tiny["release"], torch.float32)
+
+
+@pytest.fixture(scope="module")
+def presenter(tiny):
+    return Presenter.from_folders(tiny["partition"] / "tokenizer", tiny["partition"] / "processor")
+
+
+# ---------------------------------------------------------------------------------------------
+# Parity with diffusers' text-encode steps
+
+
+class ReferenceProcessor:
+    """What diffusers' steps use of a `Qwen3VLProcessor` (which needs torchvision to construct here):
+    its image processor, a video processor, and transformers' own `create_mm_token_type_ids`. The
+    video processor is h3_core's (checked against transformers + torchvision in
+    `test_video_pixels_equal_transformers_with_torchvision`)."""
+
+    def __init__(self, vision: VisionProcessor, tokenizer):
+        from transformers.processing_utils import ProcessorMixin
+
+        self._create = ProcessorMixin.create_mm_token_type_ids
+        self.image_processor = vision.image_processor
+        self.video_processor = _VideoCall(vision)
+        self.image_token_ids = [tokenizer.convert_tokens_to_ids("<|image_pad|>")]
+        self.video_token_ids = [tokenizer.convert_tokens_to_ids("<|video_pad|>")]
+        self.audio_token_ids = [None]
+
+    def create_mm_token_type_ids(self, input_ids):
+        return self._create(self, input_ids)
+
+
+class _VideoCall:
+    def __init__(self, vision: VisionProcessor):
+        self.vision = vision
+        self.temporal_patch_size = vision.temporal_patch_size
+        self.merge_size = vision.video_merge
+
+    def __call__(self, videos, do_sample_frames, return_tensors):
+        assert do_sample_frames is False and return_tensors == "pt"
+        pixels, grid = self.vision.videos(videos)
+        return {"pixel_values_videos": pixels, "video_grid_thw": grid}
+
+
+def reference_processor(vision: VisionProcessor, tokenizer):
+    """transformers' real Qwen3VLProcessor (stock video processor) where torchvision is installed,
+    else `ReferenceProcessor`. The image processor is the same PIL one either way."""
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        return ReferenceProcessor(vision, tokenizer)
+    from transformers import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    config = {
+        k: v for k, v in tiny_qwen.VIDEO_PROCESSOR.items() if k not in ("video_processor_type", "processor_class")
+    }
+    return Qwen3VLProcessor(
+        image_processor=vision.image_processor, tokenizer=tokenizer, video_processor=Qwen3VLVideoProcessor(**config)
+    )
+
+
+def run_diffusers(step, tiny, presenter, monkeypatch, **inputs):
+    """Run one diffusers text step; returns (prompt_embeds, tags, token ids, vision inputs) it used."""
+    from diffusers.modular_pipelines.minimax_h3 import encoders
+
+    seen = {}
+    original = encoders.get_qwen3vl_prompt_embeds
+
+    def recording(text_encoder, processor, token_ids, vision_inputs=None, **kwargs):
+        seen["ids"], seen["vision"] = list(token_ids), dict(vision_inputs or {})
+        return original(text_encoder, processor, token_ids, vision_inputs, **kwargs)
+
+    monkeypatch.setattr(encoders, "get_qwen3vl_prompt_embeds", recording)
+    pipe = step.init_pipeline()
+    pipe.update_components(
+        text_encoder=tiny["model"],
+        tokenizer=presenter.tokenizer,
+        processor=reference_processor(presenter.vision, presenter.tokenizer),
+    )
+    with torch.no_grad():
+        out = pipe(**inputs, output=["prompt_embeds", "text_token_tags"])
+    return out["prompt_embeds"], out["text_token_tags"], seen["ids"], seen["vision"]
+
+
+def assert_same(ours: TextConditioning, presentation, reference) -> None:
+    embeds, tags, ids, vision = reference
+    assert presentation.input_ids.tolist() == ids
+    assert torch.equal(ours.token_tags, tags)
+    assert sorted(presentation.vision_inputs) == sorted(vision)
+    for name, value in vision.items():
+        assert torch.equal(presentation.vision_inputs[name], value), name
+    assert ours.prompt_embeds.shape == embeds.shape == (1, len(ids), 32)
+    assert ours.prompt_embeds.dtype == embeds.dtype == torch.float32
+    assert (ours.prompt_embeds - embeds).abs().max().item() <= ATOL
+
+
+def test_t2va_equals_diffusers(tiny, encoder, monkeypatch):
+    from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3TextEncoderStep
+
+    reference = run_diffusers(MiniMaxH3TextEncoderStep(), tiny, encoder.presenter, monkeypatch, prompt=PROMPT)
+    presentation = encoder.presenter.t2va(PROMPT)
+    assert presentation.token_tags.tolist() == [1] * presentation.num_tokens
+    assert presentation.vision_inputs == {}
+    assert_same(encoder.encode(presentation), presentation, reference)
+
+
+@pytest.mark.parametrize(
+    "keyframes",
+    [
+        pytest.param(lambda: [picture(64, 96, 1)], id="first"),
+        # a last keyframe alone is still `<Picture 1>` (the packed order); this one is resized by the processor
+        pytest.param(lambda: [picture(128, 192, 2)], id="last"),
+        pytest.param(lambda: [picture(64, 96, 3), picture(64, 96, 4)], id="first+last"),
+    ],
+)
+def test_fl2va_equals_diffusers(tiny, encoder, monkeypatch, keyframes):
+    from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3FL2VATextEncoderStep
+
+    images = keyframes()
+    reference = run_diffusers(
+        MiniMaxH3FL2VATextEncoderStep(), tiny, encoder.presenter, monkeypatch, prompt=PROMPT, keyframes=images
+    )
+    presentation = encoder.presenter.fl2va(PROMPT, images)
+    assert presentation.vision_inputs["image_grid_thw"].shape == (len(images), 3)
+    assert_same(encoder.encode(presentation), presentation, reference)
+
+
+REF2VA_CASES = {
+    "images+audio": lambda: [
+        ImageReference(picture(64, 96, 5)),
+        AudioReference(),
+        ImageReference(picture(160, 96, 6)),
+        AudioReference(),
+    ],
+    "videos": lambda: [
+        VideoReference(clip(30, 7), has_audio=True),
+        ImageReference(picture(64, 96, 8)),
+        AudioReference(),
+        VideoReference(clip(48, 9)),
+    ],
+}
+
+
+def to_diffusers(references):
+    from diffusers.modular_pipelines.minimax_h3.references import (
+        MiniMaxH3AudioReference,
+        MiniMaxH3ImageReference,
+        MiniMaxH3VideoReference,
+    )
+
+    sound = torch.zeros(2, 3200)
+    out = []
+    for reference in references:
+        if reference.kind == "image":
+            out.append(MiniMaxH3ImageReference(image=reference.image))
+        elif reference.kind == "audio":
+            out.append(MiniMaxH3AudioReference(audio=sound, sample_rate=32000))
+        else:
+            audio = sound if reference.has_audio else None
+            out.append(MiniMaxH3VideoReference(frames=reference.frames, fps=24.0, audio=audio, sample_rate=32000))
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(REF2VA_CASES))
+def test_ref2va_equals_diffusers(tiny, encoder, monkeypatch, case):
+    from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3Ref2VATextEncoderStep
+
+    references = REF2VA_CASES[case]()
+    reference = run_diffusers(
+        MiniMaxH3Ref2VATextEncoderStep(),
+        tiny,
+        encoder.presenter,
+        monkeypatch,
+        prompt=PROMPT,
+        normalized_references=to_diffusers(references),
+    )
+    presentation = encoder.presenter.ref2va(PROMPT, references)
+    assert_same(encoder.encode(presentation), presentation, reference)
+
+
+# ---------------------------------------------------------------------------------------------
+# What is captured: the un-normalized state after decoder layer 50
+
+
+def test_captured_state_is_unnormalized_layer_50(tiny, encoder):
+    from transformers import Qwen3VLConfig, Qwen3VLModel
+
+    presentation = encoder.presenter.ref2va(PROMPT, [ImageReference(picture(64, 96, 12)), VideoReference(clip(30, 13))])
+    ours = encoder.encode(presentation).prompt_embeds
+    inputs = dict(
+        input_ids=presentation.input_ids[None],
+        mm_token_type_ids=presentation.mm_token_type_ids[None],
+        attention_mask=torch.ones(1, presentation.num_tokens, dtype=torch.long),
+        **presentation.vision_inputs,
+    )
+    full = tiny["model"].model
+    with torch.no_grad():
+        states = full(**inputs, output_hidden_states=True).hidden_states
+    assert len(states) == tiny_qwen.TEXT_LAYERS + 1  # embeddings + 52 layers
+    assert (ours - states[50]).abs().max().item() <= ATOL
+    post_norm = full.language_model.norm(states[50])
+    assert (ours - post_norm).abs().max().item() > 1.0  # the final norm really changes it
+    assert (ours - states[49]).abs().max().item() > 1e-2 and (ours - states[51]).abs().max().item() > 1e-2
+
+    # The trap: a plain transformers stack cut to 50 layers returns the *post-norm* state as its last one.
+    config = dict(tiny["config"], text_config=dict(tiny["config"]["text_config"], num_hidden_layers=50))
+    plain = Qwen3VLModel(Qwen3VLConfig(**config)).eval()
+    weights = {k[len("model.") :]: v for k, v in tiny["model"].state_dict().items() if k.startswith("model.")}
+    missing, unexpected = plain.load_state_dict(weights, strict=False)
+    assert not missing and all(".layers.50." in k or ".layers.51." in k for k in unexpected)
+    with torch.no_grad():
+        last = plain(**inputs, output_hidden_states=True)
+    assert torch.allclose(last.last_hidden_state, post_norm, atol=ATOL)
+    assert torch.allclose(last.hidden_states[50], post_norm, atol=ATOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Presentation (no model)
+
+
+def test_presentation_pieces_are_tokenized_separately_and_tagged(presenter):
+    tokenizer = presenter.tokenizer
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    special = presenter.special_ids
+    block = [special["<|vision_start|>"]] + [special["<|image_pad|>"]] * 6 + [special["<|vision_end|>"]]
+    p = presenter.fl2va(PROMPT, [picture(64, 96, 1), picture(64, 96, 2)])
+    expected = ids("<Picture 1>: ") + block + ids("<Picture 2>: ") + block + ids(PROMPT)
+    assert p.input_ids.tolist() == expected
+    tags = (
+        [1] * len(ids("<Picture 1>: ")) + [0] * 8 + [1] * len(ids("<Picture 2>: ")) + [0] * 8 + [1] * len(ids(PROMPT))
+    )
+    assert p.token_tags.tolist() == tags
+    assert p.mm_token_type_ids.tolist() == [1 if i == special["<|image_pad|>"] else 0 for i in expected]
+    assert p.vision_inputs["image_grid_thw"].tolist() == [[1, 4, 6], [1, 4, 6]]  # 64x96: 4x6 patches -> 6 tokens
+    assert p.vision_inputs["pixel_values"].shape == (48, 3 * 2 * 16 * 16)
+
+
+def test_ref2va_labels_numbered_per_modality(presenter):
+    references = [
+        ImageReference(picture(64, 96, 1)),
+        AudioReference(),
+        VideoReference(clip(30, 2), has_audio=True),
+        ImageReference(np.asarray(picture(64, 96, 3))),
+        VideoReference(clip(48, 4)),
+        AudioReference(),
+    ]
+    p = presenter.ref2va("Go.", references)
+    image = "<|vision_start|>" + "<|image_pad|>" * 6 + "<|vision_end|>"
+    video = "<|vision_start|>" + "<|video_pad|>" * 2 + "<|vision_end|>"  # 3 frames -> 32x64 by the processor's cap
+    assert presenter.tokenizer.decode(p.input_ids.tolist()) == (
+        "<Picture 1>: "
+        + image
+        + "<Audio 1>: "
+        + "<Audio 2>: <Video 1>: "
+        + "<0.2 seconds>"
+        + video
+        + "<1.0 seconds>"
+        + video
+        + "<Picture 2>: "
+        + image
+        + "<Video 2>: "
+        + "<0.2 seconds>"
+        + video
+        + "<1.2 seconds>"
+        + video
+        + "<Audio 3>: Go."
+    )
+    assert p.vision_inputs["video_grid_thw"].tolist() == [[2, 2, 4], [2, 2, 4]]
+    assert int((p.mm_token_type_ids == 2).sum()) == 8 and int((p.token_tags == 0).sum()) == 2 * 8 + 4 * 4
+
+
+def test_video_sampling_and_timestamps():
+    assert sample_video_frames(30) == ([0, 12, 24], [0.25, 1.0])
+    assert sample_video_frames(13) == ([0, 12], [0.25])
+    assert sample_video_frames(48) == ([0, 12, 24, 36], [0.25, 1.25])
+    indices, blocks = sample_video_frames(125)
+    assert indices == list(range(0, 125, 12)) and len(blocks) == 6
+    assert [timestamp_label(t) for t in (0.25, 0.75, 1.25, 2.25, 3.0)] == [
+        "<0.2 seconds>",
+        "<0.8 seconds>",
+        "<1.2 seconds>",
+        "<2.2 seconds>",
+        "<3.0 seconds>",
+    ]  # Python's round-half-even on the binary value
+    with pytest.raises(ValueError, match="at least 13 frames"):
+        sample_video_frames(12)
+
+
+def test_release_sized_keyframe_token_count(tmp_path, presenter):
+    """With Qwen3-VL's stock processor limits a keyframe on the 1344x768 canvas is not resized:
+    48 x 84 patches -> 1008 vision tokens (1010 rows with start/end)."""
+    config = dict(tiny_qwen.IMAGE_PROCESSOR, size={"shortest_edge": 65536, "longest_edge": 16777216})
+    vision = VisionProcessor(config, tiny_qwen.VIDEO_PROCESSOR)
+    pixels, grid = vision.images([picture(768, 1344, 1)])
+    assert grid.tolist() == [[1, 48, 84]] and vision.image_tokens(grid) == [1008]
+    assert pixels.shape == (48 * 84, 1536)
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda p: p.t2va(""), ValueError, "prompt is empty"),
+        (lambda p: p.t2va("   \n"), ValueError, "prompt is empty"),
+        (lambda p: p.t2va(["a"]), TypeError, "one string"),
+        (lambda p: p.t2va("look <|image_pad|> here"), ValueError, "vision token"),
+        (lambda p: p.fl2va("x", []), ValueError, "1 or 2 keyframes"),
+        (lambda p: p.fl2va("x", [picture(64, 96, 1)] * 3), ValueError, "1 or 2 keyframes"),
+        (lambda p: p.fl2va("", [picture(64, 96, 1)]), ValueError, "prompt is empty"),
+        (lambda p: p.fl2va("x", [np.zeros((64, 96), np.uint8)]), ValueError, r"\[H, W, 3\] uint8"),
+        (lambda p: p.ref2va("x", []), ValueError, "at least one reference"),
+        (lambda p: p.ref2va("x", [AudioReference()]), ValueError, "image or video reference beside it"),
+        (lambda p: p.ref2va("x", [ImageReference(picture(64, 96, 1))] * 10), ValueError, "at most 9 image"),
+        (lambda p: p.ref2va("x", ["a.png"]), TypeError, "ImageReference, VideoReference or AudioReference"),
+        (
+            lambda p: p.ref2va("x", [VideoReference(clip(30, 1).astype(np.float32))]),
+            ValueError,
+            r"\[F, H, W, 3\] uint8",
+        ),
+        (lambda p: p.ref2va("x", [VideoReference(clip(6, 1))]), ValueError, "at least 13 frames"),
+        (lambda p: p.present("i2v", "x"), ValueError, "t2va, fl2va, ref2va"),
+        (lambda p: p.present("t2va", "x", keyframes=[picture(64, 96, 1)]), ValueError, "prompt only"),
+    ],
+)
+def test_presentation_errors(presenter, call, error, match):
+    with pytest.raises(error, match=match):
+        call(presenter)
+
+
+def test_processor_config_files(tmp_path, tiny):
+    """transformers 5's nested processor_config.json and the per-processor files read the same."""
+    nested = VisionProcessor.from_folder(tiny_qwen.write_processor(tmp_path / "nested", nested=True))
+    legacy = VisionProcessor.from_folder(tiny["partition"] / "processor")
+    frames = [clip(4, 3)]
+    assert all(torch.equal(a, b) for a, b in zip(nested.videos(frames), legacy.videos(frames), strict=True))
+    with pytest.raises(FileNotFoundError, match="preprocessor_config.json"):
+        VisionProcessor.from_folder(tiny["tokenizer"])
+
+
+def test_video_pixels_equal_transformers_with_torchvision():
+    """Where torchvision is installed, the torch-only video path equals transformers' own processor."""
+    pytest.importorskip("torchvision")
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    for size in ({"shortest_edge": 1024, "longest_edge": 16384}, {"shortest_edge": 65536, "longest_edge": 10**8}):
+        config = dict(tiny_qwen.VIDEO_PROCESSOR, size=size)
+        ours = VisionProcessor(tiny_qwen.IMAGE_PROCESSOR, config)
+        stock = Qwen3VLVideoProcessor(
+            **{k: v for k, v in config.items() if not k.endswith("_class") and k != "video_processor_type"}
+        )
+        videos = [clip(3, 1), clip(5, 2, 70, 100)]
+        pixels, grid = ours.videos(videos)
+        expected = stock(videos=videos, do_sample_frames=False, cap_pixels_per_frame=False, return_tensors="pt")
+        assert torch.equal(grid, expected["video_grid_thw"])
+        assert torch.equal(pixels, expected["pixel_values_videos"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def test_every_layout_loads_the_same_encoder(tiny, encoder, tmp_path):
+    presentation = encoder.presenter.fl2va(PROMPT, [picture(64, 96, 21)])
+    expected = encoder.encode(presentation).prompt_embeds
+    for path, kwargs in (
+        (tiny["partition"], {}),
+        (tiny["partition"] / "text_encoder", {}),
+        (tiny["hf"], {}),
+        (tiny["single"], {"tokenizer": tiny["partition"], "config": tiny["partition"] / "text_encoder"}),
+        (
+            tiny_qwen.write_single_file(tmp_path / "unprefixed.safetensors", tiny["model"]),
+            {"tokenizer": tiny["release"], "config": tiny["config"]},
+        ),
+        (
+            tiny["single"],
+            {
+                "tokenizer": tiny["partition"] / "tokenizer",
+                "processor": tiny["partition"] / "processor",
+                "config": tiny["config"],
+            },
+        ),
+    ):
+        other = load_text_encoder(path, torch.float32, **kwargs)
+        again = other.presenter.fl2va(PROMPT, [picture(64, 96, 21)])
+        assert torch.equal(again.input_ids, presentation.input_ids)
+        assert torch.equal(again.vision_inputs["pixel_values"], presentation.vision_inputs["pixel_values"])
+        assert torch.equal(other.encode(again).prompt_embeds, expected), path
+
+
+def test_only_the_used_weights_are_loaded(tiny, encoder, tmp_path):
+    model = encoder.model
+    assert len(model.language_model.layers) == 50
+    assert isinstance(model.language_model.norm, torch.nn.Identity)
+    names = set(model.state_dict())
+    assert not any(
+        ".layers.50." in n or ".layers.51." in n or "lm_head" in n or n.startswith("language_model.norm") for n in names
+    )
+    reference = {k[len("model.") :] for k in tiny["model"].state_dict() if k.startswith("model.")}
+    assert names == {
+        n for n in reference if ".layers.50." not in n and ".layers.51." not in n and "language_model.norm" not in n
+    }
+
+    # The release's last shard holds only layers >= 50, the final norm and the LM head: never opened.
+    source = locate_text_encoder(tiny["release"])
+    assert [f.name for f in source.files] == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"]
+    copy = tmp_path / "FL2VA"
+    shutil.copytree(tiny["partition"], copy)
+    (copy / "text_encoder" / "model-00003-of-00003.safetensors").unlink()
+    assert load_text_encoder(copy, torch.float32).encode(encoder.presenter.t2va("x")).prompt_embeds.shape == (1, 1, 32)
+
+
+def test_dtype_move_and_release(tiny, encoder):
+    presentation = encoder.presenter.t2va(PROMPT)
+    expected = encoder.encode(presentation).prompt_embeds
+    half = load_text_encoder(tiny["hf"], torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and half.device.type == "cpu"
+    text = half.to("cpu").encode(presentation)
+    assert text.prompt_embeds.dtype == torch.bfloat16
+    relative = (text.prompt_embeds.float() - expected).norm() / expected.norm()
+    assert relative.item() < 0.05
+    tensors = text.as_tensors()
+    assert set(tensors) == {"prompt_embeds", "text_token_tags"} and tensors["text_token_tags"].dtype == torch.int64
+    half.release()
+    with pytest.raises(RuntimeError, match="released"):
+        half.encode(presentation)
+    assert half.presenter.t2va("still works").num_tokens > 0
+
+
+def test_builtin_config_is_qwen3vl_32b_cut_at_layer_50():
+    """What a single file (which ships no config) is read as (h3-model.md E.1)."""
+    config = qwen3vl_config(None)
+    text, vision = config.text_config, config.vision_config
+    assert (text.num_hidden_layers, text.hidden_size, text.intermediate_size) == (50, 5120, 25600)
+    assert (text.num_attention_heads, text.num_key_value_heads, text.head_dim, text.vocab_size) == (64, 8, 128, 151936)
+    assert text.rope_parameters["rope_theta"] == 5e6 and text.rope_parameters["mrope_section"] == [24, 20, 20]
+    assert (vision.depth, vision.hidden_size, vision.out_hidden_size, list(vision.deepstack_visual_indexes)) == (
+        27,
+        1152,
+        5120,
+        [8, 16, 24],
+    )
+    assert (config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id) == (
+        151655,
+        151656,
+        151652,
+        151653,
+    )
+    with pytest.raises(CheckpointError, match="has 40 layers"):
+        qwen3vl_config(qwen3vl_config(None, 40), 50)
+
+
+def test_real_size_encoder_is_the_902_tensors_of_the_comfy_file():
+    """Built on the meta device at the real config: embedding + 50 layers + vision tower = the 902
+    tensors of `qwen3vl_32b_minimax_h3_bf16.safetensors` (25.75 B parameters, 51.5 GB in bf16), and
+    every key spelling maps onto them; layers 50..63, the final norm and the LM head map to nothing."""
+    from transformers import Qwen3VLModel
+
+    from h3_core.text_checkpoint import model_name
+
+    with torch.device("meta"):
+        model = Qwen3VLModel(qwen3vl_config(None))
+    model.language_model.norm = torch.nn.Identity()
+    shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    assert len(shapes) == 902
+    assert sum(math.prod(shape) for shape in shapes.values()) == 25_753_095_920
+    for spell in (
+        lambda n: "text_encoders.qwen3vl_32b.transformer." + n.replace("language_model.", "model.", 1),  # Comfy-Org
+        lambda n: "model." + n,  # transformers (model.language_model.*, model.visual.*)
+    ):
+        assert {model_name(spell(name)) for name in shapes} == set(shapes)
+    for unused in (
+        "model.language_model.layers.50.mlp.up_proj.weight",
+        "model.layers.63.input_layernorm.weight",
+        "model.language_model.norm.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ):
+        assert model_name(unused) is None
+
+
+def test_encode_refuses_foreign_input(encoder):
+    import dataclasses
+
+    presentation = encoder.presenter.t2va(PROMPT)
+    with pytest.raises(TypeError, match="takes a Presentation"):
+        encoder.encode(presentation.input_ids)
+    swapped = dataclasses.replace(
+        presentation, image_token_id=presentation.video_token_id, video_token_id=presentation.image_token_id
+    )
+    with pytest.raises(ValueError, match="built with another tokenizer"):
+        encoder.encode(swapped)
+    with pytest.raises(ValueError, match="below the encoder's vocabulary"):
+        encoder.encode(dataclasses.replace(presentation, input_ids=presentation.input_ids + 10_000))
+
+
+def _write(path: Path, tensors: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path))
+    return path
+
+
+def test_loader_errors(tiny, tmp_path):
+    partition = tiny["partition"]
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_text_encoder(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match="not a Qwen3-VL text encoder"):
+        load_text_encoder(partition / "tokenizer")
+
+    broken = tmp_path / "broken"
+    shutil.copytree(partition, broken)
+    (broken / "text_encoder" / "model-00001-of-00003.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="lists shards that are not in"):
+        load_text_encoder(broken)
+
+    pickled = tmp_path / "pickled" / "text_encoder"
+    pickled.mkdir(parents=True)
+    shutil.copy(partition / "text_encoder" / "config.json", pickled / "config.json")
+    (pickled / "pytorch_model.bin").write_bytes(b"never unpickled")
+    with pytest.raises(CheckpointError, match="pickle"):
+        load_text_encoder(pickled)
+    with pytest.raises(CheckpointError, match="pickle"):
+        load_text_encoder(pickled / "pytorch_model.bin", tokenizer=partition)
+
+    with pytest.raises(CheckpointError, match="tokenizer="):
+        load_text_encoder(tiny["single"], config=tiny["config"])
+    with pytest.raises(CheckpointError, match="holds no tokenizer"):
+        load_text_encoder(tiny["single"], tokenizer=tmp_path, config=tiny["config"])
+
+    short = _write(tmp_path / "short.safetensors", tiny_qwen.comfy_keys(tiny["model"].state_dict(), layers=40))
+    with pytest.raises(CheckpointError, match="holds 40 decoder layers"):
+        load_text_encoder(short, tokenizer=partition, config=tiny["config"])
+
+    dit = _write(tmp_path / "dit.safetensors", {"blocks.0.attn.qkv_proj.weight": torch.zeros(4, 4)})
+    with pytest.raises(CheckpointError, match="holds no Qwen3-VL text encoder"):
+        load_text_encoder(dit, tokenizer=partition, config=tiny["config"])
+
+    tensors = tiny_qwen.comfy_keys(tiny["model"].state_dict())
+    quantized = _write(
+        tmp_path / "int8.safetensors", dict(tensors, **{"model.layers.0.mlp.down_proj.weight_scale": torch.ones(1)})
+    )
+    with pytest.raises(CheckpointError, match="quantized"):
+        load_text_encoder(quantized, tokenizer=partition, config=tiny["config"])
+
+    # A single file with no config given is read as Qwen3-VL-32B: the tiny tokenizer's ids do not
+    # fit it (checked before any weight is read), nor do the tiny tensors.
+    pad = tiny["config"]["image_token_id"]
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"<|image_pad|> is {pad} in the tokenizer, 151655 in the model")
+    ):
+        load_text_encoder(tiny["single"], tokenizer=partition)
+    with pytest.raises(CheckpointError, match=r"has shape \[\d+, 32\], expected \[151936, 5120\]"):
+        load_qwen3vl(locate_text_encoder(tiny["single"], tokenizer=partition), torch.float32)
+
+    other_ids = dict(
+        tiny["config"], image_token_id=tiny["config"]["video_token_id"], video_token_id=tiny["config"]["image_token_id"]
+    )
+    with pytest.raises(CheckpointError, match="Tokenizer and text encoder disagree"):
+        load_text_encoder(tiny["single"], tokenizer=partition, config=other_ids)
+
+    processor = tmp_path / "processor14"
+    processor.mkdir()
+    (processor / "preprocessor_config.json").write_text(json.dumps(dict(tiny_qwen.IMAGE_PROCESSOR, patch_size=14)))
+    with pytest.raises(CheckpointError, match="do not match the vision tower"):
+        load_text_encoder(partition, processor=processor)
