@@ -1,0 +1,595 @@
+"""LoRA and Turbo adapters on the native DiT: load, apply (merged or dynamic), remove, sampler defaults.
+
+    lora = load_lora("minimax_h3_fl2v_turbo_8step_v1.0_bf16.safetensors")     # any layout (lora_formats)
+    report = apply_loras(dit, [(lora, 1.0), (style, 0.7)], partition="fl2va")  # mode="merge" | "dynamic"
+    settings = report.sampler_settings()       # the Turbo contract's steps / shifts / ladders, or 50/12/3
+    schedule = settings.schedule()             # a DualClockSchedule
+    remove_loras(dit)                          # back to the base weights
+
+Data contract. For each low-rank term on a parameter W [out, in] of our model:
+`W[rows] += strength * alpha / rank * B @ A`, A [rank, in], B [rows, rank], where `rows` is all of W,
+or one of the q/k/v thirds of the stacked `attn.qkv_proj`. Dense terms add `strength * delta`.
+
+- "merge" (default): all deltas of one parameter are summed in fp32 and added to W in fp32, then cast
+  back to W's dtype once (one rounding, whatever the number of adapters). `backup=True` keeps a CPU
+  copy of each touched parameter, so `remove_loras` restores the base bitwise; `backup=False` keeps
+  nothing and removes by subtracting the same fp32 delta (exact up to fp32 rounding; in bf16 within one
+  bf16 step of max(|W|, |W + delta|) per apply/remove cycle, since it rounds twice).
+- "dynamic": weights stay untouched; a forward hook on each target module adds
+  `strength * scale * (x A^T) B^T` (or the dense delta's contribution) to its output, computed in the
+  module's weight dtype. Module names, `.weight` and state_dict are unchanged, so checkpoint tools,
+  offloading and torch.compile keep working; removal drops the hooks. Merged and dynamic outputs are
+  equal up to float rounding.
+
+Applications stack: each `apply_loras` call is undone by `remove_loras` in reverse order. Tables
+precomputed from the AdaLN weights (`H3DiT.modulation`) must be recomputed after applying or removing.
+The partition is a required argument: an adapter whose release or file names the other partition's
+task is refused, because it loads without error there and silently degrades the output.
+
+Turbo contracts (`TurboContract`, h3-model.md H.3/H.4): the steps, video / audio shifts or explicit
+base ladder a distilled release was trained for, from its metadata (`base_schedule`, `tasks`), its
+published file name, or (FastH3) its published folder name. They are offered as defaults
+(`sampler_settings`); a user value wins and is reported; a file nothing identifies is applied as a
+plain LoRA and the report says no schedule was found.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .keymap import deinterleave_qkv
+from .lora_formats import (
+    LIGHTX2V_NAME,
+    PARTITIONS,
+    TASKS_OF_PARTITION,
+    LoRAError,
+    ParsedLoRA,
+    Term,
+    parse_lora,
+    read_safetensors,
+)
+from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule
+
+__all__ = [
+    "LoRA", "LoRAError", "LoRAReport", "SamplerSettings", "TurboContract",
+    "applied_loras", "apply_loras", "load_lora", "remove_loras", "sampler_settings",
+]
+
+logger = logging.getLogger(__name__)
+DEFAULT_STEPS = 50
+_STATE = "_h3_lora_stack"  # attribute on the model: the applications, newest last
+
+
+# ---------------------------------------------------------------------------------------------------
+# Turbo / distilled-release contracts (h3-model.md H.3, H.4, D).
+LIGHTX2V_PUBLISHED = {  # (task, forwards, version, 768p) of h3-model.md H.3
+    ("fl2v", 4, "0.1", False), ("fl2v", 4, "1.0", True), ("fl2v", 4, "1.1", True), ("fl2v", 4, "1.2", True),
+    ("fl2v", 8, "1.0", False), ("fl2v", 8, "1.0", True), ("ref2v", 4, "0.1", False), ("ref2v", 8, "1.0", True),
+}
+FLASHGEN_FILE = "minimax_h3_t2va_flashgen_4step_v1.0_768p_bf16"
+FLASHGEN_BASE_SCHEDULE = (1.0, 0.7, 0.4, 0.15, 0.0)
+LARRYVRH_FILE = "minimax_h3_turbo_v4_step600_ema"
+FASTH3_4STEP_PATH = "fasth3-4-step"  # FastVideo/FastVideo-FastH3-4-step-Preview-v1-LoRA/<variant>/adapter_model.safetensors
+
+
+@dataclass(frozen=True)
+class TurboContract:
+    """The sampler settings a distilled adapter was trained for.
+
+    `steps` counts sigma points including the final 0 (as `DualClockSchedule.build` does), so the
+    model runs `steps - 1` forwards. `base_sigmas`, when set, is an unshifted ladder from the release
+    (FlashGen's `base_schedule`) that each modality's shift is applied on top of.
+    """
+
+    artifact: str
+    identified_by: str  # "file name", "metadata", "folder name"
+    steps: int
+    video_shift: float = VIDEO_SHIFT
+    audio_shift: float = AUDIO_SHIFT
+    base_sigmas: tuple[float, ...] | None = None
+    tasks: tuple[str, ...] = ()  # empty: the release does not say
+
+    @property
+    def forwards(self) -> int:
+        return self.steps - 1
+
+    @property
+    def partition(self) -> str | None:
+        """The DiT partition the tasks run on, or None when the release names no task."""
+        for partition, tasks in TASKS_OF_PARTITION.items():
+            if self.tasks and set(self.tasks) <= set(tasks):
+                return partition
+        return None
+
+    def sigmas(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """(video, audio) explicit ladders from `base_sigmas` with the shifts applied; None without a base."""
+        if self.base_sigmas is None:
+            return None
+        return shifted(self.base_sigmas, self.video_shift), shifted(self.base_sigmas, self.audio_shift)
+
+    def describe(self) -> str:
+        ladder = f", base ladder {list(self.base_sigmas)}" if self.base_sigmas else ""
+        tasks = f", tasks {'/'.join(self.tasks)}" if self.tasks else ""
+        return (f"{self.artifact}: {self.forwards} forwards ({self.steps} sigma points), video shift "
+                f"{self.video_shift:g}, audio shift {self.audio_shift:g}{ladder}{tasks} (from its {self.identified_by})")
+
+
+def shifted(base: tuple[float, ...], shift: float) -> tuple[float, ...]:
+    """The rectified-flow time shift s = shift * u / (1 + (shift - 1) * u) of each base position u."""
+    return tuple(shift * u / (1.0 + (shift - 1.0) * u) for u in base)
+
+
+# ---------------------------------------------------------------------------------------------------
+def identify_contract(path: Path, metadata: dict[str, str]) -> tuple[TurboContract | None, list[str]]:
+    """The published release a file is, from its metadata, name or folder; (contract or None, notes)."""
+    notes = []
+    name = path.name.removesuffix(".safetensors")
+    base = metadata.get("base_schedule")
+    if base is not None:
+        ladder = _parse_ladder(base)
+        tasks = tuple(t.strip().lower() for t in metadata.get("tasks", "").split(",") if t.strip())
+        artifact = name or "adapter"
+        if name == FLASHGEN_FILE and not tasks:
+            tasks = ("t2va",)
+        return TurboContract(artifact, "metadata", len(ladder), base_sigmas=ladder, tasks=tasks), notes
+    match = LIGHTX2V_NAME.fullmatch(name)
+    if match:
+        forwards, version, tags = int(match.group("steps")), match.group("version"), match.group("tags")
+        hi_res = "_768p" in tags
+        if (match.group("task"), forwards, version, hi_res) not in LIGHTX2V_PUBLISHED:
+            notes.append(f"{path.name} follows LightX2V's Turbo naming but is not a published artifact; its schedule "
+                         "is read from the name pattern")
+        tasks = TASKS_OF_PARTITION["fl2va" if match.group("task") == "fl2v" else "ref2va"]
+        return TurboContract(name, "file name", forwards + 1, video_shift=6.0 if hi_res else VIDEO_SHIFT, tasks=tasks), notes
+    if name == FLASHGEN_FILE:
+        return TurboContract(name, "file name", len(FLASHGEN_BASE_SCHEDULE), base_sigmas=FLASHGEN_BASE_SCHEDULE,
+                             tasks=("t2va",)), notes
+    if name == LARRYVRH_FILE:
+        return TurboContract(name, "file name", 9), notes
+    if any(FASTH3_4STEP_PATH in part.lower() for part in path.parts[-3:]):
+        return TurboContract("FastVideo FastH3 4-step preview", "folder name", 5, tasks=("t2va",)), notes
+    return None, notes
+
+
+def _parse_ladder(raw: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in str(raw).replace("[", "").replace("]", "").split(",") if v.strip())
+    except ValueError:
+        raise LoRAError(f"The file's base_schedule {raw!r} is not a comma-separated list of numbers.") from None
+    if len(values) < 2 or values[-1] != 0.0 or values[0] > 1.0 or any(a <= b for a, b in pairwise(values)):
+        raise LoRAError(f"The file's base_schedule {list(values)} must be strictly decreasing from at most 1.0 to 0.0.")
+    return values
+
+
+@dataclass
+class LoRA:
+    """A loaded adapter: its terms in our module names (`parts`, see `lora_formats.ParsedLoRA`)."""
+
+    name: str
+    path: Path | None
+    format: str
+    parts: dict[str | None, list[Term]]
+    metadata: dict[str, str]
+    contract: TurboContract | None
+    notes: list[str]
+    alpha_summary: str
+
+    @property
+    def partition(self) -> str | None:
+        """The partition the file or its release names, or None when it names none."""
+        named = {p for p in self.parts if p is not None}
+        if self.contract is not None and self.contract.partition is not None:
+            named.add(self.contract.partition)
+        return named.pop() if len(named) == 1 else None
+
+    def terms_for(self, partition: str) -> list[Term]:
+        """The terms to apply on `partition`'s DiT; refuses an adapter made for the other partition."""
+        if partition not in PARTITIONS:
+            raise LoRAError(f"partition must be one of {', '.join(PARTITIONS)}, got {partition!r}.")
+        contract = self.contract
+        if contract is not None and contract.tasks and not set(contract.tasks) <= set(TASKS_OF_PARTITION[partition]):
+            raise LoRAError(
+                f"{self.name} was distilled for {'/'.join(contract.tasks)} (from its {contract.identified_by}), which runs on "
+                f"the {contract.partition or 'other'} DiT, not on {partition}. Load it on a {contract.partition} model, "
+                f"or use the {partition} release of this adapter."
+            )
+        if None in self.parts:
+            return self.parts[None]
+        if partition not in self.parts:
+            other = ", ".join(p for p in self.parts if p)
+            raise LoRAError(f"{self.name} holds layers only for the {other} partition (its diffusers component prefix), "
+                            f"not for {partition}.")
+        return self.parts[partition]
+
+    def describe(self) -> str:
+        count = sum(len(terms) for terms in self.parts.values())
+        return f"{self.name} ({self.format}, {count} terms; alpha: {self.alpha_summary or 'n/a'})"
+
+
+def load_lora(
+    path: str | Path,
+    alpha: float | None = None,
+    qkv_layout: str | None = None,
+    unknown: str = "error",
+) -> LoRA:
+    """Read a LoRA safetensors file of any known layout (see `lora_formats`).
+
+    `alpha` overrides every module's alpha (reported); `qkv_layout` ("stacked" / "interleaved")
+    overrides the fused-qkv B row order the format implies; `unknown="warn"` loads a file whose
+    extra keys name no H3 module and reports them instead of refusing it.
+    """
+    path = Path(path).expanduser()
+    tensors, metadata = read_safetensors(path)
+    parsed: ParsedLoRA = parse_lora(tensors, metadata, path, alpha=alpha, qkv_layout=qkv_layout, unknown=unknown)
+    contract, notes = identify_contract(path, metadata)
+    lora = LoRA(path.name, path, parsed.format, parsed.parts, parsed.metadata, contract, notes + parsed.notes,
+                parsed.alpha_summary)
+    for note in parsed.notes:
+        if note.startswith("NOT LOADED"):
+            logger.warning("%s: %s", path.name, note)
+    return lora
+
+
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class _Resolved:
+    """One term checked against the model: where it goes and how strong it is."""
+
+    module: nn.Module
+    target: str
+    param: str
+    rows: slice
+    scale: float  # strength * alpha / rank (strength for a dense delta)
+    down: torch.Tensor | None  # A [rank, in]
+    up: torch.Tensor | None  # B [rows, rank] in stacked order
+    delta: torch.Tensor | None
+
+    def dense(self, device: torch.device) -> torch.Tensor:
+        """This term's fp32 delta for its rows, strength included, computed on `device`."""
+        if self.delta is not None:
+            return self.delta.to(device, torch.float32) * self.scale
+        return (self.up.to(device, torch.float32) @ self.down.to(device, torch.float32)) * self.scale
+
+
+def _resolve(model: nn.Module, lora: LoRA, term: Term, strength: float) -> _Resolved:
+    what = f"'{term.keys[0]}' of {lora.name}"
+    try:
+        module = model.get_submodule(term.target)
+    except AttributeError:
+        raise LoRAError(f"{what} targets '{term.target}', which this model does not have (it has "
+                        f"{len(getattr(model, 'blocks', []))} blocks); the LoRA was made for a different model size.") from None
+    if not isinstance(module, (nn.Linear, nn.RMSNorm)):
+        raise LoRAError(f"{what} targets '{term.target}', a {type(module).__name__}; only Linear and RMSNorm modules are supported.")
+    param = getattr(module, term.param, None)
+    if param is None:
+        raise LoRAError(f"{what} is a {term.param} delta, but '{term.target}' has no {term.param}.")
+    if param.device.type == "meta":
+        raise LoRAError(f"'{term.target}' is on the meta device; load the model's weights before applying LoRAs.")
+    head_dim = getattr(getattr(model, "config", None), "attention_head_dim", None)
+    rows_total = param.shape[0]
+    up, down, delta = term.up, term.down, term.delta
+    if term.qkv_rows == "interleaved":
+        if head_dim is None or rows_total % (3 * head_dim):
+            raise LoRAError(f"{what} has per-head interleaved qkv rows, but the model's attention_head_dim is unknown "
+                            f"or does not divide {rows_total} rows into q/k/v heads.")
+        if up is not None:
+            up = deinterleave_qkv(up, head_dim)
+        if delta is not None:
+            delta = deinterleave_qkv(delta, head_dim)
+    out_rows = (up if up is not None else delta).shape[0]
+    if term.part is not None:
+        if 3 * out_rows != rows_total:
+            raise LoRAError(f"{what} has {out_rows} output rows for the {term.part} part of '{term.target}', whose "
+                            f"stacked q/k/v weight has {rows_total} rows ({rows_total // 3} per part).")
+        start = "qkv".index(term.part) * out_rows
+        rows = slice(start, start + out_rows)
+    else:
+        if out_rows != rows_total:
+            raise LoRAError(f"{what} has {out_rows} output rows; '{term.target}.{term.param}' has {rows_total}.")
+        rows = slice(0, rows_total)
+    if term.kind == "lowrank":
+        if down.shape[1] != param.shape[1]:
+            raise LoRAError(f"{what} has input width {down.shape[1]}; '{term.target}' takes {param.shape[1]}.")
+        scale = strength * term.alpha / term.rank
+    else:
+        if tuple(delta.shape[1:]) != tuple(param.shape[1:]):
+            raise LoRAError(f"{what} has shape {list(delta.shape)}; '{term.target}.{term.param}' is {list(param.shape)}.")
+        scale = strength
+    return _Resolved(module, term.target, term.param, rows, scale, down, up, delta)
+
+
+# ---------------------------------------------------------------------------------------------------
+class _DeltaHook:
+    """Forward hook adding the unmerged adapters' contribution to one module's output.
+
+    Linear: y += scale * (x A^T) B^T on the term's output rows (dense: x D^T, bias + db).
+    RMSNorm: y += normalize(x) * D (RMSNorm is linear in its weight, so this is exact).
+    """
+
+    def __init__(self, module: nn.Module, resolved: list[_Resolved]):
+        dtype = module.weight.dtype
+        device = module.weight.device
+        self.terms = [
+            (r.param, r.rows, r.scale,
+             None if r.down is None else r.down.to(device, dtype),
+             None if r.up is None else r.up.to(device, dtype),
+             None if r.delta is None else r.delta.to(device, dtype))
+            for r in resolved
+        ]
+
+    def __call__(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        out = output.clone() if torch.is_grad_enabled() else output  # in place only where autograd cannot see it
+        for param, rows, scale, down, up, delta in self.terms:
+            if down is not None:
+                h = x.to(down.dtype)
+                down, up = down.to(h.device), up.to(h.device)
+                contribution = F.linear(F.linear(h, down), up) * scale
+            elif param == "bias":
+                contribution = delta.to(out.device) * scale
+            elif isinstance(module, nn.Linear):
+                contribution = F.linear(x.to(delta.dtype), delta.to(x.device)) * scale
+            else:
+                contribution = F.rms_norm(x, module.normalized_shape, delta.to(x.device, x.dtype), module.eps) * scale
+            out[..., rows] += contribution.to(out.dtype)
+        return out
+
+
+@dataclass
+class _Application:
+    mode: str
+    entries: list  # merge: (module, param name, fp32 delta or None, backup or None); dynamic: hook handles
+    names: list[str]
+
+
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class AppliedLoRA:
+    """What one adapter did: for the CLI/node report."""
+
+    name: str
+    format: str
+    strength: float
+    modules: int
+    alpha: str
+    contract: TurboContract | None
+    notes: list[str]
+
+
+@dataclass
+class LoRAReport:
+    """The result of `apply_loras`. `contract` is the one Turbo contract of the applied adapters (None
+    when none has one, or when they disagree: then `warnings` says so)."""
+
+    partition: str
+    mode: str
+    loras: list[AppliedLoRA]
+    warnings: list[str]
+    contracts: list[TurboContract] = field(default_factory=list)
+
+    @property
+    def contract(self) -> TurboContract | None:
+        distinct = {(c.steps, c.video_shift, c.audio_shift, c.base_sigmas) for c in self.contracts}
+        return self.contracts[0] if len(distinct) == 1 else None
+
+    def sampler_settings(self, **overrides) -> SamplerSettings:
+        return sampler_settings(self.contracts, **overrides)
+
+    def lines(self) -> list[str]:
+        """Human-readable report, one line per fact."""
+        out = [f"LoRA on {self.partition} ({self.mode}):"]
+        for item in self.loras:
+            out.append(f"  {item.name}: {item.format}, strength {item.strength:g}, {item.modules} modules, alpha: {item.alpha}")
+            out.append(f"    schedule: {item.contract.describe() if item.contract else 'no schedule found (plain LoRA)'}")
+            out += [f"    note: {note}" for note in item.notes]
+        out += [f"  warning: {w}" for w in self.warnings]
+        return out
+
+
+def apply_loras(
+    model: nn.Module,
+    loras: Sequence[tuple[LoRA, float] | LoRA],
+    *,
+    partition: str,
+    mode: str = "merge",
+    backup: bool = True,
+) -> LoRAReport:
+    """Apply adapters (each with a strength; a bare LoRA means strength 1) to `model` of `partition`.
+
+    Every term is checked against the model before any weight changes, so an error leaves the model
+    as it was. See the module docstring for the merge / dynamic contracts.
+    """
+    if mode not in ("merge", "dynamic"):
+        raise LoRAError(f"mode must be 'merge' or 'dynamic', got {mode!r}.")
+    if partition not in PARTITIONS:
+        raise LoRAError(f"partition must be one of {', '.join(PARTITIONS)}, got {partition!r}.")
+    pairs = [(item, 1.0) if isinstance(item, LoRA) else tuple(item) for item in loras]
+    report = LoRAReport(partition, mode, [], [])
+    by_module: dict[tuple[str, str], list[_Resolved]] = {}
+    for lora, strength in pairs:
+        if not isinstance(lora, LoRA):
+            raise LoRAError(f"apply_loras takes LoRA objects from load_lora (or (lora, strength) pairs), got {type(lora).__name__}.")
+        if not math.isfinite(float(strength)):
+            raise LoRAError(f"Strength of {lora.name} must be a finite number, got {strength!r}.")
+        terms = lora.terms_for(partition)
+        notes = list(lora.notes)
+        if len(lora.parts) > 1:
+            notes.append(f"layers for {', '.join(p for p in lora.parts if p != partition)} not applied (file holds both partitions)")
+        if lora.contract is not None:
+            report.contracts.append(lora.contract)
+        else:
+            report.warnings.append(f"{lora.name}: no schedule found in its metadata or name; applied as a plain LoRA")
+        modules = {t.target for t in terms}
+        report.loras.append(AppliedLoRA(lora.name, lora.format, float(strength), len(modules), lora.alpha_summary,
+                                        lora.contract, notes))
+        if float(strength) == 0.0:
+            notes.append("strength 0: nothing applied")
+            continue
+        for term in terms:
+            resolved = _resolve(model, lora, term, float(strength))
+            by_module.setdefault((term.target, term.param), []).append(resolved)
+    if len(report.contracts) > 1 and report.contract is None:
+        report.warnings.append("the applied adapters were distilled for different schedules: "
+                               + "; ".join(c.describe() for c in report.contracts))
+    names = [f"{item.name}@{item.strength:g}" for item in report.loras]
+    with torch.no_grad():
+        application = (_merge if mode == "merge" else _hook)(by_module, backup)
+    application.names = names
+    model.__dict__.setdefault(_STATE, []).append(application)
+    for line in report.warnings:
+        logger.warning(line)
+    return report
+
+
+def _summed_delta(param: torch.Tensor, resolved: list[_Resolved]) -> torch.Tensor:
+    """All terms on one parameter, summed in fp32 on its device."""
+    delta = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+    for r in resolved:
+        delta[r.rows] += r.dense(param.device)
+    return delta
+
+
+def _merge(by_module: dict, backup: bool) -> _Application:
+    """One parameter at a time, so at most one fp32 delta is alive. Without a backup the terms are kept
+    (they are small) and the delta is recomputed at removal."""
+    entries = []
+    for (_, param_name), resolved in by_module.items():
+        param = getattr(resolved[0].module, param_name)
+        saved = param.detach().to("cpu", copy=True) if backup else None
+        param.copy_((param.float() + _summed_delta(param, resolved)).to(param.dtype))
+        entries.append((resolved[0].module, param_name, None if backup else resolved, saved))
+    return _Application("merge", entries, [])
+
+
+def _hook(by_module: dict, backup: bool) -> _Application:
+    grouped: dict[nn.Module, list[_Resolved]] = {}
+    for resolved in by_module.values():
+        grouped.setdefault(resolved[0].module, []).extend(resolved)
+    handles = [module.register_forward_hook(_DeltaHook(module, resolved)) for module, resolved in grouped.items()]
+    return _Application("dynamic", handles, [])
+
+
+def remove_loras(model: nn.Module) -> int:
+    """Undo every `apply_loras` on `model`, newest first; returns how many applications were undone."""
+    stack = model.__dict__.get(_STATE, [])
+    count = len(stack)
+    with torch.no_grad():
+        while stack:
+            application = stack.pop()
+            if application.mode == "dynamic":
+                for handle in application.entries:
+                    handle.remove()
+                continue
+            for module, param_name, resolved, saved in reversed(application.entries):
+                param = getattr(module, param_name)
+                if saved is not None:
+                    param.copy_(saved.to(param.device))
+                else:
+                    param.copy_((param.float() - _summed_delta(param, resolved)).to(param.dtype))
+    return count
+
+
+def applied_loras(model: nn.Module) -> list[tuple[str, list[str]]]:
+    """(mode, ["name@strength", ...]) of each application still on `model`, oldest first."""
+    return [(a.mode, list(a.names)) for a in model.__dict__.get(_STATE, [])]
+
+
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SamplerSettings:
+    """Sampler defaults for a request: what `DualClockSchedule.build` takes, and where they came from."""
+
+    steps: int
+    video_shift: float
+    audio_shift: float
+    video_sigmas: tuple[float, ...] | None
+    audio_sigmas: tuple[float, ...] | None
+    source: str
+    notes: tuple[str, ...] = ()
+
+    def schedule(self) -> DualClockSchedule:
+        return DualClockSchedule.build(self.steps, self.video_shift, self.audio_shift, self.video_sigmas, self.audio_sigmas)
+
+
+def sampler_settings(
+    contracts: TurboContract | Sequence[TurboContract] | None = None,
+    steps: int | None = None,
+    video_shift: float | None = None,
+    audio_shift: float | None = None,
+    video_sigmas: Sequence[float] | None = None,
+    audio_sigmas: Sequence[float] | None = None,
+) -> SamplerSettings:
+    """The contract's settings as defaults, each user value overriding it with a note saying so.
+
+    Without a contract: the base model's 50 points and shifts 12 / 3. A contract with a base ladder
+    (FlashGen) gives explicit ladders under the shifts in force; a user step count replaces that ladder
+    with the uniform one. Several different contracts without user steps and both shifts (or both
+    ladders) are an error: there is no right schedule to pick.
+    """
+    if isinstance(contracts, TurboContract):
+        contracts = [contracts]
+    contracts = list(contracts or [])
+    distinct = {(c.steps, c.video_shift, c.audio_shift, c.base_sigmas): c for c in contracts}
+    user = dict(steps=steps, video_shift=video_shift, audio_shift=audio_shift, video_sigmas=video_sigmas, audio_sigmas=audio_sigmas)
+    ladders_given = video_sigmas is not None and audio_sigmas is not None
+    if len(distinct) > 1 and not (ladders_given or steps is not None and video_shift is not None and audio_shift is not None):
+        raise LoRAError("The adapters were distilled for different schedules ("
+                        + "; ".join(c.describe() for c in distinct.values())
+                        + "). Give steps and both shifts, or both sigma ladders, explicitly.")
+    notes = []
+    if len(distinct) > 1:
+        defaults = dict(steps=None, video_shift=None, audio_shift=None, video_sigmas=None, audio_sigmas=None)
+        source = "user settings (the adapters' contracts disagree)"
+        notes.append("adapters distilled for different schedules: " + "; ".join(c.describe() for c in distinct.values()))
+    elif distinct:
+        contract = next(iter(distinct.values()))
+        ladders = contract.sigmas()
+        defaults = dict(steps=contract.steps, video_shift=contract.video_shift, audio_shift=contract.audio_shift,
+                        video_sigmas=ladders[0] if ladders else None, audio_sigmas=ladders[1] if ladders else None)
+        source = f"Turbo contract of {contract.artifact}"
+        for name, value in user.items():
+            if value is not None and _differs(value, defaults[name]):
+                notes.append(f"user {name}={_show(value)} overrides the contract's {_show(defaults[name])} "
+                             f"({contract.artifact} was distilled for the latter)")
+        if contract.base_sigmas is not None:
+            if steps is not None:
+                # an explicit step count asks for a uniform ladder; the release's ladder no longer applies
+                defaults["video_sigmas"] = defaults["audio_sigmas"] = None
+            else:
+                # the release's base ladder under the shifts in force (the user's, if given)
+                defaults["video_sigmas"] = shifted(contract.base_sigmas, video_shift or contract.video_shift)
+                defaults["audio_sigmas"] = shifted(contract.base_sigmas, audio_shift or contract.audio_shift)
+    else:
+        defaults = dict(steps=DEFAULT_STEPS, video_shift=VIDEO_SHIFT, audio_shift=AUDIO_SHIFT, video_sigmas=None, audio_sigmas=None)
+        source = "base model defaults (no Turbo contract)"
+    chosen = {name: (user[name] if user[name] is not None else defaults[name]) for name in defaults}
+    if chosen["steps"] is None:  # explicit ladders only: their length is the point count
+        chosen["steps"] = len(chosen["video_sigmas"])
+    chosen["video_shift"] = VIDEO_SHIFT if chosen["video_shift"] is None else chosen["video_shift"]
+    chosen["audio_shift"] = AUDIO_SHIFT if chosen["audio_shift"] is None else chosen["audio_shift"]
+    for name in ("video_sigmas", "audio_sigmas"):
+        if chosen[name] is not None:
+            chosen[name] = tuple(float(v) for v in chosen[name])
+    return SamplerSettings(int(chosen["steps"]), float(chosen["video_shift"]), float(chosen["audio_shift"]),
+                           chosen["video_sigmas"], chosen["audio_sigmas"], source, tuple(notes))
+
+
+def _differs(a, b) -> bool:
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return b is None or len(a) != len(b) or any(abs(float(x) - float(y)) > 1e-9 for x, y in zip(a, b))
+    return b is None or abs(float(a) - float(b)) > 1e-9
+
+
+def _show(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(f"{float(v):.5g}" for v in value) + "]"
+    return f"{value:g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,494 @@
+"""Reading H3 LoRA files of every published layout and mapping them onto our (native, fused) modules.
+
+A LoRA file is a flat safetensors dict. Producers spell the same adapter in several ways
+(h3-model.md H.2); this module recognizes the spelling and turns every tensor into a `Term` on one of
+our module names, so the rest of the engine sees a single layout:
+
+    Term(kind="lowrank", target="blocks.3.attn.qkv_proj", param="weight",
+         down=A [rank, in], up=B [rows, rank], alpha, part=None|"q"|"k"|"v", qkv_rows="stacked"|"interleaved")
+    Term(kind="diff",    target=..., param="weight"|"bias", delta=full-shape tensor, part=None|"q"|"k"|"v")
+
+`delta_W[rows] = alpha / rank * B @ A` (times the user's strength, applied later). A q/k/v `part`
+addresses the first, second or third row block of our stacked `attn.qkv_proj` [q; k; v]; a fused
+`qkv_rows="interleaved"` B is in the raw checkpoint's per-head order and is de-interleaved when the
+model's head_dim is known (at apply time). diffusers' SwiGLU stores `ff.net.0.proj` rows as
+[value; gate] where our `mlp.fc1` is [gate; value]: such B (and dense deltas) are half-swapped here.
+
+Recognized layouts (the `format` label; first match wins):
+- "kohya": keys `lora_unet_<flattened native name>.lora_down/lora_up/alpha` (musubi-tuner).
+- "diffsynth": native names with peft's `.default.` infix; fused qkv B rows per-head interleaved.
+- "flashgen": native names, metadata `key_format=minimax-h3-native` (FlashGen); qkv B per-head
+  interleaved (vLLM-Omni reorders them so; see `QKV_ROWS`).
+- "lightx2v-comfyui": native names from a LightX2V `_comfyui_` Turbo export (by file name).
+- "native": native names, `lora_A`/`lora_B` (or kohya's down/up) with an optional `diffusion_model.`
+  prefix (ai-toolkit, ComfyUI-trained, larryvrh, the reference `generate.py`); qkv B stacked.
+- "diffusers": a `transformer.` / `transformer_ref.` prefix over diffusers names (diffusers' writer;
+  the prefix names the partition, and `lora_adapter_metadata` carries its alpha).
+- "lightx2v-diffusers": diffusers names with `.default.` and metadata `key_format=minimax-h3-diffusers`
+  or a LightX2V Turbo file name.
+- "peft": any other diffusers names with `.default.`, or under peft's `base_model.model.` prefix (a
+  peft dump of the diffusers model).
+- "fastvideo": diffusers names without `.default.` (FastVideo `fastvideo-lora-v2`, low rank plus dense
+  `.diff` / `.diff_b`).
+
+Alpha, per low-rank module (the first rule that applies; `Term.alpha_source` says which):
+1. the caller's `alpha` override; 2. a per-module `.alpha` tensor (kohya style); 3. a diffusers
+`lora_adapter_metadata` (`alpha_pattern`, then `lora_alpha`); 4. LightX2V `_comfyui_` exports: scale 1
+(ComfyUI reads only `.alpha` tensors, and these files are published for it); 5. a `__metadata__`
+`alpha` (or `lora_alpha`) network alpha; 6. LightX2V Turbo file names that declare nothing: 8 (the
+reference script's `--lora-alpha` default; only `4step_v0.1` is published so); 7. alpha = rank.
+
+Every tensor must land somewhere: a key that names no H3 module is an error (or, with
+`unknown="warn"`, a warning kept in `ParsedLoRA.notes`), never a silent skip. Pickles are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from . import keymap
+from .weights import PICKLE_SUFFIXES
+
+PARTITIONS = ("fl2va", "ref2va")
+TASKS_OF_PARTITION = {"fl2va": ("t2va", "fl2va"), "ref2va": ("ref2va",)}
+
+
+class LoRAError(ValueError):
+    """A LoRA file or a LoRA application that cannot be honored; the message says what and what is allowed."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Our module vocabulary (h3-model.md A.2): every Linear a LoRA may target, and the RMSNorms a dense
+# delta may target.
+_NATIVE_LINEAR = re.compile(
+    r"(?:token_refiner\.)?blocks\.\d+\.(?:attn\.(?:qkv_proj|out_proj)|mlp\.fc[12])"
+    r"|blocks\.\d+\.adaln_proj\.linear"
+    r"|video_patch_proj|audio_patch_proj|condition_proj|time_embedder\.proj_(?:in|out)"
+    r"|final_layer\.(?:adaln_proj\.linear|video_out|audio_out)"
+)
+_NATIVE_NORM = re.compile(
+    r"(?:token_refiner\.)?blocks\.\d+\.(?:norm[12]|attn\.[qk]_norm)|token_refiner\.final_norm|final_layer\.norm"
+)
+# musubi-tuner flattens every '.' to '_'; H3's own names hold '_' too, so names are rebuilt from parts.
+_FLAT_BLOCK = re.compile(r"(token_refiner_)?blocks_(\d+)_(.+)")
+_FLAT_BLOCK_MEMBERS = {
+    "attn_qkv_proj": "attn.qkv_proj", "attn_out_proj": "attn.out_proj", "attn_q_norm": "attn.q_norm",
+    "attn_k_norm": "attn.k_norm", "mlp_fc1": "mlp.fc1", "mlp_fc2": "mlp.fc2", "norm1": "norm1",
+    "norm2": "norm2", "adaln_proj_linear": "adaln_proj.linear",
+}
+_FLAT_STANDALONE = {
+    "video_patch_proj": "video_patch_proj", "audio_patch_proj": "audio_patch_proj",
+    "condition_proj": "condition_proj", "time_embedder_proj_in": "time_embedder.proj_in",
+    "time_embedder_proj_out": "time_embedder.proj_out", "final_layer_adaln_proj_linear": "final_layer.adaln_proj.linear",
+    "final_layer_video_out": "final_layer.video_out", "final_layer_audio_out": "final_layer.audio_out",
+    "final_layer_norm": "final_layer.norm", "token_refiner_final_norm": "token_refiner.final_norm",
+}
+_DIFFUSERS_BLOCK = re.compile(r"(?:transformer_blocks|token_refiner\.refiner_blocks)\.\d+\.")
+# One public report spells the LightX2V v0.1 attention as q_proj/k_proj/v_proj under diffusers block
+# names (h3-model.md Open question 9); those map unambiguously onto the q/k/v parts.
+_ALIAS_QKV = re.compile(r"^(.*\.attn)\.([qkv])_proj$")
+
+# Tensor-name endings: (suffix, role). peft's adapter namespace is only ever `default`.
+_SUFFIXES = (
+    (".lora_A.default.weight", "down"), (".lora_B.default.weight", "up"),
+    (".lora_A.weight", "down"), (".lora_B.weight", "up"),
+    (".lora_down.weight", "down"), (".lora_up.weight", "up"),
+    (".alpha", "alpha"), (".diff_b", "diff_b"), (".diff", "diff"),
+    (".set_weight", "set_weight"), (".dora_scale", "dora_scale"), (".lora_B.bias", "lora_bias"),
+    (".lora_B.default.bias", "lora_bias"),
+)
+_REFUSED_ROLES = {
+    "set_weight": "replaces a whole parameter (FastVideo VSA gate `to_gate_compress`), which needs a VSA attention "
+                  "backend h3_core does not have; use the dense (`dense-datafree`) variant of the adapter",
+    "dora_scale": "is a DoRA magnitude vector; DoRA adapters are not supported, only plain LoRA",
+    "lora_bias": "is a LoRA bias (peft `lora_bias=True`), which is not supported",
+}
+_STRIP_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.")
+_PARTITION_PREFIXES = {"transformer.": "fl2va", "transformer_ref.": "ref2va"}
+
+
+# LightX2V Turbo file names: minimax_h3_<fl2v|ref2v>_turbo_<n>step_v<x.y>[_768p][_comfyui][_bf16].
+# The name identifies the exporter (for alpha and the `_comfyui_` layout) and, in lora.py, the contract.
+LIGHTX2V_NAME = re.compile(
+    r"minimax_h3_(?P<task>fl2v|ref2v)_turbo_(?P<steps>\d+)step_v(?P<version>\d+\.\d+)(?P<tags>(?:_768p|_comfyui|_bf16)*)"
+)
+LIGHTX2V_DEFAULT_ALPHA = 8.0
+# Which row order a fused qkv B has, by declared key_format. DiffSynth (`.default.` over native names)
+# is interleaved too (diffusers' loader, h3-model.md H.2). FlashGen: vLLM-Omni's loader for
+# `key_format=minimax-h3-native` reorders the fused qkv rows from the per-head grouped order, which
+# contradicts h3-model.md H.2's "stacked" for FlashGen; we follow the code that serves the file.
+QKV_ROWS = {"minimax-h3-native": "interleaved"}
+
+
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class Term:
+    """One piece of an adapter on one of our parameters; see the module docstring."""
+
+    kind: str  # "lowrank" | "diff"
+    target: str  # our module name, e.g. "blocks.0.attn.qkv_proj"
+    param: str  # "weight" | "bias"
+    keys: tuple[str, ...]  # the file's tensor names, for messages
+    down: torch.Tensor | None = None
+    up: torch.Tensor | None = None
+    delta: torch.Tensor | None = None
+    alpha: float = 0.0
+    alpha_source: str = ""
+    part: str | None = None  # "q" | "k" | "v": one row third of the stacked qkv
+    qkv_rows: str = "stacked"  # fused qkv B row order: "stacked" | "interleaved" (raw per-head)
+
+    @property
+    def rank(self) -> int:
+        return int(self.down.shape[0]) if self.down is not None else 0
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank for a low-rank term, 1 for a dense delta."""
+        return self.alpha / self.rank if self.kind == "lowrank" else 1.0
+
+
+@dataclass
+class ParsedLoRA:
+    """Everything a LoRA file says, in our names. `parts` maps the partition a file names ("fl2va",
+    "ref2va"; None when it names none) to its terms."""
+
+    format: str
+    parts: dict[str | None, list[Term]]
+    metadata: dict[str, str]
+    notes: list[str] = field(default_factory=list)
+    alpha_summary: str = ""
+
+
+# ---------------------------------------------------------------------------------------------------
+def read_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """All tensors and the `__metadata__` of one LoRA file. Pickles are refused: they run code on load."""
+    path = Path(path).expanduser()
+    suffix = path.suffix.lower()
+    if suffix in PICKLE_SUFFIXES:
+        raise LoRAError(
+            f"{path.name} is a pickle file ({suffix}); H3 loads LoRAs only from .safetensors, which cannot run code "
+            "on load. Convert it to safetensors first."
+        )
+    if suffix != ".safetensors":
+        raise LoRAError(f"{path.name} is not a .safetensors file; LoRA files must be safetensors.")
+    if not path.is_file():
+        raise LoRAError(f"LoRA file {path} does not exist.")
+    with safe_open(path, "pt") as handle:
+        metadata = dict(handle.metadata() or {})
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+    return tensors, metadata
+
+
+def parse_lora(
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, str],
+    path: str | Path = "",
+    alpha: float | None = None,
+    qkv_layout: str | None = None,
+    unknown: str = "error",
+) -> ParsedLoRA:
+    """Recognize the layout of `tensors`, map every tensor onto our modules and resolve alphas.
+
+    `path`'s file name identifies LightX2V exports; `alpha` overrides every module's
+    alpha; `qkv_layout` ("stacked" / "interleaved") overrides the fused-qkv B row order the format
+    implies; `unknown="warn"` turns keys that name no H3 module into reported warnings.
+    """
+    if unknown not in ("error", "warn"):
+        raise LoRAError(f"unknown must be 'error' or 'warn', got {unknown!r}.")
+    if qkv_layout not in (None, "stacked", "interleaved"):
+        raise LoRAError(f"qkv_layout must be 'stacked' or 'interleaved' (or None to follow the format), got {qkv_layout!r}.")
+    if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
+        raise LoRAError(f"alpha must be a positive number, got {alpha!r}.")
+    if not tensors:
+        raise LoRAError(f"{Path(path).name or 'The LoRA'} holds no tensors.")
+    path = Path(path)
+    notes: list[str] = []
+
+    groups, prefixed = _split_partitions(tensors, notes)
+    lightx2v = LIGHTX2V_NAME.fullmatch(path.name.removesuffix(".safetensors"))
+    declared = metadata.get("key_format")
+    parts: dict[str | None, list[Term]] = {}
+    formats, alpha_sources = set(), {}
+    for partition, group in groups.items():
+        fmt, modules, unmapped = _modules_of(group, prefixed, path, declared, lightx2v)
+        if unmapped:
+            listed = ", ".join(unmapped[:8]) + (f" and {len(unmapped) - 8} more" if len(unmapped) > 8 else "")
+            message = (f"{len(unmapped)} tensor(s) of {path.name or 'the LoRA'} name no MiniMax-H3 module: {listed}. "
+                       "H3 LoRAs target our attention/FFN/AdaLN/projection modules in the native, diffusers, "
+                       "kohya (lora_unet_) or DiffSynth spelling (h3-model.md H.2).")
+            if unknown == "error":
+                raise LoRAError(message + " Pass unknown='warn' to load the rest and report these.")
+            notes.append("NOT LOADED: " + message)
+        formats.add(fmt)
+        rows = qkv_layout or ("interleaved" if fmt == "diffsynth" else QKV_ROWS.get(declared, "stacked"))
+        context = _AlphaContext(alpha, metadata, partition, fmt, lightx2v)
+        parts[partition] = _terms(modules, rows, context, alpha_sources)
+    if len(formats) != 1:
+        raise LoRAError(f"{path.name} mixes layouts {sorted(formats)} across its partitions; one file must use one layout.")
+    fmt = formats.pop()
+    if qkv_layout is not None:
+        notes.append(f"fused qkv B rows read as {qkv_layout} (caller override)")
+    if fmt == "lightx2v-comfyui" and alpha is None and {"alpha", "lora_alpha"} & set(metadata):
+        notes.append("metadata alpha ignored: a ComfyUI export is scaled as ComfyUI scales it (per-module .alpha "
+                     "tensors, else 1); pass alpha= to override")
+    if fmt == "flashgen" and qkv_layout is None:
+        notes.append("FlashGen fused qkv B rows read as per-head interleaved (vLLM-Omni's reading of "
+                     "key_format=minimax-h3-native); pass qkv_layout='stacked' to read them stacked")
+    summary = "; ".join(f"{source} (for {count} of the file's modules)" for source, count in alpha_sources.items())
+    return ParsedLoRA(fmt, parts, metadata, notes, summary)
+
+
+# ---------------------------------------------------------------------------------------------------
+def _split_partitions(tensors: dict[str, torch.Tensor], notes: list[str]):
+    """({partition or None: tensors without the prefix}, whether keys carried a component prefix):
+    diffusers' writer prefixes each partition's keys with its component name."""
+    prefixed = {prefix: {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)} for prefix in _PARTITION_PREFIXES}
+    bare = {k: v for k, v in tensors.items() if not k.startswith(tuple(_PARTITION_PREFIXES))}
+    named = {prefix: group for prefix, group in prefixed.items() if group}
+    if not named:
+        return {None: bare}, False
+    if bare:
+        raise LoRAError(
+            f"Some tensors carry a component prefix ({', '.join(named)}) and others do not (e.g. '{next(iter(bare))}'); "
+            "a diffusers LoRA prefixes every tensor with 'transformer.' or 'transformer_ref.'."
+        )
+    if set(named) == {"transformer."}:
+        # diffusers also routes `transformer.` layers into transformer_ref on request: not a partition claim.
+        notes.append("diffusers 'transformer.' prefix: the file does not say which partition it was trained on")
+        return {None: named["transformer."]}, True
+    return {_PARTITION_PREFIXES[prefix]: group for prefix, group in named.items()}, True
+
+
+def _split_key(key: str) -> tuple[str, str] | None:
+    for suffix, role in _SUFFIXES:
+        if key.endswith(suffix):
+            return key[: -len(suffix)], role
+    return None
+
+
+def _native_of_flat(flat: str) -> str | None:
+    if flat in _FLAT_STANDALONE:
+        return _FLAT_STANDALONE[flat]
+    match = _FLAT_BLOCK.fullmatch(flat)
+    if match and match.group(3) in _FLAT_BLOCK_MEMBERS:
+        return f"{'token_refiner.' if match.group(1) else ''}blocks.{match.group(2)}.{_FLAT_BLOCK_MEMBERS[match.group(3)]}"
+    return None
+
+
+def _is_native(name: str) -> bool:
+    return bool(_NATIVE_LINEAR.fullmatch(name) or _NATIVE_NORM.fullmatch(name))
+
+
+def _from_diffusers(name: str) -> tuple[str, str | None] | None:
+    """(our module, qkv part) for a diffusers module name, or None if it names no H3 module."""
+    alias = _ALIAS_QKV.match(name)
+    if alias and _DIFFUSERS_BLOCK.match(name):
+        name = f"{alias.group(1)}.to_{alias.group(2)}"
+    native, part = keymap.diffusers_to_native_name(name + ".weight")
+    native = native[: -len(".weight")]
+    if native == name:
+        return None  # no rename applied: not a diffusers name
+    return (native, part) if _is_native(native) else None
+
+
+@dataclass
+class _Module:
+    """The raw tensors of one source module, in our names."""
+
+    target: str
+    part: str | None
+    swap_halves: bool  # diffusers `ff.net.0.proj` [value; gate] -> our fc1 [gate; value]
+    source: str  # the module name as the file spells it
+    tensors: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)  # role -> (key, tensor)
+
+
+def _modules_of(group, prefixed, path, declared, lightx2v):
+    """Recognize one partition group's layout; return (format, {source module: _Module}, unmapped keys)."""
+    keys = list(group)
+    kohya = any(k.startswith("lora_unet_") for k in keys)
+    peft_infix = any(".default." in k for k in keys)
+    peft_dump = any(k.startswith("base_model.model.") for k in keys)
+    modules: dict[str, _Module] = {}
+    unmapped: list[str] = []
+    namings = set()
+    for key, tensor in group.items():
+        name = key
+        for prefix in _STRIP_PREFIXES:
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+                break
+        split = _split_key(name)
+        if split is None:
+            unmapped.append(key)
+            continue
+        source, role = split
+        if role in _REFUSED_ROLES:
+            raise LoRAError(f"'{key}' {_REFUSED_ROLES[role]}.")
+        if kohya:
+            if not source.startswith("lora_unet_"):
+                raise LoRAError(f"'{key}' has no 'lora_unet_' prefix while other keys do; a kohya/musubi file prefixes every key.")
+            target, part, naming = _native_of_flat(source[len("lora_unet_"):]), None, "native"
+        elif _is_native(source):
+            target, part, naming = source, None, "native"
+        else:
+            mapped = _from_diffusers(source)
+            target, part = mapped if mapped else (None, None)
+            naming = "diffusers"
+        if target is None or not _is_native(target):
+            unmapped.append(key)
+            continue
+        if source != "token_refiner.final_norm":
+            namings.add(naming)
+        module = modules.setdefault(source, _Module(target, part, naming == "diffusers" and target.endswith("mlp.fc1"), source))
+        if role in module.tensors:
+            raise LoRAError(f"'{key}' and '{module.tensors[role][0]}' are the same tensor of module '{source}'.")
+        module.tensors[role] = (key, tensor)
+    owners: dict[tuple[str, str | None], str] = {}
+    for module in modules.values():
+        other = owners.setdefault((module.target, module.part), module.source)
+        if other != module.source:
+            raise LoRAError(f"'{other}' and '{module.source}' in {path.name} both name {module.target}"
+                            f"{f' ({module.part})' if module.part else ''}; a file must spell each module once.")
+    if len(namings) > 1:
+        raise LoRAError(
+            f"{path.name} mixes native module names (blocks.N...) and diffusers names (transformer_blocks.N...); "
+            "one file must use one spelling."
+        )
+    naming = namings.pop() if namings else "native"
+    if kohya:
+        fmt = "kohya"
+    elif naming == "native":
+        if peft_infix:
+            fmt = "diffsynth"
+        elif declared == "minimax-h3-native":
+            fmt = "flashgen"
+        elif lightx2v and "_comfyui" in lightx2v.group("tags"):
+            fmt = "lightx2v-comfyui"
+        else:
+            fmt = "native"
+    elif prefixed:
+        fmt = "diffusers"
+    elif peft_infix or peft_dump:
+        fmt = "lightx2v-diffusers" if declared == "minimax-h3-diffusers" or lightx2v else "peft"
+    else:
+        fmt = "fastvideo"
+    if declared not in (None, "minimax-h3-native", "minimax-h3-diffusers"):
+        raise LoRAError(f"{path.name} declares key_format={declared!r}; known: 'minimax-h3-native', 'minimax-h3-diffusers'.")
+    if declared == "minimax-h3-native" and naming != "native" or declared == "minimax-h3-diffusers" and naming != "diffusers":
+        raise LoRAError(f"{path.name} declares key_format={declared!r} but its tensors use {naming} module names.")
+    return fmt, modules, unmapped
+
+
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class _AlphaContext:
+    override: float | None
+    metadata: dict[str, str]
+    partition: str | None
+    fmt: str
+    lightx2v: re.Match | None
+
+    def network_alpha(self) -> tuple[float, str] | None:
+        for name in ("alpha", "lora_alpha"):
+            if name in self.metadata:
+                try:
+                    value = float(self.metadata[name])
+                except ValueError:
+                    raise LoRAError(f"The file's __metadata__ '{name}' is {self.metadata[name]!r}; it must be a number "
+                                    "(the network alpha every module was trained with).") from None
+                if not (math.isfinite(value) and value > 0):
+                    raise LoRAError(f"The file's __metadata__ '{name}' is {value}; it must be a positive number.")
+                return value, f"metadata {name} {value:g}"
+        return None
+
+    def adapter_config(self) -> dict | None:
+        """diffusers' `lora_adapter_metadata`: the LoraConfig of each component, keys '<component>.<field>'."""
+        raw = self.metadata.get("lora_adapter_metadata")
+        if not raw:
+            return None
+        try:
+            config = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise LoRAError(f"The file's 'lora_adapter_metadata' is not valid JSON: {error}.") from None
+        component = "transformer_ref" if self.partition == "ref2va" else "transformer"
+        fields = {k[len(component) + 1:]: v for k, v in config.items() if k.startswith(component + ".")}
+        if fields.get("use_dora") or fields.get("use_rslora"):
+            raise LoRAError("This diffusers LoRA was trained with DoRA or rsLoRA scaling, which is not supported.")
+        return fields or None
+
+
+def _pattern_alpha(patterns: dict, module: str) -> float | None:
+    """peft's alpha_pattern: a key matches a module name at its end (after a '.'), or as a '^' regex."""
+    for key, value in patterns.items():
+        regex = key[1:] if key.startswith("^") else rf"(?:.*\.)?{key}"
+        if re.fullmatch(regex, module):
+            return float(value)
+    return None
+
+
+def _alpha(module: _Module, rank: int, ctx: _AlphaContext) -> tuple[float, str]:
+    if ctx.override is not None:
+        return ctx.override, f"caller alpha {ctx.override:g}"
+    if "alpha" in module.tensors:
+        key, tensor = module.tensors["alpha"]
+        if tensor.numel() != 1:
+            raise LoRAError(f"'{key}' must hold one number (the module's alpha), it has shape {list(tensor.shape)}.")
+        return float(tensor.item()), "per-module .alpha tensor"
+    config = ctx.adapter_config()
+    if config is not None:
+        value = _pattern_alpha(config.get("alpha_pattern") or {}, module.source)
+        if value is not None:
+            return value, "diffusers adapter config alpha_pattern"
+        if "lora_alpha" in config:
+            return float(config["lora_alpha"]), f"diffusers adapter config lora_alpha {float(config['lora_alpha']):g}"
+    if ctx.fmt == "lightx2v-comfyui":
+        return float(rank), "ComfyUI export: no .alpha tensor, scale 1 as ComfyUI applies it"
+    network = ctx.network_alpha()
+    if network is not None:
+        return network
+    if ctx.lightx2v is not None:
+        return LIGHTX2V_DEFAULT_ALPHA, "LightX2V Turbo file without alpha: alpha 8 (reference script default)"
+    return float(rank), "no alpha recorded: alpha = rank"
+
+
+def _terms(modules: dict[str, _Module], qkv_rows: str, ctx: _AlphaContext, alpha_sources: dict) -> list[Term]:
+    terms = []
+    for module in modules.values():
+        roles = module.tensors
+        if "down" in roles or "up" in roles:
+            if "down" not in roles or "up" not in roles:
+                have, need = ("down", "up") if "down" in roles else ("up", "down")
+                raise LoRAError(f"'{roles[have][0]}' has no partner {('lora_A/lora_down' if need == 'down' else 'lora_B/lora_up')} "
+                                f"tensor for module '{module.source}'.")
+            (down_key, down), (up_key, up) = roles["down"], roles["up"]
+            if down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0]:
+                raise LoRAError(f"'{down_key}' {list(down.shape)} and '{up_key}' {list(up.shape)} are not a LoRA pair "
+                                "(A [rank, in], B [out, rank]).")
+            if _NATIVE_NORM.fullmatch(module.target):
+                raise LoRAError(f"'{down_key}' is a low-rank factor on '{module.source}', an RMSNorm; LoRA targets Linear layers.")
+            value, source = _alpha(module, down.shape[0], ctx)
+            alpha_sources[source] = alpha_sources.get(source, 0) + 1
+            if module.swap_halves:
+                up = keymap.swap_halves(up)
+            keys = (down_key, up_key) + ((roles["alpha"][0],) if "alpha" in roles else ())
+            fused_qkv = module.part is None and module.target.endswith("attn.qkv_proj")
+            terms.append(Term("lowrank", module.target, "weight", keys, down=down, up=up, alpha=value,
+                              alpha_source=source, part=module.part, qkv_rows=qkv_rows if fused_qkv else "stacked"))
+        elif "alpha" in roles:
+            raise LoRAError(f"'{roles['alpha'][0]}' is an alpha for module '{module.source}', which has no lora_down/lora_up pair.")
+        for role, param in (("diff", "weight"), ("diff_b", "bias")):
+            if role in roles:
+                key, delta = roles[role]
+                if module.swap_halves:
+                    delta = keymap.swap_halves(delta)
+                fused_qkv = module.part is None and module.target.endswith("attn.qkv_proj")
+                terms.append(Term("diff", module.target, param, (key,), delta=delta, part=module.part,
+                                  qkv_rows=qkv_rows if fused_qkv else "stacked", alpha_source="dense delta"))
+    return terms
