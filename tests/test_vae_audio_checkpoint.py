@@ -1,0 +1,207 @@
+"""The audio VAE loader on tiny random checkpoints in every layout users have, and its errors."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from audio_vae_checkpoints import (
+    TINY_AUDIO_VAE,
+    comfy_state_dict,
+    reference_audio_vae,
+    write_comfy_single_file,
+    write_diffusers_folder,
+    write_original_partition,
+)
+from safetensors.torch import load_file, save_file
+
+from h3_core.vae_audio import RELEASED_LATENTS_MEAN, RELEASED_LATENTS_STD
+from h3_core.vae_audio_checkpoint import CheckpointError, load_audio_vae, locate_audio_vae
+
+STATISTICS = ("latents_mean", "latents_std")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_audio_vae(TINY_AUDIO_VAE, seed=11)
+
+
+@pytest.fixture(scope="module")
+def expected(reference):
+    """Our tensors: weight norm folded by torch's remove_weight_norm; no filters, log-std head or statistics."""
+    return {
+        name: tensor
+        for name, tensor in comfy_state_dict(reference).items()
+        if not name.endswith(".filter") and not name.startswith("logs_proj.") and name not in STATISTICS
+    }
+
+
+def assert_same_weights(model, expected):
+    got = model.state_dict()
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.mark.parametrize("where", ["root", "partition", "folder", "weights file"])
+def test_original_partition(tmp_path, reference, expected, where):
+    folder = write_original_partition(tmp_path, reference)
+    path = {"root": tmp_path, "partition": tmp_path / "FL2VA", "folder": folder}.get(where)
+    path = path or folder / "model.safetensors"  # "weights file": the folder's configs still apply
+    assert locate_audio_vae(path).origin == "original partition folder"
+    model = load_audio_vae(path)
+    assert model.config == TINY_AUDIO_VAE  # heads and AMP tables from the original's fixed values, kernels 2u - u % 2
+    assert_same_weights(model, expected)
+
+
+def test_ref2va_partition_copy_is_found(tmp_path, reference, expected):
+    write_original_partition(tmp_path, reference, partition="Ref2VA")
+    assert_same_weights(load_audio_vae(tmp_path), expected)
+
+
+@pytest.mark.parametrize("where", ["root", "folder"])
+def test_diffusers_folder(tmp_path, reference, expected, where):
+    write_diffusers_folder(tmp_path / "audio_vae", reference)
+    path = tmp_path if where == "root" else tmp_path / "audio_vae"
+    assert locate_audio_vae(path).origin == "diffusers folder"
+    model = load_audio_vae(path)
+    assert model.config == TINY_AUDIO_VAE
+    assert_same_weights(model, expected)
+
+
+@pytest.mark.parametrize("prefix", ["", "audio_vae."])
+def test_comfy_single_file(tmp_path, reference, expected, prefix):
+    other_models = {"model.diffusion_model.blocks.0.norm1.weight": torch.ones(4)} if prefix else {}
+    path = write_comfy_single_file(tmp_path / "minimax_h3_audio_vae_fp32.safetensors", reference, prefix, other_models)
+    model = load_audio_vae(path)
+    stored = {name: tuple(torch.tensor(getattr(TINY_AUDIO_VAE, name)).tolist()) for name in STATISTICS}  # float32
+    assert model.config == dataclasses.replace(TINY_AUDIO_VAE, **stored)  # the rest read off the shapes
+    assert_same_weights(model, expected)
+
+
+def test_single_file_with_weight_norm(tmp_path, reference, expected):
+    """An original model.safetensors on its own: weight-norm pairs, no statistics (the released ones apply)."""
+    folder = write_original_partition(tmp_path, reference)
+    loose = (folder / "model.safetensors").rename(tmp_path / "audio_vae.safetensors")
+    model = load_audio_vae(loose)
+    assert model.config == TINY_AUDIO_VAE
+    assert_same_weights(model, expected)
+
+
+def test_single_file_statistics(tmp_path, reference):
+    tensors = comfy_state_dict(reference)
+    tensors["latents_mean"] = torch.linspace(-1, 1, 32)
+    save_file(tensors, str(tmp_path / "custom.safetensors"))
+    config = load_audio_vae(tmp_path / "custom.safetensors").config
+    assert config.latents_mean == tuple(torch.linspace(-1, 1, 32).tolist())
+    save_file({k: v for k, v in tensors.items() if k not in STATISTICS}, str(tmp_path / "bare.safetensors"))
+    config = load_audio_vae(tmp_path / "bare.safetensors").config
+    assert (config.latents_mean, config.latents_std) == (RELEASED_LATENTS_MEAN, RELEASED_LATENTS_STD)
+
+
+def test_dtypes_are_kept_unless_asked(tmp_path, reference):
+    folder = write_original_partition(tmp_path, reference)
+    assert {t.dtype for t in load_audio_vae(folder).state_dict().values()} == {torch.float32}
+    assert {t.dtype for t in load_audio_vae(folder, dtype=torch.bfloat16).state_dict().values()} == {torch.bfloat16}
+    half = {name: tensor.half() for name, tensor in load_file(folder / "model.safetensors").items()}
+    save_file(half, str(folder / "model.safetensors"))
+    model = load_audio_vae(folder)  # weight norm folded in fp32, stored back in the checkpoint's fp16
+    assert {t.dtype for t in model.state_dict().values()} == {torch.float16}
+    assert model.encode(torch.zeros(2, 800)).dtype == torch.float32  # outputs are float32 whatever the weights
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+
+
+def rewrite(path, change):
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, str(path))
+
+
+FILE = r"in .*model\.safetensors"
+TENSOR_ERRORS = {
+    "missing": (lambda t: t.pop("pre_block.mlp.w2.bias"), r"is missing 1 tensor\(s\): pre_block\.mlp\.w2\.bias"),
+    "unpaired weight norm": (
+        lambda t: t.pop("decoder.conv_post.weight_v"),
+        rf"'decoder\.conv_post\.weight_g' {FILE} has no 'decoder\.conv_post\.weight_v'",
+    ),
+    "extra": (
+        lambda t: t.update({"decoder.extra.bias": torch.zeros(3)}),
+        rf"Unexpected tensor 'decoder\.extra\.bias' {FILE}",
+    ),
+    "mis-shaped": (
+        lambda t: t.update({"pre_block.proj.bias": torch.zeros(31)}),
+        rf"'pre_block\.proj\.bias' {FILE} has shape \[31\], expected \[32\]",
+    ),
+    "mis-shaped folded": (
+        lambda t: t.update({"decoder.conv_pre.weight_v": torch.zeros(256, 64, 5)}),
+        rf"'decoder\.conv_pre\.weight' {FILE} has shape \[256, 64, 5\], expected \[256, 64, 7\]",
+    ),
+    "mis-shaped magnitude": (
+        lambda t: t.update({"decoder.conv_pre.weight_g": torch.ones(256)}),
+        rf"'decoder\.conv_pre\.weight_g' {FILE} has shape \[256\]",
+    ),
+    "wrong filter": (
+        lambda t: t["decoder.activation_post.upsample.filter"].mul_(1.01),
+        rf"'decoder\.activation_post\.upsample\.filter' {FILE} is not the Kaiser",
+    ),
+    "extra filter": (
+        lambda t: t.update({"decoder.ups.9.0.upsample.filter": torch.zeros(1, 1, 12)}),
+        rf"Unexpected tensor 'decoder\.ups\.9\.0\.upsample\.filter' {FILE}",
+    ),
+    "log-std head": (
+        lambda t: t.update({"logs_proj.bias": torch.zeros(8)}),
+        rf"'logs_proj\.bias' {FILE} does not fit the log-std head",
+    ),
+}
+
+
+@pytest.mark.parametrize("change, message", TENSOR_ERRORS.values(), ids=TENSOR_ERRORS.keys())
+def test_tensor_errors_name_tensor_and_file(tmp_path, reference, change, message):
+    folder = write_original_partition(tmp_path, reference)
+    rewrite(folder / "model.safetensors", change)
+    with pytest.raises(CheckpointError, match=message):
+        load_audio_vae(folder)
+
+
+def test_config_disagreements(tmp_path, reference):
+    folder = write_original_partition(tmp_path, reference)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "latent_channels": 16}))
+    with pytest.raises(CheckpointError, match="latent_channels=16 but metadata.json has vae_latent_channels=32"):
+        load_audio_vae(folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    metadata = json.loads((folder / "metadata.json").read_text())
+    metadata["metadata"]["kwargs"]["decoder_type"] = "hifigan"
+    (folder / "metadata.json").write_text(json.dumps(metadata))
+    with pytest.raises(CheckpointError, match="BigVGAN decoder"):
+        load_audio_vae(folder)
+    del metadata["metadata"]["kwargs"]["decoder_rates"]
+    (folder / "metadata.json").write_text(json.dumps(metadata))
+    with pytest.raises(CheckpointError, match="metadata.json lacks decoder_rates"):
+        load_audio_vae(folder)
+
+
+def test_wrong_folder_and_file(tmp_path):
+    transformer = tmp_path / "transformer"
+    transformer.mkdir()
+    (transformer / "config.json").write_text(json.dumps({"_class_name": "MiniMaxH3Transformer3DModel"}))
+    with pytest.raises(CheckpointError, match="is not an H3 audio VAE: expected an original 'audio_vae' folder"):
+        load_audio_vae(transformer)
+    save_file({"blocks.0.norm1.weight": torch.ones(4)}, str(tmp_path / "dit.safetensors"))
+    with pytest.raises(CheckpointError, match="dit.safetensors holds no H3 audio VAE tensors"):
+        load_audio_vae(tmp_path / "dit.safetensors")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_audio_vae(tmp_path / "nowhere")
+
+
+def test_pickles_are_refused(tmp_path, reference):
+    (tmp_path / "audio_vae.ckpt").write_bytes(b"not loaded")
+    with pytest.raises(CheckpointError, match="pickle"):
+        load_audio_vae(tmp_path / "audio_vae.ckpt")
+    folder = write_diffusers_folder(tmp_path / "audio_vae", reference)
+    (folder / "diffusion_pytorch_model.safetensors").rename(folder / "diffusion_pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="diffusion_pytorch_model.bin is a pickle"):
+        load_audio_vae(tmp_path)
