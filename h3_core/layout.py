@@ -1,6 +1,7 @@
 """The packed sequence the DiT denoises: row order, positions, tags and clocks (h3-model.md A.4-A.6).
 
 t2va / fl2va:  [ text (T) | keyframe rows | target audio (A ch0 rows, A ch1 rows) | target video (L*R) ]
+ref2va:        [ text (T) | reference blocks in request order | target audio | target video ]
 with R = (h/2)*(w/2) rows per latent frame. Per row: `position_ids` [S, 3] float64 (t, h, w),
 `token_tags` [S] (0 video, 1 text, 2 audio; they address the AdaLN table) and `row_clock` [S]
 (which timestep the row takes each step). Video rows are patchified latents:
@@ -341,3 +342,117 @@ def pack_audio(latents: torch.Tensor) -> torch.Tensor:
 def unpack_audio(rows: torch.Tensor, channels: int = geometry.AUDIO_CHANNELS) -> torch.Tensor:
     """[B, channels*A, C] rows -> [B, channels, C, A]: one mono latent per stereo channel, as the audio VAE takes."""
     return rearrange(rows, "b (ch a) c -> b ch c a", ch=channels)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ref2VA
+
+REFERENCE_KINDS = ("image", "video", "audio")
+
+
+@dataclass(frozen=True)
+class ReferenceBlock:
+    """The shape one ref2va reference takes in the packed sequence, read off its encoded latents.
+
+    image: one latent frame of (latent_height, latent_width), its own grid (2048 short edge at release).
+    video: `latent_frames` frames of its own grid, preceded by `audio_latents` soundtrack latents per
+           channel (0 = silent video).
+    audio: `audio_latents` latents per channel (a standalone audio reference).
+    """
+
+    kind: str
+    latent_frames: int = 0
+    latent_height: int = 0
+    latent_width: int = 0
+    audio_latents: int = 0
+
+    @classmethod
+    def image(cls, latent_height: int, latent_width: int) -> ReferenceBlock:
+        return cls("image", 1, latent_height, latent_width)
+
+    @classmethod
+    def video(cls, latent_frames: int, latent_height: int, latent_width: int, audio_latents: int = 0) -> ReferenceBlock:
+        return cls("video", latent_frames, latent_height, latent_width, audio_latents)
+
+    @classmethod
+    def audio(cls, audio_latents: int) -> ReferenceBlock:
+        return cls("audio", audio_latents=audio_latents)
+
+    def __post_init__(self):
+        if self.kind not in REFERENCE_KINDS:
+            raise ValueError(f"A reference block is one of {REFERENCE_KINDS}, got {self.kind!r}.")
+        visual = self.kind != "audio"
+        if visual and (self.latent_frames < 1 or self.latent_height < 1 or self.latent_width < 1):
+            raise ValueError(f"A {self.kind} reference block needs a positive latent size, got {self}.")
+        if self.kind == "image" and (self.latent_frames != 1 or self.audio_latents):
+            raise ValueError(f"An image reference block is one latent frame without audio, got {self}.")
+        if self.kind == "audio" and (self.audio_latents < 1 or self.latent_frames or self.latent_height):
+            raise ValueError(f"An audio reference block needs audio latents only, got {self}.")
+        if self.audio_latents < 0:
+            raise ValueError(f"audio_latents must be >= 0, got {self.audio_latents}.")
+
+
+def reference_clock_advance(block: ReferenceBlock) -> float:
+    """How far a reference block moves the ref2va clock (A.6): 1 for an image, A for an audio clip, and
+    max(A, span(L)) for a video, the video span summed **sequentially** in float64 (the reference keeps
+    this order here while the FL2VA last-keyframe anchor sums pairwise; from 16 latent frames on the two
+    differ in the last ulp)."""
+    if block.kind == "image":
+        return 1.0
+    if block.kind == "audio":
+        return float(block.audio_latents)
+    span = 0.0
+    for step in _frame_spans(block.latent_frames).tolist():
+        span += step
+    return max(float(block.audio_latents), span)
+
+
+def build_ref2va_layout(
+    text_tags: torch.Tensor | Sequence[int],
+    references: Sequence[ReferenceBlock],
+    latent_frames: int,
+    latent_height: int,
+    latent_width: int,
+    audio_latents: int,
+    patch_size: tuple[int, int, int] = geometry.PATCH_SIZE,
+) -> PackedLayout:
+    """`[text | reference blocks in request order | target audio | target video]` for ref2va (A.4, A.6).
+
+    A clock cursor starts at T (the text length). Image: its rows at t = cursor, own grid; cursor += 1.
+    Standalone audio (A_ref): t = cursor + j, w at the target grid's extreme columns; cursor += A_ref.
+    Video: its soundtrack rows (if any; w at the video's own grid extremes) immediately followed by its
+    video rows, both from t = cursor; cursor += max(A_ref, span(L_ref)). Target audio and video start at
+    the final cursor. Visual reference rows take the VISUAL_CONDITION clock, reference audio rows
+    AUDIO_CONDITION; as everywhere, conditioning rows come first within each modality.
+    """
+    tags = _checked_text_tags(text_tags)
+    _, ph, pw = patch_size
+    if latent_frames < 1 or audio_latents < 1:
+        raise ValueError(f"Need at least one latent frame and one audio latent, got {latent_frames}, {audio_latents}.")
+    if not references:
+        raise ValueError("A ref2va layout needs at least one reference block; without any use build_t2va_layout.")
+    sizes = [(latent_height, latent_width)]
+    sizes += [(block.latent_height, block.latent_width) for block in references if block.kind != "audio"]
+    for height, width in sizes:
+        if height < 1 or width < 1 or height % ph or width % pw:
+            raise ValueError(f"Latent size {height}x{width} does not divide into {ph}x{pw} patches.")
+
+    cursor = float(tags.shape[0])  # the media clock starts where the text ends
+    target_grid, target_w_axis = frame_grid(latent_height, latent_width, patch_size)
+    sequence = _SequenceBuilder()
+    sequence.text(tags)
+    for block in references:
+        if block.kind == "image":
+            grid, _ = frame_grid(block.latent_height, block.latent_width, patch_size)
+            sequence.video(np.full(block.latent_frames, cursor), grid, RowClock.VISUAL_CONDITION)
+        elif block.kind == "audio":
+            sequence.audio(block.audio_latents, cursor, target_w_axis, RowClock.AUDIO_CONDITION)
+        else:
+            grid, w_axis = frame_grid(block.latent_height, block.latent_width, patch_size)
+            if block.audio_latents:
+                sequence.audio(block.audio_latents, cursor, w_axis, RowClock.AUDIO_CONDITION)
+            sequence.video(latent_frame_times(block.latent_frames, cursor), grid, RowClock.VISUAL_CONDITION)
+        cursor += reference_clock_advance(block)
+    sequence.audio(audio_latents, cursor, target_w_axis, RowClock.AUDIO)
+    sequence.video(latent_frame_times(latent_frames, cursor), target_grid, RowClock.VIDEO)
+    return sequence.finish(latent_frames, latent_height, latent_width, audio_latents)

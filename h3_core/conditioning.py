@@ -1,0 +1,462 @@
+"""The conditioning stage: a request -> everything the sampler needs but noise (h3-model.md A.4-A.6, E, F).
+
+    plan = validate(request)                                   # every published limit; no model, no full decode
+    conditioning = encode_request(request, text_encoder, video_vae, audio_vae)
+
+`Conditioning` (the stage's output):
+    task, width, height, num_frames    the resolved request (17n + 5 frames at 24 fps)
+    layout                             PackedLayout: [text | conditioning rows | target audio | target video]
+    text_states [1, T, D]              Qwen3-VL after layer 50, the encoder's dtype and device
+    text_tags   [T] int64              1 text, 0 the rows of a vision block
+    visual_condition_latents           list of normalized [1, 24, L_i, h_i, w_i] float32 CPU, packed order:
+                                       fl2va keyframes (first, then last), ref2va image / video references
+    audio_condition_rows [1, Na, 32]   clean normalized reference audio rows, packed order, channel-major
+                                       per reference (empty [1, 0, 32] when none)
+The sampler mixes each visual condition once to 0.999 with the request generator (one draw each, in
+list order, *before* the target noise: diffusers' order), packs them into the leading video rows and
+puts the audio rows, unmixed, in front of the target audio rows.
+
+Choices where the sources leave room (each is a named constant below):
+- Duration: 4-15 s (the official range, as vLLM-Omni and SGLang accept; diffusers 0.42.1 checks 5-15 s
+  on the aligned count). Seconds round to frames (`round(s * 24)`) and snap *up* to 17n + 5, so 4 s ->
+  107 frames and 15 s -> 362 (15.083 s); a frame count must snap to 107..362 (97..362 requested).
+  Default 5 s (124 frames).
+- Clip lengths are measured from a clip's `start_seconds` to its end, before it is truncated to the
+  output; each 2-15 s, and video and audio references each <= 15 s in total, with 0.01 s of slack for
+  containers' rounded durations. A video's soundtrack counts as part of the video, not as audio.
+- Canvas: `width`/`height` win; else a named `aspect_ratio`; else t2va and ref2va take 16:9 and fl2va
+  the first keyframe in packed order (the last one when it is alone). "auto"/"adaptive" = no name.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import geometry
+from .layout import REFERENCE_KINDS, PackedLayout, ReferenceBlock, build_ref2va_layout, build_t2va_layout
+from .prompt import MAX_AUDIO_REFERENCES, MAX_IMAGE_REFERENCES, MAX_KEYFRAMES, MAX_REFERENCES, MAX_VIDEO_REFERENCES
+from .references import (
+    RELEASE_CANVAS,
+    CanvasRules,
+    MediaInputError,
+    MediaReference,
+    PreparedReference,
+    encode_audio,
+    encode_image,
+    encode_video,
+    fit_keyframes,
+    inspect_audio,
+    inspect_image,
+    inspect_video,
+    load_image,
+    prepare_reference,
+)
+from .vae_audio import AudioVAEConfig
+
+TASKS = ("t2va", "fl2va", "ref2va")
+MIN_SECONDS, MAX_SECONDS, DEFAULT_SECONDS = 4.0, 15.0, 5.0
+MIN_FRAMES = geometry.frames_for_duration(MIN_SECONDS)  # 107
+MAX_FRAMES = geometry.frames_for_duration(MAX_SECONDS)  # 362
+DEFAULT_ASPECT_RATIO = "16:9"
+AUTO_ASPECT_RATIOS = ("auto", "adaptive")
+MIN_CLIP_SECONDS, MAX_CLIP_SECONDS, MAX_TOTAL_CLIP_SECONDS = 2.0, 15.0, 15.0
+CLIP_SECONDS_SLACK = 0.01
+KEYFRAME_FIELDS = (("first", "first_image"), ("last", "last_image"))
+
+
+class RequestError(ValueError):
+    """A request H3 cannot run: says what was wrong and what is allowed."""
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    task          "t2va" | "fl2va" | "ref2va"
+    prompt        non-empty text
+    first_image / last_image   fl2va keyframes: a path, a PIL image or a [H, W, 3] array
+    references    ref2va, in the order the model reads them: `MediaReference`s or tuples
+                  (kind, source) / (kind, source, start_seconds), kind "image" | "video" | "audio"
+                  (sources: see references.py)
+    aspect_ratio  a name of `geometry.ASPECT_RATIOS`, "auto" or None; or `width` and `height` (px)
+    duration      seconds, or `num_frames` (24 fps); neither = 5 s
+    """
+
+    task: str
+    prompt: str
+    first_image: Any = None
+    last_image: Any = None
+    references: Sequence[Any] = ()
+    aspect_ratio: str | None = None
+    width: int | None = None
+    height: int | None = None
+    duration: float | None = None
+    num_frames: int | None = None
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """A validated request: resolved geometry and the media to prepare, in packed order."""
+
+    task: str
+    prompt: str
+    width: int
+    height: int
+    num_frames: int
+    keyframes: tuple[tuple[str, Any], ...] = ()  # (anchor "first" | "last", image source)
+    references: tuple[MediaReference, ...] = ()
+
+    @property
+    def seconds(self) -> float:
+        return self.num_frames / geometry.FPS
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+
+
+def resolve_num_frames(duration: float | None = None, num_frames: int | None = None) -> int:
+    """The 17n + 5 frame count of a request, checked against the 4-15 s range (see the module docstring)."""
+    if duration is not None and num_frames is not None:
+        raise RequestError(f"Give the duration or num_frames, not both (got {duration} s and {num_frames} frames).")
+    if num_frames is not None:
+        try:
+            count = operator.index(num_frames)
+        except TypeError:
+            raise RequestError(f"num_frames must be an integer, got {num_frames!r}.") from None
+        aligned = geometry.align_frames(count) if count >= 1 else 0
+        if not MIN_FRAMES <= aligned <= MAX_FRAMES:
+            raise RequestError(
+                f"num_frames={count} is outside H3's {MIN_SECONDS:g}-{MAX_SECONDS:g} s range: at 24 fps it must "
+                f"snap up (to 17n + 5) to between {MIN_FRAMES} and {MAX_FRAMES} frames, i.e. be "
+                f"{MIN_FRAMES - geometry.FRAMES_PER_CHUNK + 1}..{MAX_FRAMES}."
+            )
+        return aligned
+    seconds = DEFAULT_SECONDS if duration is None else duration
+    if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or not MIN_SECONDS <= seconds <= MAX_SECONDS:
+        raise RequestError(
+            f"The duration must be between {MIN_SECONDS:g} and {MAX_SECONDS:g} seconds, got {seconds!r}."
+        )
+    return geometry.frames_for_duration(float(seconds))
+
+
+def _explicit_size(request: Request) -> tuple[int, int] | None:
+    width, height = request.width, request.height
+    if (width is None) != (height is None):
+        raise RequestError(f"Give width and height together, or neither (got width={width}, height={height}).")
+    if width is None:
+        return None
+    if request.aspect_ratio not in (None, *AUTO_ASPECT_RATIOS):
+        raise RequestError(
+            f"Give either aspect_ratio ({request.aspect_ratio!r}) or width and height ({width}x{height}), not both."
+        )
+    try:
+        width, height = operator.index(width), operator.index(height)
+        geometry.check_canvas(width, height)
+    except TypeError:
+        raise RequestError(f"width and height must be integers, got {width!r} x {height!r}.") from None
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+    return width, height
+
+
+def _named_canvas(request: Request, rules: CanvasRules) -> tuple[int, int] | None:
+    name = request.aspect_ratio
+    if name is None or name in AUTO_ASPECT_RATIOS:
+        return None
+    if name not in geometry.ASPECT_RATIOS:
+        raise RequestError(
+            f"Unknown aspect_ratio {name!r}; use one of {', '.join(geometry.ASPECT_RATIOS)}, "
+            f"{' / '.join(AUTO_ASPECT_RATIOS)}, or width and height."
+        )
+    return rules.canvas(*geometry.ASPECT_RATIOS[name])
+
+
+def _as_reference(item, index: int) -> MediaReference:
+    if isinstance(item, MediaReference):
+        reference = item
+    elif isinstance(item, tuple) and len(item) in (2, 3):
+        reference = MediaReference(*item)
+    else:
+        raise RequestError(
+            f"references[{index}] must be a MediaReference or a tuple (kind, source[, start_seconds]), "
+            f"got {type(item).__name__}."
+        )
+    if reference.kind not in REFERENCE_KINDS:
+        raise RequestError(f"references[{index}] has kind {reference.kind!r}; a reference is one of {REFERENCE_KINDS}.")
+    start = reference.start_seconds
+    if not isinstance(start, (int, float)) or not math.isfinite(start) or start < 0:
+        raise RequestError(f"references[{index}] start_seconds must be a finite number >= 0, got {start!r}.")
+    if reference.kind == "image" and start:
+        raise RequestError(f"references[{index}] is an image; start_seconds applies to video and audio clips only.")
+    return reference
+
+
+def _check_task_media(request: Request, references: list[MediaReference]) -> list[tuple[str, Any]]:
+    keyframes = [
+        (anchor, getattr(request, name)) for anchor, name in KEYFRAME_FIELDS if getattr(request, name) is not None
+    ]
+    if request.task == "t2va" and (keyframes or references):
+        raise RequestError(
+            "t2va takes a prompt only: first_image/last_image are fl2va keyframes and references are ref2va."
+        )
+    if request.task == "fl2va":
+        if not keyframes:
+            raise RequestError(
+                f"fl2va needs 1 to {MAX_KEYFRAMES} keyframes: first_image, last_image or both; a prompt alone is t2va."
+            )
+        if references:
+            raise RequestError("fl2va takes first_image/last_image keyframes, not references (those are ref2va).")
+    if request.task == "ref2va":
+        if keyframes:
+            raise RequestError("ref2va takes references, not first_image/last_image (those are fl2va keyframes).")
+        if not references:
+            raise RequestError("ref2va needs at least one image, video or audio reference; a prompt alone is t2va.")
+        kinds = [reference.kind for reference in references]
+        for kind, limit in (
+            ("image", MAX_IMAGE_REFERENCES),
+            ("video", MAX_VIDEO_REFERENCES),
+            ("audio", MAX_AUDIO_REFERENCES),
+        ):
+            if kinds.count(kind) > limit:
+                raise RequestError(f"H3 takes at most {limit} {kind} references, got {kinds.count(kind)}.")
+        if len(kinds) > MAX_REFERENCES:
+            raise RequestError(f"H3 takes at most {MAX_REFERENCES} references in total, got {len(kinds)}.")
+        if set(kinds) == {"audio"}:
+            raise RequestError(
+                "An audio reference needs an image or video reference beside it; H3 does not take audio alone."
+            )
+    return keyframes
+
+
+def _check_ratio(width: int, height: int, what: str) -> None:
+    ratio = width / height
+    if not geometry.MIN_ASPECT_RATIO <= ratio <= geometry.MAX_ASPECT_RATIO:
+        raise RequestError(f"{what} is {width}x{height} (aspect ratio {ratio:.3g}); H3 takes 1:4 to 4:1.")
+
+
+def _check_clip(seconds: float, start: float, what: str) -> None:
+    if not MIN_CLIP_SECONDS - CLIP_SECONDS_SLACK <= seconds <= MAX_CLIP_SECONDS + CLIP_SECONDS_SLACK:
+        where = f" from start_seconds={start:g}" if start else ""
+        raise RequestError(
+            f"{what} runs {seconds:.3f} s{where}; reference clips must be "
+            f"{MIN_CLIP_SECONDS:g}-{MAX_CLIP_SECONDS:g} s each."
+        )
+
+
+def _check_references(references: list[MediaReference]) -> None:
+    totals = {"video": 0.0, "audio": 0.0}
+    for index, reference in enumerate(references):
+        what = f"references[{index}] ({reference.kind})"
+        if reference.kind == "image":
+            facts = inspect_image(reference.source, what)
+            _check_ratio(facts.width, facts.height, what)
+            continue
+        inspect = inspect_video if reference.kind == "video" else inspect_audio
+        facts = inspect(reference.source, reference.start_seconds, what)
+        _check_clip(facts.seconds, reference.start_seconds, what)
+        if reference.kind == "video":
+            _check_ratio(facts.width, facts.height, what)
+        totals[reference.kind] += facts.seconds
+    for kind, total in totals.items():
+        if total > MAX_TOTAL_CLIP_SECONDS + CLIP_SECONDS_SLACK:
+            raise RequestError(
+                f"The {kind} references run {total:.3f} s together; H3 takes at most {MAX_TOTAL_CLIP_SECONDS:g} s "
+                f"of {kind} references in total."
+            )
+
+
+def validate(request: Request, rules: CanvasRules = RELEASE_CANVAS) -> RequestPlan:
+    """Check every published limit of `request` and resolve its geometry, before any model runs.
+
+    Raises `RequestError` (a ValueError) naming what was wrong and what is allowed. Files are probed,
+    images decoded (so a corrupt or unsupported file fails here); no model is touched."""
+    if not isinstance(request, Request):
+        raise RequestError(f"validate takes a Request, got {type(request).__name__}.")
+    if request.task not in TASKS:
+        raise RequestError(f"Unknown task {request.task!r}; choose one of {', '.join(TASKS)}.")
+    if not isinstance(request.prompt, str) or not request.prompt.strip():
+        raise RequestError("The prompt is empty; H3 needs a non-empty text prompt for every task.")
+    num_frames = resolve_num_frames(request.duration, request.num_frames)
+    size = _explicit_size(request)
+    named = _named_canvas(request, rules)
+    items = () if request.references is None else request.references
+    if isinstance(items, (str, MediaReference)) or not isinstance(items, Sequence):
+        raise RequestError("references must be a list of (kind, source[, start_seconds]) or MediaReference entries.")
+    references = [_as_reference(item, index) for index, item in enumerate(items)]
+    keyframes = _check_task_media(request, references)
+
+    try:
+        anchor_size = None
+        for index, (anchor, source) in enumerate(keyframes):
+            facts = inspect_image(source, f"{anchor}_image")
+            if index == 0:
+                anchor_size = (facts.width, facts.height)
+                if size is None and named is None:
+                    _check_ratio(facts.width, facts.height, f"{anchor}_image (it sets the canvas)")
+        _check_references(references)
+    except MediaInputError as error:
+        raise RequestError(str(error)) from None
+
+    if size is None and named is None:
+        size = rules.canvas(*(anchor_size or geometry.ASPECT_RATIOS[DEFAULT_ASPECT_RATIO]))
+    width, height = size or named
+    return RequestPlan(request.task, request.prompt, width, height, num_frames, tuple(keyframes), tuple(references))
+
+
+# ----------------------------------------------------------------------------------------------
+# The stage's output
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """Everything the sampler needs for one request but its noise; see the module docstring."""
+
+    task: str
+    width: int
+    height: int
+    num_frames: int
+    layout: PackedLayout
+    text_states: torch.Tensor
+    text_tags: torch.Tensor
+    visual_condition_latents: list[torch.Tensor] = field(default_factory=list)
+    audio_condition_rows: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.audio_condition_rows is None:
+            object.__setattr__(self, "audio_condition_rows", torch.zeros(1, 0, AudioVAEConfig().latent_channels))
+        layout = self.layout
+        if self.text_states.ndim != 3 or self.text_states.shape[0] != 1:
+            raise ValueError(f"text_states must be [1, T, D], got {list(self.text_states.shape)}.")
+        if not self.text_states.shape[1] == self.text_tags.shape[0] == layout.num_text_rows:
+            raise ValueError(
+                f"text_states ({self.text_states.shape[1]} rows), text_tags ({self.text_tags.shape[0]}) and the "
+                f"layout ({layout.num_text_rows} text rows) disagree."
+            )
+        _, ph, pw = geometry.PATCH_SIZE
+        visual_rows = sum(z.shape[2] * (z.shape[3] // ph) * (z.shape[4] // pw) for z in self.visual_condition_latents)
+        if visual_rows != layout.num_condition_video_rows:
+            raise ValueError(
+                f"The visual conditions pack into {visual_rows} rows but the layout reserves "
+                f"{layout.num_condition_video_rows}."
+            )
+        if self.audio_condition_rows.ndim != 3 or self.audio_condition_rows.shape[1] != layout.num_condition_audio_rows:
+            raise ValueError(
+                f"audio_condition_rows {list(self.audio_condition_rows.shape)} must be [1, "
+                f"{layout.num_condition_audio_rows}, C] as the layout reserves."
+            )
+
+    @property
+    def seconds(self) -> float:
+        return self.num_frames / geometry.FPS
+
+
+# ----------------------------------------------------------------------------------------------
+# Encoding
+
+
+def _reference_blocks(prepared, visual, audio) -> list[ReferenceBlock]:
+    visual, audio = iter(visual), iter(audio)
+    blocks = []
+    for reference in prepared:
+        if reference.kind == "audio":
+            blocks.append(ReferenceBlock.audio(next(audio).shape[1] // 2))
+            continue
+        _, _, frames, height, width = next(visual).shape
+        if reference.kind == "image":
+            blocks.append(ReferenceBlock.image(height, width))
+        else:
+            soundtrack = next(audio).shape[1] // 2 if reference.has_audio else 0
+            blocks.append(ReferenceBlock.video(frames, height, width, soundtrack))
+    return blocks
+
+
+def _precomputed_text(text_states, text_tags) -> tuple[torch.Tensor, torch.Tensor]:
+    if text_states is None or text_tags is None:
+        raise RequestError("Pass both text_states [1, T, D] and text_tags [T], or a text_encoder.")
+    tags = torch.as_tensor(text_tags).to("cpu", torch.int64)
+    if text_states.ndim != 3 or text_states.shape[0] != 1 or tags.ndim != 1 or tags.shape[0] != text_states.shape[1]:
+        raise RequestError(
+            f"text_states must be [1, T, D] and text_tags [T]; got {list(text_states.shape)} and {list(tags.shape)}."
+        )
+    return text_states, tags
+
+
+def encode_request(
+    request: Request,
+    text_encoder=None,
+    video_vae=None,
+    audio_vae=None,
+    *,
+    text_states: torch.Tensor | None = None,
+    text_tags: torch.Tensor | None = None,
+    rules: CanvasRules = RELEASE_CANVAS,
+) -> Conditioning:
+    """Validate `request`, prepare its media and encode it.
+
+    text_encoder  `text.TextEncoder`; or pass `text_states` [1, T, D] and `text_tags` [T] computed for
+                  this request's presentation instead (they are checked for shape only).
+    video_vae     `vae_video.VideoVAE`, needed for keyframes and image/video references.
+    audio_vae     `vae_audio.AudioVAE`, needed for audio references and video soundtracks.
+    Everything is validated and decoded before the first model runs; models are used in the order
+    text encoder, video VAE, audio VAE (so a caller can place one at a time)."""
+    plan = validate(request, rules)
+    precomputed = text_states is not None or text_tags is not None
+    if precomputed and text_encoder is not None:
+        raise RequestError("Pass a text_encoder or precomputed text_states/text_tags, not both.")
+    if not precomputed and text_encoder is None:
+        raise RequestError("encode_request needs a text_encoder (or precomputed text_states and text_tags).")
+    if (plan.keyframes or any(r.kind != "audio" for r in plan.references)) and video_vae is None:
+        raise RequestError(f"This {plan.task} request has keyframes or visual references: pass a video_vae.")
+
+    # Decode and normalize every piece of media (no model yet).
+    try:
+        keyframes = fit_keyframes(
+            [load_image(source, f"{anchor}_image") for anchor, source in plan.keyframes], plan.width, plan.height
+        )
+        prepared: list[PreparedReference] = [
+            prepare_reference(reference, plan.num_frames, rules, f"references[{index}] ({reference.kind})")
+            for index, reference in enumerate(plan.references)
+        ]
+    except MediaInputError as error:
+        raise RequestError(str(error)) from None
+    if any(reference.has_audio for reference in prepared) and audio_vae is None:
+        raise RequestError("This request has audio references or video soundtracks: pass an audio_vae.")
+
+    if precomputed:
+        states, tags = _precomputed_text(text_states, text_tags)
+    else:
+        presentation = text_encoder.present(
+            plan.task, plan.prompt, keyframes, [reference.for_presentation() for reference in prepared]
+        )
+        text = text_encoder.encode(presentation)
+        states, tags = text.prompt_embeds, text.token_tags
+
+    visual = [encode_image(video_vae, keyframe) for keyframe in keyframes]
+    for reference in prepared:
+        if reference.kind == "image":
+            visual.append(encode_image(video_vae, reference.image))
+        elif reference.kind == "video":
+            visual.append(encode_video(video_vae, reference.frames))
+    audio = [encode_audio(audio_vae, reference.audio) for reference in prepared if reference.has_audio]
+    channels = audio_vae.config.latent_channels if audio_vae is not None else AudioVAEConfig().latent_channels
+    audio_rows = torch.cat(audio, dim=1) if audio else torch.zeros(1, 0, channels)
+
+    latent_height, latent_width = geometry.latent_size(plan.width, plan.height)
+    target = (
+        geometry.latent_frames(plan.num_frames),
+        latent_height,
+        latent_width,
+        geometry.audio_latents(plan.num_frames),
+    )
+    if plan.task == "ref2va":
+        layout = build_ref2va_layout(tags, _reference_blocks(prepared, visual, audio), *target)
+    else:
+        layout = build_t2va_layout(tags, *target, keyframe_anchors=[anchor for anchor, _ in plan.keyframes])
+    return Conditioning(plan.task, plan.width, plan.height, plan.num_frames, layout, states, tags, visual, audio_rows)
