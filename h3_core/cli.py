@@ -1,10 +1,8 @@
 """The `h3` command line.
 
-    h3 info PATH                 what a DiT checkpoint is (layout, config, size), from file headers only
-    h3 denoise --model M ...     the dual-clock denoise of a T2VA request, latents saved as safetensors
-
-`h3 generate` (prompt to MP4) arrives with the VAEs and the text encoder; until then `denoise` takes
-precomputed text states (`--text-states`), or draws seeded random ones for `--model tiny-random`.
+    h3 generate --prompt ... --out clip.mp4   prompt (+ keyframes / references) to an MP4
+    h3 info PATH                             what a DiT checkpoint is (layout, config, size), from headers
+    h3 denoise --model M ...                 the DiT's denoise alone, from precomputed text states
 """
 
 from __future__ import annotations
@@ -23,6 +21,11 @@ from safetensors.torch import load_file, save_file
 from . import geometry
 from .attention import resolve_backend
 from .checkpoint import CheckpointError, infer_config, load_dit, locate_dit
+from .conditioning import Request
+from .media import MediaError
+from .pipeline import GenerateSettings, generate
+from .references import MediaReference
+from .runtime import return_freed_memory_to_os
 from .layout import build_request_layout, unpack_audio, unpatchify
 from .noise import request_generator, target_noise
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, denoise
@@ -36,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (CheckpointError, ValueError, FileNotFoundError) as error:
+    except (CheckpointError, ValueError, FileNotFoundError, MediaError) as error:
         print(f"h3: error: {error}", file=sys.stderr)
         return 2
 
@@ -44,6 +47,32 @@ def main(argv: list[str] | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="h3", description="MiniMax-H3 engine (h3_core).")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="prompt (+ keyframes / references) to an MP4 with sound")
+    gen.add_argument("--model", default=TINY_RANDOM,
+                     help=f"release root or partition folder, diffusers folder, Hub repo id, or '{TINY_RANDOM}' (default)")
+    gen.add_argument("--task", default="t2va", choices=["t2va", "fl2va", "ref2va"])
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--first-image", type=Path, help="fl2va: the first keyframe")
+    gen.add_argument("--last-image", type=Path, help="fl2va: the last keyframe")
+    gen.add_argument("--ref", action="append", default=[], metavar="KIND=PATH[@START]",
+                     help="ref2va reference, repeatable and ordered: image=PATH, video=PATH, audio=PATH; "
+                          "@START (seconds) picks where a video or audio clip starts")
+    gen.add_argument("--aspect-ratio", help=f"one of {', '.join(geometry.ASPECT_RATIOS)} (default 16:9; fl2va: the first image's)")
+    gen.add_argument("--width", type=int, help="explicit width (multiple of 32; with --height)")
+    gen.add_argument("--height", type=int, help="explicit height (multiple of 32; with --width)")
+    gen.add_argument("--duration", type=float, default=5.0, help="seconds, 4-15 (snapped up to 17n+5 frames at 24 fps)")
+    gen.add_argument("--steps", type=int, default=50, help="sigma points including the final 0 (50 -> 49 model calls)")
+    gen.add_argument("--video-shift", type=float, default=VIDEO_SHIFT)
+    gen.add_argument("--audio-shift", type=float, default=AUDIO_SHIFT)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--outputs", type=int, default=1, help="number of results, seeds seed, seed+1, ...")
+    gen.add_argument("--out", type=Path, help="output .mp4 (several outputs: name_00000.mp4, ...)")
+    gen.add_argument("--save-latents", type=Path, help="also save the final latents ('video', 'audio') as .safetensors")
+    gen.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    gen.add_argument("--dtype", default=None, choices=list(DTYPES), help="model dtype (default: bf16 on GPU, fp32 on CPU)")
+    gen.add_argument("--attention", default="auto", help="auto (fastest exact available), sdpa, flash3, flash, sage (lossy)")
+    gen.set_defaults(run=run_generate)
 
     info = sub.add_parser("info", help="describe a DiT checkpoint without loading it")
     info.add_argument("path", help="release root, partition folder, diffusers folder or single .safetensors file")
@@ -73,6 +102,65 @@ def build_parser() -> argparse.ArgumentParser:
                      help="torch.compile the repeated block (~10%% faster per step on an H200; not bitwise exact)")
     den.set_defaults(run=run_denoise)
     return parser
+
+
+def _reference(spec: str) -> MediaReference:
+    kind, sep, rest = spec.partition("=")
+    if not sep or kind not in ("image", "video", "audio") or not rest:
+        raise ValueError(f"--ref takes KIND=PATH with KIND image, video or audio; got {spec!r}.")
+    path, at, start = rest.rpartition("@") if "@" in rest else (rest, "", "")
+    try:
+        start_seconds = float(start) if at else 0.0
+    except ValueError:
+        raise ValueError(f"--ref {spec!r}: the part after '@' must be a start time in seconds.") from None
+    return MediaReference(kind, Path(path), start_seconds)
+
+
+def run_generate(args) -> int:
+    from tqdm import tqdm
+
+    if args.out is None and args.save_latents is None:
+        raise ValueError("Give --out FILE.mp4 (and/or --save-latents FILE.safetensors).")
+    if args.outputs < 1:
+        raise ValueError(f"--outputs must be at least 1, got {args.outputs}.")
+    return_freed_memory_to_os()
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    request = Request(
+        task=args.task, prompt=args.prompt, first_image=args.first_image, last_image=args.last_image,
+        references=[_reference(spec) for spec in args.ref], aspect_ratio=args.aspect_ratio,
+        width=args.width, height=args.height, duration=args.duration,
+    )
+    settings = GenerateSettings(args.seed, args.outputs, args.steps, args.video_shift, args.audio_shift,
+                                str(device), dtype, args.attention)
+    bars: dict[str, tqdm] = {}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        bar = bars.get(stage)
+        if bar is None:
+            for old in bars.values():
+                old.close()
+            bar = bars[stage] = tqdm(total=total, desc=stage, file=sys.stderr, leave=False)
+        bar.update(done - bar.n)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        results = generate(request, args.model, settings, args.out, args.save_latents, progress)
+    finally:
+        for bar in bars.values():
+            bar.close()
+    for result in results:
+        written = result.video_path or result.latents_path
+        stages = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in result.seconds.items())
+        print(f"{written}: {args.task}, seed {result.seed}, {result.latents.num_frames} frames; {stages}; {_peak(device)}")
+    return 0
+
+
+def _peak(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"peak GPU {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+    return f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
 
 
 def run_info(args) -> int:
@@ -180,12 +268,8 @@ def run_denoise(args) -> int:
 
 
 def _summary(path, width, height, frames, timings, device) -> str:
-    if device.type == "cuda":
-        peak = f"peak GPU {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
-    else:
-        peak = f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
     stages = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in timings.items())
-    return f"{path}: {width}x{height}, {frames} frames; {stages}; {peak}"
+    return f"{path}: {width}x{height}, {frames} frames; {stages}; {_peak(device)}"
 
 
 if __name__ == "__main__":

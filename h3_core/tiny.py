@@ -22,3 +22,41 @@ def tiny_random_dit(dtype: torch.dtype = torch.float32, device="cpu") -> H3DiT:
             base = 1.0 if param.ndim == 1 and "norm" in name else 0.0
             param.copy_(base + scale * torch.randn(param.shape, generator=generator))
     return model.set_dtype(dtype).to(device).eval().requires_grad_(False)
+
+
+def _randomized(model: torch.nn.Module, seed: int, gain: float = 1.0) -> torch.nn.Module:
+    """Seeded values for every parameter, whatever its constructor left (some are `empty`, waiting for a
+    checkpoint): matrices ~ N(0, gain^2/fan_in), scales near 1, log-scales and biases near 0. Buffers made
+    by the architecture (filters) are kept; empty stored ones (zero biases) become zeros."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=generator)
+            leaf = name.rsplit(".", 1)[-1]
+            if param.ndim >= 2 and param.shape[0] > 1:  # linear / conv weights (Snake alphas are [1, C, 1])
+                value = gain * noise / param[0].numel() ** 0.5
+            elif leaf in ("weight", "scale1", "scale2") or (leaf == "alpha" and param.ndim == 3):
+                value = 1.0 + 0.1 * noise  # norm gains, layer scales, Snake frequencies
+            else:
+                value = 0.02 * noise  # biases, SnakeBeta log-scales, register tokens
+            param.copy_(value)
+        for name, buffer in model.named_buffers():
+            if name.endswith("zero_k_bias"):
+                buffer.zero_()
+    return model
+
+
+def tiny_random_video_vae(device="cpu") -> "VideoVAE":
+    """The video VAE at a tiny width that keeps the real 16x spatial / 4x temporal factors."""
+    from .vae_video import TINY_VIDEO_VAE, VideoVAE
+
+    return _randomized(VideoVAE(TINY_VIDEO_VAE), TINY_SEED + 1).to(device).eval().requires_grad_(False)
+
+
+def tiny_random_audio_vae(device="cpu") -> "AudioVAE":
+    """The audio VAE at a tiny width that keeps hop 800 (40 latents per second at 32 kHz)."""
+    from .vae_audio import AudioVAE, AudioVAEConfig
+
+    config = AudioVAEConfig(encoder_dim=4, latent_dim=64, latent_channels=32, num_attention_heads=8, decoder_dim=256)
+    # gain 0.5 keeps the random decoder out of its chaotic, clipped regime (a quiet but faithful signal)
+    return _randomized(AudioVAE(config), TINY_SEED + 2, gain=0.5).to(device).eval().requires_grad_(False)

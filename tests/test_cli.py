@@ -5,6 +5,7 @@ import re
 import shlex
 from pathlib import Path
 
+import av
 import pytest
 import torch
 from reference_checkpoints import reference_dit, write_diffusers_folder
@@ -17,19 +18,35 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def readme_main_command() -> list[str]:
-    line = next(line for line in README.read_text().splitlines() if line.startswith("h3 denoise --model tiny-random"))
+    line = next(line for line in README.read_text().splitlines() if line.startswith("h3 generate --prompt"))
     return shlex.split(line)[1:]
 
 
-def with_output(argv: list[str], path: Path) -> list[str]:
+def with_option(argv: list[str], option: str, value: str) -> list[str]:
     argv = list(argv)
-    argv[argv.index("--save-latents") + 1] = str(path)
+    argv[argv.index(option) + 1] = value
     return argv
 
 
 def test_readme_main_command_runs(tmp_path, capsys):
+    out = tmp_path / "fox.mp4"
+    argv = with_option(readme_main_command(), "--out", str(out)) + ["--save-latents", str(tmp_path / "fox.safetensors")]
+    assert main(argv) == 0
+    with av.open(str(out)) as container:
+        (video,), (audio,) = container.streams.video, container.streams.audio
+        assert video.codec_context.name == "h264" and video.average_rate == 24
+        assert audio.codec_context.name == "aac" and audio.rate == 32000 and audio.channels == 2
+        assert sum(1 for _ in container.decode(video=0)) == 124  # 5 s -> 17n+5 = 124 frames
+    tensors = load_file(str(tmp_path / "fox.safetensors"))
+    assert tensors["video"].shape[:3] == (1, 24, 37) and tensors["audio"].shape == (2, 32, 207)
+    summary = capsys.readouterr().out
+    assert re.search(r"fox.mp4: t2va, seed 0, 124 frames; encode .*sample .*decode .*peak", summary)
+
+
+def test_denoise_runs_from_text_states_alone(tmp_path, capsys):
     out = tmp_path / "latents.safetensors"
-    assert main(with_output(readme_main_command(), out)) == 0
+    argv = ["denoise", "--width", "256", "--height", "160", "--steps", "4", "--save-latents", str(out)]
+    assert main(argv) == 0
     tensors = load_file(str(out))
     # 256x160, 5 s -> 124 frames -> 37 latent frames of 10x16 latents; 207 audio latents per channel.
     assert tensors["video"].shape == (1, 24, 37, 10, 16)
@@ -37,8 +54,7 @@ def test_readme_main_command_runs(tmp_path, capsys):
     assert torch.isfinite(tensors["video"]).all() and torch.isfinite(tensors["audio"]).all()
     with safe_open(str(out), "pt") as handle:
         assert handle.metadata()["frames"] == "124"
-    summary = capsys.readouterr().out
-    assert re.search(r"256x160, 124 frames; load .*denoise .*peak", summary)
+    assert re.search(r"256x160, 124 frames; load .*denoise .*peak", capsys.readouterr().out)
 
 
 def test_seed_decides_the_result(tmp_path):
@@ -79,6 +95,16 @@ def test_info_describes_a_checkpoint(tmp_path, tiny_config, capsys):
         (["denoise", "--steps", "1", "--save-latents", "{out}"], "sigma points"),
         (["denoise", "--save-latents", "{tmp}/x.pt"], ".safetensors"),
         (["info", "{tmp}/nothing-here"], "does not exist"),
+        (["generate", "--prompt", "x", "--model", "{tmp}/nowhere", "--out", "{tmp}/o.mp4"], "not an existing path"),
+        (["generate", "--prompt", "x", "--model", "{tmp}", "--out", "{tmp}/o.mp4"], "not an H3 DiT checkpoint"),
+        (["generate", "--prompt", "x"], "Give --out"),
+        (["generate", "--prompt", "x", "--out", "{tmp}/o.mov"], "must end in .mp4"),
+        (["generate", "--prompt", "", "--out", "{tmp}/o.mp4"], "prompt"),
+        (["generate", "--prompt", "x", "--duration", "40", "--out", "{tmp}/o.mp4"], "15"),
+        (["generate", "--prompt", "x", "--task", "ref2va", "--ref", "picture={tmp}/a.png", "--out", "{tmp}/o.mp4"], "KIND=PATH"),
+        (["generate", "--prompt", "x", "--task", "ref2va", "--ref", "image={tmp}/missing.png", "--out", "{tmp}/o.mp4"], "no file"),
+        (["generate", "--prompt", "x", "--task", "fl2va", "--out", "{tmp}/o.mp4"], "image"),
+        (["generate", "--prompt", "x", "--outputs", "0", "--out", "{tmp}/o.mp4"], "at least 1"),
     ],
 )
 def test_bad_input_is_a_clear_error(tmp_path, tiny_config, capsys, argv, message):
@@ -86,4 +112,4 @@ def test_bad_input_is_a_clear_error(tmp_path, tiny_config, capsys, argv, message
     fill = {"ckpt": str(tmp_path / "ckpt"), "out": str(tmp_path / "o.safetensors"), "tmp": str(tmp_path)}
     assert main([a.format(**fill) for a in argv]) == 2
     assert message in capsys.readouterr().err
-    assert not (tmp_path / "o.safetensors").exists()
+    assert not (tmp_path / "o.safetensors").exists() and not (tmp_path / "o.mp4").exists()

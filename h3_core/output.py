@@ -1,0 +1,113 @@
+"""From final latents to an MP4, streamed: video chunk by chunk, audio window by window.
+
+    AVLatents.video  [1, 24, L, h, w]  normalized (what the DiT denoises; L = 5n + 2)
+    AVLatents.audio  [2, 32, A]        normalized, one mono latent per stereo channel
+These are the tensors (and the normalization) that the diffusers pipeline hands to its decoders, and
+what `--save-latents` writes as `video` / `audio`. Frames leave the decoder as uint8 [n, H, W, 3]
+blocks of at most 17 frames, so a long clip never holds all its frames in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from . import geometry
+from .media_write import Mp4Writer
+from .vae_audio import AudioVAE
+from .vae_video import VideoVAE, model_space_to_frames
+
+
+@dataclass
+class AVLatents:
+    video: torch.Tensor
+    audio: torch.Tensor
+
+    @property
+    def num_frames(self) -> int:
+        """Pixel frames these latents decode to (L = 5n + 2 -> F = 17n + 5)."""
+        latent_frames = self.video.shape[2]
+        return (latent_frames - 2) // geometry.LATENTS_PER_CHUNK * geometry.FRAMES_PER_CHUNK + geometry.LATENTS_PER_CHUNK
+
+    def check(self, video_channels: int = 24, audio_channels: int = 32) -> "AVLatents":
+        """Shapes and values a decode can take; a clear error otherwise."""
+        v, a = self.video, self.audio
+        if v.ndim != 5 or v.shape[0] != 1 or v.shape[1] != video_channels:
+            raise ValueError(f"Video latents must be [1, {video_channels}, L, h, w]; got {list(v.shape)}.")
+        if (v.shape[2] - 2) % geometry.LATENTS_PER_CHUNK or v.shape[2] < 7:
+            raise ValueError(f"Video latents need L = 5n + 2 >= 7 latent frames (from 17n + 5 frames); got L = {v.shape[2]}.")
+        if a.ndim != 3 or a.shape[0] != geometry.AUDIO_CHANNELS or a.shape[1] != audio_channels:
+            raise ValueError(f"Audio latents must be [2, {audio_channels}, A] (one per stereo channel); got {list(a.shape)}.")
+        expected = geometry.audio_latents(self.num_frames)
+        if a.shape[2] != expected:
+            raise ValueError(f"{self.num_frames} frames take {expected} audio latents per channel; got {a.shape[2]}.")
+        for name, tensor in (("video", v), ("audio", a)):
+            if not torch.isfinite(tensor).all():
+                raise ValueError(f"The {name} latents hold NaN or infinite values; nothing to decode.")
+        return self
+
+    def save(self, path: str | Path, metadata: dict[str, str] | None = None) -> Path:
+        path = Path(path)
+        if path.suffix != ".safetensors":
+            raise ValueError(f"Latents are saved as .safetensors; got {path.name}.")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"video": self.video.contiguous().cpu(), "audio": self.audio.contiguous().cpu()}, str(path), metadata=metadata)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "AVLatents":
+        tensors = load_file(str(path))
+        missing = {"video", "audio"} - set(tensors)
+        if missing:
+            raise ValueError(f"{path} lacks the tensor(s) {', '.join(sorted(missing))}; expected 'video' and 'audio'.")
+        return cls(tensors["video"], tensors["audio"])
+
+
+def decode_video(vae: VideoVAE, latents: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Normalized video latents [1, C, L, h, w] -> uint8 frame blocks [n, H, W, 3] as each chunk finishes."""
+    device = vae.post_quant_conv.weight.device
+    raw = vae.denormalize_latents(latents.to(device))
+    with torch.inference_mode():
+        for block in vae.decode_stream(raw):
+            frames = model_space_to_frames(block)[0]  # [3, n, H, W] in 0..1
+            yield (frames * 255.0).round().to(torch.uint8).permute(1, 2, 3, 0).cpu()
+
+
+# Audio decodes in windows of ~5 s (plus the decoder's receptive field on both sides): the BigVGAN
+# activations at 32 kHz dominate its memory, so the window, not the clip, sets the peak.
+AUDIO_WINDOW_LATENTS = 200
+
+
+def decode_audio(vae: AudioVAE, latents: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Normalized audio latents [2, C, A] -> float32 waveform pieces [2, n] at 32 kHz, window by window."""
+    with torch.inference_mode():
+        for piece in vae.decode_windows(latents.to(vae.device), window=AUDIO_WINDOW_LATENTS):
+            yield piece.float().cpu()
+
+
+def write_mp4(
+    path: str | Path,
+    latents: AVLatents,
+    video_vae: VideoVAE,
+    audio_vae: AudioVAE,
+    metadata: dict[str, str] | None = None,
+    on_frames=None,
+) -> Path:
+    """Decode and mux in one pass. The soundtrack is decoded first (it is small: 15 MB a minute);
+    the writer interleaves it as the video chunks arrive. `on_frames(done, total)` reports progress."""
+    latents.check(video_vae.config.latent_channels)
+    total = latents.num_frames
+    with Mp4Writer(path, metadata=metadata) as writer:
+        for piece in decode_audio(audio_vae, latents.audio):
+            writer.write_audio(piece)
+        done = 0
+        for frames in decode_video(video_vae, latents.video):
+            writer.write_video_frames(frames.numpy())
+            done += frames.shape[0]
+            if on_frames is not None:
+                on_frames(done, total)
+    return Path(path)

@@ -1,0 +1,234 @@
+"""The engine API, used by the `h3` command and the ComfyUI nodes alike:
+
+    load_model / load_text_encoder / load_video_vae / load_audio_vae   (each placed and freed on its own)
+    encode(request, text_encoder, video_vae, audio_vae) -> Conditioning (validates before any model runs)
+    sample(dit, conditioning, seed, ...)                  -> AVLatents   (the dual-clock denoise)
+    write_mp4(path, latents, video_vae, audio_vae)        -> Path        (streamed decode + mux)
+    generate(...)                                         -> everything above, with a progress callback
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .attention import resolve_backend
+from .checkpoint import load_dit, locate_dit
+from .conditioning import Request, RequestError, encode_request, validate
+from .layout import unpack_audio, unpatchify
+from .noise import condition_rows, request_generator, target_noise
+from .output import AVLatents, write_mp4
+from .references import RELEASE_CANVAS, CanvasRules
+from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback, denoise
+from .text import load_text_encoder
+from .text_checkpoint import locate_text_encoder
+from .tiny import TINY_RANDOM, tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
+from .tiny_text import tiny_random_text_encoder
+from .vae_audio_checkpoint import load_audio_vae, locate_audio_vae
+from .vae_video_checkpoint import load_video_vae, locate_video_vae
+from .weights import CheckpointError
+
+
+def sample(
+    dit,
+    conditioning,
+    seed: int,
+    steps: int = 50,
+    video_shift: float = VIDEO_SHIFT,
+    audio_shift: float = AUDIO_SHIFT,
+    video_sigmas: Sequence[float] | None = None,
+    audio_sigmas: Sequence[float] | None = None,
+    callback: StepCallback | None = None,
+    offload_adaln: bool = False,
+) -> AVLatents:
+    """Denoise one request. Noise comes from one CPU generator seeded with `seed`, in diffusers' order:
+    one draw per visual condition (mixed to t = 0.999), then the target video, then the target audio.
+
+    `conditioning` provides `layout`, `text_states` [1, T, D], `visual_condition_latents` (list of
+    normalized [1, C, L_i, h_i, w_i], packed order) and `audio_condition_rows` [1, N, Ca] (clean)."""
+    schedule = DualClockSchedule.build(steps, video_shift, audio_shift, video_sigmas, audio_sigmas)
+    layout = conditioning.layout
+    device = dit.condition_proj.weight.device
+    config = dit.config
+    generator = request_generator(seed)
+    held_video = (
+        condition_rows(conditioning.visual_condition_latents, generator)
+        if conditioning.visual_condition_latents
+        else torch.zeros(1, 0, config.video_patch_dim)
+    )
+    video_noise, audio_noise = target_noise(layout, generator, config.in_channels, config.audio_in_channels)
+    held_audio = conditioning.audio_condition_rows
+    if held_video.shape[1] != layout.num_condition_video_rows or held_audio.shape[1] != layout.num_condition_audio_rows:
+        raise ValueError(
+            f"The conditioning holds {held_video.shape[1]} video / {held_audio.shape[1]} audio rows but its layout "
+            f"reserves {layout.num_condition_video_rows} / {layout.num_condition_audio_rows}."
+        )
+    video_rows = torch.cat([held_video, video_noise], dim=1).to(device)
+    audio_rows = torch.cat([held_audio.float().cpu(), audio_noise], dim=1).to(device)
+    text = conditioning.text_states.to(device)
+    with torch.inference_mode():
+        video_rows, audio_rows = denoise(
+            dit, layout, text, video_rows, audio_rows, schedule, callback, offload_adaln=offload_adaln
+        )
+    target_video = video_rows[:, layout.num_condition_video_rows :].float().cpu()
+    target_audio = audio_rows[:, layout.num_condition_audio_rows :].float().cpu()
+    video = unpatchify(target_video, layout.latent_frames, layout.latent_height, layout.latent_width)
+    return AVLatents(video.contiguous(), unpack_audio(target_audio)[0].contiguous())
+
+
+# ----------------------------------------------------------------------------------------------
+# Models and the whole request
+
+
+TASK_PARTITION = {"t2va": "fl2va", "fl2va": "fl2va", "ref2va": "ref2va"}
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# tiny-random runs the release's recipe on a small canvas (short edge 128) so it finishes in seconds.
+TINY_CANVAS = CanvasRules(short_edge=128, max_pixels=128 * 224, reference_image_short_edge=256)
+
+
+@dataclass
+class ModelSource:
+    """Where a request's four models come from: `tiny-random`, a local folder, or a Hub repo id."""
+
+    name: str
+    root: Path | None  # None for tiny-random
+
+    @property
+    def tiny(self) -> bool:
+        return self.root is None
+
+    @property
+    def canvas(self) -> CanvasRules:
+        return TINY_CANVAS if self.tiny else RELEASE_CANVAS
+
+
+def resolve_model_source(model: str, partition: str) -> ModelSource:
+    """`tiny-random`, an existing local path, or (only then) a Hugging Face repo id downloaded with
+    huggingface_hub (just the partition that serves the task)."""
+    if model == TINY_RANDOM:
+        return ModelSource(model, None)
+    path = Path(model).expanduser()
+    if path.exists():
+        return ModelSource(model, path)
+    if not REPO_ID.match(model):
+        raise CheckpointError(f"--model {model!r} is not an existing path, 'tiny-random' or a Hub repo id (owner/name).")
+    from huggingface_hub import snapshot_download
+
+    folder = {"fl2va": "FL2VA", "ref2va": "Ref2VA"}[partition]
+    return ModelSource(model, Path(snapshot_download(model, allow_patterns=[f"{folder}/*"])))
+
+
+@dataclass
+class GenerateSettings:
+    seed: int = 0
+    outputs: int = 1  # seeds seed, seed + 1, ...
+    steps: int = 50
+    video_shift: float = VIDEO_SHIFT
+    audio_shift: float = AUDIO_SHIFT
+    device: str = "cpu"
+    dtype: torch.dtype = torch.bfloat16
+    attention: str = "auto"
+
+
+@dataclass
+class GenerateResult:
+    seed: int
+    video_path: Path | None
+    latents_path: Path | None
+    latents: AVLatents
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+def numbered(path: Path | None, index: int, count: int) -> Path | None:
+    """out.mp4 for one output; out_00000.mp4, out_00001.mp4, ... for several."""
+    if path is None or count == 1:
+        return path
+    return path.with_name(f"{path.stem}_{index:05d}{path.suffix}")
+
+
+def generate(
+    request: Request,
+    model: str,
+    settings: GenerateSettings,
+    out: Path | None = None,
+    save_latents: Path | None = None,
+    progress: Progress | None = None,
+) -> list[GenerateResult]:
+    """Prompt and references to MP4s. Validation runs first (no model is loaded for a bad request);
+    then, one model at a time on the device: text encoder (released after encoding), VAEs for the
+    conditioning, the DiT for sampling, the VAEs again for the streamed decode."""
+    progress = progress or (lambda stage, done, total: None)
+    partition = TASK_PARTITION.get(request.task)
+    if partition is None:
+        raise RequestError(f"Unknown task {request.task!r}; choose t2va, fl2va or ref2va.")
+    if out is None and save_latents is None:
+        raise ValueError("Nothing to write: give an output MP4 path and/or a latents path.")
+    for path, suffix in ((out, ".mp4"), (save_latents, ".safetensors")):
+        if path is not None and Path(path).suffix != suffix:
+            raise ValueError(f"{path} must end in {suffix}.")
+    device, timings = torch.device(settings.device), {}
+    source = resolve_model_source(model, partition)
+    validate(request, source.canvas)  # every limit, before any model
+    resolve_backend(settings.attention, device)
+    if not source.tiny:  # every checkpoint found and recognized before the first one loads
+        locate_dit(source.root, partition)
+        locate_text_encoder(source.root)
+        locate_video_vae(source.root)
+        locate_audio_vae(source.root)
+
+    clock = time.perf_counter()
+    progress("text encoder", 0, 1)
+    text_encoder = tiny_random_text_encoder(device=device) if source.tiny else load_text_encoder(source.root, settings.dtype, device)
+    video_vae = tiny_random_video_vae(device) if source.tiny else load_video_vae(source.root, device=device)
+    audio_vae = tiny_random_audio_vae(device) if source.tiny else load_audio_vae(source.root, device=device)
+    conditioning = encode_request(request, text_encoder, video_vae, audio_vae, rules=source.canvas)
+    text_encoder.release()  # its ~51 GB leave before the DiT arrives
+    del text_encoder
+    _empty_cache(device)
+    timings["encode"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    if source.tiny:
+        dit = tiny_random_dit(torch.float32 if device.type == "cpu" else settings.dtype, device)
+    else:
+        dit = load_dit(source.root, partition, dtype=settings.dtype, device=device)
+    dit.set_attention_backend(settings.attention)
+    timings["load"] = time.perf_counter() - clock
+
+    results = []
+    for index in range(settings.outputs):
+        seed = settings.seed + index
+        clock = time.perf_counter()
+        latents = sample(
+            dit, conditioning, seed, settings.steps, settings.video_shift, settings.audio_shift,
+            callback=lambda state: progress(f"sample {index + 1}/{settings.outputs}", state.step, state.total),
+        )
+        seconds = {**timings, "sample": time.perf_counter() - clock}
+        latents_path = numbered(save_latents, index, settings.outputs)
+        if latents_path is not None:
+            latents.save(latents_path, {"seed": str(seed), "task": request.task, "model": source.name})
+        video_path = numbered(out, index, settings.outputs)
+        if video_path is not None:
+            clock = time.perf_counter()
+            Path(video_path).parent.mkdir(parents=True, exist_ok=True)
+            write_mp4(
+                video_path, latents, video_vae, audio_vae,
+                metadata={"comment": f"MiniMax-H3 {request.task}, seed {seed}", "title": request.prompt[:200]},
+                on_frames=lambda done, total: progress(f"decode {index + 1}/{settings.outputs}", done, total),
+            )
+            seconds["decode"] = time.perf_counter() - clock
+        results.append(GenerateResult(seed, video_path, latents_path, latents, seconds))
+    return results
+
+
+def _empty_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,112 @@
+"""Final latents to MP4: streamed decode, the file's streams, bounded memory, clear errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import av
+import pytest
+import torch
+
+from h3_core import geometry
+from h3_core.output import AVLatents, decode_audio, decode_video, write_mp4
+from h3_core.tiny import tiny_random_audio_vae, tiny_random_video_vae
+from h3_core.vae_video import model_space_to_frames
+
+PROBE = Path(__file__).with_name("stream_memory_probe.py")
+
+
+@pytest.fixture(scope="module")
+def vaes():
+    return tiny_random_video_vae(), tiny_random_audio_vae()
+
+
+def random_latents(frames=124, h=4, w=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    video = torch.randn(1, 24, geometry.latent_frames(frames), h, w, generator=g)
+    return AVLatents(video, torch.randn(2, 32, geometry.audio_latents(frames), generator=g))
+
+
+def test_mp4_streams_from_latents(tmp_path, vaes):
+    path = write_mp4(tmp_path / "clip.mp4", random_latents(124), *vaes, metadata={"comment": "h3 test"})
+    with av.open(str(path)) as container:
+        video, audio = container.streams.video, container.streams.audio
+        assert len(video) == 1 and len(audio) == 1
+        assert video[0].codec_context.name == "h264" and video[0].average_rate == 24
+        assert (video[0].codec_context.width, video[0].codec_context.height) == (96, 64)
+        assert audio[0].codec_context.name == "aac" and audio[0].rate == 32000 and audio[0].channels == 2
+        frames = sum(1 for _ in container.decode(video=0))
+        container.seek(0)
+        samples = sum(f.samples for f in container.decode(audio=0))
+    assert frames == 124
+    assert abs(samples - 124 * 32000 / 24) <= 1024  # durations equal within one AAC frame
+
+
+def test_streamed_frames_equal_the_whole_decode(vaes):
+    video_vae, _ = vaes
+    latents = random_latents(39, 4, 6, seed=3).video
+    blocks = list(decode_video(video_vae, latents))
+    assert len(blocks) > 1 and all(b.shape[0] <= 17 for b in blocks)  # chunk by chunk, never the clip
+    whole = model_space_to_frames(video_vae.decode(video_vae.denormalize_latents(latents)))[0]
+    expected = (whole * 255).round().to(torch.uint8).permute(1, 2, 3, 0)
+    assert torch.equal(torch.cat(blocks), expected)
+
+
+def test_streamed_audio_equals_the_whole_decode(vaes):
+    _, audio_vae = vaes
+    latents = random_latents(243, seed=4).audio  # 405 latents: three windows
+    pieces = list(decode_audio(audio_vae, latents))
+    assert len(pieces) == 3
+    assert torch.allclose(torch.cat(pieces, dim=-1), audio_vae.decode(latents, window=10_000), atol=1e-5)
+
+
+def test_latents_round_trip_through_safetensors(tmp_path):
+    latents = random_latents(124)
+    loaded = AVLatents.load(latents.save(tmp_path / "l.safetensors", {"seed": "0"}))
+    assert torch.equal(loaded.video, latents.video) and torch.equal(loaded.audio, latents.audio)
+
+
+@pytest.mark.parametrize(
+    "video, audio, message",
+    [
+        ((1, 16, 37, 4, 6), (2, 32, 207), r"\[1, 24, L, h, w\]"),
+        ((1, 24, 36, 4, 6), (2, 32, 207), "5n \\+ 2"),
+        ((1, 24, 2, 4, 6), (2, 32, 207), "5n \\+ 2"),
+        ((1, 24, 37, 4, 6), (1, 32, 207), r"\[2, 32, A\]"),
+        ((1, 24, 37, 4, 6), (2, 32, 200), "124 frames take 207 audio latents"),
+    ],
+)
+def test_wrong_latent_shapes_are_clear_errors(tmp_path, vaes, video, audio, message):
+    with pytest.raises(ValueError, match=message):
+        write_mp4(tmp_path / "x.mp4", AVLatents(torch.zeros(video), torch.zeros(audio)), *vaes)
+    assert not (tmp_path / "x.mp4").exists()
+
+
+def test_non_finite_latents_are_refused(tmp_path, vaes):
+    latents = random_latents(124)
+    latents.video[0, 3, 5, 1, 1] = float("nan")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        write_mp4(tmp_path / "x.mp4", latents, *vaes)
+
+
+def _probe(seconds: int, tmp_path) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PROBE.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, str(PROBE), str(seconds), "256", "128", str(tmp_path / f"{seconds}.mp4")],
+        capture_output=True, text=True, check=True, timeout=900, env=env,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_minute_streams_in_the_memory_of_five_seconds(tmp_path):
+    """60 s of 256x128 video (1450 frames = 142 MB as uint8, 570 MB as float) decoded and muxed in a
+    fresh process each: the peak above the post-setup baseline stays within twice the 5 s clip's."""
+    short, long = _probe(5, tmp_path), _probe(60, tmp_path)
+    assert long["frames"] == 1450
+    grown_short = short["peak"] - short["rss_before"]
+    grown_long = long["peak"] - long["rss_before"]
+    assert long["peak"] <= 2 * short["peak"]
+    assert grown_long <= 2 * grown_short
+    assert grown_long < 1450 * 256 * 128 * 3 * 4 / 2  # never held the decoded clip (570 MB as float)
