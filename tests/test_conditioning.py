@@ -239,35 +239,56 @@ def test_fl2va_equals_diffusers(tiny_text, video_vaes, keyframes):
     assert_same_conditioning(ours, reference, None)
 
 
-def test_ref2va_equals_diffusers(tiny_text, video_vaes, audio_vaes):
-    from diffusers.modular_pipelines.minimax_h3 import before_denoise as bd
-    from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep
-    from diffusers.modular_pipelines.minimax_h3.encoders import (
-        MiniMaxH3Ref2VAReferenceEncoderStep,
-        MiniMaxH3Ref2VATextEncoderStep,
-    )
+def _ref2va_media():
+    """(ours, diffusers) reference pairs by name: a 30 fps 80x48 video with a mono soundtrack, the same
+    video silent, two images of their own sizes, a stereo audio clip."""
     from diffusers.modular_pipelines.minimax_h3.references import (
         MiniMaxH3AudioReference,
         MiniMaxH3ImageReference,
         MiniMaxH3VideoReference,
     )
 
-    # a 30 fps 80x48 video with a mono soundtrack, two images of their own sizes, a stereo audio clip
     frames, soundtrack = clip(75, 80, 48, seed=1), sound(2.5, 1, seed=2)
     image_a, image_b = picture(100, 70, seed=3), picture(70, 120, seed=4)
     voice = sound(2.2, 2, seed=5)
-    ours_refs = [
-        ("video", DecodedVideo(frames, 30.0, soundtrack, 32000)),
-        ("image", image_a),
-        ("audio", DecodedAudio(voice, 32000)),
-        ("image", np.asarray(image_b)),
-    ]
-    diffusers_refs = [
-        MiniMaxH3VideoReference(frames=frames, fps=30.0, audio=torch.from_numpy(soundtrack), sample_rate=32000),
-        MiniMaxH3ImageReference(image=image_a),
-        MiniMaxH3AudioReference(audio=torch.from_numpy(voice), sample_rate=32000),
-        MiniMaxH3ImageReference(image=image_b),
-    ]
+    return {
+        "video+sound": (
+            ("video", DecodedVideo(frames, 30.0, soundtrack, 32000)),
+            MiniMaxH3VideoReference(frames=frames, fps=30.0, audio=torch.from_numpy(soundtrack), sample_rate=32000),
+        ),
+        "video": (("video", DecodedVideo(frames, 30.0)), MiniMaxH3VideoReference(frames=frames, fps=30.0)),
+        "image_a": (("image", image_a), MiniMaxH3ImageReference(image=image_a)),
+        "image_b": (("image", np.asarray(image_b)), MiniMaxH3ImageReference(image=image_b)),
+        "audio": (
+            ("audio", DecodedAudio(voice, 32000)),
+            MiniMaxH3AudioReference(audio=torch.from_numpy(voice), sample_rate=32000),
+        ),
+    }
+
+
+REF2VA_CASES = {  # the issue's list: one image, two images, image+audio, a video with a soundtrack,
+    # a video plus audio, and a mix of all three kinds
+    "one image": ["image_a"],
+    "two images": ["image_a", "image_b"],
+    "image+audio": ["image_a", "audio"],
+    "video with soundtrack": ["video+sound"],
+    "video+audio": ["video", "audio"],
+    "mix": ["video+sound", "image_a", "audio", "image_b"],
+}
+
+
+@pytest.mark.parametrize("case", list(REF2VA_CASES))
+def test_ref2va_equals_diffusers(tiny_text, video_vaes, audio_vaes, case):
+    from diffusers.modular_pipelines.minimax_h3 import before_denoise as bd
+    from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep
+    from diffusers.modular_pipelines.minimax_h3.encoders import (
+        MiniMaxH3Ref2VAReferenceEncoderStep,
+        MiniMaxH3Ref2VATextEncoderStep,
+    )
+
+    media = _ref2va_media()
+    ours_refs = [media[name][0] for name in REF2VA_CASES[case]]
+    diffusers_refs = [media[name][1] for name in REF2VA_CASES[case]]
     presenter = tiny_text["encoder"].presenter
     reference_vae, our_vae = video_vaes
     reference_audio_vae_, our_audio_vae = audio_vaes
@@ -296,9 +317,11 @@ def test_ref2va_equals_diffusers(tiny_text, video_vaes, audio_vaes):
     request = Request("ref2va", PROMPT, references=ours_refs, num_frames=124)
     ours = encode_request(request, tiny_text["encoder"], our_vae, our_audio_vae, rules=TINY_RULES)
     assert (ours.width, ours.height) == TINY_RULES.canvas(16, 9)  # references never set the canvas
-    assert [z.shape[2] for z in ours.visual_condition_latents] == [17, 1, 1]  # 60 frames -> 56 -> 17 latents
-    assert_same_conditioning(ours, reference, torch.cat(reference["audio_condition_latents"]))
-    assert ours.layout.num_condition_audio_rows == 2 * (100 + 88)  # 2.5 s soundtrack, 2.2 s voice
+    audio_rows = reference["audio_condition_latents"]
+    assert_same_conditioning(ours, reference, torch.cat(audio_rows) if audio_rows else None)
+    if case == "mix":
+        assert [z.shape[2] for z in ours.visual_condition_latents] == [17, 1, 1]  # 60 frames -> 56 -> 17 latents
+        assert ours.layout.num_condition_audio_rows == 2 * (100 + 88)  # 2.5 s soundtrack, 2.2 s voice
 
 
 def test_precomputed_text_states_skip_the_encoder(tiny_text, video_vaes):
