@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (CheckpointError, ValueError, FileNotFoundError, MediaError) as error:
+    except (CheckpointError, ValueError, FileNotFoundError, MediaError) as error:  # LoRAError is a ValueError
         print(f"h3: error: {error}", file=sys.stderr)
         return 2
 
@@ -62,9 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--width", type=int, help="explicit width (multiple of 32; with --height)")
     gen.add_argument("--height", type=int, help="explicit height (multiple of 32; with --width)")
     gen.add_argument("--duration", type=float, default=5.0, help="seconds, 4-15 (snapped up to 17n+5 frames at 24 fps)")
-    gen.add_argument("--steps", type=int, default=50, help="sigma points including the final 0 (50 -> 49 model calls)")
-    gen.add_argument("--video-shift", type=float, default=VIDEO_SHIFT)
-    gen.add_argument("--audio-shift", type=float, default=AUDIO_SHIFT)
+    gen.add_argument("--steps", type=int, help="sigma points including the final 0 (default 50 -> 49 model calls, "
+                                               "or what a Turbo adapter was distilled for)")
+    gen.add_argument("--video-shift", type=float, help=f"default {VIDEO_SHIFT:g} (or the Turbo adapter's)")
+    gen.add_argument("--audio-shift", type=float, help=f"default {AUDIO_SHIFT:g} (or the Turbo adapter's)")
+    gen.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
+                     help="LoRA / Turbo adapter (any published layout), repeatable; merged in order; strength default 1")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--outputs", type=int, default=1, help="number of results, seeds seed, seed+1, ...")
     gen.add_argument("--out", type=Path, help="output .mp4 (several outputs: name_00000.mp4, ...)")
@@ -116,6 +119,16 @@ def _reference(spec: str) -> MediaReference:
     return MediaReference(kind, Path(path), start_seconds)
 
 
+def _lora(spec: str) -> tuple[Path, float]:
+    path, sep, strength = spec.rpartition(":")
+    if sep:
+        try:
+            return Path(path), float(strength)
+        except ValueError:
+            pass
+    return Path(spec), 1.0
+
+
 def run_generate(args) -> int:
     from tqdm import tqdm
 
@@ -132,7 +145,7 @@ def run_generate(args) -> int:
         width=args.width, height=args.height, duration=args.duration,
     )
     settings = GenerateSettings(args.seed, args.outputs, args.steps, args.video_shift, args.audio_shift,
-                                str(device), dtype, args.attention)
+                                str(device), dtype, args.attention, [_lora(spec) for spec in args.lora])
     bars: dict[str, tqdm] = {}
 
     def progress(stage: str, done: int, total: int) -> None:
@@ -146,7 +159,8 @@ def run_generate(args) -> int:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        results = generate(request, args.model, settings, args.out, args.save_latents, progress)
+        results = generate(request, args.model, settings, args.out, args.save_latents, progress,
+                           notes=lambda line: print(f"h3: {line}", file=sys.stderr))
     finally:
         for bar in bars.values():
             bar.close()

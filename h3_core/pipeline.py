@@ -21,6 +21,7 @@ from .attention import resolve_backend
 from .checkpoint import load_dit, locate_dit
 from .conditioning import Request, RequestError, encode_request, validate
 from .layout import unpack_audio, unpatchify
+from .lora import apply_loras, load_lora, sampler_settings
 from .noise import condition_rows, request_generator, target_noise
 from .output import AVLatents, write_mp4
 from .references import RELEASE_CANVAS, CanvasRules
@@ -125,14 +126,17 @@ def resolve_model_source(model: str, partition: str) -> ModelSource:
 
 @dataclass
 class GenerateSettings:
+    """None for steps / shifts: a Turbo adapter's distilled schedule if one is applied, else 50 / 12 / 3."""
+
     seed: int = 0
     outputs: int = 1  # seeds seed, seed + 1, ...
-    steps: int = 50
-    video_shift: float = VIDEO_SHIFT
-    audio_shift: float = AUDIO_SHIFT
+    steps: int | None = None
+    video_shift: float | None = None
+    audio_shift: float | None = None
     device: str = "cpu"
     dtype: torch.dtype = torch.bfloat16
     attention: str = "auto"
+    loras: Sequence[tuple[str | Path, float]] = ()  # (file, strength), applied in order, merged
 
 
 @dataclass
@@ -161,11 +165,13 @@ def generate(
     out: Path | None = None,
     save_latents: Path | None = None,
     progress: Progress | None = None,
+    notes: Callable[[str], None] | None = None,
 ) -> list[GenerateResult]:
     """Prompt and references to MP4s. Validation runs first (no model is loaded for a bad request);
     then, one model at a time on the device: text encoder (released after encoding), VAEs for the
     conditioning, the DiT for sampling, the VAEs again for the streamed decode."""
     progress = progress or (lambda stage, done, total: None)
+    notes = notes or (lambda line: None)
     partition = TASK_PARTITION.get(request.task)
     if partition is None:
         raise RequestError(f"Unknown task {request.task!r}; choose t2va, fl2va or ref2va.")
@@ -178,6 +184,15 @@ def generate(
     source = resolve_model_source(model, partition)
     validate(request, source.canvas)  # every limit, before any model
     resolve_backend(settings.attention, device)
+    loras = [(load_lora(path), float(strength)) for path, strength in settings.loras]
+    for lora, _ in loras:
+        lora.terms_for(partition)  # an adapter for the other partition is refused before loading
+    schedule = sampler_settings(
+        [lora.contract for lora, _ in loras if lora.contract is not None],
+        settings.steps, settings.video_shift, settings.audio_shift,
+    )
+    notes(f"sampler: {schedule.steps} points, video shift {schedule.video_shift:g}, audio shift "
+          f"{schedule.audio_shift:g} ({schedule.source})" + "".join(f"; {n}" for n in schedule.notes))
     if not source.tiny:  # every checkpoint found and recognized before the first one loads
         locate_dit(source.root, partition)
         locate_text_encoder(source.root)
@@ -201,6 +216,10 @@ def generate(
     else:
         dit = load_dit(source.root, partition, dtype=settings.dtype, device=device)
     dit.set_attention_backend(settings.attention)
+    if loras:
+        report = apply_loras(dit, loras, partition=partition, mode="merge", backup=False)
+        for line in report.lines():
+            notes(line)
     timings["load"] = time.perf_counter() - clock
 
     results = []
@@ -208,7 +227,8 @@ def generate(
         seed = settings.seed + index
         clock = time.perf_counter()
         latents = sample(
-            dit, conditioning, seed, settings.steps, settings.video_shift, settings.audio_shift,
+            dit, conditioning, seed, schedule.steps, schedule.video_shift, schedule.audio_shift,
+            schedule.video_sigmas, schedule.audio_sigmas,
             callback=lambda state: progress(f"sample {index + 1}/{settings.outputs}", state.step, state.total),
         )
         seconds = {**timings, "sample": time.perf_counter() - clock}

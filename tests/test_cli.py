@@ -113,3 +113,32 @@ def test_bad_input_is_a_clear_error(tmp_path, tiny_config, capsys, argv, message
     assert main([a.format(**fill) for a in argv]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o.safetensors").exists() and not (tmp_path / "o.mp4").exists()
+
+
+def test_generate_with_a_turbo_lora_takes_its_schedule(tmp_path, capsys):
+    from lora_files import random_spec, write_peft
+
+    from h3_core.config import TINY_DIT
+
+    turbo = write_peft(tmp_path / "minimax_h3_fl2v_turbo_4step_v1.1_768p_bf16.safetensors", random_spec(TINY_DIT, rank=4))
+    out = tmp_path / "turbo.safetensors"
+    argv = ["generate", "--prompt", "A fox.", "--lora", f"{turbo}:0.8", "--save-latents", str(out)]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "sampler: 5 points, video shift 6, audio shift 3" in err  # the 4-step 768p contract (h3-model.md H.3)
+    assert "strength 0.8" in err
+    plain = tmp_path / "plain.safetensors"
+    assert main(["generate", "--prompt", "A fox.", "--steps", "5", "--video-shift", "6", "--save-latents", str(plain)]) == 0
+    # Same schedule and seed, with and without the adapter: the adapter changed the result.
+    assert not torch.equal(load_file(str(out))["video"], load_file(str(plain))["video"])
+
+
+def test_generate_refuses_a_ref2va_turbo_on_t2va_before_loading(tmp_path, capsys):
+    from lora_files import random_spec, write_peft
+
+    from h3_core.config import TINY_DIT
+
+    turbo = write_peft(tmp_path / "minimax_h3_ref2v_turbo_4step_v0.1_bf16.safetensors", random_spec(TINY_DIT, rank=4))
+    assert main(["generate", "--prompt", "A fox.", "--lora", str(turbo), "--out", str(tmp_path / "o.mp4")]) == 2
+    err = capsys.readouterr().err
+    assert "ref2va" in err and "text encoder" not in err  # refused before any model loaded
