@@ -9,7 +9,6 @@ Checkpoint dtypes are kept unless a dtype is asked for. Pickle formats are refus
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,15 @@ from safetensors import safe_open
 from . import keymap
 from .config import DiTConfig
 from .dit import FP32_MODULES, H3DiT, rope_inverse_frequencies
-from .weights import CheckpointError, assign_strictly, check_safetensors_file, read_tensors, tensor_names
+from .weights import (
+    CheckpointError,
+    assign_strictly,
+    check_safetensors_file,
+    read_json,
+    read_tensors,
+    read_weight_map,
+    tensor_names,
+)
 
 PARTITIONS = {"fl2va": ("FL2VA", "transformer"), "ref2va": ("Ref2VA", "transformer_ref")}
 INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
@@ -68,11 +75,7 @@ def _single_file(path: Path) -> DiTSource:
 
 
 def _folder(folder: Path) -> DiTSource:
-    config_path = folder / "config.json"
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{config_path} is not valid JSON: {error}.") from None
+    raw = read_json(folder / "config.json")
     files = _shard_files(folder)
     naming = _naming(tensor_names(files), folder)
     if naming == "diffusers":
@@ -84,9 +87,7 @@ def _shard_files(folder: Path) -> tuple[Path, ...]:
     for name in INDEX_NAMES:
         index_path = folder / name
         if index_path.is_file():
-            weight_map = json.loads(index_path.read_text()).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise CheckpointError(f"{index_path} has no 'weight_map'.")
+            weight_map = read_weight_map(index_path)
             files = tuple(folder / shard for shard in sorted(set(weight_map.values())))
             missing = [f.name for f in files if not f.is_file()]
             if missing:

@@ -303,47 +303,6 @@ class H3DiT(nn.Module):
             finals = [self.final_layer.adaln_proj(temb) for temb in tembs]
         return [Modulation([tables[s] for tables in per_block], finals[s]) for s in range(len(tembs))]
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.condition_proj.weight.dtype
-
-    def set_attention_backend(self, requested: str = "auto") -> str:
-        """Use `requested` ("auto" = fastest exact available) in every attention; returns the name chosen."""
-        backend = resolve_backend(requested, self.condition_proj.weight.device)
-        for module in self.modules():
-            if isinstance(module, Attention):
-                module.backend = backend
-        return backend
-
-    def compile_blocks(self, mode: str = "default") -> "H3DiT":
-        """torch.compile each repeated block (one graph, reused 50 times): fuses norms, modulation, RoPE
-        and SwiGLU. Not bitwise exact (fused bf16 rounding; max |diff| 0.003 on the H200 benchmark) and
-        the first forward pays the compile, so it is opt-in."""
-        for block in self.blocks:
-            block.compile(mode=mode, dynamic=False)
-        return self
-
-    def modulation(self, timesteps: torch.Tensor) -> Modulation:
-        """[K] distinct timesteps -> every block's AdaLN table and the final layer's, as `forward` computes them."""
-        temb = self.time_embedder(timesteps.to(self.time_embedder.proj_in.weight.device))
-        return Modulation([block.adaln_proj(temb) for block in self.blocks], self.final_layer.adaln_proj(temb))
-
-    def adaln_modules(self) -> list[nn.Module]:
-        """The timestep-only part of the model (~13B of the 33B parameters in the release)."""
-        return [self.time_embedder, *(block.adaln_proj for block in self.blocks), self.final_layer.adaln_proj]
-
-    @contextlib.contextmanager
-    def adaln_offloaded(self, device: str | torch.device = "cpu"):
-        """Keep the AdaLN weights on `device` (the CPU) for the duration, e.g. while precomputed tables run."""
-        home = self.condition_proj.weight.device
-        for module in self.adaln_modules():
-            module.to(device)
-        try:
-            yield self
-        finally:
-            for module in self.adaln_modules():
-                module.to(home)
-
     def forward(
         self,
         video_rows: torch.Tensor,

@@ -21,7 +21,6 @@ Tensor names may be spelled `model.language_model.*` / `model.visual.*` (transfo
 from __future__ import annotations
 
 import copy
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .weights import PICKLE_SUFFIXES, CheckpointError, assign_strictly, check_safetensors_file, tensor_names
+from .weights import (
+    PICKLE_SUFFIXES,
+    CheckpointError,
+    assign_strictly,
+    check_safetensors_file,
+    read_json,
+    read_weight_map,
+    tensor_names,
+)
 
 TEXT_ENCODER_LAYER = 50  # H3 reads hidden_states[50]: the residual stream after decoder layer 50
 PARTITION_FOLDERS = ("FL2VA", "Ref2VA")  # both partitions ship the same text encoder
@@ -158,11 +165,8 @@ def _weights_folder(path: Path) -> Path:
 
 
 def _read_config(path: Path) -> dict:
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{path} is not valid JSON: {error}.") from None
-    if not isinstance(config, dict) or "text_config" not in config or "vision_config" not in config:
+    config = read_json(path)
+    if "text_config" not in config or "vision_config" not in config:
         raise CheckpointError(f"{path} is not a Qwen3-VL config (it needs 'text_config' and 'vision_config').")
     return config
 
@@ -172,12 +176,7 @@ def _shards(folder: Path, layers: int) -> tuple[Path, ...]:
     index_path = folder / INDEX_NAME
     if not index_path.is_file():
         return tuple(sorted(folder.glob("*.safetensors")))
-    try:
-        weight_map = json.loads(index_path.read_text()).get("weight_map")
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{index_path} is not valid JSON: {error}.") from None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{index_path} has no 'weight_map'.")
+    weight_map = read_weight_map(index_path)
     needed = sorted({shard for key, shard in weight_map.items() if model_name(key, layers) is not None})
     for shard in needed:
         check_safetensors_file(folder / shard, "Text encoder shard")

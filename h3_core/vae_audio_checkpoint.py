@@ -20,7 +20,6 @@ mis-shaped is an error naming the tensor and the file. Checkpoint dtypes are kep
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from .weights import (
     Item,
     assign_strictly,
     check_safetensors_file,
+    read_json,
     read_tensors,
     tensor_names,
 )
@@ -93,24 +93,14 @@ def locate_audio_vae(path: str | Path) -> AudioVAESource:
 
 def _audio_vae_folder(folder: Path) -> AudioVAESource | None:
     if (folder / "metadata.json").is_file() and (folder / "config.json").is_file():
-        config = config_from_original(_read_json(folder / "config.json"), _read_json(folder / "metadata.json"), folder)
+        config = config_from_original(read_json(folder / "config.json"), read_json(folder / "metadata.json"), folder)
         return AudioVAESource(_weights_file(folder, ORIGINAL_WEIGHTS), config, "original partition folder")
     if (folder / "config.json").is_file():
-        raw = _read_json(folder / "config.json")
+        raw = read_json(folder / "config.json")
         if raw.get("_class_name") == DIFFUSERS_CLASS:
             config = _config(lambda: AudioVAEConfig.from_dict(_without_missing_statistics(raw)), folder / "config.json")
             return AudioVAESource(_weights_file(folder, DIFFUSERS_WEIGHTS), config, "diffusers folder")
     return None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{path} is not valid JSON: {error}.") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path} does not hold a JSON object.")
-    return raw
 
 
 def _weights_file(folder: Path, name: str) -> Path:

@@ -24,7 +24,6 @@ dtypes are kept unless a dtype is asked for; then `FP32_MODULES` stay float32.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from safetensors import safe_open
 
 from . import keymap
 from .vae_video import VideoVAE, VideoVAEConfig, keeps_fp32
-from .weights import CheckpointError, Item, assign_strictly, check_safetensors_file, tensor_names
+from .weights import CheckpointError, Item, assign_strictly, check_safetensors_file, read_json, tensor_names
 
 MARKER = "decoder.transformer_blocks.0.scale1"  # in every layout, and in no other H3 model
 SINGLE_FILE_STATS = ("latents_mean", "latents_std")
@@ -105,16 +104,6 @@ def locate_video_vae(path: str | Path) -> VideoVAESource:
     )
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{path} is not valid JSON: {error}.") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path} must hold a JSON object.")
-    return raw
-
-
 def _naming(keys: Iterable[str], prefix: str, where: Path) -> str:
     keys = [k[len(prefix) :] for k in keys if k.startswith(prefix)]
     if any(k.endswith((".weight_scale", ".comfy_quant", ".scale_weight")) for k in keys):
@@ -147,8 +136,8 @@ def _single_file(path: Path) -> VideoVAESource:
 
 
 def _original_folder(folder: Path) -> VideoVAESource:
-    wrapper = _read_json(folder / "config.json")
-    source = _read_json(folder / "source" / "config.json")
+    wrapper = read_json(folder / "config.json")
+    source = read_json(folder / "source" / "config.json")
     candidates = [folder / "source" / "model.safetensors"]
     if "source_safetensors_path" in wrapper:
         name = wrapper["source_safetensors_path"]
@@ -163,7 +152,7 @@ def _original_folder(folder: Path) -> VideoVAESource:
 
 
 def _diffusers_folder(folder: Path) -> VideoVAESource:
-    raw = _read_json(folder / "config.json")
+    raw = read_json(folder / "config.json")
     class_name = raw.get("_class_name")
     if class_name != DIFFUSERS_CLASS:
         raise CheckpointError(
@@ -178,7 +167,7 @@ def _diffusers_folder(folder: Path) -> VideoVAESource:
 def _diffusers_files(folder: Path) -> tuple[Path, ...]:
     index_path = folder / DIFFUSERS_INDEX
     if index_path.is_file():
-        weight_map = _read_json(index_path).get("weight_map")
+        weight_map = read_json(index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index_path} has no 'weight_map'.")
         files = tuple(folder / shard for shard in sorted(set(weight_map.values())))

@@ -6,6 +6,7 @@ held twice. Every mismatch is an error naming the tensor and the file. Pickle fo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -31,6 +32,25 @@ def check_safetensors_file(path: Path, what: str) -> None:
         )
     if suffix != ".safetensors":
         raise CheckpointError(f"{path.name} is not a .safetensors file; {what} files must be safetensors.")
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from a checkpoint's config or index file; anything else is a CheckpointError."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path} is not valid JSON: {error}.") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} must hold a JSON object.")
+    return raw
+
+
+def read_weight_map(index_path: Path) -> dict[str, str]:
+    """The tensor -> shard file map of a sharded checkpoint's index."""
+    weight_map = read_json(index_path).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path} has no 'weight_map'.")
+    return weight_map
 
 
 def tensor_names(files: Iterable[Path]) -> list[str]:
