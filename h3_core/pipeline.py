@@ -181,8 +181,8 @@ def generate(
         if path is not None and Path(path).suffix != suffix:
             raise ValueError(f"{path} must end in {suffix}.")
     device, timings = torch.device(settings.device), {}
+    validate(request, TINY_CANVAS if model == TINY_RANDOM else RELEASE_CANVAS)  # every limit, before any model
     source = resolve_model_source(model, partition)
-    validate(request, source.canvas)  # every limit, before any model
     resolve_backend(settings.attention, device)
     loras = [(load_lora(path), float(strength)) for path, strength in settings.loras]
     for lora, _ in loras:
@@ -207,6 +207,7 @@ def generate(
     conditioning = encode_request(request, text_encoder, video_vae, audio_vae, rules=source.canvas)
     text_encoder.release()  # its ~51 GB leave before the DiT arrives
     del text_encoder
+    video_vae.to("cpu"), audio_vae.to("cpu")  # back on the device only for the decode
     _empty_cache(device)
     timings["encode"] = time.perf_counter() - clock
 
@@ -238,6 +239,7 @@ def generate(
         video_path = numbered(out, index, settings.outputs)
         if video_path is not None:
             clock = time.perf_counter()
+            video_vae.to(device), audio_vae.to(device)
             Path(video_path).parent.mkdir(parents=True, exist_ok=True)
             write_mp4(
                 video_path, latents, video_vae, audio_vae,
