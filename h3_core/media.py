@@ -18,7 +18,7 @@ import av
 import numpy as np
 import torch
 
-from h3_core import geometry
+from . import geometry
 
 FPS = geometry.FPS  # 24
 SAMPLE_RATE = 32000  # the audio VAE's rate

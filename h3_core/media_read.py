@@ -30,7 +30,7 @@ from pathlib import Path
 import av
 import numpy as np
 
-from h3_core.media import FPS, MediaError, UnreadableMediaError, resample_audio
+from .media import FPS, MediaError, UnreadableMediaError, resample_audio
 
 # A frame stamped up to this much before `start_seconds` still counts as at the start (timestamps
 # are rationals in the stream's time base; a float start rarely equals them exactly).

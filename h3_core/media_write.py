@@ -24,7 +24,7 @@ from typing import Any
 import av
 import numpy as np
 
-from h3_core.media import (
+from .media import (
     FPS,
     SAMPLE_RATE,
     EncoderUnavailableError,

@@ -1,0 +1,51 @@
+"""What every H3 node shares: the category, the socket types, ComfyUI's device and progress services."""
+
+from __future__ import annotations
+
+import torch
+from comfy_api.latest import io
+
+CATEGORY = "H3"
+H3Model = io.Custom("H3_MODEL")
+H3TextEncoder = io.Custom("H3_TEXT_ENCODER")
+H3VAE = io.Custom("H3_VAE")
+H3Cond = io.Custom("H3_COND")
+H3Latent = io.Custom("H3_LATENT")
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "checkpoint": None}
+
+
+def device() -> torch.device:
+    import comfy.model_management as mm
+
+    return mm.get_torch_device()
+
+
+def check_interrupt() -> None:
+    import comfy.model_management as mm
+
+    mm.throw_exception_if_processing_interrupted()
+
+
+def progress_bar(total: int):
+    import comfy.utils
+
+    return comfy.utils.ProgressBar(total)
+
+
+def model_choices(kind: str) -> list[str]:
+    """'tiny-random' first, then the files ComfyUI lists for `kind` (diffusion_models, text_encoders, ...)."""
+    import folder_paths
+
+    from h3_core.tiny import TINY_RANDOM
+
+    return [TINY_RANDOM] + list(folder_paths.get_filename_list(kind))
+
+
+def model_path(kind: str, name: str, folder: str):
+    """The path to load: a non-empty `folder` wins; else the chosen file of ComfyUI's `kind` folder."""
+    import folder_paths
+
+    if folder and folder.strip():
+        return folder.strip()
+    return folder_paths.get_full_path_or_raise(kind, name)

@@ -1,0 +1,246 @@
+"""Adapters between ComfyUI's data types and h3_core, plus the handles that travel on our sockets.
+
+Pure functions: no ComfyUI import, so the tests run them on a machine without ComfyUI.
+
+    IMAGE   float [B, H, W, C] in 0..1               <-> PIL images / uint8 [N, H, W, 3]
+    AUDIO   {"waveform": [B, C, N], "sample_rate"}   <-> DecodedAudio / float [2, N] at 32 kHz
+    VIDEO   object with get_components() (images, frame_rate, audio) -> DecodedVideo
+    H3_LATENT  dict {"video": [1, 24, L, h, w], "audio": [2, 32, A], "seed", "task", ...} <-> AVLatents
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from h3_core import geometry
+from h3_core.conditioning import Request
+from h3_core.media import (
+    SAMPLE_RATE,
+    as_uint8_frames,
+    audio_samples_for_frames,
+    resample_audio,
+)
+from h3_core.output import AVLatents
+from h3_core.references import CanvasRules, DecodedAudio, DecodedVideo, MediaReference
+
+LATENT_KIND = "h3_av_latent"
+
+
+# ----------------------------------------------------------------------------------------------
+# Handles carried on our custom sockets (H3_MODEL, H3_TEXT_ENCODER, H3_VAE)
+
+
+@dataclass(frozen=True)
+class ModelHandle:
+    """A loaded DiT and what the sampler needs to know about it. LoRAs are listed, not merged: the
+    sampler hooks them in for its run and removes them after, so the loader's cached DiT stays clean."""
+
+    dit: Any
+    partition: str  # "fl2va" | "ref2va"
+    name: str
+    device: torch.device
+    tiny: bool = False
+    loras: tuple = ()  # ((LoRA, strength), ...) in application order
+
+    def with_lora(self, lora, strength: float) -> ModelHandle:
+        return replace(self, loras=self.loras + ((lora, float(strength)),))
+
+
+@dataclass(frozen=True)
+class TextEncoderHandle:
+    encoder: Any
+    name: str
+    canvas: CanvasRules  # tiny-random encodes on the small canvas its demo models were made for
+
+
+@dataclass(frozen=True)
+class VAEHandle:
+    video: Any
+    audio: Any
+    name: str
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+# ----------------------------------------------------------------------------------------------
+# IMAGE
+
+
+def _check_image(image: torch.Tensor, what: str) -> torch.Tensor:
+    if not isinstance(image, torch.Tensor):
+        raise ValueError(f"{what} must be a ComfyUI IMAGE tensor [B, H, W, C], got {type(image).__name__}.")  # noqa: TRY004 (one error type for bad node inputs)
+    if image.ndim == 3:
+        image = image[None]
+    if image.ndim != 4 or image.shape[-1] not in (1, 3, 4) or image.shape[0] < 1:
+        raise ValueError(f"{what} must be a ComfyUI IMAGE [B, H, W, C] with C = 1, 3 or 4; got {list(image.shape)}.")
+    return image
+
+
+def image_to_uint8(image: torch.Tensor, what: str = "image") -> np.ndarray:
+    """IMAGE [B, H, W, C] 0..1 -> uint8 [B, H, W, 3] (grey repeated, alpha dropped)."""
+    image = _check_image(image, what)
+    if image.shape[-1] == 1:
+        image = image.expand(*image.shape[:-1], 3)
+    return as_uint8_frames(image[..., :3].float())
+
+
+def image_to_pils(image: torch.Tensor, what: str = "image") -> list[Image.Image]:
+    return [Image.fromarray(frame) for frame in image_to_uint8(image, what)]
+
+
+def image_to_pil(image: torch.Tensor, what: str = "image") -> Image.Image:
+    """The first picture of an IMAGE batch as a PIL RGB image (a keyframe or an image reference)."""
+    image = _check_image(image, what)
+    return image_to_pils(image[:1], what)[0]
+
+
+def frames_to_image(blocks) -> torch.Tensor:
+    """uint8 frame blocks [n, H, W, 3] (as h3_core's decoder yields them) -> IMAGE float [F, H, W, 3]."""
+    blocks = [torch.as_tensor(np.asarray(b)) if not isinstance(b, torch.Tensor) else b for b in blocks]
+    if not blocks:
+        raise ValueError("No frames to make an IMAGE from.")
+    frames = torch.cat(blocks, dim=0)
+    if frames.dtype != torch.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"Frames must be uint8 [n, H, W, 3]; got {frames.dtype} {list(frames.shape)}.")
+    return frames.float().div_(255.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# AUDIO
+
+
+def _check_audio(audio: dict, what: str) -> tuple[torch.Tensor, int]:
+    if not isinstance(audio, dict) or "waveform" not in audio or "sample_rate" not in audio:
+        raise ValueError(f"{what} must be a ComfyUI AUDIO dict with 'waveform' [B, C, N] and 'sample_rate'.")
+    waveform, rate = audio["waveform"], int(audio["sample_rate"])
+    if not isinstance(waveform, torch.Tensor) or waveform.ndim != 3 or waveform.shape[0] < 1:
+        raise ValueError(f"{what}: waveform must be a tensor [B, C, N]; got {getattr(waveform, 'shape', waveform)!r}.")
+    if waveform.shape[1] not in (1, 2):
+        raise ValueError(f"{what}: H3 takes mono or stereo audio; got {waveform.shape[1]} channels (downmix first).")
+    if rate <= 0:
+        raise ValueError(f"{what}: sample_rate must be positive, got {rate}.")
+    return waveform, rate
+
+
+def audio_to_decoded(audio: dict, what: str = "audio") -> DecodedAudio:
+    """AUDIO -> DecodedAudio of its first batch item ([C, N] float32 at its own rate)."""
+    waveform, rate = _check_audio(audio, what)
+    return DecodedAudio(waveform[0].detach().float().cpu().contiguous(), rate)
+
+
+def audio_to_stereo_32k(audio: dict, what: str = "audio") -> np.ndarray:
+    """AUDIO -> float32 [2, N] at 32 kHz (resampled and upmixed as needed), what the MP4 writer takes."""
+    decoded = audio_to_decoded(audio, what)
+    return resample_audio(decoded.waveform, decoded.sample_rate)
+
+
+def waveform_to_audio(pieces, num_frames: int | None = None, sample_rate: int = SAMPLE_RATE) -> dict:
+    """Waveform pieces [2, n] (as h3_core's audio decoder yields them) -> AUDIO {"waveform": [1, 2, N]}.
+    With `num_frames` the result is cut (or zero-padded) to last exactly as long as that many frames."""
+    pieces = [torch.as_tensor(p).float().cpu() for p in pieces]
+    if not pieces:
+        raise ValueError("No audio to make an AUDIO from.")
+    waveform = torch.cat(pieces, dim=-1)
+    if waveform.ndim != 2 or waveform.shape[0] != 2:
+        raise ValueError(f"Decoded audio must be [2, N]; got {list(waveform.shape)}.")
+    if num_frames is not None:
+        want = audio_samples_for_frames(num_frames)
+        waveform = waveform[:, :want]
+        if waveform.shape[1] < want:
+            waveform = torch.nn.functional.pad(waveform, (0, want - waveform.shape[1]))
+    return {"waveform": waveform[None].contiguous(), "sample_rate": int(sample_rate)}
+
+
+# ----------------------------------------------------------------------------------------------
+# VIDEO
+
+
+def video_to_decoded(video, what: str = "video") -> DecodedVideo:
+    """A ComfyUI VIDEO (anything with get_components() -> images [F, H, W, C], frame_rate, audio)
+    -> DecodedVideo with its soundtrack, if it has one."""
+    get = getattr(video, "get_components", None)
+    if get is None:
+        raise ValueError(f"{what} must be a ComfyUI VIDEO (with get_components()), got {type(video).__name__}.")
+    parts = get()
+    frames = image_to_uint8(parts.images, f"{what} frames")
+    fps = float(parts.frame_rate)
+    if not fps > 0:
+        raise ValueError(f"{what}: frame rate must be positive, got {parts.frame_rate!r}.")
+    audio = getattr(parts, "audio", None)
+    if audio is None:
+        return DecodedVideo(frames, fps)
+    decoded = audio_to_decoded(audio, f"{what} soundtrack")
+    return DecodedVideo(frames, fps, decoded.waveform, decoded.sample_rate)
+
+
+# ----------------------------------------------------------------------------------------------
+# The request
+
+
+def reference_source(kind: str, value, what: str):
+    """A ComfyUI IMAGE / VIDEO / AUDIO value -> the source h3_core takes for a reference of `kind`."""
+    if kind == "image":
+        return image_to_pil(value, what)
+    if kind == "video":
+        return video_to_decoded(value, what)
+    if kind == "audio":
+        return audio_to_decoded(value, what)
+    raise ValueError(f"Unknown reference kind {kind!r}.")
+
+
+def build_request(
+    task: str,
+    prompt: str,
+    first_image=None,
+    last_image=None,
+    references=(),
+    aspect_ratio: str = "auto",
+    width: int = 0,
+    height: int = 0,
+    duration: float | None = None,
+) -> Request:
+    """The node's inputs -> an h3_core Request. `references`: ((kind, ComfyUI value), ...) in the order
+    the model reads them (None values skipped). width/height 0 = not given: the aspect ratio (or, for
+    "auto", the task's default) decides the canvas. h3_core validates everything else."""
+    refs = []
+    for kind, value in references:
+        if value is not None:
+            refs.append(MediaReference(kind, reference_source(kind, value, f"{kind} reference {len(refs) + 1}")))
+    explicit = bool(width) or bool(height)
+    return Request(
+        task=task,
+        prompt=prompt,
+        first_image=None if first_image is None else image_to_pil(first_image, "first_image"),
+        last_image=None if last_image is None else image_to_pil(last_image, "last_image"),
+        references=refs,
+        aspect_ratio=None if explicit or aspect_ratio in (None, "", "auto") else aspect_ratio,
+        width=int(width) if explicit else None,
+        height=int(height) if explicit else None,
+        duration=duration,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# H3_LATENT
+
+
+def pack_latents(latents: AVLatents, **info) -> dict:
+    """AVLatents -> the H3_LATENT dict our sockets carry (CPU tensors plus plain facts)."""
+    latents.check()
+    return {"kind": LATENT_KIND, "video": latents.video.detach().cpu(), "audio": latents.audio.detach().cpu(),
+            "num_frames": latents.num_frames, **info}
+
+
+def unpack_latents(value) -> AVLatents:
+    """An H3_LATENT dict -> checked AVLatents (a core LATENT is refused with a clear message)."""
+    if not isinstance(value, dict) or value.get("kind") != LATENT_KIND:
+        raise ValueError("This input needs an H3_LATENT from an H3 sampler (a core LATENT is a different format).")
+    return AVLatents(value["video"], value["audio"]).check()
+
+
+def seconds_of(num_frames: int) -> float:
+    return num_frames / geometry.FPS

@@ -1,0 +1,88 @@
+"""H3 VAE Decode (H3_LATENT -> IMAGE frames + AUDIO) and H3 AV Save (MP4 in the output folder)."""
+
+from __future__ import annotations
+
+import os
+
+import folder_paths
+from comfy_api.latest import InputImpl, io, ui
+
+from h3_core.media import SAMPLE_RATE
+from h3_core.media_write import write_mp4
+from h3_core.output import decode_audio, decode_video
+
+from .common import CATEGORY, H3VAE, H3Latent, check_interrupt, progress_bar
+from .convert import (
+    audio_to_stereo_32k,
+    frames_to_image,
+    image_to_uint8,
+    unpack_latents,
+    waveform_to_audio,
+)
+
+
+class H3VAEDecode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3VAEDecode",
+            display_name="H3 VAE Decode",
+            category=CATEGORY,
+            description="Decodes H3 latents chunk by chunk into frames (24 fps) and a 32 kHz stereo soundtrack.",
+            inputs=[
+                H3VAE.Input("vae", tooltip="From H3 VAE Loader."),
+                H3Latent.Input("latent", tooltip="From H3 Dual-Clock Sampler."),
+            ],
+            outputs=[io.Image.Output(display_name="images"), io.Audio.Output(display_name="audio")],
+        )
+
+    @classmethod
+    def execute(cls, vae, latent) -> io.NodeOutput:
+        latents = unpack_latents(latent)
+        total = latents.num_frames
+        bar = progress_bar(total)
+        audio = waveform_to_audio(list(decode_audio(vae.audio, latents.audio)), total)
+        blocks, done = [], 0
+        for block in decode_video(vae.video, latents.video):
+            blocks.append(block)
+            done += block.shape[0]
+            bar.update_absolute(done, total)
+            check_interrupt()
+        return io.NodeOutput(frames_to_image(blocks), audio)
+
+
+class H3AVSave(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3AVSave",
+            display_name="H3 AV Save",
+            category=CATEGORY,
+            description="Writes frames and soundtrack as an MP4 (H.264 + AAC, 24 fps) into ComfyUI's output folder.",
+            inputs=[
+                io.Image.Input("images", tooltip="Frames at 24 fps, e.g. from H3 VAE Decode."),
+                io.String.Input("filename_prefix", default="H3/h3",
+                                tooltip="File name prefix inside the output folder; a subfolder may be given."),
+                io.Audio.Input("audio", optional=True,
+                               tooltip="Soundtrack (resampled to 32 kHz stereo); without it the MP4 gets silence."),
+            ],
+            outputs=[io.Video.Output(display_name="video")],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, images, filename_prefix, audio=None) -> io.NodeOutput:
+        frames = image_to_uint8(images, "images")
+        count, height, width = frames.shape[:3]
+        folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(
+            filename_prefix, folder_paths.get_output_directory(), width, height)
+        file = f"{filename}_{counter:05}_.mp4"
+        path = os.path.join(folder, file)
+        waveform = None if audio is None else audio_to_stereo_32k(audio, "audio")
+        write_mp4(path, frames, waveform, metadata={"comment": f"MiniMax-H3, {count} frames at 24 fps, "
+                                                               f"{SAMPLE_RATE} Hz audio"})
+        preview = ui.PreviewVideo([ui.SavedResult(file, subfolder, io.FolderType.output)])
+        return io.NodeOutput(InputImpl.VideoFromFile(path), ui=preview)
+
+
+NODES = [H3VAEDecode, H3AVSave]

@@ -1,0 +1,114 @@
+"""The ComfyUI <-> h3_core adapters of nodes/convert.py, on the CPU, without ComfyUI."""
+
+from fractions import Fraction
+from types import SimpleNamespace
+
+import av
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from h3_core.conditioning import RequestError, encode_request
+from h3_core.media_write import write_mp4
+from h3_core.output import AVLatents, decode_audio, decode_video
+from h3_core.pipeline import TINY_CANVAS, sample
+from h3_core.references import DecodedAudio, DecodedVideo
+from h3_core.tiny import tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
+from nodes import convert
+
+
+def test_image_round_trip_and_channels():
+    image = torch.rand(2, 16, 24, 3)
+    pils = convert.image_to_pils(image)
+    assert [p.size for p in pils] == [(24, 16)] * 2
+    assert np.abs(np.asarray(pils[1]) / 255.0 - image[1].numpy()).max() <= 0.5 / 255 + 1e-6
+    back = convert.frames_to_image([convert.image_to_uint8(image)])
+    assert back.shape == (2, 16, 24, 3) and back.dtype == torch.float32
+    assert (back - image).abs().max() <= 0.5 / 255 + 1e-6
+    rgba = torch.cat([image[:1], torch.zeros(1, 16, 24, 1)], dim=-1)
+    assert np.array_equal(np.asarray(convert.image_to_pil(rgba)), np.asarray(pils[0]))  # alpha dropped
+    grey = convert.image_to_uint8(torch.full((1, 4, 4, 1), 0.5))
+    assert grey.shape == (1, 4, 4, 3) and (grey == 128).all()
+    with pytest.raises(ValueError, match=r"\[B, H, W, C\]"):
+        convert.image_to_pil(torch.rand(1, 3, 16, 24, 2))
+
+
+def test_audio_conversions():
+    waveform = torch.randn(1, 1, 16000) * 0.1
+    decoded = convert.audio_to_decoded({"waveform": waveform, "sample_rate": 16000})
+    assert isinstance(decoded, DecodedAudio) and decoded.sample_rate == 16000 and decoded.waveform.shape == (1, 16000)
+    stereo = convert.audio_to_stereo_32k({"waveform": waveform, "sample_rate": 16000})
+    assert stereo.shape == (2, 32000) and stereo.dtype == np.float32
+    audio = convert.waveform_to_audio([torch.ones(2, 1000), torch.ones(2, 5000)], num_frames=5)
+    assert audio["sample_rate"] == 32000 and audio["waveform"].shape == (1, 2, round(5 * 32000 / 24))
+    padded = convert.waveform_to_audio([torch.ones(2, 10)], num_frames=5)["waveform"]
+    assert padded.shape[-1] == 6667 and padded[..., 10:].abs().sum() == 0
+    with pytest.raises(ValueError, match="mono or stereo"):
+        convert.audio_to_decoded({"waveform": torch.zeros(1, 6, 100), "sample_rate": 48000})
+
+
+def test_video_components_to_decoded():
+    images = torch.rand(30, 32, 48, 3)
+    audio = {"waveform": torch.zeros(1, 2, 44100), "sample_rate": 44100}
+    video = SimpleNamespace(get_components=lambda: SimpleNamespace(images=images, frame_rate=Fraction(30000, 1001),
+                                                                   audio=audio))
+    decoded = convert.video_to_decoded(video)
+    assert isinstance(decoded, DecodedVideo)
+    assert decoded.frames.shape == (30, 32, 48, 3) and decoded.frames.dtype == np.uint8
+    assert decoded.fps == pytest.approx(29.97, abs=1e-3) and decoded.sample_rate == 44100
+    silent = SimpleNamespace(get_components=lambda: SimpleNamespace(images=images, frame_rate=Fraction(24), audio=None))
+    assert convert.video_to_decoded(silent).audio is None
+    with pytest.raises(ValueError, match="VIDEO"):
+        convert.video_to_decoded(images)
+
+
+def test_build_request_maps_inputs():
+    first = torch.rand(1, 64, 96, 3)
+    request = convert.build_request("fl2va", "a fox", first_image=first, aspect_ratio="auto", duration=5.0)
+    assert isinstance(request.first_image, Image.Image) and request.first_image.size == (96, 64)
+    assert request.aspect_ratio is None and request.width is None and request.references == []
+    sized = convert.build_request("t2va", "x", width=256, height=128, aspect_ratio="16:9")
+    assert (sized.width, sized.height, sized.aspect_ratio) == (256, 128, None)
+    refs = convert.build_request("ref2va", "x", references=[("image", first), ("image", None),
+                                                             ("audio", {"waveform": torch.zeros(1, 1, 64000),
+                                                                        "sample_rate": 32000})])
+    assert [r.kind for r in refs.references] == ["image", "audio"]
+
+
+def test_latent_packing_checks():
+    from h3_core import geometry
+
+    num_frames = 22  # L = 7 latent frames decode to 17 + 5 frames
+    latents = AVLatents(torch.randn(1, 24, 7, 4, 6), torch.randn(2, 32, geometry.audio_latents(num_frames)))
+    packed = convert.pack_latents(latents, seed=3, task="t2va")
+    assert packed["kind"] == convert.LATENT_KIND and packed["num_frames"] == num_frames and packed["seed"] == 3
+    back = convert.unpack_latents(packed)
+    assert torch.equal(back.video, latents.video) and torch.equal(back.audio, latents.audio)
+    with pytest.raises(ValueError, match="H3_LATENT"):
+        convert.unpack_latents({"samples": torch.zeros(1, 4, 8, 8)})  # a core LATENT
+
+
+def test_node_chain_on_tiny_random(tmp_path):
+    """What H3 Conditioning -> H3 Sampler -> H3 VAE Decode -> H3 AV Save do, minus ComfyUI: an fl2va
+    request from an IMAGE tensor, 2 steps on tiny-random, IMAGE + AUDIO out, an MP4 with both streams."""
+    from h3_core.tiny_text import tiny_random_text_encoder
+
+    video_vae, audio_vae = tiny_random_video_vae(), tiny_random_audio_vae()
+    request = convert.build_request("fl2va", "a red fox on a beach", first_image=torch.rand(1, 128, 224, 3),
+                                    duration=4.0)
+    with pytest.raises(RequestError):  # limits are checked by the engine (4-15 s)
+        encode_request(convert.build_request("t2va", "x", duration=2.0), None, rules=TINY_CANVAS)
+    cond = encode_request(request, tiny_random_text_encoder(), video_vae, audio_vae, rules=TINY_CANVAS)
+    assert cond.num_frames == 107
+    latent = convert.pack_latents(sample(tiny_random_dit(), cond, seed=0, steps=2), seed=0, task=cond.task)
+    latents = convert.unpack_latents(latent)
+    images = convert.frames_to_image(list(decode_video(video_vae, latents.video)))
+    audio = convert.waveform_to_audio(list(decode_audio(audio_vae, latents.audio)), latents.num_frames)
+    assert images.shape == (107, cond.height, cond.width, 3) and 0 <= images.min() and images.max() <= 1
+    assert audio["waveform"].shape == (1, 2, round(107 * 32000 / 24))
+    path = write_mp4(tmp_path / "out.mp4", convert.image_to_uint8(images), convert.audio_to_stereo_32k(audio))
+    with av.open(str(path)) as container:
+        kinds = sorted(s.type for s in container.streams)
+        video = container.streams.video[0]
+        assert kinds == ["audio", "video"] and (video.width, video.height) == (cond.width, cond.height)
