@@ -40,7 +40,7 @@ import torch
 
 from . import geometry
 from .layout import REFERENCE_KINDS, PackedLayout, ReferenceBlock, build_ref2va_layout, build_t2va_layout
-from .prompt import MAX_AUDIO_REFERENCES, MAX_IMAGE_REFERENCES, MAX_KEYFRAMES, MAX_REFERENCES, MAX_VIDEO_REFERENCES
+from .prompt import MAX_KEYFRAMES, reference_mix_problem
 from .references import (
     RELEASE_CANVAS,
     CanvasRules,
@@ -218,20 +218,9 @@ def _check_task_media(request: Request, references: list[MediaReference]) -> lis
             raise RequestError("ref2va takes references, not first_image/last_image (those are fl2va keyframes).")
         if not references:
             raise RequestError("ref2va needs at least one image, video or audio reference; a prompt alone is t2va.")
-        kinds = [reference.kind for reference in references]
-        for kind, limit in (
-            ("image", MAX_IMAGE_REFERENCES),
-            ("video", MAX_VIDEO_REFERENCES),
-            ("audio", MAX_AUDIO_REFERENCES),
-        ):
-            if kinds.count(kind) > limit:
-                raise RequestError(f"H3 takes at most {limit} {kind} references, got {kinds.count(kind)}.")
-        if len(kinds) > MAX_REFERENCES:
-            raise RequestError(f"H3 takes at most {MAX_REFERENCES} references in total, got {len(kinds)}.")
-        if set(kinds) == {"audio"}:
-            raise RequestError(
-                "An audio reference needs an image or video reference beside it; H3 does not take audio alone."
-            )
+        problem = reference_mix_problem([reference.kind for reference in references])
+        if problem:
+            raise RequestError(problem)
     return keyframes
 
 

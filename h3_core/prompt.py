@@ -535,6 +535,19 @@ def _check_prompt(prompt) -> None:
         raise ValueError("The prompt is empty; H3 needs a non-empty prompt for every task.")
 
 
+def reference_mix_problem(kinds: list[str]) -> str | None:
+    """What is wrong with a Ref2VA mix of reference kinds ("image" / "video" / "audio"), or None: the
+    published limits (9 images, 3 videos, 3 audios, 12 in all) and no audio without a visual reference."""
+    for kind, limit in (("image", MAX_IMAGE_REFERENCES), ("video", MAX_VIDEO_REFERENCES), ("audio", MAX_AUDIO_REFERENCES)):
+        if kinds.count(kind) > limit:
+            return f"H3 takes at most {limit} {kind} references, got {kinds.count(kind)}."
+    if len(kinds) > MAX_REFERENCES:
+        return f"H3 takes at most {MAX_REFERENCES} references in total, got {len(kinds)}."
+    if set(kinds) == {"audio"}:
+        return "An audio reference needs an image or video reference beside it; H3 does not take audio alone."
+    return None
+
+
 def _check_references(references: list) -> None:
     if not references:
         raise ValueError("ref2va needs at least one reference (image, video or audio); a prompt alone is t2va.")
@@ -544,18 +557,9 @@ def _check_references(references: list) -> None:
                 f"references[{index}] is a {type(reference).__name__}; use ImageReference, VideoReference or "
                 "AudioReference."
             )
-    kinds = [reference.kind for reference in references]
-    for kind, limit in (
-        ("image", MAX_IMAGE_REFERENCES),
-        ("video", MAX_VIDEO_REFERENCES),
-        ("audio", MAX_AUDIO_REFERENCES),
-    ):
-        if kinds.count(kind) > limit:
-            raise ValueError(f"H3 takes at most {limit} {kind} references, got {kinds.count(kind)}.")
-    if len(kinds) > MAX_REFERENCES:
-        raise ValueError(f"H3 takes at most {MAX_REFERENCES} references in total, got {len(kinds)}.")
-    if set(kinds) == {"audio"}:
-        raise ValueError("An audio reference needs at least one image or video reference beside it.")
+    problem = reference_mix_problem([reference.kind for reference in references])
+    if problem:
+        raise ValueError(problem)
 
 
 def _special_id(tokenizer, token: str) -> int:
