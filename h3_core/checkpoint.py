@@ -25,7 +25,7 @@ from .weights import (
     check_safetensors_file,
     read_json,
     read_tensors,
-    read_weight_map,
+    shard_files,
     tensor_names,
 )
 
@@ -76,27 +76,11 @@ def _single_file(path: Path) -> DiTSource:
 
 def _folder(folder: Path) -> DiTSource:
     raw = read_json(folder / "config.json")
-    files = _shard_files(folder)
+    files = shard_files(folder, INDEX_NAMES)
     naming = _naming(tensor_names(files), folder)
     if naming == "diffusers":
         return DiTSource(files, naming, "stacked", DiTConfig.from_dict(raw), "diffusers folder")
     return DiTSource(files, naming, "interleaved", DiTConfig.from_dict(raw), "original partition folder")
-
-
-def _shard_files(folder: Path) -> tuple[Path, ...]:
-    for name in INDEX_NAMES:
-        index_path = folder / name
-        if index_path.is_file():
-            weight_map = read_weight_map(index_path)
-            files = tuple(folder / shard for shard in sorted(set(weight_map.values())))
-            missing = [f.name for f in files if not f.is_file()]
-            if missing:
-                raise CheckpointError(f"{index_path} lists shards that are not in {folder}: {', '.join(missing)}.")
-            return files
-    files = tuple(sorted(folder.glob("*.safetensors")))
-    if len(files) > 1:
-        raise CheckpointError(f"{folder} holds {len(files)} .safetensors files but no index file ({INDEX_NAMES[0]}).")
-    return files
 
 
 def _naming(keys: list[str], path: Path) -> str:

@@ -54,7 +54,7 @@ import torch
 from safetensors import safe_open
 
 from . import keymap
-from .weights import PICKLE_SUFFIXES
+from .weights import CheckpointError, check_safetensors_file
 
 PARTITIONS = ("fl2va", "ref2va")
 TASKS_OF_PARTITION = {"fl2va": ("t2va", "fl2va"), "ref2va": ("ref2va",)}
@@ -170,14 +170,10 @@ class ParsedLoRA:
 def read_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """All tensors and the `__metadata__` of one LoRA file. Pickles are refused: they run code on load."""
     path = Path(path).expanduser()
-    suffix = path.suffix.lower()
-    if suffix in PICKLE_SUFFIXES:
-        raise LoRAError(
-            f"{path.name} is a pickle file ({suffix}); H3 loads LoRAs only from .safetensors, which cannot run code "
-            "on load. Convert it to safetensors first."
-        )
-    if suffix != ".safetensors":
-        raise LoRAError(f"{path.name} is not a .safetensors file; LoRA files must be safetensors.")
+    try:
+        check_safetensors_file(path, "LoRA")
+    except CheckpointError as error:
+        raise LoRAError(str(error)) from None
     if not path.is_file():
         raise LoRAError(f"LoRA file {path} does not exist.")
     with safe_open(path, "pt") as handle:

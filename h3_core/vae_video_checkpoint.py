@@ -34,7 +34,15 @@ from safetensors import safe_open
 
 from . import keymap
 from .vae_video import VideoVAE, VideoVAEConfig, keeps_fp32
-from .weights import CheckpointError, Item, assign_strictly, check_safetensors_file, read_json, tensor_names
+from .weights import (
+    CheckpointError,
+    Item,
+    assign_strictly,
+    check_safetensors_file,
+    read_json,
+    shard_files,
+    tensor_names,
+)
 
 MARKER = "decoder.transformer_blocks.0.scale1"  # in every layout, and in no other H3 model
 SINGLE_FILE_STATS = ("latents_mean", "latents_std")
@@ -159,28 +167,9 @@ def _diffusers_folder(folder: Path) -> VideoVAESource:
             f"{folder} holds a {class_name or 'model without _class_name'} checkpoint, not the H3 video VAE "
             f"(expected _class_name '{DIFFUSERS_CLASS}' in config.json)."
         )
-    files = _diffusers_files(folder)
+    files = shard_files(folder, (DIFFUSERS_INDEX,))
     naming = _naming(tensor_names(files), "", folder)
     return VideoVAESource(files, naming, "", config_from_diffusers(raw), "diffusers folder")
-
-
-def _diffusers_files(folder: Path) -> tuple[Path, ...]:
-    index_path = folder / DIFFUSERS_INDEX
-    if index_path.is_file():
-        weight_map = read_json(index_path).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index_path} has no 'weight_map'.")
-        files = tuple(folder / shard for shard in sorted(set(weight_map.values())))
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"{index_path} lists shards that are not in {folder}: {', '.join(missing)}.")
-    else:
-        files = tuple(sorted(folder.glob("*.safetensors")))
-        if len(files) > 1:
-            raise CheckpointError(f"{folder} holds {len(files)} .safetensors files but no {DIFFUSERS_INDEX}.")
-    for file in files:
-        check_safetensors_file(file, "H3 video VAE")
-    return files
 
 
 def config_from_original(wrapper: dict, source: dict, folder: Path | str = "video_vae") -> VideoVAEConfig:

@@ -53,6 +53,25 @@ def read_weight_map(index_path: Path) -> dict[str, str]:
     return weight_map
 
 
+def shard_files(folder: Path, index_names: tuple[str, ...]) -> tuple[Path, ...]:
+    """The safetensors files of a checkpoint folder: the shards its index names (all present), or its
+    single .safetensors file when there is no index."""
+    for name in index_names:
+        index_path = folder / name
+        if index_path.is_file():
+            files = tuple(folder / shard for shard in sorted(set(read_weight_map(index_path).values())))
+            for file in files:  # an index may name pickled shards: refused like any pickle
+                check_safetensors_file(file, "checkpoint shard")
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise CheckpointError(f"{index_path} lists shards that are not in {folder}: {', '.join(missing)}.")
+            return files
+    files = tuple(sorted(folder.glob("*.safetensors")))
+    if len(files) > 1:
+        raise CheckpointError(f"{folder} holds {len(files)} .safetensors files but no index file ({index_names[0]}).")
+    return files
+
+
 def tensor_names(files: Iterable[Path]) -> list[str]:
     """All tensor names of some safetensors files, from their headers only."""
     names = []

@@ -30,6 +30,7 @@ from PIL import Image
 from test_text import reference_processor
 from video_vae_checkpoints import reference_video_vae, tiny_config
 
+from test_geometry import FACT_SHEET_DURATIONS
 from h3_core import geometry
 from h3_core.conditioning import (
     MAX_FRAMES,
@@ -53,15 +54,6 @@ PROMPT = "A red fox walks along the beach at sunset. <d>[English] Hello there.</
 TINY_RULES = CanvasRules(short_edge=64, max_pixels=64 * 128, reference_image_short_edge=64)
 TEXT_ATOL = AUDIO_ATOL = 1e-5
 SEED = 1234
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny convolutions and matmuls: torch's thread pool costs more than it gives on small CPUs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def picture(width: int, height: int, seed: int) -> Image.Image:
@@ -400,20 +392,7 @@ def test_default_canvases():
     assert (plan.width, plan.height) == (1536, 672)
 
 
-@pytest.mark.parametrize(
-    "seconds, frames, latents, audio",
-    [
-        (4, 107, 32, 178),
-        (5, 124, 37, 207),
-        (6, 158, 47, 263),
-        (8, 192, 57, 320),
-        (8.7, 209, 62, 348),
-        (10, 243, 72, 405),
-        (12, 294, 87, 490),
-        (14, 345, 102, 575),
-        (15, 362, 107, 603),
-    ],
-)
+@pytest.mark.parametrize("seconds, frames, latents, audio", FACT_SHEET_DURATIONS)
 def test_duration_table(seconds, frames, latents, audio):
     """h3-model.md F: round(s * 24), snapped up to 17n + 5."""
     plan = validate(Request("t2va", PROMPT, duration=seconds))

@@ -54,14 +54,6 @@ TINY_RULES = CanvasRules(short_edge=64, max_pixels=64 * 128, reference_image_sho
 AUDIO_ATOL = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def picture(width: int, height: int, seed: int) -> Image.Image:
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
 

@@ -50,16 +50,6 @@ def clip(frames: int, seed: int, height: int = 64, width: int = 96) -> np.ndarra
     return np.random.default_rng(seed).integers(0, 256, (frames, height, width, 3), dtype=np.uint8)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The tiny model's ops are microseconds; on small CPUs torch's thread pool wake-ups cost
-    milliseconds per op (measured 16 ms vs 14 us per attention call on 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_qwen")

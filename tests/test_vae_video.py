@@ -35,16 +35,6 @@ SMALL_TILES = {"tile_size": 48, "tile_min_overlap": 16}  # tiles of 3x3 latents,
 WIDE_OVERLAPS = {"tile_size": 48, "tile_min_overlap": 32}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny 3D convolutions are dominated by thread synchronization: one thread is faster, and
-    on a busy 2-core machine several times faster. Restored for the other test modules."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def config():
     return tiny_config(seed=5)
