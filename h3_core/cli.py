@@ -16,19 +16,18 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from . import geometry
 from .attention import resolve_backend
 from .checkpoint import CheckpointError, infer_config, load_dit, locate_dit
-from .conditioning import Request
+from .conditioning import Conditioning, Request
+from .layout import build_request_layout
 from .media import MediaError
-from .pipeline import GenerateSettings, generate
+from .pipeline import GenerateSettings, generate, sample
 from .references import MediaReference
 from .runtime import return_freed_memory_to_os
-from .layout import build_request_layout, unpack_audio, unpatchify
-from .noise import request_generator, target_noise
-from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, denoise
+from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule
 from .tiny import TINY_RANDOM, tiny_random_dit
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -228,17 +227,19 @@ def _text_states(args, text_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run_denoise(args) -> int:
+    """The DiT alone on a T2VA layout: `pipeline.sample` over precomputed (or, for tiny-random, seeded
+    random) text states, the latents saved as `h3 generate --save-latents` saves them."""
     from tqdm import tqdm
 
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     width, height = _canvas(args)
     frames = geometry.frames_for_duration(args.duration)
-    schedule = DualClockSchedule.build(args.steps, args.video_shift, args.audio_shift)
+    schedule = DualClockSchedule.build(args.steps, args.video_shift, args.audio_shift)  # a bad one fails first
     if args.save_latents.suffix != ".safetensors":
         raise ValueError(f"--save-latents must name a .safetensors file, got {args.save_latents}.")
     if args.model != TINY_RANDOM and args.text_states is None:
-        raise ValueError("A real model needs --text-states (prompt embeddings) until the text encoder lands.")
+        raise ValueError("A real model needs --text-states (prompt embeddings); `h3 generate` runs the text encoder.")
     resolve_backend(args.attention, device)  # an unavailable backend fails before any loading
     if args.text_states is not None and not args.text_states.is_file():
         raise FileNotFoundError(f"--text-states {args.text_states} does not exist.")
@@ -254,28 +255,19 @@ def run_denoise(args) -> int:
         model.compile_blocks()
     timings["load"] = time.perf_counter() - started
     text, tags = _text_states(args, model.config.text_dim)
+    layout = build_request_layout(width, height, frames, tags)
+    conditioning = Conditioning("t2va", width, height, frames, layout, text, tags)
 
     started = time.perf_counter()
-    layout = build_request_layout(width, height, frames, tags)
-    video, audio = target_noise(layout, request_generator(args.seed), model.config.in_channels, model.config.audio_in_channels)
     bar = tqdm(total=schedule.num_calls, desc="denoise", unit="step", file=sys.stderr)
-    with torch.inference_mode():
-        video, audio = denoise(
-            model, layout, text.to(device), video.to(device), audio.to(device), schedule,
-            callback=lambda state: bar.update(1),
-        )
+    latents = sample(model, conditioning, args.seed, args.steps, args.video_shift, args.audio_shift,
+                     callback=lambda state: bar.update(1))
     bar.close()
     timings["denoise"] = time.perf_counter() - started
 
     started = time.perf_counter()
-    latents = unpatchify(video.cpu(), layout.latent_frames, layout.latent_height, layout.latent_width)
-    args.save_latents.parent.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {"video": latents.contiguous(), "audio": unpack_audio(audio.cpu())[0].contiguous()},
-        str(args.save_latents),
-        metadata={"width": str(width), "height": str(height), "frames": str(frames), "seed": str(args.seed),
-                  "steps": str(args.steps), "model": str(args.model)},
-    )
+    latents.save(args.save_latents, {"width": str(width), "height": str(height), "frames": str(frames),
+                                     "seed": str(args.seed), "steps": str(args.steps), "model": str(args.model)})
     timings["save"] = time.perf_counter() - started
     print(_summary(args.save_latents, width, height, frames, timings, device) + f"; attention {backend}")
     return 0

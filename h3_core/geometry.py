@@ -39,13 +39,15 @@ def _ratio_range_text() -> str:
     return f"1:{1 / MIN_ASPECT_RATIO:g} to {MAX_ASPECT_RATIO:g}:1"
 
 
-def canvas_size(aspect: str | tuple[float, float]) -> tuple[int, int]:
+def canvas_size(
+    aspect: str | tuple[float, float], short_edge: int = SHORT_EDGE, max_pixels: int = MAX_PIXELS
+) -> tuple[int, int]:
     """The canvas for an aspect ratio, as **(width, height)** in pixels.
 
     `aspect` is a name from `ASPECT_RATIOS` ("16:9") or a (width, height) pair of any positive
     numbers whose ratio is within 1:4..4:1 (e.g. a keyframe's pixel size). The short edge starts at
-    768, the area is capped at 768*1344, then each axis is rounded to the nearest multiple of 32
-    (so the area may land slightly above the cap).
+    `short_edge` (768), the area is capped at `max_pixels` (768*1344), then each axis is rounded to
+    the nearest multiple of 32 (so the area may land slightly above the cap).
     """
     if isinstance(aspect, str):
         if aspect not in ASPECT_RATIOS:
@@ -66,12 +68,12 @@ def canvas_size(aspect: str | tuple[float, float]) -> tuple[int, int]:
         )
 
     if ratio >= 1.0:
-        width, height = SHORT_EDGE * ratio, float(SHORT_EDGE)
+        width, height = short_edge * ratio, float(short_edge)
     else:
-        width, height = float(SHORT_EDGE), SHORT_EDGE / ratio
+        width, height = float(short_edge), short_edge / ratio
     area = width * height
-    if area > MAX_PIXELS:
-        scale = (MAX_PIXELS / area) ** 0.5
+    if area > max_pixels:
+        scale = (max_pixels / area) ** 0.5
         width, height = width * scale, height * scale
     # Python's round (half to even) is what the reference uses.
     return (

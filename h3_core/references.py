@@ -116,21 +116,8 @@ class CanvasRules:
     multiple: int = geometry.CANVAS_MULTIPLE
 
     def canvas(self, width: float, height: float) -> tuple[int, int]:
-        """(width, height) of the canvas for an aspect ratio; `geometry.canvas_size` with these rules."""
-        if not (width > 0 and height > 0):
-            raise ValueError(f"An aspect ratio needs a positive width and height, got {width}:{height}.")
-        ratio = width / height
-        if not geometry.MIN_ASPECT_RATIO <= ratio <= geometry.MAX_ASPECT_RATIO:
-            raise ValueError(f"Aspect ratio {width}:{height} ({ratio:.4g}) is outside the supported 1:4 to 4:1.")
-        if ratio >= 1.0:
-            fit_width, fit_height = self.short_edge * ratio, float(self.short_edge)
-        else:
-            fit_width, fit_height = float(self.short_edge), self.short_edge / ratio
-        area = fit_width * fit_height
-        if area > self.max_pixels:
-            scale = (self.max_pixels / area) ** 0.5
-            fit_width, fit_height = fit_width * scale, fit_height * scale
-        return self._round(fit_width), self._round(fit_height)
+        """(width, height) of the canvas for an aspect ratio: `geometry.canvas_size` under these rules."""
+        return geometry.canvas_size((width, height), self.short_edge, self.max_pixels)
 
     def reference_image_size(self, width: int, height: int) -> tuple[int, int]:
         """(width, height) an image reference is encoded at: its short edge scaled to

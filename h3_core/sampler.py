@@ -119,10 +119,11 @@ def denoise(
     on_device = layout.to(device)
     total = schedule.num_calls
     # Per-row timesteps for every step, planned on the CPU layout: no device sync inside the loop.
+    on_cpu = layout.to("cpu")
     plan = []
     for step in range(total):
         t_video, t_audio = schedule.timesteps(step)
-        timesteps, indices = layout.to("cpu").row_timesteps(float(t_video), float(t_audio))
+        timesteps, indices = on_cpu.row_timesteps(float(t_video), float(t_audio))
         plan.append((t_video, t_audio, timesteps.to(device), indices.to(device)))
     offloaded = dit.adaln_offloaded() if (reuse_adaln and offload_adaln) else contextlib.nullcontext()
     with offloaded:

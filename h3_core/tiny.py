@@ -12,18 +12,6 @@ TINY_RANDOM = "tiny-random"
 TINY_SEED = 20261129
 
 
-def tiny_random_dit(dtype: torch.dtype = torch.float32, device="cpu") -> H3DiT:
-    """The tiny DiT with seeded random weights; norms and biases are perturbed too, so every term matters."""
-    generator = torch.Generator().manual_seed(TINY_SEED)
-    model = H3DiT(TINY_DIT)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            scale = 0.1 if param.ndim == 1 else 1.0 / param.shape[1] ** 0.5
-            base = 1.0 if param.ndim == 1 and "norm" in name else 0.0
-            param.copy_(base + scale * torch.randn(param.shape, generator=generator))
-    return model.set_dtype(dtype).to(device).eval().requires_grad_(False)
-
-
 def _randomized(model: torch.nn.Module, seed: int, gain: float = 1.0) -> torch.nn.Module:
     """Seeded values for every parameter, whatever its constructor left (some are `empty`, waiting for a
     checkpoint): matrices ~ N(0, gain^2/fan_in), scales near 1, log-scales and biases near 0. Buffers made
@@ -44,6 +32,11 @@ def _randomized(model: torch.nn.Module, seed: int, gain: float = 1.0) -> torch.n
             if name.endswith("zero_k_bias"):
                 buffer.zero_()
     return model
+
+
+def tiny_random_dit(dtype: torch.dtype = torch.float32, device="cpu") -> H3DiT:
+    """The tiny DiT with seeded random weights; norms and biases are perturbed too, so every term matters."""
+    return _randomized(H3DiT(TINY_DIT), TINY_SEED).set_dtype(dtype).to(device).eval().requires_grad_(False)
 
 
 def tiny_random_video_vae(device="cpu") -> "VideoVAE":
