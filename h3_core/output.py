@@ -77,15 +77,10 @@ def decode_video(vae: VideoVAE, latents: torch.Tensor) -> Iterator[torch.Tensor]
             yield (frames * 255.0).round().to(torch.uint8).permute(1, 2, 3, 0).cpu()
 
 
-# Audio decodes in windows of ~5 s (plus the decoder's receptive field on both sides): the BigVGAN
-# activations at 32 kHz dominate its memory, so the window, not the clip, sets the peak.
-AUDIO_WINDOW_LATENTS = 200
-
-
 def decode_audio(vae: AudioVAE, latents: torch.Tensor) -> Iterator[torch.Tensor]:
     """Normalized audio latents [2, C, A] -> float32 waveform pieces [2, n] at 32 kHz, window by window."""
     with torch.inference_mode():
-        for piece in vae.decode_windows(latents.to(vae.device), window=AUDIO_WINDOW_LATENTS):
+        for piece in vae.decode_windows(latents.to(vae.device)):
             yield piece.float().cpu()
 
 

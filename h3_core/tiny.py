@@ -12,7 +12,7 @@ TINY_RANDOM = "tiny-random"
 TINY_SEED = 20261129
 
 
-def _randomized(model: torch.nn.Module, seed: int, gain: float = 1.0) -> torch.nn.Module:
+def seeded_random_weights(model: torch.nn.Module, seed: int, gain: float = 1.0) -> torch.nn.Module:
     """Seeded values for every parameter, whatever its constructor left (some are `empty`, waiting for a
     checkpoint): matrices ~ N(0, gain^2/fan_in), scales near 1, log-scales and biases near 0. Buffers made
     by the architecture (filters) are kept; empty stored ones (zero biases) become zeros."""
@@ -36,14 +36,16 @@ def _randomized(model: torch.nn.Module, seed: int, gain: float = 1.0) -> torch.n
 
 def tiny_random_dit(dtype: torch.dtype = torch.float32, device="cpu") -> H3DiT:
     """The tiny DiT with seeded random weights; norms and biases are perturbed too, so every term matters."""
-    return _randomized(H3DiT(TINY_DIT), TINY_SEED).set_dtype(dtype).to(device).eval().requires_grad_(False)
+    model = seeded_random_weights(H3DiT(TINY_DIT), TINY_SEED).set_dtype(dtype)
+    return model.to(device).eval().requires_grad_(False)
 
 
 def tiny_random_video_vae(device="cpu") -> "VideoVAE":
     """The video VAE at a tiny width that keeps the real 16x spatial / 4x temporal factors."""
     from .vae_video import TINY_VIDEO_VAE, VideoVAE
 
-    return _randomized(VideoVAE(TINY_VIDEO_VAE), TINY_SEED + 1).to(device).eval().requires_grad_(False)
+    model = seeded_random_weights(VideoVAE(TINY_VIDEO_VAE), TINY_SEED + 1)
+    return model.to(device).eval().requires_grad_(False)
 
 
 def tiny_random_audio_vae(device="cpu") -> "AudioVAE":
@@ -52,4 +54,5 @@ def tiny_random_audio_vae(device="cpu") -> "AudioVAE":
 
     config = AudioVAEConfig(encoder_dim=4, latent_dim=64, latent_channels=32, num_attention_heads=8, decoder_dim=256)
     # gain 0.5 keeps the random decoder out of its chaotic, clipped regime (a quiet but faithful signal)
-    return _randomized(AudioVAE(config), TINY_SEED + 2, gain=0.5).to(device).eval().requires_grad_(False)
+    model = seeded_random_weights(AudioVAE(config), TINY_SEED + 2, gain=0.5)
+    return model.to(device).eval().requires_grad_(False)

@@ -59,20 +59,9 @@ IMAGE_PROCESSOR = {
     "merge_size": 2,
     "size": {"shortest_edge": 32 * 32, "longest_edge": 96 * 128},
 }
-VIDEO_PROCESSOR = {
+VIDEO_PROCESSOR = {  # the image processor's recipe with the video processor's type and pixel budget
+    **{key: value for key, value in IMAGE_PROCESSOR.items() if key != "image_processor_type"},
     "video_processor_type": "Qwen3VLVideoProcessor",
-    "processor_class": "Qwen3VLProcessor",
-    "do_resize": True,
-    "do_rescale": True,
-    "do_normalize": True,
-    "do_convert_rgb": True,
-    "resample": 3,
-    "rescale_factor": 1 / 255,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
-    "patch_size": 16,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
     "size": {"shortest_edge": 32 * 32, "longest_edge": 16384},
 }
 
@@ -178,19 +167,13 @@ def config_dict(tokenizer_folder: Path, layers: int = TEXT_LAYERS, hidden: int =
 
 
 def random_model(config: dict, seed: int = 7):
-    """transformers' Qwen3VLForConditionalGeneration with seeded random weights, fp32, eval."""
+    """transformers' Qwen3VLForConditionalGeneration, seeded random weights (`tiny.seeded_random_weights`), eval."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**config)).eval().requires_grad_(False)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if param.ndim == 1:
-                base = 1.0 if "norm" in name and name.endswith("weight") else 0.0
-                param.copy_(base + 0.1 * torch.randn(param.shape, generator=generator))
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator) / math.sqrt(param[0].numel()))
-    return model
+    from .tiny import seeded_random_weights
+
+    model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**config))
+    return seeded_random_weights(model, seed).eval().requires_grad_(False)
 
 
 

@@ -73,10 +73,11 @@ SNAKE_EPSILON = 1e-9
 LAYER_NORM_EPSILON = 1e-5
 MLP_RATIO = 2
 
-# Latent frames a windowed decode produces per window: 25.6 s, so every single H3 clip (at most about 15 s)
-# decodes in one pass, and longer audio (continuations) in bounded memory (a whole 15 s stereo decode at the
-# released size peaks at 0.3 GiB of fp32 activations on an H200).
-DECODE_WINDOW_LATENTS = 1024
+# Latent frames a windowed decode produces per window: 5 s (plus the receptive field on both sides). The
+# BigVGAN activations at 32 kHz set the decoder's memory, so the window, not the clip, sets the peak: a
+# minute streams in the memory of five seconds (a whole 15 s stereo decode at the released size peaks at
+# 0.3 GiB of fp32 activations on an H200; the 29-latent context costs ~30% more decoder work).
+DECODE_WINDOW_LATENTS = 200
 
 
 @dataclass(frozen=True)
