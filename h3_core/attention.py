@@ -5,7 +5,8 @@ H3 packs one request into a single attention document: full, bidirectional, unma
 
 Backends: "sdpa" (torch; picks cuDNN / flash / efficient kernels itself, exact), "flash3"
 (FlashAttention 3 for Hopper, exact, if `flash_attn_interface` is importable), "flash" (FlashAttention
-2, exact, if `flash_attn` is importable) and "sage" (SageAttention, 8-bit QK: lossy, opt-in only).
+2, exact, if `flash_attn` is importable), "sage" (SageAttention, 8-bit QK: lossy, opt-in only) and
+"int8qk-fp8pv-lossy" (our Triton kernel, attention_8bit.py: int8 QK and FP8 PV on CUDA; lossy, opt-in).
 "auto" takes the fastest exact one available: FlashAttention 3 on Hopper, else SDPA (on an H200,
 SDPA's cuDNN kernel measured 578 TFLOP/s against 368 for FlashAttention 2's).
 """
@@ -21,8 +22,8 @@ import torch.nn.functional as F
 log = logging.getLogger("h3_core")
 
 EXACT_BACKENDS = ("sdpa", "flash3", "flash")
-LOSSY_BACKENDS = ("sage",)
-_MODULES = {"flash3": "flash_attn_interface", "flash": "flash_attn", "sage": "sageattention"}
+LOSSY_BACKENDS = ("sage", "int8qk-fp8pv-lossy")
+_MODULES = {"flash3": "flash_attn_interface", "flash": "flash_attn", "sage": "sageattention", "int8qk-fp8pv-lossy": "triton"}
 
 
 def available_backends() -> list[str]:
@@ -68,4 +69,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backe
         import sageattention
 
         return sageattention.sageattn(query, key, value, tensor_layout="NHD", is_causal=False)
+    if backend == "int8qk-fp8pv-lossy":
+        from .attention_8bit import int8qk_fp8pv_attention
+
+        return int8qk_fp8pv_attention(query, key, value)
     raise ValueError(f"Unknown attention backend {backend!r}; choose one of {', '.join(EXACT_BACKENDS + LOSSY_BACKENDS)}.")

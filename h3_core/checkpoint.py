@@ -10,13 +10,13 @@ Checkpoint dtypes are kept unless a dtype is asked for. Pickle formats are refus
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from . import keymap
+from . import fp8, keymap
 from .config import DiTConfig
 from .dit import FP32_MODULES, H3DiT, rope_inverse_frequencies
 from .weights import (
@@ -42,6 +42,7 @@ class DiTSource:
     qkv_layout: str  # "interleaved" (original shards) or "stacked" (ComfyUI, diffusers after concat)
     config: DiTConfig | None  # None: infer from tensor shapes (single files carry no config)
     origin: str  # a short description for messages: "original partition", "diffusers folder", ...
+    fp8_layers: dict = field(default_factory=dict, compare=False)  # layer -> fp8.FP8Entry (fp8_scaled files)
 
 
 def locate_dit(path: str | Path, partition: str = "fl2va") -> DiTSource:
@@ -71,16 +72,28 @@ def _has_safetensors(folder: Path) -> bool:
 def _single_file(path: Path) -> DiTSource:
     check_safetensors_file(path, "H3 DiT single")
     naming = _naming(tensor_names([path]), path)
-    return DiTSource((path,), naming, "stacked", None, "single file")
+    layers = _fp8_layers((path,), naming == "native")
+    return DiTSource((path,), naming, "stacked", None, "single file (FP8)" if layers else "single file", layers)
 
 
 def _folder(folder: Path) -> DiTSource:
     raw = read_json(folder / "config.json")
     files = shard_files(folder, INDEX_NAMES)
     naming = _naming(tensor_names(files), folder)
+    _fp8_layers(files, supported=False)
     if naming == "diffusers":
         return DiTSource(files, naming, "stacked", DiTConfig.from_dict(raw), "diffusers folder")
     return DiTSource(files, naming, "interleaved", DiTConfig.from_dict(raw), "original partition folder")
+
+
+def _fp8_layers(files: tuple[Path, ...], supported: bool) -> dict:
+    """The FP8 layers of a ComfyUI fp8_scaled single file (native names, qkv stacked); FP8 anywhere
+    else, and any other quantization, is refused."""
+    layers = fp8.checkpoint_fp8_layers(files)
+    if layers and not supported:
+        raise CheckpointError(f"{files[0]} holds FP8 weights; FP8 is read from ComfyUI-style single files "
+                              "(release names, fp8_scaled) only.")
+    return layers
 
 
 def _naming(keys: list[str], path: Path) -> str:
@@ -90,8 +103,6 @@ def _naming(keys: list[str], path: Path) -> str:
             f"{path.name} is a pruned H3 checkpoint (AdaLN replaced by 'adaln_t_table'): a different architecture "
             "that this loader does not run. Use the full (non-pruned) bf16 checkpoint."
         )
-    if any(k.endswith((".weight_scale", ".comfy_quant", ".scale_weight")) for k in stripped):
-        raise CheckpointError(f"{path.name} is a quantized checkpoint; quantized DiT files are not supported yet.")
     if any(k.startswith("transformer_blocks.") for k in stripped):
         return "diffusers"
     if any(k.startswith("blocks.") for k in stripped):
@@ -190,13 +201,17 @@ def load_dit(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     config: DiTConfig | None = None,
+    linears: str = "checkpoint",
 ) -> H3DiT:
     """Load a DiT strictly. `dtype=None` keeps each tensor's checkpoint dtype; else the release policy
-    (fp32 projections/heads, `dtype` elsewhere) is applied tensor by tensor while streaming."""
+    (fp32 projections/heads, `dtype` elsewhere) is applied tensor by tensor while streaming.
+    `linears` (fp8.LINEAR_MODES): FP8 weights of an fp8_scaled file stay FP8 ("checkpoint") or are
+    dequantized ("dense"); the "fp8-*-lossy" modes also quantize dense block linears as they stream in."""
     source = locate_dit(path, partition)
     config = config or source.config or infer_config(source)
     with torch.device("meta"):
         model = H3DiT(config)
+    fp8_load = fp8.FP8Load.plan(model, source.fp8_layers, linears, dtype, FP32_MODULES, device)
 
     def without_inv_freq():
         for name, tensor, file in iter_native_tensors(source, config.attention_head_dim):
@@ -205,13 +220,15 @@ def load_dit(
             else:
                 yield name, tensor, file
 
+    fp8_parameters = fp8_load.fp8_parameters
+
     def release_policy(name: str) -> torch.dtype | None:
-        if dtype is None:
+        if dtype is None or name in fp8_parameters:
             return None
         return torch.float32 if name.startswith(FP32_MODULES) else dtype
 
     origin = f"{source.files[0].parent if len(source.files) > 1 else source.files[0]} ({source.origin})"
-    assign_strictly(model, without_inv_freq(), origin, release_policy, device)
+    assign_strictly(model, fp8_load.stream(without_inv_freq(), device), origin, release_policy, device)
     model.rope_inv_freq = rope_inverse_frequencies(config).to(device)
     return model.eval().requires_grad_(False)
 

@@ -1,0 +1,416 @@
+"""FP8 block linears: half the weight bytes, and on Hopper / Ada GPUs the FP8 tensor cores.
+
+A block linear holds its weight as float8_e4m3fn with an fp32 scale (per output channel when we
+quantize; per tensor in ComfyUI's `fp8_scaled` files): W ~= weight * scale. It computes one of two ways:
+
+- "dequantize" (weight-only): W is rebuilt in the compute dtype on each call and multiplied as usual.
+  No loss beyond the stored weight's own rounding; it saves memory (and streamed bytes), not time.
+- "scaled" (lossy, opt-in): each call also quantizes its input to e4m3, one fp32 scale per row
+  (or per tensor), and runs `torch._scaled_mm` (FP8 tensor cores; CPU builds have it too).
+
+Only the 200 token-wise block linears (qkv, out, fc1, fc2 of the 50 blocks) and, on request, the
+AdaLN projections are ever FP8: the fp32 patch projections, time embedder and output heads, the text
+projection and the token refiner stay as they are (they are < 1% of the work and the most sensitive).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from . import keymap
+from .weights import CheckpointError
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+MIN_SCALE = 1e-12  # an all-zero row or tensor quantizes to zeros with this scale, not to NaN
+MATMULS = ("dequantize", "scaled")
+BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+
+# How the DiT's linears are held (`load_dit(linears=...)`, `h3 ... --linears`). Lossy ones say so.
+LINEAR_MODES = {
+    "checkpoint": "as the checkpoint stores them (an fp8_scaled file's FP8 linears stay FP8, weight-only compute)",
+    "dense": "an fp8_scaled file's FP8 weights dequantized into the model dtype at load",
+    "fp8-weights-lossy": "block linears stored FP8 (quantized at load), weight-only compute: half the bytes",
+    "fp8-lossy": "block linears FP8 and their inputs FP8 per row: FP8 tensor-core matmuls (Hopper/Ada)",
+}
+
+
+def check_linear_mode(mode: str) -> str:
+    if mode not in LINEAR_MODES:
+        raise ValueError(f"Unknown linears mode {mode!r}; choose one of {', '.join(LINEAR_MODES)}.")
+    return mode
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantization
+
+
+def quantize(tensor: torch.Tensor, per_row: bool, dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """x -> (q, scale) with x ~= q * scale; scale fp32 [rows, 1] (per row) or [] (per tensor).
+    The scale maps each row's (or the tensor's) absolute maximum onto the format's largest value."""
+    largest = torch.finfo(dtype).max
+    # vector_norm(inf) is the absolute maximum without an |x| temporary (the inputs are large)
+    amax = torch.linalg.vector_norm(tensor, float("inf"), dim=-1 if per_row else None, keepdim=per_row)
+    scale = (amax.float() / largest).clamp(min=MIN_SCALE)
+    scaled = tensor.to(torch.float32, copy=True).div_(scale)  # one fp32 temporary, then in place
+    return scaled.clamp_(-largest, largest).to(dtype), scale
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] -> e4m3 weight and an fp32 scale per output channel [out]."""
+    q, scale = quantize(weight, per_row=True)
+    return q, scale.view(-1)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weight * scale in fp32, then rounded once to `dtype`; scale [] or [out]."""
+    scale = scale.float()
+    return (weight.float() * (scale.view(-1, 1) if scale.ndim else scale)).to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def scaled_mm_supported(device_type: str, index: int | None = None) -> bool:
+    """FP8 matmuls on this device: CUDA from compute capability 8.9 (Ada, Hopper); CPU where this
+    torch build has them (checked once with a tiny product)."""
+    if device_type == "cuda":
+        return torch.cuda.get_device_capability(index) >= (8, 9)
+    try:
+        a = torch.zeros(16, 16, dtype=FP8, device=device_type)
+        one = torch.ones((), device=device_type)
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+# ----------------------------------------------------------------------------------------------
+# The module
+
+
+class FP8Linear(nn.Module):
+    """y = x W^T (+ bias) with W = weight (e4m3) * weight_scale (fp32, [] or [out]); see the module
+    docstring for the two `matmul` ways. Outputs are in `compute_dtype`. The parameter names are the
+    fp8_scaled files' (`.weight`, `.weight_scale`), so state dicts load and stream as they are."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, per_channel: bool = True,
+                 compute_dtype: torch.dtype = torch.bfloat16, matmul: str = "dequantize",
+                 activations: str = "row", weight_dtype: torch.dtype = FP8, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.compute_dtype = compute_dtype
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=weight_dtype, device=device), requires_grad=False)
+        scale_shape = (out_features,) if per_channel else ()
+        self.weight_scale = nn.Parameter(torch.ones(scale_shape, dtype=torch.float32, device=device), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=compute_dtype, device=device), requires_grad=False) if bias else None
+        self.set_matmul(matmul, activations)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, matmul: str = "dequantize", activations: str = "row") -> "FP8Linear":
+        """Quantize a dense linear per output channel (on its own device); its bias is kept as is."""
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, True,
+                     linear.weight.dtype, matmul, activations, device="meta")
+        weight, scale = quantize_weight(linear.weight.detach())
+        module.weight = nn.Parameter(weight, requires_grad=False)
+        module.weight_scale = nn.Parameter(scale, requires_grad=False)
+        if linear.bias is not None:
+            module.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
+        return module
+
+    def set_matmul(self, matmul: str, activations: str = "row") -> "FP8Linear":
+        """"scaled" needs both sizes to be multiples of 16 (the FP8 kernels' rule) and an e4m3 weight;
+        otherwise this linear keeps the weight-only path."""
+        if matmul not in MATMULS:
+            raise ValueError(f"Unknown FP8 matmul {matmul!r}; choose one of {', '.join(MATMULS)}.")
+        if activations not in ("row", "tensor"):
+            raise ValueError(f"FP8 activations are scaled per 'row' or per 'tensor', got {activations!r}.")
+        fits = self.in_features % 16 == 0 and self.out_features % 16 == 0 and self.weight.dtype == FP8
+        self.matmul = matmul if fits else "dequantize"
+        self.activations = activations
+        return self
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return dequantize(self.weight, self.weight_scale, self.compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.matmul == "scaled":
+            return self._scaled(x)
+        return F.linear(x.to(self.compute_dtype), self.dequantized_weight(), self.bias)
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        q, scale_a = quantize(rows, per_row=self.activations == "row")
+        scale_b = self.weight_scale
+        if scale_a.ndim or scale_b.ndim:  # row-wise form: [M, 1] and [1, N]
+            scale_a = scale_a.expand(rows.shape[0], 1).contiguous()
+            scale_b = scale_b.view(1, -1).expand(1, self.out_features).contiguous()
+        y = torch._scaled_mm(q, self.weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=self.compute_dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _apply(self, fn, recurse=True):
+        """Device moves only: `model.to(dtype)` / `set_dtype` must not upcast the e4m3 weight or round
+        the fp32 scale, so a dtype change proposed by `fn` is dropped and only its device kept."""
+
+        def device_only(t):
+            moved = fn(t)
+            return moved if moved.dtype == t.dtype else t.to(moved.device)
+
+        return super()._apply(device_only, recurse)
+
+    def extra_repr(self) -> str:
+        scale = "per channel" if self.weight_scale.ndim else "per tensor"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"weight={self.weight.dtype} scaled {scale}, matmul={self.matmul}, compute={self.compute_dtype}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Swapping a model's block linears
+
+
+def block_linear_names(model: nn.Module, adaln: bool = False) -> list[str]:
+    """The 4 token-wise linears of each block, plus the AdaLN projections when asked."""
+    names = [f"blocks.{i}.{leaf}" for i in range(len(model.blocks)) for leaf in BLOCK_LINEARS]
+    if adaln:
+        names += [f"blocks.{i}.adaln_proj.linear" for i in range(len(model.blocks))] + ["final_layer.adaln_proj.linear"]
+    return names
+
+
+def quantize_blocks(model: nn.Module, matmul: str = "scaled", activations: str = "row", adaln: bool = False,
+                    device: torch.device | str | None = None) -> list[str]:
+    """Swap the block linears (and, with `adaln`, the AdaLN projections) of an H3DiT for FP8Linear,
+    quantized per output channel where they sit. Already-FP8 linears only get the new `matmul`.
+    `device` (default: where the weights are) is where the model will compute: "scaled" there needs
+    FP8 matmul support. Lossy: returns the names swapped, so a caller can say what changed."""
+    if matmul not in MATMULS:
+        raise ValueError(f"Unknown FP8 matmul {matmul!r}; choose one of {', '.join(MATMULS)}.")
+    names = block_linear_names(model, adaln)
+    device = torch.device(device) if device is not None else model.get_submodule(names[0]).weight.device
+    if matmul == "scaled":
+        check_scaled_device(device)
+    for name in names:
+        module = model.get_submodule(name)
+        if isinstance(module, FP8Linear):
+            module.set_matmul(matmul, activations)
+        else:
+            model.set_submodule(name, FP8Linear.from_linear(module, matmul, activations))
+    return names
+
+
+def has_fp8_blocks(model: nn.Module) -> bool:
+    """Whether the blocks' linears are FP8 (for `memory_plan.plan_memory(..., fp8=...)`)."""
+    return isinstance(model.get_submodule("blocks.0.mlp.fc1"), FP8Linear)
+
+
+def check_scaled_device(device: torch.device) -> None:
+    if device.type != "meta" and not scaled_mm_supported(device.type, device.index):
+        raise ValueError(
+            f"FP8 matmuls are not supported on {device} (CUDA needs compute capability 8.9+, Ada or Hopper); "
+            "use linears 'fp8-weights-lossy' (weight-only) there."
+        )
+
+
+def apply_linear_mode(model: nn.Module, mode: str, device: torch.device | str | None = None) -> list[str]:
+    """After loading: what `mode` asks of a model that is already in memory (dense or FP8)."""
+    check_linear_mode(mode)
+    if mode == "fp8-lossy":
+        return quantize_blocks(model, "scaled", device=device)
+    if mode == "fp8-weights-lossy":
+        return quantize_blocks(model, "dequantize", device=device)
+    return []
+
+
+# ----------------------------------------------------------------------------------------------
+# ComfyUI fp8_scaled checkpoints
+#
+# Two generations of the same idea (ComfyUI comfy/utils.py `convert_old_quants`, comfy/ops.py):
+# - old: a marker tensor `scaled_fp8` (its dtype names the FP8 format; fp32 means e4m3fn), then per
+#   quantized layer `X.weight` (FP8), `X.scale_weight` (fp32) and optionally `X.scale_input`;
+# - new: per layer `X.weight` (FP8, or uint8 holding FP8 bytes), `X.weight_scale` (fp32), optionally
+#   `X.input_scale`, and the format as JSON: a uint8 tensor `X.comfy_quant` ({"format": "float8_e4m3fn"})
+#   or the file metadata `_quantization_metadata` ({"layers": {"X": {"format": ...}}}).
+# We use the weight and its scale; input scales are for static activation scaling and are dropped
+# (our activations are scaled per row on the fly).
+
+FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+HEADER_FP8 = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+DROPPED_LEAVES = ("comfy_quant", "input_scale", "scale_input")
+SCALE_LEAVES = ("weight_scale", "scale_weight")
+
+
+@dataclass(frozen=True)
+class FP8Entry:
+    """One FP8 layer of a checkpoint: its format and the shape its scale is held in ([] or [out])."""
+
+    dtype: torch.dtype
+    scale_shape: tuple[int, ...]
+    scaled: bool  # False: FP8 weight without a scale (scale 1)
+
+
+def checkpoint_fp8_layers(files: Iterable[Path]) -> dict[str, FP8Entry]:
+    """Our layer name -> FP8Entry for every FP8 layer of these safetensors files (headers, the tiny
+    comfy_quant tensors and the metadata only). Other quantized formats are a CheckpointError."""
+    layers: dict[str, FP8Entry] = {}
+    for path in files:
+        with safe_open(path, "pt") as handle:
+            keys = {keymap.strip_prefix(k): k for k in handle.keys()}
+            formats = _layer_formats(handle, keys, path)
+            marker = next((k for name, k in keys.items() if name == "scaled_fp8"), None)
+            if marker is not None:
+                dtype = handle.get_slice(marker).get_dtype()
+                old = FP8_FORMATS["float8_e5m2"] if dtype == "F8_E5M2" else FP8_FORMATS["float8_e4m3fn"]
+                for name in keys:
+                    if name.endswith(".scale_weight"):
+                        formats.setdefault(name[: -len(".scale_weight")], old)
+            for name, key in keys.items():
+                if not name.endswith(".weight"):
+                    continue
+                layer = name[: -len(".weight")]
+                header = handle.get_slice(key).get_dtype()
+                dtype = formats.get(layer, HEADER_FP8.get(header))
+                scale_key = next((keys[f"{layer}.{leaf}"] for leaf in SCALE_LEAVES if f"{layer}.{leaf}" in keys), None)
+                if dtype is None:
+                    if scale_key is not None:
+                        raise CheckpointError(
+                            f"'{key}' in {path.name} has a scale but is stored as {header} with no FP8 format named; "
+                            "this loader reads bf16/fp32 and FP8 (fp8_scaled) H3 files only."
+                        )
+                    continue
+                if header not in HEADER_FP8 and header != "U8":
+                    raise CheckpointError(f"'{key}' in {path.name} is marked FP8 but stored as {header}.")
+                shape = handle.get_slice(key).get_shape()
+                scale_shape = () if scale_key is None else tuple(handle.get_slice(scale_key).get_shape())
+                numel = 1
+                for size in scale_shape:
+                    numel *= size
+                if numel not in (1, shape[0]):
+                    raise CheckpointError(
+                        f"The scale of '{key}' in {path.name} has shape {list(scale_shape)}; expected one value "
+                        f"or one per output channel ({shape[0]})."
+                    )
+                layers[layer] = FP8Entry(dtype, () if numel == 1 else (shape[0],), scale_key is not None)
+    return layers
+
+
+def _layer_formats(handle, keys: dict[str, str], path: Path) -> dict[str, torch.dtype]:
+    """Formats named by `X.comfy_quant` tensors or the `_quantization_metadata` file metadata."""
+    named: dict[str, str] = {}
+    metadata = handle.metadata() or {}
+    if "_quantization_metadata" in metadata:
+        try:
+            for layer, conf in json.loads(metadata["_quantization_metadata"]).get("layers", {}).items():
+                named[keymap.strip_prefix(layer)] = conf.get("format")
+        except (json.JSONDecodeError, AttributeError):
+            raise CheckpointError(f"{path.name} has unreadable '_quantization_metadata'.") from None
+    for name, key in keys.items():
+        if name.endswith(".comfy_quant"):
+            try:
+                conf = json.loads(bytes(handle.get_tensor(key).tolist()).decode("utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+                raise CheckpointError(f"'{key}' in {path.name} is not a JSON quantization record.") from None
+            named[name[: -len(".comfy_quant")]] = conf.get("format")
+    formats = {}
+    for layer, fmt in named.items():
+        if fmt not in FP8_FORMATS:
+            raise CheckpointError(
+                f"{path.name} quantizes '{layer}' as {fmt!r}; this loader reads FP8 (float8_e4m3fn / float8_e5m2, "
+                "the 'fp8_scaled' files) and unquantized H3 files only."
+            )
+        formats[layer] = FP8_FORMATS[fmt]
+    return formats
+
+
+@dataclass
+class FP8Load:
+    """How one load treats FP8: which layers become FP8Linear (kept from the file or quantized as they
+    stream in) and which FP8 layers of the file are dequantized; built on the meta model before loading."""
+
+    file_layers: dict[str, FP8Entry]
+    kept: set[str]  # FP8 in the file, FP8Linear in the model
+    quantized: set[str]  # dense in the file, quantized at load
+    dense_dtype: dict[str, torch.dtype]  # FP8 in the file, dequantized at load into this dtype
+
+    @property
+    def fp8_parameters(self) -> set[str]:
+        return {f"{layer}.{leaf}" for layer in self.kept | self.quantized for leaf in ("weight", "weight_scale")}
+
+    @classmethod
+    def plan(cls, model: nn.Module, file_layers: dict[str, FP8Entry], mode: str, dtype: torch.dtype | None,
+             fp32_modules: tuple[str, ...], device: torch.device | str = "cpu") -> "FP8Load":
+        """Swap FP8Linear into the meta-built `model` where `mode` keeps or makes FP8 linears."""
+        check_linear_mode(mode)
+        device = torch.device(device)
+        compute = dtype or torch.bfloat16
+        matmul = "scaled" if mode == "fp8-lossy" else "dequantize"
+        if matmul == "scaled":
+            check_scaled_device(device)
+        eligible = set(block_linear_names(model, adaln=True)) | {
+            f"token_refiner.blocks.{i}.{leaf}" for i in range(len(model.token_refiner.blocks)) for leaf in BLOCK_LINEARS
+        }
+        kept, dense_dtype = set(), {}
+        for layer, entry in file_layers.items():
+            try:
+                module = model.get_submodule(layer)
+            except AttributeError:
+                raise CheckpointError(f"The checkpoint has FP8 weights for '{layer}', which this model does not have.") from None
+            if mode != "dense" and layer in eligible and entry.dtype == FP8 and isinstance(module, nn.Linear):
+                kept.add(layer)
+                model.set_submodule(layer, FP8Linear(module.in_features, module.out_features, module.bias is not None,
+                                                     bool(entry.scale_shape), compute, matmul, device="meta"))
+            else:  # e5m2, the fp32 heads and anything else a file may hold in FP8: dequantized once here
+                dense_dtype[layer] = torch.float32 if layer.startswith(fp32_modules) else compute
+        quantized = set()
+        if mode in ("fp8-lossy", "fp8-weights-lossy"):
+            for layer in block_linear_names(model):
+                if layer not in kept and layer not in file_layers:
+                    module = model.get_submodule(layer)
+                    quantized.add(layer)
+                    model.set_submodule(layer, FP8Linear(module.in_features, module.out_features, module.bias is not None,
+                                                         True, compute, matmul, device="meta"))
+        return cls(file_layers, kept, quantized, dense_dtype)
+
+    def stream(self, items: Iterable, device: torch.device | str) -> Iterator:
+        """(name, tensor, where) items in our names -> the model's tensors: FP8 weights as e4m3 with fp32
+        scales, dequantized layers as one dense weight, quantized-at-load layers as e4m3 + scale (done on
+        `device`, one tensor at a time). Markers and input scales are dropped."""
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor, where in items:
+            layer, _, leaf = name.rpartition(".")
+            if name == "scaled_fp8" or (layer in self.file_layers and leaf in DROPPED_LEAVES):
+                continue
+            if layer in self.quantized and leaf == "weight":
+                weight, scale = quantize_weight(tensor.to(device))
+                yield name, weight, where
+                yield f"{layer}.weight_scale", scale, where
+                continue
+            entry = self.file_layers.get(layer)
+            if entry is None or leaf not in ("weight",) + SCALE_LEAVES:
+                yield name, tensor, where
+                continue
+            parts = pending.setdefault(layer, {})
+            if leaf == "weight":
+                parts["weight"] = tensor.view(entry.dtype) if tensor.dtype == torch.uint8 else tensor
+                if not entry.scaled:
+                    parts["scale"] = torch.ones(())
+            else:
+                parts["scale"] = tensor.float().reshape(entry.scale_shape)
+            if len(parts) < 2:
+                continue
+            del pending[layer]
+            if layer in self.kept:
+                yield f"{layer}.weight", parts["weight"], where
+                yield f"{layer}.weight_scale", parts["scale"], where
+            else:
+                yield f"{layer}.weight", dequantize(parts["weight"].to(device), parts["scale"].to(device), self.dense_dtype[layer]), where
+        for layer, parts in pending.items():
+            missing = "its scale" if "weight" in parts else "its weight"
+            raise CheckpointError(f"FP8 layer '{layer}' lacks {missing} in the checkpoint.")

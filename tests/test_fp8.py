@@ -1,0 +1,386 @@
+"""FP8 block linears (h3_core/fp8.py): quantization, the two compute paths against independent
+arithmetic, the swap's reach, ComfyUI fp8_scaled files in their real on-disk layouts, streaming, and
+that every lossy path is opt-in."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from h3_core import fp8
+from h3_core.checkpoint import CheckpointError, load_dit, locate_dit
+from h3_core.config import DiTConfig, TINY_DIT
+from h3_core.dit import H3DiT, rope_inverse_frequencies
+from h3_core.fp8 import FP8Linear, quantize_blocks
+from h3_core.layout import build_request_layout
+from h3_core.memory_plan import block_weight_bytes, plan_memory
+from h3_core.offload import stream_blocks
+from h3_core.tiny import tiny_random_dit
+
+E4M3_MAX = 448.0
+BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+
+
+def forward(model, seed=3):
+    """One forward of a T2VA layout at a step where video and audio clocks differ."""
+    layout = build_request_layout(128, 64, 124, torch.ones(6, dtype=torch.long))
+    timesteps, indices = layout.row_timesteps(0.3, 0.55)
+    g = torch.Generator().manual_seed(seed)
+    config = model.config
+    with torch.inference_mode():
+        return model(
+            torch.randn(1, layout.video_indices.numel(), config.video_patch_dim, generator=g),
+            torch.randn(1, layout.audio_indices.numel(), config.audio_in_channels, generator=g),
+            torch.randn(1, 6, config.text_dim, generator=g).to(model.dtype),
+            timesteps, indices, layout.token_tags, layout.position_ids,
+            layout.video_indices, layout.audio_indices, layout.text_indices,
+        )
+
+
+def cosine(a, b):
+    return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+def reference_quantize(x, per_row):
+    """Independent per-row / per-tensor absmax quantization to e4m3 (float64 scale arithmetic)."""
+    x64 = x.double()
+    amax = x64.abs().amax(dim=-1, keepdim=True) if per_row else x64.abs().amax()
+    scale = (amax / E4M3_MAX).clamp(min=1e-12).float()
+    return (x64 / scale.double()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantization and the module
+
+
+@pytest.mark.parametrize("per_row", [True, False])
+def test_quantize_dequantize_round_trip(per_row):
+    x = torch.randn(33, 80) * torch.logspace(-3, 2, 33)[:, None]  # rows of very different ranges
+    x[5] = 0.0
+    q, scale = fp8.quantize(x, per_row=per_row)
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert scale.shape == ((33, 1) if per_row else ())
+    assert not torch.isnan(q.float()).any()
+    back = q.float() * scale
+    # e4m3 keeps 3 mantissa bits: half an ulp is 2^-4 of the value; below 2^-6 (subnormals) the
+    # step is 2^-9 of the scale.
+    bound = x.abs() * 2**-4 + scale * 2**-10
+    assert ((back - x).abs() <= bound * 1.0001).all()
+    # the largest magnitude lands on the format's largest value; an all-zero row stays zero
+    rows = q.float().abs().amax(dim=-1)
+    assert rows.max() == E4M3_MAX
+    if per_row:
+        assert rows[torch.arange(33) != 5].eq(E4M3_MAX).all() and back[5].eq(0).all()
+    # values already on the e4m3 grid come back exactly
+    assert torch.equal(fp8.quantize(back, per_row)[0].float() * fp8.quantize(back, per_row)[1], back)
+
+
+def test_quantize_does_not_touch_its_input():
+    x = torch.randn(4, 16)
+    kept = x.clone()
+    fp8.quantize(x, per_row=True)
+    assert torch.equal(x, kept)
+
+
+@pytest.mark.parametrize("activations", ["row", "tensor"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_scaled_linear_matches_independent_arithmetic(activations, bias):
+    linear = nn.Linear(96, 48, bias=bias)
+    x = torch.randn(2, 7, 96)
+    module = FP8Linear.from_linear(linear, "scaled", activations)
+    assert module.weight.dtype == torch.float8_e4m3fn and module.weight_scale.shape == (48,)
+    wq, ws = reference_quantize(linear.weight.detach(), per_row=True)
+    xq, xs = reference_quantize(x.reshape(-1, 96), per_row=activations == "row")
+    assert torch.equal(module.weight.view(torch.uint8), wq.view(torch.uint8))
+    assert torch.equal(module.weight_scale, ws.view(-1))
+    expected = (xq.double() * xs.double()) @ (wq.double() * ws.double()).T
+    if bias:
+        expected = expected + linear.bias.detach().double()
+    got = module(x)
+    assert got.shape == (2, 7, 48) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double().reshape(-1, 48), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_weight_only_linear_is_bitwise_dequantize_then_matmul():
+    linear = nn.Linear(64, 32, bias=False).to(torch.bfloat16)
+    module = FP8Linear.from_linear(linear, "dequantize")
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    wq, ws = reference_quantize(linear.weight.detach(), per_row=True)
+    dense = (wq.float() * ws).to(torch.bfloat16)  # fp32 product, one rounding
+    assert torch.equal(module(x), F.linear(x, dense))
+
+
+def test_sizes_off_the_fp8_grid_fall_back_to_weight_only():
+    module = FP8Linear.from_linear(nn.Linear(24, 40), "scaled")
+    assert module.matmul == "dequantize"  # 24 is not a multiple of 16
+    x = torch.randn(3, 24)
+    assert torch.equal(module(x), F.linear(x, module.dequantized_weight(), module.bias))
+
+
+def test_dtype_moves_leave_fp8_weights_and_scales_alone():
+    model = tiny_random_dit(torch.float32)
+    quantize_blocks(model, "scaled")
+    model.to(torch.bfloat16)
+    model.set_dtype(torch.float16)
+    qkv = model.blocks[0].attn.qkv_proj
+    assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.dtype == torch.float32
+    model.to("meta")
+    assert qkv.weight.device.type == "meta" and qkv.weight.dtype == torch.float8_e4m3fn
+
+
+# ----------------------------------------------------------------------------------------------
+# The swap
+
+
+def test_swap_touches_only_the_block_linears_and_stays_close():
+    model = tiny_random_dit(torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    exact = forward(model)
+    names = quantize_blocks(model, "scaled")
+    assert names == [f"blocks.{i}.{leaf}" for i in range(2) for leaf in BLOCK_LINEARS]
+    swapped = {n for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    assert swapped == set(names)
+    after = model.state_dict()
+    for name, tensor in before.items():
+        layer = name.rpartition(".")[0]
+        if layer in swapped:
+            continue
+        assert torch.equal(after[name], tensor), name  # heads, embedders, refiner, norms, AdaLN: untouched
+    for name in ("video_patch_proj", "audio_patch_proj", "time_embedder.proj_in", "time_embedder.proj_out",
+                 "final_layer.video_out", "final_layer.audio_out", "condition_proj", "token_refiner.blocks.0.attn.qkv_proj"):
+        module = model.get_submodule(name)
+        assert type(module) is nn.Linear, name
+    lossy = forward(model)
+    for a, b in zip(exact, lossy):
+        assert cosine(a, b) > 0.99
+        assert not torch.equal(a, b)  # it really is a different computation
+
+
+def test_adaln_projections_are_swapped_only_on_request():
+    model = tiny_random_dit(torch.float32)
+    exact = forward(model)
+    names = quantize_blocks(model, "dequantize", adaln=True)
+    assert "blocks.1.adaln_proj.linear" in names and "final_layer.adaln_proj.linear" in names
+    assert isinstance(model.final_layer.adaln_proj.linear, FP8Linear)
+    assert model.final_layer.adaln_proj.linear.bias.dtype == torch.float32
+    for a, b in zip(exact, forward(model)):
+        assert cosine(a, b) > 0.99
+
+
+def test_scaled_matmul_needs_a_capable_device(monkeypatch):
+    monkeypatch.setattr(fp8, "scaled_mm_supported", lambda *args: False)
+    with pytest.raises(ValueError, match="fp8-weights-lossy"):
+        quantize_blocks(tiny_random_dit(), "scaled")
+    quantize_blocks(tiny_random_dit(), "dequantize")  # weight-only runs anywhere
+
+
+# ----------------------------------------------------------------------------------------------
+# ComfyUI fp8_scaled single files
+
+
+def native_tensors(model: H3DiT) -> dict:
+    """A ComfyUI bf16 repack of `model`: release names, qkv stacked, rope.inv_freq shipped."""
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    tensors["rope.inv_freq"] = rope_inverse_frequencies(model.config)
+    return tensors
+
+
+QUANTIZED_IN_FILE = [f"blocks.{i}.{leaf}" for i in range(2) for leaf in BLOCK_LINEARS] + [
+    "blocks.0.adaln_proj.linear", "token_refiner.blocks.1.mlp.fc1", "final_layer.video_out",
+]
+
+
+def write_fp8_scaled(path, model, style, prefix="model.diffusion_model.", layers=QUANTIZED_IN_FILE):
+    """An fp8_scaled file in ComfyUI's layouts: per-tensor fp32 scales, e4m3 weights, input scales.
+    style "comfy_quant": `X.comfy_quant` JSON tensors; "metadata": `_quantization_metadata`;
+    "uint8": comfy_quant with the FP8 bytes stored as uint8; "scaled_fp8": the older marker layout.
+    Returns the dequantized weights (what the file means)."""
+    tensors = native_tensors(model)
+    meant = {}
+    quant_layers = {}
+    for layer in layers:
+        weight = tensors.pop(f"{layer}.weight").float()
+        scale = weight.abs().amax() / E4M3_MAX
+        q = (weight / scale).to(torch.float8_e4m3fn)
+        meant[layer] = q.float() * scale
+        if style == "scaled_fp8":
+            tensors[f"{layer}.weight"] = q
+            tensors[f"{layer}.scale_weight"] = scale.reshape(1)
+            tensors[f"{layer}.scale_input"] = torch.ones(1)
+            continue
+        tensors[f"{layer}.weight"] = q.view(torch.uint8) if style == "uint8" else q
+        tensors[f"{layer}.weight_scale"] = scale
+        tensors[f"{layer}.input_scale"] = torch.tensor(0.25)
+        conf = {"format": "float8_e4m3fn"}
+        if style == "metadata":
+            quant_layers[prefix + layer] = conf
+        else:
+            tensors[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+    if style == "scaled_fp8":
+        tensors["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    metadata = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": quant_layers})} if quant_layers else None
+    save_file({prefix + k: v for k, v in tensors.items()}, str(path), metadata=metadata)
+    return meant
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    return tiny_random_dit(torch.bfloat16)
+
+
+@pytest.mark.parametrize("style", ["comfy_quant", "metadata", "uint8", "scaled_fp8"])
+def test_fp8_scaled_file_loads_into_fp8_linears(tmp_path, bf16_model, style):
+    path = tmp_path / "minimax_h3_fl2va_fp8_scaled.safetensors"
+    meant = write_fp8_scaled(path, bf16_model, style)
+    source = locate_dit(path)
+    assert set(source.fp8_layers) == set(QUANTIZED_IN_FILE) and "FP8" in source.origin
+    model = load_dit(path, dtype=torch.bfloat16)
+    assert model.config == TINY_DIT
+    fp8_modules = {n for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    # the heads stay dense fp32 even when a file quantizes them; block, AdaLN and refiner linears stay FP8
+    assert fp8_modules == set(QUANTIZED_IN_FILE) - {"final_layer.video_out"}
+    head = model.final_layer.video_out
+    assert type(head) is nn.Linear and head.weight.dtype == torch.float32
+    assert torch.equal(head.weight, meant["final_layer.video_out"])
+    qkv = model.blocks[0].attn.qkv_proj
+    assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.shape == () and qkv.matmul == "dequantize"
+    assert torch.equal(qkv.dequantized_weight().float(), meant["blocks.0.attn.qkv_proj"].bfloat16().float())
+
+    # "dense" dequantizes at load; the weight-only FP8 model computes exactly what it computes
+    dense = load_dit(path, dtype=torch.bfloat16, linears="dense")
+    assert not any(isinstance(m, FP8Linear) for m in dense.modules())
+    for a, b in zip(forward(model), forward(dense)):
+        assert torch.equal(a, b)
+    # and stays close to the bf16 model the file was made from
+    for a, b in zip(forward(bf16_model), forward(model)):
+        assert cosine(a, b) > 0.99
+
+
+def test_fp8_file_with_scaled_matmul(tmp_path, bf16_model):
+    path = tmp_path / "fp8.safetensors"
+    write_fp8_scaled(path, bf16_model, "comfy_quant", prefix="")
+    model = load_dit(path, dtype=torch.float32, linears="fp8-lossy")
+    assert model.blocks[1].mlp.fc2.matmul == "scaled"
+    dense = load_dit(path, dtype=torch.float32, linears="dense")
+    for a, b in zip(forward(dense), forward(model)):
+        assert cosine(a, b) > 0.99
+
+
+def test_online_quantization_at_load_equals_quantizing_after(tmp_path, bf16_model):
+    path = tmp_path / "bf16.safetensors"
+    save_file(native_tensors(bf16_model), str(path))
+    assert locate_dit(path).fp8_layers == {}
+    at_load = load_dit(path, linears="fp8-lossy")
+    after = load_dit(path)
+    assert not any(isinstance(m, FP8Linear) for m in after.modules())
+    quantize_blocks(after, "scaled")
+    a, b = at_load.state_dict(), after.state_dict()
+    assert set(a) == set(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+    assert isinstance(at_load.blocks[0].mlp.fc1, FP8Linear) and at_load.blocks[0].mlp.fc1.matmul == "scaled"
+
+
+def test_other_quantizations_and_broken_fp8_files_are_refused(tmp_path, bf16_model):
+    tensors = {f"model.diffusion_model.{k}": v for k, v in native_tensors(bf16_model).items()}
+    int8 = dict(tensors)
+    int8["model.diffusion_model.blocks.0.mlp.fc1.weight"] = torch.zeros(256, 64, dtype=torch.int8)
+    int8["model.diffusion_model.blocks.0.mlp.fc1.weight_scale"] = torch.tensor(1.0)
+    int8["model.diffusion_model.blocks.0.mlp.fc1.comfy_quant"] = torch.tensor(
+        list(json.dumps({"format": "int8_tensorwise"}).encode()), dtype=torch.uint8)
+    save_file(int8, str(tmp_path / "int8.safetensors"))
+    with pytest.raises(CheckpointError, match="int8_tensorwise"):
+        load_dit(tmp_path / "int8.safetensors")
+
+    no_scale = dict(tensors)
+    no_scale["model.diffusion_model.blocks.0.mlp.fc1.weight"] = torch.zeros(256, 64, dtype=torch.uint8)
+    no_scale["model.diffusion_model.blocks.0.mlp.fc1.comfy_quant"] = torch.tensor(
+        list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
+    save_file(no_scale, str(tmp_path / "no_scale.safetensors"))
+    # a uint8 weight named FP8 with no scale is read as unscaled FP8 (scale 1), like ComfyUI does
+    model = load_dit(tmp_path / "no_scale.safetensors")
+    assert model.blocks[0].mlp.fc1.weight_scale.item() == 1.0
+
+    bad_scale = dict(tensors)
+    bad_scale["model.diffusion_model.blocks.0.mlp.fc1.weight"] = torch.zeros(256, 64, dtype=torch.float8_e4m3fn)
+    bad_scale["model.diffusion_model.blocks.0.mlp.fc1.weight_scale"] = torch.ones(3)
+    save_file(bad_scale, str(tmp_path / "bad_scale.safetensors"))
+    with pytest.raises(CheckpointError, match="one per output channel"):
+        locate_dit(tmp_path / "bad_scale.safetensors")
+
+
+# ----------------------------------------------------------------------------------------------
+# Streaming and memory
+
+
+@pytest.mark.parametrize("matmul", ["scaled", "dequantize"])
+def test_streamed_fp8_equals_resident_fp8(matmul):
+    config = replace(TINY_DIT, num_layers=4)
+
+    def fresh():
+        model = H3DiT(config).eval().requires_grad_(False)
+        g = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        quantize_blocks(model, matmul)
+        return model
+
+    expected = forward(fresh())
+    model = fresh()
+    streamer = stream_blocks(model, "cpu", resident=1, prefetch=1)
+    home = streamer.home[2]
+    assert any(t.dtype == torch.float8_e4m3fn for t in home) and any(t.dtype == torch.float32 for t in home)
+    for a, b in zip(expected, forward(model)):
+        assert torch.equal(a, b)
+    # the streamed weights are back in their (pinned-able) CPU home, still e4m3
+    fc1 = model.blocks[3].mlp.fc1
+    assert fc1.weight.dtype == torch.float8_e4m3fn
+    assert any(fc1.weight.data_ptr() == t.data_ptr() for t in streamer.home[3])
+    streamer.remove()
+
+
+def test_memory_plan_counts_one_byte_per_fp8_weight():
+    real = DiTConfig()
+    dense, quantized = block_weight_bytes(real, 2), block_weight_bytes(real, 2, fp8=True)
+    scales = 4 * (3 * 7168 + 5376 + 2 * 14336 + 5376)
+    norms = 2 * (2 * 5376 + 2 * 128)
+    assert quantized == 385_351_680 + scales + norms
+    assert dense == 2 * 385_351_680 + norms
+    budget = 40 * 2**30
+    assert plan_memory(real, 38_222, budget, fp8=True).resident_blocks > plan_memory(real, 38_222, budget).resident_blocks
+    # the streamed slot of a real block is what the planner counts (checked on the meta device)
+    with torch.device("meta"):
+        block_model = H3DiT(replace(real, num_layers=1)).set_dtype(torch.bfloat16)
+    assert not fp8.has_fp8_blocks(block_model)
+    quantize_blocks(block_model, "dequantize")
+    assert fp8.has_fp8_blocks(block_model)
+    streamed = [p for n, p in block_model.blocks[0].named_parameters() if not n.startswith("adaln_proj.")]
+    assert sum(p.numel() * p.element_size() for p in streamed) == quantized
+
+
+# ----------------------------------------------------------------------------------------------
+# Off by default
+
+
+def test_lossy_paths_are_off_by_default(tmp_path, bf16_model):
+    from h3_core.attention import LOSSY_BACKENDS, resolve_backend
+    from h3_core.cli import build_parser
+    from h3_core.pipeline import GenerateSettings
+
+    assert GenerateSettings().linears == "checkpoint" and GenerateSettings().attention == "auto"
+    assert resolve_backend("auto", "cpu") not in LOSSY_BACKENDS
+    for command in (["generate", "--prompt", "x"], ["denoise", "--save-latents", "x.safetensors"]):
+        assert build_parser().parse_args(command).linears == "checkpoint"
+    lossy = [mode for mode in fp8.LINEAR_MODES if mode.startswith("fp8")]
+    assert lossy and all(mode.endswith("-lossy") for mode in lossy)
+    path = tmp_path / "bf16.safetensors"
+    save_file(native_tensors(bf16_model), str(path))
+    assert not any(isinstance(m, FP8Linear) for m in load_dit(path).modules())
+    assert not any(isinstance(m, FP8Linear) for m in tiny_random_dit().modules())
+    with pytest.raises(ValueError, match="fp8-lossy"):
+        load_dit(path, linears="fp8")
