@@ -1,0 +1,50 @@
+"""Ranks on another machine for a multi-node run (untested; see README "Several GPUs"):
+
+    python -m h3_core.parallel --model /models/MiniMax-H3 --devices cuda:0,cuda:1,cuda:2,cuda:3 \
+        --init-method tcp://NODE0:29500 --world-size 8 --first-rank 4
+
+(the first machine's runner: ParallelRunner(spec, its 4 devices, init_method="tcp://NODE0:29500",
+world_size=8); the world size must divide the 56 heads.)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .workers import ModelSpec, serve_ranks
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _lora(spec: str) -> tuple[str, float]:
+    path, sep, strength = spec.rpartition(":")
+    return (path, float(strength)) if sep else (spec, 1.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m h3_core.parallel", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="the same checkpoint path the caller's node loads")
+    parser.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"])
+    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
+                        help="the same adapters, in the same order, as the caller")
+    parser.add_argument("--devices", required=True, help="comma-separated, e.g. cuda:0,cuda:1")
+    parser.add_argument("--init-method", required=True, help="the caller's rendezvous, e.g. tcp://NODE0:29500")
+    parser.add_argument("--world-size", type=int, required=True, help="ranks on all machines together")
+    parser.add_argument("--first-rank", type=int, required=True, help="rank of this machine's first device")
+    parser.add_argument("--shard-weights", action="store_true", help="as the caller: FSDP-style block sharding")
+    args = parser.parse_args(argv)
+    loras = tuple(_lora(spec) for spec in args.lora)
+    spec = ModelSpec(args.model, args.partition, DTYPES[args.dtype], args.attention, loras)
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+    try:
+        return serve_ranks(spec, devices, args.init_method, args.world_size, args.first_rank, args.shard_weights)
+    except ValueError as error:
+        parser.error(str(error))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

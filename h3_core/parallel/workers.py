@@ -1,0 +1,489 @@
+"""Worker processes for several devices: one per device, each holding the DiT, requests in and
+latents out.
+
+The caller's process keeps the text encoder and the VAEs (it encodes before and decodes after; only
+the DiT is split). A request goes to rank 0 through a queue and from rank 0 to every rank over a CPU
+(gloo) group, so ranks started on other machines receive it the same way. Every rank runs the same
+`pipeline.sample` (same seed, so the same noise; the DiT split by sequence parallel, optionally with
+sharded weights) and rank 0 sends progress and the latents back. After every step the ranks agree on
+the interrupt flag with one all-reduce, so they all stop at the same step. A failure on any rank
+ends the runner: every worker is stopped and the caller gets a ParallelWorkerError with the rank and
+the worker's traceback. Workers also exit when their parent process goes away.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import queue
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..config import TINY_DIT, DiTConfig
+from ..dit import H3DiT
+from ..sampler import AUDIO_SHIFT, VIDEO_SHIFT, StepState
+from ..tiny import TINY_RANDOM, TINY_SEED, seeded_random_weights
+from . import sequence, sharding
+
+# Idle ranks wait for the next request inside a CPU broadcast; it must outlast any pause between requests.
+CONTROL_TIMEOUT = timedelta(days=30)
+
+
+class ParallelWorkerError(RuntimeError):
+    """A worker failed or died; by the time this is raised every worker has been stopped."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How every worker gets its DiT (picklable; each worker loads onto its own device)."""
+
+    source: str  # "tiny-random" or anything `checkpoint.load_dit` takes
+    partition: str = "fl2va"
+    dtype: torch.dtype = torch.bfloat16
+    attention: str = "auto"
+    loras: tuple[tuple[str, float], ...] = ()  # (file, strength), merged after loading, in order
+    linears: str = "checkpoint"  # fp8.LINEAR_MODES, as `h3 generate --linears`
+    config: DiTConfig | None = None  # tiny-random: another tiny shape (default TINY_DIT)
+
+    def dit_config(self) -> DiTConfig:
+        """The model's shape without loading it (a checkpoint's from its config or headers)."""
+        if self.source == TINY_RANDOM:
+            return self.config or TINY_DIT
+        from ..checkpoint import infer_config, locate_dit
+
+        located = locate_dit(self.source, self.partition)
+        return self.config or located.config or infer_config(located)
+
+    def load(self, device: torch.device | str):
+        """As `pipeline.generate` loads its DiT: weights, then LoRAs merged, then lossy FP8 linears made
+        (after the merge when there are LoRAs, since those merge into dense weights)."""
+        device = torch.device(device)
+        tiny = self.source == TINY_RANDOM
+        quantize_later = tiny or (bool(self.loras) and self.linears.startswith("fp8"))
+        if tiny:  # as tiny.tiny_random_dit, in any tiny shape
+            model = seeded_random_weights(H3DiT(self.config or TINY_DIT), TINY_SEED).set_dtype(self.dtype)
+            model = model.to(device).eval().requires_grad_(False)
+        else:
+            from ..checkpoint import load_dit
+
+            linears = "checkpoint" if quantize_later else self.linears
+            model = load_dit(self.source, self.partition, dtype=self.dtype, device=device, config=self.config,
+                             linears=linears)
+        if self.loras:
+            from ..lora import apply_loras, load_lora
+
+            adapters = [(load_lora(path), float(strength)) for path, strength in self.loras]
+            apply_loras(model, adapters, partition=self.partition, mode="merge", backup=False)
+        if quantize_later and self.linears != "checkpoint":
+            from ..fp8 import apply_linear_mode
+
+            apply_linear_mode(model, self.linears, device)
+        model.set_attention_backend(self.attention)
+        return model
+
+
+@dataclass(frozen=True)
+class _Setup:
+    rank: int
+    world: int
+    device: str
+    init_method: str
+    spec: ModelSpec
+    shard_weights: bool
+    threads: int | None
+    parent: int  # the process to outlive no longer than
+
+
+def _pack_request(message: tuple) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(message, buffer)
+    return buffer.getvalue()
+
+
+def _unpack_request(data: bytes) -> tuple:
+    """Every tensor lands on the CPU, wherever the caller kept it (no rank touches another's GPU)."""
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+class _Stop(Exception):
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit as soon as the process that started us is gone (killed, crashed): never linger."""
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="h3-parent-watch", daemon=True).start()
+
+
+def _worker(setup: _Setup, requests, results, interrupt) -> None:
+    """Process entry point: serve until told to stop; on any failure report it and exit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the caller, which then stops us
+    _watch_parent(setup.parent)
+
+    def send(*message) -> None:
+        if results is not None:
+            results.put(pickle.dumps(message))
+
+    try:
+        _serve(setup, requests, send, interrupt)
+    except BaseException as error:  # noqa: BLE001  every failure must reach the caller
+        send("error", setup.rank, setup.device, f"{type(error).__name__}: {error}", traceback.format_exc())
+        if results is None:
+            traceback.print_exc()
+        else:
+            results.close()
+            results.join_thread()
+        os._exit(1)  # peers may be blocked in a collective with us; the caller stops them
+
+
+def _load(setup: _Setup, device: torch.device, control, weights):
+    if not setup.shard_weights:
+        dit = setup.spec.load(device)
+    else:
+        for turn in range(setup.world):  # one rank at a time holds a whole model in CPU memory
+            if turn == setup.rank:
+                dit = setup.spec.load("cpu")
+                sharding.shard_blocks(dit, weights, device)
+                dit.set_attention_backend(setup.spec.attention)  # "auto" chosen for the device, not the CPU
+            dist.barrier(group=control)
+    if setup.world > 1:
+        sequence.enable(dit)
+    return dit
+
+
+def _portable_rows(state: StepState) -> dict:
+    """A step's tensors for a preview, on the CPU (the layout and schedule travel separately)."""
+    return {
+        f.name: value.cpu() if isinstance(value, torch.Tensor) else value
+        for f in dataclasses.fields(state)
+        if f.name not in ("step", "total", "schedule", "layout")
+        for value in [getattr(state, f.name)]
+    }
+
+
+def _serve(setup: _Setup, requests, send, interrupt) -> None:
+    device = torch.device(setup.device)
+    if setup.threads:
+        torch.set_num_threads(setup.threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=setup.init_method, rank=setup.rank, world_size=setup.world)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    weights = dist.new_group() if setup.shard_weights else None  # weight gathers don't queue behind attention
+    dit = _load(setup, device, control, weights)
+    send("ready", setup.rank, dit.config)
+
+    from ..pipeline import sample
+
+    while True:
+        box = [requests.get() if setup.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=control)
+        kind, *rest = _unpack_request(box[0])
+        if kind == "stop":
+            break
+        options, preview = rest
+
+        def on_step(state: StepState) -> None:
+            flag = torch.tensor([int(interrupt is not None and interrupt.is_set())])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)  # every rank stops at the same step
+            if setup.rank == 0:
+                send("step", state.step, state.total, state.schedule, _portable_rows(state) if preview else None)
+            if flag.item():
+                raise _Stop(state.step)
+
+        try:
+            latents = sample(dit, callback=on_step, **options)
+        except _Stop as stop:
+            if setup.rank == 0:
+                send("interrupted", stop.step)
+            continue
+        if setup.rank == 0:  # a generator seed (long video) goes back advanced, as a local run leaves it
+            seed = options["seed"]
+            send("done", latents, seed.get_state() if isinstance(seed, torch.Generator) else None)
+    dist.destroy_process_group()
+
+
+class _Pool:
+    """The worker processes and their queues; `stop` is also the runner's finalizer, so it holds no
+    reference to the runner."""
+
+    def __init__(self, setups: list[_Setup], tempdir: str | None):
+        ctx = mp.get_context("spawn")
+        self.requests, self.results, self.interrupt = ctx.Queue(), ctx.Queue(), ctx.Event()
+        self.tempdir = tempdir
+        self.devices = [s.device for s in setups]
+        self.processes = [
+            ctx.Process(
+                target=_worker,
+                args=(s, self.requests if s.rank == 0 else None, self.results, self.interrupt),
+                name=f"h3-worker-{s.rank}",
+                daemon=True,
+            )
+            for s in setups
+        ]
+        self.stopped = False
+
+    def start(self) -> None:
+        for process in self.processes:
+            process.start()
+
+    def put(self, *message) -> None:
+        self.requests.put(_pack_request(message))
+
+    def receive(self) -> tuple:
+        """The next message from any worker; a reported error or a dead worker stops all and raises."""
+        while True:
+            try:
+                return self._checked(pickle.loads(self.results.get(timeout=0.2)))
+            except queue.Empty:
+                pass
+            dead = [(rank, p.exitcode) for rank, p in enumerate(self.processes) if p.exitcode is not None]
+            if dead:
+                try:  # a worker that reported before exiting: take its report
+                    return self._checked(pickle.loads(self.results.get(timeout=1.0)))
+                except queue.Empty:
+                    rank, code = dead[0]
+                    self._fail(rank, self.devices[rank], f"the worker process exited with code {code} without a report "
+                               "(killed, e.g. out of memory?)", "")
+
+    def _checked(self, message: tuple) -> tuple:
+        if message[0] == "error":
+            self._fail(*message[1:])
+        return message
+
+    def _fail(self, rank: int, device: str, summary: str, worker_traceback: str) -> None:
+        self.stop(graceful=False)
+        raise ParallelWorkerError(
+            f"H3 worker rank {rank} on {device} failed: {summary}\n"
+            + (f"--- traceback in the worker ---\n{worker_traceback}" if worker_traceback else "")
+            + "All workers have been stopped."
+        )
+
+    def stop(self, graceful: bool = True, timeout: float = 30.0) -> None:
+        """Ask the workers to finish (idle ones exit at once, busy ones after their current step), then
+        terminate and finally kill whatever is left; returns when no worker process remains."""
+        if self.stopped:
+            return
+        self.stopped = True
+        alive = lambda: [p for p in self.processes if p.is_alive()]  # noqa: E731
+        if graceful and alive():
+            self.interrupt.set()
+            self.put("stop")
+            deadline = time.monotonic() + timeout
+            while alive() and time.monotonic() < deadline:
+                try:  # keep draining: a worker cannot exit while its last message waits in a full pipe
+                    self.results.get(timeout=0.1)
+                except queue.Empty:
+                    pass
+        for process in alive():
+            process.terminate()
+        for process in self.processes:
+            if process.pid is not None:
+                process.join(5.0)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+        for channel in (self.requests, self.results):
+            channel.cancel_join_thread()
+            channel.close()
+        if self.tempdir is not None:
+            shutil.rmtree(self.tempdir, ignore_errors=True)
+
+
+class ParallelRunner:
+    """The DiT over several devices (sequence parallel, optionally sharded weights), one worker each.
+
+        with ParallelRunner(ModelSpec("/models/MiniMax-H3"), ["cuda:0", "cuda:1"]) as runner:
+            latents = runner.sample(conditioning, seed=0, steps=50)
+
+    `init_method` / `world_size`: a torch.distributed rendezvous shared with ranks started on other
+    machines (`python -m h3_core.parallel`); by default a private one for these local workers only.
+    `threads`: torch CPU threads per worker (CPU devices; default: the cores divided among them).
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        devices: Sequence[str | torch.device],
+        shard_weights: bool = False,
+        init_method: str | None = None,
+        world_size: int | None = None,
+        threads: int | None = None,
+    ):
+        self.spec = spec
+        self.devices = [torch.device(d) for d in devices]
+        kinds = {d.type for d in self.devices}
+        if not self.devices or len(kinds) != 1 or not kinds <= {"cpu", "cuda"}:
+            raise ValueError(f"Devices must be all CUDA devices or all 'cpu', at least one; got {[str(d) for d in devices]}.")
+        world = world_size or len(self.devices)
+        if world < len(self.devices):
+            raise ValueError(f"world_size {world} is smaller than the {len(self.devices)} local devices.")
+        heads = spec.dit_config().num_attention_heads  # a bad degree fails before any process starts
+        if heads % world:
+            raise ValueError(
+                f"{world} ranks cannot split the model's {heads} attention heads; use one of "
+                f"{', '.join(str(p) for p in range(1, heads + 1) if heads % p == 0)} devices."
+            )
+        if threads is None and kinds == {"cpu"}:
+            threads = max(1, (os.cpu_count() or 1) // len(self.devices))
+        tempdir = None
+        if init_method is None:
+            tempdir = tempfile.mkdtemp(prefix="h3-rendezvous-")
+            init_method = "file://" + os.path.join(tempdir, "store")
+        setups = [
+            _Setup(rank, world, str(device), init_method, spec, shard_weights, threads, os.getpid())
+            for rank, device in enumerate(self.devices)
+        ]
+        self._pool = _Pool(setups, tempdir)
+        self._finalizer = weakref.finalize(self, self._pool.stop)  # on close(), garbage collection or exit
+        self._pool.start()
+        configs = {}
+        try:
+            while len(configs) < len(self.devices):
+                _, rank, config = self._pool.receive()
+                configs[rank] = config
+        except BaseException:
+            self.close()
+            raise
+        self.config: DiTConfig = configs[0]
+
+    @property
+    def processes(self) -> list:
+        return list(self._pool.processes)
+
+    @property
+    def closed(self) -> bool:
+        return self._pool.stopped
+
+    def sample(
+        self,
+        conditioning,
+        seed: int | torch.Generator,
+        steps: int = 50,
+        video_shift: float = VIDEO_SHIFT,
+        audio_shift: float = AUDIO_SHIFT,
+        video_sigmas: Sequence[float] | None = None,
+        audio_sigmas: Sequence[float] | None = None,
+        callback=None,
+        preview: bool = False,
+        **options,
+    ):
+        """`pipeline.sample` on the workers; same arguments and result (AVLatents on the CPU). A
+        generator `seed` is advanced as a local run would advance it.
+
+        The callback runs here, once per step, with a StepState whose tensors are None unless `preview`
+        (then rank 0 sends each step's rows, a device-to-host copy per step). A callback that raises
+        stops every worker after the step they are in; the runner stays usable and the exception is
+        re-raised. `interrupt()` does the same from another thread (InterruptedError)."""
+        if self.closed:
+            raise ParallelWorkerError("This parallel runner has been closed (after close() or a worker failure).")
+        request = dict(conditioning=conditioning, seed=seed, steps=steps, video_shift=video_shift,
+                       audio_shift=audio_shift, video_sigmas=video_sigmas, audio_sigmas=audio_sigmas, **options)
+        self._pool.interrupt.clear()
+        self._pool.put("sample", request, preview)
+        raised = None
+        try:
+            while True:
+                kind, *rest = self._pool.receive()
+                if kind == "step" and callback is not None and raised is None:
+                    try:
+                        callback(self._step_state(conditioning, *rest))
+                    except BaseException as error:  # noqa: BLE001  the caller's way to stop
+                        raised = error
+                        self._pool.interrupt.set()
+                elif kind in ("done", "interrupted"):
+                    break
+        except ParallelWorkerError:
+            raise
+        except BaseException:  # e.g. Ctrl-C while waiting: don't leave workers mid-request
+            self.close()
+            raise
+        finally:
+            self._pool.interrupt.clear()
+        if raised is not None:
+            raise raised
+        if kind == "interrupted":
+            raise InterruptedError(f"Sampling was interrupted after step {rest[0]}.")
+        latents, generator_state = rest
+        if generator_state is not None:
+            seed.set_state(generator_state)
+        return latents
+
+    @staticmethod
+    def _step_state(conditioning, step: int, total: int, schedule, rows: dict | None) -> StepState:
+        names = {f.name for f in dataclasses.fields(StepState)}
+        values = dict.fromkeys(names - {"step", "total", "schedule"})
+        values.update(rows or {})
+        if "layout" in names:
+            values["layout"] = conditioning.layout
+        return StepState(step=step, total=total, schedule=schedule, **values)
+
+    def interrupt(self) -> None:
+        """Stop the sample in progress after its current step (safe from any thread)."""
+        self._pool.interrupt.set()
+
+    def close(self) -> None:
+        """Stop and reap every worker (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> "ParallelRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def serve_ranks(
+    spec: ModelSpec,
+    devices: Sequence[str],
+    init_method: str,
+    world_size: int,
+    first_rank: int,
+    shard_weights: bool = False,
+) -> int:
+    """Run ranks first_rank.. on this machine's `devices` for a runner on another machine (multi-node);
+    they take requests from rank 0 over torch.distributed and return when it stops. Exit status: 0, or
+    1 if a rank failed (its traceback is printed here; the caller's ranks then wait in a collective
+    until their timeout)."""
+    if first_rank < 1 or first_rank + len(devices) > world_size:
+        raise ValueError(f"Ranks {first_rank}..{first_rank + len(devices) - 1} do not fit a world of {world_size} "
+                         "whose rank 0 is the caller's first device.")
+    ctx = mp.get_context("spawn")
+    setups = [
+        _Setup(first_rank + i, world_size, str(torch.device(d)), init_method, spec, shard_weights, None, os.getpid())
+        for i, d in enumerate(devices)
+    ]
+    processes = [ctx.Process(target=_worker, args=(s, None, None, None), name=f"h3-worker-{s.rank}") for s in setups]
+    for process in processes:
+        process.start()
+    try:
+        for process in processes:
+            process.join()
+    except KeyboardInterrupt:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join()
+    return 0 if all(p.exitcode == 0 for p in processes) else 1

@@ -1,0 +1,31 @@
+"""A model spec that fails on purpose, for tests/test_parallel.py. Its own small module because
+every worker process imports it to unpickle the spec (the test module would drag in much more)."""
+
+import dataclasses
+
+import torch.distributed as dist
+
+from h3_core.parallel import ModelSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class FailingSpec(ModelSpec):
+    """The tiny model, but rank `fail_rank` fails: while loading (fail_call 0) or in its n-th forward."""
+
+    fail_rank: int = 1
+    fail_call: int = 0
+
+    def load(self, device):
+        if dist.get_rank() != self.fail_rank:
+            return super().load(device)
+        if self.fail_call == 0:
+            raise RuntimeError("injected failure while loading")
+        model, calls = super().load(device), []
+
+        def hook(module, args):
+            calls.append(1)
+            if len(calls) == self.fail_call:
+                raise RuntimeError("injected failure in a forward")
+
+        model.register_forward_pre_hook(hook)
+        return model

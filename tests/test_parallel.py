@@ -1,0 +1,167 @@
+"""Several worker processes (gloo on the CPU) give the single-process results.
+
+Sequence parallel over 2 and 4 ranks (S = 717 and 725 rows: neither divides by 2 or 4, so padding is
+exercised), FSDP-style sharded weights, interrupts that stop every rank at the same step, and worker
+failures that come back with their rank and traceback and leave no process running.
+
+Tolerance 1e-5 (fp32): the split only changes which rows a GEMM sees and which heads an attention
+call holds, not the arithmetic of any row or head (in practice the results are bitwise equal).
+"""
+
+import dataclasses
+import gc
+import multiprocessing
+import os
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel_faults import FailingSpec
+
+from h3_core import pipeline
+from h3_core.conditioning import Conditioning
+from h3_core.config import TINY_DIT
+from h3_core.layout import build_request_layout
+from h3_core.parallel import ModelSpec, ParallelRunner, ParallelWorkerError
+from h3_core.parallel.sharding import shard_blocks
+from h3_core.pipeline import sample
+from h3_core.tiny import TINY_RANDOM
+
+HEADS4 = dataclasses.replace(TINY_DIT, num_attention_heads=4)  # TINY_DIT has 2 heads; 4 ranks need 4
+SPEC = ModelSpec(TINY_RANDOM, dtype=torch.float32, attention="sdpa", config=HEADS4)
+TOLERANCE = 1e-5
+STEPS = 4  # sigma points: 3 forwards
+
+
+def conditioning(keyframe: bool) -> Conditioning:
+    """t2va (S = 717) or fl2va with a first keyframe (S = 725; visual-condition clock too)."""
+    tags = torch.tensor([1, 1, 0, 0, 1, 1, 1])
+    layout = build_request_layout(128, 64, 124, tags, keyframe_anchors=("first",) if keyframe else ())
+    text = torch.randn(1, 7, HEADS4.text_dim, generator=torch.Generator().manual_seed(5))
+    latents = [torch.randn(1, 24, 1, 4, 8, generator=torch.Generator().manual_seed(6))] if keyframe else []
+    return Conditioning("fl2va" if keyframe else "t2va", 128, 64, 124, layout, text, tags, latents)
+
+
+@pytest.fixture(scope="module")
+def references():
+    model = SPEC.load("cpu")
+    return {keyframe: sample(model, conditioning(keyframe), seed=3, steps=STEPS) for keyframe in (False, True)}
+
+
+def assert_close(got, want):
+    for a, b in ((got.video, want.video), (got.audio, want.audio)):
+        assert a.shape == b.shape
+        assert (a - b).abs().max().item() <= TOLERANCE
+
+
+def assert_all_gone(runner):
+    for process in runner.processes:
+        assert not process.is_alive() and process.exitcode is not None
+        with pytest.raises(ProcessLookupError):  # reaped, not a zombie
+            os.kill(process.pid, 0)
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    runner = ParallelRunner(SPEC, ["cpu", "cpu"], threads=1)
+    yield runner
+    runner.close()
+    assert_all_gone(runner)
+
+
+@pytest.mark.parametrize("keyframe", [False, True], ids=["t2va", "fl2va"])
+def test_two_ranks_match_one_process(two_ranks, references, keyframe):
+    steps = []
+    latents = two_ranks.sample(conditioning(keyframe), 3, STEPS, callback=lambda state: steps.append(state.step))
+    assert steps == [1, 2, 3]
+    assert_close(latents, references[keyframe])
+
+
+def test_four_ranks_with_sharded_weights_match_one_process(references):
+    runner = ParallelRunner(SPEC, ["cpu"] * 4, shard_weights=True, threads=1)
+    for keyframe in (False, True):
+        assert_close(pipeline.sample(runner, conditioning(keyframe), 3, STEPS), references[keyframe])
+    processes = runner.processes
+    del runner  # unloading (the last reference dropped) stops the workers, as close() does
+    gc.collect()
+    assert_all_gone(types.SimpleNamespace(processes=processes))
+
+
+def test_a_raising_callback_stops_every_rank_and_the_runner_stays_usable(two_ranks, references):
+    class Stop(Exception):
+        pass
+
+    def stop_at_two(state):
+        if state.step == 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        two_ranks.sample(conditioning(False), 3, STEPS, callback=stop_at_two)
+    assert all(p.is_alive() for p in two_ranks.processes)
+    # interrupt() (safe from any thread, as a UI would call it): every rank stops after the same step,
+    # long before the 29 forwards of this ladder are done
+    with pytest.raises(InterruptedError, match=r"interrupted after step [1-9]\."):
+        two_ranks.sample(conditioning(False), 3, 30, callback=lambda state: two_ranks.interrupt())
+    assert_close(two_ranks.sample(conditioning(False), 3, STEPS), references[False])
+
+
+def test_preview_steps_carry_the_rows(two_ranks):
+    seen = []
+    two_ranks.sample(conditioning(False), 3, STEPS, preview=True, callback=seen.append)
+    assert [s.video_rows.shape[1] for s in seen] == [conditioning(False).layout.video_indices.numel()] * 3
+    assert seen[-1].schedule.video.numel() == STEPS
+
+
+def test_a_failure_while_loading_is_a_clear_error_and_no_worker_is_left(two_ranks):
+    spec = FailingSpec(TINY_RANDOM, dtype=torch.float32, attention="sdpa", config=HEADS4, fail_call=0)
+    with pytest.raises(ParallelWorkerError, match=r"(?s)rank 1 on cpu failed: RuntimeError: injected failure while "
+                                                  r"loading.*traceback in the worker.*All workers have been stopped"):
+        ParallelRunner(spec, ["cpu", "cpu"], threads=1)
+    left = [p for p in multiprocessing.active_children() if p.name.startswith("h3-worker")]
+    assert set(left) <= set(two_ranks.processes)
+
+
+def test_a_failure_mid_sample_stops_every_worker(references):
+    spec = FailingSpec(TINY_RANDOM, dtype=torch.float32, attention="sdpa", config=HEADS4, fail_call=2)
+    runner = ParallelRunner(spec, ["cpu", "cpu"], threads=1)
+    steps = []
+    with pytest.raises(ParallelWorkerError, match=r"(?s)rank 1 on cpu failed: RuntimeError: injected failure in a "
+                                                  r"forward.*in hook"):
+        runner.sample(conditioning(False), 3, STEPS, callback=lambda state: steps.append(state.step))
+    assert steps == [1]  # rank 0 waited in the second forward's all-to-all until it was stopped
+    assert runner.closed
+    assert_all_gone(runner)
+    with pytest.raises(ParallelWorkerError, match="closed"):
+        runner.sample(conditioning(False), 3, STEPS)
+
+
+def test_bad_device_lists_are_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="2 attention heads.*use one of 1, 2 devices"):
+        ParallelRunner(ModelSpec(TINY_RANDOM), ["cpu"] * 4)
+    with pytest.raises(ValueError, match="all CUDA devices or all 'cpu'"):
+        ParallelRunner(SPEC, ["cpu", "cuda:0"])
+
+
+def test_sharded_blocks_hold_only_their_shard_between_forwards(references, tmp_path):
+    """One rank (a world of 1, in this process): the hooks gather, point, release and reuse buffers
+    without changing a bit, and no block weight is reachable between forwards."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = SPEC.load("cpu")
+        sharder = shard_blocks(model, None, "cpu")
+        assert all(p.numel() == 0 for block in model.blocks for p in block.parameters())
+        assert_close(sample(model, conditioning(True), seed=3, steps=STEPS), references[True])
+        assert all(p.numel() == 0 for block in model.blocks for p in block.parameters())
+        assert not sharder.pending
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cli_shard_weights_needs_devices(capsys):
+    from h3_core.cli import main as h3
+
+    assert h3(["generate", "--prompt", "x", "--save-latents", "x.safetensors", "--shard-weights"]) == 2
+    assert "give them with --devices" in capsys.readouterr().err
