@@ -12,6 +12,7 @@
                                        fl2va keyframes (first, then last), ref2va image / video references
     audio_condition_rows [1, Na, 32]   clean normalized reference audio rows, packed order, channel-major
                                        per reference (empty [1, 0, 32] when none)
+    reference_blocks                   ref2va: the shape each reference takes in the layout (request order)
 The sampler mixes each visual condition once to 0.999 with the request generator (one draw each, in
 list order, *before* the target noise: diffusers' order), packs them into the leading video rows and
 puts the audio rows, unmixed, in front of the target audio rows.
@@ -316,6 +317,7 @@ class Conditioning:
     text_tags: torch.Tensor
     visual_condition_latents: list[torch.Tensor] = field(default_factory=list)
     audio_condition_rows: torch.Tensor | None = None
+    reference_blocks: tuple[ReferenceBlock, ...] = ()  # ref2va: each reference's shape in the layout
 
     def __post_init__(self):
         if self.audio_condition_rows is None:
@@ -444,8 +446,11 @@ def encode_request(
         latent_width,
         geometry.audio_latents(plan.num_frames),
     )
+    blocks = tuple(_reference_blocks(prepared, visual, audio))
     if plan.task == "ref2va":
-        layout = build_ref2va_layout(tags, _reference_blocks(prepared, visual, audio), *target)
+        layout = build_ref2va_layout(tags, blocks, *target)
     else:
         layout = build_t2va_layout(tags, *target, keyframe_anchors=[anchor for anchor, _ in plan.keyframes])
-    return Conditioning(plan.task, plan.width, plan.height, plan.num_frames, layout, states, tags, visual, audio_rows)
+    return Conditioning(
+        plan.task, plan.width, plan.height, plan.num_frames, layout, states, tags, visual, audio_rows, blocks
+    )

@@ -7,23 +7,30 @@ guide rows at its time origin; the window's first `overlap` frames are then drop
 appended. Every window's media rows carry a global time offset of `start * 40/24` RoPE units, so
 positions keep counting across windows. Audio boundaries are taken on the cumulative timeline
 (`round(frame * 40/24)`), so window rounding never drifts.
+
+`Timeline` keeps the cumulative latents: it hands each window its guide tail and appends the window's
+new part. In `full` mode the plan is one window over the whole clip.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from . import geometry
 
 DEFAULT_WINDOW_FRAMES = 277
 DEFAULT_OVERLAP_FRAMES = 22
 MIN_WINDOW_FRAMES, MAX_WINDOW_FRAMES = 107, 345
+MIN_SECONDS = 4.0  # as for one request: 107 frames
 MAX_CONTINUATION_SECONDS = 300.0
 MAX_FULL_SECONDS = 30.0
+MODES = ("continuation", "full")
 ROPE_UNITS_PER_FRAME = geometry.AUDIO_LATENTS_PER_SECOND / geometry.FPS  # 5/3
 
 
-def _audio_at(frame: int) -> int:
+def audio_at(frame: int) -> int:
     """Audio latents before pixel frame `frame` on the cumulative timeline."""
     return geometry.audio_latents(frame) if frame else 0
 
@@ -47,7 +54,7 @@ class Window:
 
     @property
     def audio_latents(self) -> int:
-        return _audio_at(self.end) - _audio_at(self.start)
+        return audio_at(self.end) - audio_at(self.start)
 
     @property
     def time_offset(self) -> float:
@@ -61,7 +68,7 @@ class Window:
 
     @property
     def guide_audio_latents(self) -> int:
-        return _audio_at(self.start + self.overlap) - _audio_at(self.start) if self.overlap else 0
+        return audio_at(self.start + self.overlap) - audio_at(self.start) if self.overlap else 0
 
 
 def long_video_frames(seconds: float, mode: str = "continuation") -> int:
@@ -69,8 +76,8 @@ def long_video_frames(seconds: float, mode: str = "continuation") -> int:
     limit = {"continuation": MAX_CONTINUATION_SECONDS, "full": MAX_FULL_SECONDS}.get(mode)
     if limit is None:
         raise ValueError(f"Long-video mode must be 'continuation' or 'full', got {mode!r}.")
-    if not 0 < seconds <= limit:
-        raise ValueError(f"A {mode} long video lasts up to {limit:g} s; got {seconds:g} s.")
+    if not isinstance(seconds, (int, float)) or not MIN_SECONDS <= seconds <= limit:
+        raise ValueError(f"A {mode} long video lasts {MIN_SECONDS:g} s up to {limit:g} s; got {seconds!r} s.")
     return geometry.frames_for_duration(seconds)
 
 
@@ -92,3 +99,75 @@ def plan_windows(
         start = windows[-1].end - overlap_frames
         windows.append(Window(len(windows), start, min(total_frames, start + window_frames), overlap_frames))
     return windows
+
+
+def plan_request(
+    total_frames: int,
+    mode: str = "continuation",
+    window_frames: int = DEFAULT_WINDOW_FRAMES,
+    overlap_frames: int = DEFAULT_OVERLAP_FRAMES,
+) -> list[Window]:
+    """The windows of a long request: `plan_windows` in continuation mode, one window in full mode."""
+    if mode == "full":
+        if total_frames % geometry.FRAMES_PER_CHUNK != geometry.LATENTS_PER_CHUNK:
+            raise ValueError(f"The total frame count must be of the form 17n + 5; got {total_frames}.")
+        return [Window(0, 0, total_frames, 0)]
+    if mode != "continuation":
+        raise ValueError(f"Long-video mode must be 'continuation' or 'full', got {mode!r}.")
+    return plan_windows(total_frames, window_frames, overlap_frames)
+
+
+class Timeline:
+    """The cumulative latents of a long video: video [1, C, L, h, w] and audio [2, C, A] (normalized),
+    kept as the parts each window added."""
+
+    def __init__(self) -> None:
+        self.video_parts: list[torch.Tensor] = []
+        self.audio_parts: list[torch.Tensor] = []
+        self.frames = 0  # pixel frames covered so far
+
+    def guide(self, window: Window) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The previous result's tail that conditions `window`: its last `guide_latent_frames` latent frames
+        and `guide_audio_latents` audio latents per channel, i.e. pixel frames [start, start + overlap)."""
+        if window.index == 0:
+            return None
+        if self.frames != window.start + window.overlap:
+            raise ValueError(
+                f"Window {window.index} starts at frame {window.start} with a {window.overlap}-frame overlap, "
+                f"but the timeline ends at frame {self.frames}."
+            )
+        return (
+            _last(self.video_parts, window.guide_latent_frames, dim=2),
+            _last(self.audio_parts, window.guide_audio_latents, dim=2),
+        )
+
+    def append(self, window: Window, video: torch.Tensor, audio: torch.Tensor) -> None:
+        """A sampled window ([1, C, L_w, h, w], [2, C, A_w]) without its hidden overlap."""
+        if video.shape[2] != window.latent_frames or audio.shape[2] != window.audio_latents:
+            raise ValueError(
+                f"Window {window.index} holds {window.latent_frames} latent frames and {window.audio_latents} "
+                f"audio latents; got {video.shape[2]} and {audio.shape[2]}."
+            )
+        if self.frames != (window.start + window.overlap if window.index else 0):
+            raise ValueError(f"Window {window.index} does not continue a timeline that ends at frame {self.frames}.")
+        self.video_parts.append(video[:, :, window.guide_latent_frames :])
+        self.audio_parts.append(audio[:, :, window.guide_audio_latents :])
+        self.frames = window.end
+
+    def latents(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole clip: video [1, C, L(frames), h, w] and audio [2, C, round(frames * 40/24)]."""
+        return torch.cat(self.video_parts, dim=2), torch.cat(self.audio_parts, dim=2)
+
+
+def _last(parts: list[torch.Tensor], count: int, dim: int) -> torch.Tensor:
+    """The last `count` steps along `dim` of the parts laid end to end (a tail may span several parts)."""
+    pieces = []
+    for part in reversed(parts):
+        if count <= 0:
+            break
+        take = min(count, part.shape[dim])
+        pieces.append(part.narrow(dim, part.shape[dim] - take, take))
+        count -= take
+    if count > 0:
+        raise ValueError("The timeline is shorter than the guide it should give.")
+    return torch.cat(pieces[::-1], dim=dim)

@@ -2,6 +2,7 @@
 
 t2va / fl2va:  [ text (T) | keyframe rows | target audio (A ch0 rows, A ch1 rows) | target video (L*R) ]
 ref2va:        [ text (T) | reference blocks in request order | target audio | target video ]
+window (long video, G):  [ text | guide video | guide audio | references | target audio | target video ]
 with R = (h/2)*(w/2) rows per latent frame. Per row: `position_ids` [S, 3] float64 (t, h, w),
 `token_tags` [S] (0 video, 1 text, 2 audio; they address the AdaLN table) and `row_clock` [S]
 (which timestep the row takes each step). Video rows are patchified latents:
@@ -437,22 +438,105 @@ def build_ref2va_layout(
         if height < 1 or width < 1 or height % ph or width % pw:
             raise ValueError(f"Latent size {height}x{width} does not divide into {ph}x{pw} patches.")
 
-    cursor = float(tags.shape[0])  # the media clock starts where the text ends
     target_grid, target_w_axis = frame_grid(latent_height, latent_width, patch_size)
     sequence = _SequenceBuilder()
     sequence.text(tags)
+    # the media clock starts where the text ends
+    cursor = _reference_rows(sequence, references, float(tags.shape[0]), target_w_axis, patch_size)
+    sequence.audio(audio_latents, cursor, target_w_axis, RowClock.AUDIO)
+    sequence.video(latent_frame_times(latent_frames, cursor), target_grid, RowClock.VIDEO)
+    return sequence.finish(latent_frames, latent_height, latent_width, audio_latents)
+
+
+def _reference_rows(
+    sequence: _SequenceBuilder,
+    references: Sequence[ReferenceBlock],
+    cursor: float,
+    target_w_axis: np.ndarray,
+    patch_size: tuple[int, int, int],
+    time_offset: float = 0.0,
+) -> float:
+    """Appends the reference blocks in request order from clock `cursor`; returns the cursor after them.
+    `time_offset` (long video) moves reference audio and video rows, not image rows, and not the cursor."""
     for block in references:
+        moved = cursor + time_offset
         if block.kind == "image":
             grid, _ = frame_grid(block.latent_height, block.latent_width, patch_size)
             sequence.video(np.full(block.latent_frames, cursor), grid, RowClock.VISUAL_CONDITION)
         elif block.kind == "audio":
-            sequence.audio(block.audio_latents, cursor, target_w_axis, RowClock.AUDIO_CONDITION)
+            sequence.audio(block.audio_latents, moved, target_w_axis, RowClock.AUDIO_CONDITION)
         else:
             grid, w_axis = frame_grid(block.latent_height, block.latent_width, patch_size)
             if block.audio_latents:
-                sequence.audio(block.audio_latents, cursor, w_axis, RowClock.AUDIO_CONDITION)
-            sequence.video(latent_frame_times(block.latent_frames, cursor), grid, RowClock.VISUAL_CONDITION)
+                sequence.audio(block.audio_latents, moved, w_axis, RowClock.AUDIO_CONDITION)
+            sequence.video(latent_frame_times(block.latent_frames, moved), grid, RowClock.VISUAL_CONDITION)
         cursor += reference_clock_advance(block)
-    sequence.audio(audio_latents, cursor, target_w_axis, RowClock.AUDIO)
-    sequence.video(latent_frame_times(latent_frames, cursor), target_grid, RowClock.VIDEO)
+    return cursor
+
+
+# ----------------------------------------------------------------------------------------------
+# Long-video windows (h3-model.md A.4, A.6, G)
+
+
+def build_window_layout(
+    text_tags: torch.Tensor | Sequence[int],
+    references: Sequence[ReferenceBlock],
+    latent_frames: int,
+    latent_height: int,
+    latent_width: int,
+    audio_latents: int,
+    *,
+    time_offset: float = 0.0,
+    media_origin: float | None = None,
+    guide_latent_frames: int = 0,
+    guide_audio_latents: int = 0,
+    lock_audio: bool = False,
+    patch_size: tuple[int, int, int] = geometry.PATCH_SIZE,
+) -> PackedLayout:
+    """One window of a long video:
+    `[text | guide video | guide audio | reference blocks | target audio | target video]`.
+
+    With no guide, offset, origin or lock this is `build_t2va_layout` (no references) or
+    `build_ref2va_layout`, row for row.
+    media_origin  where the media clock starts (default T, the text length). With one prompt per
+                  window, the longest text length: every window keeps one clock.
+    time_offset   `start_frame * 40/24`, added to the time of target, guide and reference audio/video
+                  rows; text rows, image references and the clock cursor keep theirs.
+    guide_*       the previous result's tail: latent frames on the target grid, then stereo audio
+                  latents (channel-major), both from the target's time origin (guides never advance
+                  the clock); clocks VISUAL_CONDITION (0.999 floor) and AUDIO_CONDITION (t = 1).
+    lock_audio    the target audio rows hold a driving track: clock AUDIO_CONDITION and counted as
+                  conditioning rows, so the sampler never writes them.
+    """
+    tags = _checked_text_tags(text_tags)
+    _, ph, pw = patch_size
+    if latent_frames < 1 or audio_latents < 1:
+        raise ValueError(f"Need at least one latent frame and one audio latent, got {latent_frames}, {audio_latents}.")
+    sizes = [(latent_height, latent_width)]
+    sizes += [(block.latent_height, block.latent_width) for block in references if block.kind != "audio"]
+    for height, width in sizes:
+        if height < 1 or width < 1 or height % ph or width % pw:
+            raise ValueError(f"Latent size {height}x{width} does not divide into {ph}x{pw} patches.")
+    if guide_latent_frames < 0 or guide_audio_latents < 0 or (guide_latent_frames == 0) != (guide_audio_latents == 0):
+        raise ValueError(
+            f"A guide has both video and audio latents (or neither); got {guide_latent_frames} latent frames "
+            f"and {guide_audio_latents} audio latents."
+        )
+    origin = float(tags.shape[0]) if media_origin is None else float(media_origin)
+    if origin < tags.shape[0]:
+        raise ValueError(f"media_origin {origin:g} lies inside the text rows (T = {tags.shape[0]}); it must be >= T.")
+
+    target_grid, target_w_axis = frame_grid(latent_height, latent_width, patch_size)
+    target_origin = origin
+    for block in references:  # the same sequential sum the reference rows make below
+        target_origin += reference_clock_advance(block)
+    moved = target_origin + float(time_offset)
+    sequence = _SequenceBuilder()
+    sequence.text(tags)
+    if guide_latent_frames:
+        sequence.video(latent_frame_times(guide_latent_frames, moved), target_grid, RowClock.VISUAL_CONDITION)
+        sequence.audio(guide_audio_latents, moved, target_w_axis, RowClock.AUDIO_CONDITION)
+    _reference_rows(sequence, references, origin, target_w_axis, patch_size, float(time_offset))
+    sequence.audio(audio_latents, moved, target_w_axis, RowClock.AUDIO_CONDITION if lock_audio else RowClock.AUDIO)
+    sequence.video(latent_frame_times(latent_frames, moved), target_grid, RowClock.VIDEO)
     return sequence.finish(latent_frames, latent_height, latent_width, audio_latents)

@@ -1,9 +1,10 @@
 """The long-video window plan (h3-model.md G and the issue's examples)."""
 
 import pytest
+import torch
 
 from h3_core import geometry
-from h3_core.continuation import long_video_frames, plan_windows
+from h3_core.continuation import Timeline, audio_at, long_video_frames, plan_request, plan_windows
 
 
 def test_seventy_five_seconds():
@@ -58,7 +59,42 @@ def test_duration_bounds():
     assert long_video_frames(300) == geometry.frames_for_duration(300)
     with pytest.raises(ValueError, match="300 s"):
         long_video_frames(301)
-    with pytest.raises(ValueError, match="30 s"):
+    with pytest.raises(ValueError, match="up to 30 s"):
         long_video_frames(31, mode="full")
+    with pytest.raises(ValueError, match="4 s up to 300 s"):
+        long_video_frames(3.9)
     with pytest.raises(ValueError, match="'continuation' or 'full'"):
         long_video_frames(10, mode="loop")
+
+
+@pytest.mark.parametrize("window, overlap", [(277, 22), (107, 90)])
+def test_the_timeline_hands_each_window_the_tail_of_the_clip_so_far(window, overlap):
+    """Guides are the last latents of the clip made so far (with a long overlap the tail spans several
+    windows' parts); each window adds only what follows its overlap."""
+    windows = plan_windows(long_video_frames(30), window, overlap)
+    total_latents = geometry.latent_frames(windows[-1].end)
+    clip = torch.arange(total_latents, dtype=torch.float32).reshape(1, 1, -1, 1, 1)
+    sound = torch.arange(geometry.audio_latents(windows[-1].end), dtype=torch.float32).expand(2, 1, -1)
+    timeline = Timeline()
+    for w in windows:
+        guide = timeline.guide(w)
+        so_far_video = geometry.latent_frames(w.start + w.overlap) if w.index else 0
+        so_far_audio = audio_at(w.start + w.overlap) if w.index else 0
+        if w.index:
+            assert torch.equal(guide[0], clip[:, :, so_far_video - w.guide_latent_frames : so_far_video])
+            assert torch.equal(guide[1], sound[..., so_far_audio - w.guide_audio_latents : so_far_audio])
+        # the window's own latents: the guide frames again, then the new ones
+        first_video, first_audio = so_far_video - w.guide_latent_frames, so_far_audio - w.guide_audio_latents
+        timeline.append(w, clip[:, :, first_video : first_video + w.latent_frames],
+                        sound[..., first_audio : first_audio + w.audio_latents])
+    video, audio = timeline.latents()
+    assert torch.equal(video, clip) and torch.equal(audio, sound)
+    with pytest.raises(ValueError, match="does not continue"):
+        timeline.append(windows[1], clip[:, :, : windows[1].latent_frames], sound[..., : windows[1].audio_latents])
+
+
+def test_full_mode_is_one_window():
+    assert [(w.start, w.end, w.overlap) for w in plan_request(481, "full")] == [(0, 481, 0)]
+    assert [(w.start, w.end) for w in plan_request(481)] == [(0, 277), (255, 481)]
+    with pytest.raises(ValueError, match="'continuation' or 'full'"):
+        plan_request(481, "loop")

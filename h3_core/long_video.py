@@ -1,0 +1,274 @@
+"""Long video (h3-model.md G): a clip longer than one request, generated window by window.
+
+    plan = validate_long_video(request)                          # every limit and the window plan; no model
+    conditioning = encode_long_video(request, text_encoder, video_vae, audio_vae)
+    latents = sample_long_video(dit, conditioning, seed, ...)    # the cumulative AVLatents
+
+Every window is an ordinary t2va / ref2va request of `window.frames` frames with the prompt (or its own
+prompt) and all reference media. From the second window on, the tail of what was made so far is packed
+as guide rows at the window's time origin (continuation.Timeline); every media row's time carries the
+window's global offset `start * 40/24` (layout.build_window_layout). The window's target is sampled fresh
+from noise; its hidden overlap is dropped and the rest appended. All windows draw their noise from one
+generator seeded with the request's seed, so a seed decides the whole clip. The cumulative latents are
+decoded once, by the same streaming decoder as any request (output.write_mp4).
+
+Choices (the sources leave room):
+- References are prepared and encoded once, for the first (longest) window, and reused in every window
+  (a reference clip is at most 15 s, so no window would keep more of it).
+- fl2va is not offered: its keyframes pin the first / last frame of one clip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import geometry
+from .conditioning import MAX_FRAMES, Conditioning, Request, RequestError, encode_request, validate
+from .continuation import (
+    DEFAULT_OVERLAP_FRAMES,
+    DEFAULT_WINDOW_FRAMES,
+    MODES,
+    Timeline,
+    Window,
+    long_video_frames,
+    plan_request,
+)
+from .drive_audio import check_track, encode_track, load_track, window_slice
+from .layout import PackedLayout, ReferenceBlock, build_window_layout, pack_audio
+from .noise import request_generator
+from .output import AVLatents
+from .pipeline import sample
+from .references import RELEASE_CANVAS, CanvasRules, MediaInputError, prepare_reference
+from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, StepCallback
+
+LONG_VIDEO_TASKS = ("t2va", "ref2va")
+
+
+@dataclass
+class LongVideoRequest:
+    """A long request: `request` holds the task (t2va or ref2va), prompt, references, canvas and the whole
+    clip's `duration` in seconds (snapped up to 17n + 5 frames at 24 fps).
+
+    mode            "continuation" (windows, up to 300 s) or "full" (one window, up to 30 s)
+    window_frames   continuation window, 17n + 5 in 107..345; overlap_frames: 17n + 5, shorter than it
+    window_prompts  optional: one prompt per window, in order (else `request.prompt` in every window; with
+                    them `request.prompt` may be empty)
+    drive_audio     optional driving soundtrack (a path or a `DecodedAudio`): the output's audio, held fixed
+    """
+
+    request: Request
+    mode: str = "continuation"
+    window_frames: int = DEFAULT_WINDOW_FRAMES
+    overlap_frames: int = DEFAULT_OVERLAP_FRAMES
+    window_prompts: Sequence[str] = ()
+    drive_audio: Any = None
+
+    @property
+    def task(self) -> str:
+        return self.request.task
+
+    @property
+    def prompt(self) -> str:
+        return self.request.prompt
+
+
+@dataclass(frozen=True)
+class LongVideoPlan:
+    """A validated long request: its geometry, the whole clip's frame count, the windows and their prompts."""
+
+    task: str
+    width: int
+    height: int
+    num_frames: int
+    windows: tuple[Window, ...]
+    prompts: tuple[str, ...]  # one per window
+
+    @property
+    def reference_frames(self) -> int:
+        """The output length references are prepared for: the first window's, within one request's range."""
+        return min(self.windows[0].frames, MAX_FRAMES)
+
+
+def split_window_prompts(text: str) -> tuple[str, ...]:
+    """Window prompts typed as one per line (the ComfyUI node's box): blank lines skipped, ends trimmed."""
+    return tuple(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _total_frames(request: Request, mode: str) -> int:
+    if request.num_frames is not None or request.duration is None:
+        raise RequestError(
+            f"A long video is asked for by its duration in seconds (got duration={request.duration!r}, "
+            f"num_frames={request.num_frames!r}); give the duration only."
+        )
+    try:
+        return long_video_frames(request.duration, mode)
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+
+
+def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_CANVAS) -> LongVideoPlan:
+    """Every limit of a long request and its window plan, before any model runs (RequestError otherwise)."""
+    if not isinstance(request, LongVideoRequest):
+        raise RequestError(f"validate_long_video takes a LongVideoRequest, got {type(request).__name__}.")
+    if request.mode not in MODES:
+        raise RequestError(f"Long-video mode must be one of {', '.join(MODES)}; got {request.mode!r}.")
+    if request.task not in LONG_VIDEO_TASKS:
+        raise RequestError(
+            f"Long video and driving audio run t2va or ref2va, not {request.task!r} (fl2va keyframes are not "
+            "supported here)."
+        )
+    total = _total_frames(request.request, request.mode)
+    try:
+        windows = tuple(plan_request(total, request.mode, request.window_frames, request.overlap_frames))
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+    prompts = tuple(request.window_prompts or ())
+    if prompts:
+        if len(prompts) != len(windows):
+            raise RequestError(
+                f"Give one window prompt per window: this {total}-frame plan has {len(windows)} window(s) "
+                f"(starting at frames {', '.join(str(w.start) for w in windows)}), got {len(prompts)} prompt(s)."
+            )
+        for index, prompt in enumerate(prompts):
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise RequestError(f"Window prompt {index + 1} is empty; every window needs a non-empty prompt.")
+    else:
+        prompts = (request.prompt,) * len(windows)
+    first = min(windows[0].frames, MAX_FRAMES)
+    plan = validate(dataclasses.replace(request.request, prompt=prompts[0], duration=None, num_frames=first), rules)
+    if request.drive_audio is not None:
+        try:
+            check_track(request.drive_audio)
+        except MediaInputError as error:
+            raise RequestError(str(error)) from None
+    return LongVideoPlan(plan.task, plan.width, plan.height, total, windows, prompts)
+
+
+@dataclass(frozen=True)
+class LongConditioning:
+    """What every window needs but its guide and noise.
+
+    texts                  per window: (text_states [1, T_w, D], text_tags [T_w]); equal prompts share one
+    media_origin           the longest T_w: one media clock for every window
+    visual_references      normalized [1, C, L_i, h_i, w_i] reference latents, packed order (ref2va)
+    reference_blocks       their shapes in the layout; reference_audio_rows [1, N, Ca] clean rows
+    drive_audio            normalized driving latents [2, Ca, A_total] or None
+    """
+
+    task: str
+    width: int
+    height: int
+    num_frames: int
+    windows: tuple[Window, ...]
+    texts: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    media_origin: float
+    visual_references: tuple[torch.Tensor, ...]
+    reference_blocks: tuple[ReferenceBlock, ...]
+    reference_audio_rows: torch.Tensor
+    drive_audio: torch.Tensor | None = None
+
+    @property
+    def seconds(self) -> float:
+        return self.num_frames / geometry.FPS
+
+    def window_layout(self, window: Window) -> PackedLayout:
+        """The packed sequence of one window (guide rows from the second window on)."""
+        _, tags = self.texts[window.index]
+        latent_height, latent_width = geometry.latent_size(self.width, self.height)
+        return build_window_layout(
+            tags, self.reference_blocks, window.latent_frames, latent_height, latent_width, window.audio_latents,
+            time_offset=window.time_offset, media_origin=self.media_origin,
+            guide_latent_frames=window.guide_latent_frames, guide_audio_latents=window.guide_audio_latents,
+            lock_audio=self.drive_audio is not None,
+        )
+
+    @property
+    def max_rows(self) -> int:
+        """The longest packed sequence of any window: what one DiT forward ever holds."""
+        return max(self.window_layout(window).sequence_length for window in self.windows)
+
+    def window(self, window: Window, guide: tuple[torch.Tensor, torch.Tensor] | None) -> Conditioning:
+        """One window as an ordinary request: `guide` = (video [1, C, Lg, h, w], audio [2, Ca, Ag]) from
+        `Timeline.guide`, None for the first window."""
+        states, tags = self.texts[window.index]
+        visual, audio = list(self.visual_references), [self.reference_audio_rows]
+        if guide is not None:  # packed before the references: video rows, then audio rows
+            visual.insert(0, guide[0])
+            audio.insert(0, pack_audio(guide[1][None]))
+        if self.drive_audio is not None:
+            audio.append(pack_audio(window_slice(self.drive_audio, window)[None]))
+        return Conditioning(
+            self.task, self.width, self.height, window.frames, self.window_layout(window), states, tags, visual,
+            torch.cat([rows.float().cpu() for rows in audio], dim=1), self.reference_blocks,
+        )
+
+
+def encode_long_video(
+    request: LongVideoRequest, text_encoder, video_vae=None, audio_vae=None, *, rules: CanvasRules = RELEASE_CANVAS
+) -> LongConditioning:
+    """Validate, then encode every distinct prompt, the references (once) and the driving track (once)."""
+    plan = validate_long_video(request, rules)
+    if request.drive_audio is not None and audio_vae is None:
+        raise RequestError("A driving audio track is encoded by the audio VAE: pass an audio_vae.")
+    base = dataclasses.replace(request.request, prompt=plan.prompts[0], duration=None, num_frames=plan.reference_frames)
+    first = encode_request(base, text_encoder, video_vae, audio_vae, rules=rules)
+    texts = {plan.prompts[0]: (first.text_states, first.text_tags)}
+    if len(set(plan.prompts)) > 1:
+        checked = validate(base, rules)
+        shown = [
+            prepare_reference(reference, plan.reference_frames, rules, f"references[{i}]").for_presentation()
+            for i, reference in enumerate(checked.references)
+        ]
+        for prompt in plan.prompts:
+            if prompt not in texts:
+                encoded = text_encoder.encode(text_encoder.present(plan.task, prompt, (), shown))
+                texts[prompt] = (encoded.prompt_embeds, encoded.token_tags)
+    drive = None
+    if request.drive_audio is not None:
+        drive = encode_track(audio_vae, load_track(request.drive_audio), plan.num_frames)
+    return LongConditioning(
+        plan.task, plan.width, plan.height, plan.num_frames, plan.windows,
+        tuple(texts[prompt] for prompt in plan.prompts),
+        float(max(states.shape[1] for states, _ in texts.values())),
+        tuple(first.visual_condition_latents), first.reference_blocks, first.audio_condition_rows, drive,
+    )
+
+
+def sample_long_video(
+    dit,
+    conditioning: LongConditioning,
+    seed: int,
+    steps: int = 50,
+    video_shift: float = VIDEO_SHIFT,
+    audio_shift: float = AUDIO_SHIFT,
+    video_sigmas: Sequence[float] | None = None,
+    audio_sigmas: Sequence[float] | None = None,
+    callback: StepCallback | None = None,
+    offload_adaln: bool = False,
+) -> AVLatents:
+    """Sample the windows in order and return the whole clip's AVLatents (video [1, C, L, h, w], audio
+    [2, Ca, A]). The callback sees steps counted over all windows."""
+    generator = request_generator(seed)
+    timeline = Timeline()
+    count = len(conditioning.windows)
+    for window in conditioning.windows:
+        window_callback = None if callback is None else _counting_over_windows(callback, window.index, count)
+        latents = sample(
+            dit, conditioning.window(window, timeline.guide(window)), generator, steps, video_shift, audio_shift,
+            video_sigmas, audio_sigmas, callback=window_callback, offload_adaln=offload_adaln,
+        )
+        drive = conditioning.drive_audio
+        timeline.append(window, latents.video, latents.audio if drive is None else window_slice(drive, window))
+    return AVLatents(*timeline.latents())
+
+
+def _counting_over_windows(callback: StepCallback, index: int, count: int) -> StepCallback:
+    def on_step(state):
+        callback(dataclasses.replace(state, step=index * state.total + state.step, total=count * state.total))
+
+    return on_step

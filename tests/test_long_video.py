@@ -1,0 +1,257 @@
+"""Long video on the tiny-random models (h3-model.md G): a 20 s clip in continuation and full mode, the
+rows the denoiser sees, window prompts, driving audio, `h3 generate --long-video` and its errors.
+
+20 s -> 481 frames -> windows [0, 277) and [255, 481) on the tiny canvas (224x128); 3 sigma points
+(2 model calls a window) keep every run to about a second.
+"""
+
+import re
+import wave
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from h3_core import geometry, pipeline
+from h3_core.cli import main
+from h3_core.conditioning import Request, RequestError, encode_request
+from h3_core.drive_audio import encode_track, load_track
+from h3_core.layout import build_window_layout, pack_audio, patchify
+from h3_core.long_video import LongVideoRequest, encode_long_video, sample_long_video, validate_long_video
+from h3_core.pipeline import TINY_CANVAS, sample
+from h3_core.references import DecodedAudio
+from h3_core.tiny import tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
+from h3_core.tiny_text import tiny_random_text_encoder
+
+STEPS = 3
+PROMPT = "A red fox trots along a beach at sunset; waves crash softly and gulls call."
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {"text": tiny_random_text_encoder(), "video": tiny_random_video_vae(), "audio": tiny_random_audio_vae()}
+
+
+def encode(models, task="t2va", seconds=20.0, references=(), **options):
+    request = LongVideoRequest(Request(task, PROMPT, references=list(references), duration=seconds), **options)
+    return encode_long_video(request, models["text"], models["video"], models["audio"], rules=TINY_CANVAS)
+
+
+class Spy:
+    """Stands in for the DiT's forward and keeps what each call received."""
+
+    def __init__(self, dit):
+        self.forward, self.calls = dit.forward, []
+
+    def __call__(self, **inputs):
+        self.calls.append({name: value.clone() if isinstance(value, torch.Tensor) else value
+                           for name, value in inputs.items()})
+        return self.forward(**inputs)
+
+
+def spied_dit():
+    dit = tiny_random_dit()
+    spy = Spy(dit)
+    dit.forward = spy
+    return dit, spy
+
+
+def test_twenty_seconds_is_deterministic_for_a_seed(models):
+    conditioning = encode(models)
+    assert [(w.start, w.end) for w in conditioning.windows] == [(0, 277), (255, 481)]
+    dit = tiny_random_dit()
+    first = sample_long_video(dit, conditioning, seed=5, steps=STEPS)
+    again = sample_long_video(dit, conditioning, seed=5, steps=STEPS)
+    other = sample_long_video(dit, conditioning, seed=6, steps=STEPS)
+    # 481 frames: 142 latent frames of 8x14, 802 audio latents per channel
+    assert first.video.shape == (1, 24, 142, 8, 14) and first.audio.shape == (2, 32, 802)
+    assert first.check().num_frames == 481
+    assert torch.equal(first.video, again.video) and torch.equal(first.audio, again.audio)
+    assert not torch.equal(first.video, other.video)
+
+
+def test_the_first_window_is_an_ordinary_request(models):
+    """Window 1 draws first from the request generator, so it is the plain 277-frame request; window 2
+    adds only its new frames: 82 + (67 - 7) = 142 latent frames, 462 + (376 - 37) = 802 audio latents."""
+    conditioning = encode(models)
+    dit = tiny_random_dit()
+    whole = sample_long_video(dit, conditioning, seed=9, steps=STEPS)
+    plain = encode_request(Request("t2va", PROMPT, num_frames=277), models["text"], rules=TINY_CANVAS)
+    alone = sample(dit, plain, 9, STEPS)
+    assert torch.equal(whole.video[:, :, :82], alone.video) and torch.equal(whole.audio[..., :462], alone.audio)
+
+
+def test_full_mode_is_one_window(models):
+    dit, spy = spied_dit()
+    ten = encode(models, seconds=10, mode="full")
+    plain = encode_request(Request("t2va", PROMPT, duration=10), models["text"], rules=TINY_CANVAS)
+    long, short = sample_long_video(dit, ten, seed=2, steps=STEPS), sample(dit, plain, 2, STEPS)
+    assert torch.equal(long.video, short.video) and torch.equal(long.audio, short.audio)
+    spy.calls.clear()
+    twenty = encode(models, mode="full")
+    assert [(w.start, w.end) for w in twenty.windows] == [(0, 481)]
+    latents = sample_long_video(dit, twenty, seed=2, steps=STEPS)
+    assert latents.video.shape[2] == 142 and latents.audio.shape[2] == 802
+    assert [call["position_ids"].shape[0] for call in spy.calls] == [twenty.max_rows] * (STEPS - 1)
+
+
+def test_the_denoiser_sees_one_window_at_a_time(models):
+    conditioning = encode(models, seconds=40)  # 961 frames: windows at 0, 255, 510, 765
+    assert [w.start for w in conditioning.windows] == [0, 255, 510, 765]
+    dit, spy = spied_dit()
+    timeline_parts = []
+    latents = sample_long_video(dit, conditioning, seed=1, steps=STEPS,
+                                callback=lambda state: timeline_parts.append((state.step, state.total)))
+    assert timeline_parts == [(i, 8) for i in range(1, 9)]  # steps counted over all windows
+    calls = spy.calls
+    assert len(calls) == 4 * (STEPS - 1)
+    expected = [conditioning.window_layout(w) for w in conditioning.windows for _ in range(STEPS - 1)]
+    for call, layout in zip(calls, expected, strict=True):
+        rows = call["position_ids"].shape[0]
+        assert rows == layout.sequence_length <= conditioning.max_rows
+        assert torch.equal(call["position_ids"], layout.position_ids)
+        assert call["video_rows"].shape[1] + call["audio_rows"].shape[1] + call["text_states"].shape[1] == rows
+    whole = build_window_layout(conditioning.texts[0][1], (), 282, 8, 14, 1602)  # all 961 frames at once
+    assert conditioning.max_rows == expected[2].sequence_length < whole.sequence_length / 3
+
+    # the guide of window k is the tail of the clip so far (a prefix of the result): the video mixed once to
+    # 0.999 with one noise draw, the audio clean
+    for window in conditioning.windows[1:]:
+        call = calls[window.index * (STEPS - 1)]
+        so_far = window.start + window.overlap
+        video_end, audio_end = geometry.latent_frames(so_far), round(so_far * 5 / 3)
+        tail_video = latents.video[:, :, video_end - window.guide_latent_frames : video_end]
+        tail_audio = latents.audio[..., audio_end - window.guide_audio_latents : audio_end]
+        held = call["video_rows"][:, : window.guide_latent_frames * 28]
+        assert (held - patchify(tail_video)).abs().max() < 0.01
+        assert torch.equal(call["audio_rows"][:, : 2 * window.guide_audio_latents], pack_audio(tail_audio[None]))
+
+
+def test_window_prompts_each_encode_with_one_media_clock(models):
+    conditioning = encode(models, window_prompts=["A fox on a beach.", PROMPT])
+    (short, short_tags), (long, long_tags) = conditioning.texts
+    assert short.shape[1] < long.shape[1] and conditioning.media_origin == float(long.shape[1])
+    first = conditioning.window_layout(conditioning.windows[0])
+    assert first.num_text_rows == short.shape[1]
+    assert first.position_ids[first.target_video_indices[0], 0].item() == long.shape[1]
+    latents = sample_long_video(tiny_random_dit(), conditioning, seed=0, steps=STEPS)
+    assert latents.video.shape[2] == 142
+    same = encode(models, window_prompts=[PROMPT, PROMPT])
+    assert same.texts[0][0] is same.texts[1][0]  # one prompt is encoded once
+
+
+def test_drive_audio_is_held_and_returned(models):
+    seconds = torch.arange(32000 * 21) / 32000
+    track = DecodedAudio(torch.stack([torch.sin(2 * np.pi * 220 * seconds), torch.sin(2 * np.pi * 110 * seconds)]),
+                         32000)
+    conditioning = encode(models, drive_audio=track)
+    expected = conditioning.drive_audio  # encode_track (tests/test_long_video_audio.py) of the whole track
+    assert expected.shape == (2, 32, 802)
+    dit, spy = spied_dit()
+    latents = sample_long_video(dit, conditioning, seed=4, steps=STEPS)
+    assert torch.equal(latents.audio, expected)  # the output soundtrack is the track's latents
+    for window in conditioning.windows:
+        calls = spy.calls[window.index * (STEPS - 1) : (window.index + 1) * (STEPS - 1)]
+        layout = conditioning.window_layout(window)
+        held = 2 * window.guide_audio_latents
+        for call in calls:  # the target audio rows are the track's slice, at t = 1, every step
+            target = call["audio_rows"][:, held:]
+            first = round(window.start * 5 / 3)
+            assert torch.equal(target, pack_audio(expected[..., first : first + window.audio_latents][None]))
+            assert bool((call["timesteps"][call["timestep_indices"][layout.audio_indices]] == 1.0).all())
+
+
+def test_ref2va_references_stay_in_every_window(models):
+    image = Image.fromarray(np.full((96, 160, 3), (200, 120, 40), np.uint8))
+    conditioning = encode(models, task="ref2va", references=[("image", image)])
+    assert len(conditioning.visual_references) == 1
+    layouts = [conditioning.window_layout(w) for w in conditioning.windows]
+    for layout, window in zip(layouts, conditioning.windows):
+        image_rows = layout.video_indices[window.guide_latent_frames * 28 : layout.num_condition_video_rows]
+        assert bool((layout.position_ids[image_rows, 0] == conditioning.media_origin).all())  # never moved
+    latents = sample_long_video(tiny_random_dit(), conditioning, seed=0, steps=STEPS)
+    assert latents.video.shape[2] == 142
+
+
+@pytest.mark.parametrize("task, seconds, options, message", [
+    ("fl2va", 20, {}, "t2va or ref2va"),
+    ("t2va", 301, {}, "up to 300 s"),
+    ("t2va", 31, {"mode": "full"}, "up to 30 s"),
+    ("t2va", 3, {}, "4 s up to"),
+    ("t2va", 20, {"mode": "loop"}, "continuation, full"),
+    ("t2va", 20, {"window_frames": 276}, "17n \\+ 5"),
+    ("t2va", 20, {"window_frames": 362}, "107-345"),
+    ("t2va", 20, {"overlap_frames": 277}, "shorter than the window"),
+    ("t2va", 20, {"window_prompts": ["one"]}, "has 2 window\\(s\\) \\(starting at frames 0, 255\\), got 1"),
+    ("t2va", 20, {"window_prompts": ["one", " "]}, "Window prompt 2 is empty"),
+    ("t2va", 20, {"drive_audio": "/nonexistent/track.wav"}, "does not exist"),
+])
+def test_bad_long_requests_fail_before_any_model(task, seconds, options, message):
+    request = LongVideoRequest(Request(task, PROMPT, duration=seconds), **options)
+    with pytest.raises(RequestError, match=message):
+        validate_long_video(request, TINY_CANVAS)
+
+
+def test_generate_decodes_the_whole_clip_once(tmp_path, monkeypatch):
+    decoded = []
+    monkeypatch.setattr(pipeline, "write_mp4", lambda path, latents, *a, **k: decoded.append(latents.num_frames))
+    request = LongVideoRequest(Request("t2va", PROMPT, duration=20))
+    (result,) = pipeline.generate(request, "tiny-random", pipeline.GenerateSettings(steps=STEPS), out=tmp_path / "a.mp4")
+    assert decoded == [481] and result.latents.num_frames == 481
+
+
+def write_wav(path, seconds: float) -> None:
+    time = np.arange(int(seconds * 16000)) / 16000
+    with wave.open(str(path), "wb") as handle:
+        handle.setnchannels(2)
+        handle.setsampwidth(2)
+        handle.setframerate(16000)
+        stereo = np.stack([np.sin(2 * np.pi * 220 * time), np.sin(2 * np.pi * 330 * time)], axis=1)
+        handle.writeframes((0.5 * stereo * 32767).astype("<i2").tobytes())
+
+
+def test_cli_long_video_with_window_prompts_and_drive_audio(tmp_path, capsys):
+    write_wav(tmp_path / "track.wav", 12.0)  # shorter than the clip: padded with silence
+    out = tmp_path / "long.safetensors"
+    argv = ["generate", "--long-video", "--duration", "20", "--steps", str(STEPS), "--prompt", PROMPT,
+            "--window-prompt", "A fox walks.", "--window-prompt", "The fox runs.", "--drive-audio",
+            str(tmp_path / "track.wav"), "--save-latents", str(out)]
+    assert main(argv) == 0
+    tensors = load_file(str(out))
+    assert tensors["video"].shape == (1, 24, 142, 8, 14)
+    expected = encode_track(tiny_random_audio_vae(), load_track(tmp_path / "track.wav"), 481)
+    assert torch.equal(tensors["audio"], expected)
+    assert re.search(r"long.safetensors: t2va, seed 0, 481 frames", capsys.readouterr().out)
+
+
+def test_cli_full_mode(tmp_path):
+    out = tmp_path / "full.safetensors"
+    argv = ["generate", "--long-video", "--long-video-mode", "full", "--duration", "20", "--steps", "2",
+            "--prompt", PROMPT, "--save-latents", str(out)]
+    assert main(argv) == 0
+    assert load_file(str(out))["video"].shape == (1, 24, 142, 8, 14)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--window-frames", "107"], "--window-frames: only with --long-video"),
+    (["--window-prompt", "a"], "--window-prompt: only with --long-video"),
+    (["--duration", "20", "--drive-audio", "x.wav"], "between 4 and 15 seconds"),
+    (["--long-video", "--long-video-mode", "full", "--overlap-frames", "39"], "full mode is one window"),
+    (["--long-video", "--duration", "20", "--window-prompt", "a"], "has 2 window"),
+    (["--long-video", "--duration", "20", "--window-frames", "100"], "17n \\+ 5"),
+    (["--long-video", "--duration", "400"], "up to 300 s"),
+    (["--long-video", "--task", "fl2va", "--first-image", "a.png"], "t2va or ref2va"),
+])
+def test_cli_refuses_bad_long_video_flags(tmp_path, capsys, extra, message):
+    argv = ["generate", "--prompt", PROMPT, "--save-latents", str(tmp_path / "x.safetensors"), *extra]
+    assert main(argv) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_window_prompts_typed_one_per_line():
+    from h3_core.long_video import split_window_prompts
+
+    assert split_window_prompts("  A fox walks.\n\nThe fox runs. \n") == ("A fox walks.", "The fox runs.")
+    assert split_window_prompts("") == ()
