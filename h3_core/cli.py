@@ -1,6 +1,7 @@
 """The `h3` command line.
 
     h3 generate --prompt ... --out clip.mp4   prompt (+ keyframes / references) to an MP4
+    h3 generate --long-video --duration 75 ... the same, window by window (latent-tail continuation)
     h3 info PATH                             what a DiT checkpoint is (layout, config, size), from headers
     h3 denoise --model M ...                 the DiT's denoise alone, from precomputed text states
 """
@@ -21,8 +22,11 @@ from safetensors.torch import load_file
 from . import geometry
 from .attention import resolve_backend
 from .checkpoint import CheckpointError, infer_config, load_dit, locate_dit
-from .conditioning import Conditioning, Request
+from .conditioning import Conditioning, Request, resolve_num_frames
+from .continuation import DEFAULT_OVERLAP_FRAMES, DEFAULT_WINDOW_FRAMES
+from .fp8 import LINEAR_MODES, apply_linear_mode
 from .layout import build_request_layout
+from .long_video import LongVideoRequest
 from .media import MediaError
 from .pipeline import GenerateSettings, generate, sample
 from .references import MediaReference
@@ -31,6 +35,7 @@ from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule
 from .tiny import TINY_RANDOM, tiny_random_dit
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LINEARS_HELP = "; ".join(f"{name}: {what}" for name, what in LINEAR_MODES.items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +65,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--aspect-ratio", help=f"one of {', '.join(geometry.ASPECT_RATIOS)} (default 16:9; fl2va: the first image's)")
     gen.add_argument("--width", type=int, help="explicit width (multiple of 32; with --height)")
     gen.add_argument("--height", type=int, help="explicit height (multiple of 32; with --width)")
-    gen.add_argument("--duration", type=float, default=5.0, help="seconds, 4-15 (snapped up to 17n+5 frames at 24 fps)")
+    gen.add_argument("--duration", type=float, default=5.0,
+                     help="seconds, 4-15 (snapped up to 17n+5 frames at 24 fps); with --long-video up to 300 (30 in full mode)")
+    gen.add_argument("--long-video", action="store_true",
+                     help="long video (t2va / ref2va): windows that each continue the previous one's latent tail")
+    gen.add_argument("--long-video-mode", choices=["continuation", "full"],
+                     help="continuation (default, up to 300 s) or full: the whole clip as one window (up to 30 s)")
+    gen.add_argument("--window-frames", type=int, help="continuation window in frames, 17n+5 in 107..345 (default 277)")
+    gen.add_argument("--overlap-frames", type=int,
+                     help="frames each window repeats from the one before as its guide, 17n+5 (default 22)")
+    gen.add_argument("--window-prompt", action="append", default=[], metavar="TEXT",
+                     help="one prompt per window, repeatable, in window order (default: --prompt in every window)")
+    gen.add_argument("--drive-audio", type=Path, metavar="PATH",
+                     help="generate to this soundtrack: it becomes the output audio, held fixed while sampling "
+                          "(cut or padded with silence to the duration); works with or without --long-video")
     gen.add_argument("--steps", type=int, help="sigma points including the final 0 (default 50 -> 49 model calls, "
                                                "or what a Turbo adapter was distilled for)")
     gen.add_argument("--video-shift", type=float, help=f"default {VIDEO_SHIFT:g} (or the Turbo adapter's)")
@@ -74,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     gen.add_argument("--dtype", default=None, choices=list(DTYPES), help="model dtype (default: bf16 on GPU, fp32 on CPU)")
     gen.add_argument("--attention", default="auto", help="auto (fastest exact available), sdpa, flash3, flash, sage (lossy)")
+    gen.add_argument("--linears", default="checkpoint", choices=list(LINEAR_MODES), help=LINEARS_HELP)
+    gen.add_argument("--gpu-memory", type=float, metavar="GIB",
+                     help="GPU memory the DiT may use (default: what is free); when the model does not fit, the "
+                          "leading blocks stay on the GPU and the rest stream from CPU memory")
+    gen.add_argument("--devices", metavar="DEV,DEV[,...]",
+                     help="split the DiT over several devices, e.g. cuda:0,cuda:1 (one worker process each, sequence "
+                          "parallel; 2, 4, 7 or 8 of them); the text encoder and VAEs run on the first (replaces --device)")
+    gen.add_argument("--shard-weights", action="store_true",
+                     help="with --devices: each device keeps 1/N of every block's weights and gathers a block just "
+                          "before it runs (FSDP-style), so N smaller cards hold the model together")
     gen.set_defaults(run=run_generate)
 
     info = sub.add_parser("info", help="describe a DiT checkpoint without loading it")
@@ -100,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="model dtype (default: bf16 on GPU, fp32 on CPU; fp32 heads stay fp32)")
     den.add_argument("--attention", default="auto",
                      help="attention backend: auto (fastest exact available), sdpa, flash3, flash, sage (lossy)")
+    den.add_argument("--linears", default="checkpoint", choices=list(LINEAR_MODES), help=LINEARS_HELP)
     den.add_argument("--compile", action="store_true",
                      help="torch.compile the repeated block (~10%% faster per step on an H200; not bitwise exact)")
     den.set_defaults(run=run_denoise)
@@ -128,6 +157,30 @@ def _lora(spec: str) -> tuple[Path, float]:
     return Path(spec), 1.0
 
 
+def _long_video(args, request: Request) -> Request | LongVideoRequest:
+    """--long-video and --drive-audio make a LongVideoRequest; without --long-video a driving track runs
+    as one window within the usual 4-15 s."""
+    options = {"--long-video-mode": args.long_video_mode, "--window-frames": args.window_frames,
+               "--overlap-frames": args.overlap_frames, "--window-prompt": args.window_prompt or None}
+    given = [name for name, value in options.items() if value is not None]
+    if not args.long_video:
+        if given:
+            raise ValueError(f"{', '.join(given)}: only with --long-video.")
+        if args.drive_audio is None:
+            return request
+        resolve_num_frames(args.duration)  # a plain request keeps its 4-15 s range
+        return LongVideoRequest(request, mode="full", drive_audio=args.drive_audio)
+    mode = args.long_video_mode or "continuation"
+    if mode == "full" and (args.window_frames is not None or args.overlap_frames is not None):
+        raise ValueError("--window-frames and --overlap-frames plan continuation windows; full mode is one window.")
+    return LongVideoRequest(
+        request, mode,
+        DEFAULT_WINDOW_FRAMES if args.window_frames is None else args.window_frames,
+        DEFAULT_OVERLAP_FRAMES if args.overlap_frames is None else args.overlap_frames,
+        tuple(args.window_prompt), args.drive_audio,
+    )
+
+
 def run_generate(args) -> int:
     from tqdm import tqdm
 
@@ -136,15 +189,21 @@ def run_generate(args) -> int:
     if args.outputs < 1:
         raise ValueError(f"--outputs must be at least 1, got {args.outputs}.")
     return_freed_memory_to_os()
-    device = torch.device(args.device)
+    devices = [d.strip() for d in (args.devices or "").split(",") if d.strip()]
+    if args.shard_weights and len(devices) < 2:
+        raise ValueError("--shard-weights splits weights over several devices; give them with --devices.")
+    device = torch.device(devices[0] if devices else args.device)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     request = Request(
         task=args.task, prompt=args.prompt, first_image=args.first_image, last_image=args.last_image,
         references=[_reference(spec) for spec in args.ref], aspect_ratio=args.aspect_ratio,
         width=args.width, height=args.height, duration=args.duration,
     )
+    request = _long_video(args, request)
     settings = GenerateSettings(args.seed, args.outputs, args.steps, args.video_shift, args.audio_shift,
-                                str(device), dtype, args.attention, [_lora(spec) for spec in args.lora])
+                                str(device), dtype, args.attention, [_lora(spec) for spec in args.lora],
+                                linears=args.linears, devices=devices, shard_weights=args.shard_weights,
+                                gpu_memory=args.gpu_memory)
     bars: dict[str, tqdm] = {}
 
     def progress(stage: str, done: int, total: int) -> None:
@@ -248,8 +307,9 @@ def run_denoise(args) -> int:
     started = time.perf_counter()
     if args.model == TINY_RANDOM:
         model = tiny_random_dit(dtype, device)
+        apply_linear_mode(model, args.linears, device)
     else:
-        model = load_dit(args.model, args.partition, dtype=dtype, device=device)
+        model = load_dit(args.model, args.partition, dtype=dtype, device=device, linears=args.linears)
     backend = model.set_attention_backend(args.attention)
     if args.compile:
         model.compile_blocks()

@@ -66,6 +66,7 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(config.attention_head_dim, eps=config.qk_norm_eps)
         self.out_proj = nn.Linear(config.inner_dim, config.hidden_size, bias=False)
         self.backend = "sdpa"
+        self.sequence_parallel = None  # set on the blocks' attention by parallel.sequence.enable
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         batch, rows, _ = x.shape
@@ -73,7 +74,10 @@ class Attention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = attention(q, k, v, self.backend)
+        if self.sequence_parallel is None:
+            out = attention(q, k, v, self.backend)
+        else:  # this rank holds a slice of the rows: trade rows for heads around the attention
+            out = self.sequence_parallel.attention(q, k, v, self.backend)
         return self.out_proj(out.reshape(batch, rows, -1))
 
 
@@ -142,7 +146,8 @@ class AdaLNProjection(nn.Module):
     def forward(self, temb: torch.Tensor) -> torch.Tensor:
         # SiLU at temb's fp32 precision, cast only after: every block reads the same temb, so an early
         # rounding would bias all blocks' modulations alike (the reference's order).
-        table = self.linear(F.silu(temb).to(self.linear.weight.dtype))
+        # (an FP8Linear's weight is e4m3: it names the dtype it computes in)
+        table = self.linear(F.silu(temb).to(getattr(self.linear, "compute_dtype", self.linear.weight.dtype)))
         return table.view(temb.shape[0] * self.rows_per_timestep, -1)
 
 
@@ -197,21 +202,25 @@ class Modulation:
     blocks: list[torch.Tensor]  # per block [3K, 6H]
     final: torch.Tensor  # [K, 2H]
 
-
+    def to(self, device: torch.device | str) -> "Modulation":
+        """The tables on `device` (asynchronous from pinned CPU memory, where the sampler parks them)."""
+        return Modulation([table.to(device, non_blocking=True) for table in self.blocks],
+                          self.final.to(device, non_blocking=True))
 
 
 @contextlib.contextmanager
 def _visiting(module: nn.Module, device: torch.device):
-    """Run `module` on `device` for the duration, then send it back where it lives."""
-    home = next(module.parameters()).device
-    if home == device:
-        yield module
-        return
-    module.to(device)
+    """Run `module` on `device` for the duration from a temporary copy of its weights; the home copies
+    are put back untouched (no copy back, and pinned CPU memory stays pinned)."""
+    params = [p for p in module.parameters() if p.device != device]
+    home = [p.data for p in params]
+    for param in params:
+        param.data = param.data.to(device, non_blocking=True)
     try:
         yield module
     finally:
-        module.to(home)
+        for param, data in zip(params, home):
+            param.data = data
 
 
 class H3DiT(nn.Module):
@@ -228,6 +237,7 @@ class H3DiT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.final_layer = FinalLayer(config)
         self.register_buffer("rope_inv_freq", rope_inverse_frequencies(config), persistent=False)
+        self.sequence_parallel = None  # parallel.sequence.SequenceParallel when split over ranks
 
     @classmethod
     def build(cls, config: DiTConfig, dtype: torch.dtype = torch.bfloat16, device="cpu") -> "H3DiT":
@@ -279,28 +289,32 @@ class H3DiT(nn.Module):
     @contextlib.contextmanager
     def adaln_offloaded(self, device: str | torch.device = "cpu"):
         """Keep the AdaLN weights on `device` (the CPU) for the duration; `modulation_schedule` still
-        computes the tables on the compute device, one module visiting it at a time."""
-        home = self.condition_proj.weight.device
+        computes the tables on the compute device, one module visiting it at a time. Each module goes back
+        where it was: weights a memory plan keeps on the CPU (offload.place) must not land on a small GPU."""
+        homes = [next(module.parameters()).device for module in self.adaln_modules()]
         for module in self.adaln_modules():
             module.to(device)
         try:
             yield self
         finally:
-            for module in self.adaln_modules():
+            for module, home in zip(self.adaln_modules(), homes):
                 module.to(home)
 
-    def modulation_schedule(self, timesteps_per_step: list[torch.Tensor]) -> list[Modulation]:
+    def modulation_schedule(self, timesteps_per_step: list[torch.Tensor], park_on_cpu: bool = False) -> list[Modulation]:
         """Every step's tables, bitwise what `modulation` computes per step on the timesteps' device.
-        Done module by module, so AdaLN weights kept elsewhere visit the compute device one at a time."""
+        Done module by module, so AdaLN weights kept elsewhere visit the compute device one at a time.
+        `park_on_cpu`: each module's tables go to pinned CPU memory as soon as they are made (a 49-step
+        schedule's are ~1.8 GiB at the real config); the sampler brings one step's back at a time."""
         device = timesteps_per_step[0].device
+        park = (lambda table: table.to("cpu").pin_memory() if device.type == "cuda" else table) if park_on_cpu else (lambda table: table)
         with _visiting(self.time_embedder, device):
             tembs = [self.time_embedder(t) for t in timesteps_per_step]
         per_block = []
         for block in self.blocks:
             with _visiting(block.adaln_proj, device):
-                per_block.append([block.adaln_proj(temb) for temb in tembs])
+                per_block.append([park(block.adaln_proj(temb)) for temb in tembs])
         with _visiting(self.final_layer.adaln_proj, device):
-            finals = [self.final_layer.adaln_proj(temb) for temb in tembs]
+            finals = [park(self.final_layer.adaln_proj(temb)) for temb in tembs]
         return [Modulation([tables[s] for tables in per_block], finals[s]) for s in range(len(tembs))]
 
     def forward(
@@ -334,10 +348,16 @@ class H3DiT(nn.Module):
         x = x.index_copy(1, text_indices, text)
         x = x.index_copy(1, video_indices, video.to(x.dtype))
         x = x.index_copy(1, audio_indices, audio.to(x.dtype))
+        del video, audio, text  # the fp32 video projection alone is ~0.7 GiB at 5 s; not needed past here
 
         if modulation is None:
             modulation = self.modulation(timesteps)
         adaln_index = timestep_indices * MODALITIES + token_tags
+        parallel = self.sequence_parallel
+        if parallel is not None:  # each rank runs the blocks on its slice of the rows
+            x, adaln_index, rope = parallel.split(x, adaln_index, rope)
         for block, table in zip(self.blocks, modulation.blocks, strict=True):
             x = block(x, table, adaln_index, rope)
+        if parallel is not None:
+            x = parallel.gather(x)
         return self.final_layer(x, modulation.final, timestep_indices, video_indices, audio_indices)

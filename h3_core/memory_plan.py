@@ -1,9 +1,12 @@
 """How much of the DiT fits on the GPU for a request, and the peak memory to expect.
 
 The estimate is built from the shapes, not guessed: weights by module, the block's activation peak
-per packed row (inside the SwiGLU: the residual stream, the modulated input, three gathered AdaLN
-rows, fc1's output, silu(gate) and the product: 5 hidden + 4 ffn values per row), the RoPE tables
-and the precomputed AdaLN tables of the whole schedule.
+per packed row, the RoPE tables and the precomputed AdaLN tables of the whole schedule. A block's
+peak is the larger of its two halves. Attention: the residual stream, the gate and the modulated input
+(3 hidden) with the qkv output, normed q and k, rotated q, and k's rotation in flight (9 inner) plus the
+bf16 cos/sin. SwiGLU: the same 3 hidden with fc1's output, silu(gate) and the product (4 ffn). At the
+real config attention is the larger: 80,832 values a row, exactly what one block measured on the H200
+(150,912 bytes a row above its input). A plan leaves `HEADROOM` of its budget for the allocator.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from .config import DiTConfig
 from .dit import MODALITIES
 
 GIB = 2**30
+# Kept free inside every budget: the caching allocator's block rounding and fragmentation, and library
+# workspaces (a 24 GiB cap ran out with 23.5 GiB allocated when the plan used the whole budget).
+HEADROOM_FRACTION, HEADROOM_BYTES = 0.05, 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -34,10 +40,15 @@ class MemoryPlan:
         return f"{mode}, {adaln}; expected peak {self.expected_peak_bytes / GIB:.2f} GiB"
 
 
-def block_weight_bytes(config: DiTConfig, dtype_bytes: int) -> int:
-    """Attention + FFN + norms of one block (what streams; its AdaLN projection does not)."""
+def block_weight_bytes(config: DiTConfig, dtype_bytes: int, fp8: bool = False) -> int:
+    """Attention + FFN + norms of one block (what streams; its AdaLN projection does not). `fp8`: the four
+    linears held as FP8 (fp8.FP8Linear): 1 byte a weight plus an fp32 scale per output channel."""
     h, inner, ffn, d = config.hidden_size, config.inner_dim, config.ffn_dim, config.attention_head_dim
-    return dtype_bytes * (h * 3 * inner + inner * h + h * 2 * ffn + ffn * h + 2 * h + 2 * d)
+    linears = h * 3 * inner + inner * h + h * 2 * ffn + ffn * h
+    norms = dtype_bytes * (2 * h + 2 * d)
+    if fp8:
+        return linears + 4 * (3 * inner + h + 2 * ffn + h) + norms
+    return dtype_bytes * linears + norms
 
 
 def shared_weight_bytes(config: DiTConfig, dtype_bytes: int) -> int:
@@ -59,11 +70,18 @@ def adaln_weight_bytes(config: DiTConfig, dtype_bytes: int) -> int:
     return embedder + dtype_bytes * (config.num_layers * per_block + (e + 1) * 2 * h)
 
 
-def activation_bytes(config: DiTConfig, rows: int, dtype_bytes: int) -> int:
-    """Peak live activations of one block forward over `rows` packed rows (batch 1)."""
-    per_row = dtype_bytes * (5 * config.hidden_size + 4 * config.ffn_dim)
-    rope = 2 * 4 * 6 * config.rope_freq_dim  # cos and sin, fp32
-    return rows * (per_row + rope)
+def activation_bytes(config: DiTConfig, rows: int, dtype_bytes: int, fp8: bool = False) -> int:
+    """Peak live activations of one block forward over `rows` packed rows (batch 1). `fp8` adds what an
+    FP8 linear holds besides (uncompiled): fc2's input quantized (an fp32 copy and the e4m3 result,
+    5 bytes a value) or, weight-only, fc1's weight rebuilt (an fp32 product, then the compute dtype)."""
+    h, rope_width = config.hidden_size, 6 * config.rope_freq_dim
+    per_row = dtype_bytes * (3 * h + max(9 * config.inner_dim + 2 * rope_width, 4 * config.ffn_dim))
+    rope = 2 * 4 * rope_width + 8  # cos and sin (fp32), and the int64 AdaLN row index
+    if not fp8:
+        return rows * (per_row + rope)
+    quantized_input = rows * 5 * config.ffn_dim
+    rebuilt_weight = (4 + dtype_bytes) * 2 * config.ffn_dim * config.hidden_size
+    return rows * (per_row + rope) + max(quantized_input, rebuilt_weight)
 
 
 def modulation_bytes(config: DiTConfig, steps: int, timesteps_per_step: int, dtype_bytes: int) -> int:
@@ -81,14 +99,16 @@ def expected_peak(
     steps: int = 49,
     timesteps_per_step: int = 4,
     dtype_bytes: int = 2,
+    fp8: bool = False,
 ) -> int:
-    """Peak GPU bytes of a denoise with this placement (prefetch 0 = no streaming)."""
-    block = block_weight_bytes(config, dtype_bytes)
+    """Peak GPU bytes of a denoise with this placement (prefetch 0 = no streaming); `fp8`: FP8 block linears."""
+    block = block_weight_bytes(config, dtype_bytes, fp8)
     in_flight = (prefetch + 2) * block if prefetch else 0  # BlockStreamer's bound on streamed blocks on the GPU
     return (
         shared_weight_bytes(config, dtype_bytes)
-        + activation_bytes(config, rows, dtype_bytes)
-        + modulation_bytes(config, steps, timesteps_per_step, dtype_bytes)
+        + activation_bytes(config, rows, dtype_bytes, fp8)
+        # with the AdaLN weights offloaded the schedule's tables wait on the CPU: one step's on the device
+        + modulation_bytes(config, 1 if offload_adaln else steps, timesteps_per_step, dtype_bytes)
         + resident_blocks * block
         + in_flight
         + (0 if offload_adaln else adaln_weight_bytes(config, dtype_bytes))
@@ -103,18 +123,64 @@ def plan_memory(
     timesteps_per_step: int = 4,
     dtype_bytes: int = 2,
     prefetch: int = 1,
+    fp8: bool = False,
 ) -> MemoryPlan:
-    """The most resident blocks that fit in `budget_bytes` (free GPU memory for this run): everything
-    resident if it fits, then everything but the AdaLN weights, then as many blocks as fit, streaming the rest."""
+    """The most resident blocks that fit in `budget_bytes` (free GPU memory for this run) less the
+    allocator's headroom: everything resident if it fits, then everything but the AdaLN weights, then as
+    many blocks as fit, streaming the rest."""
     blocks = config.num_layers
+    budget_bytes = usable_bytes(budget_bytes)
 
     def peak(resident: int, streaming: int, offload_adaln: bool) -> int:
-        return expected_peak(config, rows, resident, streaming, offload_adaln, steps, timesteps_per_step, dtype_bytes)
+        return expected_peak(config, rows, resident, streaming, offload_adaln, steps, timesteps_per_step, dtype_bytes, fp8)
 
     for offload_adaln in (False, True):
         if peak(blocks, 0, offload_adaln) <= budget_bytes:
             return MemoryPlan(blocks, 0, offload_adaln, peak(blocks, 0, offload_adaln), True)
-    block = block_weight_bytes(config, dtype_bytes)
+    block = block_weight_bytes(config, dtype_bytes, fp8)
     spare = budget_bytes - peak(0, prefetch, True)
     resident = max(0, min(blocks - 1, spare // block))
     return MemoryPlan(int(resident), prefetch, True, peak(resident, prefetch, True), peak(resident, prefetch, True) <= budget_bytes)
+
+
+def usable_bytes(budget_bytes: int) -> int:
+    """What a plan may fill of `budget_bytes`: the rest is the allocator's headroom."""
+    return int(budget_bytes * (1 - HEADROOM_FRACTION)) - HEADROOM_BYTES
+
+
+def working_bytes(config: DiTConfig, rows: int, steps: int, dtype_bytes: int = 2, timesteps_per_step: int = 4) -> int:
+    """What a denoise needs on the device besides the weights: one block's activations and the AdaLN
+    tables of the schedule. Hosts free this much before sampling."""
+    return activation_bytes(config, rows, dtype_bytes) + modulation_bytes(config, steps, timesteps_per_step, dtype_bytes)
+
+
+def free_bytes(device) -> int:
+    """Memory this process can still use on a CUDA `device`: what the driver has free plus what torch's
+    caching allocator holds unused (it hands that back first)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"free_bytes measures a CUDA device, not {device}.")
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def plan_for(config: DiTConfig, layout, steps: int, device, budget_gib: float | None = None,
+             dtype_bytes: int = 2, fp8: bool = False) -> MemoryPlan:
+    """The plan for sampling `layout` (a PackedLayout; for a long video its largest window's) with a
+    `steps`-point ladder on `device`. `budget_gib`: memory to plan for (None: what the device has free;
+    the CPU is not limited). Hosts call it before loading, so a request that cannot fit is refused
+    before the weights are read."""
+    import torch
+
+    device = torch.device(device)
+    if budget_gib is not None and not budget_gib > 0:
+        raise ValueError(f"The GPU memory budget must be a positive number of GiB, got {budget_gib}.")
+    if budget_gib is not None:
+        budget = int(budget_gib * GIB)
+    else:
+        budget = free_bytes(device) if device.type == "cuda" else 1 << 62
+    timesteps, _ = layout.to("cpu").row_timesteps(0.5, 0.25)  # distinct timesteps of one step (clocks apart)
+    return plan_memory(config, layout.sequence_length, budget, max(steps - 1, 1), int(timesteps.numel()),
+                       dtype_bytes, fp8=fp8)

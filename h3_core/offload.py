@@ -132,6 +132,12 @@ class BlockStreamer:
             hook.remove()
         self.hooks = []
 
+    @property
+    def offloaded_bytes(self) -> int:
+        """Block weights this streamer keeps off the device, less the slots they stream through."""
+        home = sum(view.numel() * view.element_size() for views in self.home.values() for view in views)
+        return home - sum(slot.numel() for slot in self.slots)
+
 
 def stream_blocks(dit: H3DiT, device: torch.device | str, resident: int, prefetch: int = 1) -> BlockStreamer:
     """Put the small shared parts on `device`, keep the AdaLN weights on the CPU (the sampler's
@@ -147,3 +153,39 @@ def stream_blocks(dit: H3DiT, device: torch.device | str, resident: int, prefetc
         block.adaln_proj.to("cpu")
     dit.rope_inv_freq = dit.rope_inv_freq.to(device)
     return BlockStreamer(dit, device, resident, prefetch)
+
+
+def place(dit: H3DiT, device: torch.device | str, plan) -> BlockStreamer | None:
+    """Put `dit` (loaded anywhere, e.g. on the CPU) where a `memory_plan.MemoryPlan` says. Returns the
+    streamer (`remove()` it when done) or None when every block is resident. AdaLN weights the plan
+    leaves on the CPU stay there; the sampler's `offload_adaln` brings each over once."""
+    device = torch.device(device)
+    if plan.streams:
+        return stream_blocks(dit, device, plan.resident_blocks, plan.prefetch)
+    kept = {id(p) for module in dit.adaln_modules() for p in module.parameters()} if plan.offload_adaln else set()
+    for module in dit.modules():
+        for param in module.parameters(recurse=False):
+            if id(param) not in kept:
+                param.data = param.data.to(device)
+        for name, buffer in module.named_buffers(recurse=False):
+            setattr(module, name, buffer.to(device))
+    return None
+
+
+def unplace(dit: H3DiT, device: torch.device | str, streamer: BlockStreamer | None = None) -> None:
+    """Undo `place`: remove the streamer's hooks, give every streamed block its weights back in ordinary
+    (pageable) CPU memory, block by block so the pinned buffers go as they empty, then move the whole
+    model to `device`. Safe after a failed forward (a block may still point into a slot)."""
+    if streamer is not None:
+        streamer.remove()
+        for index in list(streamer.home):
+            views = streamer.home.pop(index)
+            for param, view in zip(_streamed_parameters(streamer.blocks[index]), views):
+                param.data = torch.empty(view.shape, dtype=view.dtype).copy_(view) if view.is_pinned() else view
+        streamer.slots, streamer.loaded = [], {}
+    dit.to(device)
+
+
+def load_device(plan, device: torch.device | str) -> torch.device:
+    """Where to read the weights to: straight onto `device` when the plan keeps everything there."""
+    return torch.device(device) if not plan.streams and not plan.offload_adaln else torch.device("cpu")

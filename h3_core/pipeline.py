@@ -16,16 +16,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from einops import rearrange
 
 from .attention import resolve_backend
-from .checkpoint import load_dit, locate_dit
+from .checkpoint import infer_config, load_dit, locate_dit
+from .config import TINY_DIT
+from .memory_plan import GIB, MemoryPlan, plan_for
+from .offload import load_device, place
 from .conditioning import Request, RequestError, encode_request, validate
-from .layout import unpack_audio, unpatchify
+from .layout import patchify, unpack_audio, unpatchify
+from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, check_scaled_device
 from .lora import apply_loras, load_lora, sampler_settings
 from .noise import condition_rows, request_generator, target_noise
 from .output import AVLatents, write_mp4
 from .references import RELEASE_CANVAS, CanvasRules
-from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback, denoise
+from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback
+from .sampler import denoise as denoise_loop
 from .text import load_text_encoder
 from .text_checkpoint import locate_text_encoder
 from .tiny import TINY_RANDOM, tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
@@ -38,7 +44,7 @@ from .weights import CheckpointError
 def sample(
     dit,
     conditioning,
-    seed: int,
+    seed: int | torch.Generator,
     steps: int = 50,
     video_shift: float = VIDEO_SHIFT,
     audio_shift: float = AUDIO_SHIFT,
@@ -46,23 +52,34 @@ def sample(
     audio_sigmas: Sequence[float] | None = None,
     callback: StepCallback | None = None,
     offload_adaln: bool = False,
+    init: AVLatents | None = None,
+    denoise: float = 1.0,
 ) -> AVLatents:
     """Denoise one request. Noise comes from one CPU generator seeded with `seed`, in diffusers' order:
     one draw per visual condition (mixed to t = 0.999), then the target video, then the target audio.
+    `seed` may be such a generator instead (a long video draws all its windows from one).
 
     `conditioning` provides `layout`, `text_states` [1, T, D], `visual_condition_latents` (list of
-    normalized [1, C, L_i, h_i, w_i], packed order) and `audio_condition_rows` [1, N, Ca] (clean)."""
-    schedule = DualClockSchedule.build(steps, video_shift, audio_shift, video_sigmas, audio_sigmas)
+    normalized [1, C, L_i, h_i, w_i], packed order) and `audio_condition_rows` [1, N, Ca] (clean).
+    `init`: latents to refine instead of pure noise; each modality starts at its ladder's first sigma s
+    as s * noise + (1 - s) * init (`denoise` < 1 cuts the automatic ladders, see DualClockSchedule.build).
+    `dit` may be a `parallel.ParallelRunner`: its workers then run this function on their devices."""
+    if not isinstance(dit, torch.nn.Module):
+        return dit.sample(conditioning, seed, steps, video_shift, audio_shift, video_sigmas, audio_sigmas,
+                          callback=callback, offload_adaln=offload_adaln, init=init, denoise=denoise)
+    schedule = DualClockSchedule.build(steps, video_shift, audio_shift, video_sigmas, audio_sigmas, denoise)
     layout = conditioning.layout
     device = dit.condition_proj.weight.device
     config = dit.config
-    generator = request_generator(seed)
+    generator = seed if isinstance(seed, torch.Generator) else request_generator(seed)
     held_video = (
         condition_rows(conditioning.visual_condition_latents, generator)
         if conditioning.visual_condition_latents
         else torch.zeros(1, 0, config.video_patch_dim)
     )
     video_noise, audio_noise = target_noise(layout, generator, config.in_channels, config.audio_in_channels)
+    if init is not None:
+        video_noise, audio_noise = start_rows(init, layout, schedule, video_noise, audio_noise)
     held_audio = conditioning.audio_condition_rows
     if held_video.shape[1] != layout.num_condition_video_rows or held_audio.shape[1] != layout.num_condition_audio_rows:
         raise ValueError(
@@ -73,13 +90,28 @@ def sample(
     audio_rows = torch.cat([held_audio.float().cpu(), audio_noise], dim=1).to(device)
     text = conditioning.text_states.to(device)
     with torch.inference_mode():
-        video_rows, audio_rows = denoise(
+        video_rows, audio_rows = denoise_loop(
             dit, layout, text, video_rows, audio_rows, schedule, callback, offload_adaln=offload_adaln
         )
     target_video = video_rows[:, layout.num_condition_video_rows :].float().cpu()
     target_audio = audio_rows[:, layout.num_condition_audio_rows :].float().cpu()
     video = unpatchify(target_video, layout.latent_frames, layout.latent_height, layout.latent_width)
     return AVLatents(video.contiguous(), unpack_audio(target_audio)[0].contiguous())
+
+
+def start_rows(init: AVLatents, layout, schedule: DualClockSchedule, video_noise: torch.Tensor,
+               audio_noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target rows that start from `init` at each ladder's first sigma (flow matching: s * noise + (1 - s) * x)."""
+    init.check()
+    want = (layout.latent_frames, layout.latent_height, layout.latent_width, layout.audio_latents)
+    have = (*init.video.shape[2:], init.audio.shape[2])
+    if have != want:
+        raise ValueError(f"The latent to refine has (frames, height, width, audio) latents {have}, but this "
+                         f"conditioning makes {want}; use a latent of the same size and duration.")
+    video = patchify(init.video.float().cpu())
+    audio = rearrange(init.audio.float().cpu(), "ch c a -> (ch a) c")[None]
+    s_video, s_audio = schedule.video[0], schedule.audio[0]
+    return s_video * video_noise + (1 - s_video) * video, s_audio * audio_noise + (1 - s_audio) * audio
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,6 +169,10 @@ class GenerateSettings:
     dtype: torch.dtype = torch.bfloat16
     attention: str = "auto"
     loras: Sequence[tuple[str | Path, float]] = ()  # (file, strength), applied in order, merged
+    linears: str = "checkpoint"  # fp8.LINEAR_MODES; "fp8-lossy" / "fp8-weights-lossy" are opt-in, lossy
+    devices: Sequence[str] = ()  # two or more: the DiT runs split over them (parallel/); the rest on `device`
+    shard_weights: bool = False  # with devices: each holds 1/P of every block (FSDP-style)
+    gpu_memory: float | None = None  # GiB the DiT may use on a GPU (None: what is free); less streams blocks
 
 
 @dataclass
@@ -169,7 +205,14 @@ def generate(
 ) -> list[GenerateResult]:
     """Prompt and references to MP4s. Validation runs first (no model is loaded for a bad request);
     then, one model at a time on the device: text encoder (released after encoding), VAEs for the
-    conditioning, the DiT for sampling, the VAEs again for the streamed decode."""
+    conditioning, the DiT for sampling, the VAEs again for the streamed decode. A `LongVideoRequest` runs
+    window by window (long_video.py) and its whole clip is decoded once."""
+    from .long_video import LongVideoRequest, encode_long_video, sample_long_video, validate_long_video  # uses sample
+
+    long_video = isinstance(request, LongVideoRequest)
+    check, encode, run = (
+        (validate_long_video, encode_long_video, sample_long_video) if long_video else (validate, encode_request, sample)
+    )
     progress = progress or (lambda stage, done, total: None)
     notes = notes or (lambda line: None)
     partition = TASK_PARTITION.get(request.task)
@@ -181,9 +224,11 @@ def generate(
         if path is not None and Path(path).suffix != suffix:
             raise ValueError(f"{path} must end in {suffix}.")
     device, timings = torch.device(settings.device), {}
-    validate(request, TINY_CANVAS if model == TINY_RANDOM else RELEASE_CANVAS)  # every limit, before any model
+    check(request, TINY_CANVAS if model == TINY_RANDOM else RELEASE_CANVAS)  # every limit, before any model
     source = resolve_model_source(model, partition)
     resolve_backend(settings.attention, device)
+    if check_linear_mode(settings.linears) == "fp8-lossy":
+        check_scaled_device(device)
     loras = [(load_lora(path), float(strength)) for path, strength in settings.loras]
     for lora, _ in loras:
         lora.terms_for(partition)  # an adapter for the other partition is refused before loading
@@ -194,7 +239,7 @@ def generate(
     notes(f"sampler: {schedule.steps} points, video shift {schedule.video_shift:g}, audio shift "
           f"{schedule.audio_shift:g} ({schedule.source})" + "".join(f"; {n}" for n in schedule.notes))
     if not source.tiny:  # every checkpoint found and recognized before the first one loads
-        locate_dit(source.root, partition)
+        locate_dit(source.root, partition)  # again in load_sampling_dit (cheap: headers only)
         locate_text_encoder(source.root)
         locate_video_vae(source.root)
         locate_audio_vae(source.root)
@@ -204,7 +249,7 @@ def generate(
     text_encoder = tiny_random_text_encoder(device=device) if source.tiny else load_text_encoder(source.root, settings.dtype, device)
     video_vae = tiny_random_video_vae(device) if source.tiny else load_video_vae(source.root, device=device)
     audio_vae = tiny_random_audio_vae(device) if source.tiny else load_audio_vae(source.root, device=device)
-    conditioning = encode_request(request, text_encoder, video_vae, audio_vae, rules=source.canvas)
+    conditioning = encode(request, text_encoder, video_vae, audio_vae, rules=source.canvas)
     text_encoder.release()  # its ~51 GB leave before the DiT arrives
     del text_encoder
     video_vae.to("cpu"), audio_vae.to("cpu")  # back on the device only for the decode
@@ -212,27 +257,27 @@ def generate(
     timings["encode"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
-    if source.tiny:
-        dit = tiny_random_dit(torch.float32 if device.type == "cpu" else settings.dtype, device)
-    else:
-        dit = load_dit(source.root, partition, dtype=settings.dtype, device=device)
-    dit.set_attention_backend(settings.attention)
-    if loras:
-        report = apply_loras(dit, loras, partition=partition, mode="merge", backup=False)
-        for line in report.lines():
-            notes(line)
+    dit, plan, streamer = load_sampling_dit(source, partition, settings, loras, conditioning, schedule.steps, notes)
     timings["load"] = time.perf_counter() - clock
 
     results = []
     for index in range(settings.outputs):
         seed = settings.seed + index
         clock = time.perf_counter()
-        latents = sample(
+        latents = run(
             dit, conditioning, seed, schedule.steps, schedule.video_shift, schedule.audio_shift,
             schedule.video_sigmas, schedule.audio_sigmas,
             callback=lambda state: progress(f"sample {index + 1}/{settings.outputs}", state.step, state.total),
+            offload_adaln=plan.offload_adaln,
         )
         seconds = {**timings, "sample": time.perf_counter() - clock}
+        if index == settings.outputs - 1:  # the DiT's device memory is free before the last decode
+            if streamer is not None:
+                streamer.remove()
+            if hasattr(dit, "close"):
+                dit.close()  # the parallel workers
+            dit = None
+            _empty_cache(device)
         latents_path = numbered(save_latents, index, settings.outputs)
         if latents_path is not None:
             latents.save(latents_path, {"seed": str(seed), "task": request.task, "model": source.name})
@@ -249,6 +294,61 @@ def generate(
             seconds["decode"] = time.perf_counter() - clock
         results.append(GenerateResult(seed, video_path, latents_path, latents, seconds))
     return results
+
+
+def load_sampling_dit(source, partition: str, settings: GenerateSettings, loras, conditioning, steps: int, notes):
+    """The DiT where the request's memory plan puts it: resident, or its leading blocks resident and the
+    rest streamed from the CPU (a request that cannot fit even so is refused before any weight is read);
+    or split over `settings.devices` in worker processes. Returns (dit, plan, streamer or None)."""
+    device = torch.device(settings.device)
+    if len(settings.devices) > 1:  # one worker process per device holds the DiT; encode and decode stay here
+        from .parallel import ModelSpec, ParallelRunner
+
+        dit = ParallelRunner(ModelSpec(
+            TINY_RANDOM if source.tiny else str(source.root), partition,
+            torch.float32 if source.tiny and device.type == "cpu" else settings.dtype, settings.attention,
+            tuple((str(path), float(strength)) for path, strength in settings.loras), settings.linears,
+        ), settings.devices, settings.shard_weights)
+        notes(f"DiT split over {', '.join(map(str, settings.devices))} (sequence parallel"
+              + (", sharded weights)" if settings.shard_weights else ")"))
+        return dit, MemoryPlan(0, 0, False, 0, True), None
+
+    dit_source = None if source.tiny else locate_dit(source.root, partition)
+    config = TINY_DIT if source.tiny else (dit_source.config or infer_config(dit_source))
+    fp8 = settings.linears.startswith("fp8") or bool(dit_source is not None and dit_source.fp8_layers)
+    plan = plan_for(config, largest_layout(conditioning), steps, device, settings.gpu_memory, fp8=fp8)
+    if not plan.fits:
+        raise RequestError(
+            f"This request needs about {plan.expected_peak_bytes / GIB:.1f} GiB on {device} even with every DiT "
+            "block streamed from the CPU; shorten it, use a smaller canvas, or free GPU memory.")
+    if device.type == "cuda":
+        notes(f"memory: {plan.describe(config.num_layers)}")
+    home = load_device(plan, device)
+    # LoRAs merge into dense weights, so with them the lossy FP8 linears are made after the merge
+    quantize_later = source.tiny or (bool(loras) and settings.linears.startswith("fp8"))
+    if source.tiny:
+        dit = tiny_random_dit(torch.float32 if device.type == "cpu" else settings.dtype, home)
+    else:
+        linears = "checkpoint" if quantize_later else settings.linears
+        dit = load_dit(source.root, partition, dtype=settings.dtype, device=home, linears=linears)
+    if loras:
+        report = apply_loras(dit, loras, partition=partition, mode="merge", backup=False)
+        for line in report.lines():
+            notes(line)
+    if quantize_later:
+        apply_linear_mode(dit, settings.linears, home)
+    if settings.linears != "checkpoint":
+        notes(f"linears: {settings.linears} ({LINEAR_MODES[settings.linears]})")
+    streamer = place(dit, device, plan)
+    dit.set_attention_backend(settings.attention)
+    return dit, plan, streamer
+
+
+def largest_layout(conditioning):
+    """The packed layout the DiT sees at its largest: the request's, or a long video's biggest window."""
+    if hasattr(conditioning, "layout"):
+        return conditioning.layout
+    return max((conditioning.window_layout(w) for w in conditioning.windows), key=lambda layout: layout.sequence_length)
 
 
 def _empty_cache(device: torch.device) -> None:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
+
+from . import geometry
+from .layout import unpatchify
 
 VIDEO_SHIFT = 12.0
 AUDIO_SHIFT = 3.0
@@ -56,9 +59,18 @@ class DualClockSchedule:
         audio_shift: float = AUDIO_SHIFT,
         video_sigmas: Sequence[float] | None = None,
         audio_sigmas: Sequence[float] | None = None,
+        denoise: float = 1.0,
     ) -> "DualClockSchedule":
-        video = custom_ladder(video_sigmas) if video_sigmas is not None else sigma_ladder(steps, video_shift)
-        audio = custom_ladder(audio_sigmas) if audio_sigmas is not None else sigma_ladder(steps, audio_shift)
+        """`denoise` < 1 runs only the last `steps` points of a longer ladder (steps / denoise points), the
+        way image samplers refine a given latent; explicit ladders say where they start themselves."""
+        if not 0.0 < denoise <= 1.0:
+            raise ValueError(f"denoise must be in (0, 1], got {denoise}.")
+        if denoise < 1.0 and (video_sigmas is not None or audio_sigmas is not None):
+            raise ValueError("denoise < 1 cuts the automatic ladders; with explicit sigmas (custom ones, or a Turbo "
+                             "adapter's own ladder) start the ladder lower instead and keep denoise at 1.")
+        points = steps if denoise == 1.0 else round((steps - 1) / denoise) + 1
+        video = custom_ladder(video_sigmas) if video_sigmas is not None else sigma_ladder(points, video_shift)[-steps:]
+        audio = custom_ladder(audio_sigmas) if audio_sigmas is not None else sigma_ladder(points, audio_shift)[-steps:]
         return cls(video, audio)
 
     @property
@@ -91,6 +103,21 @@ class StepState:
     video_rows: torch.Tensor
     audio_rows: torch.Tensor
     schedule: DualClockSchedule
+    video_velocity: torch.Tensor | None = None  # this step's prediction, all video rows
+    layout: Any = None
+
+    def video_estimate_frame(self, index: int | None = None) -> torch.Tensor:
+        """The clean-video estimate of one target latent frame (default: the middle one), [C, h, w] fp32 on
+        the CPU, for previews. After the step x = x0 - sigma_next * v, so x0 = x + sigma_next * v; only that
+        frame's rows are touched."""
+        layout = self.layout
+        _, ph, pw = geometry.PATCH_SIZE
+        per_frame = (layout.latent_height // ph) * (layout.latent_width // pw)
+        index = layout.latent_frames // 2 if index is None else index
+        start = layout.num_condition_video_rows + index * per_frame
+        rows = self.video_rows[:1, start : start + per_frame].float()
+        rows = rows + self.schedule.video[self.step].to(rows.device) * self.video_velocity[:1, start : start + per_frame].float()
+        return unpatchify(rows, 1, layout.latent_height, layout.latent_width)[0, :, 0].cpu()
 
 
 StepCallback = Callable[[StepState], None]
@@ -127,7 +154,9 @@ def denoise(
         plan.append((t_video, t_audio, timesteps.to(device), indices.to(device)))
     offloaded = dit.adaln_offloaded() if (reuse_adaln and offload_adaln) else contextlib.nullcontext()
     with offloaded:
-        modulations = dit.modulation_schedule([p[2] for p in plan]) if reuse_adaln else [None] * total
+        # With the AdaLN weights offloaded (small GPUs) the schedule's tables wait on the CPU too.
+        parked = offload_adaln and device.type == "cuda"
+        modulations = dit.modulation_schedule([p[2] for p in plan], park_on_cpu=parked) if reuse_adaln else [None] * total
         for step, (t_video, t_audio, timesteps, timestep_indices) in enumerate(plan):
             video_velocity, audio_velocity = dit(
                 video_rows=video_rows,
@@ -140,7 +169,7 @@ def denoise(
                 video_indices=on_device.video_indices,
                 audio_indices=on_device.audio_indices,
                 text_indices=on_device.text_indices,
-                modulation=modulations[step],
+                modulation=modulations[step].to(device) if parked else modulations[step],
             )
             modulations[step] = None  # each step's tables are used once
             video_rows[:, n_video:] = euler_step(
@@ -152,5 +181,5 @@ def denoise(
                 schedule.audio[step], schedule.audio[step + 1],
             )
             if callback is not None:
-                callback(StepState(step + 1, total, video_rows, audio_rows, schedule))
+                callback(StepState(step + 1, total, video_rows, audio_rows, schedule, video_velocity, layout))
     return video_rows, audio_rows

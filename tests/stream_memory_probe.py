@@ -18,6 +18,14 @@ def rss_bytes() -> int:
         return int(handle.read().split()[1]) * resource.getpagesize()
 
 
+def peak_rss_bytes() -> int:
+    """This process's own high-water mark (VmHWM). Not getrusage's ru_maxrss: Linux carries that over
+    exec from the forking parent, so a probe started by a large pytest process would report its size."""
+    with open("/proc/self/status") as handle:
+        line = next(line for line in handle if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
 def main(seconds: float, width: int, height: int, path: str) -> None:
     torch.set_num_threads(1)
     return_freed_memory_to_os()  # what the `h3` command does at start
@@ -29,7 +37,7 @@ def main(seconds: float, width: int, height: int, path: str) -> None:
     write_mp4(path, AVLatents(video[:, :, :7], audio[:, :, : geometry.audio_latents(22)]), video_vae, audio_vae)
     before = rss_bytes()
     write_mp4(path, AVLatents(video, audio), video_vae, audio_vae)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     print(json.dumps({"frames": frames, "rss_before": before, "peak": peak}))
 
 

@@ -465,6 +465,10 @@ def test_keys_that_map_to_nothing(tmp_path):
               str(tmp_path / "half.safetensors"))
     with pytest.raises(LoRAError, match="no partner"):
         load_lora(tmp_path / "half.safetensors")
+    ranks = {k: torch.zeros(64, 3) if "lora_B" in k else v for k, v in good.items()}  # A rank 4, B rank 3
+    save_file(ranks, str(tmp_path / "ranks.safetensors"))
+    with pytest.raises(LoRAError, match=r"lora_A\.default\.weight' \[4, 64\] and .*\[64, 3\] are not a LoRA pair"):
+        load_lora(tmp_path / "ranks.safetensors")
 
 
 def test_refused_files(tmp_path):
