@@ -20,8 +20,8 @@ async def comfy_entrypoint():
 
             if importlib.util.find_spec("h3_core") is None:  # the pack was not pip-installed: use its own copy
                 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
-            from .nodes import conditioning, loaders, output, sampler
+            from .nodes import node_list
 
-            return [*loaders.NODES, *conditioning.NODES, *sampler.NODES, *output.NODES]
+            return node_list()
 
     return H3Extension()

@@ -49,3 +49,18 @@ def model_path(kind: str, name: str, folder: str):
     if folder and folder.strip():
         return folder.strip()
     return folder_paths.get_full_path_or_raise(kind, name)
+
+
+def preview_settings():
+    """(max_size, factors, bias) for step previews, or None when the user turned previews off. The colours
+    come from ComfyUI's own H3 latent format where this ComfyUI has one; else h3_core's false colour."""
+    from comfy.cli_args import LatentPreviewMethod, args
+
+    if args.preview_method == LatentPreviewMethod.NoPreviews:
+        return None
+    import comfy.latent_formats as formats
+
+    known = getattr(formats, "MiniMaxH3Video", None)
+    factors = getattr(known, "latent_rgb_factors", None) if known else None
+    bias = getattr(known, "latent_rgb_factors_bias", None) if known else None
+    return args.preview_size, factors, bias

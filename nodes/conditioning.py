@@ -12,25 +12,30 @@ from h3_core.conditioning import (
     MIN_SECONDS,
     TASKS,
     encode_request,
+    validate,
 )
+from h3_core.placement import freed_on_failure
+from h3_core.prompt import MAX_AUDIO_REFERENCES, MAX_IMAGE_REFERENCES, MAX_REFERENCES, MAX_VIDEO_REFERENCES
 
-from .common import CATEGORY, H3VAE, H3Cond, H3TextEncoder
-from .convert import build_request
+from .common import CATEGORY, H3VAE, H3Cond, H3TextEncoder, device
+from .convert import SOCKET_KINDS, build_request, media_problem, ordered_references
+from .memory import place
 
-# First version: fixed optional slots, read in this order (images, then videos, then audio).
-IMAGE_SLOTS, VIDEO_SLOTS, AUDIO_SLOTS = 4, 2, 2
+REFERENCE_TOOLTIP = (f"ref2va references, read in slot order (images, videos and audio in any order the prompt "
+                     f"refers to them): up to {MAX_IMAGE_REFERENCES} images, {MAX_VIDEO_REFERENCES} videos "
+                     f"(2-15 s each; their soundtracks count as video) and {MAX_AUDIO_REFERENCES} audio clips "
+                     f"(2-15 s; only beside an image or video), {MAX_REFERENCES} in all. A new slot appears when "
+                     "the last one is connected.")
 
 
-def reference_inputs():
-    inputs = []
-    for kind, socket, count in (("image", io.Image, IMAGE_SLOTS), ("video", io.Video, VIDEO_SLOTS),
-                                ("audio", io.Audio, AUDIO_SLOTS)):
-        for index in range(1, count + 1):
-            inputs.append(socket.Input(
-                f"ref_{kind}_{index}", optional=True,
-                tooltip=f"ref2va: {kind} reference {index}. The model reads references in this order: "
-                        "images, then videos, then audio (audio needs an image or video beside it)."))
-    return inputs
+LINKED_TYPES = {"text_encoder": "H3_TEXT_ENCODER", "vae": "H3_VAE", "first_image": "IMAGE", "last_image": "IMAGE"}
+
+
+def reference_input():
+    slot = io.MultiType.Input("ref", types=[io.Image, io.Video, io.Audio], optional=True,
+                              tooltip="One reference: an IMAGE, a VIDEO or an AUDIO.")
+    return io.Autogrow.Input("references", optional=True, tooltip=REFERENCE_TOOLTIP,
+                             template=io.Autogrow.TemplatePrefix(slot, prefix="ref", min=0, max=MAX_REFERENCES))
 
 
 class H3Conditioning(io.ComfyNode):
@@ -61,7 +66,7 @@ class H3Conditioning(io.ComfyNode):
                             tooltip="From H3 VAE Loader; needed to encode keyframes and references."),
                 io.Image.Input("first_image", optional=True, tooltip="fl2va: the first frame (first image of a batch)."),
                 io.Image.Input("last_image", optional=True, tooltip="fl2va: the last frame (first image of a batch)."),
-                *reference_inputs(),
+                reference_input(),
             ],
             outputs=[
                 H3Cond.Output(display_name="conditioning"),
@@ -72,16 +77,44 @@ class H3Conditioning(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, input_types=None, task=None, **_) -> bool | str:
+        """Which media are wired is known before anything runs: a wrong mix is a node error at queue time."""
+        types = (input_types or {}) if isinstance(input_types, dict) else {}
+        kinds = [SOCKET_KINDS.get(kind, kind) for name, kind in sorted(types.items(), key=lambda item: _slot(item[0]))
+                 if name.startswith("references.")]
+        wrong = [kind for kind in kinds if kind not in SOCKET_KINDS.values()]
+        if wrong:
+            return f"References must be IMAGE, VIDEO or AUDIO; got {', '.join(wrong)}."
+        for name, kind in types.items():  # asking for input_types turns ComfyUI's own link type check off
+            if name in LINKED_TYPES and kind not in (LINKED_TYPES[name], "*"):
+                return f"{name} takes {LINKED_TYPES[name]}, got {kind}."
+        keyframes = sum(name in types for name in ("first_image", "last_image"))
+        if task is None:  # the task comes from a link: checked when the node runs
+            return True
+        return media_problem(task, kinds, keyframes) or True
+
+    @classmethod
     def execute(cls, text_encoder, prompt, task, aspect_ratio, width, height, duration, vae=None,
-                first_image=None, last_image=None, **refs) -> io.NodeOutput:
-        references = [(kind, refs.get(f"ref_{kind}_{i}"))
-                      for kind, count in (("image", IMAGE_SLOTS), ("video", VIDEO_SLOTS), ("audio", AUDIO_SLOTS))
-                      for i in range(1, count + 1)]
+                first_image=None, last_image=None, references=None) -> io.NodeOutput:
+        references = ordered_references(references)
+        keyframes = (first_image is not None) + (last_image is not None)
+        problem = media_problem(task, [kind for kind, _ in references], keyframes)
+        if problem:
+            raise ValueError(problem)
         request = build_request(task, prompt, first_image, last_image, references, aspect_ratio, width, height,
                                 duration)
-        cond = encode_request(request, text_encoder.encoder, None if vae is None else vae.video,
-                              None if vae is None else vae.audio, rules=text_encoder.canvas)
+        video_vae = None if vae is None else vae.video
+        audio_vae = None if vae is None else vae.audio
+        validate(request, text_encoder.canvas)  # every limit, before any model moves
+        place([text_encoder.patcher, None if vae is None else vae.patcher])
+        with freed_on_failure(device()):
+            cond = encode_request(request, text_encoder.encoder, video_vae, audio_vae, rules=text_encoder.canvas)
         return io.NodeOutput(cond, cond.width, cond.height, cond.num_frames)
+
+
+def _slot(name: str) -> int:
+    digits = "".join(ch for ch in name if ch.isdigit())
+    return int(digits) if digits else -1
 
 
 NODES = [H3Conditioning]

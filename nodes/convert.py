@@ -6,6 +6,7 @@ Pure functions: no ComfyUI import, so the tests run them on a machine without Co
     AUDIO   {"waveform": [B, C, N], "sample_rate"}   <-> DecodedAudio / float [2, N] at 32 kHz
     VIDEO   object with get_components() (images, frame_rate, audio) -> DecodedVideo
     H3_LATENT  dict {"video": [1, 24, L, h, w], "audio": [2, 32, A], "seed", "task", ...} <-> AVLatents
+               ("empty": True from H3 Empty AV Latent: zeros that only fix the size)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from h3_core.media import (
     resample_audio,
 )
 from h3_core.output import AVLatents
+from h3_core.prompt import MAX_KEYFRAMES, reference_mix_problem
 from h3_core.references import CanvasRules, DecodedAudio, DecodedVideo, MediaReference
 
 LATENT_KIND = "h3_av_latent"
@@ -40,30 +42,38 @@ class ModelHandle:
     """A loaded DiT and what the sampler needs to know about it. LoRAs are listed, not merged: the
     sampler hooks them in for its run and removes them after, so the loader's cached DiT stays clean."""
 
-    dit: Any
+    dit: Any = field(repr=False)  # reprs stay short: ComfyUI prints node inputs into its error reports
     partition: str  # "fl2va" | "ref2va"
     name: str
     device: torch.device
     tiny: bool = False
-    loras: tuple = ()  # ((LoRA, strength), ...) in application order
+    loras: tuple = field(default=(), repr=False)  # ((LoRA, strength), ...) in application order
+    patcher: Any = field(default=None, repr=False)  # the host's memory manager's handle (nodes/memory.py)
 
     def with_lora(self, lora, strength: float) -> ModelHandle:
         return replace(self, loras=self.loras + ((lora, float(strength)),))
 
+    @property
+    def split(self) -> bool:
+        """True when the DiT runs split over several devices (worker processes hold it, not this process)."""
+        return not isinstance(self.dit, torch.nn.Module)
+
 
 @dataclass(frozen=True)
 class TextEncoderHandle:
-    encoder: Any
+    encoder: Any = field(repr=False)
     name: str
     canvas: CanvasRules  # tiny-random encodes on the small canvas its demo models were made for
+    patcher: Any = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
 class VAEHandle:
-    video: Any
-    audio: Any
+    video: Any = field(repr=False)
+    audio: Any = field(repr=False)
     name: str
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    patcher: Any = field(default=None, repr=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,6 +202,45 @@ def reference_source(kind: str, value, what: str):
     raise ValueError(f"Unknown reference kind {kind!r}.")
 
 
+def reference_kind(value) -> str:
+    """Which reference a ComfyUI value is: IMAGE tensor, AUDIO dict or VIDEO object."""
+    if isinstance(value, torch.Tensor):
+        return "image"
+    if isinstance(value, dict) and "waveform" in value:
+        return "audio"
+    if hasattr(value, "get_components"):
+        return "video"
+    raise ValueError(f"A reference must be an IMAGE, VIDEO or AUDIO; got {type(value).__name__}.")
+
+
+SOCKET_KINDS = {"IMAGE": "image", "VIDEO": "video", "AUDIO": "audio"}
+
+
+def ordered_references(values: dict | None) -> list[tuple[str, Any]]:
+    """A growing input's {"ref0": v, "ref1": v, ...} -> [(kind, value), ...] in slot order, gaps skipped."""
+    items = [(int("".join(ch for ch in name if ch.isdigit()) or 0), value) for name, value in (values or {}).items()
+             if value is not None]
+    return [(reference_kind(value), value) for _, value in sorted(items, key=lambda item: item[0])]
+
+
+def media_problem(task: str, reference_kinds: list[str], keyframes: int) -> str | None:
+    """What is wrong with the media wired to a request of `task` (checked before anything runs), or None."""
+    if task == "t2va" and (reference_kinds or keyframes):
+        return "t2va takes a prompt only: disconnect the keyframes (fl2va) and references (ref2va), or change the task."
+    if task == "fl2va":
+        if reference_kinds:
+            return "fl2va takes first_image / last_image keyframes, not references (those are ref2va)."
+        if not 1 <= keyframes <= MAX_KEYFRAMES:
+            return "fl2va needs first_image, last_image or both connected; a prompt alone is t2va."
+    if task == "ref2va":
+        if keyframes:
+            return "ref2va takes references, not first_image / last_image (those are fl2va keyframes)."
+        if not reference_kinds:
+            return "ref2va needs at least one image, video or audio reference; a prompt alone is t2va."
+        return reference_mix_problem(reference_kinds)
+    return None
+
+
 def build_request(
     task: str,
     prompt: str,
@@ -228,11 +277,22 @@ def build_request(
 # H3_LATENT
 
 
+class H3LatentDict(dict):
+    """The H3_LATENT dict, printed as a one-line summary (ComfyUI prints node inputs into error reports)."""
+
+    def __repr__(self) -> str:
+        shapes = {key: list(value.shape) for key, value in self.items() if isinstance(value, torch.Tensor)}
+        facts = {key: value for key, value in self.items() if not isinstance(value, torch.Tensor)}
+        return f"H3_LATENT({shapes}, {facts})"
+
+    __str__ = __repr__
+
+
 def pack_latents(latents: AVLatents, **info) -> dict:
     """AVLatents -> the H3_LATENT dict our sockets carry (CPU tensors plus plain facts)."""
     latents.check()
-    return {"kind": LATENT_KIND, "video": latents.video.detach().cpu(), "audio": latents.audio.detach().cpu(),
-            "num_frames": latents.num_frames, **info}
+    return H3LatentDict(kind=LATENT_KIND, video=latents.video.detach().cpu(), audio=latents.audio.detach().cpu(),
+                        num_frames=latents.num_frames, **info)
 
 
 def unpack_latents(value) -> AVLatents:
@@ -240,6 +300,28 @@ def unpack_latents(value) -> AVLatents:
     if not isinstance(value, dict) or value.get("kind") != LATENT_KIND:
         raise ValueError("This input needs an H3_LATENT from an H3 sampler (a core LATENT is a different format).")
     return AVLatents(value["video"], value["audio"]).check()
+
+
+def empty_latent(width: int, height: int, num_frames: int, video_channels: int = 24, audio_channels: int = 32) -> dict:
+    """An H3_LATENT of zeros that fixes the size (canvas multiple of 32, 17n + 5 frames) and nothing else."""
+    geometry.check_canvas(width, height)
+    latent_height, latent_width = geometry.latent_size(width, height)
+    video = torch.zeros(1, video_channels, geometry.latent_frames(num_frames), latent_height, latent_width)
+    audio = torch.zeros(geometry.AUDIO_CHANNELS, audio_channels, geometry.audio_latents(num_frames))
+    return H3LatentDict(kind=LATENT_KIND, video=video, audio=audio, num_frames=num_frames, width=width,
+                        height=height, empty=True)
+
+
+def latent_size_problem(latent: dict, width: int, height: int, num_frames: int) -> str | None:
+    """Whether an H3_LATENT has the conditioning's size (a refined or empty latent must)."""
+    latents = unpack_latents(latent)
+    latent_height, latent_width = geometry.latent_size(width, height)
+    have = (latents.num_frames, *latents.video.shape[3:])
+    if have != (num_frames, latent_height, latent_width):
+        return (f"The latent is {latents.video.shape[4] * 16}x{latents.video.shape[3] * 16}, {latents.num_frames} frames, "
+                f"but the conditioning asks for {width}x{height}, {num_frames} frames; make the latent from the "
+                "conditioning (connect it to H3 Empty AV Latent) or match its size.")
+    return None
 
 
 def seconds_of(num_frames: int) -> float:

@@ -3,11 +3,15 @@ original release / partition folder, or `tiny-random`) -> handles on our own soc
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from comfy_api.latest import io
 
 from h3_core.attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
-from h3_core.checkpoint import load_dit
+from h3_core.checkpoint import load_dit, locate_dit
+from h3_core.parallel import ModelSpec
+from h3_core.placement import check_devices, freed_on_failure
 from h3_core.pipeline import TINY_CANVAS
 from h3_core.references import RELEASE_CANVAS
 from h3_core.text import load_text_encoder
@@ -32,6 +36,16 @@ from .common import (
     model_path,
 )
 from .convert import ModelHandle, TextEncoderHandle, VAEHandle
+from .memory import dit_home, make_room, manage, manage_dit, manage_runner
+
+def file_bytes(paths) -> int:
+    """On-disk size of weight files (a folder counts its .safetensors): roughly what they take once loaded."""
+    total = 0
+    for path in map(Path, paths):
+        files = [path] if path.is_file() else list(path.rglob("*.safetensors")) if path.is_dir() else []
+        total += sum(f.stat().st_size for f in files)
+    return total
+
 
 FOLDER_TOOLTIP = ("Optional: a folder of the original release (its root or a partition folder such as FL2VA/). "
                   "When set it is used instead of the file chosen above.")
@@ -57,24 +71,69 @@ class H3ModelLoader(io.ComfyNode):
                                        "'checkpoint' keeps each tensor's stored dtype."),
                 io.Combo.Input("attention", options=["auto", *EXACT_BACKENDS, *LOSSY_BACKENDS], default="auto",
                                tooltip="Attention kernel: auto picks the fastest exact one available; sage is lossy."),
+                io.Float.Input("gpu_memory_gb", default=0.0, min=0.0, max=4096.0, step=0.5, optional=True,
+                               tooltip="GPU memory the DiT may use, in GiB; 0 = automatic: what ComfyUI has free once "
+                                       "other models have left. What does not fit (the bf16 DiT is 62 GB) streams "
+                                       "from pinned CPU memory block by block each step: slower, same result. Set "
+                                       "it to leave room for other work or to force streaming."),
+                io.String.Input("devices", default="", optional=True,
+                                tooltip="Empty: ComfyUI's device. Two or more, comma-separated (e.g. cuda:0,cuda:1): "
+                                        "the DiT is split over them in worker processes (sequence parallel; the count "
+                                        "must divide the 56 attention heads: 2, 4, 7 or 8). Text encoder and VAEs "
+                                        "stay on ComfyUI's device. Unloading the model stops the workers."),
+                io.Boolean.Input("shard_weights", default=False, optional=True,
+                                 tooltip="With devices: each device keeps 1/N of every block's weights and gathers a "
+                                         "block just before it runs (e.g. four 24 GB cards); else each holds the "
+                                         "whole DiT."),
             ],
             outputs=[H3Model.Output(display_name="model")],
         )
 
     @classmethod
-    def execute(cls, checkpoint, folder, partition, weight_dtype, attention) -> io.NodeOutput:
-        target = device()
-        resolve_backend(attention, target)  # an unavailable kernel fails before any weight is read
+    def execute(cls, checkpoint, folder, partition, weight_dtype, attention, gpu_memory_gb=0.0, devices="",
+                shard_weights=False) -> io.NodeOutput:
+        split = split_devices(devices, shard_weights, gpu_memory_gb)
+        target = split[0] if split else device()
+        chosen = resolve_backend(attention, target)  # an unavailable kernel fails before any weight is read
         dtype = DTYPES[weight_dtype]
-        if checkpoint == TINY_RANDOM and not folder.strip():
-            dit = tiny_random_dit(torch.float32 if target.type == "cpu" else (dtype or torch.bfloat16), target)
-            name, tiny = TINY_RANDOM, True
+        tiny = checkpoint == TINY_RANDOM and not folder.strip()
+        path = None if tiny else model_path("diffusion_models", checkpoint, folder)
+        label = f"H3 DiT ({partition}, {TINY_RANDOM if tiny else Path(path).name})"
+        if tiny:  # the tiny model computes in fp32 on the CPU (bf16 kernels there are slow and not needed)
+            dtype = torch.float32 if target.type == "cpu" else (dtype or torch.bfloat16)
+        if split:
+            spec = ModelSpec(TINY_RANDOM if tiny else str(path), partition, dtype, attention)
+            patcher = manage_runner(label, spec, split, bool(shard_weights))
+            return io.NodeOutput(ModelHandle(patcher.model, partition, spec.source, target, tiny, patcher=patcher))
+        budget = float(gpu_memory_gb) or None
+        if tiny:
+            home = target
+            dit = tiny_random_dit(dtype, home)
         else:
-            path = model_path("diffusion_models", checkpoint, folder)
-            dit = load_dit(path, partition, dtype=dtype, device=target)
-            name, tiny = str(path), False
-        dit.set_attention_backend(attention)
-        return io.NodeOutput(ModelHandle(dit, partition, name, target, tiny))
+            home = dit_home(file_bytes(locate_dit(path, partition).files), target, budget)
+            with freed_on_failure(target):
+                dit = load_dit(path, partition, dtype=dtype, device=home)
+        dit.set_attention_backend(chosen)  # chosen for the compute device, wherever the weights wait
+        patcher = manage_dit(label, dit, target, home == target, budget)
+        return io.NodeOutput(ModelHandle(dit, partition, str(path or TINY_RANDOM), target, tiny, patcher=patcher))
+
+
+def split_devices(devices: str, shard_weights: bool, gpu_memory_gb: float) -> list[torch.device]:
+    """The loader's `devices` text as a list (empty: ComfyUI's one device); a bad combination is refused."""
+    names = [name.strip() for name in (devices or "").split(",") if name.strip()]
+    if len(names) == 1:
+        raise ValueError(f"devices: {names[0]} alone is one device; list two or more to split the DiT over them "
+                         "(e.g. cuda:0,cuda:1), or leave it empty for ComfyUI's device.")
+    if shard_weights and not names:
+        raise ValueError("shard_weights splits the DiT's weights over several devices: list them in devices.")
+    if names and gpu_memory_gb:
+        raise ValueError("gpu_memory_gb streams blocks on one device; with several devices leave it at 0 (each "
+                         "holds the whole DiT, or 1/N of it with shard_weights).")
+    try:
+        parsed = [torch.device(name) for name in names]
+    except RuntimeError:
+        raise ValueError(f"devices: {devices!r} is not a list of device names such as cuda:0,cuda:1.") from None
+    return check_devices(parsed)
 
 
 class H3TextEncoderLoader(io.ComfyNode):
@@ -102,10 +161,15 @@ class H3TextEncoderLoader(io.ComfyNode):
     def execute(cls, text_encoder, folder, tokenizer_folder, weight_dtype) -> io.NodeOutput:
         target = device()
         if text_encoder == TINY_RANDOM and not folder.strip():
-            return io.NodeOutput(TextEncoderHandle(tiny_random_text_encoder(device=target), TINY_RANDOM, TINY_CANVAS))
-        path = model_path("text_encoders", text_encoder, folder)
-        encoder = load_text_encoder(path, DTYPES[weight_dtype], target, tokenizer=tokenizer_folder.strip() or None)
-        return io.NodeOutput(TextEncoderHandle(encoder, str(path), RELEASE_CANVAS))
+            encoder, name, canvas = tiny_random_text_encoder(device=target), TINY_RANDOM, TINY_CANVAS
+        else:
+            path = model_path("text_encoders", text_encoder, folder)
+            make_room(file_bytes([path]), target)
+            with freed_on_failure(target):
+                encoder = load_text_encoder(path, DTYPES[weight_dtype], target, tokenizer=tokenizer_folder.strip() or None)
+            name, canvas = str(path), RELEASE_CANVAS
+        patcher = manage(f"H3 text encoder ({Path(name).name})", [encoder], target, "text_encoder")
+        return io.NodeOutput(TextEncoderHandle(encoder, name, canvas, patcher=patcher))
 
 
 class H3VAELoader(io.ComfyNode):
@@ -140,7 +204,8 @@ class H3VAELoader(io.ComfyNode):
             audio = (tiny_random_audio_vae(target) if audio_vae == TINY_RANDOM
                      else load_audio_vae(model_path("vae", audio_vae, ""), device=target))
             name = f"{video_vae} + {audio_vae}"
-        return io.NodeOutput(VAEHandle(video, audio, name, target))
+        patcher = manage(f"H3 VAEs ({name})", [video, audio], target, "vae")
+        return io.NodeOutput(VAEHandle(video, audio, name, target, patcher=patcher))
 
 
 NODES = [H3ModelLoader, H3TextEncoderLoader, H3VAELoader]

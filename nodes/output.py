@@ -10,6 +10,7 @@ from comfy_api.latest import InputImpl, io, ui
 from h3_core.media import SAMPLE_RATE
 from h3_core.media_write import write_mp4
 from h3_core.output import decode_audio, decode_video
+from h3_core.placement import freed_on_failure
 
 from .common import CATEGORY, H3VAE, H3Latent, check_interrupt, progress_bar
 from .convert import (
@@ -19,6 +20,7 @@ from .convert import (
     unpack_latents,
     waveform_to_audio,
 )
+from .memory import place
 
 
 class H3VAEDecode(io.ComfyNode):
@@ -31,7 +33,7 @@ class H3VAEDecode(io.ComfyNode):
             description="Decodes H3 latents chunk by chunk into frames (24 fps) and a 32 kHz stereo soundtrack.",
             inputs=[
                 H3VAE.Input("vae", tooltip="From H3 VAE Loader."),
-                H3Latent.Input("latent", tooltip="From H3 Dual-Clock Sampler."),
+                H3Latent.Input("latent", tooltip="From H3 Dual-Clock Sampler (one output of its list at a time)."),
             ],
             outputs=[io.Image.Output(display_name="images"), io.Audio.Output(display_name="audio")],
         )
@@ -41,13 +43,15 @@ class H3VAEDecode(io.ComfyNode):
         latents = unpack_latents(latent)
         total = latents.num_frames
         bar = progress_bar(total)
-        audio = waveform_to_audio(list(decode_audio(vae.audio, latents.audio)), total)
-        blocks, done = [], 0
-        for block in decode_video(vae.video, latents.video):
-            blocks.append(block)
-            done += block.shape[0]
-            bar.update_absolute(done, total)
-            check_interrupt()
+        place([vae.patcher])
+        with freed_on_failure(vae.device):
+            audio = waveform_to_audio(list(decode_audio(vae.audio, latents.audio)), total)
+            blocks, done = [], 0
+            for block in decode_video(vae.video, latents.video):
+                blocks.append(block)
+                done += block.shape[0]
+                bar.update_absolute(done, total)
+                check_interrupt()
         return io.NodeOutput(frames_to_image(blocks), audio)
 
 

@@ -4,12 +4,36 @@ from __future__ import annotations
 
 import folder_paths
 from comfy_api.latest import io
+from PIL import Image
 
 from h3_core.lora import apply_loras, load_lora, remove_loras, sampler_settings
 from h3_core.pipeline import TASK_PARTITION, sample
+from h3_core.placement import freed_on_failure
+from h3_core.preview import latent_rgb
+from h3_core.sampler import DualClockSchedule, custom_ladder
 
-from .common import CATEGORY, H3Cond, H3Latent, H3Model, check_interrupt, progress_bar
-from .convert import pack_latents
+from .common import CATEGORY, H3Cond, H3Latent, H3Model, check_interrupt, preview_settings, progress_bar
+from .convert import latent_size_problem, pack_latents, unpack_latents
+from .memory import dit_for_run
+
+SIGMAS_TOOLTIP = ("Optional {what} sigma ladder (core SIGMAS, e.g. from ManualSigmas): strictly decreasing, at most "
+                  "1.0, ending at 0.0; used as given. Overrides steps and the {what} shift; when only one ladder is "
+                  "given, the other modality's automatic ladder gets as many points.")
+
+
+SPLIT_LORA_ERROR = ("H3 LoRA / Turbo Apply hooks an adapter into this process's DiT for each run, but a model split "
+                    "over several devices lives in worker processes; load it on one device (devices empty) to "
+                    "use LoRAs.")
+
+
+def checked_sigmas(sigmas, what: str):
+    """A SIGMAS input as a list, or a clear error naming the input (before any model moves)."""
+    if sigmas is None:
+        return None
+    try:
+        return custom_ladder(sigmas).tolist()
+    except ValueError as error:
+        raise ValueError(f"{what}: {error}") from None
 
 
 class H3Sampler(io.ComfyNode):
@@ -19,49 +43,99 @@ class H3Sampler(io.ComfyNode):
             node_id="H3Sampler",
             display_name="H3 Dual-Clock Sampler",
             category=CATEGORY,
-            description="Denoises video and audio together on their own sigma ladders (the H3 flow sampler).",
+            description="Denoises video and audio together on their own sigma ladders (the H3 flow sampler). "
+                        "Several outputs come out as a list: the nodes after it run once per output.",
             inputs=[
                 H3Model.Input("model", tooltip="From H3 Model Loader (optionally through H3 LoRA / Turbo Apply)."),
                 H3Cond.Input("conditioning", tooltip="From H3 Conditioning."),
                 io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
-                             tooltip="Noise seed (one CPU generator: the same seed gives the same output anywhere)."),
+                             tooltip="Noise seed (one CPU generator: the same seed gives the same output anywhere). "
+                                     "Output i uses seed + i."),
                 io.Int.Input("steps", default=0, min=0, max=200,
                              tooltip="Sampling points; 0 = automatic: a Turbo adapter's distilled count, else 50."),
                 io.Float.Input("video_shift", default=0.0, min=0.0, max=100.0, step=0.1,
                                tooltip="Video sigma shift; 0 = automatic: the Turbo contract's, else 12."),
                 io.Float.Input("audio_shift", default=0.0, min=0.0, max=100.0, step=0.1,
                                tooltip="Audio sigma shift; 0 = automatic: the Turbo contract's, else 3."),
+                io.Float.Input("denoise", default=1.0, min=0.01, max=1.0, step=0.01,
+                               tooltip="1.0: generate from noise. Below 1: refine the connected latent, running the "
+                                       "last steps of a ladder of steps / denoise points (automatic ladders only)."),
+                io.Int.Input("outputs", default=1, min=1, max=64,
+                             tooltip="How many videos to make, with seeds seed, seed + 1, ...; they leave as a list."),
+                H3Latent.Input("latent", optional=True,
+                               tooltip="Optional. From H3 Empty AV Latent: fixes the size, which must match the "
+                                       "conditioning's. From a sampler: the latent to refine with denoise < 1 (or "
+                                       "sigmas starting below 1). Unconnected: the conditioning's size, from noise."),
+                io.Sigmas.Input("video_sigmas", optional=True, tooltip=SIGMAS_TOOLTIP.format(what="video")),
+                io.Sigmas.Input("audio_sigmas", optional=True, tooltip=SIGMAS_TOOLTIP.format(what="audio")),
             ],
-            outputs=[H3Latent.Output(display_name="latent")],
+            outputs=[H3Latent.Output(display_name="latent", is_output_list=True)],
         )
 
     @classmethod
-    def execute(cls, model, conditioning, seed, steps, video_shift, audio_shift) -> io.NodeOutput:
+    def execute(cls, model, conditioning, seed, steps, video_shift, audio_shift, denoise=1.0, outputs=1, latent=None,
+                video_sigmas=None, audio_sigmas=None) -> io.NodeOutput:
         wanted = TASK_PARTITION[conditioning.task]
         if wanted != model.partition:
             raise ValueError(f"{conditioning.task} runs on the {wanted} partition, but this model was loaded as "
                              f"{model.partition}; set the loader's partition to {wanted}.")
+        video_sigmas = checked_sigmas(video_sigmas, "video_sigmas")
+        audio_sigmas = checked_sigmas(audio_sigmas, "audio_sigmas")
+        if (video_sigmas is None) != (audio_sigmas is None):  # the automatic ladder walks as many points
+            steps = len(video_sigmas or audio_sigmas)
+        init = None
+        if latent is not None:
+            problem = latent_size_problem(latent, conditioning.width, conditioning.height, conditioning.num_frames)
+            if problem:
+                raise ValueError(problem)
+            init = None if latent.get("empty") else unpack_latents(latent)
+        starts_low = denoise < 1.0 or any(ladder and ladder[0] < 1.0 for ladder in (video_sigmas, audio_sigmas))
+        if starts_low and init is None:
+            raise ValueError("denoise < 1 (or sigmas starting below 1.0) refines a latent: connect one from an H3 "
+                             "sampler (an empty latent has nothing to refine), or set denoise to 1.0.")
+
+        if model.split and model.loras:
+            raise ValueError(SPLIT_LORA_ERROR)
         dit = model.dit
-        contracts = []
-        try:
-            if model.loras:
-                report = apply_loras(dit, list(model.loras), partition=model.partition, mode="dynamic")
-                contracts = [c for c in report.contracts if c is not None]
-            settings = sampler_settings(contracts, steps or None, video_shift or None, audio_shift or None)
-            bar = progress_bar(settings.steps)
+        contracts = [lora.contract for lora, _ in model.loras if lora.contract is not None]
+        settings = sampler_settings(contracts, steps or None, video_shift or None, audio_shift or None,
+                                    video_sigmas, audio_sigmas)
+        # a bad combination (denoise with explicit ladders, a bad shift) fails here, before any model moves
+        DualClockSchedule.build(settings.steps, settings.video_shift, settings.audio_shift, settings.video_sigmas,
+                                settings.audio_sigmas, denoise)
+        previews = preview_settings()
+        results = []
+        # ComfyUI frees room, the engine plans with what is free (streaming blocks that do not fit), ours is placed
+        with freed_on_failure(model.device), dit_for_run(model, conditioning.layout, settings.steps) as plan:
+            try:
+                if model.loras:  # hooked in after placement, so the adapter sits on the DiT's device
+                    apply_loras(dit, list(model.loras), partition=model.partition, mode="dynamic")
+                if model.split:  # rank 0 then sends each step's rows back for the preview
+                    dit.previews = previews is not None
+                bar = progress_bar(outputs * settings.steps)
+                for index in range(outputs):
+                    def on_step(state, done=index):
+                        preview = None
+                        if previews is not None and state.video_rows is not None:
+                            size, factors, bias = previews
+                            picture = latent_rgb(state.video_estimate_frame(), factors, bias)
+                            preview = ("JPEG", Image.fromarray(picture), size)
+                        bar.update_absolute(done * state.total + state.step, outputs * state.total, preview)
+                        check_interrupt()
 
-            def on_step(state):
-                bar.update_absolute(state.step, state.total)
-                check_interrupt()
-
-            check_interrupt()
-            latents = sample(dit, conditioning, seed, settings.steps, settings.video_shift, settings.audio_shift,
-                             settings.video_sigmas, settings.audio_sigmas, callback=on_step)
-        finally:
-            if model.loras:
-                remove_loras(dit)  # the loader's cached DiT goes back to its base weights
-        return io.NodeOutput(pack_latents(latents, seed=int(seed), task=conditioning.task, steps=settings.steps,
-                                          width=conditioning.width, height=conditioning.height))
+                    check_interrupt()
+                    seed_i = (int(seed) + index) % 2**64  # the generator's range; the widget allows its top
+                    latents = sample(dit, conditioning, seed_i, settings.steps, settings.video_shift,
+                                     settings.audio_shift, settings.video_sigmas, settings.audio_sigmas,
+                                     callback=on_step, init=init, denoise=denoise,
+                                     offload_adaln=plan is not None and plan.offload_adaln)
+                    results.append(pack_latents(latents, seed=seed_i, task=conditioning.task,
+                                                steps=settings.steps, width=conditioning.width,
+                                                height=conditioning.height))
+            finally:
+                if model.loras:
+                    remove_loras(dit)  # the loader's cached DiT goes back to its base weights
+        return io.NodeOutput(results)
 
 
 class H3LoRAApply(io.ComfyNode):
@@ -85,6 +159,8 @@ class H3LoRAApply(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, lora_name, strength) -> io.NodeOutput:
+        if model.split:
+            raise ValueError(SPLIT_LORA_ERROR)
         lora = load_lora(folder_paths.get_full_path_or_raise("loras", lora_name))
         lora.terms_for(model.partition)  # an adapter for the other partition is refused here
         return io.NodeOutput(model.with_lora(lora, strength))

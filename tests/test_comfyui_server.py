@@ -1,15 +1,21 @@
 """The pack inside a real ComfyUI server (testing.md section 3). Needs COMFYUI_PATH (a ComfyUI tree)
 and a Python that runs it (COMFYUI_PYTHON, default: the one running the tests) with this pack
 installed; skips with a message otherwise. Starts the server on a free loopback port with the pack
-linked into custom_nodes, checks /object_info, runs every API workflow on tiny-random, checks the MP4s."""
+linked into custom_nodes (and a tiny Turbo LoRA under the file name the turbo workflow names), then:
+/object_info and the template list, every API workflow to an MP4 on tiny-random with progress and
+previews on the websocket, an output list, node errors at queue time, a bad sigma ladder, an interrupt
+mid-sampling, and /free releasing our models."""
 
+import asyncio
 import json
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -20,9 +26,12 @@ import pytest
 
 PACK = Path(__file__).resolve().parents[1]
 WORKFLOWS = sorted((PACK / "workflows" / "api").glob("*.json"))
-NODE_IDS = ["H3ModelLoader", "H3TextEncoderLoader", "H3VAELoader", "H3Conditioning", "H3Sampler",
+TEMPLATES = sorted((PACK / "example_workflows").glob("*.json"))
+NODE_IDS = ["H3ModelLoader", "H3TextEncoderLoader", "H3VAELoader", "H3Conditioning", "H3EmptyAVLatent", "H3Sampler",
             "H3LoRAApply", "H3VAEDecode", "H3AVSave"]
+TURBO_LORA = "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors"
 COMFYUI = os.environ.get("COMFYUI_PATH")
+PREVIEW_EVENTS = (1, 4)  # ComfyUI's binary PREVIEW_IMAGE and PREVIEW_IMAGE_WITH_METADATA
 
 pytestmark = pytest.mark.skipif(
     not COMFYUI, reason="COMFYUI_PATH is not set: no ComfyUI checkout to start (see shared docs testing.md section 3)")
@@ -43,9 +52,56 @@ def _post(url: str, body: dict):
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())
+            return response.status, json.loads(response.read() or b"{}")
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read() or b"{}")
+
+
+def _write_turbo_lora(folder: Path) -> None:
+    """A tiny-random-shaped adapter in the LightX2V `_comfyui_` layout, under the real Turbo file name."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from lora_files import fused, random_spec, write_native
+
+    from h3_core.config import TINY_DIT
+
+    write_native(folder / TURBO_LORA, fused(random_spec(TINY_DIT), block_diagonal=True), prefix="diffusion_model.")
+
+
+class Socket:
+    """The server's websocket for one client id, read on a thread: JSON messages and binary previews."""
+
+    def __init__(self, base: str):
+        import aiohttp
+
+        self.client_id = uuid.uuid4().hex
+        self.messages, self.previews = [], []
+        url = base.replace("http", "ws") + f"/ws?clientId={self.client_id}"
+        self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        async def read():
+            try:
+                async with aiohttp.ClientSession() as session, session.ws_connect(url) as ws:
+                    ready.set()
+                    async for message in ws:
+                        if message.type == aiohttp.WSMsgType.TEXT:
+                            self.messages.append(json.loads(message.data))
+                        elif message.type == aiohttp.WSMsgType.BINARY:
+                            self.previews.append(struct.unpack(">I", message.data[:4])[0])
+            except asyncio.CancelledError:  # close()
+                pass
+
+        self._thread = threading.Thread(target=lambda: self._loop.run_until_complete(read()), daemon=True)
+        self._thread.start()
+        assert ready.wait(30), "no websocket connection"
+
+    def of(self, kind: str, prompt_id: str):
+        return [m["data"] for m in self.messages if m["type"] == kind and m["data"].get("prompt_id") == prompt_id]
+
+    def close(self):
+        for task in asyncio.all_tasks(self._loop):
+            self._loop.call_soon_threadsafe(task.cancel)
+        self._thread.join(5)
 
 
 @pytest.fixture(scope="module")
@@ -55,17 +111,23 @@ def server():
         pytest.fail(f"COMFYUI_PATH={COMFYUI} holds no main.py")
     python = os.environ.get("COMFYUI_PYTHON", sys.executable)
     work = Path(tempfile.mkdtemp(prefix="h3-comfy-"))
-    nodes_dir = work / "custom_nodes"
+    nodes_dir, loras = work / "custom_nodes", work / "loras"
     nodes_dir.mkdir()
+    loras.mkdir()
+    _write_turbo_lora(loras)
+    from test_nodes_memory import write_four_blocks
+
+    write_four_blocks(work / "diffusion_models")
     (nodes_dir / "comfyui-h3").symlink_to(PACK, target_is_directory=True)
     config = work / "extra_model_paths.yaml"
-    config.write_text(f"h3test:\n  base_path: {work}\n  custom_nodes: custom_nodes\n")
+    config.write_text(f"h3test:\n  base_path: {work}\n  custom_nodes: custom_nodes\n  loras: loras\n"
+                      "  diffusion_models: diffusion_models\n")
     port = _free_port()
     log = open(work / "server.log", "w")  # noqa: SIM115 (closed after the server stops)
     process = subprocess.Popen(
         [python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch",
          "--disable-api-nodes", "--extra-model-paths-config", str(config), "--output-directory", str(work / "output"),
-         "--disable-all-custom-nodes", "--whitelist-custom-nodes", "comfyui-h3"],
+         "--disable-all-custom-nodes", "--whitelist-custom-nodes", "comfyui-h3", "--preview-method", "auto"],
         cwd=root, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -89,37 +151,73 @@ def server():
         shutil.rmtree(work, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def ws(server):
+    sock = Socket(server[0])
+    yield sock
+    sock.close()
+
+
+def _queue(base: str, graph: dict, client_id: str) -> str:
+    status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": client_id})
+    assert status == 200, body
+    return body["prompt_id"]
+
+
+def _wait(base: str, prompt_id: str, seconds: float = 300) -> dict:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        history = _get(f"{base}/history/{prompt_id}").get(prompt_id)
+        if history and history.get("status", {}).get("status_str") in ("success", "error"):
+            return history
+        time.sleep(0.5)
+    pytest.fail(f"prompt {prompt_id} did not finish in {seconds} s")
+
+
+def _mp4s(history: dict) -> list[dict]:
+    return [v for out in history["outputs"].values() for v in out.get("images", []) if v["filename"].endswith(".mp4")]
+
+
+def _node(graph: dict, class_type: str) -> str:
+    return next(key for key, node in graph.items() if node["class_type"] == class_type)
+
+
+def _log(work: Path) -> str:
+    return (work / "server.log").read_text(errors="replace")
+
+
 def test_pack_loads_and_lists_nodes(server):
     base, work = server
     info = _get(f"{base}/object_info")
     missing = [node for node in NODE_IDS if node not in info]
-    assert not missing, f"not in /object_info: {missing}\n" + (work / "server.log").read_text()[-4000:]
+    assert not missing, f"not in /object_info: {missing}\n" + _log(work)[-4000:]
     assert all(info[node]["category"] == "H3" for node in NODE_IDS)
-    assert info["H3Sampler"]["output"] == ["H3_LATENT"]
-    log = (work / "server.log").read_text()
+    assert info["H3Sampler"]["output"] == ["H3_LATENT"] and info["H3Sampler"]["output_is_list"] == [True]
+    assert info["H3Conditioning"]["input"]["optional"]["references"][0] == "COMFY_AUTOGROW_V3"
+    assert TURBO_LORA in info["H3LoRAApply"]["input"]["required"]["lora_name"][1]["options"]
+    log = _log(work)
     assert "IMPORT FAILED" not in log and "Cannot import" not in log, log[-4000:]
 
 
+def test_canvas_workflows_are_templates(server):
+    """ComfyUI's template browser lists example_workflows/ under the pack's folder name and serves each file."""
+    base, _ = server
+    listed = _get(f"{base}/workflow_templates").get("comfyui-h3", [])
+    assert sorted(listed) == sorted(t.stem for t in TEMPLATES) and listed
+    served = _get(f"{base}/api/workflow_templates/comfyui-h3/{TEMPLATES[0].name}")
+    assert served["nodes"] and served == json.loads(TEMPLATES[0].read_text())
+
+
 @pytest.mark.parametrize("workflow", WORKFLOWS, ids=[w.stem for w in WORKFLOWS])
-def test_api_workflow_writes_mp4(server, workflow):
+def test_api_workflow_writes_mp4(server, ws, workflow):
     import av
 
     base, work = server
-    status, body = _post(f"{base}/prompt", {"prompt": json.loads(workflow.read_text()), "client_id": uuid.uuid4().hex})
-    assert status == 200, body
-    prompt_id = body["prompt_id"]
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        history = _get(f"{base}/history/{prompt_id}").get(prompt_id)
-        if history and history.get("status", {}).get("completed") is not None or (
-                history and history.get("status", {}).get("status_str") == "error"):
-            break
-        time.sleep(1)
-    else:
-        pytest.fail(f"{workflow.name} did not finish in 300 s")
-    status = history["status"]
-    assert status["status_str"] == "success", json.dumps(status["messages"])[-4000:]
-    saved = [v for out in history["outputs"].values() for v in out.get("images", []) if v["filename"].endswith(".mp4")]
+    graph = json.loads(workflow.read_text())
+    prompt_id = _queue(base, graph, ws.client_id)
+    history = _wait(base, prompt_id)
+    assert history["status"]["status_str"] == "success", json.dumps(history["status"]["messages"])[-4000:]
+    saved = _mp4s(history)
     assert len(saved) == 1, history["outputs"]
     path = work / "output" / saved[0]["subfolder"] / saved[0]["filename"]
     with av.open(str(path)) as container:
@@ -127,13 +225,177 @@ def test_api_workflow_writes_mp4(server, workflow):
         video, audio = container.streams.video[0], container.streams.audio[0]
         assert video.codec_context.name == "h264" and audio.codec_context.name == "aac"
         assert audio.codec_context.sample_rate == 32000
-        assert sum(1 for _ in container.decode(video=0)) == 107  # 4 s -> 17n + 5 frames
+        frames = sum(1 for _ in container.decode(video=0))
+    if any(node["class_type"] == "H3Sampler" for node in graph.values()):  # our single-window workflows: 4 s
+        assert frames == 107  # 4 s -> 17n + 5 frames
+        sampler = _node(graph, "H3Sampler")
+        progress = [m for m in ws.of("progress", prompt_id) if m["node"] == sampler]
+        assert progress and progress[-1]["value"] == progress[-1]["max"], ws.of("progress", prompt_id)
+    else:
+        assert frames > 0
+
+
+def test_previews_and_output_list(server, ws):
+    """outputs=2: two MP4s (seeds 0 and 1) from one sampler, progress over both, a JPEG preview per step."""
+    base, _ = server
+    graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
+    sampler = _node(graph, "H3Sampler")
+    graph[sampler]["inputs"].update(outputs=2, steps=3, seed=7)
+    before = len(ws.previews)
+    prompt_id = _queue(base, graph, ws.client_id)
+    history = _wait(base, prompt_id)
+    assert history["status"]["status_str"] == "success", json.dumps(history["status"]["messages"])[-4000:]
+    assert len(_mp4s(history)) == 2, history["outputs"]
+    progress = [m for m in ws.of("progress", prompt_id) if m["node"] == sampler]
+    assert progress[-1]["value"] == progress[-1]["max"] == 4  # 2 outputs x 2 model calls
+    previews = [kind for kind in ws.previews[before:] if kind in PREVIEW_EVENTS]
+    assert len(previews) >= 4, ws.previews[before:]
 
 
 def test_bad_prompt_is_a_node_error_and_server_goes_on(server):
     base, _ = server
     graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
-    graph["5"]["inputs"]["steps"] = 10_000  # above the schema's max
+    sampler = _node(graph, "H3Sampler")
+    graph[sampler]["inputs"]["steps"] = 10_000  # above the schema's max
     status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
-    assert status == 400 and "5" in body.get("node_errors", {}), body
-    assert "H3Sampler" in _get(f"{base}/object_info/H3Sampler")
+    assert status == 400 and sampler in body.get("node_errors", {}), body
+
+    # ten image references: more than H3 takes, refused at queue time by the conditioning node
+    graph = json.loads((PACK / "workflows" / "api" / "ref2va_images.json").read_text())
+    cond = _node(graph, "H3Conditioning")
+    image = graph[cond]["inputs"]["references.ref0"]
+    for index in range(10):
+        graph[cond]["inputs"][f"references.ref{index}"] = image
+    status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
+    assert status == 400 and cond in body.get("node_errors", {}), body
+    assert "at most 9 image references" in json.dumps(body["node_errors"][cond]), body
+
+    graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
+    history = _wait(base, _queue(base, graph, "x"))
+    assert history["status"]["status_str"] == "success"
+
+
+def test_bad_sigmas_are_a_clear_error(server):
+    base, _ = server
+    graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
+    sampler = _node(graph, "H3Sampler")
+    graph["90"] = {"class_type": "ManualSigmas", "inputs": {"sigmas": "1.0, 0.5, 0.7"}}
+    graph[sampler]["inputs"]["video_sigmas"] = ["90", 0]
+    history = _wait(base, _queue(base, graph, "x"))
+    assert history["status"]["status_str"] == "error"
+    assert "video_sigmas: Custom sigmas must be at least two strictly decreasing values ending at 0.0" in json.dumps(
+        history["status"]["messages"])
+
+
+def test_interrupt_stops_within_one_step(server, ws):
+    base, _ = server
+    graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
+    sampler = _node(graph, "H3Sampler")
+    graph[sampler]["inputs"].update(steps=200, seed=11)
+    prompt_id = _queue(base, graph, ws.client_id)
+    deadline = time.monotonic() + 120
+    while not any(m["node"] == sampler and m["value"] >= 3 for m in ws.of("progress", prompt_id)):
+        assert time.monotonic() < deadline, "sampling never started"
+        time.sleep(0.02)
+    _post(f"{base}/interrupt", {})
+    at_interrupt = max(m["value"] for m in ws.of("progress", prompt_id) if m["node"] == sampler)
+    history = _wait(base, prompt_id)
+    assert history["status"]["status_str"] == "error"
+    assert any(kind == "execution_interrupted" for kind, _ in history["status"]["messages"])
+    reached = max(m["value"] for m in ws.of("progress", prompt_id) if m["node"] == sampler)
+    assert reached <= at_interrupt + 1 < 199, (at_interrupt, reached)
+    history = _wait(base, _queue(base, json.loads((PACK / "workflows" / "api" / "t2va.json").read_text()), "x"))
+    assert history["status"]["status_str"] == "success"  # the next prompt runs
+
+
+def _wait_for_log(work: Path, text: str, seconds: float = 60) -> str:
+    deadline = time.monotonic() + seconds
+    while text not in _log(work) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return _log(work)
+
+
+def test_a_small_gpu_memory_budget_streams_blocks_and_free_unloads_them(server):
+    """gpu_memory_gb below what the whole DiT needs: the engine plans 0 of 4 blocks resident, the rest
+    streamed (the same path a 24 GB card takes with the real model), and /free removes the streaming."""
+    from test_nodes_memory import FOUR_BLOCKS, streaming_budget
+
+    from h3_core.conditioning import Request, encode_request
+    from h3_core.pipeline import TINY_CANVAS
+    from h3_core.tiny_text import tiny_random_text_encoder
+
+    base, work = server
+    graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
+    cond = graph[_node(graph, "H3Conditioning")]["inputs"]
+    steps = graph[_node(graph, "H3Sampler")]["inputs"]["steps"]
+    layout = encode_request(Request(cond["task"], cond["prompt"], duration=cond["duration"]),
+                            tiny_random_text_encoder(), rules=TINY_CANVAS).layout
+    graph[_node(graph, "H3ModelLoader")]["inputs"].update(checkpoint=FOUR_BLOCKS, weight_dtype="fp32",
+                                                          gpu_memory_gb=streaming_budget(layout, steps))
+    history = _wait(base, _queue(base, graph, "x"))
+    assert history["status"]["status_str"] == "success", json.dumps(history["status"]["messages"])[-4000:]
+    assert len(_mp4s(history)) == 1
+    assert "blocks resident, rest streamed" in _log(work), _log(work)[-4000:]
+    status, _ = _post(f"{base}/free", {"unload_models": True})
+    assert status == 200
+    log = _wait_for_log(work, "block streaming removed")
+    assert any(FOUR_BLOCKS in line and "unloaded from cpu" in line and "block streaming removed" in line
+               for line in log.splitlines()), log[-4000:]
+
+
+def test_two_devices_split_the_dit_and_free_stops_the_workers(server):
+    """devices "cpu,cpu": two worker processes (gloo) hold the DiT; the workflow runs through them and
+    /free stops them."""
+    base, work = server
+    graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
+    graph[_node(graph, "H3ModelLoader")]["inputs"].update(devices="cpu,cpu")
+    history = _wait(base, _queue(base, graph, "x"))
+    assert history["status"]["status_str"] == "success", json.dumps(history["status"]["messages"])[-4000:]
+    assert len(_mp4s(history)) == 1
+    assert "workers started on cpu, cpu" in _log(work)
+    status, _ = _post(f"{base}/free", {"unload_models": True})
+    assert status == 200
+    log = _wait_for_log(work, "workers on cpu, cpu stopped")
+    assert "workers on cpu, cpu stopped" in log, log[-4000:]
+
+
+def test_free_releases_our_models(server):
+    """POST /free: "unload models" moves ours off the device (a log line each), "free memory" drops
+    ComfyUI's caches and our models are garbage-collected (their release lines)."""
+    base, work = server
+    status, _ = _post(f"{base}/free", {"unload_models": True, "free_memory": True})
+    assert status == 200
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        log = _log(work)
+        if all(f"H3: H3 {what}" in log and "released" in log.split(f"H3: H3 {what}")[-1]
+               for what in ("DiT", "text encoder", "VAEs")):
+            break
+        time.sleep(0.5)
+    log = _log(work)
+    for what in ("DiT", "text encoder", "VAEs"):
+        lines = [line for line in log.splitlines() if f"H3: H3 {what}" in line]
+        assert any("unloaded from cpu" in line for line in lines), lines
+        assert any("released" in line for line in lines), lines
+
+
+def test_workflow_nodes_and_inputs_exist_in_this_comfyui(server):
+    """Every node id and input name our workflow files use, against the live /object_info (the core
+    nodes too, which tests/test_workflows.py can only list)."""
+    base, _ = server
+    info = _get(f"{base}/object_info")
+    frontend_only = {"MarkdownNote", "Note"}
+    problems = []
+    for path in sorted((PACK / "workflows").glob("*/*.json")):
+        for node_id, node in json.loads(path.read_text()).items():
+            schema = info.get(node["class_type"])
+            if schema is None:
+                problems.append(f"{path.name} {node_id}: {node['class_type']} unknown")
+                continue
+            known = {**schema["input"].get("required", {}), **schema["input"].get("optional", {})}
+            problems += [f"{path.name} {node_id}: {node['class_type']} has no input {name}" for name in node["inputs"]
+                         if name not in known and name.split(".")[0] not in known]
+    for path in TEMPLATES:
+        problems += [f"{path.name}: {node['type']} unknown" for node in json.loads(path.read_text())["nodes"]
+                     if node["type"] not in info and node["type"] not in frontend_only]
+    assert not problems, "\n".join(problems)

@@ -1,0 +1,314 @@
+"""Models a host moves between devices as one unit, and freeing memory when a run fails.
+
+A `Placement` is what a host's model manager (ComfyUI's) holds for one loaded model: its parts (modules,
+or objects with `.to(device)` such as the text encoder), the device they compute on and the device they
+wait on. `load()` / `offload()` move every part and return the bytes moved, so a manager can account
+for them; every move and the model's release are logged (logger "h3"), so a host's "unload" is visible.
+`freed_on_failure` wraps heavy work so a failed or interrupted run hands its memory back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import sys
+import traceback
+import weakref
+from collections.abc import Iterable
+
+import torch
+
+log = logging.getLogger("h3")
+GIB = 2**30
+
+
+def _modules(part) -> list[torch.nn.Module]:
+    if isinstance(part, torch.nn.Module):
+        return [part]
+    inner = getattr(part, "model", None)  # TextEncoder keeps its transformers model here (None once released)
+    return [inner] if isinstance(inner, torch.nn.Module) else []
+
+
+def _bytes(parts: Iterable) -> int:
+    seen, total = set(), 0
+    for part in parts:
+        for module in _modules(part):
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                if id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _empty_cache(device: torch.device | None) -> None:
+    gc.collect()
+    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
+        torch.cuda.empty_cache()
+
+
+class Placement:
+    """One model's parts, moved together between `load_device` and `offload_device`.
+
+    `loaded` is the host's view (resident on `load_device`); on a CPU-only host both devices are the CPU
+    and a move is bookkeeping only, still logged."""
+
+    def __init__(self, name: str, parts, load_device, offload_device, loaded: bool = False):
+        self.name = name
+        self.parts = list(parts) if isinstance(parts, (list, tuple)) else [parts]
+        self.load_device = torch.device(load_device)
+        self.offload_device = torch.device(offload_device)
+        self.size = _bytes(self.parts)
+        self.loaded = loaded
+        weakref.finalize(self, log.info, "H3: %s released (%.2f GiB)", name, self.size / GIB)
+
+    @property
+    def device(self) -> torch.device:
+        return self.load_device if self.loaded else self.offload_device
+
+    @property
+    def loaded_bytes(self) -> int:
+        return self.size if self.loaded else 0
+
+    def _move(self, loaded: bool) -> int:
+        if self.loaded == loaded:
+            return 0
+        previous = self.device
+        self.loaded = loaded
+        if self.load_device != self.offload_device:
+            for part in self.parts:
+                if _modules(part):  # a released text encoder has nothing left to move
+                    part.to(self.device)
+            _empty_cache(previous)
+        return self.size
+
+    def load(self) -> int:
+        """Move every part to the compute device; the bytes moved (0 if already there)."""
+        moved = self._move(True)
+        if moved:
+            log.info("H3: %s loaded on %s (%.2f GiB)", self.name, self.load_device, self.size / GIB)
+        return moved
+
+    def offload(self) -> int:
+        """Move every part to the waiting device and free the compute device's cache; the bytes freed."""
+        moved = self._move(False)
+        if moved:
+            log.info("H3: %s unloaded from %s to %s (%.2f GiB)", self.name, self.load_device, self.offload_device,
+                     self.size / GIB)
+        return moved
+
+
+@contextlib.contextmanager
+def freed_on_failure(device=None):
+    """Run heavy work; if it raises (an error or an interrupt), drop the tensors the traceback's finished
+    frames still hold (the host keeps the exception for its report), collect, and empty the device cache
+    before the exception goes on, so the host stays usable."""
+    try:
+        yield
+    except BaseException as error:
+        traceback.clear_frames(error.__traceback__)
+        _empty_cache(None if device is None else torch.device(device))
+        raise
+
+
+def _arrangement(plan, blocks: int) -> tuple[int, int, bool]:
+    """What a plan puts where (None: the whole model on the device); equal arrangements need no move."""
+    return (blocks, 0, False) if plan is None else (plan.resident_blocks, plan.prefetch, plan.offload_adaln)
+
+
+class DiTPlacement(Placement):
+    """The DiT, placed by a memory plan for each request (memory_plan.plan_for, offload.place): whole on
+    the device when it fits, else its AdaLN weights and as many blocks as needed kept on the CPU, the
+    blocks streamed through a few device slots. A host plans (`plan_request`), hands the plan over
+    (`use`) and loads; `offload` removes the streaming hooks and brings every weight home, so the next
+    request plans afresh. `loaded_bytes` is what the plan keeps on the device (a partial load).
+
+    `budget_gib`: the device memory the DiT may use (None: what the host reports free)."""
+
+    def __init__(self, name: str, dit, load_device, offload_device, loaded: bool = False,
+                 budget_gib: float | None = None):
+        self.dit, self.budget_gib = dit, budget_gib
+        self.plan = None  # the plan of the next load, and of the model while loaded (None: whole)
+        self.streamer = None
+        super().__init__(name, [dit], load_device, offload_device, loaded)
+
+    @property
+    def loaded_bytes(self) -> int:
+        if not self.loaded:
+            return 0
+        away = 0
+        if self.plan is not None and self.plan.offload_adaln:
+            away += _bytes(self.dit.adaln_modules())
+        if self.streamer is not None:
+            away += self.streamer.offloaded_bytes
+        return self.size - away
+
+    def plan_request(self, layout, steps: int, free_bytes: int | None = None):
+        """The plan for sampling `layout` (the largest a request samples) with a `steps`-point ladder,
+        within `budget_gib`, else within `free_bytes` (what the host reports free on the device) plus what
+        this model already holds there (None: what torch reports; the CPU is not limited). A request that
+        does not fit even with every block streamed is refused here, before anything moves."""
+        from .conditioning import RequestError
+        from .fp8 import FP8Linear
+        from .memory_plan import plan_for
+
+        budget = self.budget_gib
+        if budget is None and free_bytes is not None:
+            budget = max(free_bytes + self.loaded_bytes, 1) / GIB
+        fp8 = any(isinstance(module, FP8Linear) for module in self.dit.modules())
+        plan = plan_for(self.dit.config, layout, steps, self.load_device, budget,
+                        torch.empty(0, dtype=self.dit.dtype).element_size(), fp8=fp8)
+        if not plan.fits:
+            given = "the budget set" if self.budget_gib is not None else "what is free"
+            raise RequestError(
+                f"This request needs about {plan.expected_peak_bytes / GIB:.2f} GiB on {self.load_device} even with "
+                f"every DiT block streamed from the CPU, more than {given} ({budget:.2f} GiB less the allocator's "
+                "headroom); shorten it, use a smaller canvas, or allow more GPU memory.")
+        return plan
+
+    def use(self, plan) -> None:
+        """Place by `plan` at the next load. A model loaded another way is unloaded first, unless only its
+        AdaLN weights change place (no streaming before or after): then just they move."""
+        blocks = len(self.dit.blocks)
+        wanted = _arrangement(plan, blocks)
+        if self.loaded and wanted != _arrangement(self.plan, blocks):
+            if self.streamer is None and wanted[1] == 0:
+                adaln_home = self.offload_device if wanted[2] else self.load_device
+                for module in self.dit.adaln_modules():
+                    module.to(adaln_home)
+                _empty_cache(self.load_device)
+                log.info("H3: %s: AdaLN weights moved to %s", self.name, adaln_home)
+            else:
+                self.offload()
+        self.plan = plan
+
+    def _move(self, loaded: bool) -> int:
+        from .offload import place, unplace
+
+        if self.loaded == loaded:
+            return 0
+        if loaded:
+            self.loaded = True
+            if self.plan is None:
+                self.dit.to(self.load_device)
+            else:
+                self.streamer = place(self.dit, self.load_device, self.plan)
+            return self.loaded_bytes
+        moved = self.loaded_bytes
+        unplace(self.dit, self.offload_device, self.streamer)
+        self.streamer, self.loaded = None, False
+        _empty_cache(self.load_device)
+        return moved
+
+    def load(self) -> int:
+        moved = self._move(True)
+        if moved:
+            how = "whole" if self.plan is None else self.plan.describe(len(self.dit.blocks))
+            log.info("H3: %s loaded on %s (%.2f of %.2f GiB there; %s)", self.name, self.load_device, moved / GIB,
+                     self.size / GIB, how)
+        return moved
+
+    def offload(self) -> int:
+        streamed = self.streamer is not None
+        moved = self._move(False)
+        if moved:
+            log.info("H3: %s unloaded from %s to %s (%.2f GiB)%s", self.name, self.load_device, self.offload_device,
+                     moved / GIB, "; block streaming removed" if streamed else "")
+        return moved
+
+    @contextlib.contextmanager
+    def unloaded_on_failure(self):
+        """Sample inside: if it fails or is interrupted while blocks stream, the model is unloaded (hooks
+        off, blocks home), so nothing half-streamed is left and the next run places it afresh."""
+        try:
+            yield
+        except BaseException:
+            if self.streamer is not None:
+                self.offload()
+            raise
+
+
+@contextlib.contextmanager
+def _host_main_hidden():
+    """Start worker processes without the host's start script: multiprocessing's spawn runs the parent's
+    `__main__` again in every child (for ComfyUI its main.py: start-up, custom nodes' prestartup scripts,
+    a CUDA context on the first GPU) unless `__main__` names neither a file nor a module. The workers need
+    only h3_core, so both are hidden while they start."""
+    main = sys.modules.get("__main__")
+    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if main is not None and name in main.__dict__}
+    for name in saved:
+        if name == "__file__":
+            del main.__file__
+        else:
+            main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
+
+
+def check_devices(devices) -> list[torch.device]:
+    """`devices` as torch devices, each one that exists here (a missing GPU is named before anything runs)."""
+    devices = [torch.device(d) for d in devices]
+    for device in devices:
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"{device} does not exist here: this machine has {torch.cuda.device_count()} CUDA "
+                             "device(s).")
+    return devices
+
+
+class RunnerPlacement(Placement):
+    """The DiT split over several devices (parallel.ParallelRunner), as a host's model manager sees it:
+    `load` starts the worker processes (each loads its share), `offload` stops them, which frees their
+    device memory; dropping the placement stops them too. `sample` is what pipeline.sample calls on a
+    runner, starting the workers again if they were stopped. `size`: an estimate of one device's weights.
+    `previews`: rank 0 sends each step's rows back for a preview (a device-to-host copy a step)."""
+
+    def __init__(self, name: str, spec, devices, shard_weights: bool = False, offload_device="cpu"):
+        devices = check_devices(devices)
+        if len(devices) < 2:
+            raise ValueError(f"Splitting the DiT needs two or more devices, got {[str(d) for d in devices]}.")
+        self.spec, self.devices, self.shard_weights = spec, devices, shard_weights
+        self.config = spec.dit_config()  # a checkpoint's shape from its headers: nothing loads yet
+        self.runner = None
+        self.previews = False
+        super().__init__(name, [], devices[0], offload_device, loaded=False)
+        self.size = self._device_bytes()
+
+    def _device_bytes(self) -> int:
+        from .memory_plan import adaln_weight_bytes, block_weight_bytes, shared_weight_bytes
+
+        dtype_bytes = 2 if self.spec.dtype is None else torch.empty(0, dtype=self.spec.dtype).element_size()
+        blocks = self.config.num_layers * block_weight_bytes(self.config, dtype_bytes, self.spec.linears.startswith("fp8"))
+        if self.shard_weights:
+            blocks //= len(self.devices)
+        return shared_weight_bytes(self.config, dtype_bytes) + adaln_weight_bytes(self.config, dtype_bytes) + blocks
+
+    def load(self) -> int:
+        """Start the workers (if not running: a failed worker stops its runner); returns the bytes estimate."""
+        if self.runner is not None and self.runner.closed:
+            self.runner, self.loaded = None, False
+        if self.loaded:
+            return 0
+        from .parallel import ParallelRunner
+
+        with _host_main_hidden():
+            self.runner = ParallelRunner(self.spec, self.devices, self.shard_weights)
+        self.loaded = True
+        log.info("H3: %s workers started on %s (%s)", self.name, ", ".join(map(str, self.devices)),
+                 "sharded weights" if self.shard_weights else "a whole model each")
+        return self.size
+
+    def offload(self) -> int:
+        """Stop every worker; returns the bytes estimate they held on the first device."""
+        if self.runner is None:
+            self.loaded = False
+            return 0
+        runner, self.runner, self.loaded = self.runner, None, False
+        runner.close()
+        log.info("H3: %s unloaded: workers on %s stopped", self.name, ", ".join(map(str, self.devices)))
+        return self.size
+
+    def sample(self, *args, **kwargs):
+        self.load()
+        return self.runner.sample(*args, preview=self.previews, **kwargs)

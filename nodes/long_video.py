@@ -1,0 +1,198 @@
+"""H3 Continuation (long video, optionally to a driving soundtrack) and H3 Save MP4 (streamed decode).
+
+A long clip cannot go through H3 VAE Decode: 300 s at 1344x768 is 89 GB of IMAGE frames. H3 Save MP4
+decodes the latent chunk by chunk straight into the file (h3_core.output.write_mp4).
+"""
+
+from __future__ import annotations
+
+import os
+
+import folder_paths
+from comfy_api.latest import InputImpl, io, ui
+
+from h3_core import geometry
+from h3_core.continuation import (
+    DEFAULT_OVERLAP_FRAMES,
+    DEFAULT_WINDOW_FRAMES,
+    MAX_CONTINUATION_SECONDS,
+    MAX_WINDOW_FRAMES,
+    MIN_SECONDS,
+    MIN_WINDOW_FRAMES,
+    MODES,
+)
+from h3_core.lora import apply_loras, remove_loras, sampler_settings
+from h3_core.long_video import (
+    LONG_VIDEO_TASKS,
+    LongVideoRequest,
+    encode_long_video,
+    sample_long_video,
+    split_window_prompts,
+    validate_long_video,
+)
+from h3_core.media import SAMPLE_RATE
+from h3_core.output import write_mp4
+from h3_core.pipeline import TASK_PARTITION, largest_layout
+from h3_core.placement import freed_on_failure
+
+from .common import CATEGORY, H3VAE, H3Latent, H3Model, H3TextEncoder, check_interrupt, device, progress_bar
+from .conditioning import reference_input
+from .convert import audio_to_decoded, build_request, media_problem, ordered_references, pack_latents, unpack_latents
+from .memory import dit_for_run, place
+from .sampler import SPLIT_LORA_ERROR
+
+STEP = geometry.FRAMES_PER_CHUNK  # window and overlap stay on the 17n + 5 grid
+
+
+class H3Continuation(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3Continuation",
+            display_name="H3 Continuation (long video)",
+            category=CATEGORY,
+            description="A long video (up to 300 s), window by window: each window continues the latent tail of "
+                        "the one before, with the prompt and references in every window. Optionally made to a "
+                        "driving soundtrack. Decode with H3 Save MP4 (streamed).",
+            inputs=[
+                H3Model.Input("model", tooltip="From H3 Model Loader: fl2va partition for t2va, ref2va for ref2va."),
+                H3TextEncoder.Input("text_encoder", tooltip="From H3 Text Encoder Loader."),
+                io.String.Input("prompt", multiline=True, default="",
+                                tooltip="What to generate, in every window (unless window prompts are given)."),
+                io.Combo.Input("task", options=list(LONG_VIDEO_TASKS), default="t2va",
+                               tooltip="t2va: prompt only. ref2va: image/video/audio references in every window."),
+                io.Float.Input("duration", default=20.0, min=MIN_SECONDS, max=MAX_CONTINUATION_SECONDS, step=0.1,
+                               tooltip="Seconds at 24 fps (snapped up to 17n + 5 frames): up to 300 in continuation "
+                                       "mode, 30 in full mode."),
+                io.Combo.Input("mode", options=list(MODES), default="continuation",
+                               tooltip="continuation: windows that continue each other's tail. full: the whole clip "
+                                       "as one window (up to 30 s; the sequence grows with the clip)."),
+                io.Int.Input("window_frames", default=DEFAULT_WINDOW_FRAMES, min=MIN_WINDOW_FRAMES,
+                             max=MAX_WINDOW_FRAMES, step=STEP,
+                             tooltip="Frames per window, 17n + 5 (277 = 11.5 s); the last window may be shorter."),
+                io.Int.Input("overlap_frames", default=DEFAULT_OVERLAP_FRAMES, min=22, max=MAX_WINDOW_FRAMES - STEP,
+                             step=STEP,
+                             tooltip="Frames each window repeats from the one before as its guide, 17n + 5."),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
+                             tooltip="Noise seed: all windows draw from one generator, so it decides the whole clip."),
+                io.Int.Input("steps", default=0, min=0, max=200,
+                             tooltip="Sampling points per window; 0 = automatic: a Turbo adapter's count, else 50."),
+                io.Float.Input("video_shift", default=0.0, min=0.0, max=100.0, step=0.1,
+                               tooltip="Video sigma shift; 0 = automatic: the Turbo contract's, else 12."),
+                io.Float.Input("audio_shift", default=0.0, min=0.0, max=100.0, step=0.1,
+                               tooltip="Audio sigma shift; 0 = automatic: the Turbo contract's, else 3."),
+                io.Combo.Input("aspect_ratio", options=["auto", *geometry.ASPECT_RATIOS], default="auto",
+                               tooltip="Canvas shape (auto: 16:9). Ignored when width and height are set."),
+                io.Int.Input("width", default=0, min=0, max=4096, step=32,
+                             tooltip="Canvas width in pixels (multiple of 32); 0 = from the aspect ratio."),
+                io.Int.Input("height", default=0, min=0, max=4096, step=32,
+                             tooltip="Canvas height in pixels (multiple of 32); 0 = from the aspect ratio."),
+                io.String.Input("window_prompts", multiline=True, default="", optional=True,
+                                tooltip="Optional: one prompt per window, one per line, in window order (empty: the "
+                                        "prompt in every window). The count must match the plan's windows."),
+                H3VAE.Input("vae", optional=True,
+                            tooltip="From H3 VAE Loader; needed for references and a driving soundtrack."),
+                io.Audio.Input("drive_audio", optional=True,
+                               tooltip="Optional driving soundtrack: it becomes the output audio, held fixed while "
+                                       "the video is generated to it (cut or padded with silence to the duration)."),
+                reference_input(),
+            ],
+            outputs=[H3Latent.Output(display_name="latent"), io.Int.Output(display_name="num_frames")],
+        )
+
+    @classmethod
+    def execute(cls, model, text_encoder, prompt, task, duration, mode, window_frames, overlap_frames, seed, steps,
+                video_shift, audio_shift, aspect_ratio, width, height, window_prompts="", vae=None, drive_audio=None,
+                references=None) -> io.NodeOutput:
+        wanted = TASK_PARTITION[task]
+        if wanted != model.partition:
+            raise ValueError(f"{task} runs on the {wanted} partition, but this model was loaded as "
+                             f"{model.partition}; set the loader's partition to {wanted}.")
+        if model.split and model.loras:
+            raise ValueError(SPLIT_LORA_ERROR)
+        references = ordered_references(references)
+        problem = media_problem(task, [kind for kind, _ in references], 0)
+        if problem:
+            raise ValueError(problem)
+        request = LongVideoRequest(
+            build_request(task, prompt, None, None, references, aspect_ratio, width, height, duration),
+            mode, int(window_frames), int(overlap_frames), split_window_prompts(window_prompts or ""),
+            None if drive_audio is None else audio_to_decoded(drive_audio, "drive_audio"),
+        )
+        validate_long_video(request, text_encoder.canvas)  # every limit and the plan, before any model moves
+        place([text_encoder.patcher, None if vae is None else vae.patcher])
+        with freed_on_failure(device()):
+            cond = encode_long_video(request, text_encoder.encoder, None if vae is None else vae.video,
+                                     None if vae is None else vae.audio, rules=text_encoder.canvas)
+
+        dit = model.dit
+        contracts = [lora.contract for lora, _ in model.loras if lora.contract is not None]
+        settings = sampler_settings(contracts, steps or None, video_shift or None, audio_shift or None)
+        # placed by the engine's plan for the largest window, as the sampler places it
+        with freed_on_failure(model.device), dit_for_run(model, largest_layout(cond), settings.steps) as plan:
+            try:
+                if model.loras:
+                    apply_loras(dit, list(model.loras), partition=model.partition, mode="dynamic")
+                if model.split:
+                    dit.previews = False  # this node shows progress only
+                bar = progress_bar(len(cond.windows) * settings.steps)
+
+                def on_step(state):
+                    bar.update_absolute(state.step, state.total)
+                    check_interrupt()
+
+                check_interrupt()
+                latents = sample_long_video(dit, cond, int(seed), settings.steps, settings.video_shift,
+                                            settings.audio_shift, settings.video_sigmas, settings.audio_sigmas,
+                                            callback=on_step, offload_adaln=plan is not None and plan.offload_adaln)
+            finally:
+                if model.loras:
+                    remove_loras(dit)
+        latent = pack_latents(latents, seed=int(seed), task=task, steps=settings.steps, width=cond.width,
+                              height=cond.height)
+        return io.NodeOutput(latent, latents.num_frames)
+
+
+class H3SaveMP4(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3SaveMP4",
+            display_name="H3 Save MP4 (streamed)",
+            category=CATEGORY,
+            description="Decodes an H3 latent chunk by chunk straight into an MP4 (H.264 + AAC, 24 fps) in the "
+                        "output folder, never holding the whole clip's frames: for long videos.",
+            inputs=[
+                H3VAE.Input("vae", tooltip="From H3 VAE Loader."),
+                H3Latent.Input("latent", tooltip="From H3 Continuation or H3 Dual-Clock Sampler."),
+                io.String.Input("filename_prefix", default="H3/long",
+                                tooltip="File name prefix inside the output folder; a subfolder may be given."),
+            ],
+            outputs=[io.Video.Output(display_name="video")],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, vae, latent, filename_prefix) -> io.NodeOutput:
+        latents = unpack_latents(latent)
+        _, _, _, latent_height, latent_width = latents.video.shape
+        width, height = latent_width * geometry.VAE_SPATIAL_FACTOR, latent_height * geometry.VAE_SPATIAL_FACTOR
+        folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(
+            filename_prefix, folder_paths.get_output_directory(), width, height)
+        file = f"{filename}_{counter:05}_.mp4"
+        path = os.path.join(folder, file)
+        bar = progress_bar(latents.num_frames)
+
+        def on_frames(done, total):
+            bar.update_absolute(done, total)
+            check_interrupt()
+
+        place([vae.patcher])
+        with freed_on_failure(vae.device):
+            write_mp4(path, latents, vae.video, vae.audio, on_frames=on_frames, metadata={
+                "comment": f"MiniMax-H3, {latents.num_frames} frames at 24 fps, {SAMPLE_RATE} Hz audio"})
+        preview = ui.PreviewVideo([ui.SavedResult(file, subfolder, io.FolderType.output)])
+        return io.NodeOutput(InputImpl.VideoFromFile(path), ui=preview)
+
+
+NODES = [H3Continuation, H3SaveMP4]

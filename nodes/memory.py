@@ -1,0 +1,142 @@
+"""Our models inside ComfyUI's model manager.
+
+Each loaded model is an `h3_core.placement.Placement` wrapped in a ModelPatcher subclass, so that
+`load_models_gpu` asks other models to leave before ours arrive, and every unload request (`/free`, the
+"Unload models" button, another model needing the room) moves ours off the GPU. ComfyUI's per-layer
+low-VRAM casting needs its own layer classes, which the H3 engine does not use; instead the DiT is placed
+by the engine's memory plan for each run (DiTPlacement): whole when it fits, else partly resident with
+the rest of its blocks streamed from pinned CPU memory, reported to ComfyUI as a partial load. A DiT
+split over several devices (RunnerPlacement) lives in worker processes: unloading it stops them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import comfy.model_management as mm
+import comfy.model_patcher
+import torch
+
+from h3_core.memory_plan import GIB, usable_bytes, working_bytes
+from h3_core.placement import DiTPlacement, Placement, RunnerPlacement
+
+
+class H3Patcher(comfy.model_patcher.ModelPatcher):
+    """A ModelPatcher whose `model` is a Placement: loading places it (whole, by its memory plan, or its
+    workers started), unloading sends it back; sizes are what the placement reports."""
+
+    def __init__(self, placement: Placement):
+        super().__init__(placement, placement.load_device, placement.offload_device, size=placement.size)
+
+    def model_size(self):
+        return self.model.size
+
+    def loaded_size(self):
+        return self.model.loaded_bytes
+
+    def current_loaded_device(self):
+        return self.model.device
+
+    def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
+        self.model.load()
+
+    def patch_model(self, device_to=None, lowvram_model_memory=0, load_weights=True, force_patch_weights=False):
+        if load_weights:
+            self.model.load()
+        return self.model
+
+    def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
+        return self.model.load()
+
+    def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
+        return self.model.offload()
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True):
+        if unpatch_weights:
+            self.model.offload()
+
+    def detach(self, unpatch_all=True):
+        # ComfyUI detaches with unpatch_all=False when it re-registers a model it keeps where it is
+        if unpatch_all:
+            self.model.offload()
+        return self.model
+
+
+def manage(name: str, parts, device, kind: str) -> H3Patcher:
+    """Wrap freshly loaded `parts` (already on `device`) and register them as loaded. `kind` picks
+    ComfyUI's offload device: "diffusion" | "text_encoder" | "vae"."""
+    offload = {"diffusion": mm.unet_offload_device, "text_encoder": mm.text_encoder_offload_device,
+               "vae": mm.vae_offload_device}[kind]()
+    patcher = H3Patcher(Placement(name, parts, device, offload, loaded=True))
+    place([patcher])
+    return patcher
+
+
+def make_room(nbytes: int, device) -> None:
+    """Before reading weights from disk onto `device`: ask other models to leave `nbytes` free."""
+    if nbytes > 0:
+        mm.free_memory(nbytes, device)
+
+
+def place(patchers, working_bytes: int = 0) -> None:
+    """Put our models on their device, after ComfyUI frees room for them plus `working_bytes` of activations."""
+    mm.load_models_gpu([p for p in patchers if p is not None], memory_required=working_bytes)
+
+
+def dit_home(nbytes: int, device, budget_gib: float | None) -> torch.device:
+    """Where the loader reads the DiT to: onto `device` when the whole model fits what is free there (after
+    asking other models to leave) or the user's budget; else ComfyUI's offload device (the CPU), and each
+    run streams the blocks that do not fit."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return device
+    room = int(budget_gib * GIB) if budget_gib else nbytes
+    make_room(min(nbytes, room), device)
+    if not budget_gib:
+        room = mm.get_free_memory(device) - mm.extra_reserved_memory()
+    return device if nbytes <= usable_bytes(room) else torch.device(mm.unet_offload_device())
+
+
+def manage_dit(name: str, dit, device, loaded: bool, budget_gib: float | None) -> H3Patcher:
+    """The DiT under ComfyUI's model manager, placed by a memory plan at each run. One read onto the
+    device (`loaded`) is registered now; one waiting on the CPU is registered by its first run."""
+    placement = DiTPlacement(name, dit, device, mm.unet_offload_device(), loaded=loaded, budget_gib=budget_gib)
+    patcher = H3Patcher(placement)
+    if loaded:
+        place([patcher])
+    return patcher
+
+
+def manage_runner(name: str, spec, devices, shard_weights: bool) -> H3Patcher:
+    """A DiT split over `devices`: registered under the first one, so ComfyUI first makes room there for
+    its share; the workers start then (each loads its part) and stop when ComfyUI unloads it."""
+    patcher = H3Patcher(RunnerPlacement(name, spec, devices, shard_weights, mm.unet_offload_device()))
+    place([patcher])
+    return patcher
+
+
+@contextlib.contextmanager
+def dit_for_run(model, layout, steps: int):
+    """The DiT ready for one run over `layout` (the largest a run samples) with a `steps`-point ladder.
+    Other models are asked to leave room for the whole DiT and its activations (or the user's budget);
+    the engine then plans with what ComfyUI reports free, and the model is placed by that plan (moving
+    only if the plan changed). Yields the plan (None for several devices: their workers hold the model).
+    A streamed run that fails or is interrupted unloads the model."""
+    patcher = model.patcher
+    placement = patcher.model
+    working = working_bytes(model.dit.config, layout.sequence_length, steps)
+    if isinstance(placement, RunnerPlacement):
+        place([patcher], working)
+        yield None
+        return
+    free = None
+    if placement.load_device.type != "cpu":
+        wanted = int(placement.budget_gib * GIB) if placement.budget_gib else placement.size + working
+        ours = [m for m in mm.current_loaded_models if m.model is patcher]
+        mm.free_memory(max(0, wanted - placement.loaded_bytes), placement.load_device, keep_loaded=ours)
+        free = mm.get_free_memory(placement.load_device) - mm.extra_reserved_memory()
+    plan = placement.plan_request(layout, steps, free)
+    placement.use(plan)
+    place([patcher], working)
+    with placement.unloaded_on_failure():
+        yield plan

@@ -1,0 +1,225 @@
+"""Every node's execute path on tiny-random, on the CPU, with ComfyUI's few services faked (fake_comfy):
+loaders -> conditioning (t2va, fl2va, ref2va through the growing reference list) -> empty latent ->
+sampler (output list, previews, custom sigmas, refinement, interrupt) -> decode -> MP4; LoRA apply;
+the memory-manager wrapper."""
+
+import importlib
+import sys
+from fractions import Fraction
+from pathlib import Path
+from types import SimpleNamespace
+
+import av
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import fake_comfy  # noqa: E402
+
+TURBO = "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors"
+
+
+@pytest.fixture
+def comfy(tmp_path):
+    saved = {name: module for name, module in sys.modules.items()
+             if name.split(".")[0] in ("comfy", "comfy_api", "folder_paths", "nodes")}
+    record = fake_comfy.install(tmp_path)
+    modules = SimpleNamespace(record=record, tmp=tmp_path, **{
+        name: importlib.import_module(f"nodes.{name}") for name in ("loaders", "conditioning", "latent", "sampler",
+                                                                  "output", "memory")})
+    yield modules
+    for name in [n for n in sys.modules if n.split(".")[0] in ("comfy", "comfy_api", "folder_paths", "nodes")]:
+        del sys.modules[name]
+    sys.modules.update(saved)
+
+
+def _models(c, partition="fl2va"):
+    model = c.loaders.H3ModelLoader.execute("tiny-random", "", partition, "bf16", "auto").values[0]
+    text = c.loaders.H3TextEncoderLoader.execute("tiny-random", "", "", "bf16").values[0]
+    vae = c.loaders.H3VAELoader.execute("tiny-random", "tiny-random", "").values[0]
+    return model, text, vae
+
+
+def _cond(c, text, vae, task="t2va", **media):
+    return c.conditioning.H3Conditioning.execute(text, "a fox on a beach", task, "auto", 0, 0, 4.0, vae=vae, **media)
+
+
+def test_t2va_chain_with_output_list_previews_and_mp4(comfy):
+    c = comfy
+    model, text, vae = _models(c)
+    assert [names for names, _ in c.record.loaded] == [["H3 DiT (fl2va, tiny-random)"],
+                                                     ["H3 text encoder (tiny-random)"],
+                                                     ["H3 VAEs (tiny-random + tiny-random)"]]
+    cond, width, height, frames = _cond(c, text, vae).values
+    assert (width, height, frames) == (224, 128, 107)
+    latent = c.latent.H3EmptyAVLatent.execute(1344, 768, 124, conditioning=cond).values[0]
+    assert latent["empty"] and list(latent["video"].shape) == [1, 24, 32, 8, 14] and "H3_LATENT(" in str(latent)
+    out = c.sampler.H3Sampler.execute(model, cond, 5, 3, 0.0, 0.0, 1.0, 2, latent=latent).values[0]
+    assert [item["seed"] for item in out] == [5, 6] and not torch.equal(out[0]["video"], out[1]["video"])
+    values = [(value, total) for value, total, _ in c.record.progress if total == 4]
+    assert values == [(1, 4), (2, 4), (3, 4), (4, 4)]  # one bar over both outputs (2 model calls each)
+    kind, picture, size = c.record.progress[-1][2]
+    assert kind == "JPEG" and picture.size == (14, 8) and size == 512  # the middle latent frame, false colour
+    assert c.record.loaded[-1][1] > 0  # the sampler asked ComfyUI for room for its activations
+
+    images, audio = c.output.H3VAEDecode.execute(vae, out[0]).values
+    assert images.shape == (107, 128, 224, 3) and audio["waveform"].shape == (1, 2, round(107 * 32000 / 24))
+    saved = c.output.H3AVSave.execute(images, "H3/test", audio=audio)
+    path = Path(saved.values[0][1])
+    assert path.is_file() and saved.ui["videos"][0].filename == path.name
+    with av.open(str(path)) as container:
+        assert sorted(s.type for s in container.streams) == ["audio", "video"]
+
+
+def test_fl2va_and_ref2va_through_the_growing_reference_list(comfy):
+    c = comfy
+    model, text, vae = _models(c)
+    first = torch.rand(1, 128, 224, 3)
+    cond = _cond(c, text, vae, "fl2va", first_image=first, last_image=first.flip(1)).values[0]
+    assert cond.task == "fl2va" and len(cond.visual_condition_latents) == 2
+    assert len(c.sampler.H3Sampler.execute(model, cond, 0, 2, 0.0, 0.0).values[0]) == 1
+
+    video = SimpleNamespace(get_components=lambda: SimpleNamespace(
+        images=torch.rand(60, 128, 224, 3), frame_rate=Fraction(24), audio=None))
+    audio = {"waveform": torch.randn(1, 2, 32000 * 3) * 0.1, "sample_rate": 32000}
+    refs = {"ref2": audio, "ref0": torch.rand(1, 160, 160, 3), "ref1": video}  # slot order, not dict order
+    cond = _cond(c, text, vae, "ref2va", references=refs).values[0]
+    assert cond.task == "ref2va" and cond.layout.num_condition_audio_rows > 0
+    ref_model = c.loaders.H3ModelLoader.execute("tiny-random", "", "ref2va", "bf16", "auto").values[0]
+    assert len(c.sampler.H3Sampler.execute(ref_model, cond, 0, 2, 0.0, 0.0).values[0]) == 1
+    with pytest.raises(ValueError, match="loaded as fl2va"):
+        c.sampler.H3Sampler.execute(model, cond, 0, 2, 0.0, 0.0)
+
+
+def test_conditioning_media_checks(comfy):
+    c = comfy
+    _, text, vae = _models(c)
+    image = torch.rand(1, 64, 64, 3)
+    check = c.conditioning.H3Conditioning.validate_inputs
+    ten = {f"references.ref{i}": "IMAGE" for i in range(10)}
+    assert "at most 9 image references" in check(input_types=ten, task="ref2va")
+    assert "needs an image or video" in check(input_types={"references.ref0": "AUDIO"}, task="ref2va")
+    assert "t2va takes a prompt only" in check(input_types={"first_image": "IMAGE"}, task="t2va")
+    assert check(input_types={"references.ref0": "IMAGE", "references.ref1": "AUDIO"}, task="ref2va") is True
+    assert check(input_types={"first_image": "IMAGE"}, task=None) is True  # a linked task is checked at run time
+    assert "vae takes H3_VAE, got VAE" in check(input_types={"vae": "VAE"}, task="t2va")
+    with pytest.raises(ValueError, match="ref2va takes references, not first_image"):
+        _cond(c, text, vae, "ref2va", first_image=image, references={"ref0": image})
+    with pytest.raises(ValueError, match="IMAGE, VIDEO or AUDIO"):
+        _cond(c, text, vae, "ref2va", references={"ref0": "text"})
+
+
+def test_sampler_sigmas_denoise_and_latent_checks(comfy):
+    c = comfy
+    model, text, vae = _models(c)
+    cond = _cond(c, text, vae).values[0]
+    run = c.sampler.H3Sampler.execute
+    with pytest.raises(ValueError, match="video_sigmas: Custom sigmas must be .* ending at 0.0"):
+        run(model, cond, 0, 2, 0.0, 0.0, video_sigmas=torch.tensor([1.0, 0.5]))
+    with pytest.raises(ValueError, match="audio_sigmas: .*strictly decreasing"):
+        run(model, cond, 0, 2, 0.0, 0.0, audio_sigmas=torch.tensor([1.0, 0.6, 0.7, 0.0]))
+    loaded = len(c.record.loaded)
+    assert len(c.record.loaded) == loaded  # bad input fails before any model moves
+    out = run(model, cond, 0, 0, 0.0, 0.0, video_sigmas=torch.tensor([1.0, 0.5, 0.0])).values[0][0]
+    assert c.record.progress[-1][:2] == (2, 2)  # the automatic audio ladder got as many points
+    with pytest.raises(ValueError, match="refines a latent"):
+        run(model, cond, 0, 4, 0.0, 0.0, 0.5)
+    empty = c.latent.H3EmptyAVLatent.execute(1344, 768, 124).values[0]
+    with pytest.raises(ValueError, match="1344x768, 124 frames, but the conditioning asks for 224x128, 107"):
+        run(model, cond, 0, 2, 0.0, 0.0, latent=empty)
+    refined = run(model, cond, 0, 4, 0.0, 0.0, 0.5, latent=out).values[0][0]
+    assert c.record.progress[-1][:2] == (3, 3) and not torch.equal(refined["video"], out["video"])
+    with pytest.raises(ValueError, match="denoise < 1 cuts the automatic ladders"):
+        run(model, cond, 0, 2, 0.0, 0.0, 0.5, latent=out, video_sigmas=torch.tensor([0.5, 0.0]))
+    with pytest.raises(ValueError, match="multiples of 32"):
+        c.latent.H3EmptyAVLatent.execute(100, 64, 124)
+    with pytest.raises(ValueError, match="4-15 s range"):
+        c.latent.H3EmptyAVLatent.execute(256, 128, 50)
+
+
+def test_interrupt_stops_and_frees(comfy):
+    c = comfy
+    model, text, vae = _models(c)
+    cond = _cond(c, text, vae).values[0]
+    c.record.progress.clear()
+    c.record.interrupt_after = 2
+    with pytest.raises(sys.modules["comfy.model_management"].InterruptProcessingException):
+        c.sampler.H3Sampler.execute(model, cond, 0, 20, 0.0, 0.0)
+    assert [value for value, _, _ in c.record.progress] == [1, 2]  # stopped right after the step it was asked
+
+
+def test_lora_apply_keeps_the_cached_model_clean(comfy):
+    from lora_files import fused, random_spec, write_native
+
+    from h3_core.config import TINY_DIT
+
+    c = comfy
+    write_native(c.tmp / "loras" / TURBO, fused(random_spec(TINY_DIT), block_diagonal=True),
+                 prefix="diffusion_model.")
+    model, text, vae = _models(c)
+    turbo = c.sampler.H3LoRAApply.execute(model, TURBO, 1.0).values[0]
+    assert len(turbo.loras) == 1 and turbo.dit is model.dit and turbo.patcher is model.patcher
+    before = {k: v.clone() for k, v in model.dit.state_dict().items()}
+    cond = _cond(c, text, vae).values[0]
+    c.sampler.H3Sampler.execute(turbo, cond, 0, 0, 0.0, 0.0)
+    assert c.record.progress[-1][:2] == (8, 8)  # the Turbo contract: 8 distilled steps
+    assert all(torch.equal(before[k], v) for k, v in model.dit.state_dict().items())
+
+
+def test_memory_wrapper_moves_and_reports(comfy, caplog):
+    c = comfy
+    module = torch.nn.Linear(4, 4)
+    patcher = c.memory.manage("H3 test model", [module], "cpu", "vae")
+    placement = patcher.model
+    assert patcher.model_size() == placement.size == 4 * 4 * 4 + 4 * 4 and patcher.loaded_size() == placement.size
+    with caplog.at_level("INFO", logger="h3"):
+        assert patcher.partially_unload("cpu", 1) == placement.size and patcher.loaded_size() == 0
+        patcher.detach(unpatch_all=False)  # ComfyUI re-registering: nothing moves
+        assert patcher.partially_load("cpu") == placement.size and patcher.loaded_size() == placement.size
+        patcher.detach()
+        assert patcher.loaded_size() == 0
+        del patcher, placement
+        import gc
+
+        gc.collect()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["H3: H3 test model unloaded from cpu to cpu (0.00 GiB)", "H3: H3 test model loaded on cpu (0.00 GiB)",
+                     "H3: H3 test model unloaded from cpu to cpu (0.00 GiB)", "H3: H3 test model released (0.00 GiB)"]
+
+
+def test_a_failed_run_leaves_no_tensors_behind():
+    """freed_on_failure clears the frames of the traceback the host keeps, so their tensors go at once."""
+    import weakref
+
+    from h3_core.placement import freed_on_failure
+
+    refs = []
+
+    def work():
+        activations = torch.zeros(1000)
+        refs.append(weakref.ref(activations))
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError) as caught, freed_on_failure("cpu"):
+        work()
+    assert caught.value.__traceback__ is not None and refs[0]() is None
+
+
+def test_preview_is_the_clean_estimate_of_the_middle_frame():
+    """At the last step the estimate is the result itself; a colour table maps channels as given."""
+    from h3_core.conditioning import Request, encode_request
+    from h3_core.pipeline import TINY_CANVAS, sample
+    from h3_core.preview import latent_rgb
+    from h3_core.tiny import tiny_random_dit
+    from h3_core.tiny_text import tiny_random_text_encoder
+
+    cond = encode_request(Request("t2va", "a fox", duration=4.0), tiny_random_text_encoder(), rules=TINY_CANVAS)
+    frames = []
+    latents = sample(tiny_random_dit(), cond, 0, 3, callback=lambda state: frames.append(state.video_estimate_frame()))
+    middle = latents.video.shape[2] // 2
+    assert len(frames) == 2 and torch.allclose(frames[-1], latents.video[0, :, middle], atol=1e-6)
+    assert latent_rgb(frames[0]).shape == (8, 14, 3)
+    factors = torch.zeros(24, 3)
+    factors[0, 0] = 1.0
+    rgb = latent_rgb(torch.ones(24, 2, 2), factors)  # channel 0 -> red; (x + 1) / 2 -> 0..1
+    assert (rgb[..., 0] == 255).all() and (rgb[..., 1:] == 128).all()

@@ -1,0 +1,86 @@
+"""web/h3_geometry.js (what the canvas shows under H3 Conditioning before queueing) against the engine:
+its constants always; its formulas by running it with node, where node is installed."""
+
+import itertools
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from h3_core import geometry
+from h3_core.conditioning import MAX_SECONDS, MIN_SECONDS, Request, RequestError, validate
+from h3_core.pipeline import TINY_CANVAS
+from h3_core.references import RELEASE_CANVAS
+
+JS = Path(__file__).resolve().parents[1] / "web" / "h3_geometry.js"
+RULES = {"release": RELEASE_CANVAS, "tiny": TINY_CANVAS}
+DURATIONS = [3.9, 4.0, 4.05, 4.0625, 5.0, 5.1875, 5.2, 7.3, 9.99, 14.9, 15.0, 15.1]  # 4.0625, 5.1875: x.5 frames
+SIZES = [(0, 0), (256, 128), (1344, 768), (96, 32), (160, 32), (100, 64), (256, 0)]
+ASPECTS = ["auto", *geometry.ASPECT_RATIOS]
+
+
+def test_constants_match_the_engine():
+    text = JS.read_text()
+
+    def const(name):
+        return re.search(rf"export const {name} = (.+?);", text).group(1)
+
+    assert int(const("FPS")) == geometry.FPS
+    assert int(const("FRAMES_PER_CHUNK")) == geometry.FRAMES_PER_CHUNK
+    assert int(const("LATENTS_PER_CHUNK")) == geometry.LATENTS_PER_CHUNK
+    assert int(const("CANVAS_MULTIPLE")) == geometry.CANVAS_MULTIPLE
+    assert (float(const("MIN_SECONDS")), float(const("MAX_SECONDS"))) == (MIN_SECONDS, MAX_SECONDS)
+    for name, rules in (("RELEASE_RULES", RELEASE_CANVAS), ("TINY_RULES", TINY_CANVAS)):
+        short, side_a, side_b = map(int, re.fullmatch(r"\{ shortEdge: (\d+), maxPixels: (\d+) \* (\d+) \}",
+                                                      const(name)).groups())
+        assert (short, side_a * side_b) == (rules.short_edge, rules.max_pixels)
+    ratios = dict(re.findall(r'"(\d+:\d+)": \[(\d+, \d+)\]', const("ASPECT_RATIOS")))
+    assert {k: tuple(map(int, v.split(", "))) for k, v in ratios.items()} == geometry.ASPECT_RATIOS
+
+
+def _python(case: dict) -> dict:
+    """What H3 Conditioning resolves (t2va; ref2va and fl2va with a named or explicit canvas agree)."""
+    width, height = case["width"], case["height"]
+    explicit = bool(width) or bool(height)
+    request = Request("t2va", "x", aspect_ratio=None if explicit or case["aspect_ratio"] == "auto" else case["aspect_ratio"],
+                      width=width if explicit else None, height=height if explicit else None,
+                      duration=case["duration"])
+    try:
+        plan = validate(request, RULES[case["rules"]])
+    except RequestError:
+        return {"error": True}
+    return {"width": plan.width, "height": plan.height, "frames": plan.num_frames}
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed: the JS formulas are not run")
+def test_js_resolves_like_the_engine():
+    cases = [dict(task="t2va", aspect_ratio=a, width=w, height=h, duration=d, rules=r)
+             for a, (w, h), d, r in itertools.product(ASPECTS, SIZES, DURATIONS, RULES)]
+    cases += [dict(task="fl2va", aspect_ratio="auto", width=0, height=0, duration=5.0, rules="release")]
+    script = (f"import * as g from {json.dumps(JS.as_uri())};"
+              "const cases = JSON.parse(require('fs').readFileSync(0, 'utf8'));"
+              "console.log(JSON.stringify(cases.map(c => g.resolveRequest(c, c.rules === 'tiny' ? g.TINY_RULES : "
+              "g.RELEASE_RULES))));")
+    script = script.replace("require('fs')", "(await import('node:fs'))")
+    run = subprocess.run(["node", "--input-type=module", "-e", script], input=json.dumps(cases), capture_output=True,
+                         text=True, timeout=60, check=True)
+    results = json.loads(run.stdout)
+    *grid, keyframe = results
+    assert keyframe["width"] is None and keyframe["frames"] == 124  # fl2va auto: the keyframe decides
+    for case, js in zip(cases, grid):
+        py = _python(case)
+        if "error" in py or "error" in js:
+            assert ("error" in py) == ("error" in js), (case, py, js)
+            continue
+        assert (js["width"], js["height"], js["frames"]) == (py["width"], py["height"], py["frames"]), case
+        assert js["seconds"] == pytest.approx(py["frames"] / geometry.FPS)
+
+
+def test_keyframe_canvas_is_the_engines():
+    """The one case the JS leaves open (fl2va, auto) is the keyframe's shape under the same rules."""
+    plan = validate(Request("fl2va", "x", first_image=Image.new("RGB", (300, 400))), RELEASE_CANVAS)
+    assert (plan.width, plan.height) == RELEASE_CANVAS.canvas(300, 400)

@@ -1,0 +1,116 @@
+"""Every H3 task as a ComfyUI graph, stated once and written two ways:
+
+- `workflows/api/<name>.json`: API-format prompts on the embedded tiny-random model with generated media
+  (EmptyImage, EmptyAudio, CreateVideo), 2 steps, 4 s: what scripts POST to /prompt and what the
+  real-server test runs on the CPU.
+- `workflows/templates/<name>.json`: the same graph for real use (Comfy-Org file names, LoadImage /
+  LoadAudio / LoadVideo, automatic steps, 5 s), still in API format; tools/canvas.mjs loads each into the
+  ComfyUI canvas and saves the canvas (UI-format) workflow as `example_workflows/<name>.json`, which
+  ComfyUI's template browser lists under this pack.
+
+Run: python tools/workflows.py   (then node tools/canvas.mjs for the canvas files; see its docstring)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = ("A red fox trots along a beach at sunset; waves crash softly, gulls call, and a woman laughs "
+          "somewhere behind the camera.")
+TURBO_LORA = "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors"
+REAL = {  # Comfy-Org/MiniMax-H3 file names (models/diffusion_models, text_encoders, vae)
+    "fl2va": "minimax_h3_fl2va_bf16.safetensors",
+    "ref2va": "minimax_h3_ref2va_bf16.safetensors",
+    "text_encoder": "qwen3vl_32b_minimax_h3_bf16.safetensors",
+    "video_vae": "minimax_h3_video_vae_fp16.safetensors",
+    "audio_vae": "minimax_h3_audio_vae_fp32.safetensors",
+}
+
+# name: (task, keyframes, references, turbo); references are "image" | "video" | "audio" in slot order
+TASKS = {
+    "t2va": ("t2va", (), (), False),
+    "t2va_turbo": ("t2va", (), (), True),
+    "fl2va_first": ("fl2va", ("first",), (), False),
+    "fl2va_last": ("fl2va", ("last",), (), False),
+    "fl2va_first_last": ("fl2va", ("first", "last"), (), False),
+    "ref2va_images": ("ref2va", (), ("image", "image"), False),
+    "ref2va_image_audio": ("ref2va", (), ("image", "audio"), False),
+    "ref2va_video": ("ref2va", (), ("video",), False),
+}
+
+
+class Graph:
+    def __init__(self):
+        self.nodes: dict[str, dict] = {}
+
+    def add(self, class_type: str, **inputs) -> str:
+        node_id = str(len(self.nodes) + 1)
+        self.nodes[node_id] = {"class_type": class_type, "inputs": inputs}
+        return node_id
+
+
+def _image(graph: Graph, real: bool, what: str, color: int) -> list:
+    if real:
+        return [graph.add("LoadImage", image=f"h3_{what}.png"), 0]
+    return [graph.add("EmptyImage", width=224, height=128, batch_size=1, color=color), 0]
+
+
+def _audio(graph: Graph, real: bool, what: str) -> list:
+    if real:
+        return [graph.add("LoadAudio", audio=f"h3_{what}.wav"), 0]
+    return [graph.add("EmptyAudio", duration=3.0, sample_rate=32000, channels=2), 0]
+
+
+def _video(graph: Graph, real: bool, what: str) -> list:
+    if real:
+        return [graph.add("LoadVideo", file=f"h3_{what}.mp4"), 0]
+    frames = graph.add("EmptyImage", width=224, height=128, batch_size=60, color=3355647)
+    sound = graph.add("EmptyAudio", duration=2.5, sample_rate=32000, channels=2)
+    return [graph.add("CreateVideo", images=[frames, 0], fps=24.0, audio=[sound, 0]), 0]
+
+
+def build(name: str, real: bool) -> dict:
+    task, keyframes, references, turbo = TASKS[name]
+    partition = "ref2va" if task == "ref2va" else "fl2va"
+    tiny = "tiny-random"
+    g = Graph()
+    model = g.add("H3ModelLoader", checkpoint=REAL[partition] if real else tiny, folder="", partition=partition,
+                  weight_dtype="bf16", attention="auto")
+    text = g.add("H3TextEncoderLoader", text_encoder=REAL["text_encoder"] if real else tiny, folder="",
+                 tokenizer_folder="", weight_dtype="bf16")
+    vae = g.add("H3VAELoader", video_vae=REAL["video_vae"] if real else tiny,
+                audio_vae=REAL["audio_vae"] if real else tiny, folder="")
+    model_out = [model, 0]
+    if turbo:
+        model_out = [g.add("H3LoRAApply", model=model_out, lora_name=TURBO_LORA, strength=1.0), 0]
+    cond_inputs = dict(text_encoder=[text, 0], vae=[vae, 0], prompt=PROMPT, task=task, aspect_ratio="auto",
+                       width=0, height=0, duration=5.0 if real else 4.0)
+    for anchor, color in zip(keyframes, (16744448, 2113663)):
+        cond_inputs[f"{anchor}_image"] = _image(g, real, f"{anchor}_frame", color)
+    for index, kind in enumerate(references):
+        make = {"image": lambda: _image(g, real, f"reference_{index}", 16744448 - 4000 * index),
+                "audio": lambda: _audio(g, real, f"reference_{index}"),
+                "video": lambda: _video(g, real, f"reference_{index}")}[kind]
+        cond_inputs[f"references.ref{index}"] = make()
+    cond = g.add("H3Conditioning", **cond_inputs)
+    latent = g.add("H3EmptyAVLatent", width=1344, height=768, num_frames=124, conditioning=[cond, 0])
+    sampler = g.add("H3Sampler", model=model_out, conditioning=[cond, 0], latent=[latent, 0], seed=0,
+                    steps=0 if real else 2, video_shift=0.0, audio_shift=0.0, denoise=1.0, outputs=1)
+    decode = g.add("H3VAEDecode", vae=[vae, 0], latent=[sampler, 0])
+    g.add("H3AVSave", images=[decode, 0], audio=[decode, 1], filename_prefix=f"H3/{name}")
+    return g.nodes
+
+
+def main() -> None:
+    for folder, real in (("api", False), ("templates", True)):
+        out = ROOT / "workflows" / folder
+        out.mkdir(parents=True, exist_ok=True)
+        for name in TASKS:
+            (out / f"{name}.json").write_text(json.dumps(build(name, real), indent=2) + "\n")
+    print(f"wrote {len(TASKS)} API prompts to workflows/api and workflows/templates")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+// The H3 request geometry the conditioning node resolves, as plain functions (no DOM, no ComfyUI), so
+// node can run them in the tests against h3_core/geometry.py and h3_core/conditioning.py.
+// Keep in step with those files: tests/test_web_geometry.py compares the two.
+
+export const FPS = 24;
+export const FRAMES_PER_CHUNK = 17;
+export const LATENTS_PER_CHUNK = 5;
+export const CANVAS_MULTIPLE = 32;
+export const MIN_SECONDS = 4.0;
+export const MAX_SECONDS = 15.0;
+export const RELEASE_RULES = { shortEdge: 768, maxPixels: 768 * 1344 };
+export const TINY_RULES = { shortEdge: 128, maxPixels: 128 * 224 };
+export const ASPECT_RATIOS = { "21:9": [21, 9], "16:9": [16, 9], "4:3": [4, 3], "1:1": [1, 1], "3:4": [3, 4], "9:16": [9, 16] };
+export const DEFAULT_ASPECT_RATIO = "16:9";
+
+// Python's round(): halves go to the even neighbour.
+export function roundHalfEven(x) {
+  const floor = Math.floor(x);
+  const diff = x - floor;
+  if (diff > 0.5) return floor + 1;
+  if (diff < 0.5) return floor;
+  return floor % 2 === 0 ? floor : floor + 1;
+}
+
+export function alignFrames(count) {
+  const chunks = Math.max(0, Math.ceil((count - LATENTS_PER_CHUNK) / FRAMES_PER_CHUNK));
+  return FRAMES_PER_CHUNK * chunks + LATENTS_PER_CHUNK;
+}
+
+export function framesForDuration(seconds) {
+  return alignFrames(Math.max(1, roundHalfEven(seconds * FPS)));
+}
+
+export function canvasSize(aspectWidth, aspectHeight, rules = RELEASE_RULES) {
+  const ratio = aspectWidth / aspectHeight;
+  let width, height;
+  if (ratio >= 1) { width = rules.shortEdge * ratio; height = rules.shortEdge; }
+  else { width = rules.shortEdge; height = rules.shortEdge / ratio; }
+  const area = width * height;
+  if (area > rules.maxPixels) {
+    const scale = Math.sqrt(rules.maxPixels / area);
+    width *= scale; height *= scale;
+  }
+  const snap = (v) => Math.max(CANVAS_MULTIPLE, roundHalfEven(v / CANVAS_MULTIPLE) * CANVAS_MULTIPLE);
+  return [snap(width), snap(height)];
+}
+
+// {task, aspect_ratio, width, height, duration} -> {width, height, frames, seconds} or {error}; width and
+// height are null when the canvas follows a keyframe (fl2va with aspect_ratio auto).
+export function resolveRequest(values, rules = RELEASE_RULES) {
+  const { task, aspect_ratio: aspect, width, height, duration } = values;
+  if (!(duration >= MIN_SECONDS && duration <= MAX_SECONDS)) {
+    return { error: `duration must be ${MIN_SECONDS}-${MAX_SECONDS} s` };
+  }
+  const frames = framesForDuration(duration);
+  const out = { frames, seconds: frames / FPS, width: null, height: null };
+  if (width || height) {
+    if (!(width > 0 && height > 0) || width % CANVAS_MULTIPLE || height % CANVAS_MULTIPLE) {
+      return { error: `width and height must both be multiples of ${CANVAS_MULTIPLE} (or both 0)` };
+    }
+    const ratio = width / height;
+    if (ratio < 0.25 || ratio > 4) return { error: "the canvas must be between 1:4 and 4:1" };
+    return { ...out, width, height };
+  }
+  if (aspect in ASPECT_RATIOS) {
+    const [w, h] = canvasSize(...ASPECT_RATIOS[aspect], rules);
+    return { ...out, width: w, height: h };
+  }
+  if (task === "fl2va") return out; // the first keyframe's shape decides
+  const [w, h] = canvasSize(...ASPECT_RATIOS[DEFAULT_ASPECT_RATIO], rules);
+  return { ...out, width: w, height: h };
+}
+
+export function describe(result) {
+  if (result.error) return `H3: ${result.error}`;
+  const canvas = result.width ? `${result.width}x${result.height}` : "canvas from the keyframe";
+  return `${canvas}, ${result.frames} frames = ${result.seconds.toFixed(3)} s at ${FPS} fps`;
+}
