@@ -235,7 +235,8 @@ def _host_main_hidden():
     a CUDA context on the first GPU) unless `__main__` names neither a file nor a module. The workers need
     only h3_core, so both are hidden while they start."""
     main = sys.modules.get("__main__")
-    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if main is not None and name in main.__dict__}
+    names = ("__file__", "__spec__")
+    saved = {name: main.__dict__[name] for name in names if main is not None and name in main.__dict__}
     for name in saved:
         if name == "__file__":
             del main.__file__
@@ -279,7 +280,8 @@ class RunnerPlacement(Placement):
         from .memory_plan import adaln_weight_bytes, block_weight_bytes, shared_weight_bytes
 
         dtype_bytes = 2 if self.spec.dtype is None else torch.empty(0, dtype=self.spec.dtype).element_size()
-        blocks = self.config.num_layers * block_weight_bytes(self.config, dtype_bytes, self.spec.linears.startswith("fp8"))
+        fp8 = self.spec.linears.startswith("fp8")
+        blocks = self.config.num_layers * block_weight_bytes(self.config, dtype_bytes, fp8)
         if self.shard_weights:
             blocks //= len(self.devices)
         return shared_weight_bytes(self.config, dtype_bytes) + adaln_weight_bytes(self.config, dtype_bytes) + blocks

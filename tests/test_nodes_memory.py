@@ -1,0 +1,298 @@
+"""The DiT under ComfyUI's model manager (fake_comfy), on the CPU: a memory budget too small for the
+whole model makes the sampler stream blocks (BlockStreamer works on the CPU), with outputs bitwise those
+of the resident model; the patcher reports the partial load; unloading, a failure and an interrupt each
+remove the streamer and bring every block home, and the next run plans afresh. Two CPU devices (gloo)
+give the single-device latents, and unloading or dropping the model leaves no worker process.
+
+The tiny-random DiT has 2 blocks, too few for a streaming plan to beat keeping both (streaming holds
+prefetch + 2 slots), so the streaming tests load a 4-block tiny checkpoint from a model folder."""
+
+import dataclasses
+import gc
+import importlib
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+import fake_comfy  # noqa: E402
+
+from h3_core.config import TINY_DIT  # noqa: E402
+from h3_core.dit import H3DiT  # noqa: E402
+from h3_core.memory_plan import GIB, HEADROOM_BYTES, HEADROOM_FRACTION, expected_peak, plan_for  # noqa: E402
+from h3_core.tiny import TINY_SEED, seeded_random_weights  # noqa: E402
+
+FOUR_BLOCKS = "h3_tiny_4_blocks.safetensors"
+CONFIG = dataclasses.replace(TINY_DIT, num_layers=4)
+STEPS = 3
+
+
+def write_four_blocks(folder: Path) -> Path:
+    """The tiny DiT with 4 blocks as a ComfyUI single file (our module names are the release's)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model = seeded_random_weights(H3DiT(CONFIG), TINY_SEED)
+    save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in model.state_dict().items()},
+              str(folder / FOUR_BLOCKS))
+    return folder / FOUR_BLOCKS
+
+
+def streaming_budget(layout, steps: int = STEPS, resident: int = 0, prefetch: int = 1) -> float:
+    """GiB in which the 4-block model (fp32: 4 bytes) plans `resident` blocks and AdaLN weights on the CPU
+    (the rest streamed with `prefetch`; 4 resident and prefetch 0: only the AdaLN weights stay home)."""
+    timesteps = int(layout.row_timesteps(0.5, 0.25)[0].numel())
+    need = expected_peak(CONFIG, layout.sequence_length, resident, prefetch, True, max(steps - 1, 1), timesteps, 4)
+    budget = (need + HEADROOM_BYTES + 4096) / (1 - HEADROOM_FRACTION) / GIB
+    plan = plan_for(CONFIG, layout, steps, "cpu", budget, 4)
+    assert (plan.resident_blocks, plan.prefetch, plan.offload_adaln, plan.fits) == (resident, prefetch, True, True)
+    return budget
+
+
+@pytest.fixture
+def comfy(tmp_path):
+    saved = {name: module for name, module in sys.modules.items()
+             if name.split(".")[0] in ("comfy", "comfy_api", "folder_paths", "nodes")}
+    record = fake_comfy.install(tmp_path)
+    write_four_blocks(tmp_path / "diffusion_models")
+    modules = SimpleNamespace(record=record, tmp=tmp_path, mm=sys.modules["comfy.model_management"], **{
+        name: importlib.import_module(f"nodes.{name}") for name in ("loaders", "conditioning", "sampler", "memory")})
+    yield modules
+    for name in [n for n in sys.modules if n.split(".")[0] in ("comfy", "comfy_api", "folder_paths", "nodes")]:
+        del sys.modules[name]
+    sys.modules.update(saved)
+
+
+def _load(c, checkpoint=FOUR_BLOCKS, **options):
+    return c.loaders.H3ModelLoader.execute(checkpoint, "", "fl2va", "fp32", "auto", **options).values[0]
+
+
+def _cond(c):
+    text = c.loaders.H3TextEncoderLoader.execute("tiny-random", "", "", "bf16").values[0]
+    vae = c.loaders.H3VAELoader.execute("tiny-random", "tiny-random", "").values[0]
+    return c.conditioning.H3Conditioning.execute(text, "a fox on a beach", "t2va", "auto", 0, 0, 4.0, vae=vae).values[0]
+
+
+def _sample(c, model, cond, seed=5):
+    return c.sampler.H3Sampler.execute(model, cond, seed, STEPS, 0.0, 0.0).values[0][0]
+
+
+def _same(a, b):
+    return torch.equal(a["video"], b["video"]) and torch.equal(a["audio"], b["audio"])
+
+
+def _clean(dit) -> bool:
+    """No streaming hook left on any block."""
+    return all(not block._forward_pre_hooks and not block._forward_hooks for block in dit.blocks)
+
+
+def test_a_small_budget_streams_blocks_with_the_resident_results(comfy, caplog):
+    c = comfy
+    cond = _cond(c)
+    resident = _load(c)
+    expected = _sample(c, resident, cond)
+    placement = resident.patcher.model
+    assert placement.streamer is None and resident.patcher.loaded_size() == resident.patcher.model_size()
+
+    budget = streaming_budget(cond.layout)
+    model = _load(c, gpu_memory_gb=budget)
+    patcher, placement = model.patcher, model.patcher.model
+    with caplog.at_level("INFO", logger="h3"):
+        got = _sample(c, model, cond)
+        assert _same(got, expected)  # the same kernels on the same values
+        assert placement.streamer is not None and placement.plan.streams and not _clean(model.dit)
+        # a partial load: the shared weights and the stream's slots, not the AdaLN weights or the 4 blocks
+        assert 0 < patcher.loaded_size() < patcher.model_size()
+        assert patcher.loaded_size() == patcher.model_size() - placement.streamer.offloaded_bytes - sum(
+            p.numel() * p.element_size() for m in model.dit.adaln_modules() for p in m.parameters())
+        assert _same(_sample(c, model, cond), expected)  # the same plan again: nothing moves, same result
+
+        c.mm.unload_all_models()  # /free, "Unload models": every registered model detaches
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("0/4 blocks resident, rest streamed" in line for line in lines), lines
+    assert any("unloaded from cpu to cpu" in line and "block streaming removed" in line for line in lines), lines
+    assert placement.streamer is None and not placement.loaded and patcher.loaded_size() == 0 and _clean(model.dit)
+    assert resident.patcher.loaded_size() == 0
+
+    assert _same(_sample(c, model, cond), expected)  # the next run plans and streams afresh
+    assert placement.streamer is not None
+
+
+def test_a_plan_that_only_keeps_the_adaln_weights_home_moves_only_them(comfy, caplog):
+    c = comfy
+    cond = _cond(c)
+    expected = _sample(c, _load(c), cond)
+    model = _load(c, gpu_memory_gb=streaming_budget(cond.layout, resident=4, prefetch=0))
+    patcher, placement = model.patcher, model.patcher.model
+    adaln = sum(p.numel() * p.element_size() for m in model.dit.adaln_modules() for p in m.parameters())
+    with caplog.at_level("INFO", logger="h3"):
+        assert _same(_sample(c, model, cond), expected)  # offload_adaln: tables made module by module
+        assert placement.streamer is None and patcher.loaded_size() == patcher.model_size() - adaln
+        placement.budget_gib = None  # room enough now: the next plan keeps everything on the device
+        assert _same(_sample(c, model, cond), expected) and patcher.loaded_size() == patcher.model_size()
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("AdaLN weights moved to cpu" in line for line in lines) and not any("unloaded" in line for line in lines)
+
+
+def test_failure_and_interrupt_remove_the_streamer(comfy):
+    c = comfy
+    cond = _cond(c)
+    expected = _sample(c, _load(c), cond)
+    model = _load(c, gpu_memory_gb=streaming_budget(cond.layout))
+    placement = model.patcher.model
+
+    c.record.progress.clear()
+    c.record.interrupt_after = 1
+    with pytest.raises(c.mm.InterruptProcessingException):
+        _sample(c, model, cond)
+    assert placement.streamer is None and not placement.loaded and _clean(model.dit)
+    c.record.interrupt_after = None
+
+    def fail(module, args):  # a failure inside a forward: a streamed block still points into its slot
+        raise RuntimeError("out of memory (injected)")
+
+    hook = model.dit.blocks[2].register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        _sample(c, model, cond)
+    hook.remove()
+    assert placement.streamer is None and not placement.loaded and _clean(model.dit)
+    assert _same(_sample(c, model, cond), expected)  # every block got its own weights back
+
+
+def test_the_long_video_node_samples_by_the_plan(comfy):
+    """H3 Continuation plans for its largest window and streams as the sampler does, with the same result."""
+    from h3_core.long_video import LongVideoRequest, encode_long_video
+    from h3_core.pipeline import largest_layout
+    from nodes.convert import build_request
+
+    c = comfy
+    node = importlib.import_module("nodes.long_video").H3Continuation
+    text = c.loaders.H3TextEncoderLoader.execute("tiny-random", "", "", "bf16").values[0]
+    prompt, seconds, window, overlap, steps = "a fox on a beach", 8.0, 107, 22, 2
+    args = (text, prompt, "t2va", seconds, "continuation", window, overlap, 3, steps, 0.0, 0.0, "auto", 0, 0)
+    expected, frames = node.execute(_load(c), *args).values
+    request = LongVideoRequest(build_request("t2va", prompt, duration=seconds), "continuation", window, overlap)
+    layout = largest_layout(encode_long_video(request, text.encoder, None, None, rules=text.canvas))
+    model = _load(c, gpu_memory_gb=streaming_budget(layout, steps))
+    got, got_frames = node.execute(model, *args).values
+    assert model.patcher.model.streamer is not None and model.patcher.model.plan.streams
+    assert got_frames == frames > window and _same(got, expected)
+
+
+def test_a_budget_too_small_is_refused_before_anything_moves(comfy):
+    c = comfy
+    cond = _cond(c)
+    model = _load(c, gpu_memory_gb=0.25)  # less than the allocator's headroom alone
+    loads = len(c.record.loaded)
+    with pytest.raises(ValueError, match=r"needs about 0\.\d+ GiB on cpu even with every DiT block streamed.*budget"):
+        _sample(c, model, cond)
+    assert len(c.record.loaded) == loads and model.patcher.model.plan is None  # nothing was placed
+
+
+def test_the_loader_reads_to_the_cpu_what_does_not_fit_the_gpu(comfy):
+    c = comfy
+    home = c.memory.dit_home
+    c.record.free_bytes = 8 * GIB
+    assert home(10 * GIB, "cuda:0", None) == torch.device("cpu")  # streamed at each run
+    assert c.record.freed[-1] == (10 * GIB, "cuda:0")  # other models were asked to leave first
+    c.record.free_bytes = 40 * GIB
+    assert home(10 * GIB, "cuda:0", None) == torch.device("cuda:0")
+    assert home(10 * GIB, "cuda:0", 8.0) == torch.device("cpu") and c.record.freed[-1] == (8 * GIB, "cuda:0")
+    assert home(10 * GIB, "cpu", 1.0) == torch.device("cpu")
+
+
+def test_loader_input_checks(comfy):
+    c = comfy
+    with pytest.raises(ValueError, match="cuda:0 alone is one device"):
+        _load(c, "tiny-random", devices="cuda:0")
+    with pytest.raises(ValueError, match="shard_weights .* list them in devices"):
+        _load(c, "tiny-random", shard_weights=True)
+    with pytest.raises(ValueError, match="gpu_memory_gb streams blocks on one device"):
+        _load(c, "tiny-random", devices="cpu,cpu", gpu_memory_gb=4.0)
+    with pytest.raises(ValueError, match="not a list of device names"):
+        _load(c, "tiny-random", devices="gpu0,gpu1")
+    with pytest.raises(ValueError, match="cuda:6 does not exist here"):
+        _load(c, "tiny-random", devices="cuda:6,cuda:7")
+
+
+def _gone(processes) -> bool:
+    for process in processes:
+        if process.is_alive() or process.exitcode is None:
+            return False
+        try:
+            os.kill(process.pid, 0)
+            return False  # a zombie, not reaped
+        except ProcessLookupError:
+            pass
+    return True
+
+
+def test_two_cpu_devices_give_the_single_device_latents_and_unloading_stops_the_workers(comfy, caplog):
+    c = comfy
+    cond = _cond(c)
+    expected = _sample(c, _load(c, "tiny-random"), cond)
+    with caplog.at_level("INFO", logger="h3"):
+        split = _load(c, "tiny-random", devices="cpu, cpu")
+        placement = split.patcher.model
+        processes = placement.runner.processes
+        assert split.split and len(processes) == 2 and all(p.is_alive() for p in processes)
+        c.record.progress.clear()
+        assert _same(_sample(c, split, cond), expected)
+        assert [value for value, _, preview in c.record.progress] == [1, 2] and c.record.progress[-1][2][0] == "JPEG"
+
+        c.record.progress.clear()
+        c.record.interrupt_after = 1  # ComfyUI's interrupt, raised in the step callback, stops every worker
+        with pytest.raises(c.mm.InterruptProcessingException):
+            _sample(c, split, cond)
+        c.record.interrupt_after = None
+        assert all(p.is_alive() for p in processes)
+
+        with pytest.raises(ValueError, match="split over several devices"):
+            c.sampler.H3LoRAApply.execute(split, "any.safetensors", 1.0)
+
+        c.mm.unload_all_models()
+        assert placement.runner is None and _gone(processes)
+        assert _same(_sample(c, split, cond), expected)  # the next run starts them again
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("workers started on cpu, cpu" in line for line in lines), lines
+    assert any("workers on cpu, cpu stopped" in line for line in lines), lines
+
+    processes = placement.runner.processes
+    del split, placement
+    c.record.loaded.clear()
+    gc.collect()  # the loader's output dropped (ComfyUI's cache let it go): the workers stop with it
+    assert _gone(processes)
+
+
+def test_adaln_weights_go_back_where_they_were():
+    """The sampler's offload_adaln must leave AdaLN weights a plan keeps on the CPU there, not move them to
+    the compute device (a 'meta' stand-in for a GPU, so this runs on the CPU)."""
+    from h3_core.tiny import tiny_random_dit
+
+    dit = tiny_random_dit()
+    dit.condition_proj.to("meta")  # where the compute-side weights live
+    with dit.adaln_offloaded():
+        pass
+    assert all(p.device.type == "cpu" for m in dit.adaln_modules() for p in m.parameters())
+
+
+def test_unplace_restores_a_block_left_in_its_slot():
+    from h3_core.offload import _streamed_parameters, stream_blocks, unplace
+
+    dit = seeded_random_weights(H3DiT(CONFIG), TINY_SEED)
+    before = {k: v.clone() for k, v in dit.state_dict().items()}
+    streamer = stream_blocks(dit, "cpu", resident=1)
+    slots = list(streamer.slots)
+    streamer._before(2)(dit.blocks[2], ())  # block 2 computes from a slot, as when a forward fails inside it
+
+    def in_a_slot(param) -> bool:
+        return any(s.data_ptr() <= param.data_ptr() < s.data_ptr() + s.numel() for s in slots)
+
+    assert all(in_a_slot(p) for p in _streamed_parameters(dit.blocks[2]))
+    unplace(dit, "cpu", streamer)
+    assert _clean(dit) and streamer.slots == [] and streamer.home == {}
+    assert not any(in_a_slot(p) for p in dit.parameters())
+    assert all(torch.equal(before[k], v) for k, v in dit.state_dict().items())
