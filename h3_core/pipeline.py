@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from einops import rearrange
 
 from .attention import resolve_backend
 from .checkpoint import infer_config, load_dit, locate_dit
@@ -24,7 +23,7 @@ from .config import TINY_DIT
 from .memory_plan import GIB, MemoryPlan, plan_for
 from .offload import load_device, place
 from .conditioning import Request, RequestError, encode_request, validate
-from .layout import patchify, unpack_audio, unpatchify
+from .layout import pack_audio, patchify, unpack_audio, unpatchify
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, check_scaled_device
 from .lora import apply_loras, load_lora, sampler_settings
 from .noise import condition_rows, request_generator, target_noise
@@ -109,7 +108,7 @@ def start_rows(init: AVLatents, layout, schedule: DualClockSchedule, video_noise
         raise ValueError(f"The latent to refine has (frames, height, width, audio) latents {have}, but this "
                          f"conditioning makes {want}; use a latent of the same size and duration.")
     video = patchify(init.video.float().cpu())
-    audio = rearrange(init.audio.float().cpu(), "ch c a -> (ch a) c")[None]
+    audio = pack_audio(init.audio.float().cpu()[None])
     s_video, s_audio = schedule.video[0], schedule.audio[0]
     return s_video * video_noise + (1 - s_video) * video, s_audio * audio_noise + (1 - s_audio) * audio
 

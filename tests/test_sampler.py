@@ -80,3 +80,29 @@ def test_euler_last_step_returns_the_x0_estimate():
     sigma = torch.tensor(0.2)
     out = euler_step(x, v, 1.0 - sigma, sigma, torch.tensor(0.0))
     assert torch.allclose(out, x + 0.2 * v, atol=1e-6)
+
+
+def test_refining_starts_each_modality_at_its_first_sigma():
+    """pipeline.start_rows: s * noise + (1 - s) * init per modality, in the packed row layouts (so s = 0
+    would give back the init latents exactly), and a size mismatch is a clear error."""
+    from h3_core.layout import build_request_layout, unpack_audio, unpatchify
+    from h3_core.noise import request_generator, target_noise
+    from h3_core.output import AVLatents
+    from h3_core.pipeline import start_rows
+
+    layout = build_request_layout(128, 64, 124, torch.ones(6, dtype=torch.long))
+    generator = torch.Generator().manual_seed(5)
+    init = AVLatents(torch.randn(1, 24, layout.latent_frames, layout.latent_height, layout.latent_width, generator=generator),
+                     torch.randn(2, 32, layout.audio_latents, generator=generator))
+    video_noise, audio_noise = target_noise(layout, request_generator(3))
+    schedule = DualClockSchedule.build(9, denoise=0.5)
+    s_video, s_audio = float(schedule.video[0]), float(schedule.audio[0])
+    assert 0 < s_video < 1 and 0 < s_audio < 1
+    video, audio = start_rows(init, layout, schedule, video_noise, audio_noise)
+    clean_video = (video - s_video * video_noise) / (1 - s_video)
+    clean_audio = (audio - s_audio * audio_noise) / (1 - s_audio)
+    assert torch.allclose(unpatchify(clean_video, layout.latent_frames, layout.latent_height, layout.latent_width), init.video, atol=1e-5)
+    assert torch.allclose(unpack_audio(clean_audio)[0], init.audio, atol=1e-5)
+    narrow = AVLatents(init.video[..., :-1], init.audio)
+    with pytest.raises(ValueError, match="same size and duration"):
+        start_rows(narrow, layout, schedule, video_noise, audio_noise)
