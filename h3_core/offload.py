@@ -189,3 +189,34 @@ def unplace(dit: H3DiT, device: torch.device | str, streamer: BlockStreamer | No
 def load_device(plan, device: torch.device | str) -> torch.device:
     """Where to read the weights to: straight onto `device` when the plan keeps everything there."""
     return torch.device(device) if not plan.streams and not plan.offload_adaln else torch.device("cpu")
+
+
+class LayerVisits:
+    """For a one-shot forward through a model larger than the GPU (the 51 GB text encoder on a 24 GB
+    card): each of `layers` keeps its weights where they are (the CPU) and computes on `device` from a
+    copy made just before it runs and dropped just after, so the GPU holds one layer at a time. Same
+    kernels on the same values as a resident model; `remove()` takes the hooks off."""
+
+    def __init__(self, layers, device: torch.device | str):
+        self.device = torch.device(device)
+        self.homes: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = {}
+        self.visits = 0
+        self.hooks = []
+        for layer in layers:
+            self.hooks.append(layer.register_forward_pre_hook(self._arrive))
+            self.hooks.append(layer.register_forward_hook(self._leave))
+
+    def _arrive(self, module, args):
+        self.homes[id(module)] = [(p, p.data) for p in module.parameters()]
+        for param, home in self.homes[id(module)]:
+            param.data = home.to(self.device, non_blocking=True)
+        self.visits += 1
+
+    def _leave(self, module, args, output):
+        for param, home in self.homes.pop(id(module)):
+            param.data = home
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []

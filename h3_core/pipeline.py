@@ -20,7 +20,7 @@ import torch
 from .attention import resolve_backend
 from .checkpoint import infer_config, load_dit, locate_dit
 from .config import TINY_DIT
-from .memory_plan import GIB, MemoryPlan, plan_for
+from .memory_plan import GIB, MemoryPlan, free_bytes, plan_for, usable_bytes
 from .offload import load_device, place
 from .conditioning import Request, RequestError, encode_request, validate
 from .layout import pack_audio, patchify, unpack_audio, unpatchify
@@ -31,7 +31,7 @@ from .output import AVLatents, write_mp4
 from .references import RELEASE_CANVAS, CanvasRules
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback
 from .sampler import denoise as denoise_loop
-from .text import load_text_encoder
+from .text import load_text_encoder, text_encoder_bytes
 from .text_checkpoint import locate_text_encoder
 from .tiny import TINY_RANDOM, tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
 from .tiny_text import tiny_random_text_encoder
@@ -245,7 +245,7 @@ def generate(
 
     clock = time.perf_counter()
     progress("text encoder", 0, 1)
-    text_encoder = tiny_random_text_encoder(device=device) if source.tiny else load_text_encoder(source.root, settings.dtype, device)
+    text_encoder = load_text_encoder_for(source, settings, notes)
     video_vae = tiny_random_video_vae(device) if source.tiny else load_video_vae(source.root, device=device)
     audio_vae = tiny_random_audio_vae(device) if source.tiny else load_audio_vae(source.root, device=device)
     conditioning = encode(request, text_encoder, video_vae, audio_vae, rules=source.canvas)
@@ -293,6 +293,25 @@ def generate(
             seconds["decode"] = time.perf_counter() - clock
         results.append(GenerateResult(seed, video_path, latents_path, latents, seconds))
     return results
+
+
+TEXT_WORKING_BYTES = 2 * GIB  # the encoder's activations, thousands of rows with vision references
+
+
+def load_text_encoder_for(source, settings: GenerateSettings, notes):
+    """The text encoder on the device when it fits (in `settings.gpu_memory` or what is free); else in
+    CPU memory with its decoder layers visiting the GPU one at a time (`TextEncoder.stream_layers`)."""
+    device = torch.device(settings.device)
+    if source.tiny:
+        return tiny_random_text_encoder(device=device)
+    if device.type == "cuda":
+        need = text_encoder_bytes(source.root, settings.dtype) + TEXT_WORKING_BYTES
+        budget = int(settings.gpu_memory * GIB) if settings.gpu_memory else free_bytes(device)
+        if need > usable_bytes(budget):
+            notes(f"text encoder: {need / GIB:.1f} GiB does not fit in {budget / GIB:.1f} GiB; its layers stream "
+                  "from CPU memory")
+            return load_text_encoder(source.root, settings.dtype, "cpu").stream_layers(device)
+    return load_text_encoder(source.root, settings.dtype, device)
 
 
 def load_sampling_dit(source, partition: str, settings: GenerateSettings, loras, conditioning, steps: int, notes):

@@ -118,12 +118,41 @@ class TextEncoder:
 
     def to(self, device: str | torch.device) -> "TextEncoder":
         """Move the weights (e.g. "cpu" to park the encoder while the DiT runs)."""
+        self._stop_streaming()
         self.model = self._loaded().to(device)
         return self
+
+    def stream_layers(self, device: str | torch.device) -> "TextEncoder":
+        """Compute on `device` while the decoder layers stay in CPU memory: everything else (embedding,
+        vision tower, rotary tables: ~2.7 GB for the 32B) moves to `device`, and each layer visits it only
+        while it runs (`offload.LayerVisits`). For GPUs smaller than the encoder; the same result, plus
+        one copy of the layers per prompt (~49 GB: a few seconds)."""
+        from .offload import LayerVisits
+
+        model = self._loaded()
+        self._stop_streaming()
+        layers = model.language_model.layers
+        in_layers = {id(t) for t in list(layers.parameters()) + list(layers.buffers())}
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                if id(param) not in in_layers:
+                    param.data = param.data.to(device)
+            for name, buffer in module.named_buffers(recurse=False):
+                if id(buffer) not in in_layers:
+                    module._buffers[name] = buffer.to(device)
+        self._visits = LayerVisits(list(layers), device)
+        return self
+
+    def _stop_streaming(self) -> None:
+        visits = getattr(self, "_visits", None)
+        if visits is not None:
+            visits.remove()
+            self._visits = None
 
     def release(self) -> None:
         """Drop the weights and free their memory; the presenter stays usable."""
         device = None if self.model is None else self.device
+        self._stop_streaming()
         self.model = None
         gc.collect()
         if device is not None and device.type == "cuda":
@@ -175,6 +204,18 @@ def load_text_encoder(
     _check_compatible(qwen_config, presenter)  # before reading ~51 GB of weights
     model = load_qwen3vl(source, dtype, device, qwen_config, layer)
     return TextEncoder(model, presenter, layer)
+
+
+def text_encoder_bytes(path: str | Path, dtype: torch.dtype = torch.bfloat16, layer: int = TEXT_ENCODER_LAYER) -> int:
+    """Bytes of the weights `load_text_encoder` would place (embedding, `layer` decoder layers, vision
+    tower), from the config alone: a host decides before reading ~51 GB whether they fit on its GPU."""
+    from transformers import Qwen3VLModel
+
+    config = qwen3vl_config(locate_text_encoder(path, layers=layer).config, layer)
+    with torch.device("meta"):
+        model = Qwen3VLModel(config)
+    model.language_model.norm = torch.nn.Identity()  # as the loader builds it: H3 reads the pre-norm stream
+    return sum(p.numel() for p in model.parameters()) * torch.empty(0, dtype=dtype).element_size()
 
 
 def _check_compatible(config, presenter: Presenter) -> None:

@@ -172,3 +172,22 @@ def test_generate_streams_when_the_plan_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline, "load_dit", lambda *a, **k: pytest.fail("weights read for a request that cannot fit"))
     with pytest.raises(RequestError, match="even with every DiT block streamed"):
         _tiny_generate(tmp_path, gpu_memory=1e-6)
+
+
+def test_text_encoder_layers_visit_the_device_one_at_a_time():
+    """stream_layers: the same prompt states as the resident encoder, every one of the 50 layers visited
+    once per prompt, and the layers' weights still at home afterwards; to() ends the streaming."""
+    from h3_core.tiny_text import tiny_random_text_encoder
+
+    encoder = tiny_random_text_encoder()
+    presentation = encoder.present("t2va", "a fox trots along the beach")
+    expected = encoder.encode(presentation).prompt_embeds
+    layers = encoder.model.language_model.layers
+    homes = [p.data_ptr() for p in layers.parameters()]
+    encoder.stream_layers("cpu")
+    got = encoder.encode(presentation).prompt_embeds
+    assert torch.equal(expected, got)
+    assert encoder._visits.visits == len(layers) == 50
+    assert [p.data_ptr() for p in layers.parameters()] == homes
+    encoder.to("cpu")
+    assert not any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers)

@@ -50,3 +50,16 @@ def test_streamed_on_cuda_equals_resident_and_unplace_cleans_up(resident):
     # placed again all resident, the model still computes the same
     assert place(model, "cuda", MemoryPlan(4, 0, False, 0, True)) is None
     assert all(torch.equal(a, b) for a, b in zip(expected, _sample(model, offload_adaln=False)))
+
+
+def test_text_encoder_streams_its_layers_through_the_gpu():
+    from h3_core.tiny_text import tiny_random_text_encoder
+
+    resident = tiny_random_text_encoder().to("cuda")
+    presentation = resident.present("t2va", "a fox trots along the beach")
+    expected = resident.encode(presentation).prompt_embeds.cpu()
+    streamed = tiny_random_text_encoder().stream_layers("cuda")
+    got = streamed.encode(presentation).prompt_embeds
+    assert got.device.type == "cuda" and torch.equal(expected, got.cpu())
+    assert all(p.device.type == "cpu" for p in streamed.model.language_model.layers.parameters())
+    assert streamed.model.language_model.embed_tokens.weight.device.type == "cuda"

@@ -641,3 +641,38 @@ def test_loader_errors(tiny, tmp_path):
     (processor / "preprocessor_config.json").write_text(json.dumps(dict(tiny_qwen.IMAGE_PROCESSOR, patch_size=14)))
     with pytest.raises(CheckpointError, match="do not match the vision tower"):
         load_text_encoder(partition, processor=processor)
+
+
+def test_text_encoder_bytes_from_the_config_equal_the_loaded_weights(tiny):
+    """What a host checks against its GPU before reading the weights is what loading then places."""
+    from h3_core.text import text_encoder_bytes
+
+    loaded = load_text_encoder(tiny["partition"], dtype=torch.bfloat16)
+    placed = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    assert text_encoder_bytes(tiny["partition"], torch.bfloat16) == placed
+
+
+def test_generate_streams_a_text_encoder_that_does_not_fit(tiny, monkeypatch):
+    """pipeline.load_text_encoder_for: on a GPU with too little room, the encoder loads to the CPU and
+    streams its layers; with room (or on the CPU) it loads onto the device."""
+    from h3_core import pipeline
+
+    calls = []
+
+    class Loaded:
+        def stream_layers(self, device):
+            calls.append(("stream", str(device)))
+            return self
+
+    monkeypatch.setattr(pipeline, "load_text_encoder", lambda root, dtype, device: calls.append(("load", str(device))) or Loaded())
+    monkeypatch.setattr(pipeline, "free_bytes", lambda device: 64 * 2**30)
+    source = pipeline.ModelSource("release", tiny["partition"])
+    notes = []
+    pipeline.load_text_encoder_for(source, pipeline.GenerateSettings(device="cuda", gpu_memory=0.5), notes.append)
+    assert calls == [("load", "cpu"), ("stream", "cuda")] and "stream from CPU memory" in notes[0]
+    calls.clear()
+    pipeline.load_text_encoder_for(source, pipeline.GenerateSettings(device="cuda"), notes.append)
+    assert calls == [("load", "cuda")]
+    calls.clear()
+    pipeline.load_text_encoder_for(source, pipeline.GenerateSettings(device="cpu"), notes.append)
+    assert calls == [("load", "cpu")]
