@@ -98,6 +98,54 @@ class Placement:
         return moved
 
 
+class TextEncoderPlacement(Placement):
+    """The text encoder (text.TextEncoder). `stream`: it does not fit the device, so its weights wait in
+    CPU memory; loading moves only the rest (embedding, vision tower) and hooks the decoder layers to
+    visit the device one at a time while they run (`TextEncoder.stream_layers`), and `size` is that
+    resident part, what a host sees loaded. Unloading (`TextEncoder.to`) removes the hooks.
+    `working_bytes`: what encoding needs besides (streaming: two layers in flight and the activations)."""
+
+    def __init__(self, name: str, encoder, load_device, offload_device, stream: bool = False,
+                 loaded: bool = False, activation_bytes: int = 0):
+        super().__init__(name, [encoder], load_device, offload_device, loaded)
+        self.encoder, self.stream = encoder, stream
+        self.working_bytes = 0
+        if stream:
+            layers = encoder.model.language_model.layers
+            self.size -= _bytes([layers])
+            self.working_bytes = 2 * _bytes([layers[0]]) + activation_bytes
+
+    def _move(self, loaded: bool) -> int:
+        if not self.stream:
+            return super()._move(loaded)
+        if self.loaded == loaded or self.encoder.model is None:  # a released encoder has nothing to move
+            self.loaded = loaded
+            return 0
+        self.loaded = loaded
+        if loaded:
+            self.encoder.stream_layers(self.load_device)
+        else:
+            self.encoder.to(self.offload_device)
+            _empty_cache(self.load_device)
+        return self.size
+
+    def load(self) -> int:
+        moved = self._move(True)
+        if moved and self.stream:
+            log.info("H3: %s loaded on %s (%.2f GiB; its decoder layers stay in CPU memory and visit %s one at "
+                     "a time)", self.name, self.load_device, self.size / GIB, self.load_device)
+        elif moved:
+            log.info("H3: %s loaded on %s (%.2f GiB)", self.name, self.load_device, self.size / GIB)
+        return moved
+
+    def offload(self) -> int:
+        moved = self._move(False)
+        if moved:
+            log.info("H3: %s unloaded from %s to %s (%.2f GiB)%s", self.name, self.load_device, self.offload_device,
+                     self.size / GIB, "; layer streaming removed" if self.stream else "")
+        return moved
+
+
 @contextlib.contextmanager
 def freed_on_failure(device=None):
     """Run heavy work; if it raises (an error or an interrupt), drop the tensors the traceback's finished

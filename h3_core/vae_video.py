@@ -35,7 +35,7 @@ from torch import nn
 
 from .attention import attention
 from .rope import apply_rope
-from .vae_video_tiling import TemporalChunking, decode_tiled, encode_tiled
+from .vae_video_tiling import TemporalChunking, decode_tiled, encode_tiled, split_tiles
 
 # Per-channel latent statistics of the release (`video_vae/config.json`): the DiT works on
 # (latents - mean) / std.
@@ -501,6 +501,55 @@ class VideoVAE(nn.Module):
     def decode(self, latents: torch.Tensor, tiled: bool | None = None) -> torch.Tensor:
         """Raw latents [B, C, L, h, w] -> model-space frames [B, 3, F, 16h, 16w] (L = 5n + 2 -> F = 17n + 5)."""
         return torch.cat(list(self.decode_stream(latents, tiled)), dim=2)
+
+
+def decode_working_bytes(config: VideoVAEConfig, latent_frames: int, latent_height: int, latent_width: int,
+                         dtype_bytes: int = 4) -> int:
+    """Device memory a streamed decode (`decode_stream`, the release's chunks and tiles) needs besides the
+    weights, so a host can free weights + this before decoding. An upper bound read off the code, counted
+    in bytes of the decoder's output dtype (`dtype_bytes`; the residual stream is float32 whatever it is):
+
+    - a decode clip is `latents_per_chunk + overlap_latents` latents (7: 28 frames) whatever the length,
+      so the bound does not grow with `latent_frames` (each block goes to the CPU as it is done);
+    - while a chunk is stitched, the previous chunk's 28 frames, its 17-frame head and 5-frame tail are
+      still referenced by the generator (1 + 22/28 chunks);
+    - stitching peaks at the last concatenation: the finished rows, their concatenation (2 chunks) and
+      the last row's whole tiles; or, while the last tile runs, one chunk of rows, that row's tiles and
+      the tile's activations: the FFN's float32 residual stream and its norm, w1's output, silu(gate) and
+      their product (4 x ffn inner) per token, the tile's pixels twice (proj_out and its rearrangement)
+      and the RoPE tables. Attention's scores are not materialized (SDPA's fused kernels).
+
+    At 1344x768 (48x84 latents) with the float32 release decoder this is 1.37 GiB; the H200 measured
+    0.9 GiB (11.9 GiB allocated at the peak of a 124-frame decode with 10.4 GiB video + 0.6 GiB audio VAE
+    weights): the bound is 1.0-1.6x the measurement (each buffer at its largest, all
+    at once). The audio VAE decodes first, in small windows, and is not counted."""
+    if latent_frames < 1 or latent_height < 1 or latent_width < 1:
+        raise ValueError(f"A decode needs latents in every dimension, got "
+                         f"{latent_frames}x{latent_height}x{latent_width}.")
+    chunking, ratio = config.temporal_chunking, config.spatial_ratio
+    clip_frames = (chunking.latents_per_chunk + chunking.overlap_latents) * config.temporal_ratio
+    height, width = latent_height * ratio, latent_width * ratio
+    if config.decoder_tiling:
+        rows = split_tiles(height, config.tile_size, config.tile_min_overlap, ratio)
+        cols = split_tiles(width, config.tile_size, config.tile_min_overlap, ratio)
+        tile_h, tile_w, columns = rows.size, cols.size, len(cols.starts)
+    else:
+        tile_h, tile_w, columns = height, width, 1
+
+    def pixels(frames: int, h: int, w: int) -> int:
+        return config.out_channels * frames * h * w * dtype_bytes
+
+    chunk = pixels(clip_frames, height, width)
+    part, lead = chunking.part_frames, chunking.lead_frames
+    tail = max(min(clip_frames, 2 * part) - part - lead, 0)
+    kept = chunk + pixels(part - lead, height, width) + pixels(tail, height, width)  # frames, head, tail
+    row_tiles = columns * pixels(clip_frames, tile_h, tile_w)
+    tokens = (clip_frames // config.temporal_ratio * (tile_h // ratio) * (tile_w // ratio)
+              + config.decoder_num_register_tokens + 1)
+    dim, inner = config.decoder_dim, config.decoder_ffn_mult * config.decoder_dim
+    per_token = 4 * 2 * dim + dtype_bytes * (4 * inner + dim) + 4 * 2 * config.rope_dim
+    tile_work = tokens * per_token + 2 * pixels(clip_frames, tile_h, tile_w)
+    return kept + row_tiles + max(2 * chunk, chunk + tile_work)
 
 
 # ----------------------------------------------------------------------------------------------

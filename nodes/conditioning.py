@@ -19,7 +19,7 @@ from h3_core.prompt import MAX_AUDIO_REFERENCES, MAX_IMAGE_REFERENCES, MAX_REFER
 
 from .common import CATEGORY, H3VAE, H3Cond, H3TextEncoder, device
 from .convert import SOCKET_KINDS, build_request, media_problem, ordered_references
-from .memory import place
+from .memory import place_for_encoding
 
 REFERENCE_TOOLTIP = (f"ref2va references, read in slot order (images, videos and audio in any order the prompt "
                      f"refers to them): up to {MAX_IMAGE_REFERENCES} images, {MAX_VIDEO_REFERENCES} videos "
@@ -106,7 +106,7 @@ class H3Conditioning(io.ComfyNode):
         video_vae = None if vae is None else vae.video
         audio_vae = None if vae is None else vae.audio
         validate(request, text_encoder.canvas)  # every limit, before any model moves
-        place([text_encoder.patcher, None if vae is None else vae.patcher])
+        place_for_encoding(text_encoder, vae)
         with freed_on_failure(device()):
             cond = encode_request(request, text_encoder.encoder, video_vae, audio_vae, rules=text_encoder.canvas)
         return io.NodeOutput(cond, cond.width, cond.height, cond.num_frames)

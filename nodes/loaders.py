@@ -12,9 +12,9 @@ from h3_core.attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
 from h3_core.checkpoint import load_dit, locate_dit
 from h3_core.parallel import ModelSpec
 from h3_core.placement import check_devices, freed_on_failure
-from h3_core.pipeline import TINY_CANVAS
+from h3_core.pipeline import TEXT_WORKING_BYTES, TINY_CANVAS
 from h3_core.references import RELEASE_CANVAS
-from h3_core.text import load_text_encoder
+from h3_core.text import load_text_encoder, text_encoder_bytes
 from h3_core.tiny import (
     TINY_RANDOM,
     tiny_random_audio_vae,
@@ -36,7 +36,15 @@ from .common import (
     model_path,
 )
 from .convert import ModelHandle, TextEncoderHandle, VAEHandle
-from .memory import dit_home, make_room, manage, manage_dit, manage_runner
+from .memory import (
+    dit_home,
+    manage,
+    manage_dit,
+    manage_runner,
+    manage_text_encoder,
+    text_encoder_offload_device,
+    text_encoder_streams,
+)
 
 def file_bytes(paths) -> int:
     """On-disk size of weight files (a folder counts its .safetensors): roughly what they take once loaded."""
@@ -153,23 +161,40 @@ class H3TextEncoderLoader(io.ComfyNode):
                                 tooltip="Needed with a single file: the release's FL2VA/tokenizer folder (or FL2VA/)."),
                 io.Combo.Input("weight_dtype", options=["bf16", "fp16", "fp32"], default="bf16",
                                tooltip="dtype the encoder runs in."),
+                io.Float.Input("gpu_memory_gb", default=0.0, min=0.0, max=4096.0, step=0.5, optional=True,
+                               tooltip="GPU memory the text encoder may use, in GiB; 0 = automatic: what ComfyUI "
+                                       "has free once other models have left. When the encoder does not fit (48 GiB "
+                                       "in bf16, plus about 2 GiB while it encodes) its weights stay in CPU memory "
+                                       "and each decoder layer visits the GPU only while it runs: same result, a "
+                                       "few seconds slower per prompt. Set it to force that on a busy GPU."),
             ],
             outputs=[H3TextEncoder.Output(display_name="text_encoder")],
         )
 
     @classmethod
-    def execute(cls, text_encoder, folder, tokenizer_folder, weight_dtype) -> io.NodeOutput:
+    def execute(cls, text_encoder, folder, tokenizer_folder, weight_dtype, gpu_memory_gb=0.0) -> io.NodeOutput:
         target = device()
-        if text_encoder == TINY_RANDOM and not folder.strip():
-            encoder, name, canvas = tiny_random_text_encoder(device=target), TINY_RANDOM, TINY_CANVAS
+        budget = float(gpu_memory_gb) or None
+        if text_encoder == TINY_RANDOM and not folder.strip():  # tiny: fits anywhere unless a budget says not
+            encoder, name, canvas = tiny_random_text_encoder(device="cpu"), TINY_RANDOM, TINY_CANVAS
+            stream = bool(budget) and text_encoder_streams(_weight_bytes(encoder) + TEXT_WORKING_BYTES, target, budget)
+            if not stream:
+                encoder.to(target)
         else:
             path = model_path("text_encoders", text_encoder, folder)
-            make_room(file_bytes([path]), target)
+            dtype = DTYPES[weight_dtype]
+            stream = text_encoder_streams(text_encoder_bytes(path, dtype) + TEXT_WORKING_BYTES, target, budget)
+            home = text_encoder_offload_device() if stream else target  # streamed layers wait in CPU memory
             with freed_on_failure(target):
-                encoder = load_text_encoder(path, DTYPES[weight_dtype], target, tokenizer=tokenizer_folder.strip() or None)
+                encoder = load_text_encoder(path, dtype, home, tokenizer=tokenizer_folder.strip() or None)
             name, canvas = str(path), RELEASE_CANVAS
-        patcher = manage(f"H3 text encoder ({Path(name).name})", [encoder], target, "text_encoder")
+        patcher = manage_text_encoder(f"H3 text encoder ({Path(name).name})", encoder, target, stream,
+                                      TEXT_WORKING_BYTES)
         return io.NodeOutput(TextEncoderHandle(encoder, name, canvas, patcher=patcher))
+
+
+def _weight_bytes(encoder) -> int:
+    return sum(t.numel() * t.element_size() for t in list(encoder.model.parameters()) + list(encoder.model.buffers()))
 
 
 class H3VAELoader(io.ComfyNode):

@@ -38,7 +38,7 @@ from h3_core.placement import freed_on_failure
 from .common import CATEGORY, H3VAE, H3Latent, H3Model, H3TextEncoder, check_interrupt, device, progress_bar
 from .conditioning import reference_input
 from .convert import audio_to_decoded, build_request, media_problem, ordered_references, pack_latents, unpack_latents
-from .memory import dit_for_run, place
+from .memory import decode_working_bytes, dit_for_run, place, place_for_encoding
 from .sampler import SPLIT_LORA_ERROR
 
 STEP = geometry.FRAMES_PER_CHUNK  # window and overlap stay on the 17n + 5 grid
@@ -120,7 +120,7 @@ class H3Continuation(io.ComfyNode):
             None if drive_audio is None else audio_to_decoded(drive_audio, "drive_audio"),
         )
         validate_long_video(request, text_encoder.canvas)  # every limit and the plan, before any model moves
-        place([text_encoder.patcher, None if vae is None else vae.patcher])
+        place_for_encoding(text_encoder, vae)
         with freed_on_failure(device()):
             cond = encode_long_video(request, text_encoder.encoder, None if vae is None else vae.video,
                                      None if vae is None else vae.audio, rules=text_encoder.canvas)
@@ -187,7 +187,7 @@ class H3SaveMP4(io.ComfyNode):
             bar.update_absolute(done, total)
             check_interrupt()
 
-        place([vae.patcher])
+        place([vae.patcher], decode_working_bytes(vae, latents.video))
         with freed_on_failure(vae.device):
             write_mp4(path, latents, vae.video, vae.audio, on_frames=on_frames, metadata={
                 "comment": f"MiniMax-H3, {latents.num_frames} frames at 24 fps, {SAMPLE_RATE} Hz audio"})

@@ -6,19 +6,22 @@ Each loaded model is an `h3_core.placement.Placement` wrapped in a ModelPatcher 
 low-VRAM casting needs its own layer classes, which the H3 engine does not use; instead the DiT is placed
 by the engine's memory plan for each run (DiTPlacement): whole when it fits, else partly resident with
 the rest of its blocks streamed from pinned CPU memory, reported to ComfyUI as a partial load. A DiT
-split over several devices (RunnerPlacement) lives in worker processes: unloading it stops them.
+split over several devices (RunnerPlacement) lives in worker processes: unloading it stops them. A text
+encoder that does not fit (TextEncoderPlacement) waits in CPU memory and its layers visit the device as
+they run; the VAE decode nodes ask for the decode's working memory besides the weights.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import comfy.model_management as mm
 import comfy.model_patcher
 import torch
 
 from h3_core.memory_plan import GIB, usable_bytes, working_bytes
-from h3_core.placement import DiTPlacement, Placement, RunnerPlacement
+from h3_core.placement import DiTPlacement, Placement, RunnerPlacement, TextEncoderPlacement
 
 
 class H3Patcher(comfy.model_patcher.ModelPatcher):
@@ -72,6 +75,39 @@ def manage(name: str, parts, device, kind: str) -> H3Patcher:
     return patcher
 
 
+def text_encoder_streams(nbytes: int, device, budget_gib: float | None) -> bool:
+    """Whether a text encoder needing `nbytes` (weights + activations) must stream its layers: it does not
+    fit in the user's budget (honoured on any device) or, automatically, in what ComfyUI reports free on a
+    GPU once other models were asked to leave, less its reserve. Asked before any weight is read."""
+    device = torch.device(device)
+    room = int(budget_gib * GIB) if budget_gib else None
+    if room is None or nbytes <= usable_bytes(room):
+        make_room(nbytes, device)
+        if room is not None or device.type == "cpu":
+            return False
+        room = mm.get_free_memory(device) - mm.extra_reserved_memory()
+        if nbytes <= usable_bytes(room):
+            return False
+    logging.getLogger("h3").info("H3: text encoder: %.2f GiB does not fit in %.2f GiB on %s; its decoder layers "
+                                 "will stream from CPU memory", nbytes / GIB, room / GIB, device)
+    return True
+
+
+def text_encoder_offload_device() -> torch.device:
+    return torch.device(mm.text_encoder_offload_device())
+
+
+def manage_text_encoder(name: str, encoder, device, stream: bool, activation_bytes: int) -> H3Patcher:
+    """The text encoder under ComfyUI's model manager, registered (and placed) now: whole on `device`
+    (already there), or with `stream` resident but for its decoder layers, which visit `device` as they
+    run; ComfyUI then sees only the resident part."""
+    placement = TextEncoderPlacement(name, encoder, device, mm.text_encoder_offload_device(), stream,
+                                     loaded=not stream, activation_bytes=activation_bytes)
+    patcher = H3Patcher(placement)
+    place([patcher], placement.working_bytes)
+    return patcher
+
+
 def make_room(nbytes: int, device) -> None:
     """Before reading weights from disk onto `device`: ask other models to leave `nbytes` free."""
     if nbytes > 0:
@@ -81,6 +117,22 @@ def make_room(nbytes: int, device) -> None:
 def place(patchers, working_bytes: int = 0) -> None:
     """Put our models on their device, after ComfyUI frees room for them plus `working_bytes` of activations."""
     mm.load_models_gpu([p for p in patchers if p is not None], memory_required=working_bytes)
+
+
+def place_for_encoding(text_encoder, vae=None) -> None:
+    """The text encoder (and the VAE, for keyframes and references) on the device, with room for what a
+    streaming encoder needs besides (its layers in flight and the activations; nothing when resident)."""
+    placement = getattr(text_encoder.patcher, "model", None)
+    place([text_encoder.patcher, None if vae is None else vae.patcher], getattr(placement, "working_bytes", 0))
+
+
+def decode_working_bytes(vae, video_latents) -> int:
+    """What a streamed decode of `video_latents` [1, C, L, h, w] needs on the device besides the VAE
+    weights (h3_core.vae_video.decode_working_bytes): the decode nodes ask ComfyUI for weights + this."""
+    from h3_core.vae_video import decode_working_bytes as estimate
+
+    _, _, frames, height, width = video_latents.shape
+    return estimate(vae.video.config, frames, height, width, vae.video.decoder.proj_out.weight.element_size())
 
 
 def dit_home(nbytes: int, device, budget_gib: float | None) -> torch.device:

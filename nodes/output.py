@@ -20,7 +20,7 @@ from .convert import (
     unpack_latents,
     waveform_to_audio,
 )
-from .memory import place
+from .memory import decode_working_bytes, place
 
 
 class H3VAEDecode(io.ComfyNode):
@@ -43,7 +43,7 @@ class H3VAEDecode(io.ComfyNode):
         latents = unpack_latents(latent)
         total = latents.num_frames
         bar = progress_bar(total)
-        place([vae.patcher])
+        place([vae.patcher], decode_working_bytes(vae, latents.video))
         with freed_on_failure(vae.device):
             audio = waveform_to_audio(list(decode_audio(vae.audio, latents.audio)), total)
             blocks, done = [], 0

@@ -343,6 +343,26 @@ def test_a_small_gpu_memory_budget_streams_blocks_and_free_unloads_them(server):
                for line in log.splitlines()), log[-4000:]
 
 
+def test_a_small_text_encoder_budget_streams_its_layers_and_free_unloads_them(server):
+    """The Text Encoder Loader's gpu_memory_gb below the encoder's weights + activations: it waits in CPU
+    memory and its layers visit the device one at a time (the path a 24 GB card takes with the 48 GiB
+    encoder); /free removes the hooks."""
+    base, work = server
+    graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
+    graph[_node(graph, "H3TextEncoderLoader")]["inputs"].update(gpu_memory_gb=1.0)
+    history = _wait(base, _queue(base, graph, "x"))
+    assert history["status"]["status_str"] == "success", json.dumps(history["status"]["messages"])[-4000:]
+    assert len(_mp4s(history)) == 1
+    log = _log(work)
+    assert "does not fit in 1.00 GiB on cpu; its decoder layers will stream" in log, log[-4000:]
+    assert "decoder layers stay in CPU memory" in log, log[-4000:]
+    status, _ = _post(f"{base}/free", {"unload_models": True})
+    assert status == 200
+    log = _wait_for_log(work, "layer streaming removed")
+    assert any("H3 text encoder" in line and "unloaded from cpu" in line and "layer streaming removed" in line
+               for line in log.splitlines()), log[-4000:]
+
+
 def test_two_devices_split_the_dit_and_free_stops_the_workers(server):
     """devices "cpu,cpu": two worker processes (gloo) hold the DiT; the workflow runs through them and
     /free stops them."""

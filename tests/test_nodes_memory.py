@@ -296,3 +296,114 @@ def test_unplace_restores_a_block_left_in_its_slot():
     assert _clean(dit) and streamer.slots == [] and streamer.home == {}
     assert not any(in_a_slot(p) for p in dit.parameters())
     assert all(torch.equal(before[k], v) for k, v in dit.state_dict().items())
+
+
+# ----------------------------------------------------------------------------------------------
+# The text encoder and the VAE decode on a small GPU
+
+
+def _encode(c, text, vae):
+    return c.conditioning.H3Conditioning.execute(text, "a fox on a beach", "t2va", "auto", 0, 0, 4.0,
+                                                 vae=vae).values[0]
+
+
+def _layers_hooked(encoder) -> bool:
+    layers = encoder.model.language_model.layers
+    return any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers)
+
+
+def test_a_small_text_encoder_budget_streams_its_layers_with_the_resident_conditioning(comfy, caplog):
+    """gpu_memory_gb below the encoder's weights + activations: it is read to the CPU, ComfyUI sees only
+    the resident part (embedding, vision tower) loaded, each decoder layer visits the compute device while
+    it runs, and the conditioning is bitwise the resident encoder's; unloading removes the hooks."""
+    c = comfy
+    vae = c.loaders.H3VAELoader.execute("tiny-random", "tiny-random", "").values[0]
+    resident = c.loaders.H3TextEncoderLoader.execute("tiny-random", "", "", "bf16").values[0]
+    assert not resident.patcher.model.stream and not _layers_hooked(resident.encoder)
+    expected = _encode(c, resident, vae)
+    assert c.record.loaded[-1][1] == 0  # a resident encoder asks for nothing more than before
+
+    with caplog.at_level("INFO", logger="h3"):
+        text = c.loaders.H3TextEncoderLoader.execute("tiny-random", "", "", "bf16", gpu_memory_gb=1.0).values[0]
+        patcher, placement = text.patcher, text.patcher.model
+        layers = text.encoder.model.language_model.layers
+        layer_bytes = sum(p.numel() * p.element_size() for p in layers.parameters())
+        assert placement.stream and _layers_hooked(text.encoder)
+        assert patcher.loaded_size() == patcher.model_size() == resident.patcher.model_size() - layer_bytes
+        got = _encode(c, text, vae)
+        assert c.record.loaded[-1] == (["H3 text encoder (tiny-random)", "H3 VAEs (tiny-random + tiny-random)"],
+                                       placement.working_bytes)
+        assert placement.working_bytes > 2 * GIB  # two layers in flight + the encoder's activations
+        assert text.encoder._visits.visits == len(layers)  # every layer visited once for the one prompt
+        assert torch.equal(got.text_states, expected.text_states)
+        assert torch.equal(got.text_tags, expected.text_tags)
+
+        c.mm.unload_all_models()  # /free, "Unload models"
+        assert not _layers_hooked(text.encoder) and text.encoder._visits is None and patcher.loaded_size() == 0
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("text encoder: " in line and "does not fit in 1.00 GiB on cpu" in line for line in lines), lines
+    assert any("decoder layers stay in CPU memory" in line for line in lines), lines
+    assert any("H3 text encoder (tiny-random) unloaded" in line and "layer streaming removed" in line
+               for line in lines), lines
+
+    again = _encode(c, text, vae)  # the next prompt streams again
+    assert _layers_hooked(text.encoder) and torch.equal(again.text_states, expected.text_states)
+
+
+def test_the_text_encoder_streams_when_it_does_not_fit_what_comfyui_has_free(comfy):
+    c = comfy
+    streams = c.memory.text_encoder_streams
+    c.record.free_bytes = 24 * GIB
+    assert streams(50 * GIB, "cuda:0", None)
+    assert c.record.freed[-1] == (50 * GIB, "cuda:0")  # other models were asked to leave first
+    c.record.free_bytes = 80 * GIB
+    assert not streams(50 * GIB, "cuda:0", None)
+    assert streams(50 * GIB, "cuda:0", 40.0)  # a budget wins over what is free
+    assert not streams(50 * GIB, "cpu", None)  # a CPU host has nothing to stream to
+    assert streams(3 * GIB, "cpu", 1.0)  # a budget is honoured anywhere (this is how the CPU tests stream)
+
+
+def test_vae_decode_asks_comfyui_for_its_working_memory(comfy):
+    from nodes.convert import empty_latent
+
+    from h3_core.vae_video import decode_working_bytes
+
+    c = comfy
+    output, long_video = importlib.import_module("nodes.output"), importlib.import_module("nodes.long_video")
+    vae = c.loaders.H3VAELoader.execute("tiny-random", "tiny-random", "").values[0]
+    latent = empty_latent(224, 128, 22)
+    _, _, frames, height, width = latent["video"].shape
+    want = decode_working_bytes(vae.video.config, frames, height, width, 4)
+    images, _ = output.H3VAEDecode.execute(vae, latent).values
+    assert images.shape[0] == 22 and want > 0
+    assert c.record.loaded[-1] == (["H3 VAEs (tiny-random + tiny-random)"], want)
+    long_video.H3SaveMP4.execute(vae, latent, "H3/long")
+    assert c.record.loaded[-1] == (["H3 VAEs (tiny-random + tiny-random)"], want)
+
+
+# Measured on an H200: the streamed decode of 1344x768, 124 frames peaked at 11.9 GiB allocated with
+# 10.4 GiB of fp32 video-VAE weights and 0.6 GiB of audio VAE: ~0.9 GiB of working memory. The estimate
+# is an upper bound documented at 1.0-1.6x of that.
+MEASURED_DECODE_WORKING_GIB, DECODE_MARGIN = 11.9 - 10.4 - 0.6, 1.6
+
+
+def test_the_decode_working_memory_estimate():
+    from h3_core import geometry
+    from h3_core.vae_video import VideoVAEConfig, decode_working_bytes
+
+    config = VideoVAEConfig()
+    height, width = geometry.latent_size(1344, 768)
+    at_measured = decode_working_bytes(config, geometry.latent_frames(124), height, width) / GIB
+    assert MEASURED_DECODE_WORKING_GIB <= at_measured <= DECODE_MARGIN * MEASURED_DECODE_WORKING_GIB, at_measured
+    # monotone in the canvas (each side, latent by latent) and in the frames (flat: one clip at a time)
+    for fixed in (2, 8, 16, 31, 48, 84):
+        sizes = [decode_working_bytes(config, 7, fixed, side) for side in range(1, 100)]
+        assert sizes == sorted(sizes)
+        sizes = [decode_working_bytes(config, 7, side, fixed) for side in range(1, 100)]
+        assert sizes == sorted(sizes)
+    frames = [decode_working_bytes(config, latents, 48, 84) for latents in (3, 7, 12, 37, 92, 400)]
+    assert frames == sorted(frames) and frames[0] == frames[-1]
+    # fp16 outputs halve the pixel buffers but not the float32 residual stream
+    assert decode_working_bytes(config, 7, 48, 84, 2) < decode_working_bytes(config, 7, 48, 84, 4)
+    with pytest.raises(ValueError, match="latents in every dimension"):
+        decode_working_bytes(config, 0, 48, 84)
