@@ -9,7 +9,7 @@ blocks of at most 17 frames, so a long clip never holds all its frames in memory
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,12 +67,14 @@ class AVLatents:
         return cls(tensors["video"], tensors["audio"])
 
 
-def decode_video(vae: VideoVAE, latents: torch.Tensor) -> Iterator[torch.Tensor]:
-    """Normalized video latents [1, C, L, h, w] -> uint8 frame blocks [n, H, W, 3] as each chunk finishes."""
+def decode_video(vae: VideoVAE, latents: torch.Tensor,
+                 devices: Sequence[str | torch.device] | None = None) -> Iterator[torch.Tensor]:
+    """Normalized video latents [1, C, L, h, w] -> uint8 frame blocks [n, H, W, 3] as each chunk finishes.
+    `devices` (two or more): the chunks are decoded on all of them at once (`VideoVAE.decode_stream`)."""
     device = vae.post_quant_conv.weight.device
     raw = vae.denormalize_latents(latents.to(device))
     with torch.inference_mode():
-        for block in vae.decode_stream(raw):
+        for block in vae.decode_stream(raw, devices=devices):
             frames = model_space_to_frames(block)[0]  # [3, n, H, W] in 0..1
             yield (frames * 255.0).round().to(torch.uint8).permute(1, 2, 3, 0).cpu()
 
@@ -91,16 +93,18 @@ def write_mp4(
     audio_vae: AudioVAE,
     metadata: dict[str, str] | None = None,
     on_frames=None,
+    devices: Sequence[str | torch.device] | None = None,
 ) -> Path:
     """Decode and mux in one pass. The soundtrack is decoded first (it is small: 15 MB a minute);
-    the writer interleaves it as the video chunks arrive. `on_frames(done, total)` reports progress."""
+    the writer interleaves it as the video chunks arrive. `on_frames(done, total)` reports progress;
+    `devices` (two or more) share the video decode (`decode_video`)."""
     latents.check(video_vae.config.latent_channels)
     total = latents.num_frames
     with Mp4Writer(path, metadata=metadata) as writer:
         for piece in decode_audio(audio_vae, latents.audio):
             writer.write_audio(piece)
         done = 0
-        for frames in decode_video(video_vae, latents.video):
+        for frames in decode_video(video_vae, latents.video, devices):
             writer.write_video_frames(frames.numpy())
             done += frames.shape[0]
             if on_frames is not None:

@@ -204,7 +204,8 @@ def generate(
 ) -> list[GenerateResult]:
     """Prompt and references to MP4s. Validation runs first (no model is loaded for a bad request);
     then, one model at a time on the device: text encoder (released after encoding), VAEs for the
-    conditioning, the DiT for sampling, the VAEs again for the streamed decode. A `LongVideoRequest` runs
+    conditioning, the DiT for sampling, the VAEs again for the streamed decode (the last output's video
+    chunks on all of `settings.devices` when several are given). A `LongVideoRequest` runs
     window by window (long_video.py) and its whole clip is decoded once."""
     from .long_video import LongVideoRequest, encode_long_video, sample_long_video, validate_long_video  # uses sample
 
@@ -289,6 +290,8 @@ def generate(
                 video_path, latents, video_vae, audio_vae,
                 metadata={"comment": f"MiniMax-H3 {request.task}, seed {seed}", "title": request.prompt[:200]},
                 on_frames=lambda done, total: progress(f"decode {index + 1}/{settings.outputs}", done, total),
+                # video chunks split over the devices once the DiT's workers have left them (the last output)
+                devices=settings.devices if len(settings.devices) > 1 and dit is None else None,
             )
             seconds["decode"] = time.perf_counter() - clock
         results.append(GenerateResult(seed, video_path, latents_path, latents, seconds))

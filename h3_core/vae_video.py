@@ -23,9 +23,13 @@ float32 (the layer scales are), and each linear sees its input cast to its own d
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import itertools
 import math
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -490,17 +494,80 @@ class VideoVAE(nn.Module):
         return decode_tiled(decode_tile, latents, config.tile_size, config.tile_min_overlap, config.spatial_ratio)
 
     @torch.no_grad()  # on a generator, torch disables grad only while the generator runs
-    def decode_stream(self, latents: torch.Tensor, tiled: bool | None = None) -> Iterator[torch.Tensor]:
+    def decode_stream(self, latents: torch.Tensor, tiled: bool | None = None,
+                      devices: Sequence[str | torch.device] | None = None) -> Iterator[torch.Tensor]:
         """Raw latents [B, C, L, h, w] (L >= 3) -> model-space frame blocks [B, 3, n <= 17, 16h, 16w],
         yielded as each temporal chunk is finished; concatenated along dim 2 they are `decode`. Blocks
-        come in the decoder's output dtype (proj_out's)."""
+        come in the decoder's output dtype (proj_out's), on the latents' device.
+
+        `devices` (two or more): the temporal clips, which are independent, are decoded on all of them
+        at once (`decode_on_devices`); the same operations per clip, stitched here in order."""
         tiled = self.config.decoder_tiling if tiled is None else tiled
         latents = latents.to(self.post_quant_conv.weight.dtype)
-        yield from self.config.temporal_chunking.decode(lambda clip: self._decode_clip(clip, tiled), latents)
+        chunking = self.config.temporal_chunking
+        if devices is None or len(devices) < 2:
+            yield from chunking.decode(lambda clip: self._decode_clip(clip, tiled), latents)
+            return
+        home = latents.device
+        yield from chunking.decode_clips(lambda clips: decode_on_devices(self, clips, devices, tiled, home), latents)
 
     def decode(self, latents: torch.Tensor, tiled: bool | None = None) -> torch.Tensor:
         """Raw latents [B, C, L, h, w] -> model-space frames [B, 3, F, 16h, 16w] (L = 5n + 2 -> F = 17n + 5)."""
         return torch.cat(list(self.decode_stream(latents, tiled)), dim=2)
+
+
+def replicate(vae: VideoVAE, device: str | torch.device) -> VideoVAE:
+    """A copy of `vae` on `device` for a decode thread. Each tensor is copied straight to `device`
+    (seeded into deepcopy's memo), so the source device never holds a second copy; on the same device
+    the copy shares the weights."""
+    device = torch.device(device)
+    memo = {}
+    for tensor in itertools.chain(vae.parameters(), vae.buffers()):
+        moved = tensor.detach().to(device)
+        memo[id(tensor)] = nn.Parameter(moved, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else moved
+    return copy.deepcopy(vae, memo)
+
+
+def decode_on_devices(vae: VideoVAE, clips: Iterator[torch.Tensor], devices: Sequence[str | torch.device],
+                      tiled: bool, home: torch.device) -> Iterator[torch.Tensor]:
+    """Decode latent clips round-robin over `devices`, one thread and one `replicate` of `vae` per
+    device (a device named twice shares its replica), and yield each clip's frames in order, on `home`.
+
+    Clip i + n is queued on a device only when clip i (same device) is the next to be taken, so at
+    most one clip runs per device and at most n + 1 decoded clips wait on `home`: memory stays bounded
+    whatever the video's length. Worker threads are no_grad (grad mode is thread-local) and set their
+    CUDA device; an error in one is raised here as the original exception, and on any exit the
+    queued clips are cancelled and the threads joined."""
+    devices = [torch.device(d) for d in devices]
+    replicas = {device: replicate(vae, device) for device in dict.fromkeys(devices)}
+
+    def decoder(device: torch.device):
+        model = replicas[device]
+
+        def decode(clip: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return model._decode_clip(clip.to(device), tiled).to(home)
+
+        return decode
+
+    def enter(device: torch.device):
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)
+
+    decoders = [decoder(device) for device in devices]
+    pools = [ThreadPoolExecutor(1, f"h3-vae-decode-{i}", enter, (device,)) for i, device in enumerate(devices)]
+    pending = deque()
+    try:
+        for index, clip in enumerate(clips):
+            lane = index % len(devices)
+            pending.append(pools[lane].submit(decoders[lane], clip))
+            if len(pending) > len(devices):
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for pool in pools:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def decode_working_bytes(config: VideoVAEConfig, latent_frames: int, latent_height: int, latent_width: int,

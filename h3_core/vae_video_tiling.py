@@ -216,6 +216,14 @@ class TemporalChunking:
         Blocks are [B, 3, n, H, W] with n <= 17; their concatenation along dim 2 is the whole decode.
         Only one chunk's frames and a 5-frame tail are alive at a time.
         """
+        yield from self.decode_clips(lambda clips: map(decode_clip, clips), latents)
+
+    def decode_clips(
+        self, decode_all: Callable[[Iterator[torch.Tensor]], Iterator[torch.Tensor]], latents: torch.Tensor
+    ) -> Iterator[torch.Tensor]:
+        """`decode`, with the latent clips handed to `decode_all` as one ordered iterator; it must yield
+        their frames in the same order. Each clip is cut from the latents alone (the overlap is in the
+        latents, no state passes between clips), so `decode_all` may decode several at once."""
         num_latents = latents.shape[2]
         pad, chunks = self.padding_and_chunks(num_latents)
         if chunks < 1:
@@ -227,10 +235,9 @@ class TemporalChunking:
             latents = torch.cat([latents, latents[:, :, -1:].expand(-1, -1, pad, -1, -1)], dim=2)
         remaining = self.num_frames(num_latents)
         clip_latents = self.latents_per_chunk + self.overlap_latents
+        starts = range(0, chunks * self.latents_per_chunk, self.latents_per_chunk)
         tail = None
-        for chunk in range(chunks):
-            start = chunk * self.latents_per_chunk
-            frames = decode_clip(latents[:, :, start : start + clip_latents])
+        for frames in decode_all(latents[:, :, start : start + clip_latents] for start in starts):
             head = frames[:, :, self.lead_frames : self.part_frames]
             if tail is not None:
                 head = blend(tail, head, self.crossfade_frames, dim=2)
