@@ -63,3 +63,15 @@ def test_text_encoder_streams_its_layers_through_the_gpu():
     assert got.device.type == "cuda" and torch.equal(expected, got.cpu())
     assert all(p.device.type == "cpu" for p in streamed.model.language_model.layers.parameters())
     assert streamed.model.language_model.embed_tokens.weight.device.type == "cuda"
+
+
+def test_video_decode_threads_on_cuda_give_the_single_stream_frames():
+    """The multi-device decode's threads on a CUDA device (named twice: one shared replica, two threads)
+    give the single-device stream's frames bitwise."""
+    from h3_core.tiny import tiny_random_video_vae
+
+    vae = tiny_random_video_vae("cuda")
+    latents = torch.randn(1, vae.config.latent_channels, 5 * 4 + 2, 4, 6, generator=torch.Generator().manual_seed(1)).cuda()
+    expected = torch.cat(list(vae.decode_stream(latents)), dim=2)
+    got = torch.cat(list(vae.decode_stream(latents, devices=["cuda:0", "cuda:0"])), dim=2)
+    assert got.device.type == "cuda" and torch.equal(expected, got)
