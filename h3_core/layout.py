@@ -426,26 +426,11 @@ def build_ref2va_layout(
     the final cursor. Visual reference rows take the VISUAL_CONDITION clock, reference audio rows
     AUDIO_CONDITION; as everywhere, conditioning rows come first within each modality.
     """
-    tags = _checked_text_tags(text_tags)
-    _, ph, pw = patch_size
-    if latent_frames < 1 or audio_latents < 1:
-        raise ValueError(f"Need at least one latent frame and one audio latent, got {latent_frames}, {audio_latents}.")
     if not references:
         raise ValueError("A ref2va layout needs at least one reference block; without any use build_t2va_layout.")
-    sizes = [(latent_height, latent_width)]
-    sizes += [(block.latent_height, block.latent_width) for block in references if block.kind != "audio"]
-    for height, width in sizes:
-        if height < 1 or width < 1 or height % ph or width % pw:
-            raise ValueError(f"Latent size {height}x{width} does not divide into {ph}x{pw} patches.")
-
-    target_grid, target_w_axis = frame_grid(latent_height, latent_width, patch_size)
-    sequence = _SequenceBuilder()
-    sequence.text(tags)
-    # the media clock starts where the text ends
-    cursor = _reference_rows(sequence, references, float(tags.shape[0]), target_w_axis, patch_size)
-    sequence.audio(audio_latents, cursor, target_w_axis, RowClock.AUDIO)
-    sequence.video(latent_frame_times(latent_frames, cursor), target_grid, RowClock.VIDEO)
-    return sequence.finish(latent_frames, latent_height, latent_width, audio_latents)
+    # a long-video window with no guide, offset or lock is exactly this layout: one builder for both
+    return build_window_layout(text_tags, references, latent_frames, latent_height, latent_width, audio_latents,
+                               patch_size=patch_size)
 
 
 def _reference_rows(

@@ -250,14 +250,7 @@ def _video_audio(video, what: str) -> tuple[np.ndarray | None, int | None]:
         return video.audio, SAMPLE_RATE
     if video.audio is None:
         return None, None
-    if not (isinstance(video.sample_rate, (int, np.integer)) and video.sample_rate > 0):
-        raise MediaInputError(
-            f"{what}: a soundtrack needs its sample rate in Hz, got sample_rate={video.sample_rate!r}."
-        )
-    try:
-        return as_stereo_waveform(video.audio), int(video.sample_rate)
-    except ValueError as error:
-        raise MediaInputError(f"{what}: soundtrack: {error}") from error
+    return _stereo(video.audio, video.sample_rate, what, "a soundtrack", "soundtrack: ")
 
 
 def _first_frame_at(start_seconds: float, fps: float) -> int:
@@ -294,14 +287,17 @@ def inspect_video(source, start_seconds: float = 0.0, what: str = "video") -> Me
 
 
 def _checked_audio(audio: DecodedAudio, what: str) -> tuple[np.ndarray, int]:
-    if not (isinstance(audio.sample_rate, (int, np.integer)) and audio.sample_rate > 0):
-        raise MediaInputError(
-            f"{what}: decoded audio needs its sample rate in Hz, got sample_rate={audio.sample_rate!r}."
-        )
+    return _stereo(audio.waveform, audio.sample_rate, what, "decoded audio")
+
+
+def _stereo(waveform, sample_rate, what: str, kind: str, context: str = "") -> tuple[np.ndarray, int]:
+    """A decoded waveform as stereo float samples with its positive integer sample rate, or a clear error."""
+    if not (isinstance(sample_rate, (int, np.integer)) and sample_rate > 0):
+        raise MediaInputError(f"{what}: {kind} needs its sample rate in Hz, got sample_rate={sample_rate!r}.")
     try:
-        return as_stereo_waveform(audio.waveform), int(audio.sample_rate)
+        return as_stereo_waveform(waveform), int(sample_rate)
     except ValueError as error:
-        raise MediaInputError(f"{what}: {error}") from error
+        raise MediaInputError(f"{what}: {context}{error}") from error
 
 
 def inspect_audio(source, start_seconds: float = 0.0, what: str = "audio") -> MediaFacts:

@@ -197,7 +197,17 @@ def kaiser_sinc_lowpass(cutoff: float, half_width: float, kernel_size: int) -> t
     return taps / taps.sum()  # unit DC gain: a constant passes through the resampler unchanged
 
 
-class KaiserUpsample(nn.Module):
+class KaiserFilter(nn.Module):
+    """The fixed Kaiser-sinc low-pass both 2x resamplers use (a function of the architecture, kept as a
+    non-persistent buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        taps = kaiser_sinc_lowpass(0.5 / ANTI_ALIAS_RATIO, 0.6 / ANTI_ALIAS_RATIO, ANTI_ALIAS_KERNEL)
+        self.register_buffer("filter", taps.view(1, 1, -1), persistent=False)
+
+
+class KaiserUpsample(KaiserFilter):
     """Depthwise 2x upsampling through the Kaiser low-pass: [B, C, T] -> [B, C, 2T].
 
     Edges are replicate-padded by `UPSAMPLE_PAD` input samples and the transposed convolution's overhang is
@@ -205,11 +215,6 @@ class KaiserUpsample(nn.Module):
     (cutoff 0.25, transition band 0.3 of the high rate) is a function of the architecture, not learnt: a
     non-persistent buffer (the loader checks the checkpoints' copies against it).
     """
-
-    def __init__(self):
-        super().__init__()
-        taps = kaiser_sinc_lowpass(0.5 / ANTI_ALIAS_RATIO, 0.6 / ANTI_ALIAS_RATIO, ANTI_ALIAS_KERNEL)
-        self.register_buffer("filter", taps.view(1, 1, -1), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         channels = x.shape[1]
@@ -221,14 +226,9 @@ class KaiserUpsample(nn.Module):
         return x[..., crop : x.shape[-1] - crop]
 
 
-class KaiserDownsample(nn.Module):
+class KaiserDownsample(KaiserFilter):
     """Depthwise Kaiser low-pass then 2x decimation: [B, C, 2T] -> [B, C, T], replicate-padded edges; output
     sample q reads input samples 2q - DOWNSAMPLE_PAD_LEFT + j, j < 12."""
-
-    def __init__(self):
-        super().__init__()
-        taps = kaiser_sinc_lowpass(0.5 / ANTI_ALIAS_RATIO, 0.6 / ANTI_ALIAS_RATIO, ANTI_ALIAS_KERNEL)
-        self.register_buffer("filter", taps.view(1, 1, -1), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         channels = x.shape[1]
