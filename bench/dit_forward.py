@@ -3,7 +3,10 @@
 Prints one JSON line per case. `--reference` also times diffusers' MiniMaxH3Transformer3DModel on the
 same inputs in the same process (needs diffusers installed), one model on the GPU at a time.
 
-    python bench/dit_forward.py --frames 124 209 --text-rows 512 [--reference]
+    python bench/dit_forward.py --frames 124 209 --text-rows 512 [--reference] [--attention auto] [--compile]
+
+Ours runs with `--attention` (default sdpa, the reference's kernel; auto = the fastest exact one here)
+and, with `--compile`, its blocks compiled; the reference always runs as diffusers ships it.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ def time_forward(call, repeats: int) -> list[float]:
     return times
 
 
-def bench(name, model, config, cases, text_rows, width, height, repeats):
+def bench(name, model, config, cases, text_rows, width, height, repeats, **described):
     for frames in cases:
         layout, inputs = make_inputs(config, frames, text_rows, width, height)
         structure = dict(
@@ -104,7 +107,7 @@ def bench(name, model, config, cases, text_rows, width, height, repeats):
             "impl": name, "width": width, "height": height, "frames": frames, "text_rows": text_rows,
             "rows": layout.sequence_length, "seconds_per_forward_median": round(times[len(times) // 2], 4),
             "seconds_all": [round(t, 4) for t in times], "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-            "torch": torch.__version__, "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "device": torch.cuda.get_device_name(), **described,
         }), flush=True)
 
 
@@ -116,6 +119,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=50, help="fewer blocks for a quick check")
     parser.add_argument("--reference", action="store_true", help="also time diffusers' DiT")
+    parser.add_argument("--attention", default="sdpa", help="our attention backend (auto = fastest exact here)")
+    parser.add_argument("--compile", action="store_true", help="compile our repeated block (not bitwise exact)")
     args = parser.parse_args()
     config = DiTConfig(num_layers=args.layers)
     width, height = geometry.canvas_size(args.aspect_ratio)
@@ -123,12 +128,16 @@ def main():
     model = build_ours(config)
     print(json.dumps({"built": "ours", "seconds": round(time.time() - started, 1),
                       "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 2)}), flush=True)
-    bench("ours", model, config, args.frames, args.text_rows, width, height, args.repeats)
+    backend = model.set_attention_backend(args.attention)
+    if args.compile:
+        model.compile_blocks()
+    bench("ours", model, config, args.frames, args.text_rows, width, height, args.repeats,
+          attention=backend, compiled=args.compile)
     del model
     torch.cuda.empty_cache()
     if args.reference:
         model = build_reference(config)
-        bench("diffusers", model, config, args.frames, args.text_rows, width, height, args.repeats)
+        bench("diffusers", model, config, args.frames, args.text_rows, width, height, args.repeats, attention="diffusers default")
 
 
 if __name__ == "__main__":

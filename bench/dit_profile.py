@@ -2,9 +2,9 @@
 
 One JSON line per variant (eager, precomputed AdaLN tables, torch.compile'd blocks) with seconds per
 forward and the max abs difference of its outputs from the eager ones; the top CUDA kernels of one
-eager forward go to $OUT/profile.txt (or ./profile.txt).
+eager forward go to $OUT/profile.txt (or ./profile.txt), of one compiled forward to profile_compiled.txt.
 
-    python bench/dit_profile.py --frames 124 --text-rows 512
+    python bench/dit_profile.py --frames 124 --text-rows 512 [--attention auto]
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ def main():
     parser.add_argument("--layers", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile-mode", default="default")
+    parser.add_argument("--attention", default="sdpa", help="attention backend (auto = fastest exact here)")
     args = parser.parse_args()
     config = DiTConfig(num_layers=args.layers)
     width, height = geometry.canvas_size("16:9")
     model = build_ours(config)
+    print(json.dumps({"attention": model.set_attention_backend(args.attention)}), flush=True)
     layout, inputs = make_inputs(config, args.frames, args.text_rows, width, height)
     structure = dict(token_tags=layout.token_tags, position_ids=layout.position_ids, video_indices=layout.video_indices,
                      audio_indices=layout.audio_indices, text_indices=layout.text_indices)
@@ -53,16 +55,19 @@ def main():
         tables = model.modulation(inputs["timesteps"])
     report("precomputed_adaln", lambda: model(**inputs, **structure, modulation=tables), eager)
 
-    with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        model(**inputs, **structure)
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90)
-    with open(os.path.join(out_dir, "profile.txt"), "w") as handle:
-        handle.write(table)
-    print(table[:6000], flush=True)
+    def profile(name):
+        with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            model(**inputs, **structure)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90)
+        with open(os.path.join(out_dir, name), "w") as handle:
+            handle.write(table)
+        print(table[:6000], flush=True)
 
+    profile("profile.txt")
     model.compile_blocks(args.compile_mode)
     report("compiled_blocks", lambda: model(**inputs, **structure), eager)
+    profile("profile_compiled.txt")
 
 
 if __name__ == "__main__":

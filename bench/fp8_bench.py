@@ -11,6 +11,9 @@ place, so the exact-weight ones run first):
     fp8_lossy        FP8 block linears (e4m3 weights per channel, inputs per row, torch._scaled_mm), SDPA
     fp8_sage_lossy / fp8_attn8_lossy                     FP8 block linears + a lossy attention
     fp8_attn8_compile_lossy / fp8_sage_compile_lossy     the same with `compile_blocks()`
+    compile / fp8_compile_lossy                          exact weights / FP8 linears, compiled blocks
+`--attention` picks the backend of every variant whose attention is exact (default sdpa; auto = the
+fastest exact one here, e.g. FlashAttention 4).
 Weights are random but shaped like a trained model's (linears ~ N(0, 1/fan_in), norm gains ~ 1), so
 attention is not uniform; the similarity numbers are indicative only, not a quality verdict on the
 real checkpoint. AdaLN tables are precomputed once (exact, as the sampler does) and shared.
@@ -36,9 +39,9 @@ from h3_core.dit import H3DiT, rope_inverse_frequencies
 from h3_core.fp8 import quantize_blocks
 from h3_core.layout import build_request_layout
 
-ALL_VARIANTS = ("exact", "sage_lossy", "attn8_lossy", "fp8_lossy", "fp8_sage_lossy", "fp8_attn8_lossy",
+ALL_VARIANTS = ("exact", "sage_lossy", "attn8_lossy", "compile", "fp8_lossy", "fp8_sage_lossy", "fp8_attn8_lossy",
                 "fp8_attn8_compile_lossy", "fp8_sage_compile_lossy", "fp8_compile_lossy")
-DEFAULT_VARIANTS = ALL_VARIANTS[:-1]
+DEFAULT_VARIANTS = tuple(v for v in ALL_VARIANTS if v not in ("compile", "fp8_compile_lossy"))
 TILES = [  # (block_m, block_n, num_warps, num_stages) tried for the int8-QK / FP8-PV kernel
     (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 4, 2),
 ]
@@ -122,6 +125,8 @@ def main():
     parser.add_argument("--layers", type=int, default=50)
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=ALL_VARIANTS)
     parser.add_argument("--no-attention-micro", action="store_true", help="skip the attention-only timings")
+    parser.add_argument("--attention-only", action="store_true", help="only the attention-only timings")
+    parser.add_argument("--attention", default="sdpa", help="backend of the variants whose attention is exact (auto = fastest here)")
     parser.add_argument("--activations", default="row", choices=["row", "tensor"], help="FP8 input scaling")
     parser.add_argument("--compile-mode", default="default")
     parser.add_argument("--tiny", action="store_true", help="tiny config on the CPU (CUDA-only variants skipped)")
@@ -146,6 +151,8 @@ def main():
         for frames in frames_list:
             rows = build_request_layout(width, height, frames, torch.ones(text_rows, dtype=torch.long)).sequence_length
             attention_micro(rows, config, has_sage, has_attn8, args.repeats)
+    if args.attention_only:
+        return
 
     started = time.time()
     model = build(config, device, dtype)
@@ -159,7 +166,8 @@ def main():
         fp8, compile_ = variant.startswith("fp8"), "compile" in variant
         skip = ("needs CUDA and the sageattention package" if sage and not has_sage else
                 "needs CUDA and Triton" if attn8 and not has_attn8 else
-                "compile is timed on CUDA only" if compile_ and not cuda else None)
+                "compile is timed on CUDA only" if compile_ and not cuda else
+                "the blocks are already compiled: list uncompiled variants first" if compiled and not compile_ else None)
         if skip:
             print(json.dumps({"variant": variant, "skipped": skip}), flush=True)
             continue
@@ -175,7 +183,8 @@ def main():
             if compile_ and not compiled:
                 model.compile_blocks(args.compile_mode)
                 compiled = True
-            model.set_attention_backend("sage" if sage else "int8qk-fp8pv-lossy" if attn8 else "sdpa")
+            chosen = model.set_attention_backend("sage" if sage else "int8qk-fp8pv-lossy" if attn8 else args.attention)
+            print(json.dumps({"variant": variant, "attention": chosen}), flush=True)
         except Exception as error:  # noqa: BLE001  a benchmark reports and goes on
             print(json.dumps({"variant": variant, "error": f"{type(error).__name__}: {error}"[:2000]}), flush=True)
             continue
@@ -220,7 +229,7 @@ def run_case(variant, model, frames, rows, inputs, reference, repeats, cuda):
 def attention_micro(rows: int, config: DiTConfig, has_sage: bool, has_attn8: bool, repeats: int) -> None:
     """One layer's attention at `rows` rows: seconds, TFLOP/s and error against SDPA for each backend;
     the fastest tile shape of our kernel becomes its default (KERNEL_CONFIG) for the forwards."""
-    from h3_core.attention import attention
+    from h3_core.attention import EXACT_BACKENDS, attention, available_backends
 
     g = torch.Generator("cuda").manual_seed(2)
     shape = (1, rows, config.num_attention_heads, config.attention_head_dim)
@@ -230,6 +239,9 @@ def attention_micro(rows: int, config: DiTConfig, has_sage: bool, has_attn8: boo
     with torch.inference_mode():
         exact = attention(q, k, v, "sdpa")
         cases = [("sdpa", {}, lambda: attention(q, k, v, "sdpa"))]
+        for name in available_backends():
+            if name in EXACT_BACKENDS and name != "sdpa":
+                cases.append((name, {}, functools.partial(attention, q, k, v, name)))
         if has_sage:
             cases.append(("sage", {}, lambda: attention(q, k.clone(), v, "sage")))  # sage smooths k in place
         if has_attn8:
@@ -241,6 +253,9 @@ def attention_micro(rows: int, config: DiTConfig, has_sage: bool, has_attn8: boo
         best = None
         for name, tile, call in cases:
             try:
+                started = time.time()
+                call()  # the first call includes any just-in-time compile
+                first = time.time() - started
                 seconds = sorted(timed(call, max(repeats, 3), True))[1]
                 out = call()
             except Exception as error:  # noqa: BLE001
@@ -249,7 +264,7 @@ def attention_micro(rows: int, config: DiTConfig, has_sage: bool, has_attn8: boo
             err = compare((exact,), (out,))["video"]
             print(json.dumps({"attention": name, "tile": tile, "rows": rows, "seconds_per_layer": round(seconds, 5),
                               "tflops": round(flops / seconds / 1e12, 1), "seconds_50_layers": round(50 * seconds, 3),
-                              "vs_sdpa": err}), flush=True)
+                              "first_call_seconds": round(first, 2), "vs_sdpa": err}), flush=True)
             if tile and err["cosine"] > 0.99 and (best is None or seconds < best[0]):
                 best = (seconds, tile)
         if best is not None:

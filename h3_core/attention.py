@@ -3,16 +3,19 @@
 H3 packs one request into a single attention document: full, bidirectional, unmasked, scale
 1/sqrt(head_dim). Inputs and output are [batch, rows, heads, head_dim].
 
-Backends: "sdpa" (torch; picks cuDNN / flash / efficient kernels itself, exact), "flash3"
-(FlashAttention 3 for Hopper, exact, if `flash_attn_interface` is importable), "flash" (FlashAttention
-2, exact, if `flash_attn` is importable), "sage" (SageAttention, 8-bit QK: lossy, opt-in only) and
-"int8qk-fp8pv-lossy" (our Triton kernel, attention_8bit.py: int8 QK and FP8 PV on CUDA; lossy, opt-in).
-"auto" takes the fastest exact one available: FlashAttention 3 on Hopper, else SDPA (on an H200,
-SDPA's cuDNN kernel measured 578 TFLOP/s against 368 for FlashAttention 2's).
+Backends: "sdpa" (torch; picks cuDNN / flash / efficient kernels itself, exact), "flash4"
+(FlashAttention 4, the CuTe-DSL kernels of the `flash-attn-4` package, Hopper and Blackwell, exact),
+"flash3" (FlashAttention 3 for Hopper, exact, if `flash_attn_interface` is importable), "flash"
+(FlashAttention 2, exact, if `flash_attn` is importable), "sage" (SageAttention, 8-bit QK: lossy,
+opt-in only) and "int8qk-fp8pv-lossy" (our Triton kernel, attention_8bit.py: int8 QK and FP8 PV on
+CUDA; lossy, opt-in). "auto" takes the fastest exact one available for the device: FlashAttention 4,
+then 3, on Hopper/Blackwell, else SDPA (on an H200, SDPA's cuDNN kernel measured 578 TFLOP/s against
+368 for FlashAttention 2's).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 
@@ -21,14 +24,37 @@ import torch.nn.functional as F
 
 log = logging.getLogger("h3_core")
 
-EXACT_BACKENDS = ("sdpa", "flash3", "flash")
+EXACT_BACKENDS = ("sdpa", "flash4", "flash3", "flash")
 LOSSY_BACKENDS = ("sage", "int8qk-fp8pv-lossy")
-_MODULES = {"flash3": "flash_attn_interface", "flash": "flash_attn", "sage": "sageattention", "int8qk-fp8pv-lossy": "triton"}
+# The module each backend imports. FlashAttention 2 is named by its interface module: flash-attn-4
+# installs `flash_attn` as a bare namespace (only `flash_attn.cute`), which must not count as FA2.
+_MODULES = {
+    "flash4": "flash_attn.cute", "flash3": "flash_attn_interface", "flash": "flash_attn.flash_attn_interface",
+    "sage": "sageattention", "int8qk-fp8pv-lossy": "triton",
+}
+_PACKAGES = {"flash4": "flash-attn-4", "flash3": "flash-attn-3 (hopper/ build)", "flash": "flash-attn",
+             "sage": "sageattention", "int8qk-fp8pv-lossy": "triton"}
+_HOPPER_OR_NEWER = {"flash4": (9, 10), "flash3": (9,)}  # compute-capability majors each kernel is built for
+
+
+_PROBED = {"flash4"}  # packages that can be found yet fail to import (flash-attn-4 without its CuTe DSL runtime)
+
+
+def _importable(name: str, module: str) -> bool:
+    try:
+        if name in _PROBED:
+            importlib.import_module(module)
+            return True
+        return importlib.util.find_spec(module) is not None
+    except ImportError as error:  # a missing parent package or a broken install
+        if name in _PROBED:
+            log.debug("attention backend %s not usable: %s", name, error)
+        return False
 
 
 def available_backends() -> list[str]:
     """Backends importable here ("sdpa" always is)."""
-    return ["sdpa"] + [name for name, module in _MODULES.items() if importlib.util.find_spec(module) is not None]
+    return ["sdpa"] + [name for name, module in _MODULES.items() if _importable(name, module)]
 
 
 def resolve_backend(requested: str = "auto", device: torch.device | str | None = None) -> str:
@@ -39,13 +65,14 @@ def resolve_backend(requested: str = "auto", device: torch.device | str | None =
     available = available_backends()
     if requested == "auto":
         device = torch.device(device) if device is not None else None
-        hopper = device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-        chosen = "flash3" if hopper and "flash3" in available else "sdpa"
+        major = torch.cuda.get_device_capability(device)[0] if device is not None and device.type == "cuda" else None
+        fitting = [name for name in ("flash4", "flash3") if name in available and major in _HOPPER_OR_NEWER[name]]
+        chosen = fitting[0] if fitting else "sdpa"
         log.info("attention backend: %s (auto; available: %s)", chosen, ", ".join(available))
         return chosen
     if requested not in available:
         raise ValueError(
-            f"Attention backend {requested!r} needs the '{_MODULES[requested]}' package, which is not installed; "
+            f"Attention backend {requested!r} needs the '{_PACKAGES[requested]}' package, which is not installed; "
             f"available here: {', '.join(available)}."
         )
     return requested
@@ -56,6 +83,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backe
     if backend == "sdpa":
         out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
         return out.transpose(1, 2)
+    if backend == "flash4":
+        return torch.ops.h3.flash4_attention(query, key, value)
     if backend == "flash3":
         import flash_attn_interface
 
@@ -74,3 +103,24 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backe
 
         return int8qk_fp8pv_attention(query, key, value)
     raise ValueError(f"Unknown attention backend {backend!r}; choose one of {', '.join(EXACT_BACKENDS + LOSSY_BACKENDS)}.")
+
+
+@torch.library.custom_op("h3::flash4_attention", mutates_args=())
+def _flash4_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """FlashAttention 4 as one opaque op, so torch.compile'd blocks call the kernel instead of tracing
+    the CuTe-DSL Python behind it."""
+    from flash_attn.cute import flash_attn_func, interface
+
+    if query.shape[-1] == 128 and query.is_cuda and torch.cuda.get_device_capability(query.device)[0] == 9:
+        try:  # Hopper, head_dim 128: 192x128 tiles, P from shared memory: 687 vs 667 TFLOP/s on an H200
+            return interface._flash_attn_fwd(query, key, value, causal=False, tile_mn=(192, 128),
+                                              mma_pv_is_rs=False, intra_wg_overlap=True)[0]
+        except (AttributeError, TypeError):  # a flash-attn-4 whose private entry point changed: its defaults
+            pass
+    out = flash_attn_func(query, key, value, causal=False)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@_flash4_attention.register_fake
+def _(query, key, value):
+    return torch.empty_like(query)

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from . import geometry
-from .attention import resolve_backend
+from .attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
 from .checkpoint import CheckpointError, infer_config, load_dit, locate_dit
 from .conditioning import Conditioning, Request, resolve_num_frames
 from .continuation import DEFAULT_OVERLAP_FRAMES, DEFAULT_WINDOW_FRAMES
@@ -36,6 +36,10 @@ from .tiny import TINY_RANDOM, tiny_random_dit
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LINEARS_HELP = "; ".join(f"{name}: {what}" for name, what in LINEAR_MODES.items())
+ATTENTION_HELP = (f"attention kernel: auto (the fastest exact one installed, e.g. flash4 on Hopper/Blackwell), "
+                  f"{', '.join(EXACT_BACKENDS)} (exact), {', '.join(LOSSY_BACKENDS)} (lossy, only when named)")
+COMPILE_HELP = ("torch.compile the repeated block: ~10%% faster per step on an H200, the first step pays the compile; "
+                "not bitwise exact")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--save-latents", type=Path, help="also save the final latents ('video', 'audio') as .safetensors")
     gen.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     gen.add_argument("--dtype", default=None, choices=list(DTYPES), help="model dtype (default: bf16 on GPU, fp32 on CPU)")
-    gen.add_argument("--attention", default="auto", help="auto (fastest exact available), sdpa, flash3, flash, sage (lossy)")
+    gen.add_argument("--attention", default="auto", help=ATTENTION_HELP)
+    gen.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     gen.add_argument("--linears", default="checkpoint", choices=list(LINEAR_MODES), help=LINEARS_HELP)
     gen.add_argument("--gpu-memory", type=float, metavar="GIB",
                      help="GPU memory the DiT may use (default: what is free); when the model does not fit, the "
@@ -126,11 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     den.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     den.add_argument("--dtype", default=None, choices=list(DTYPES),
                      help="model dtype (default: bf16 on GPU, fp32 on CPU; fp32 heads stay fp32)")
-    den.add_argument("--attention", default="auto",
-                     help="attention backend: auto (fastest exact available), sdpa, flash3, flash, sage (lossy)")
+    den.add_argument("--attention", default="auto", help=ATTENTION_HELP)
     den.add_argument("--linears", default="checkpoint", choices=list(LINEAR_MODES), help=LINEARS_HELP)
-    den.add_argument("--compile", action="store_true",
-                     help="torch.compile the repeated block (~10%% faster per step on an H200; not bitwise exact)")
+    den.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     den.set_defaults(run=run_denoise)
     return parser
 
@@ -203,7 +206,7 @@ def run_generate(args) -> int:
     settings = GenerateSettings(args.seed, args.outputs, args.steps, args.video_shift, args.audio_shift,
                                 str(device), dtype, args.attention, [_lora(spec) for spec in args.lora],
                                 linears=args.linears, devices=devices, shard_weights=args.shard_weights,
-                                gpu_memory=args.gpu_memory)
+                                gpu_memory=args.gpu_memory, compile=args.compile)
     bars: dict[str, tqdm] = {}
 
     def progress(stage: str, done: int, total: int) -> None:

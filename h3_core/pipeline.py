@@ -172,6 +172,7 @@ class GenerateSettings:
     devices: Sequence[str] = ()  # two or more: the DiT runs split over them (parallel/); the rest on `device`
     shard_weights: bool = False  # with devices: each holds 1/P of every block (FSDP-style)
     gpu_memory: float | None = None  # GiB the DiT may use on a GPU (None: what is free); less streams blocks
+    compile: bool = False  # torch.compile the repeated block (resident DiT only; not bitwise exact)
 
 
 @dataclass
@@ -223,6 +224,8 @@ def generate(
     for path, suffix in ((out, ".mp4"), (save_latents, ".safetensors")):
         if path is not None and Path(path).suffix != suffix:
             raise ValueError(f"{path} must end in {suffix}.")
+    if settings.compile and settings.shard_weights:
+        raise RequestError("compile works on whole blocks; it cannot be combined with sharded weights.")
     device, timings = torch.device(settings.device), {}
     check(request, TINY_CANVAS if model == TINY_RANDOM else RELEASE_CANVAS)  # every limit, before any model
     source = resolve_model_source(model, partition)
@@ -329,6 +332,7 @@ def load_sampling_dit(source, partition: str, settings: GenerateSettings, loras,
             TINY_RANDOM if source.tiny else str(source.root), partition,
             torch.float32 if source.tiny and device.type == "cpu" else settings.dtype, settings.attention,
             tuple((str(path), float(strength)) for path, strength in settings.loras), settings.linears,
+            compile=settings.compile,
         ), settings.devices, settings.shard_weights)
         notes(f"DiT split over {', '.join(map(str, settings.devices))} (sequence parallel"
               + (", sharded weights)" if settings.shard_weights else ")"))
@@ -362,6 +366,11 @@ def load_sampling_dit(source, partition: str, settings: GenerateSettings, loras,
         notes(f"linears: {settings.linears} ({LINEAR_MODES[settings.linears]})")
     streamer = place(dit, device, plan)
     dit.set_attention_backend(settings.attention)
+    if settings.compile and streamer is None:
+        dit.compile_blocks()
+        notes("blocks compiled (the first step pays the compile)")
+    elif settings.compile:
+        notes("compile skipped: blocks stream from CPU memory")
     return dit, plan, streamer
 
 

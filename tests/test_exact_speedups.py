@@ -1,5 +1,5 @@
-"""Speed paths that must not change a single bit: precomputed AdaLN tables (and offloaded AdaLN
-weights), and the choice of attention backend."""
+"""Speed paths: precomputed AdaLN tables (and offloaded AdaLN weights) and the choice of attention
+backend, which must not change a single bit; compiled blocks, which must match up to float rounding."""
 
 import pytest
 import torch
@@ -60,3 +60,52 @@ def test_unknown_or_missing_backend_is_a_clear_error():
     if "sage" not in available_backends():
         with pytest.raises(ValueError, match="'sageattention' package"):
             resolve_backend("sage")
+
+
+def _generate(tmp_path, notes=None, **settings):
+    from h3_core import pipeline
+    from h3_core.conditioning import Request
+
+    request = Request("t2va", "a fox on the beach", duration=4)
+    (result,) = pipeline.generate(request, "tiny-random", pipeline.GenerateSettings(steps=3, **settings),
+                                  save_latents=tmp_path / f"{len(list(tmp_path.iterdir()))}.safetensors", notes=notes)
+    return result.latents
+
+
+def test_generate_compiles_resident_blocks_only(tmp_path, monkeypatch):
+    """`compile` (h3 generate --compile): the compiled blocks give the eager latents up to float rounding;
+    blocks that stream from CPU memory are left eager (said in the notes); sharded weights are refused
+    before anything loads."""
+    from h3_core import pipeline
+    from h3_core.conditioning import RequestError
+    from h3_core.dit import H3DiT
+    from h3_core.memory_plan import MemoryPlan
+
+    eager = _generate(tmp_path)
+    notes = []
+    compiled = _generate(tmp_path, notes=notes.append, compile=True)
+    assert "blocks compiled (the first step pays the compile)" in notes
+    assert torch.allclose(eager.video, compiled.video, atol=1e-4) and torch.allclose(eager.audio, compiled.audio, atol=1e-4)
+
+    monkeypatch.setattr(pipeline, "plan_for", lambda *args, **kwargs: MemoryPlan(1, 1, True, 0, True))
+    monkeypatch.setattr(H3DiT, "compile_blocks", lambda self, *a, **k: pytest.fail("streamed blocks compiled"))
+    notes.clear()
+    streamed = _generate(tmp_path, notes=notes.append, compile=True)
+    assert "compile skipped: blocks stream from CPU memory" in notes
+    assert torch.equal(eager.video, streamed.video)
+
+    monkeypatch.setattr(pipeline, "resolve_model_source", lambda *a: pytest.fail("model looked up for a bad request"))
+    with pytest.raises(RequestError, match="cannot be combined with sharded weights"):
+        _generate(tmp_path, compile=True, devices=["cpu", "cpu"], shard_weights=True)
+
+
+def test_worker_model_spec_compiles_when_asked(monkeypatch):
+    from h3_core.dit import H3DiT
+    from h3_core.parallel import ModelSpec
+
+    compiled = []
+    monkeypatch.setattr(H3DiT, "compile_blocks", lambda self, *a, **k: compiled.append(self) or self)
+    plain = ModelSpec("tiny-random", dtype=torch.float32).load("cpu")
+    assert compiled == []
+    model = ModelSpec("tiny-random", dtype=torch.float32, compile=True).load("cpu")
+    assert compiled == [model] and model is not plain

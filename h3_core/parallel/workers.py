@@ -58,6 +58,7 @@ class ModelSpec:
     loras: tuple[tuple[str, float], ...] = ()  # (file, strength), merged after loading, in order
     linears: str = "checkpoint"  # fp8.LINEAR_MODES, as `h3 generate --linears`
     config: DiTConfig | None = None  # tiny-random: another tiny shape (default TINY_DIT)
+    compile: bool = False  # torch.compile the repeated block (unsharded workers only)
 
     def dit_config(self) -> DiTConfig:
         """The model's shape without loading it (a checkpoint's from its config or headers)."""
@@ -93,6 +94,8 @@ class ModelSpec:
 
             apply_linear_mode(model, self.linears, device)
         model.set_attention_backend(self.attention)
+        if self.compile:
+            model.compile_blocks()
         return model
 
 

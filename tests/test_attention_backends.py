@@ -1,0 +1,92 @@
+"""Attention backend discovery and the FlashAttention 4 wrapper, on the CPU with stand-in packages:
+flash-attn-4 installs `flash_attn` as a bare namespace (only `flash_attn.cute`), which must not pass for
+FlashAttention 2; a flash-attn-4 that is found but cannot import (its CuTe DSL runtime missing) is not
+offered; "auto" prefers FlashAttention 4 on Hopper/Blackwell only; the kernel is one opaque op that
+torch.compile traces without a graph break."""
+
+import re
+import sys
+
+import pytest
+import torch
+
+from h3_core import attention as attention_module
+from h3_core.attention import attention, available_backends, resolve_backend
+
+STAND_IN = '''
+import torch.nn.functional as F
+
+def flash_attn_func(q, k, v, causal=False):
+    CALLS.append(q.shape)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    return out, None
+
+CALLS = []
+'''
+
+
+@pytest.fixture
+def fake_flash4(tmp_path, monkeypatch):
+    """A `flash_attn` namespace holding a `cute` package, as flash-attn-4 installs it."""
+
+    def install(body: str):
+        cute = tmp_path / "flash_attn" / "cute"
+        cute.mkdir(parents=True)
+        (cute / "__init__.py").write_text(body)
+        (cute / "interface.py").write_text("")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        for name in [n for n in sys.modules if n == "flash_attn" or n.startswith("flash_attn.")]:
+            monkeypatch.delitem(sys.modules, name)
+        return tmp_path
+
+    yield install
+    for name in [n for n in sys.modules if n == "flash_attn" or n.startswith("flash_attn.")]:
+        del sys.modules[name]
+
+
+def test_flash4_namespace_is_not_flash_attention_2(fake_flash4):
+    fake_flash4(STAND_IN)
+    available = available_backends()
+    assert "flash4" in available and "flash" not in available
+    with pytest.raises(ValueError, match="'flash-attn' package"):
+        resolve_backend("flash")
+
+
+def test_a_flash4_that_cannot_import_is_not_offered(fake_flash4):
+    fake_flash4("import cutlass_runtime_that_is_missing\n")
+    assert "flash4" not in available_backends()
+    with pytest.raises(ValueError, match="'flash-attn-4' package"):
+        resolve_backend("flash4")
+    assert resolve_backend("auto", "cpu") == "sdpa"
+
+
+@pytest.mark.parametrize("major, expected", [(9, "flash4"), (10, "flash4"), (8, "sdpa"), (12, "sdpa")])
+def test_auto_prefers_flash4_on_hopper_and_blackwell(fake_flash4, monkeypatch, major, expected):
+    fake_flash4(STAND_IN)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+    assert resolve_backend("auto", "cuda:0") == expected
+    assert resolve_backend("auto", "cpu") == "sdpa"
+
+
+def test_flash4_is_one_opaque_op_equal_to_sdpa(fake_flash4):
+    fake_flash4(STAND_IN)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 37, 2, 32, generator=g) for _ in range(3))
+    expected = attention(q, k, v, "sdpa")
+    assert torch.equal(attention(q, k, v, "flash4"), expected)
+    from flash_attn.cute import CALLS
+
+    calls = len(CALLS)
+    compiled = torch.compile(lambda a, b, c: attention(a, b, c, "flash4") * 2, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(q, k, v), expected * 2)  # fullgraph: no break into the kernel's Python
+    assert len(CALLS) > calls
+    meta = torch.ops.h3.flash4_attention(*(t.to("meta") for t in (q, k, v)))
+    assert meta.shape == q.shape and meta.device.type == "meta"
+
+
+def test_a_missing_backend_names_the_package_to_install():
+    available = available_backends()
+    for name in attention_module.EXACT_BACKENDS + attention_module.LOSSY_BACKENDS:
+        if name not in available:
+            with pytest.raises(ValueError, match=re.escape(f"'{attention_module._PACKAGES[name]}' package")):
+                resolve_backend(name)
