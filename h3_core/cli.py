@@ -218,6 +218,7 @@ def run_generate(args) -> int:
         bar.update(done - bar.n)
 
     if device.type == "cuda":
+        torch.cuda.init()  # the memory statistics need CUDA's state, and nothing has touched the GPU yet
         torch.cuda.reset_peak_memory_stats(device)
     try:
         results = generate(request, args.model, settings, args.out, args.save_latents, progress,
