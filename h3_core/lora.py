@@ -260,6 +260,16 @@ class _Resolved:
         return (self.up.to(device, torch.float32) @ self.down.to(device, torch.float32)) * self.scale
 
 
+def _declared_shape(module: nn.Module, name: str, param: torch.Tensor) -> tuple[int, ...]:
+    """The parameter's shape as its module declares it: sharded block weights (parallel/sharding.py) are
+    empty between forwards, yet a dynamic adapter still fits them."""
+    if isinstance(module, nn.Linear):
+        return (module.out_features, module.in_features) if name == "weight" else (module.out_features,)
+    if isinstance(module, nn.RMSNorm):
+        return tuple(module.normalized_shape)
+    return tuple(param.shape)
+
+
 def _resolve(model: nn.Module, lora: LoRA, term: Term, strength: float) -> _Resolved:
     what = f"'{term.keys[0]}' of {lora.name}"
     try:
@@ -275,7 +285,8 @@ def _resolve(model: nn.Module, lora: LoRA, term: Term, strength: float) -> _Reso
     if param.device.type == "meta":
         raise LoRAError(f"'{term.target}' is on the meta device; load the model's weights before applying LoRAs.")
     head_dim = getattr(getattr(model, "config", None), "attention_head_dim", None)
-    rows_total = param.shape[0]
+    shape = _declared_shape(module, term.param, param)
+    rows_total = shape[0]
     up, down, delta = term.up, term.down, term.delta
     if term.qkv_rows == "interleaved":
         if head_dim is None or rows_total % (3 * head_dim):
@@ -297,12 +308,12 @@ def _resolve(model: nn.Module, lora: LoRA, term: Term, strength: float) -> _Reso
             raise LoRAError(f"{what} has {out_rows} output rows; '{term.target}.{term.param}' has {rows_total}.")
         rows = slice(0, rows_total)
     if term.kind == "lowrank":
-        if down.shape[1] != param.shape[1]:
-            raise LoRAError(f"{what} has input width {down.shape[1]}; '{term.target}' takes {param.shape[1]}.")
+        if down.shape[1] != shape[1]:
+            raise LoRAError(f"{what} has input width {down.shape[1]}; '{term.target}' takes {shape[1]}.")
         scale = strength * term.alpha / term.rank
     else:
-        if tuple(delta.shape[1:]) != tuple(param.shape[1:]):
-            raise LoRAError(f"{what} has shape {list(delta.shape)}; '{term.target}.{term.param}' is {list(param.shape)}.")
+        if tuple(delta.shape[1:]) != shape[1:]:
+            raise LoRAError(f"{what} has shape {list(delta.shape)}; '{term.target}.{term.param}' is {list(shape)}.")
         scale = strength
     return _Resolved(module, term.target, term.param, rows, scale, down, up, delta)
 

@@ -311,7 +311,8 @@ class RunnerPlacement(Placement):
     `load` starts the worker processes (each loads its share), `offload` stops them, which frees their
     device memory; dropping the placement stops them too. `sample` is what pipeline.sample calls on a
     runner, starting the workers again if they were stopped. `size`: an estimate of one device's weights.
-    `previews`: rank 0 sends each step's rows back for a preview (a device-to-host copy a step)."""
+    `previews`: rank 0 sends each step's rows back for a preview (a device-to-host copy a step).
+    `loras`: the adapters every worker hooks in (dynamic) for the runs that follow."""
 
     def __init__(self, name: str, spec, devices, shard_weights: bool = False, offload_device="cpu"):
         devices = check_devices(devices)
@@ -321,6 +322,7 @@ class RunnerPlacement(Placement):
         self.config = spec.dit_config()  # a checkpoint's shape from its headers: nothing loads yet
         self.runner = None
         self.previews = False
+        self.loras: tuple[list, str | None] = ([], None)  # (LoRA, strength) list and partition for the next runs
         super().__init__(name, [], devices[0], offload_device, loaded=False)
         self.size = self._device_bytes()
 
@@ -361,4 +363,5 @@ class RunnerPlacement(Placement):
 
     def sample(self, *args, **kwargs):
         self.load()
+        self.runner.use_loras(*self.loras)  # again after a restart: new workers start without adapters
         return self.runner.sample(*args, preview=self.previews, **kwargs)

@@ -21,7 +21,7 @@ from h3_core.continuation import (
     MIN_WINDOW_FRAMES,
     MODES,
 )
-from h3_core.lora import apply_loras, remove_loras, sampler_settings
+from h3_core.lora import sampler_settings
 from h3_core.long_video import (
     LONG_VIDEO_TASKS,
     LongVideoRequest,
@@ -38,8 +38,7 @@ from h3_core.placement import freed_on_failure
 from .common import CATEGORY, H3VAE, H3Latent, H3Model, H3TextEncoder, check_interrupt, device, progress_bar
 from .conditioning import reference_input
 from .convert import audio_to_decoded, build_request, media_problem, ordered_references, pack_latents, unpack_latents
-from .memory import decode_working_bytes, dit_for_run, place, place_for_encoding
-from .sampler import SPLIT_LORA_ERROR
+from .memory import decode_working_bytes, dit_for_run, drop_loras, place, place_for_encoding, use_loras
 
 STEP = geometry.FRAMES_PER_CHUNK  # window and overlap stay on the 17n + 5 grid
 
@@ -108,8 +107,6 @@ class H3Continuation(io.ComfyNode):
         if wanted != model.partition:
             raise ValueError(f"{task} runs on the {wanted} partition, but this model was loaded as "
                              f"{model.partition}; set the loader's partition to {wanted}.")
-        if model.split and model.loras:
-            raise ValueError(SPLIT_LORA_ERROR)
         references = ordered_references(references)
         problem = media_problem(task, [kind for kind, _ in references], 0)
         if problem:
@@ -131,8 +128,7 @@ class H3Continuation(io.ComfyNode):
         # placed by the engine's plan for the largest window, as the sampler places it
         with freed_on_failure(model.device), dit_for_run(model, largest_layout(cond), settings.steps) as plan:
             try:
-                if model.loras:
-                    apply_loras(dit, list(model.loras), partition=model.partition, mode="dynamic")
+                use_loras(model)
                 if model.split:
                     dit.previews = False  # this node shows progress only
                 bar = progress_bar(len(cond.windows) * settings.steps)
@@ -146,8 +142,7 @@ class H3Continuation(io.ComfyNode):
                                             settings.audio_shift, settings.video_sigmas, settings.audio_sigmas,
                                             callback=on_step, offload_adaln=plan is not None and plan.offload_adaln)
             finally:
-                if model.loras:
-                    remove_loras(dit)
+                drop_loras(model)
         latent = pack_latents(latents, seed=int(seed), task=task, steps=settings.steps, width=cond.width,
                               height=cond.height)
         return io.NodeOutput(latent, latents.num_frames)

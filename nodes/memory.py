@@ -20,6 +20,7 @@ import comfy.model_management as mm
 import comfy.model_patcher
 import torch
 
+from h3_core.lora import apply_loras, remove_loras
 from h3_core.memory_plan import GIB, usable_bytes, working_bytes
 from h3_core.placement import DiTPlacement, Placement, RunnerPlacement, TextEncoderPlacement
 
@@ -165,6 +166,21 @@ def manage_runner(name: str, spec, devices, shard_weights: bool) -> H3Patcher:
     patcher = H3Patcher(RunnerPlacement(name, spec, devices, shard_weights, mm.unet_offload_device()))
     place([patcher])
     return patcher
+
+
+def use_loras(model) -> None:
+    """Hook the handle's adapters into its DiT for one run, after placement so they sit on its device;
+    a split model's workers hook them in instead (an empty list removes what an earlier run left)."""
+    if model.split:
+        model.dit.loras = (list(model.loras), model.partition)
+    elif model.loras:
+        apply_loras(model.dit, list(model.loras), partition=model.partition, mode="dynamic")
+
+
+def drop_loras(model) -> None:
+    """After a run the loader's cached DiT goes back to its base weights (shared by every handle)."""
+    if not model.split and model.loras:
+        remove_loras(model.dit)
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ import folder_paths
 from comfy_api.latest import io
 from PIL import Image
 
-from h3_core.lora import apply_loras, load_lora, remove_loras, sampler_settings
+from h3_core.lora import load_lora, sampler_settings
 from h3_core.pipeline import TASK_PARTITION, sample
 from h3_core.placement import freed_on_failure
 from h3_core.preview import latent_rgb
@@ -14,16 +14,11 @@ from h3_core.sampler import DualClockSchedule, custom_ladder
 
 from .common import CATEGORY, H3Cond, H3Latent, H3Model, check_interrupt, preview_settings, progress_bar
 from .convert import latent_size_problem, pack_latents, unpack_latents
-from .memory import dit_for_run
+from .memory import dit_for_run, drop_loras, use_loras
 
 SIGMAS_TOOLTIP = ("Optional {what} sigma ladder (core SIGMAS, e.g. from ManualSigmas): strictly decreasing, at most "
                   "1.0, ending at 0.0; used as given. Overrides steps and the {what} shift; when only one ladder is "
                   "given, the other modality's automatic ladder gets as many points.")
-
-
-SPLIT_LORA_ERROR = ("H3 LoRA / Turbo Apply hooks an adapter into this process's DiT for each run, but a model split "
-                    "over several devices lives in worker processes; load it on one device (devices empty) to "
-                    "use LoRAs.")
 
 
 def checked_sigmas(sigmas, what: str):
@@ -94,8 +89,6 @@ class H3Sampler(io.ComfyNode):
             raise ValueError("denoise < 1 (or sigmas starting below 1.0) refines a latent: connect one from an H3 "
                              "sampler (an empty latent has nothing to refine), or set denoise to 1.0.")
 
-        if model.split and model.loras:
-            raise ValueError(SPLIT_LORA_ERROR)
         dit = model.dit
         contracts = [lora.contract for lora, _ in model.loras if lora.contract is not None]
         settings = sampler_settings(contracts, steps or None, video_shift or None, audio_shift or None,
@@ -108,8 +101,7 @@ class H3Sampler(io.ComfyNode):
         # ComfyUI frees room, the engine plans with what is free (streaming blocks that do not fit), ours is placed
         with freed_on_failure(model.device), dit_for_run(model, conditioning.layout, settings.steps) as plan:
             try:
-                if model.loras:  # hooked in after placement, so the adapter sits on the DiT's device
-                    apply_loras(dit, list(model.loras), partition=model.partition, mode="dynamic")
+                use_loras(model)
                 if model.split:  # rank 0 then sends each step's rows back for the preview
                     dit.previews = previews is not None
                 bar = progress_bar(outputs * settings.steps)
@@ -133,8 +125,7 @@ class H3Sampler(io.ComfyNode):
                                                 steps=settings.steps, width=conditioning.width,
                                                 height=conditioning.height))
             finally:
-                if model.loras:
-                    remove_loras(dit)  # the loader's cached DiT goes back to its base weights
+                drop_loras(model)
         return io.NodeOutput(results)
 
 
@@ -159,8 +150,6 @@ class H3LoRAApply(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, lora_name, strength) -> io.NodeOutput:
-        if model.split:
-            raise ValueError(SPLIT_LORA_ERROR)
         lora = load_lora(folder_paths.get_full_path_or_raise("loras", lora_name))
         lora.terms_for(model.partition)  # an adapter for the other partition is refused here
         return io.NodeOutput(model.with_lora(lora, strength))

@@ -250,8 +250,17 @@ def test_two_cpu_devices_give_the_single_device_latents_and_unloading_stops_the_
         c.record.interrupt_after = None
         assert all(p.is_alive() for p in processes)
 
-        with pytest.raises(ValueError, match="split over several devices"):
-            c.sampler.H3LoRAApply.execute(split, "any.safetensors", 1.0)
+        # a LoRA on the split model: the workers hook it in, as one device does; a run without it drops it
+        from lora_files import fused, random_spec, write_native
+
+        write_native(c.tmp / "loras" / "style.safetensors", fused(random_spec(split.dit.config, seed=4, shared_qkv_a=True)),
+                     prefix="diffusion_model.")
+        one = _load(c, "tiny-random")
+        with_lora = _sample(c, c.sampler.H3LoRAApply.execute(one, "style.safetensors", 0.8).values[0], cond)
+        assert not _same(with_lora, expected)
+        split_lora = c.sampler.H3LoRAApply.execute(split, "style.safetensors", 0.8).values[0]
+        assert _same(_sample(c, split_lora, cond), with_lora)
+        assert _same(_sample(c, split, cond), expected)
 
         c.mm.unload_all_models()
         assert placement.runner is None and _gone(processes)
@@ -261,7 +270,7 @@ def test_two_cpu_devices_give_the_single_device_latents_and_unloading_stops_the_
     assert any("workers on cpu, cpu stopped" in line for line in lines), lines
 
     processes = placement.runner.processes
-    del split, placement
+    del split, split_lora, placement
     c.record.loaded.clear()
     gc.collect()  # the loader's output dropped (ComfyUI's cache let it go): the workers stop with it
     assert _gone(processes)

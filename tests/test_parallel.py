@@ -168,3 +168,41 @@ def test_cli_shard_weights_needs_devices(capsys):
 
     assert h3(["generate", "--prompt", "x", "--save-latents", "x.safetensors", "--shard-weights"]) == 2
     assert "give them with --devices" in capsys.readouterr().err
+
+
+def test_loras_hooked_into_the_workers_match_one_process(two_ranks):
+    """use_loras: the workers hook the adapters in (dynamic) and give the one-process LoRA result; sharded
+    weights too; an empty list takes them out; an adapter that does not fit is refused with the
+    LoRAError and the workers stay up without adapters."""
+    from lora_files import fused, random_spec, write_native
+
+    from h3_core.lora import LoRAError, apply_loras, load_lora, remove_loras
+
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        good = load_lora(write_native(Path(tmp) / "good.safetensors", fused(random_spec(HEADS4, seed=8, shared_qkv_a=True))))
+        wrong = dataclasses.replace(HEADS4, hidden_size=HEADS4.hidden_size * 2)
+        bad = load_lora(write_native(Path(tmp) / "bad.safetensors", fused(random_spec(wrong, seed=8, shared_qkv_a=True))))
+    model = SPEC.load("cpu")
+    plain = sample(model, conditioning(False), seed=3, steps=STEPS)
+    apply_loras(model, [(good, 0.7)], partition="fl2va", mode="dynamic")
+    expected = sample(model, conditioning(False), seed=3, steps=STEPS)
+    remove_loras(model)
+
+    two_ranks.use_loras([(good, 0.7)], "fl2va")
+    assert_close(sample(two_ranks, conditioning(False), seed=3, steps=STEPS), expected)
+    two_ranks.use_loras([], "fl2va")
+    assert_close(sample(two_ranks, conditioning(False), seed=3, steps=STEPS), plain)
+    with pytest.raises(LoRAError):
+        two_ranks.use_loras([(bad, 1.0)], "fl2va")
+    assert all(p.is_alive() for p in two_ranks.processes)
+    assert_close(sample(two_ranks, conditioning(False), seed=3, steps=STEPS), plain)
+
+    sharded = ParallelRunner(SPEC, ["cpu", "cpu"], shard_weights=True, threads=1)
+    try:
+        sharded.use_loras([(good, 0.7)], "fl2va")
+        assert_close(sample(sharded, conditioning(False), seed=3, steps=STEPS), expected)
+    finally:
+        sharded.close()

@@ -206,6 +206,9 @@ def _serve(setup: _Setup, requests, send, interrupt) -> None:
         kind, *rest = _unpack_request(box[0])
         if kind == "stop":
             break
+        if kind == "loras":
+            _use_loras(dit, *rest, send if setup.rank == 0 else None)
+            continue
         options, preview = rest
 
         def on_step(state: StepState) -> None:
@@ -226,6 +229,24 @@ def _serve(setup: _Setup, requests, send, interrupt) -> None:
             seed = options["seed"]
             send("done", latents, seed.get_state() if isinstance(seed, torch.Generator) else None)
     dist.destroy_process_group()
+
+
+def _use_loras(dit: H3DiT, adapters: list, partition: str, send) -> None:
+    """Replace the adapters hooked into this worker's DiT (dynamic, as a one-device run hooks them).
+    Every rank holds the same model and adapters, so a bad adapter fails the same everywhere, before any
+    weight changes: it is reported and the workers stay up."""
+    from ..lora import LoRAError, apply_loras, remove_loras
+
+    remove_loras(dit)
+    try:
+        if adapters:
+            apply_loras(dit, adapters, partition=partition, mode="dynamic")
+    except LoRAError as error:
+        if send is not None:
+            send("loras", str(error))
+        return
+    if send is not None:
+        send("loras", None)
 
 
 class _Pool:
@@ -371,6 +392,25 @@ class ParallelRunner:
             self.close()
             raise
         self.config: DiTConfig = configs[0]
+        self._loras = ((), None)  # what the workers have hooked in: ((id(lora), strength), ...), partition
+
+    def use_loras(self, loras: Sequence[tuple], partition: str) -> None:
+        """Hook these (LoRA, strength) adapters into every worker's DiT for the samples that follow
+        (dynamic: the base weights stay as loaded); an empty list removes them. Sent only on a change.
+        A bad adapter raises LoRAError and leaves the workers running without adapters."""
+        from ..lora import LoRAError
+
+        key = (tuple((id(lora), float(strength)) for lora, strength in loras), partition if loras else None)
+        if key == self._loras:
+            return
+        if self.closed:
+            raise ParallelWorkerError("This parallel runner has been closed (after close() or a worker failure).")
+        self._pool.put("loras", [(lora, float(strength)) for lora, strength in loras], partition)
+        self._loras = ((), None)
+        kind, problem = self._pool.receive()
+        if problem is not None:
+            raise LoRAError(problem)
+        self._loras = key
 
     @property
     def processes(self) -> list:
