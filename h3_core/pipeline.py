@@ -172,7 +172,7 @@ class GenerateSettings:
     devices: Sequence[str] = ()  # two or more: the DiT runs split over them (parallel/); the rest on `device`
     shard_weights: bool = False  # with devices: each holds 1/P of every block (FSDP-style)
     gpu_memory: float | None = None  # GiB the DiT may use on a GPU (None: what is free); less streams blocks
-    compile: bool = False  # torch.compile the repeated block (resident DiT only; not bitwise exact)
+    compile: bool = False  # torch.compile the repeated block's forward (not bitwise exact)
 
 
 @dataclass
@@ -366,11 +366,9 @@ def load_sampling_dit(source, partition: str, settings: GenerateSettings, loras,
         notes(f"linears: {settings.linears} ({LINEAR_MODES[settings.linears]})")
     streamer = place(dit, device, plan)
     dit.set_attention_backend(settings.attention)
-    if settings.compile and streamer is None:
+    if settings.compile:  # streaming hooks stay outside the compiled block forward
         dit.compile_blocks()
         notes("blocks compiled (the first step pays the compile)")
-    elif settings.compile:
-        notes("compile skipped: blocks stream from CPU memory")
     return dit, plan, streamer
 
 

@@ -72,27 +72,23 @@ def _generate(tmp_path, notes=None, **settings):
     return result.latents
 
 
-def test_generate_compiles_resident_blocks_only(tmp_path, monkeypatch):
-    """`compile` (h3 generate --compile): the compiled blocks give the eager latents up to float rounding;
-    blocks that stream from CPU memory are left eager (said in the notes); sharded weights are refused
-    before anything loads."""
+def test_generate_compiles_blocks_resident_or_streamed(tmp_path, monkeypatch):
+    """`compile` (h3 generate --compile): the compiled blocks give the eager latents up to float rounding,
+    resident or streamed from CPU memory (the streaming hooks run around the compiled forward); sharded
+    weights are refused before anything loads."""
     from h3_core import pipeline
     from h3_core.conditioning import RequestError
-    from h3_core.dit import H3DiT
     from h3_core.memory_plan import MemoryPlan
 
     eager = _generate(tmp_path)
-    notes = []
-    compiled = _generate(tmp_path, notes=notes.append, compile=True)
-    assert "blocks compiled (the first step pays the compile)" in notes
-    assert torch.allclose(eager.video, compiled.video, atol=1e-4) and torch.allclose(eager.audio, compiled.audio, atol=1e-4)
-
-    monkeypatch.setattr(pipeline, "plan_for", lambda *args, **kwargs: MemoryPlan(1, 1, True, 0, True))
-    monkeypatch.setattr(H3DiT, "compile_blocks", lambda self, *a, **k: pytest.fail("streamed blocks compiled"))
-    notes.clear()
-    streamed = _generate(tmp_path, notes=notes.append, compile=True)
-    assert "compile skipped: blocks stream from CPU memory" in notes
-    assert torch.equal(eager.video, streamed.video)
+    for plan in (None, MemoryPlan(1, 1, True, 0, True)):
+        if plan is not None:
+            monkeypatch.setattr(pipeline, "plan_for", lambda *args, **kwargs: plan)
+        notes = []
+        compiled = _generate(tmp_path, notes=notes.append, compile=True)
+        assert "blocks compiled (the first step pays the compile)" in notes
+        assert torch.allclose(eager.video, compiled.video, atol=1e-4)
+        assert torch.allclose(eager.audio, compiled.audio, atol=1e-4)
 
     monkeypatch.setattr(pipeline, "resolve_model_source", lambda *a: pytest.fail("model looked up for a bad request"))
     with pytest.raises(RequestError, match="cannot be combined with sharded weights"):
@@ -109,3 +105,46 @@ def test_worker_model_spec_compiles_when_asked(monkeypatch):
     assert compiled == []
     model = ModelSpec("tiny-random", dtype=torch.float32, compile=True).load("cpu")
     assert compiled == [model] and model is not plain
+
+
+def test_compiled_blocks_share_one_graph_and_respect_hooks_added_later(tmp_path):
+    """compile_blocks: one graph serves every block; block-level hooks (streaming) run around it; a
+    block whose submodules gained hooks after tracing (a dynamic LoRA) runs eagerly, so the adapter is
+    never silently skipped; once removed, the graph is used again."""
+    from dataclasses import replace
+
+    from lora_files import fused, random_spec, write_native
+    from torch._dynamo.utils import counters
+
+    from h3_core.config import TINY_DIT
+    from h3_core.dit import H3DiT
+    from h3_core.lora import apply_loras, load_lora, remove_loras
+    from h3_core.tiny import seeded_random_weights
+
+    config = replace(TINY_DIT, num_layers=3)
+    make = lambda: seeded_random_weights(H3DiT(config), 3).eval().requires_grad_(False)  # noqa: E731
+    layout = build_request_layout(128, 64, 124, torch.ones(6, dtype=torch.long))
+    timesteps, indices = layout.row_timesteps(0.4, 0.6)
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(
+        video_rows=torch.randn(1, layout.video_indices.numel(), config.video_patch_dim, generator=g),
+        audio_rows=torch.randn(1, layout.audio_indices.numel(), config.audio_in_channels, generator=g),
+        text_states=torch.randn(1, 6, config.text_dim, generator=g), timesteps=timesteps, timestep_indices=indices,
+        token_tags=layout.token_tags, position_ids=layout.position_ids, video_indices=layout.video_indices,
+        audio_indices=layout.audio_indices, text_indices=layout.text_indices,
+    )
+    lora = load_lora(write_native(tmp_path / "style.safetensors", fused(random_spec(config, seed=4, shared_qkv_a=True))))
+    eager_model, model = make(), make().compile_blocks()
+    close = lambda a, b: all(torch.allclose(x, y, atol=1e-4) for x, y in zip(a, b))  # noqa: E731
+    counters.clear()
+    with torch.inference_mode():
+        plain = eager_model(**inputs)
+        assert close(model(**inputs), plain)
+        assert counters["stats"]["unique_graphs"] == 1  # three blocks, one graph
+        apply_loras(eager_model, [(lora, 0.8)], partition="fl2va", mode="dynamic")
+        apply_loras(model, [(lora, 0.8)], partition="fl2va", mode="dynamic")
+        adapted = eager_model(**inputs)
+        assert not close(adapted, plain)
+        assert all(torch.equal(x, y) for x, y in zip(model(**inputs), adapted))  # eager blocks: bitwise
+        remove_loras(model)
+        assert close(model(**inputs), plain) and counters["stats"]["unique_graphs"] == 1

@@ -206,6 +206,13 @@ def test_the_loader_reads_to_the_cpu_what_does_not_fit_the_gpu(comfy):
 
 def test_loader_input_checks(comfy):
     c = comfy
+    with pytest.raises(ValueError, match="compile works on whole blocks"):
+        _load(c, "tiny-random", devices="cpu,cpu", shard_weights=True, compile=True)
+    from h3_core.dit import _CompiledForward
+
+    compiled = _load(c, "tiny-random", compile=True)  # traced at the first run (tests/test_exact_speedups.py)
+    assert all(isinstance(block.forward, _CompiledForward) for block in compiled.dit.blocks)
+    assert not any(isinstance(block.forward, _CompiledForward) for block in _load(c, "tiny-random").dit.blocks)
     with pytest.raises(ValueError, match="cuda:0 alone is one device"):
         _load(c, "tiny-random", devices="cuda:0")
     with pytest.raises(ValueError, match="shard_weights .* list them in devices"):

@@ -58,7 +58,7 @@ class ModelSpec:
     loras: tuple[tuple[str, float], ...] = ()  # (file, strength), merged after loading, in order
     linears: str = "checkpoint"  # fp8.LINEAR_MODES, as `h3 generate --linears`
     config: DiTConfig | None = None  # tiny-random: another tiny shape (default TINY_DIT)
-    compile: bool = False  # torch.compile the repeated block (unsharded workers only)
+    compile: bool = False  # torch.compile the repeated block's forward (not with sharded weights)
 
     def dit_config(self) -> DiTConfig:
         """The model's shape without loading it (a checkpoint's from its config or headers)."""
