@@ -206,3 +206,17 @@ def test_loras_hooked_into_the_workers_match_one_process(two_ranks):
         assert_close(sample(sharded, conditioning(False), seed=3, steps=STEPS), expected)
     finally:
         sharded.close()
+
+
+def test_fp8_linears_with_sharded_weights_match_one_process():
+    """FP8 block linears (e4m3 weights + fp32 scales, `--linears fp8-weights-lossy`) shard like bf16
+    ones: two ranks holding half of every block give the one-process FP8 result."""
+    spec = dataclasses.replace(SPEC, linears="fp8-weights-lossy")
+    model = spec.load("cpu")
+    assert any(p.dtype == torch.float8_e4m3fn for p in model.blocks[0].parameters())
+    expected = sample(model, conditioning(False), seed=3, steps=STEPS)
+    runner = ParallelRunner(spec, ["cpu", "cpu"], shard_weights=True, threads=1)
+    try:
+        assert_close(sample(runner, conditioning(False), seed=3, steps=STEPS), expected)
+    finally:
+        runner.close()
