@@ -7,10 +7,12 @@ Backends: "sdpa" (torch; picks cuDNN / flash / efficient kernels itself, exact),
 (FlashAttention 4, the CuTe-DSL kernels of the `flash-attn-4` package, Hopper and Blackwell, exact),
 "flash3" (FlashAttention 3 for Hopper, exact, if `flash_attn_interface` is importable), "flash"
 (FlashAttention 2, exact, if `flash_attn` is importable), "sage" (SageAttention, 8-bit QK: lossy,
-opt-in only) and "int8qk-fp8pv-lossy" (our Triton kernel, attention_8bit.py: int8 QK and FP8 PV on
-CUDA; lossy, opt-in). "auto" takes the fastest exact one available for the device: FlashAttention 4,
-then 3, on Hopper/Blackwell, else SDPA (on an H200, SDPA's cuDNN kernel measured 578 TFLOP/s against
-368 for FlashAttention 2's).
+opt-in only), "int8qk-fp8pv-lossy" (our Triton kernel, attention_8bit.py: int8 QK and FP8 PV on
+CUDA; lossy, opt-in) and "flash3-fp8-lossy" (FlashAttention 3's FP8 forward on q, k, v quantized per
+head; lossy, opt-in). Kernels from packages run as one opaque op (`h3::kernel_attention`), which
+torch.compile calls without tracing into them. "auto" takes the fastest exact one available for the
+device: on Hopper FlashAttention 3, then 4 (H200, 38k rows: 699 and 687 TFLOP/s), on Blackwell
+FlashAttention 4, else SDPA (572 TFLOP/s with cuDNN on the H200; FlashAttention 2 368).
 """
 
 from __future__ import annotations
@@ -25,15 +27,16 @@ import torch.nn.functional as F
 log = logging.getLogger("h3_core")
 
 EXACT_BACKENDS = ("sdpa", "flash4", "flash3", "flash")
-LOSSY_BACKENDS = ("sage", "int8qk-fp8pv-lossy")
+LOSSY_BACKENDS = ("sage", "int8qk-fp8pv-lossy", "flash3-fp8-lossy")
 # The module each backend imports. FlashAttention 2 is named by its interface module: flash-attn-4
 # installs `flash_attn` as a bare namespace (only `flash_attn.cute`), which must not count as FA2.
 _MODULES = {
     "flash4": "flash_attn.cute", "flash3": "flash_attn_interface", "flash": "flash_attn.flash_attn_interface",
-    "sage": "sageattention", "int8qk-fp8pv-lossy": "triton",
+    "sage": "sageattention", "int8qk-fp8pv-lossy": "triton", "flash3-fp8-lossy": "flash_attn_interface",
 }
 _PACKAGES = {"flash4": "flash-attn-4", "flash3": "flash-attn-3 (hopper/ build)", "flash": "flash-attn",
-             "sage": "sageattention", "int8qk-fp8pv-lossy": "triton"}
+             "sage": "sageattention", "int8qk-fp8pv-lossy": "triton",
+             "flash3-fp8-lossy": "flash-attn-3 (hopper/ build)"}
 _HOPPER_OR_NEWER = {"flash4": (9, 10), "flash3": (9,)}  # compute-capability majors each kernel is built for
 
 
@@ -66,7 +69,7 @@ def resolve_backend(requested: str = "auto", device: torch.device | str | None =
     if requested == "auto":
         device = torch.device(device) if device is not None else None
         major = torch.cuda.get_device_capability(device)[0] if device is not None and device.type == "cuda" else None
-        fitting = [name for name in ("flash4", "flash3") if name in available and major in _HOPPER_OR_NEWER[name]]
+        fitting = [name for name in ("flash3", "flash4") if name in available and major in _HOPPER_OR_NEWER[name]]
         chosen = fitting[0] if fitting else "sdpa"
         log.info("attention backend: %s (auto; available: %s)", chosen, ", ".join(available))
         return chosen
@@ -83,13 +86,27 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backe
     if backend == "sdpa":
         out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
         return out.transpose(1, 2)
+    if backend == "int8qk-fp8pv-lossy":
+        from .attention_8bit import int8qk_fp8pv_attention
+
+        return int8qk_fp8pv_attention(query, key, value)
+    if backend in _MODULES:
+        return torch.ops.h3.kernel_attention(query, key, value, backend)
+    raise ValueError(f"Unknown attention backend {backend!r}; choose one of {', '.join(EXACT_BACKENDS + LOSSY_BACKENDS)}.")
+
+
+@torch.library.custom_op("h3::kernel_attention", mutates_args=())
+def _kernel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backend: str) -> torch.Tensor:
+    """An installed attention package's kernel as one opaque op, so torch.compile'd blocks call the kernel
+    instead of tracing the Python (CuTe DSL, ctypes, Triton launchers) behind it."""
     if backend == "flash4":
-        return torch.ops.h3.flash4_attention(query, key, value)
+        return _flash4(query, key, value)
     if backend == "flash3":
         import flash_attn_interface
 
-        out = flash_attn_interface.flash_attn_func(query, key, value, causal=False)
-        return out[0] if isinstance(out, tuple) else out
+        return _first(flash_attn_interface.flash_attn_func(query, key, value, causal=False))
+    if backend == "flash3-fp8-lossy":
+        return _flash3_fp8(query, key, value)
     if backend == "flash":
         import flash_attn
 
@@ -97,18 +114,20 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backe
     if backend == "sage":
         import sageattention
 
-        return sageattention.sageattn(query, key, value, tensor_layout="NHD", is_causal=False)
-    if backend == "int8qk-fp8pv-lossy":
-        from .attention_8bit import int8qk_fp8pv_attention
-
-        return int8qk_fp8pv_attention(query, key, value)
-    raise ValueError(f"Unknown attention backend {backend!r}; choose one of {', '.join(EXACT_BACKENDS + LOSSY_BACKENDS)}.")
+        return sageattention.sageattn(query, key.clone(), value, tensor_layout="NHD", is_causal=False)  # smooths k in place
+    raise ValueError(f"Unknown attention backend {backend!r}.")
 
 
-@torch.library.custom_op("h3::flash4_attention", mutates_args=())
-def _flash4_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """FlashAttention 4 as one opaque op, so torch.compile'd blocks call the kernel instead of tracing
-    the CuTe-DSL Python behind it."""
+@_kernel_attention.register_fake
+def _(query, key, value, backend):
+    return torch.empty_like(query)
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _flash4(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     from flash_attn.cute import flash_attn_func, interface
 
     if query.shape[-1] == 128 and query.is_cuda and torch.cuda.get_device_capability(query.device)[0] == 9:
@@ -117,10 +136,25 @@ def _flash4_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                                               mma_pv_is_rs=False, intra_wg_overlap=True)[0]
         except (AttributeError, TypeError):  # a flash-attn-4 whose private entry point changed: its defaults
             pass
-    out = flash_attn_func(query, key, value, causal=False)
-    return out[0] if isinstance(out, tuple) else out
+    return _first(flash_attn_func(query, key, value, causal=False))
 
 
-@_flash4_attention.register_fake
-def _(query, key, value):
-    return torch.empty_like(query)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def fp8_per_head(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, S, H, D] -> (e4m3 values, fp32 descale [B, H]): one scale per batch and head, from its amax."""
+    amax = tensor.abs().amax(dim=(1, 3)).float().clamp_min(1e-12)
+    scale = FP8_MAX / amax
+    quantized = (tensor.float() * scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return quantized, (1.0 / scale).contiguous()
+
+
+def _flash3_fp8(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """FlashAttention 3's FP8 forward: q, k, v in e4m3 with per-head descales; the output in the inputs' dtype."""
+    import flash_attn_interface
+
+    (q, q_descale), (k, k_descale), (v, v_descale) = (fp8_per_head(t) for t in (query, key, value))
+    out = _first(flash_attn_interface.flash_attn_func(q, k, v, causal=False, q_descale=q_descale,
+                                                      k_descale=k_descale, v_descale=v_descale))
+    return out.to(query.dtype)

@@ -80,7 +80,7 @@ def test_flash4_is_one_opaque_op_equal_to_sdpa(fake_flash4):
     compiled = torch.compile(lambda a, b, c: attention(a, b, c, "flash4") * 2, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(q, k, v), expected * 2)  # fullgraph: no break into the kernel's Python
     assert len(CALLS) > calls
-    meta = torch.ops.h3.flash4_attention(*(t.to("meta") for t in (q, k, v)))
+    meta = torch.ops.h3.kernel_attention(*(t.to("meta") for t in (q, k, v)), "flash4")
     assert meta.shape == q.shape and meta.device.type == "meta"
 
 
@@ -90,3 +90,59 @@ def test_a_missing_backend_names_the_package_to_install():
         if name not in available:
             with pytest.raises(ValueError, match=re.escape(f"'{attention_module._PACKAGES[name]}' package")):
                 resolve_backend(name)
+
+
+FA3_STAND_IN = '''
+import torch
+import torch.nn.functional as F
+
+CALLS = []
+
+def flash_attn_func(q, k, v, causal=False, q_descale=None, k_descale=None, v_descale=None):
+    CALLS.append((q.dtype, q_descale is not None))
+    if q_descale is not None:  # dequantize as the FP8 kernel's scales do
+        q, k, v = (t.float() * d[:, None, :, None] for t, d in ((q, q_descale), (k, k_descale), (v, v_descale)))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    return out.to(torch.bfloat16)
+'''
+
+
+def test_fp8_per_head_round_trip():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 50, 3, 16, generator=g) * torch.tensor([0.1, 1.0, 30.0])[None, None, :, None]
+    quantized, descale = attention_module.fp8_per_head(x)
+    assert quantized.dtype == torch.float8_e4m3fn and descale.shape == (1, 3)
+    restored = quantized.float() * descale[:, None, :, None]
+    for head in range(3):  # e4m3 keeps ~2 significant digits of every head, whatever its scale
+        error = (restored[:, :, head] - x[:, :, head]).abs().max() / x[:, :, head].abs().max()
+        assert error < 0.07
+
+
+def test_flash3_fp8_is_lossy_opt_in_and_close(tmp_path, monkeypatch):
+    (tmp_path / "flash_attn_interface.py").write_text(FA3_STAND_IN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn_interface", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert "flash3-fp8-lossy" in attention_module.LOSSY_BACKENDS
+    assert resolve_backend("auto", "cuda:0") in ("flash3", "flash4")  # never the lossy one
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 64, 2, 32, generator=g) for _ in range(3))
+    exact = attention(q, k, v, "sdpa")
+    got = attention(q, k, v, "flash3-fp8-lossy")
+    import flash_attn_interface
+
+    assert flash_attn_interface.CALLS[-1] == (torch.float8_e4m3fn, True)
+    assert got.dtype == q.dtype and torch.nn.functional.cosine_similarity(got.flatten(), exact.flatten(), dim=0) > 0.99
+    assert not torch.equal(got, exact)
+    sys.modules.pop("flash_attn_interface", None)
+
+
+@pytest.mark.parametrize("major, expected", [(9, "flash3"), (10, "flash4"), (8, "sdpa")])
+def test_auto_prefers_flash3_then_flash4_on_hopper(fake_flash4, tmp_path, monkeypatch, major, expected):
+    fake_flash4(STAND_IN)
+    (tmp_path / "flash_attn_interface.py").write_text(FA3_STAND_IN)
+    monkeypatch.delitem(sys.modules, "flash_attn_interface", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+    assert {"flash3", "flash4", "flash3-fp8-lossy"} <= set(available_backends())
+    assert resolve_backend("auto", "cuda:0") == expected
+    sys.modules.pop("flash_attn_interface", None)
