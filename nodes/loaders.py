@@ -78,7 +78,9 @@ class H3ModelLoader(io.ComfyNode):
                                tooltip="Weight dtype (the release policy keeps projections and heads in fp32); "
                                        "'checkpoint' keeps each tensor's stored dtype."),
                 io.Combo.Input("attention", options=["auto", *EXACT_BACKENDS, *LOSSY_BACKENDS], default="auto",
-                               tooltip="Attention kernel: auto picks the fastest exact one available; sage is lossy."),
+                               tooltip="Attention kernel: auto picks the fastest exact one installed (FlashAttention 3 or 4 on "
+                                       "Hopper/Blackwell, else torch's SDPA); sage and the *-lossy ones trade "
+                                       "accuracy for speed and are only used when picked."),
                 io.Float.Input("gpu_memory_gb", default=0.0, min=0.0, max=4096.0, step=0.5, optional=True,
                                tooltip="GPU memory the DiT may use, in GiB; 0 = automatic: what ComfyUI has free once "
                                        "other models have left. What does not fit (the bf16 DiT is 62 GB) streams "
