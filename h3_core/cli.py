@@ -36,7 +36,8 @@ from .tiny import TINY_RANDOM, tiny_random_dit
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LINEARS_HELP = "; ".join(f"{name}: {what}" for name, what in LINEAR_MODES.items())
-ATTENTION_HELP = (f"attention kernel: auto (the fastest exact one installed, e.g. flash4 on Hopper/Blackwell), "
+ATTENTION_HELP = (f"attention kernel: auto (the fastest exact one installed: FlashAttention 3 or 4 on Hopper/Blackwell, "
+                  f"else sdpa), "
                   f"{', '.join(EXACT_BACKENDS)} (exact), {', '.join(LOSSY_BACKENDS)} (lossy, only when named)")
 COMPILE_HELP = ("torch.compile the repeated block: ~10%% faster per step on an H200, the first step pays the compile; "
                 "not bitwise exact")

@@ -392,7 +392,7 @@ class ParallelRunner:
             self.close()
             raise
         self.config: DiTConfig = configs[0]
-        self._loras = ((), None)  # what the workers have hooked in: ((id(lora), strength), ...), partition
+        self._loras: tuple = ((), None)  # what the workers have hooked in: ((LoRA, strength), ...), partition
 
     def use_loras(self, loras: Sequence[tuple], partition: str) -> None:
         """Hook these (LoRA, strength) adapters into every worker's DiT for the samples that follow
@@ -400,17 +400,19 @@ class ParallelRunner:
         A bad adapter raises LoRAError and leaves the workers running without adapters."""
         from ..lora import LoRAError
 
-        key = (tuple((id(lora), float(strength)) for lora, strength in loras), partition if loras else None)
-        if key == self._loras:
+        wanted = (tuple((lora, float(strength)) for lora, strength in loras), partition if loras else None)
+        held, held_partition = self._loras
+        if wanted[1] == held_partition and len(wanted[0]) == len(held) and all(
+                a is b and s == t for (a, s), (b, t) in zip(wanted[0], held)):  # the same objects: already hooked
             return
         if self.closed:
             raise ParallelWorkerError("This parallel runner has been closed (after close() or a worker failure).")
-        self._pool.put("loras", [(lora, float(strength)) for lora, strength in loras], partition)
+        self._pool.put("loras", list(wanted[0]), partition)
         self._loras = ((), None)
-        kind, problem = self._pool.receive()
+        _, problem = self._pool.receive()
         if problem is not None:
             raise LoRAError(problem)
-        self._loras = key
+        self._loras = wanted  # holding the objects: an identity match can never be a recycled id
 
     @property
     def processes(self) -> list:
