@@ -364,14 +364,15 @@ def test_a_small_text_encoder_budget_streams_its_layers_and_free_unloads_them(se
 
 
 def test_two_devices_split_the_dit_and_free_stops_the_workers(server):
-    """devices "cpu,cpu": two worker processes (gloo) hold the DiT; the workflow runs through them and
-    /free stops them."""
+    """devices "cpu,cpu": two worker processes (gloo) hold the DiT; the workflow runs through them, the
+    Turbo workflow too (its LoRA hooked into the workers), and /free stops them."""
     base, work = server
-    graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
-    graph[_node(graph, "H3ModelLoader")]["inputs"].update(devices="cpu,cpu")
-    history = _wait(base, _queue(base, graph, "x"))
-    assert history["status"]["status_str"] == "success", json.dumps(history["status"]["messages"])[-4000:]
-    assert len(_mp4s(history)) == 1
+    for name in ("t2va", "t2va_turbo"):
+        graph = json.loads((PACK / "workflows" / "api" / f"{name}.json").read_text())
+        graph[_node(graph, "H3ModelLoader")]["inputs"].update(devices="cpu,cpu")
+        history = _wait(base, _queue(base, graph, "x"))
+        assert history["status"]["status_str"] == "success", json.dumps(history["status"]["messages"])[-4000:]
+        assert len(_mp4s(history)) == 1
     assert "workers started on cpu, cpu" in _log(work)
     status, _ = _post(f"{base}/free", {"unload_models": True})
     assert status == 200
