@@ -13,6 +13,7 @@ the worker's traceback. Workers also exit when their parent process goes away.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
@@ -298,12 +299,25 @@ class _Pool:
         return message
 
     def _fail(self, rank: int, device: str, summary: str, worker_traceback: str) -> None:
+        late = self._late_reports()
         self.stop(graceful=False)
-        raise ParallelWorkerError(
+        error = ParallelWorkerError(
             f"H3 worker rank {rank} on {device} failed: {summary}\n"
             + (f"--- traceback in the worker ---\n{worker_traceback}" if worker_traceback else "")
             + "All workers have been stopped."
         )
+        error.late_steps = [message[1:] for message in late if message[0] == "step"]
+        raise error
+
+    def _late_reports(self, quiet: float = 0.5) -> list[tuple]:
+        """Messages that were still on their way when an error arrived: ranks share one queue, so rank 0's
+        report of a finished step can land after another rank's error (until the queue is quiet)."""
+        late = []
+        while True:
+            try:
+                late.append(pickle.loads(self.results.get(timeout=quiet)))
+            except queue.Empty:
+                return late
 
     def stop(self, graceful: bool = True, timeout: float = 30.0) -> None:
         """Ask the workers to finish (idle ones exit at once, busy ones after their current step), then
@@ -460,7 +474,11 @@ class ParallelRunner:
                         self._pool.interrupt.set()
                 elif kind in ("done", "interrupted"):
                     break
-        except ParallelWorkerError:
+        except ParallelWorkerError as error:
+            for late in getattr(error, "late_steps", []):  # steps finished before the failure still count
+                if callback is not None and raised is None:
+                    with contextlib.suppress(Exception):
+                        callback(self._step_state(conditioning, *late))
             raise
         except BaseException:  # e.g. Ctrl-C while waiting: don't leave workers mid-request
             self.close()
