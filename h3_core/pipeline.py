@@ -365,7 +365,8 @@ def load_sampling_dit(source, partition: str, settings: GenerateSettings, loras,
     if settings.linears != "checkpoint":
         notes(f"linears: {settings.linears} ({LINEAR_MODES[settings.linears]})")
     streamer = place(dit, device, plan)
-    dit.set_attention_backend(settings.attention)
+    backend = dit.set_attention_backend(settings.attention)
+    notes(f"attention: {backend}" + (" (auto: the fastest exact kernel installed)" if settings.attention == "auto" else ""))
     if settings.compile:  # streaming hooks stay outside the compiled block forward
         dit.compile_blocks()
         notes("blocks compiled (the first step pays the compile)")

@@ -87,6 +87,7 @@ def test_generate_compiles_blocks_resident_or_streamed(tmp_path, monkeypatch):
         notes = []
         compiled = _generate(tmp_path, notes=notes.append, compile=True)
         assert "blocks compiled (the first step pays the compile)" in notes
+        assert "attention: sdpa (auto: the fastest exact kernel installed)" in notes  # named for the user
         assert torch.allclose(eager.video, compiled.video, atol=1e-4)
         assert torch.allclose(eager.audio, compiled.audio, atol=1e-4)
 
