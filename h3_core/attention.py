@@ -142,11 +142,16 @@ def _flash4(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torc
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-def fp8_per_head(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, S, H, D] -> (e4m3 values, fp32 descale [B, H]): one scale per batch and head, from its amax."""
-    amax = tensor.abs().amax(dim=(1, 3)).float().clamp_min(1e-12)
+def fp8_per_head(tensor: torch.Tensor, heads_per_chunk: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, S, H, D] -> (e4m3 values, fp32 descale [B, H]): one scale per batch and head, from its amax.
+    A few heads at a time, so the fp32 intermediate is a slice of the rows, not a copy of them all."""
+    amax = torch.maximum(tensor.amax(dim=(1, 3)), -tensor.amin(dim=(1, 3))).float().clamp_min(1e-12)
     scale = FP8_MAX / amax
-    quantized = (tensor.float() * scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    quantized = torch.empty(tensor.shape, dtype=torch.float8_e4m3fn, device=tensor.device)
+    for start in range(0, tensor.shape[2], heads_per_chunk):
+        heads = slice(start, start + heads_per_chunk)
+        scaled = tensor[:, :, heads].float() * scale[:, None, heads, None]
+        quantized[:, :, heads] = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return quantized, (1.0 / scale).contiguous()
 
 

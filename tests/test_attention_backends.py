@@ -107,6 +107,16 @@ def flash_attn_func(q, k, v, causal=False, q_descale=None, k_descale=None, v_des
 '''
 
 
+def test_fp8_per_head_in_chunks_equals_all_heads_at_once():
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(2, 40, 19, 16, generator=g) * torch.rand(19, generator=g)[None, None, :, None] * 9).bfloat16()
+    quantized, descale = attention_module.fp8_per_head(x, heads_per_chunk=4)  # 19 heads: a partial last chunk
+    scale = 448.0 / x.abs().amax(dim=(1, 3)).float()
+    whole = (x.float() * scale[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    assert torch.equal(quantized.view(torch.uint8), whole.view(torch.uint8))
+    assert torch.equal(descale, 1.0 / scale)
+
+
 def test_fp8_per_head_round_trip():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 50, 3, 16, generator=g) * torch.tensor([0.1, 1.0, 30.0])[None, None, :, None]
