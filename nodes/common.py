@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from comfy_api.latest import io
 
+from h3_core import geometry
+
 CATEGORY = "H3"
 H3Model = io.Custom("H3_MODEL")
 H3TextEncoder = io.Custom("H3_TEXT_ENCODER")
@@ -64,3 +66,25 @@ def preview_settings():
     factors = getattr(known, "latent_rgb_factors", None) if known else None
     bias = getattr(known, "latent_rgb_factors_bias", None) if known else None
     return args.preview_size, factors, bias
+
+
+def shift_inputs() -> list:
+    """The video and audio sigma shifts, as every sampling node takes them (0 = automatic)."""
+    return [
+        io.Float.Input("video_shift", default=0.0, min=0.0, max=100.0, step=0.1,
+                       tooltip="Video sigma shift; 0 = automatic: the Turbo contract's, else 12."),
+        io.Float.Input("audio_shift", default=0.0, min=0.0, max=100.0, step=0.1,
+                       tooltip="Audio sigma shift; 0 = automatic: the Turbo contract's, else 3."),
+    ]
+
+
+def canvas_inputs(auto: str) -> list:
+    """Aspect ratio, or explicit width and height (0 = from the ratio); `auto` says what auto means."""
+    return [
+        io.Combo.Input("aspect_ratio", options=["auto", *geometry.ASPECT_RATIOS], default="auto",
+                       tooltip=f"Canvas shape. auto: {auto}. Ignored when width and height are set."),
+        io.Int.Input("width", default=0, min=0, max=4096, step=32,
+                     tooltip="Canvas width in pixels (multiple of 32); 0 = from the aspect ratio."),
+        io.Int.Input("height", default=0, min=0, max=4096, step=32,
+                     tooltip="Canvas height in pixels (multiple of 32); 0 = from the aspect ratio."),
+    ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from h3_core import geometry
 from h3_core.conditioning import (
     DEFAULT_SECONDS,
     MAX_SECONDS,
@@ -17,7 +16,7 @@ from h3_core.conditioning import (
 from h3_core.placement import freed_on_failure
 from h3_core.prompt import MAX_AUDIO_REFERENCES, MAX_IMAGE_REFERENCES, MAX_REFERENCES, MAX_VIDEO_REFERENCES
 
-from .common import CATEGORY, H3VAE, H3Cond, H3TextEncoder, device
+from .common import CATEGORY, H3VAE, H3Cond, H3TextEncoder, canvas_inputs, device
 from .convert import SOCKET_KINDS, build_request, media_problem, ordered_references
 from .memory import place_for_encoding
 
@@ -53,13 +52,7 @@ class H3Conditioning(io.ComfyNode):
                 io.Combo.Input("task", options=list(TASKS), default="t2va",
                                tooltip="t2va: prompt only. fl2va: first and/or last frame. ref2va: image/video/audio "
                                        "references. Use a model loaded with the matching partition."),
-                io.Combo.Input("aspect_ratio", options=["auto", *geometry.ASPECT_RATIOS], default="auto",
-                               tooltip="Canvas shape. auto: 16:9 for t2va/ref2va, the keyframe's shape for fl2va. "
-                                       "Ignored when width and height are set."),
-                io.Int.Input("width", default=0, min=0, max=4096, step=32,
-                             tooltip="Canvas width in pixels (multiple of 32); 0 = from the aspect ratio."),
-                io.Int.Input("height", default=0, min=0, max=4096, step=32,
-                             tooltip="Canvas height in pixels (multiple of 32); 0 = from the aspect ratio."),
+                *canvas_inputs("16:9 for t2va/ref2va, the keyframe's shape for fl2va"),
                 io.Float.Input("duration", default=DEFAULT_SECONDS, min=MIN_SECONDS, max=MAX_SECONDS, step=0.1,
                                tooltip="Seconds at 24 fps; the frame count snaps up to 17n + 5 (5 s -> 124 frames)."),
                 H3VAE.Input("vae", optional=True,

@@ -35,7 +35,9 @@ from h3_core.output import write_mp4
 from h3_core.pipeline import TASK_PARTITION, largest_layout
 from h3_core.placement import freed_on_failure
 
-from .common import CATEGORY, H3VAE, H3Latent, H3Model, H3TextEncoder, check_interrupt, device, progress_bar
+from .common import (
+    CATEGORY, H3VAE, H3Latent, H3Model, H3TextEncoder, canvas_inputs, check_interrupt, device, progress_bar, shift_inputs,
+)
 from .conditioning import reference_input
 from .convert import audio_to_decoded, build_request, media_problem, ordered_references, pack_latents, unpack_latents
 from .memory import decode_working_bytes, dit_for_run, drop_loras, place, place_for_encoding, use_loras
@@ -76,16 +78,8 @@ class H3Continuation(io.ComfyNode):
                              tooltip="Noise seed: all windows draw from one generator, so it decides the whole clip."),
                 io.Int.Input("steps", default=0, min=0, max=200,
                              tooltip="Sampling points per window; 0 = automatic: a Turbo adapter's count, else 50."),
-                io.Float.Input("video_shift", default=0.0, min=0.0, max=100.0, step=0.1,
-                               tooltip="Video sigma shift; 0 = automatic: the Turbo contract's, else 12."),
-                io.Float.Input("audio_shift", default=0.0, min=0.0, max=100.0, step=0.1,
-                               tooltip="Audio sigma shift; 0 = automatic: the Turbo contract's, else 3."),
-                io.Combo.Input("aspect_ratio", options=["auto", *geometry.ASPECT_RATIOS], default="auto",
-                               tooltip="Canvas shape (auto: 16:9). Ignored when width and height are set."),
-                io.Int.Input("width", default=0, min=0, max=4096, step=32,
-                             tooltip="Canvas width in pixels (multiple of 32); 0 = from the aspect ratio."),
-                io.Int.Input("height", default=0, min=0, max=4096, step=32,
-                             tooltip="Canvas height in pixels (multiple of 32); 0 = from the aspect ratio."),
+                *shift_inputs(),
+                *canvas_inputs("16:9"),
                 io.String.Input("window_prompts", multiline=True, default="", optional=True,
                                 tooltip="Optional: one prompt per window, one per line, in window order (empty: the "
                                         "prompt in every window). The count must match the plan's windows."),

@@ -12,7 +12,7 @@ from h3_core.placement import freed_on_failure
 from h3_core.preview import latent_rgb
 from h3_core.sampler import DualClockSchedule, custom_ladder
 
-from .common import CATEGORY, H3Cond, H3Latent, H3Model, check_interrupt, preview_settings, progress_bar
+from .common import CATEGORY, H3Cond, H3Latent, H3Model, check_interrupt, preview_settings, progress_bar, shift_inputs
 from .convert import latent_size_problem, pack_latents, unpack_latents
 from .memory import dit_for_run, drop_loras, use_loras
 
@@ -48,10 +48,7 @@ class H3Sampler(io.ComfyNode):
                                      "Output i uses seed + i."),
                 io.Int.Input("steps", default=0, min=0, max=200,
                              tooltip="Sampling points; 0 = automatic: a Turbo adapter's distilled count, else 50."),
-                io.Float.Input("video_shift", default=0.0, min=0.0, max=100.0, step=0.1,
-                               tooltip="Video sigma shift; 0 = automatic: the Turbo contract's, else 12."),
-                io.Float.Input("audio_shift", default=0.0, min=0.0, max=100.0, step=0.1,
-                               tooltip="Audio sigma shift; 0 = automatic: the Turbo contract's, else 3."),
+                *shift_inputs(),
                 io.Float.Input("denoise", default=1.0, min=0.01, max=1.0, step=0.01,
                                tooltip="1.0: generate from noise. Below 1: refine the connected latent, running the "
                                        "last steps of a ladder of steps / denoise points (automatic ladders only)."),
