@@ -19,7 +19,7 @@ from h3_core.fp8 import FP8Linear, quantize_blocks
 from h3_core.layout import build_request_layout
 from h3_core.memory_plan import block_weight_bytes, plan_memory
 from h3_core.offload import stream_blocks
-from h3_core.tiny import tiny_random_dit
+from h3_core.tiny import seeded_random_weights, tiny_random_dit
 
 E4M3_MAX = 448.0
 BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
@@ -322,11 +322,7 @@ def test_streamed_fp8_equals_resident_fp8(matmul):
     config = replace(TINY_DIT, num_layers=4)
 
     def fresh():
-        model = H3DiT(config).eval().requires_grad_(False)
-        g = torch.Generator().manual_seed(2)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        model = seeded_random_weights(H3DiT(config), 2).eval().requires_grad_(False)
         quantize_blocks(model, matmul)
         return model
 

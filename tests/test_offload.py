@@ -12,7 +12,7 @@ from h3_core.noise import request_generator, target_noise
 from h3_core.offload import stream_blocks
 from h3_core.sampler import DualClockSchedule, denoise
 from h3_core.dit import H3DiT
-from h3_core.tiny import tiny_random_dit
+from h3_core.tiny import seeded_random_weights, tiny_random_dit
 
 
 def run(model, **kwargs):
@@ -28,12 +28,7 @@ def test_streamed_equals_resident(resident, prefetch):
     config = replace(TINY_DIT, num_layers=4)
 
     def fresh():
-        model = H3DiT(config).eval().requires_grad_(False)
-        generator = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
-        return model
+        return seeded_random_weights(H3DiT(config), 1).eval().requires_grad_(False)
 
     expected = run(fresh())
     model = fresh()
