@@ -3,7 +3,6 @@ by independent computation, and against diffusers' t2va / ref2va builders where 
 request (diffusers has no continuation: a window without guide and offset must be its layout, bitwise)."""
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ from h3_core.layout import (
     build_window_layout,
     frame_grid,
 )
+from test_layout_ref2va import reference_inputs  # what diffusers' ref2va builder reads
 
 T = 40
 LATENT = (48, 84)  # 1344x768
@@ -77,14 +77,7 @@ def test_a_plain_window_equals_diffusers():
     assert torch.equal(ours.position_ids, reference[0]) and torch.equal(ours.token_tags, reference[1])
     assert torch.equal(ours.video_indices, reference[2]) and torch.equal(ours.audio_indices, reference[3])
 
-    refs, visual, audio = [], [], []
-    for block in REFERENCES:
-        has_audio = block.kind == "audio" or block.audio_latents > 0
-        refs.append(SimpleNamespace(kind=block.kind, has_audio=has_audio))
-        if block.kind != "audio":
-            visual.append(torch.zeros(1, 1, block.latent_frames, block.latent_height, block.latent_width))
-        if has_audio:
-            audio.append(torch.zeros(2 * block.audio_latents, 1))
+    refs, visual, audio = reference_inputs(REFERENCES)
     reference = before_denoise.MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence(
         tags(), refs, visual, audio, *target, patch_size=(1, 2, 2), audio_channels=2, audio_tag=AUDIO_TAG,
         video_tag=VIDEO_TAG)
