@@ -365,6 +365,7 @@ class H3DiT(nn.Module):
         x = x.index_copy(1, video_indices, video.to(x.dtype))
         x = x.index_copy(1, audio_indices, audio.to(x.dtype))
         del video, audio, text  # the fp32 video projection alone is ~0.7 GiB at 5 s; not needed past here
+        rope = tuple(table.to(x.dtype) for table in rope)  # once, not for q and k in every block
 
         if modulation is None:
             modulation = self.modulation(timesteps)
