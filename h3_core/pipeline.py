@@ -241,8 +241,8 @@ def generate(
     )
     notes(f"sampler: {schedule.steps} points, video shift {schedule.video_shift:g}, audio shift "
           f"{schedule.audio_shift:g} ({schedule.source})" + "".join(f"; {n}" for n in schedule.notes))
+    dit_source = None if source.tiny else locate_dit(source.root, partition)
     if not source.tiny:  # every checkpoint found and recognized before the first one loads
-        locate_dit(source.root, partition)  # again in load_sampling_dit (cheap: headers only)
         locate_text_encoder(source.root)
         locate_video_vae(source.root)
         locate_audio_vae(source.root)
@@ -260,7 +260,8 @@ def generate(
     timings["encode"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
-    dit, plan, streamer = load_sampling_dit(source, partition, settings, loras, conditioning, schedule.steps, notes)
+    dit, plan, streamer = load_sampling_dit(source, dit_source, partition, settings, loras, conditioning,
+                                            schedule.steps, notes)
     timings["load"] = time.perf_counter() - clock
 
     results = []
@@ -320,7 +321,8 @@ def load_text_encoder_for(source, settings: GenerateSettings, notes):
     return load_text_encoder(source.root, settings.dtype, device)
 
 
-def load_sampling_dit(source, partition: str, settings: GenerateSettings, loras, conditioning, steps: int, notes):
+def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSettings, loras, conditioning, steps: int,
+                      notes):
     """The DiT where the request's memory plan puts it: resident, or its leading blocks resident and the
     rest streamed from the CPU (a request that cannot fit even so is refused before any weight is read);
     or split over `settings.devices` in worker processes. Returns (dit, plan, streamer or None)."""
@@ -338,7 +340,6 @@ def load_sampling_dit(source, partition: str, settings: GenerateSettings, loras,
               + (", sharded weights)" if settings.shard_weights else ")"))
         return dit, MemoryPlan(0, 0, False, 0, True), None
 
-    dit_source = None if source.tiny else locate_dit(source.root, partition)
     config = TINY_DIT if source.tiny else (dit_source.config or infer_config(dit_source))
     fp8 = settings.linears.startswith("fp8") or bool(dit_source is not None and dit_source.fp8_layers)
     plan = plan_for(config, largest_layout(conditioning), steps, device, settings.gpu_memory, fp8=fp8)

@@ -159,8 +159,8 @@ def test_generate_passes_its_devices_to_the_decode(tmp_path, monkeypatch):
     decodes = []
     monkeypatch.setattr(pipeline, "write_mp4", lambda *a, **k: decodes.append(k.get("devices")))
     real_load = pipeline.load_sampling_dit
-    monkeypatch.setattr(pipeline, "load_sampling_dit", lambda source, partition, settings, *rest: real_load(
-        source, partition, dataclasses.replace(settings, devices=()), *rest))
+    monkeypatch.setattr(pipeline, "load_sampling_dit", lambda source, dit_source, partition, settings, *rest: real_load(
+        source, dit_source, partition, dataclasses.replace(settings, devices=()), *rest))
     request = Request("t2va", "a fox on the beach", duration=4)
     for devices in (("cpu",), ("cpu", "cpu")):
         pipeline.generate(request, "tiny-random", pipeline.GenerateSettings(steps=2, devices=devices),
