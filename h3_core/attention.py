@@ -18,7 +18,6 @@ FlashAttention 4, else SDPA (572 TFLOP/s with cuDNN on the H200; FlashAttention 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 
 import torch
@@ -40,18 +39,14 @@ _PACKAGES = {"flash4": "flash-attn-4", "flash3": "flash-attn-3 (hopper/ build)",
 _HOPPER_OR_NEWER = {"flash4": (9, 10), "flash3": (9,)}  # compute-capability majors each kernel is built for
 
 
-_PROBED = {"flash4"}  # packages that can be found yet fail to import (flash-attn-4 without its CuTe DSL runtime)
-
-
 def _importable(name: str, module: str) -> bool:
+    """Whether the backend's module imports: found is not enough (flash-attn-4 without its CuTe DSL
+    runtime, a FlashAttention 3 build with an unresolved symbol both fail only when imported)."""
     try:
-        if name in _PROBED:
-            importlib.import_module(module)
-            return True
-        return importlib.util.find_spec(module) is not None
-    except ImportError as error:  # a missing parent package or a broken install
-        if name in _PROBED:
-            log.debug("attention backend %s not usable: %s", name, error)
+        importlib.import_module(module)
+        return True
+    except Exception as error:  # noqa: BLE001  missing or broken: either way not offered
+        log.debug("attention backend %s not usable: %s", name, error)
         return False
 
 

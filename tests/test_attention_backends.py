@@ -156,3 +156,15 @@ def test_auto_prefers_flash3_then_flash4_on_hopper(fake_flash4, tmp_path, monkey
     assert {"flash3", "flash4", "flash3-fp8-lossy"} <= set(available_backends())
     assert resolve_backend("auto", "cuda:0") == expected
     sys.modules.pop("flash_attn_interface", None)
+
+
+def test_a_broken_flash3_build_is_not_offered(tmp_path, monkeypatch):
+    """A FlashAttention 3 build whose extension fails to load (seen: an unresolved libtorch_cuda symbol)
+    is found on the path but must not be chosen by auto."""
+    (tmp_path / "flash_attn_interface.py").write_text(
+        "raise ImportError('_C.abi3.so: undefined symbol: aoti_torch_get_current_cuda_stream')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn_interface", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert not {"flash3", "flash3-fp8-lossy"} & set(available_backends())
+    assert resolve_backend("auto", "cuda:0") in ("sdpa", "flash4")
