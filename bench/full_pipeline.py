@@ -1,7 +1,7 @@
 """The whole T2VA request at the real config with random weights: text encoder (Qwen3-VL-32B, 50
-layers), DiT (33B), video VAE (fp32) and audio VAE (fp32), in `h3 generate`'s order and memory
-discipline (the text encoder is released before the DiT arrives; the VAEs wait on the CPU while the
-DiT samples). Timings do not depend on weight values, so random weights time the real thing.
+layers), DiT (33B), video VAE (decoder linears in the model dtype, as `h3 generate` runs it) and audio
+VAE (fp32), in `h3 generate`'s order and memory discipline (the text encoder is released before the
+DiT arrives; the VAEs wait on the CPU while the DiT samples). Timings do not depend on weight values, so random weights time the real thing.
 
 It calls the same engine functions as `pipeline.generate` (encode_request, sample, write_mp4); only
 the checkpoint reads are replaced by building each model on the GPU. The tokenizer is the embedded
@@ -134,7 +134,7 @@ def main():
     video_config = TINY_VIDEO_VAE if args.tiny else VideoVAEConfig()
     audio_config = AudioVAEConfig(encoder_dim=4, latent_dim=64, decoder_dim=256) if args.tiny else AudioVAEConfig()
     # The VAEs get the tiny models' seeded values (finite audio: the MP4 writer refuses NaN), built on the CPU.
-    video_vae = seeded_random_weights(VideoVAE(video_config), 1).to(device).eval().requires_grad_(False)
+    video_vae = seeded_random_weights(VideoVAE(video_config), 1).set_dtype(dtype).to(device).eval().requires_grad_(False)
     audio_vae = seeded_random_weights(AudioVAE(audio_config), 2, gain=0.5).to(device).eval().requires_grad_(False)
 
     conditioning, row = stage("encode (text encoder)", device, lambda: encode_request(request, encoder, video_vae, audio_vae, rules=rules))

@@ -223,3 +223,24 @@ def test_preview_is_the_clean_estimate_of_the_middle_frame():
     factors[0, 0] = 1.0
     rgb = latent_rgb(torch.ones(24, 2, 2), factors)  # channel 0 -> red; (x + 1) / 2 -> 0..1
     assert (rgb[..., 0] == 255).all() and (rgb[..., 1:] == 128).all()
+
+
+def test_vae_loader_weight_dtype_follows_the_reference_policy(comfy, tmp_path):
+    """weight_dtype bf16 (the default) gives the reference pipeline's decoder: linears bf16, encoder and
+    norms float32; fp32 keeps everything float32; the audio VAE stays as stored either way."""
+    from audio_vae_checkpoints import reference_audio_vae
+    from audio_vae_checkpoints import write_original_partition as write_audio
+    from video_vae_checkpoints import reference_video_vae, tiny_config
+    from video_vae_checkpoints import write_original_partition as write_video
+
+    config = tiny_config(seed=1)
+    write_video(tmp_path, reference_video_vae(config, seed=2).state_dict(), config)
+    write_audio(tmp_path, reference_audio_vae(seed=3))
+    folder = str(tmp_path / "FL2VA")
+    loader = comfy.loaders.H3VAELoader
+    for chosen, expected in (({}, torch.bfloat16), ({"weight_dtype": "fp32"}, torch.float32)):
+        vae = loader.execute("tiny-random", "tiny-random", folder, **chosen).values[0]
+        decoder_block = vae.video.decoder.transformer_blocks[0]
+        assert decoder_block.attn.to_qkv.weight.dtype == expected and decoder_block.ff.w1.weight.dtype == expected
+        assert decoder_block.norm1.weight.dtype == torch.float32 == vae.video.encoder.conv_in.weight.dtype
+        assert {p.dtype for p in vae.audio.parameters()} == {torch.float32}
