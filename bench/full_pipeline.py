@@ -1,7 +1,8 @@
 """The whole T2VA request at the real config with random weights: text encoder (Qwen3-VL-32B, 50
 layers), DiT (33B), video VAE (decoder linears in the model dtype, as `h3 generate` runs it) and audio
 VAE (fp32), in `h3 generate`'s order and memory discipline (the text encoder is released before the
-DiT arrives; the VAEs wait on the CPU while the DiT samples). Timings do not depend on weight values, so random weights time the real thing.
+DiT arrives; the VAEs wait on the CPU while the DiT samples). Timings do not depend on weight values,
+so random weights time the real thing.
 
 It calls the same engine functions as `pipeline.generate` (encode_request, sample, write_mp4); only
 the checkpoint reads are replaced by building each model on the GPU. The tokenizer is the embedded
