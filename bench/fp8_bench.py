@@ -11,6 +11,8 @@ place, so the exact-weight ones run first):
     fp8_lossy        FP8 block linears (e4m3 weights per channel, inputs per row, torch._scaled_mm), SDPA
     fp8_sage_lossy / fp8_attn8_lossy                     FP8 block linears + a lossy attention
     fp8_attn8_compile_lossy / fp8_sage_compile_lossy     the same with `compile_blocks()`
+    fa3fp8_compile_lossy / fp8_fa3fp8_compile_lossy      exact weights / FP8 block linears, FlashAttention 3's
+                                                         FP8 attention (`flash3-fp8-lossy`), compiled blocks
     compile / fp8_compile_lossy                          exact weights / FP8 linears, compiled blocks
 `--attention` picks the backend of every variant whose attention is exact (default sdpa; auto = the
 fastest exact one here, e.g. FlashAttention 4).
@@ -34,14 +36,17 @@ import torch
 import torch.nn.functional as F
 
 from h3_core import geometry
+from h3_core.attention import available_backends
 from h3_core.config import DiTConfig, TINY_DIT
 from h3_core.dit import H3DiT, rope_inverse_frequencies
 from h3_core.fp8 import quantize_blocks
 from h3_core.layout import build_request_layout
 
 ALL_VARIANTS = ("exact", "sage_lossy", "attn8_lossy", "compile", "fp8_lossy", "fp8_sage_lossy", "fp8_attn8_lossy",
-                "fp8_attn8_compile_lossy", "fp8_sage_compile_lossy", "fp8_compile_lossy")
-DEFAULT_VARIANTS = tuple(v for v in ALL_VARIANTS if v not in ("compile", "fp8_compile_lossy"))
+                "fp8_attn8_compile_lossy", "fp8_sage_compile_lossy", "fp8_compile_lossy", "fa3fp8_compile_lossy",
+                "fp8_fa3fp8_compile_lossy")
+DEFAULT_VARIANTS = tuple(v for v in ALL_VARIANTS
+                         if v not in ("compile", "fp8_compile_lossy", "fa3fp8_compile_lossy", "fp8_fa3fp8_compile_lossy"))
 TILES = [  # (block_m, block_n, num_warps, num_stages) tried for the int8-QK / FP8-PV kernel
     (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 4, 2),
 ]
@@ -162,10 +167,11 @@ def main():
     reference = {}
     quantized = compiled = False
     for variant in args.variants:
-        sage, attn8 = "sage" in variant, "attn8" in variant
+        sage, attn8, fa3fp8 = "sage" in variant, "attn8" in variant, "fa3fp8" in variant
         fp8, compile_ = variant.startswith("fp8"), "compile" in variant
         skip = ("needs CUDA and the sageattention package" if sage and not has_sage else
                 "needs CUDA and Triton" if attn8 and not has_attn8 else
+                "needs a FlashAttention 3 build" if fa3fp8 and "flash3-fp8-lossy" not in available_backends() else
                 "compile is timed on CUDA only" if compile_ and not cuda else
                 "the blocks are already compiled: list uncompiled variants first" if compiled and not compile_ else None)
         if skip:
@@ -183,7 +189,8 @@ def main():
             if compile_ and not compiled:
                 model.compile_blocks(args.compile_mode)
                 compiled = True
-            chosen = model.set_attention_backend("sage" if sage else "int8qk-fp8pv-lossy" if attn8 else args.attention)
+            lossy = "sage" if sage else "int8qk-fp8pv-lossy" if attn8 else "flash3-fp8-lossy" if fa3fp8 else None
+            chosen = model.set_attention_backend(lossy or args.attention)
             print(json.dumps({"variant": variant, "attention": chosen}), flush=True)
         except Exception as error:  # noqa: BLE001  a benchmark reports and goes on
             print(json.dumps({"variant": variant, "error": f"{type(error).__name__}: {error}"[:2000]}), flush=True)
@@ -229,7 +236,7 @@ def run_case(variant, model, frames, rows, inputs, reference, repeats, cuda):
 def attention_micro(rows: int, config: DiTConfig, has_sage: bool, has_attn8: bool, repeats: int) -> None:
     """One layer's attention at `rows` rows: seconds, TFLOP/s and error against SDPA for each backend;
     the fastest tile shape of our kernel becomes its default (KERNEL_CONFIG) for the forwards."""
-    from h3_core.attention import EXACT_BACKENDS, attention, available_backends
+    from h3_core.attention import EXACT_BACKENDS, attention
 
     g = torch.Generator("cuda").manual_seed(2)
     shape = (1, rows, config.num_attention_heads, config.attention_head_dim)
@@ -242,6 +249,9 @@ def attention_micro(rows: int, config: DiTConfig, has_sage: bool, has_attn8: boo
         for name in available_backends():
             if (name in EXACT_BACKENDS and name != "sdpa") or name == "flash3-fp8-lossy":
                 cases.append((name, {}, functools.partial(attention, q, k, v, name)))
+            if name == "flash3-fp8-lossy":  # its quantization fused by Inductor, as in compiled blocks
+                fused = torch.compile(functools.partial(attention, backend=name), fullgraph=True)
+                cases.append((name, {"compiled": True}, functools.partial(fused, q, k, v)))
         if has_sage:
             cases.append(("sage", {}, lambda: attention(q, k.clone(), v, "sage")))  # sage smooths k in place
         if has_attn8:
@@ -265,7 +275,7 @@ def attention_micro(rows: int, config: DiTConfig, has_sage: bool, has_attn8: boo
             print(json.dumps({"attention": name, "tile": tile, "rows": rows, "seconds_per_layer": round(seconds, 5),
                               "tflops": round(flops / seconds / 1e12, 1), "seconds_50_layers": round(50 * seconds, 3),
                               "first_call_seconds": round(first, 2), "vs_sdpa": err}), flush=True)
-            if tile and err["cosine"] > 0.99 and (best is None or seconds < best[0]):
+            if name == "int8qk-fp8pv-lossy" and err["cosine"] > 0.99 and (best is None or seconds < best[0]):
                 best = (seconds, tile)
         if best is not None:
             attention_8bit.KERNEL_CONFIG.update(best[1])

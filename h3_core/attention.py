@@ -9,8 +9,9 @@ Backends: "sdpa" (torch; picks cuDNN / flash / efficient kernels itself, exact),
 (FlashAttention 2, exact, if `flash_attn` is importable), "sage" (SageAttention, 8-bit QK: lossy,
 opt-in only), "int8qk-fp8pv-lossy" (our Triton kernel, attention_8bit.py: int8 QK and FP8 PV on
 CUDA; lossy, opt-in) and "flash3-fp8-lossy" (FlashAttention 3's FP8 forward on q, k, v quantized per
-head; lossy, opt-in). Kernels from packages run as one opaque op (`h3::kernel_attention`), which
-torch.compile calls without tracing into them. "auto" takes the fastest exact one available for the
+head; lossy, opt-in). Kernels from packages run as one opaque op (`h3::kernel_attention`, and
+`h3::flash3_fp8_attention` after the quantization, which compiled blocks fuse into their RoPE kernels),
+which torch.compile calls without tracing into them. "auto" takes the fastest exact one available for the
 device: on Hopper FlashAttention 3, then 4 (H200, 38k rows: 699 and 687 TFLOP/s), on Blackwell
 FlashAttention 4, else SDPA (572 TFLOP/s with cuDNN on the H200; FlashAttention 2 368).
 """
@@ -81,6 +82,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backe
     if backend == "sdpa":
         out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
         return out.transpose(1, 2)
+    if backend == "flash3-fp8-lossy":  # quantized here, so a compiled block fuses it into the RoPE kernel
+        (q, q_descale), (k, k_descale), (v, v_descale) = (fp8_per_head(t) for t in (query, key, value))
+        return torch.ops.h3.flash3_fp8_attention(q, k, v, q_descale, k_descale, v_descale).to(query.dtype)
     if backend == "int8qk-fp8pv-lossy":
         from .attention_8bit import int8qk_fp8pv_attention
 
@@ -100,8 +104,6 @@ def _kernel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         import flash_attn_interface
 
         return _first(flash_attn_interface.flash_attn_func(query, key, value, causal=False))
-    if backend == "flash3-fp8-lossy":
-        return _flash3_fp8(query, key, value)
     if backend == "flash":
         import flash_attn
 
@@ -139,22 +141,31 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 def fp8_per_head(tensor: torch.Tensor, heads_per_chunk: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, S, H, D] -> (e4m3 values, fp32 descale [B, H]): one scale per batch and head, from its amax.
-    A few heads at a time, so the fp32 intermediate is a slice of the rows, not a copy of them all."""
+    Eagerly a few heads at a time, so the fp32 intermediate is a slice of the rows, not a copy of them
+    all; under torch.compile one expression, which Inductor fuses without any intermediate."""
     amax = torch.maximum(tensor.amax(dim=(1, 3)), -tensor.amin(dim=(1, 3))).float().clamp_min(1e-12)
     scale = FP8_MAX / amax
+    if torch.compiler.is_compiling():
+        quantized = (tensor.float() * scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return quantized, 1.0 / scale
     quantized = torch.empty(tensor.shape, dtype=torch.float8_e4m3fn, device=tensor.device)
     for start in range(0, tensor.shape[2], heads_per_chunk):
         heads = slice(start, start + heads_per_chunk)
         scaled = tensor[:, :, heads].float() * scale[:, None, heads, None]
         quantized[:, :, heads] = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return quantized, (1.0 / scale).contiguous()
+    return quantized, 1.0 / scale
 
 
-def _flash3_fp8(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """FlashAttention 3's FP8 forward: q, k, v in e4m3 with per-head descales; the output in the inputs' dtype."""
+@torch.library.custom_op("h3::flash3_fp8_attention", mutates_args=())
+def _flash3_fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_descale: torch.Tensor,
+                          k_descale: torch.Tensor, v_descale: torch.Tensor) -> torch.Tensor:
+    """FlashAttention 3's FP8 forward on e4m3 q, k, v [B, S, H, D] with fp32 descales [B, H]; bf16 out."""
     import flash_attn_interface
 
-    (q, q_descale), (k, k_descale), (v, v_descale) = (fp8_per_head(t) for t in (query, key, value))
-    out = _first(flash_attn_interface.flash_attn_func(q, k, v, causal=False, q_descale=q_descale,
-                                                      k_descale=k_descale, v_descale=v_descale))
-    return out.to(query.dtype)
+    return _first(flash_attn_interface.flash_attn_func(query, key, value, causal=False, q_descale=q_descale,
+                                                       k_descale=k_descale, v_descale=v_descale))
+
+
+@_flash3_fp8_attention.register_fake
+def _(query, key, value, q_descale, k_descale, v_descale):
+    return torch.empty(query.shape, dtype=torch.bfloat16, device=query.device)

@@ -144,6 +144,14 @@ def test_flash3_fp8_is_lossy_opt_in_and_close(tmp_path, monkeypatch):
     assert flash_attn_interface.CALLS[-1] == (torch.float8_e4m3fn, True)
     assert got.dtype == q.dtype and torch.nn.functional.cosine_similarity(got.flatten(), exact.flatten(), dim=0) > 0.99
     assert not torch.equal(got, exact)
+    # Compiled: the quantization is traced (Inductor fuses it), the kernel stays one opaque op, and the
+    # result is the eager one bitwise.
+    calls = len(flash_attn_interface.CALLS)
+    compiled = torch.compile(lambda a, b, c: attention(a, b, c, "flash3-fp8-lossy"), fullgraph=True)
+    assert torch.equal(compiled(q, k, v), got) and len(flash_attn_interface.CALLS) > calls
+    meta = torch.ops.h3.flash3_fp8_attention(*(t.to("meta", torch.float8_e4m3fn) for t in (q, k, v)),
+                                             *(torch.ones(1, 2, device="meta") for _ in range(3)))
+    assert meta.shape == q.shape and meta.dtype == torch.bfloat16
     sys.modules.pop("flash_attn_interface", None)
 
 
