@@ -258,6 +258,7 @@ def generate(
     video_vae = (tiny_random_video_vae(device).set_dtype(vae_dtype) if source.tiny
                  else load_video_vae(source.root, dtype=vae_dtype, device=device))
     audio_vae = tiny_random_audio_vae(device) if source.tiny else load_audio_vae(source.root, device=device)
+    notes(f"video VAE: decoder linears in {str(video_vae.dtype).removeprefix('torch.')} (encoder and norms float32)")
     conditioning = encode(request, text_encoder, video_vae, audio_vae, rules=source.canvas)
     text_encoder.release()  # its ~51 GB leave before the DiT arrives
     del text_encoder

@@ -144,7 +144,7 @@ def test_generate_refuses_a_ref2va_turbo_on_t2va_before_loading(tmp_path, capsys
     assert "ref2va" in err and "text encoder" not in err  # refused before any model loaded
 
 
-def test_generate_decodes_with_the_chosen_vae_dtype(tmp_path, monkeypatch):
+def test_generate_decodes_with_the_chosen_vae_dtype(tmp_path, monkeypatch, capsys):
     """--vae-dtype reaches the video VAE the MP4 is decoded with (decoder linears in it, encoder float32);
     without it the VAE takes the model dtype (here the CPU's float32)."""
     from h3_core import pipeline
@@ -153,6 +153,7 @@ def test_generate_decodes_with_the_chosen_vae_dtype(tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline, "write_mp4", lambda path, latents, video_vae, audio_vae, **_: seen.append(
         (video_vae.decoder.transformer_blocks[0].attn.to_qkv.weight.dtype, video_vae.encoder.conv_in.weight.dtype)))
     argv = readme_main_command() + ["--steps", "2", "--duration", "4", "--device", "cpu"]
-    for extra in ([], ["--vae-dtype", "bf16"]):
+    for extra, named in (([], "float32"), (["--vae-dtype", "bf16"], "bfloat16")):
         assert main(with_option(argv, "--out", str(tmp_path / "a.mp4")) + extra) == 0
+        assert f"video VAE: decoder linears in {named}" in capsys.readouterr().err
     assert seen == [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)]
