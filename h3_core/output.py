@@ -75,8 +75,8 @@ def decode_video(vae: VideoVAE, latents: torch.Tensor,
     raw = vae.denormalize_latents(latents.to(device))
     with torch.inference_mode():
         for block in vae.decode_stream(raw, devices=devices):
-            frames = model_space_to_frames(block)[0]  # [3, n, H, W] in 0..1
-            yield (frames * 255.0).round().to(torch.uint8).permute(1, 2, 3, 0).cpu()
+            frames = model_space_to_frames(block)[0].mul_(255.0).round_()  # [3, n, H, W] in 0..255, in place
+            yield frames.to(torch.uint8).permute(1, 2, 3, 0).cpu()
 
 
 def decode_audio(vae: AudioVAE, latents: torch.Tensor) -> Iterator[torch.Tensor]:

@@ -570,6 +570,11 @@ def decode_on_devices(vae: VideoVAE, clips: Iterator[torch.Tensor], devices: Seq
             pool.shutdown(wait=True, cancel_futures=True)
 
 
+# cuBLAS / cuBLASLt and cuDNN workspaces the decode's kernels allocate through torch (the H200's decode
+# peaks sat 55-65 MiB above the activations counted below, in float32 and bf16 alike).
+LIBRARY_WORKSPACE_BYTES = 64 * 2**20
+
+
 def decode_working_bytes(config: VideoVAEConfig, latent_frames: int, latent_height: int, latent_width: int,
                          dtype_bytes: int = 4) -> int:
     """Device memory a streamed decode (`decode_stream`, the release's chunks and tiles) needs besides the
@@ -584,12 +589,13 @@ def decode_working_bytes(config: VideoVAEConfig, latent_frames: int, latent_heig
       the last row's whole tiles; or, while the last tile runs, one chunk of rows, that row's tiles and
       the tile's activations: the FFN's float32 residual stream and its norm, w1's output, silu(gate) and
       their product (4 x ffn inner) per token, the tile's pixels twice (proj_out and its rearrangement)
-      and the RoPE tables. Attention's scores are not materialized (SDPA's fused kernels).
+      and the RoPE tables. Attention's scores are not materialized (SDPA's fused kernels);
+    - besides: the math libraries' workspaces (cuBLAS, cuDNN: `LIBRARY_WORKSPACE_BYTES`) and
+      `output.decode_video`'s conversion of a 17-frame block to uint8 (one float32 copy, then the bytes).
 
-    At 1344x768 (48x84 latents) with the float32 release decoder this is 1.37 GiB; the H200 measured
-    0.9 GiB (11.9 GiB allocated at the peak of a 124-frame decode with 10.4 GiB video + 0.6 GiB audio VAE
-    weights): the bound is 1.0-1.6x the measurement (each buffer at its largest, all
-    at once). The audio VAE decodes first, in small windows, and is not counted."""
+    At 1344x768 (48x84 latents), 124 frames, the H200 measured (bench/vae_decode.py, peak allocated
+    less the weights) 1.61 GiB with the float32 decoder and 0.94 GiB with bf16 linears; this bound is
+    1.67 and 0.99 GiB. The audio VAE decodes first, in small windows, and is not counted."""
     if latent_frames < 1 or latent_height < 1 or latent_width < 1:
         raise ValueError(f"A decode needs latents in every dimension, got "
                          f"{latent_frames}x{latent_height}x{latent_width}.")
@@ -616,7 +622,8 @@ def decode_working_bytes(config: VideoVAEConfig, latent_frames: int, latent_heig
     dim, inner = config.decoder_dim, config.decoder_ffn_mult * config.decoder_dim
     per_token = 4 * 2 * dim + dtype_bytes * (4 * inner + dim) + 4 * 2 * config.rope_dim
     tile_work = tokens * per_token + 2 * pixels(clip_frames, tile_h, tile_w)
-    return kept + row_tiles + max(2 * chunk, chunk + tile_work)
+    to_uint8 = (4 + 1) * config.out_channels * (part - lead) * height * width  # the largest block: a head
+    return LIBRARY_WORKSPACE_BYTES + to_uint8 + kept + row_tiles + max(2 * chunk, chunk + tile_work)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -637,9 +644,10 @@ def frames_to_model_space(frames: torch.Tensor) -> torch.Tensor:
 
 
 def model_space_to_frames(pixels: torch.Tensor) -> torch.Tensor:
-    """Decoder output -> float32 RGB in [0, 1]: x * std + mean, clamped."""
+    """Decoder output -> float32 RGB in [0, 1]: x * std + mean, clamped; in place on one float32 copy,
+    as a decoded block is hundreds of MB."""
     mean, std = _imagenet_stats(pixels)
-    return (pixels.float() * std + mean).clamp(0.0, 1.0)
+    return pixels.to(torch.float32, copy=True).mul_(std).add_(mean).clamp_(0.0, 1.0)
 
 
 def fp16_round_trip(latents: torch.Tensor) -> torch.Tensor:

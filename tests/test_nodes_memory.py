@@ -397,10 +397,12 @@ def test_vae_decode_asks_comfyui_for_its_working_memory(comfy):
     assert c.record.loaded[-1] == (["H3 VAEs (tiny-random + tiny-random)"], want)
 
 
-# Measured on an H200: the streamed decode of 1344x768, 124 frames peaked at 11.9 GiB allocated with
-# 10.4 GiB of fp32 video-VAE weights and 0.6 GiB of audio VAE: ~0.9 GiB of working memory. The estimate
-# is an upper bound documented at 1.0-1.6x of that.
-MEASURED_DECODE_WORKING_GIB, DECODE_MARGIN = 11.9 - 10.4 - 0.6, 1.6
+# Measured on an H200 (bench/vae_decode.py, 2026-11-29 session 4): `output.decode_video` of 1344x768,
+# 124 frames peaked at 11.31 GiB allocated with 9.70 GiB of fp32 video-VAE weights, and at 6.13 GiB
+# with 5.19 GiB of weights for the bf16 decoder (the audio VAE already freed). The estimate must bound
+# both, within 1.6x.
+MEASURED_DECODE_WORKING_GIB = {4: 11.31 - 9.70, 2: 6.13 - 5.19}
+DECODE_MARGIN = 1.6
 
 
 def test_the_decode_working_memory_estimate():
@@ -409,8 +411,9 @@ def test_the_decode_working_memory_estimate():
 
     config = VideoVAEConfig()
     height, width = geometry.latent_size(1344, 768)
-    at_measured = decode_working_bytes(config, geometry.latent_frames(124), height, width) / GIB
-    assert MEASURED_DECODE_WORKING_GIB <= at_measured <= DECODE_MARGIN * MEASURED_DECODE_WORKING_GIB, at_measured
+    for dtype_bytes, measured in MEASURED_DECODE_WORKING_GIB.items():
+        at_measured = decode_working_bytes(config, geometry.latent_frames(124), height, width, dtype_bytes) / GIB
+        assert measured <= at_measured <= DECODE_MARGIN * measured, (dtype_bytes, at_measured)
     # monotone in the canvas (each side, latent by latent) and in the frames (flat: one clip at a time)
     for fixed in (2, 8, 16, 31, 48, 84):
         sizes = [decode_working_bytes(config, 7, fixed, side) for side in range(1, 100)]
