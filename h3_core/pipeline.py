@@ -228,8 +228,12 @@ def generate(
     for path, suffix in ((out, ".mp4"), (save_latents, ".safetensors")):
         if path is not None and Path(path).suffix != suffix:
             raise ValueError(f"{path} must end in {suffix}.")
-    if settings.compile and settings.shard_weights:
-        raise RequestError("compile works on whole blocks; it cannot be combined with sharded weights.")
+    from .parallel import check_compile_sharding  # the runner's own rule, asked before any model loads
+
+    try:
+        check_compile_sharding(settings.compile, settings.shard_weights)
+    except ValueError as error:
+        raise RequestError(str(error)) from None
     device, timings = torch.device(settings.device), {}
     check(request, TINY_CANVAS if model == TINY_RANDOM else RELEASE_CANVAS)  # every limit, before any model
     source = resolve_model_source(model, partition)
@@ -254,7 +258,7 @@ def generate(
     clock = time.perf_counter()
     progress("text encoder", 0, 1)
     text_encoder = load_text_encoder_for(source, settings, notes)
-    vae_dtype = settings.vae_dtype or (torch.float32 if source.tiny and device.type == "cpu" else settings.dtype)
+    vae_dtype = settings.vae_dtype or model_dtype(source, settings)
     video_vae = (tiny_random_video_vae(device).set_dtype(vae_dtype) if source.tiny
                  else load_video_vae(source.root, dtype=vae_dtype, device=device))
     audio_vae = tiny_random_audio_vae(device) if source.tiny else load_audio_vae(source.root, device=device)
@@ -328,6 +332,12 @@ def load_text_encoder_for(source, settings: GenerateSettings, notes):
     return load_text_encoder(source.root, settings.dtype, device)
 
 
+def model_dtype(source, settings: GenerateSettings) -> torch.dtype:
+    """The dtype the DiT and the video VAE run in: the settings', but float32 for the tiny random model on
+    the CPU (bf16 kernels there are slow, and it needs none)."""
+    return torch.float32 if source.tiny and torch.device(settings.device).type == "cpu" else settings.dtype
+
+
 def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSettings, loras, conditioning, steps: int,
                       notes):
     """The DiT where the request's memory plan puts it: resident, or its leading blocks resident and the
@@ -339,7 +349,7 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
 
         dit = ParallelRunner(ModelSpec(
             TINY_RANDOM if source.tiny else str(source.root), partition,
-            torch.float32 if source.tiny and device.type == "cpu" else settings.dtype, settings.attention,
+            model_dtype(source, settings), settings.attention,
             tuple((str(path), float(strength)) for path, strength in settings.loras), settings.linears,
             compile=settings.compile,
         ), settings.devices, settings.shard_weights)
@@ -360,7 +370,7 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
     # LoRAs merge into dense weights, so with them the lossy FP8 linears are made after the merge
     quantize_later = source.tiny or (bool(loras) and settings.linears.startswith("fp8"))
     if source.tiny:
-        dit = tiny_random_dit(torch.float32 if device.type == "cpu" else settings.dtype, home)
+        dit = tiny_random_dit(model_dtype(source, settings), home)
     else:
         linears = "checkpoint" if quantize_later else settings.linears
         dit = load_dit(source.root, partition, dtype=settings.dtype, device=home, linears=linears)

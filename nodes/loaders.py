@@ -10,7 +10,7 @@ from comfy_api.latest import io
 
 from h3_core.attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
 from h3_core.checkpoint import load_dit, locate_dit
-from h3_core.parallel import ModelSpec
+from h3_core.parallel import ModelSpec, check_compile_sharding
 from h3_core.placement import check_devices, freed_on_failure
 from h3_core.pipeline import TEXT_WORKING_BYTES, TINY_CANVAS
 from h3_core.references import RELEASE_CANVAS
@@ -107,8 +107,7 @@ class H3ModelLoader(io.ComfyNode):
     def execute(cls, checkpoint, folder, partition, weight_dtype, attention, gpu_memory_gb=0.0, devices="",
                 shard_weights=False, compile=False) -> io.NodeOutput:
         split = split_devices(devices, shard_weights, gpu_memory_gb)
-        if compile and shard_weights:
-            raise ValueError("compile works on whole blocks; turn off shard_weights to compile, or compile off.")
+        check_compile_sharding(bool(compile), bool(shard_weights))
         target = split[0] if split else device()
         chosen = resolve_backend(attention, target)  # an unavailable kernel fails before any weight is read
         dtype = DTYPES[weight_dtype]

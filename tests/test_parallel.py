@@ -220,3 +220,11 @@ def test_fp8_linears_with_sharded_weights_match_one_process():
         assert_close(sample(runner, conditioning(False), seed=3, steps=STEPS), expected)
     finally:
         runner.close()
+
+
+def test_the_runner_refuses_compiled_blocks_with_sharded_weights():
+    """The engine's own rule (hosts ask it early too): refused before any worker process starts."""
+    before = set(multiprocessing.active_children())  # other tests' runners may still be up
+    with pytest.raises(ValueError, match="cannot be combined with sharded weights"):
+        ParallelRunner(dataclasses.replace(SPEC, compile=True), ["cpu", "cpu"], shard_weights=True)
+    assert set(multiprocessing.active_children()) <= before

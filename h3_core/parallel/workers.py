@@ -350,6 +350,13 @@ class _Pool:
             shutil.rmtree(self.tempdir, ignore_errors=True)
 
 
+def check_compile_sharding(compile: bool, shard_weights: bool) -> None:
+    """Compiled blocks and sharded weights do not mix (compile traces whole blocks). The runner checks it,
+    and hosts call it before loading anything."""
+    if compile and shard_weights:
+        raise ValueError("compile works on whole blocks; it cannot be combined with sharded weights (turn one off).")
+
+
 class ParallelRunner:
     """The DiT over several devices (sequence parallel, optionally sharded weights), one worker each.
 
@@ -370,6 +377,7 @@ class ParallelRunner:
         world_size: int | None = None,
         threads: int | None = None,
     ):
+        check_compile_sharding(spec.compile, shard_weights)
         self.spec = spec
         self.devices = [torch.device(d) for d in devices]
         kinds = {d.type for d in self.devices}
