@@ -14,6 +14,9 @@ place, so the exact-weight ones run first):
     fa3fp8_compile_lossy / fp8_fa3fp8_compile_lossy      exact weights / FP8 block linears, FlashAttention 3's
                                                          FP8 attention (`flash3-fp8-lossy`), compiled blocks
     compile / fp8_compile_lossy                          exact weights / FP8 linears, compiled blocks
+    window_compile_lossy / fp8_window_compile_lossy      windowed video attention (`--windows` latent frames,
+    fp8_fa3fp8_window_compile_lossy                      local_attention.py) on the exact kernel (`--attention`)
+                                                         or FA3 FP8; exact / FP8 linears; compiled blocks
 `--attention` picks the backend of every variant whose attention is exact (default sdpa; auto = the
 fastest exact one here, e.g. FlashAttention 4).
 Weights are random but shaped like a trained model's (linears ~ N(0, 1/fan_in), norm gains ~ 1), so
@@ -41,12 +44,13 @@ from h3_core.config import DiTConfig, TINY_DIT
 from h3_core.dit import H3DiT, rope_inverse_frequencies
 from h3_core.fp8 import quantize_blocks
 from h3_core.layout import build_request_layout
+from h3_core.local_attention import VideoWindow
 
 ALL_VARIANTS = ("exact", "sage_lossy", "attn8_lossy", "compile", "fp8_lossy", "fp8_sage_lossy", "fp8_attn8_lossy",
                 "fp8_attn8_compile_lossy", "fp8_sage_compile_lossy", "fp8_compile_lossy", "fa3fp8_compile_lossy",
-                "fp8_fa3fp8_compile_lossy")
-DEFAULT_VARIANTS = tuple(v for v in ALL_VARIANTS
-                         if v not in ("compile", "fp8_compile_lossy", "fa3fp8_compile_lossy", "fp8_fa3fp8_compile_lossy"))
+                "fp8_fa3fp8_compile_lossy", "window_compile_lossy", "fp8_window_compile_lossy",
+                "fp8_fa3fp8_window_compile_lossy")
+DEFAULT_VARIANTS = tuple(v for v in ALL_VARIANTS if "compile" not in v)
 TILES = [  # (block_m, block_n, num_warps, num_stages) tried for the int8-QK / FP8-PV kernel
     (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 4, 2),
 ]
@@ -83,7 +87,7 @@ def make_case(model: H3DiT, frames: int, text_rows: int, width: int, height: int
         text_states=torch.randn(1, text_rows, config.text_dim, device=device, generator=g).to(model.dtype),
         timesteps=timesteps.to(device), timestep_indices=indices.to(device), token_tags=layout.token_tags,
         position_ids=layout.position_ids, video_indices=layout.video_indices, audio_indices=layout.audio_indices,
-        text_indices=layout.text_indices,
+        text_indices=layout.text_indices, target_video=layout.target_video_span,
     )
     with torch.inference_mode():
         inputs["modulation"] = model.modulation(inputs["timesteps"])
@@ -134,6 +138,7 @@ def main():
     parser.add_argument("--attention", default="sdpa", help="backend of the variants whose attention is exact (auto = fastest here)")
     parser.add_argument("--activations", default="row", choices=["row", "tensor"], help="FP8 input scaling")
     parser.add_argument("--compile-mode", default="default")
+    parser.add_argument("--windows", type=int, nargs="+", default=[8], help="latent frames of the *window* variants")
     parser.add_argument("--tiny", action="store_true", help="tiny config on the CPU (CUDA-only variants skipped)")
     args = parser.parse_args()
 
@@ -154,8 +159,9 @@ def main():
 
     if cuda and not args.no_attention_micro:
         for frames in frames_list:
-            rows = build_request_layout(width, height, frames, torch.ones(text_rows, dtype=torch.long)).sequence_length
-            attention_micro(rows, config, has_sage, has_attn8, args.repeats)
+            layout = build_request_layout(width, height, frames, torch.ones(text_rows, dtype=torch.long))
+            windows = [VideoWindow.for_frames(w, layout.sequence_length, *layout.target_video_span) for w in args.windows]
+            attention_micro(layout.sequence_length, config, has_sage, has_attn8, args.repeats, windows)
     if args.attention_only:
         return
 
@@ -166,14 +172,17 @@ def main():
     cases = {frames: make_case(model, frames, text_rows, width, height, device) for frames in frames_list}
     reference = {}
     quantized = compiled = False
-    for variant in args.variants:
+    torch._dynamo.config.cache_size_limit = 64  # one graph per length and window
+    runs = [(v, w) for v in args.variants for w in (args.windows if "window" in v else [0])]
+    for variant, window in runs:
         sage, attn8, fa3fp8 = "sage" in variant, "attn8" in variant, "fa3fp8" in variant
         fp8, compile_ = variant.startswith("fp8"), "compile" in variant
         skip = ("needs CUDA and the sageattention package" if sage and not has_sage else
                 "needs CUDA and Triton" if attn8 and not has_attn8 else
                 "needs a FlashAttention 3 build" if fa3fp8 and "flash3-fp8-lossy" not in available_backends() else
                 "compile is timed on CUDA only" if compile_ and not cuda else
-                "the blocks are already compiled: list uncompiled variants first" if compiled and not compile_ else None)
+                "the blocks are already compiled: list uncompiled variants first" if compiled and not compile_ else
+                "the block linears are already FP8: list exact-weight variants first" if quantized and not fp8 else None)
         if skip:
             print(json.dumps({"variant": variant, "skipped": skip}), flush=True)
             continue
@@ -190,8 +199,12 @@ def main():
                 model.compile_blocks(args.compile_mode)
                 compiled = True
             lossy = "sage" if sage else "int8qk-fp8pv-lossy" if attn8 else "flash3-fp8-lossy" if fa3fp8 else None
+            model.set_attention_window(0)
             chosen = model.set_attention_backend(lossy or args.attention)
-            print(json.dumps({"variant": variant, "attention": chosen}), flush=True)
+            model.set_attention_window(window)
+            if window:
+                variant = f"{variant}@{window}"
+            print(json.dumps({"variant": variant, "attention": chosen, "window_frames": window}), flush=True)
         except Exception as error:  # noqa: BLE001  a benchmark reports and goes on
             print(json.dumps({"variant": variant, "error": f"{type(error).__name__}: {error}"[:2000]}), flush=True)
             continue
@@ -233,8 +246,9 @@ def run_case(variant, model, frames, rows, inputs, reference, repeats, cuda):
     print(json.dumps(line), flush=True)
 
 
-def attention_micro(rows: int, config: DiTConfig, has_sage: bool, has_attn8: bool, repeats: int) -> None:
-    """One layer's attention at `rows` rows: seconds, TFLOP/s and error against SDPA for each backend;
+def attention_micro(rows: int, config: DiTConfig, has_sage: bool, has_attn8: bool, repeats: int, windows=()) -> None:
+    """One layer's attention at `rows` rows: seconds, TFLOP/s and error against SDPA for each backend
+    (and each VideoWindow on the backends that run one; TFLOP/s then counts full attention's work);
     the fastest tile shape of our kernel becomes its default (KERNEL_CONFIG) for the forwards."""
     from h3_core.attention import EXACT_BACKENDS, attention
 
@@ -252,6 +266,11 @@ def attention_micro(rows: int, config: DiTConfig, has_sage: bool, has_attn8: boo
             if name == "flash3-fp8-lossy":  # its quantization fused by Inductor, as in compiled blocks
                 fused = torch.compile(functools.partial(attention, backend=name), fullgraph=True)
                 cases.append((name, {"compiled": True}, functools.partial(fused, q, k, v)))
+            if name in ("flash3", "flash3-fp8-lossy"):
+                for window in filter(None, windows):
+                    windowed = torch.compile(functools.partial(attention, backend=name, window=window), fullgraph=True)
+                    cases.append((name, {"compiled": True, "window": [window.start, window.radius]},
+                                  functools.partial(windowed, q, k, v)))
         if has_sage:
             cases.append(("sage", {}, lambda: attention(q, k.clone(), v, "sage")))  # sage smooths k in place
         if has_attn8:

@@ -10,6 +10,7 @@ tiny one (the real one cannot be downloaded here), so the prompt's token count d
 release's; the count is printed. One JSON line per stage, then a summary line.
 
     python bench/full_pipeline.py --steps 4 --duration 5 --out /tmp/full.mp4     (GPU)
+    python bench/full_pipeline.py --steps 50 --compile --linears fp8-lossy --attention-window-lossy 8   (fastest, lossy)
     python bench/full_pipeline.py --tiny --out /tmp/tiny.mp4                      (CPU smoke run)
 """
 
@@ -28,6 +29,7 @@ import torch
 from h3_core.conditioning import Request, encode_request
 from h3_core.config import TINY_DIT, DiTConfig
 from h3_core.dit import H3DiT, rope_inverse_frequencies
+from h3_core.fp8 import apply_linear_mode
 from h3_core.output import write_mp4
 from h3_core.pipeline import TINY_CANVAS, sample
 from h3_core.prompt import Presenter
@@ -119,6 +121,10 @@ def main():
     parser.add_argument("--width", type=int, default=1344)
     parser.add_argument("--height", type=int, default=768)
     parser.add_argument("--out", type=Path, default=Path("/tmp/h3_full_pipeline.mp4"))
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--compile", action="store_true", help="compile the repeated block (h3 generate --compile)")
+    parser.add_argument("--linears", default="checkpoint", help="h3 generate --linears (e.g. fp8-lossy)")
+    parser.add_argument("--attention-window-lossy", type=int, default=0, metavar="FRAMES")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -153,7 +159,13 @@ def main():
     rows.append(stage("release text encoder, park VAEs", device, release)[1])
     dit, row = stage("DiT build (random, stands for the load)", device, lambda: build_dit(TINY_DIT if args.tiny else DiTConfig(), device, dtype))
     rows.append(row)
-    dit.set_attention_backend("auto")
+    if args.linears != "checkpoint":
+        apply_linear_mode(dit, args.linears, device)
+    backend = dit.set_attention_window(args.attention_window_lossy).set_attention_backend(args.attention)
+    if args.compile:
+        dit.compile_blocks()
+    print(json.dumps({"attention": backend, "window_frames": args.attention_window_lossy, "linears": args.linears,
+                      "compile": args.compile}), flush=True)
     step_times = []
     last = [time.perf_counter()]
 

@@ -14,6 +14,7 @@ head; lossy, opt-in). Kernels from packages run as one opaque op (`h3::kernel_at
 which torch.compile calls without tracing into them. "auto" takes the fastest exact one available for the
 device: on Hopper FlashAttention 3, then 4 (H200, 38k rows: 699 and 687 TFLOP/s), on Blackwell
 FlashAttention 4, else SDPA (572 TFLOP/s with cuDNN on the H200; FlashAttention 2 368).
+A `window` (local_attention.py, lossy, opt-in) limits the target video rows to nearby video rows.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import logging
 
 import torch
 import torch.nn.functional as F
+
+from .local_attention import check_backend as check_window_backend, windowed_attention
 
 log = logging.getLogger("h3_core")
 
@@ -56,8 +59,9 @@ def available_backends() -> list[str]:
     return ["sdpa"] + [name for name, module in _MODULES.items() if _importable(name, module)]
 
 
-def resolve_backend(requested: str = "auto", device: torch.device | str | None = None) -> str:
-    """The backend to use for `requested` ("auto" or a name); an unavailable name is an error."""
+def resolve_backend(requested: str = "auto", device: torch.device | str | None = None, window: bool = False) -> str:
+    """The backend to use for `requested` ("auto" or a name); an unavailable name is an error. `window`:
+    it must run the attention window (local_attention.py), and "auto" picks among those that can."""
     known = ("auto",) + EXACT_BACKENDS + LOSSY_BACKENDS
     if requested not in known:
         raise ValueError(f"Unknown attention backend {requested!r}; choose one of {', '.join(known)}.")
@@ -66,6 +70,8 @@ def resolve_backend(requested: str = "auto", device: torch.device | str | None =
         device = torch.device(device) if device is not None else None
         major = torch.cuda.get_device_capability(device)[0] if device is not None and device.type == "cuda" else None
         fitting = [name for name in ("flash3", "flash4") if name in available and major in _HOPPER_OR_NEWER[name]]
+        if window:
+            fitting = [name for name in fitting if _runs_window(name)]
         chosen = fitting[0] if fitting else "sdpa"
         log.info("attention backend: %s (auto; available: %s)", chosen, ", ".join(available))
         return chosen
@@ -74,11 +80,26 @@ def resolve_backend(requested: str = "auto", device: torch.device | str | None =
             f"Attention backend {requested!r} needs the '{_PACKAGES[requested]}' package, which is not installed; "
             f"available here: {', '.join(available)}."
         )
+    if window:
+        check_window_backend(requested)
     return requested
 
 
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backend: str = "sdpa") -> torch.Tensor:
-    """Full self-attention over the packed sequence; [B, S, H, D] in and out."""
+def _runs_window(name: str) -> bool:
+    try:
+        check_window_backend(name)
+        return True
+    except ValueError as error:
+        log.info("attention backend %s cannot run the attention window: %s", name, error)
+        return False
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backend: str = "sdpa",
+              window=None) -> torch.Tensor:
+    """Full self-attention over the packed sequence; [B, S, H, D] in and out. `window`: a
+    local_attention.VideoWindow, the lossy windowed attention for the target video rows."""
+    if window is not None:
+        return windowed_attention(query, key, value, backend, window)
     if backend == "sdpa":
         out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
         return out.transpose(1, 2)

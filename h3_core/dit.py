@@ -27,6 +27,7 @@ from torch import nn
 
 from . import qk_norm_rope
 from .attention import attention, resolve_backend
+from .local_attention import VideoWindow, check_backend as check_window_backend, check_frames as check_window_frames
 from .rope import apply_rope
 from .config import DiTConfig
 
@@ -69,7 +70,8 @@ class Attention(nn.Module):
         self.backend = "sdpa"
         self.sequence_parallel = None  # set on the blocks' attention by parallel.sequence.enable
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                window: VideoWindow | None = None) -> torch.Tensor:
         batch, rows, _ = x.shape
         qkv = self.qkv_proj(x)
         q, k, v = qkv.view(batch, rows, 3, self.heads, self.head_dim).unbind(2)
@@ -81,9 +83,9 @@ class Attention(nn.Module):
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.sequence_parallel is None:
-            out = attention(q, k, v, self.backend)
+            out = attention(q, k, v, self.backend, window)
         else:  # this rank holds a slice of the rows: trade rows for heads around the attention
-            out = self.sequence_parallel.attention(q, k, v, self.backend)
+            out = self.sequence_parallel.attention(q, k, v, self.backend, window)
         return self.out_proj(out.reshape(batch, rows, -1))
 
 
@@ -172,11 +174,11 @@ class Block(nn.Module):
         self.mlp = SwiGLU(config)
         self.adaln_proj = AdaLNProjection(config.time_embed_dim, 6 * MODALITIES * config.hidden_size, MODALITIES)
 
-    def forward(self, x, table: torch.Tensor, adaln_index: torch.Tensor, rope) -> torch.Tensor:
+    def forward(self, x, table: torch.Tensor, adaln_index: torch.Tensor, rope, window: VideoWindow | None = None) -> torch.Tensor:
         """table [3K, 6H] from `adaln_proj`; adaln_index [S] = timestep_index * 3 + tag."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table.chunk(6, dim=-1)
         pick = lambda param: param.index_select(0, adaln_index)  # noqa: E731  [S, H]
-        x = x + pick(gate_msa) * self.attn(modulate(self.norm1(x), pick(shift_msa), pick(scale_msa)), rope)
+        x = x + pick(gate_msa) * self.attn(modulate(self.norm1(x), pick(shift_msa), pick(scale_msa)), rope, window)
         x = x + pick(gate_mlp) * self.mlp(modulate(self.norm2(x), pick(shift_mlp), pick(scale_mlp)))
         return x
 
@@ -258,6 +260,7 @@ class H3DiT(nn.Module):
         self.final_layer = FinalLayer(config)
         self.register_buffer("rope_inv_freq", rope_inverse_frequencies(config), persistent=False)
         self.sequence_parallel = None  # parallel.sequence.SequenceParallel when split over ranks
+        self.attention_window = 0  # latent frames; > 0: the lossy windowed video attention (set_attention_window)
 
     @classmethod
     def build(cls, config: DiTConfig, dtype: torch.dtype = torch.bfloat16, device="cpu") -> "H3DiT":
@@ -283,11 +286,21 @@ class H3DiT(nn.Module):
 
     def set_attention_backend(self, requested: str = "auto") -> str:
         """Use `requested` ("auto" = fastest exact available) in every attention; returns the name chosen."""
-        backend = resolve_backend(requested, self.condition_proj.weight.device)
+        backend = resolve_backend(requested, self.condition_proj.weight.device, window=bool(self.attention_window))
         for module in self.modules():
             if isinstance(module, Attention):
                 module.backend = backend
         return backend
+
+    def set_attention_window(self, frames: int) -> "H3DiT":
+        """Lossy, opt-in: target video rows attend only the target video within `frames` latent frames of
+        themselves (plus every text, conditioning and audio row); 0 restores full attention. See
+        local_attention.py. Set it before `set_attention_backend`, whose "auto" then picks a backend
+        that runs the window."""
+        if check_window_frames(frames):
+            check_window_backend(self.blocks[0].attn.backend if len(self.blocks) else "sdpa")
+        self.attention_window = frames
+        return self
 
     def compile_blocks(self, mode: str = "default") -> "H3DiT":
         """torch.compile each repeated block's forward (one graph, reused by every block): fuses norms,
@@ -352,8 +365,11 @@ class H3DiT(nn.Module):
         audio_indices: torch.Tensor,
         text_indices: torch.Tensor,
         modulation: Modulation | None = None,
+        target_video: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`modulation`: this step's precomputed tables (from `modulation(timesteps)`); computed here if None."""
+        """`modulation`: this step's precomputed tables (from `modulation(timesteps)`); computed here if None.
+        `target_video`: (its first row, rows per latent frame) when the target video is the sequence's
+        trailing run of rows (layout.PackedLayout.target_video_span); the attention window needs it."""
         rows = position_ids.shape[0]
         if position_ids.shape != (rows, 3) or token_tags.shape != (rows,) or timestep_indices.shape != (rows,):
             raise ValueError(
@@ -376,11 +392,14 @@ class H3DiT(nn.Module):
         if modulation is None:
             modulation = self.modulation(timesteps)
         adaln_index = timestep_indices * MODALITIES + token_tags
+        window = None
+        if self.attention_window and target_video is not None:
+            window = VideoWindow.for_frames(self.attention_window, rows, *target_video)
         parallel = self.sequence_parallel
         if parallel is not None:  # each rank runs the blocks on its slice of the rows
             x, adaln_index, rope = parallel.split(x, adaln_index, rope)
         for block, table in zip(self.blocks, modulation.blocks, strict=True):
-            x = block(x, table, adaln_index, rope)
+            x = block(x, table, adaln_index, rope, window)
         if parallel is not None:
             x = parallel.gather(x)
         return self.final_layer(x, modulation.final, timestep_indices, video_indices, audio_indices)

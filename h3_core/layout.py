@@ -164,6 +164,14 @@ class PackedLayout:
     def target_audio_indices(self) -> torch.Tensor:
         return self.audio_indices[self.num_condition_audio_rows :]
 
+    @property
+    def target_video_span(self) -> tuple[int, int]:
+        """(first row of the target video, rows per latent frame): every layout here ends with the target
+        video, frame-major (the DiT's attention window relies on it)."""
+        _, ph, pw = geometry.PATCH_SIZE
+        rows_per_frame = (self.latent_height // ph) * (self.latent_width // pw)
+        return self.sequence_length - self.latent_frames * rows_per_frame, rows_per_frame
+
     def row_timesteps(
         self, t_video: float, t_audio: float, visual_condition_floor: float = 0.999
     ) -> tuple[torch.Tensor, torch.Tensor]:

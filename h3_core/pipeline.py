@@ -24,6 +24,7 @@ from .memory_plan import GIB, MemoryPlan, free_bytes, plan_for, usable_bytes
 from .offload import load_device, place
 from .conditioning import Request, RequestError, encode_request, validate
 from .layout import pack_audio, patchify, unpack_audio, unpatchify
+from .local_attention import check_frames as check_window_frames
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, check_scaled_device
 from .lora import apply_loras, load_lora, sampler_settings
 from .noise import condition_rows, request_generator, target_noise
@@ -177,6 +178,9 @@ class GenerateSettings:
     # encoder, norms and residual stream float32). float32 decodes ~7.5x slower on an H200. The audio
     # VAE is float32 whole in both.
     vae_dtype: torch.dtype | None = None
+    # Lossy, opt-in: > 0 limits target video rows' attention to the target video within this many latent
+    # frames of themselves (local_attention.py); 0 = full attention, the model as trained.
+    attention_window: int = 0
 
 
 @dataclass
@@ -232,12 +236,13 @@ def generate(
 
     try:
         check_compile_sharding(settings.compile, settings.shard_weights)
+        window = check_window_frames(settings.attention_window)
     except ValueError as error:
         raise RequestError(str(error)) from None
     device, timings = torch.device(settings.device), {}
     check(request, TINY_CANVAS if model == TINY_RANDOM else RELEASE_CANVAS)  # every limit, before any model
     source = resolve_model_source(model, partition)
-    resolve_backend(settings.attention, device)
+    resolve_backend(settings.attention, device, window=window > 0)
     if check_linear_mode(settings.linears) == "fp8-lossy":
         check_scaled_device(device)
     loras = [(load_lora(path), float(strength)) for path, strength in settings.loras]
@@ -351,7 +356,7 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
             TINY_RANDOM if source.tiny else str(source.root), partition,
             model_dtype(source, settings), settings.attention,
             tuple((str(path), float(strength)) for path, strength in settings.loras), settings.linears,
-            compile=settings.compile,
+            compile=settings.compile, attention_window=settings.attention_window,
         ), settings.devices, settings.shard_weights)
         notes(f"DiT split over {', '.join(map(str, settings.devices))} (sequence parallel"
               + (", sharded weights)" if settings.shard_weights else ")"))
@@ -383,8 +388,10 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
     if settings.linears != "checkpoint":
         notes(f"linears: {settings.linears} ({LINEAR_MODES[settings.linears]})")
     streamer = place(dit, device, plan)
-    backend = dit.set_attention_backend(settings.attention)
+    backend = dit.set_attention_window(settings.attention_window).set_attention_backend(settings.attention)
     notes(f"attention: {backend}" + (" (auto: the fastest exact kernel installed)" if settings.attention == "auto" else ""))
+    if settings.attention_window:
+        notes(f"attention window: {settings.attention_window} latent frames around each target video row (lossy)")
     if settings.compile:  # streaming hooks stay outside the compiled block forward
         dit.compile_blocks()
         notes("blocks compiled (the first step pays the compile)")

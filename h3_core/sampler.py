@@ -170,6 +170,7 @@ def denoise(
                 audio_indices=on_device.audio_indices,
                 text_indices=on_device.text_indices,
                 modulation=modulations[step].to(device) if parked else modulations[step],
+                target_video=layout.target_video_span,
             )
             modulations[step] = None  # each step's tables are used once
             video_rows[:, n_video:] = euler_step(

@@ -228,3 +228,16 @@ def test_the_runner_refuses_compiled_blocks_with_sharded_weights():
     with pytest.raises(ValueError, match="cannot be combined with sharded weights"):
         ParallelRunner(dataclasses.replace(SPEC, compile=True), ["cpu", "cpu"], shard_weights=True)
     assert set(multiprocessing.active_children()) <= before
+
+
+def test_the_attention_window_splits_like_full_attention(references):
+    """The lossy attention window (set in the spec) over two ranks: each rank's heads still see every
+    row, so the one-process windowed result comes back; and it is not the full-attention one."""
+    spec = dataclasses.replace(SPEC, attention_window=2)
+    expected = sample(spec.load("cpu"), conditioning(True), seed=3, steps=STEPS)
+    assert (expected.video - references[True].video).abs().max() > 1e-4
+    runner = ParallelRunner(spec, ["cpu", "cpu"], threads=1)
+    try:
+        assert_close(sample(runner, conditioning(True), seed=3, steps=STEPS), expected)
+    finally:
+        runner.close()

@@ -59,9 +59,10 @@ class SequenceParallel:
             (_rows(cos, 0, start, local), _rows(sin, 0, start, local)),
         )
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> torch.Tensor:
-        """q, k, v [B, S/P, H, D] (this rank's rows, all heads) -> attention output, same shape."""
-        out = attention(self._to_heads(q), self._to_heads(k), self._to_heads(v), backend)  # pad rows never attend
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, window=None) -> torch.Tensor:
+        """q, k, v [B, S/P, H, D] (this rank's rows, all heads) -> attention output, same shape. Attention
+        sees every row, so a `window` (sequence positions) applies unchanged."""
+        out = attention(self._to_heads(q), self._to_heads(k), self._to_heads(v), backend, window)  # pad rows never attend
         return self._to_rows(out)
 
     def _to_heads(self, t: torch.Tensor) -> torch.Tensor:
