@@ -74,6 +74,9 @@ def resolve_backend(requested: str = "auto", device: torch.device | str | None =
             fitting = [name for name in fitting if _runs_window(name)]
         chosen = fitting[0] if fitting else "sdpa"
         log.info("attention backend: %s (auto; available: %s)", chosen, ", ".join(available))
+        if window and chosen == "sdpa" and device is not None and device.type == "cuda":
+            log.warning("The attention window runs on sdpa here (no FlashAttention 3 with sliding-window kernels): "
+                        "same result, but slower than full attention, not faster.")
         return chosen
     if requested not in available:
         raise ValueError(

@@ -42,7 +42,7 @@ ATTENTION_HELP = (f"attention kernel: auto (the fastest exact one installed: Fla
                   f"{', '.join(EXACT_BACKENDS)} (exact), {', '.join(LOSSY_BACKENDS)} (lossy, only when named)")
 WINDOW_HELP = ("lossy speed-up, 0 = off: each target video row attends only the video within FRAMES latent frames "
                "(4 pixel frames each) of itself, plus all text, conditioning and audio rows; fast with FlashAttention 3 "
-               "(8 frames: a compiled 5 s forward 3.75 s instead of 5.25 s on an H200), correct but not faster on sdpa")
+               "(8 frames: a compiled 5 s forward 3.8 s instead of 5.6 s on an H200), correct but slower on sdpa")
 COMPILE_HELP = ("torch.compile the repeated block: ~10%% faster per step on an H200, the first step pays the compile; "
                 "not bitwise exact")
 

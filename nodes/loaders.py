@@ -103,7 +103,7 @@ class H3ModelLoader(io.ComfyNode):
                              tooltip="Lossy speed-up, 0 = off (full attention, as the model was trained). N > 0: "
                                      "each video token attends only the video within N latent frames (4 frames "
                                      "each) of itself, plus all text and audio. With FlashAttention 3 (a build with "
-                                     "sliding-window kernels) 8 frames took a compiled 5 s forward from 5.25 to 3.75 s on an H200; "
+                                     "sliding-window kernels) 8 frames took a compiled 5 s forward from 5.6 to 3.8 s on an H200; "
                                      "what it costs in quality depends on the clip: compare before relying on it."),
             ],
             outputs=[H3Model.Output(display_name="model")],

@@ -158,6 +158,7 @@ def test_flash3_window_matches_the_chunked_sdpa_window(backend, min_cosine):
 def test_generate_runs_the_window_when_asked_and_refuses_a_bad_one_first(tmp_path, monkeypatch):
     from h3_core import pipeline
     from h3_core.conditioning import Request, RequestError
+    from h3_core.memory_plan import MemoryPlan
 
     def generate(**settings):
         notes = []
@@ -171,6 +172,9 @@ def test_generate_runs_the_window_when_asked_and_refuses_a_bad_one_first(tmp_pat
     assert "attention window: 1 latent frames around each target video row (lossy)" in notes
     assert not any("attention window" in line for line in exact_notes)
     assert (exact.video - windowed.video).abs().max() > 1e-4
+    monkeypatch.setattr(pipeline, "plan_for", lambda *args, **kwargs: MemoryPlan(1, 1, True, 0, True))
+    streamed, notes = generate(attention_window=1)  # blocks streamed from CPU memory: the same window
+    assert torch.equal(streamed.video, windowed.video) and torch.equal(streamed.audio, windowed.audio)
     monkeypatch.setattr(pipeline, "resolve_model_source", lambda *a: pytest.fail("model looked up for a bad request"))
     with pytest.raises(RequestError, match="whole number of latent frames >= 0"):
         generate(attention_window=-2)
