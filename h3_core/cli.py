@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from . import geometry
 from .attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
-from .local_attention import check_frames as check_window_frames
+from .local_attention import check_setting as check_window_setting
 from .checkpoint import CheckpointError, infer_config, load_dit, locate_dit
 from .conditioning import Conditioning, Request, resolve_num_frames
 from .continuation import DEFAULT_OVERLAP_FRAMES, DEFAULT_WINDOW_FRAMES
@@ -43,6 +43,8 @@ ATTENTION_HELP = (f"attention kernel: auto (the fastest exact one installed: Fla
 WINDOW_HELP = ("lossy speed-up, 0 = off: each target video row attends only the video within FRAMES latent frames "
                "(4 pixel frames each) of itself, plus all text, conditioning and audio rows; fast with FlashAttention 3 "
                "(8 frames: a compiled 5 s forward 3.8 s instead of 5.6 s on an H200), correct but slower on sdpa")
+DENSE_HELP = ("with --attention-window-lossy: the first N steps keep full attention (the noisiest steps set the "
+              "layout; training-free sparse attention for video DiTs commonly keeps ~20%% of them dense); default 0")
 COMPILE_HELP = ("torch.compile the repeated block: ~10%% faster per step on an H200, the first step pays the compile; "
                 "not bitwise exact")
 
@@ -106,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--attention", default="auto", help=ATTENTION_HELP)
     gen.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     gen.add_argument("--attention-window-lossy", type=int, default=0, metavar="FRAMES", help=WINDOW_HELP)
+    gen.add_argument("--attention-window-dense-steps", type=int, default=0, metavar="N", help=DENSE_HELP)
     gen.add_argument("--linears", default="checkpoint", choices=list(LINEAR_MODES), help=LINEARS_HELP)
     gen.add_argument("--gpu-memory", type=float, metavar="GIB",
                      help="GPU memory the DiT may use (default: what is free); when the model does not fit, the "
@@ -144,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     den.add_argument("--linears", default="checkpoint", choices=list(LINEAR_MODES), help=LINEARS_HELP)
     den.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     den.add_argument("--attention-window-lossy", type=int, default=0, metavar="FRAMES", help=WINDOW_HELP)
+    den.add_argument("--attention-window-dense-steps", type=int, default=0, metavar="N", help=DENSE_HELP)
     den.set_defaults(run=run_denoise)
     return parser
 
@@ -218,6 +222,7 @@ def run_generate(args) -> int:
                                 linears=args.linears, devices=devices, shard_weights=args.shard_weights,
                                 gpu_memory=args.gpu_memory, compile=args.compile,
                                 attention_window=args.attention_window_lossy,
+                                attention_window_dense_steps=args.attention_window_dense_steps,
                                 vae_dtype=DTYPES[args.vae_dtype] if args.vae_dtype else None)
     bars: dict[str, tqdm] = {}
 
@@ -315,7 +320,7 @@ def run_denoise(args) -> int:
         raise ValueError(f"--save-latents must name a .safetensors file, got {args.save_latents}.")
     if args.model != TINY_RANDOM and args.text_states is None:
         raise ValueError("A real model needs --text-states (prompt embeddings); `h3 generate` runs the text encoder.")
-    check_window_frames(args.attention_window_lossy)
+    check_window_setting(args.attention_window_lossy, args.attention_window_dense_steps)
     # an unavailable backend (or one that cannot run the window) fails before any loading
     resolve_backend(args.attention, device, window=args.attention_window_lossy > 0)
     if args.text_states is not None and not args.text_states.is_file():
@@ -328,7 +333,8 @@ def run_denoise(args) -> int:
         apply_linear_mode(model, args.linears, device)
     else:
         model = load_dit(args.model, args.partition, dtype=dtype, device=device, linears=args.linears)
-    backend = model.set_attention_window(args.attention_window_lossy).set_attention_backend(args.attention)
+    model.set_attention_window(args.attention_window_lossy, args.attention_window_dense_steps)
+    backend = model.set_attention_backend(args.attention)
     if args.compile:
         model.compile_blocks()
     timings["load"] = time.perf_counter() - started

@@ -27,7 +27,7 @@ from torch import nn
 
 from . import qk_norm_rope
 from .attention import attention, resolve_backend
-from .local_attention import VideoWindow, check_backend as check_window_backend, check_frames as check_window_frames
+from .local_attention import VideoWindow, check_backend as check_window_backend, check_setting as check_window_setting
 from .rope import apply_rope
 from .config import DiTConfig
 
@@ -261,6 +261,7 @@ class H3DiT(nn.Module):
         self.register_buffer("rope_inv_freq", rope_inverse_frequencies(config), persistent=False)
         self.sequence_parallel = None  # parallel.sequence.SequenceParallel when split over ranks
         self.attention_window = 0  # latent frames; > 0: the lossy windowed video attention (set_attention_window)
+        self.attention_window_dense_steps = 0  # leading forwards of each sampler run that keep full attention
 
     @classmethod
     def build(cls, config: DiTConfig, dtype: torch.dtype = torch.bfloat16, device="cpu") -> "H3DiT":
@@ -292,14 +293,15 @@ class H3DiT(nn.Module):
                 module.backend = backend
         return backend
 
-    def set_attention_window(self, frames: int) -> "H3DiT":
+    def set_attention_window(self, frames: int, dense_steps: int = 0) -> "H3DiT":
         """Lossy, opt-in: target video rows attend only the target video within `frames` latent frames of
-        themselves (plus every text, conditioning and audio row); 0 restores full attention. See
-        local_attention.py. Set it before `set_attention_backend`, whose "auto" then picks a backend
-        that runs the window."""
-        if check_window_frames(frames):
+        themselves (plus every text, conditioning and audio row); 0 restores full attention. The first
+        `dense_steps` forwards of each sampler run keep full attention (the early, noisiest steps set
+        the layout). See local_attention.py. Set it before `set_attention_backend`, whose "auto" then
+        picks a backend that runs the window."""
+        if check_window_setting(frames, dense_steps)[0]:
             check_window_backend(self.blocks[0].attn.backend if len(self.blocks) else "sdpa")
-        self.attention_window = frames
+        self.attention_window, self.attention_window_dense_steps = frames, dense_steps
         return self
 
     def compile_blocks(self, mode: str = "default") -> "H3DiT":

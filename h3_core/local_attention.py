@@ -42,11 +42,14 @@ class VideoWindow:
         return cls(start, radius)
 
 
-def check_frames(frames) -> int:
-    """A window setting must be a whole number of latent frames, 0 (full attention) or more."""
-    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 0:
-        raise ValueError(f"The attention window is a whole number of latent frames >= 0 (0: full attention), got {frames!r}.")
-    return frames
+def check_setting(frames, dense_steps=0) -> tuple[int, int]:
+    """A window setting: a whole number of latent frames (0: full attention) and of leading forwards of
+    each run that keep full attention; both >= 0."""
+    for value, what in ((frames, "The attention window is a whole number of latent frames >= 0 (0: full attention)"),
+                        (dense_steps, "The attention window's dense steps are a whole number of steps >= 0")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{what}, got {value!r}.")
+    return frames, dense_steps
 
 
 def check_backend(backend: str) -> None:

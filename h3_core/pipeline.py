@@ -24,7 +24,7 @@ from .memory_plan import GIB, MemoryPlan, free_bytes, plan_for, usable_bytes
 from .offload import load_device, place
 from .conditioning import Request, RequestError, encode_request, validate
 from .layout import pack_audio, patchify, unpack_audio, unpatchify
-from .local_attention import check_frames as check_window_frames
+from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, check_scaled_device
 from .lora import apply_loras, load_lora, sampler_settings
 from .noise import condition_rows, request_generator, target_noise
@@ -181,6 +181,7 @@ class GenerateSettings:
     # Lossy, opt-in: > 0 limits target video rows' attention to the target video within this many latent
     # frames of themselves (local_attention.py); 0 = full attention, the model as trained.
     attention_window: int = 0
+    attention_window_dense_steps: int = 0  # with a window: the first forwards of each run keep full attention
 
 
 @dataclass
@@ -236,7 +237,7 @@ def generate(
 
     try:
         check_compile_sharding(settings.compile, settings.shard_weights)
-        window = check_window_frames(settings.attention_window)
+        window, _ = check_window_setting(settings.attention_window, settings.attention_window_dense_steps)
     except ValueError as error:
         raise RequestError(str(error)) from None
     device, timings = torch.device(settings.device), {}
@@ -357,6 +358,7 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
             model_dtype(source, settings), settings.attention,
             tuple((str(path), float(strength)) for path, strength in settings.loras), settings.linears,
             compile=settings.compile, attention_window=settings.attention_window,
+            attention_window_dense_steps=settings.attention_window_dense_steps,
         ), settings.devices, settings.shard_weights)
         notes(f"DiT split over {', '.join(map(str, settings.devices))} (sequence parallel"
               + (", sharded weights)" if settings.shard_weights else ")"))
@@ -388,10 +390,13 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
     if settings.linears != "checkpoint":
         notes(f"linears: {settings.linears} ({LINEAR_MODES[settings.linears]})")
     streamer = place(dit, device, plan)
-    backend = dit.set_attention_window(settings.attention_window).set_attention_backend(settings.attention)
+    dit.set_attention_window(settings.attention_window, settings.attention_window_dense_steps)
+    backend = dit.set_attention_backend(settings.attention)
     notes(f"attention: {backend}" + (" (auto: the fastest exact kernel installed)" if settings.attention == "auto" else ""))
     if settings.attention_window:
-        notes(f"attention window: {settings.attention_window} latent frames around each target video row (lossy)")
+        notes(f"attention window: {settings.attention_window} latent frames around each target video row (lossy)"
+              + (f", full attention for the first {settings.attention_window_dense_steps} steps"
+                 if settings.attention_window_dense_steps else ""))
     if settings.compile:  # streaming hooks stay outside the compiled block forward
         dit.compile_blocks()
         notes("blocks compiled (the first step pays the compile)")

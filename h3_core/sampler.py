@@ -170,7 +170,8 @@ def denoise(
                 audio_indices=on_device.audio_indices,
                 text_indices=on_device.text_indices,
                 modulation=modulations[step].to(device) if parked else modulations[step],
-                target_video=layout.target_video_span,
+                # without the target video's span the DiT attends fully: so it does in a window's dense steps
+                target_video=layout.target_video_span if step >= getattr(dit, "attention_window_dense_steps", 0) else None,
             )
             modulations[step] = None  # each step's tables are used once
             video_rows[:, n_video:] = euler_step(

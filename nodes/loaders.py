@@ -10,6 +10,7 @@ from comfy_api.latest import io
 
 from h3_core.attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
 from h3_core.checkpoint import load_dit, locate_dit
+from h3_core.local_attention import check_setting as check_window_setting
 from h3_core.parallel import ModelSpec, check_compile_sharding
 from h3_core.placement import check_devices, freed_on_failure
 from h3_core.pipeline import TEXT_WORKING_BYTES, TINY_CANVAS
@@ -105,17 +106,23 @@ class H3ModelLoader(io.ComfyNode):
                                      "each) of itself, plus all text and audio. With FlashAttention 3 (a build with "
                                      "sliding-window kernels) 8 frames took a compiled 5 s forward from 5.6 to 3.8 s on an H200; "
                                      "what it costs in quality depends on the clip: compare before relying on it."),
+                io.Int.Input("attention_window_dense_steps", default=0, min=0, max=1000, optional=True,
+                             tooltip="With attention_window_lossy: the first N steps of every sampling run keep full "
+                                     "attention (the noisiest steps set the layout; sparse-attention speed-ups for "
+                                     "video models commonly keep ~20% of the steps dense). 0: windowed from the start."),
             ],
             outputs=[H3Model.Output(display_name="model")],
         )
 
     @classmethod
     def execute(cls, checkpoint, folder, partition, weight_dtype, attention, gpu_memory_gb=0.0, devices="",
-                shard_weights=False, compile=False, attention_window_lossy=0) -> io.NodeOutput:
+                shard_weights=False, compile=False, attention_window_lossy=0,
+                attention_window_dense_steps=0) -> io.NodeOutput:
         split = split_devices(devices, shard_weights, gpu_memory_gb)
         check_compile_sharding(bool(compile), bool(shard_weights))
         target = split[0] if split else device()
-        window = int(attention_window_lossy or 0)
+        window, dense_steps = check_window_setting(int(attention_window_lossy or 0),
+                                                   int(attention_window_dense_steps or 0))
         # an unavailable kernel (or one that cannot run the window) fails before any weight is read
         chosen = resolve_backend(attention, target, window=window > 0)
         dtype = DTYPES[weight_dtype]
@@ -126,7 +133,7 @@ class H3ModelLoader(io.ComfyNode):
             dtype = torch.float32 if target.type == "cpu" else (dtype or torch.bfloat16)
         if split:
             spec = ModelSpec(TINY_RANDOM if tiny else str(path), partition, dtype, attention, compile=bool(compile),
-                             attention_window=window)
+                             attention_window=window, attention_window_dense_steps=dense_steps)
             patcher = manage_runner(label, spec, split, bool(shard_weights))
             return io.NodeOutput(ModelHandle(patcher.model, partition, spec.source, target, tiny, patcher=patcher))
         budget = float(gpu_memory_gb) or None
@@ -137,7 +144,7 @@ class H3ModelLoader(io.ComfyNode):
             home = dit_home(file_bytes(locate_dit(path, partition).files), target, budget)
             with freed_on_failure(target):
                 dit = load_dit(path, partition, dtype=dtype, device=home)
-        dit.set_attention_window(window).set_attention_backend(chosen)  # chosen for the compute device
+        dit.set_attention_window(window, dense_steps).set_attention_backend(chosen)  # chosen for the compute device
         if compile:
             dit.compile_blocks()  # traced at the first run; streaming hooks run around the compiled forward
         patcher = manage_dit(label, dit, target, home == target, budget)

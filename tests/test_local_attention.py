@@ -113,11 +113,19 @@ def test_sampler_runs_the_window_and_a_covering_window_is_the_exact_path(monkeyp
     assert seen and set(seen) == {VideoWindow(7 + 414, 2 * 8)}  # text 7 + audio 2 x 207 rows; 2 frames of 2 x 4 rows
     assert all((a - b).abs().max() > 1e-4 for a, b in zip(exact, windowed))
 
+    seen.clear()
+    late = run(model.set_attention_window(2, dense_steps=1))  # the first of the 2 forwards: full attention
+    assert len(seen) == len(model.blocks)  # only the second forward's blocks ran the window
+    assert all((a - b).abs().max() > 1e-6 for a, b in zip(late, exact))
+    assert all((a - b).abs().max() > 1e-6 for a, b in zip(late, windowed))
+    never = run(model.set_attention_window(2, dense_steps=2))
+    assert all(torch.equal(a, b) for a, b in zip(exact, never))
+
     def dense(q, k, v, backend, window):  # the dense reference in the DiT: same result
         return dense_reference(q, k, v, window)[0].to(q.dtype)
 
     monkeypatch.setattr(attention_module, "windowed_attention", dense)
-    for a, b in zip(windowed, run(model)):
+    for a, b in zip(windowed, run(model.set_attention_window(2))):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
@@ -126,6 +134,8 @@ def test_window_setting_is_checked():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="whole number of latent frames"):
             model.set_attention_window(bad)
+        with pytest.raises(ValueError, match="dense steps are a whole number of steps >= 0"):
+            model.set_attention_window(2, dense_steps=bad)
     for block in model.blocks:
         block.attn.backend = "flash"
     with pytest.raises(ValueError, match="runs on the sdpa, flash3, flash3-fp8-lossy attention backends; 'flash' is chosen"):
@@ -170,6 +180,8 @@ def test_generate_runs_the_window_when_asked_and_refuses_a_bad_one_first(tmp_pat
     exact, exact_notes = generate()
     windowed, notes = generate(attention_window=1)
     assert "attention window: 1 latent frames around each target video row (lossy)" in notes
+    _, notes = generate(attention_window=1, attention_window_dense_steps=1)
+    assert "attention window: 1 latent frames around each target video row (lossy), full attention for the first 1 steps" in notes
     assert not any("attention window" in line for line in exact_notes)
     assert (exact.video - windowed.video).abs().max() > 1e-4
     monkeypatch.setattr(pipeline, "plan_for", lambda *args, **kwargs: MemoryPlan(1, 1, True, 0, True))
@@ -178,6 +190,8 @@ def test_generate_runs_the_window_when_asked_and_refuses_a_bad_one_first(tmp_pat
     monkeypatch.setattr(pipeline, "resolve_model_source", lambda *a: pytest.fail("model looked up for a bad request"))
     with pytest.raises(RequestError, match="whole number of latent frames >= 0"):
         generate(attention_window=-2)
+    with pytest.raises(RequestError, match="dense steps are a whole number"):
+        generate(attention_window=2, attention_window_dense_steps=-1)
 
 
 def test_backend_resolution_with_a_window():
@@ -191,7 +205,8 @@ def test_worker_spec_and_comfyui_loader_set_the_window(tmp_path):
 
     from h3_core.parallel import ModelSpec
 
-    assert ModelSpec("tiny-random", dtype=torch.float32, attention_window=3).load("cpu").attention_window == 3
+    loaded = ModelSpec("tiny-random", dtype=torch.float32, attention_window=3, attention_window_dense_steps=4).load("cpu")
+    assert (loaded.attention_window, loaded.attention_window_dense_steps) == (3, 4)
     sys.path.insert(0, str(Path(__file__).parent))
     import importlib
 
@@ -202,8 +217,10 @@ def test_worker_spec_and_comfyui_loader_set_the_window(tmp_path):
     fake_comfy.install(tmp_path)
     try:
         loader = importlib.import_module("nodes.loaders").H3ModelLoader
-        model = loader.execute("tiny-random", "", "fl2va", "bf16", "auto", attention_window_lossy=4).values[0]
-        assert model.dit.attention_window == 4 and model.dit.blocks[0].attn.backend == "sdpa"
+        model = loader.execute("tiny-random", "", "fl2va", "bf16", "auto", attention_window_lossy=4,
+                               attention_window_dense_steps=5).values[0]
+        assert (model.dit.attention_window, model.dit.attention_window_dense_steps) == (4, 5)
+        assert model.dit.blocks[0].attn.backend == "sdpa"
         assert loader.execute("tiny-random", "", "fl2va", "bf16", "auto").values[0].dit.attention_window == 0
     finally:
         for name in [n for n in sys.modules if n.split(".")[0] in ("comfy", "comfy_api", "folder_paths", "nodes")]:
@@ -223,3 +240,6 @@ def test_cli_window_option(tmp_path, capsys):
     assert (full["video"] - window["video"]).abs().max() > 1e-4
     assert main(base + ["--attention-window-lossy", "-1", "--save-latents", str(tmp_path / "bad.safetensors")]) == 2
     assert "whole number of latent frames >= 0" in capsys.readouterr().err and not (tmp_path / "bad.safetensors").exists()
+    dense = base + ["--attention-window-lossy", "2", "--attention-window-dense-steps", "2"]
+    assert main(dense + ["--save-latents", str(tmp_path / "dense.safetensors")]) == 0  # 2 forwards, both full
+    assert torch.equal(load_file(str(tmp_path / "dense.safetensors"))["video"], full["video"])

@@ -61,6 +61,7 @@ class ModelSpec:
     config: DiTConfig | None = None  # tiny-random: another tiny shape (default TINY_DIT)
     compile: bool = False  # torch.compile the repeated block's forward (not with sharded weights)
     attention_window: int = 0  # latent frames; > 0: the lossy windowed video attention (local_attention.py)
+    attention_window_dense_steps: int = 0  # with a window: leading forwards of each run with full attention
 
     def dit_config(self) -> DiTConfig:
         """The model's shape without loading it (a checkpoint's from its config or headers)."""
@@ -95,7 +96,8 @@ class ModelSpec:
             from ..fp8 import apply_linear_mode
 
             apply_linear_mode(model, self.linears, device)
-        model.set_attention_window(self.attention_window).set_attention_backend(self.attention)
+        model.set_attention_window(self.attention_window, self.attention_window_dense_steps)
+        model.set_attention_backend(self.attention)
         if self.compile:
             model.compile_blocks()
         return model
