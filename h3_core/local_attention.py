@@ -56,8 +56,7 @@ def check_backend(backend: str) -> None:
     """Refuse, before any work, a backend that cannot run the window: not one of WINDOW_BACKENDS, or a
     FlashAttention 3 build without its sliding-window kernels (a tiny call on the GPU tells)."""
     if backend not in WINDOW_BACKENDS:
-        raise ValueError(f"The attention window runs on the {', '.join(WINDOW_BACKENDS)} attention backends; "
-                         f"{backend!r} is chosen.")
+        raise _not_a_window_backend(backend)
     if backend.startswith("flash3") and torch.cuda.is_available():
         q = torch.zeros(1, 256, 1, 128, dtype=torch.bfloat16, device="cuda")
         try:
@@ -68,6 +67,11 @@ def check_backend(backend: str) -> None:
             raise ValueError("This FlashAttention 3 build has no sliding-window kernels (it was built with "
                              "FLASH_ATTENTION_DISABLE_LOCAL): rebuild it without that switch (README), or run the "
                              "window on the sdpa backend.") from error
+
+
+def _not_a_window_backend(backend: str) -> ValueError:
+    return ValueError(f"The attention window runs on the {', '.join(WINDOW_BACKENDS)} attention backends; "
+                      f"{backend!r} is chosen.")
 
 
 def window_mask(query_rows: range, key_rows: range, window: VideoWindow) -> torch.Tensor:
@@ -82,8 +86,7 @@ def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        window: VideoWindow) -> torch.Tensor:
     """[B, S, H, D] in and out; rows before `window.start` get full attention, target rows the window."""
     if backend not in WINDOW_BACKENDS:
-        raise ValueError(f"The attention window runs on the {', '.join(WINDOW_BACKENDS)} attention backends; "
-                         f"{backend!r} is chosen.")
+        raise _not_a_window_backend(backend)
     start = window.start
     if backend == "sdpa":
         target = _sdpa_windowed(query[:, start:], key, value, window)
