@@ -9,9 +9,9 @@ Backends: "sdpa" (torch; picks cuDNN / flash / efficient kernels itself, exact),
 (FlashAttention 2, exact, if `flash_attn` is importable), "sage" (SageAttention, 8-bit QK: lossy,
 opt-in only), "int8qk-fp8pv-lossy" (our Triton kernel, attention_8bit.py: int8 QK and FP8 PV on
 CUDA; lossy, opt-in) and "flash3-fp8-lossy" (FlashAttention 3's FP8 forward on q, k, v quantized per
-head; lossy, opt-in). Kernels from packages run as one opaque op (`h3::kernel_attention`, and
-`h3::flash3_fp8_attention` after the quantization, which compiled blocks fuse into their RoPE kernels),
-which torch.compile calls without tracing into them. "auto" takes the fastest exact one available for the
+head; lossy, opt-in). Kernels from packages run as one opaque op (`h3::kernel_attention`; FlashAttention
+3 as `h3::flash3`, which also serves its FP8 forward after the quantization, fused by compiled blocks,
+and the window's sliding-window calls), which torch.compile calls without tracing into them. "auto" takes the fastest exact one available for the
 device: on Hopper FlashAttention 3, then 4 (H200, 38k rows: 699 and 687 TFLOP/s), on Blackwell
 FlashAttention 4, else SDPA (572 TFLOP/s with cuDNN on the H200; FlashAttention 2 368).
 A `window` (local_attention.py, lossy, opt-in) limits the target video rows to nearby video rows.
@@ -106,9 +106,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backe
     if backend == "sdpa":
         out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
         return out.transpose(1, 2)
-    if backend == "flash3-fp8-lossy":  # quantized here, so a compiled block fuses it into the RoPE kernel
-        (q, q_descale), (k, k_descale), (v, v_descale) = (fp8_per_head(t) for t in (query, key, value))
-        return torch.ops.h3.flash3_fp8_attention(q, k, v, q_descale, k_descale, v_descale).to(query.dtype)
+    if backend in ("flash3", "flash3-fp8-lossy"):
+        (q, k, v), descales = flash3_inputs(query, key, value, fp8=backend == "flash3-fp8-lossy")
+        return torch.ops.h3.flash3(q, k, v, -1, *descales)[0].to(query.dtype)
     if backend == "int8qk-fp8pv-lossy":
         from .attention_8bit import int8qk_fp8pv_attention
 
@@ -124,10 +124,6 @@ def _kernel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     instead of tracing the Python (CuTe DSL, ctypes, Triton launchers) behind it."""
     if backend == "flash4":
         return _flash4(query, key, value)
-    if backend == "flash3":
-        import flash_attn_interface
-
-        return _first(flash_attn_interface.flash_attn_func(query, key, value, causal=False))
     if backend == "flash":
         import flash_attn
 
@@ -180,16 +176,35 @@ def fp8_per_head(tensor: torch.Tensor, heads_per_chunk: int = 8) -> tuple[torch.
     return quantized, 1.0 / scale
 
 
-@torch.library.custom_op("h3::flash3_fp8_attention", mutates_args=())
-def _flash3_fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_descale: torch.Tensor,
-                          k_descale: torch.Tensor, v_descale: torch.Tensor) -> torch.Tensor:
-    """FlashAttention 3's FP8 forward on e4m3 q, k, v [B, S, H, D] with fp32 descales [B, H]; bf16 out."""
+def flash3_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, fp8: bool):
+    """(q, k, v), (their descales) as `h3::flash3` takes them: e4m3 with one scale per head for the FP8
+    forward (quantized outside the op, so a compiled block fuses it into its RoPE kernel), else as given."""
+    if not fp8:
+        return (query, key, value), (None, None, None)
+    (q, q_descale), (k, k_descale), (v, v_descale) = (fp8_per_head(t) for t in (query, key, value))
+    return (q, k, v), (q_descale, k_descale, v_descale)
+
+
+@torch.library.custom_op("h3::flash3", mutates_args=())
+def _flash3(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, radius: int, q_descale: torch.Tensor | None,
+            k_descale: torch.Tensor | None, v_descale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention 3 on q [B, Sq, H, D] and k, v [B, Sk, H, D] (bf16 / fp16, or e4m3 with fp32 descales
+    [B, H]). radius -1: every key; else a sliding window, keys within `radius` positions of the query
+    (rows aligned at their start). Returns (out: the inputs' dtype, bf16 for e4m3; fp32 log-sum-exp
+    [B, H, Sq], which FA3 computes anyway)."""
     import flash_attn_interface
 
-    return _first(flash_attn_interface.flash_attn_func(query, key, value, causal=False, q_descale=q_descale,
-                                                       k_descale=k_descale, v_descale=v_descale))
+    if radius >= 0 and key.shape[1] != query.shape[1]:
+        raise ValueError("A windowed FlashAttention 3 call needs as many key rows as query rows.")
+    out, lse = flash_attn_interface.flash_attn_func(query, key, value, causal=False, window_size=(radius, radius),
+                                                    q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                                    return_attn_probs=True)
+    return out, lse
 
 
-@_flash3_fp8_attention.register_fake
-def _(query, key, value, q_descale, k_descale, v_descale):
-    return torch.empty(query.shape, dtype=torch.bfloat16, device=query.device)
+@_flash3.register_fake
+def _(query, key, value, radius, q_descale, k_descale, v_descale):
+    batch, rows, heads, _ = query.shape
+    dtype = torch.bfloat16 if query.dtype == torch.float8_e4m3fn else query.dtype
+    return (torch.empty(query.shape, dtype=dtype, device=query.device),
+            torch.empty(batch, heads, rows, dtype=torch.float32, device=query.device))

@@ -16,6 +16,7 @@ the same thing in query chunks with a boolean mask (correct anywhere, not faster
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,16 +58,24 @@ def check_backend(backend: str) -> None:
     FlashAttention 3 build without its sliding-window kernels (a tiny call on the GPU tells)."""
     if backend not in WINDOW_BACKENDS:
         raise _not_a_window_backend(backend)
-    if backend.startswith("flash3") and torch.cuda.is_available():
-        q = torch.zeros(1, 256, 1, 128, dtype=torch.bfloat16, device="cuda")
-        try:
-            torch.ops.h3.flash3_partial(q, q, q, 64, None, None, None)
-        except RuntimeError as error:
-            if "local attention" not in str(error):
-                raise
-            raise ValueError("This FlashAttention 3 build has no sliding-window kernels (it was built with "
-                             "FLASH_ATTENTION_DISABLE_LOCAL): rebuild it without that switch (README), or run the "
-                             "window on the sdpa backend.") from error
+    if backend.startswith("flash3") and torch.cuda.is_available() and not _flash3_has_windows():
+        raise ValueError("This FlashAttention 3 build has no sliding-window kernels (it was built with "
+                         "FLASH_ATTENTION_DISABLE_LOCAL): rebuild it without that switch (README), or run the "
+                         "window on the sdpa backend.")
+
+
+@functools.cache
+def _flash3_has_windows() -> bool:
+    """Whether the installed FlashAttention 3 was built with its sliding-window kernels: one tiny call on
+    the GPU, once a process."""
+    q = torch.zeros(1, 256, 1, 128, dtype=torch.bfloat16, device="cuda")
+    try:
+        torch.ops.h3.flash3(q, q, q, 64, None, None, None)
+    except RuntimeError as error:
+        if "local attention" not in str(error):
+            raise
+        return False
+    return True
 
 
 def _not_a_window_backend(backend: str) -> ValueError:
@@ -87,25 +96,21 @@ def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     """[B, S, H, D] in and out; rows before `window.start` get full attention, target rows the window."""
     if backend not in WINDOW_BACKENDS:
         raise _not_a_window_backend(backend)
-    start = window.start
+    start, dtype = window.start, query.dtype
     if backend == "sdpa":
         target = _sdpa_windowed(query[:, start:], key, value, window)
         prefix = _sdpa(query[:, :start], key, value)
-    else:
-        if backend == "flash3-fp8-lossy":  # one scale per head over all rows, then slices of it
-            from .attention import fp8_per_head  # (attention.py imports this module)
+    else:  # FP8: one scale per head over all rows, then slices of it
+        from .attention import flash3_inputs  # (attention.py imports this module)
 
-            (query, q_scale), (key, k_scale), (value, v_scale) = (fp8_per_head(t) for t in (query, key, value))
-            scales = (q_scale, k_scale, v_scale)
-        else:
-            scales = (None, None, None)
-        target, near_lse = torch.ops.h3.flash3_partial(query[:, start:], key[:, start:], value[:, start:], window.radius, *scales)
+        (query, key, value), scales = flash3_inputs(query, key, value, fp8=backend == "flash3-fp8-lossy")
+        target, near_lse = torch.ops.h3.flash3(query[:, start:], key[:, start:], value[:, start:], window.radius, *scales)
         if start == 0:  # no rows before the target video
-            return target
-        far, far_lse = torch.ops.h3.flash3_partial(query[:, start:], key[:, :start], value[:, :start], -1, *scales)
+            return target.to(dtype)
+        far, far_lse = torch.ops.h3.flash3(query[:, start:], key[:, :start], value[:, :start], -1, *scales)
         target = merge_partials(target, near_lse, far, far_lse)
-        prefix, _ = torch.ops.h3.flash3_partial(query[:, :start], key, value, -1, *scales)
-    return torch.cat([prefix, target.to(prefix.dtype)], dim=1)
+        prefix, _ = torch.ops.h3.flash3(query[:, :start], key, value, -1, *scales)
+    return torch.cat([prefix.to(dtype), target.to(dtype)], dim=1)
 
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
@@ -137,27 +142,3 @@ def _sdpa_windowed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         mask = torch.cat([torch.ones(last - first, start, dtype=torch.bool), near], dim=1).to(query.device)
         outs.append(_sdpa(query[:, first - start:last - start], keys, values, mask))
     return torch.cat(outs, dim=1)
-
-
-@torch.library.custom_op("h3::flash3_partial", mutates_args=())
-def _flash3_partial(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, radius: int,
-                    q_descale: torch.Tensor | None, k_descale: torch.Tensor | None,
-                    v_descale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """FlashAttention 3 over query/key rows aligned at their start (radius -1: all keys; else keys
-    within `radius` positions), returning (bf16 out [B, Sq, H, D], fp32 log-sum-exp [B, H, Sq])."""
-    import flash_attn_interface
-
-    window = (radius, radius) if radius >= 0 else (-1, -1)
-    if radius >= 0 and key.shape[1] != query.shape[1]:
-        raise ValueError("A windowed FlashAttention 3 call needs as many key rows as query rows.")
-    out, lse = flash_attn_interface.flash_attn_func(query, key, value, causal=False, window_size=window,
-                                                    q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                                                    return_attn_probs=True)
-    return out.to(torch.bfloat16), lse
-
-
-@_flash3_partial.register_fake
-def _(query, key, value, radius, q_descale, k_descale, v_descale):
-    batch, rows, heads, _ = query.shape
-    return (torch.empty(query.shape, dtype=torch.bfloat16, device=query.device),
-            torch.empty(batch, heads, rows, dtype=torch.float32, device=query.device))

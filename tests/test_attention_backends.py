@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from fa3_stand_in import FA3_STAND_IN
+
 from h3_core import attention as attention_module
 from h3_core.attention import attention, available_backends, resolve_backend
 
@@ -92,21 +94,6 @@ def test_a_missing_backend_names_the_package_to_install():
                 resolve_backend(name)
 
 
-FA3_STAND_IN = '''
-import torch
-import torch.nn.functional as F
-
-CALLS = []
-
-def flash_attn_func(q, k, v, causal=False, q_descale=None, k_descale=None, v_descale=None):
-    CALLS.append((q.dtype, q_descale is not None))
-    if q_descale is not None:  # dequantize as the FP8 kernel's scales do
-        q, k, v = (t.float() * d[:, None, :, None] for t, d in ((q, q_descale), (k, k_descale), (v, v_descale)))
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
-    return out.to(torch.bfloat16)
-'''
-
-
 def test_fp8_per_head_in_chunks_equals_all_heads_at_once():
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(2, 40, 19, 16, generator=g) * torch.rand(19, generator=g)[None, None, :, None] * 9).bfloat16()
@@ -149,8 +136,8 @@ def test_flash3_fp8_is_lossy_opt_in_and_close(tmp_path, monkeypatch):
     calls = len(flash_attn_interface.CALLS)
     compiled = torch.compile(lambda a, b, c: attention(a, b, c, "flash3-fp8-lossy"), fullgraph=True)
     assert torch.equal(compiled(q, k, v), got) and len(flash_attn_interface.CALLS) > calls
-    meta = torch.ops.h3.flash3_fp8_attention(*(t.to("meta", torch.float8_e4m3fn) for t in (q, k, v)),
-                                             *(torch.ones(1, 2, device="meta") for _ in range(3)))
+    meta, _ = torch.ops.h3.flash3(*(t.to("meta", torch.float8_e4m3fn) for t in (q, k, v)), -1,
+                                  *(torch.ones(1, 2, device="meta") for _ in range(3)))
     assert meta.shape == q.shape and meta.dtype == torch.bfloat16
     sys.modules.pop("flash_attn_interface", None)
 

@@ -244,3 +244,12 @@ def test_vae_loader_weight_dtype_follows_the_reference_policy(comfy, tmp_path):
         assert decoder_block.attn.to_qkv.weight.dtype == expected and decoder_block.ff.w1.weight.dtype == expected
         assert decoder_block.norm1.weight.dtype == torch.float32 == vae.video.encoder.conv_in.weight.dtype
         assert {p.dtype for p in vae.audio.parameters()} == {torch.float32}
+
+
+def test_model_loader_sets_the_attention_window(comfy):
+    loader = comfy.loaders.H3ModelLoader
+    model = loader.execute("tiny-random", "", "fl2va", "bf16", "auto", attention_window_lossy=4,
+                           attention_window_dense_steps=5).values[0]
+    assert (model.dit.attention_window, model.dit.attention_window_dense_steps) == (4, 5)
+    assert model.dit.blocks[0].attn.backend == "sdpa"
+    assert loader.execute("tiny-random", "", "fl2va", "bf16", "auto").values[0].dit.attention_window == 0
