@@ -65,6 +65,7 @@ def test_a_flash4_that_cannot_import_is_not_offered(fake_flash4):
 @pytest.mark.parametrize("major, expected", [(9, "flash4"), (10, "flash4"), (8, "sdpa"), (12, "sdpa")])
 def test_auto_prefers_flash4_on_hopper_and_blackwell(fake_flash4, monkeypatch, major, expected):
     fake_flash4(STAND_IN)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # no FlashAttention 3 (a GPU machine may have one)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
     assert resolve_backend("auto", "cuda:0") == expected
     assert resolve_backend("auto", "cpu") == "sdpa"
