@@ -32,6 +32,7 @@ from .rope import apply_rope
 from .config import DiTConfig
 
 MODALITIES = 3  # AdaLN table rows per timestep: 0 video, 1 text, 2 audio
+_COMPILED_TABLE_ROWS = MODALITIES * 4  # a step's distinct timesteps are at most its four row clocks (layout.RowClock)
 FP32_MODULES = ("video_patch_proj", "audio_patch_proj", "time_embedder", "final_layer.video_out", "final_layer.audio_out")
 
 
@@ -233,16 +234,20 @@ def _visiting(module: nn.Module, device: torch.device):
 
 class _CompiledForward:
     """A block's compiled forward, used while none of its submodules carries a hook: the graph does not
-    see hooks added after it was traced (dynamic LoRA adapters), so such a block runs its eager forward."""
+    see hooks added after it was traced (dynamic LoRA adapters), so such a block runs its eager forward.
+
+    The graph is traced for a table of `_COMPILED_TABLE_ROWS` rows: a step has 1 to 4 distinct timesteps
+    (the first step of a text-to-video run has 1, the rest 2), and each count would otherwise compile its
+    own graph. The zero rows it adds are never picked (adaln_index < the real row count)."""
 
     def __init__(self, block: nn.Module, compiled):
         self.block, self.eager, self.compiled = block, block.forward, compiled
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, x, table, adaln_index, rope, window=None):
         inner = (module for module in self.block.modules() if module is not self.block)
         if any(module._forward_hooks or module._forward_pre_hooks for module in inner):
-            return self.eager(*args, **kwargs)
-        return self.compiled(*args, **kwargs)
+            return self.eager(x, table, adaln_index, rope, window)
+        return self.compiled(x, F.pad(table, (0, 0, 0, _COMPILED_TABLE_ROWS - table.shape[0])), adaln_index, rope, window)
 
 
 class H3DiT(nn.Module):

@@ -109,7 +109,7 @@ def test_worker_model_spec_compiles_when_asked(monkeypatch):
 
 
 def test_compiled_blocks_share_one_graph_and_respect_hooks_added_later(tmp_path):
-    """compile_blocks: one graph serves every block; block-level hooks (streaming) run around it; a
+    """compile_blocks: one graph serves every block and every step's timestep count; block-level hooks (streaming) run around it; a
     block whose submodules gained hooks after tracing (a dynamic LoRA) runs eagerly, so the adapter is
     never silently skipped; once removed, the graph is used again."""
     from dataclasses import replace
@@ -142,6 +142,10 @@ def test_compiled_blocks_share_one_graph_and_respect_hooks_added_later(tmp_path)
         plain = eager_model(**inputs)
         assert close(model(**inputs), plain)
         assert counters["stats"]["unique_graphs"] == 1  # three blocks, one graph
+        one_timestep = dict(inputs, **dict(zip(("timesteps", "timestep_indices"), layout.row_timesteps(0.5, 0.5))))
+        assert one_timestep["timesteps"].numel() == 1 and timesteps.numel() == 2  # a first step's count, then the rest's
+        assert close(model(**one_timestep), eager_model(**one_timestep))
+        assert counters["stats"]["unique_graphs"] == 1  # and still one graph
         apply_loras(eager_model, [(lora, 0.8)], partition="fl2va", mode="dynamic")
         apply_loras(model, [(lora, 0.8)], partition="fl2va", mode="dynamic")
         adapted = eager_model(**inputs)
