@@ -196,10 +196,32 @@ def _flash3(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, radius:
 
     if radius >= 0 and key.shape[1] != query.shape[1]:
         raise ValueError("A windowed FlashAttention 3 call needs as many key rows as query rows.")
+    rows = query.shape[1]
+    if radius < 0:
+        query = pad_to_even_query_tiles(query)
     out, lse = flash_attn_interface.flash_attn_func(query, key, value, causal=False, window_size=(radius, radius),
                                                     q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                                                     return_attn_probs=True)
+    if out.shape[1] != rows:
+        out, lse = out[:, :rows].contiguous(), lse[:, :, :rows].contiguous()
     return out, lse
+
+
+FLASH3_QUERY_TILE = 128  # FlashAttention 3's query tile on Hopper at head_dim 128, bf16 / fp16
+
+
+def pad_to_even_query_tiles(query: torch.Tensor) -> torch.Tensor:
+    """q with zero rows appended (< 128) so FlashAttention 3 sees an even number of query tiles. Only then
+    does its full-attention forward pair CTAs in 2-CTA clusters that share each K/V load (in a build with
+    clusters, the default). On an H200 a compiled 124-frame forward (38,222 rows, 299 tiles) went from
+    5.144 to 5.111 s with the copy of q included (bench/RESULTS.md)."""
+    if query.dtype not in (torch.bfloat16, torch.float16) or query.shape[-1] != 128:
+        return query  # other tiles; and FA3 pairs 8-bit CTAs only at head_dim 192
+    tiles = -(-query.shape[1] // FLASH3_QUERY_TILE)
+    if tiles % 2 == 0:
+        return query
+    padding = (tiles + 1) * FLASH3_QUERY_TILE - query.shape[1]
+    return torch.cat([query, query.new_zeros(query.shape[0], padding, *query.shape[2:])], dim=1)
 
 
 @_flash3.register_fake

@@ -5,10 +5,12 @@ FA3_STAND_IN = '''
 import torch
 
 CALLS = []
+QUERY_ROWS = []
 
 def flash_attn_func(q, k, v, causal=False, q_descale=None, k_descale=None, v_descale=None, window_size=(-1, -1),
                     return_attn_probs=False):
     CALLS.append((q.dtype, q_descale is not None))
+    QUERY_ROWS.append(q.shape[1])
     dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
     if q_descale is not None:  # dequantize as the FP8 kernel's scales do
         q, k, v = (t.float() * d[:, None, :, None] for t, d in ((q, q_descale), (k, k_descale), (v, v_descale)))

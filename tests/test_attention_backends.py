@@ -143,6 +143,32 @@ def test_flash3_fp8_is_lossy_opt_in_and_close(tmp_path, monkeypatch):
     sys.modules.pop("flash_attn_interface", None)
 
 
+def test_flash3_pads_queries_to_an_even_tile_count(tmp_path, monkeypatch):
+    """FA3 pairs CTAs into clusters only for an even number of 128-row query tiles: odd counts get zero
+    query rows appended, which are cut from the result (out and log-sum-exp, contiguous as declared)."""
+    (tmp_path / "flash_attn_interface.py").write_text(FA3_STAND_IN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn_interface", raising=False)
+    import flash_attn_interface
+
+    g = torch.Generator().manual_seed(3)
+    for rows, sent in ((100, 256), (300, 512), (256, 256), (200, 200)):
+        q, k, v = (torch.randn(1, rows, 2, 128, generator=g).bfloat16() for _ in range(3))
+        out, lse = torch.ops.h3.flash3(q, k, v, -1, None, None, None)
+        assert flash_attn_interface.QUERY_ROWS[-1] == sent
+        assert out.shape == q.shape and lse.shape == (1, 2, rows) and out.is_contiguous() and lse.is_contiguous()
+        assert torch.allclose(out.float(), attention(q, k, v, "sdpa").float(), atol=2e-2)
+        compiled = torch.compile(lambda a, b, c: torch.ops.h3.flash3(a, b, c, -1, None, None, None)[0], fullgraph=True)
+        assert torch.equal(compiled(q, k, v), out)
+    q, k, v = (torch.randn(1, 100, 2, 64, generator=g).bfloat16() for _ in range(3))
+    torch.ops.h3.flash3(q, k, v, -1, None, None, None)  # head_dim 64: other tiles, left as it is
+    assert flash_attn_interface.QUERY_ROWS[-1] == 100
+    q, k, v = (torch.randn(1, 100, 2, 128, generator=g).bfloat16() for _ in range(3))
+    torch.ops.h3.flash3(q, k, v, 8, None, None, None)  # a window: FA3 never pairs CTAs there
+    assert flash_attn_interface.QUERY_ROWS[-1] == 100
+    sys.modules.pop("flash_attn_interface", None)
+
+
 @pytest.mark.parametrize("major, expected", [(9, "flash3"), (10, "flash4"), (8, "sdpa")])
 def test_auto_prefers_flash3_then_flash4_on_hopper(fake_flash4, tmp_path, monkeypatch, major, expected):
     fake_flash4(STAND_IN)

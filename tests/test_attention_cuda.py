@@ -1,6 +1,6 @@
 """Exact attention kernels on a CUDA device agree with torch's SDPA, alone and inside the DiT (eager and
 compiled). Skipped without CUDA (CI has none) or without the kernel's package; run on a GPU machine with
-flash-attn-4 installed: `python -m pytest tests/test_attention_cuda.py`."""
+flash-attn-4 or FlashAttention 3 installed: `python -m pytest tests/test_attention_cuda.py`."""
 
 from dataclasses import replace
 
@@ -27,6 +27,18 @@ def test_flash4_matches_sdpa(rows, head_dim):
     q, k, v = (torch.randn(1, rows, 4, head_dim, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
     expected = attention(q, k, v, "sdpa").float()
     got = attention(q, k, v, "flash4").float()
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() < 2e-3
+    assert F.cosine_similarity(got.flatten(), expected.flatten(), dim=0).item() > 0.99999
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or "flash3" not in available_backends(), reason="needs FlashAttention 3")
+@pytest.mark.parametrize("rows", [4099, 4352, 38222])  # 33 query tiles (odd: q is padded), 34, 299
+def test_flash3_matches_sdpa(rows):
+    g = torch.Generator("cuda").manual_seed(3)
+    q, k, v = (torch.randn(1, rows, 4, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    expected = attention(q, k, v, "sdpa").float()
+    got = attention(q, k, v, "flash3").float()
     assert got.shape == expected.shape
     assert (got - expected).abs().max().item() < 2e-3
     assert F.cosine_similarity(got.flatten(), expected.flatten(), dim=0).item() > 0.99999
