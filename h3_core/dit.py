@@ -247,7 +247,8 @@ class _CompiledForward:
         inner = (module for module in self.block.modules() if module is not self.block)
         if any(module._forward_hooks or module._forward_pre_hooks for module in inner):
             return self.eager(x, table, adaln_index, rope, window)
-        return self.compiled(x, F.pad(table, (0, 0, 0, _COMPILED_TABLE_ROWS - table.shape[0])), adaln_index, rope, window)
+        padded = F.pad(table, (0, 0, 0, max(0, _COMPILED_TABLE_ROWS - table.shape[0])))  # never cut a larger table
+        return self.compiled(x, padded, adaln_index, rope, window)
 
 
 class H3DiT(nn.Module):
