@@ -109,9 +109,9 @@ def test_worker_model_spec_compiles_when_asked(monkeypatch):
 
 
 def test_compiled_blocks_share_one_graph_and_respect_hooks_added_later(tmp_path):
-    """compile_blocks: one graph serves every block and every step's timestep count; block-level hooks (streaming) run around it; a
-    block whose submodules gained hooks after tracing (a dynamic LoRA) runs eagerly, so the adapter is
-    never silently skipped; once removed, the graph is used again."""
+    """compile_blocks: one graph serves every block and every step's timestep count; block-level hooks
+    (streaming) run around it; a block whose submodules gained hooks after tracing (a dynamic LoRA) runs
+    eagerly, so the adapter is never silently skipped; once removed, the graph is used again."""
     from dataclasses import replace
 
     from lora_files import fused, random_spec, write_native
