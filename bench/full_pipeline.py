@@ -20,6 +20,7 @@ import argparse
 import copy
 import gc
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -137,6 +138,7 @@ def main():
     rows = []
 
     encoder, row = stage("text encoder build (random, stands for the load)", device, lambda: text_encoder(folder, device, dtype, args.tiny))
+    shutil.rmtree(folder, ignore_errors=True)  # the tokenizer and processor are loaded
     rows.append(row)
     video_config = TINY_VIDEO_VAE if args.tiny else VideoVAEConfig()
     audio_config = AudioVAEConfig(encoder_dim=4, latent_dim=64, decoder_dim=256) if args.tiny else AudioVAEConfig()

@@ -179,16 +179,18 @@ def random_model(config: dict, seed: int = 7):
 
 
 def tiny_random_text_encoder(hidden: int = 48, device="cpu", seed: int = 7):
-    """The demo's text encoder, written once per process to a temporary folder and loaded through the
-    real loader (so the demo runs the same code path as real weights)."""
+    """The demo's text encoder, written to a temporary folder and loaded through the real loader (so the
+    demo runs the same code path as real weights). The folder is removed once loaded: every demo run and
+    every ComfyUI load of the tiny model would otherwise leave 3.5 MB behind in the temp directory."""
     from transformers.utils import logging as transformers_logging
 
     from .text import load_text_encoder
 
     transformers_logging.disable_progress_bar()  # no "Writing model shards" bar in the demo's output
-    folder = Path(tempfile.mkdtemp(prefix="h3-tiny-text-"))
-    write_tokenizer(folder)
-    write_processor(folder, nested=True)
-    model = random_model(config_dict(folder, layers=50, hidden=hidden), seed)
-    model.save_pretrained(str(folder), safe_serialization=True)
-    return load_text_encoder(folder, dtype=torch.float32, device=device)
+    with tempfile.TemporaryDirectory(prefix="h3-tiny-text-", ignore_cleanup_errors=True) as name:
+        folder = Path(name)
+        write_tokenizer(folder)
+        write_processor(folder, nested=True)
+        model = random_model(config_dict(folder, layers=50, hidden=hidden), seed)
+        model.save_pretrained(str(folder), safe_serialization=True)
+        return load_text_encoder(folder, dtype=torch.float32, device=device)

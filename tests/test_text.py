@@ -676,3 +676,17 @@ def test_generate_streams_a_text_encoder_that_does_not_fit(tiny, monkeypatch):
     calls.clear()
     pipeline.load_text_encoder_for(source, pipeline.GenerateSettings(device="cpu"), notes.append)
     assert calls == [("load", "cpu")]
+
+
+def test_demo_text_encoder_leaves_no_temporary_folder(tmp_path, monkeypatch):
+    """The tiny model's encoder is written to a temporary folder for the real loader, then the folder goes
+    (each demo run and each ComfyUI load left 3.5 MB in /tmp before); the encoder works without it."""
+    import tempfile
+
+    from h3_core.tiny_text import tiny_random_text_encoder
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    encoder = tiny_random_text_encoder()
+    assert not list(tmp_path.glob("h3-tiny-text-*"))
+    states = encoder.encode(encoder.present("t2va", "a fox trots along the beach")).prompt_embeds
+    assert states.shape[-1] == 48 and torch.isfinite(states).all()
