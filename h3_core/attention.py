@@ -88,6 +88,12 @@ def resolve_backend(requested: str = "auto", device: torch.device | str | None =
     return requested
 
 
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """torch's scaled_dot_product_attention on [B, S, H, D] in and out (it takes heads first)."""
+    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask)
+    return out.transpose(1, 2)
+
+
 def _runs_window(name: str) -> bool:
     try:
         check_window_backend(name)
@@ -104,8 +110,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backe
     if window is not None:
         return windowed_attention(query, key, value, backend, window)
     if backend == "sdpa":
-        out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
-        return out.transpose(1, 2)
+        return sdpa(query, key, value)
     if backend in ("flash3", "flash3-fp8-lossy"):
         (q, k, v), descales = flash3_inputs(query, key, value, fp8=backend == "flash3-fp8-lossy")
         return torch.ops.h3.flash3(q, k, v, -1, *descales)[0].to(query.dtype)

@@ -30,9 +30,10 @@ from .attention import attention, resolve_backend
 from .local_attention import VideoWindow, check_backend as check_window_backend, check_setting as check_window_setting
 from .rope import apply_rope
 from .config import DiTConfig
+from .layout import RowClock
 
 MODALITIES = 3  # AdaLN table rows per timestep: 0 video, 1 text, 2 audio
-_COMPILED_TABLE_ROWS = MODALITIES * 4  # a step's distinct timesteps are at most its four row clocks (layout.RowClock)
+_COMPILED_TABLE_ROWS = MODALITIES * len(RowClock)  # a step has at most one distinct timestep per row clock
 FP32_MODULES = ("video_patch_proj", "audio_patch_proj", "time_embedder", "final_layer.video_out", "final_layer.audio_out")
 
 
@@ -237,8 +238,8 @@ class _CompiledForward:
     see hooks added after it was traced (dynamic LoRA adapters), so such a block runs its eager forward.
 
     The graph is traced for a table of `_COMPILED_TABLE_ROWS` rows: a step has 1 to 4 distinct timesteps
-    (the first step of a text-to-video run has 1, the rest 2), and each count would otherwise compile its
-    own graph. The zero rows it adds are never picked (adaln_index < the real row count)."""
+    (one per row clock in use; the first step of a text-to-video run has 1, the rest 2), and each count
+    would otherwise compile its own graph. The zero rows it adds are never picked (adaln_index < the real row count)."""
 
     def __init__(self, block: nn.Module, compiled):
         self.block, self.eager, self.compiled = block, block.forward, compiled

@@ -20,7 +20,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 WINDOW_BACKENDS = ("sdpa", "flash3", "flash3-fp8-lossy")
 
@@ -94,15 +93,15 @@ def window_mask(query_rows: range, key_rows: range, window: VideoWindow) -> torc
 def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backend: str,
                        window: VideoWindow) -> torch.Tensor:
     """[B, S, H, D] in and out; rows before `window.start` get full attention, target rows the window."""
+    from .attention import flash3_inputs, sdpa  # (attention.py imports this module)
+
     if backend not in WINDOW_BACKENDS:
         raise _not_a_window_backend(backend)
     start, dtype = window.start, query.dtype
     if backend == "sdpa":
         target = _sdpa_windowed(query[:, start:], key, value, window)
-        prefix = _sdpa(query[:, :start], key, value)
+        prefix = sdpa(query[:, :start], key, value)
     else:  # FP8: one scale per head over all rows, then slices of it
-        from .attention import flash3_inputs  # (attention.py imports this module)
-
         (query, key, value), scales = flash3_inputs(query, key, value, fp8=backend == "flash3-fp8-lossy")
         target, near_lse = torch.ops.h3.flash3(query[:, start:], key[:, start:], value[:, start:], window.radius, *scales)
         if start == 0:  # no rows before the target video
@@ -122,14 +121,10 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
     return out_a.float() * weight_a + out_b.float() * weight_b
 
 
-def _sdpa(query, key, value, mask=None):
-    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask)
-    return out.transpose(1, 2)
-
-
 def _sdpa_windowed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: VideoWindow) -> torch.Tensor:
     """Target queries [B, S - start, H, D] in chunks of `radius` rows: each against the prefix keys and
     the target keys that can fall in its window, masked."""
+    from .attention import sdpa
     start, radius, rows = window.start, window.radius, key.shape[1]
     chunk = max(radius, 64)
     outs = []
@@ -140,5 +135,5 @@ def _sdpa_windowed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         values = torch.cat([value[:, :start], value[:, low:high]], dim=1)
         near = window_mask(range(first, last), range(low, high), window)
         mask = torch.cat([torch.ones(last - first, start, dtype=torch.bool), near], dim=1).to(query.device)
-        outs.append(_sdpa(query[:, first - start:last - start], keys, values, mask))
+        outs.append(sdpa(query[:, first - start:last - start], keys, values, mask))
     return torch.cat(outs, dim=1)
