@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=TINY_RANDOM,
                      help=f"release root or partition folder, diffusers folder, Hub repo id, or '{TINY_RANDOM}' (default)")
     gen.add_argument("--task", default="t2va", choices=["t2va", "fl2va", "ref2va"])
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", help="the prompt (required, except with --long-video and --window-prompt: then "
+                                      "the windows' prompts are all there is)")
     gen.add_argument("--first-image", type=Path, help="fl2va: the first keyframe")
     gen.add_argument("--last-image", type=Path, help="fl2va: the last keyframe")
     gen.add_argument("--ref", action="append", default=[], metavar="KIND=PATH[@START]",
@@ -174,6 +175,16 @@ def _lora(spec: str) -> tuple[Path, float]:
     return Path(spec), 1.0
 
 
+def _prompt(args) -> str:
+    """--prompt, or with --long-video and --window-prompt but no --prompt the first window's prompt (each
+    window then uses its own; the long-video plan checks their count)."""
+    if args.prompt is not None:
+        return args.prompt
+    if args.long_video and args.window_prompt:
+        return args.window_prompt[0]
+    raise ValueError("Give --prompt TEXT (or, with --long-video, one --window-prompt TEXT per window).")
+
+
 def _long_video(args, request: Request) -> Request | LongVideoRequest:
     """--long-video and --drive-audio make a LongVideoRequest; without --long-video a driving track runs
     as one window within the usual 4-15 s."""
@@ -212,7 +223,7 @@ def run_generate(args) -> int:
     device = torch.device(devices[0] if devices else args.device)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     request = Request(
-        task=args.task, prompt=args.prompt, first_image=args.first_image, last_image=args.last_image,
+        task=args.task, prompt=_prompt(args), first_image=args.first_image, last_image=args.last_image,
         references=[_reference(spec) for spec in args.ref], aspect_ratio=args.aspect_ratio,
         width=args.width, height=args.height, duration=args.duration,
     )

@@ -215,7 +215,8 @@ def write_wav(path, seconds: float) -> None:
 def test_cli_long_video_with_window_prompts_and_drive_audio(tmp_path, capsys):
     write_wav(tmp_path / "track.wav", 12.0)  # shorter than the clip: padded with silence
     out = tmp_path / "long.safetensors"
-    argv = ["generate", "--long-video", "--duration", "20", "--steps", str(STEPS), "--prompt", PROMPT,
+    # as the README writes it: window prompts and no --prompt
+    argv = ["generate", "--long-video", "--duration", "20", "--steps", str(STEPS),
             "--window-prompt", "A fox walks.", "--window-prompt", "The fox runs.", "--drive-audio",
             str(tmp_path / "track.wav"), "--save-latents", str(out)]
     assert main(argv) == 0
@@ -248,6 +249,13 @@ def test_cli_refuses_bad_long_video_flags(tmp_path, capsys, extra, message):
     argv = ["generate", "--prompt", PROMPT, "--save-latents", str(tmp_path / "x.safetensors"), *extra]
     assert main(argv) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("extra", [[], ["--window-prompt", "a"], ["--long-video", "--duration", "20"]])
+def test_cli_without_any_prompt_says_which_flags_give_one(tmp_path, capsys, extra):
+    assert main(["generate", "--save-latents", str(tmp_path / "x.safetensors"), *extra]) == 2
+    assert "Give --prompt TEXT (or, with --long-video, one --window-prompt TEXT per window)" in capsys.readouterr().err
+    assert not (tmp_path / "x.safetensors").exists()
 
 
 def test_window_prompts_typed_one_per_line():
