@@ -20,7 +20,7 @@ puts the audio rows, unmixed, in front of the target audio rows.
 Choices where the sources leave room (each is a named constant below):
 - Duration: 4-15 s (the official range, as vLLM-Omni and SGLang accept; diffusers 0.42.1 checks 5-15 s
   on the aligned count). Seconds round to frames (`round(s * 24)`) and snap *up* to 17n + 5, so 4 s ->
-  107 frames and 15 s -> 362 (15.083 s); a frame count must snap to 107..362 (97..362 requested).
+  107 frames and 15 s -> 362 (15.083 s); a frame count must snap to 107..362 (91..362 requested).
   Default 5 s (124 frames).
 - Clip lengths are measured from a clip's `start_seconds` to its end, before it is truncated to the
   output; each 2-15 s, and video and audio references each <= 15 s in total, with 0.01 s of slack for
@@ -64,6 +64,7 @@ TASKS = ("t2va", "fl2va", "ref2va")
 MIN_SECONDS, MAX_SECONDS, DEFAULT_SECONDS = 4.0, 15.0, 5.0
 MIN_FRAMES = geometry.frames_for_duration(MIN_SECONDS)  # 107
 MAX_FRAMES = geometry.frames_for_duration(MAX_SECONDS)  # 362
+MIN_REQUESTED_FRAMES = MIN_FRAMES - geometry.FRAMES_PER_CHUNK + 1  # 91: the lowest count that snaps up to 107
 DEFAULT_ASPECT_RATIO = "16:9"
 AUTO_ASPECT_RATIOS = ("auto", "adaptive")
 MIN_CLIP_SECONDS, MAX_CLIP_SECONDS, MAX_TOTAL_CLIP_SECONDS = 2.0, 15.0, 15.0
@@ -136,7 +137,7 @@ def resolve_num_frames(duration: float | None = None, num_frames: int | None = N
             raise RequestError(
                 f"num_frames={count} is outside H3's {MIN_SECONDS:g}-{MAX_SECONDS:g} s range: at 24 fps it must "
                 f"snap up (to 17n + 5) to between {MIN_FRAMES} and {MAX_FRAMES} frames, i.e. be "
-                f"{MIN_FRAMES - geometry.FRAMES_PER_CHUNK + 1}..{MAX_FRAMES}."
+                f"{MIN_REQUESTED_FRAMES}..{MAX_FRAMES}."
             )
         return aligned
     seconds = DEFAULT_SECONDS if duration is None else duration

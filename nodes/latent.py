@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from h3_core import geometry
-from h3_core.conditioning import RequestError, resolve_num_frames
+from h3_core.conditioning import MAX_FRAMES, MIN_REQUESTED_FRAMES, RequestError, resolve_num_frames
 
 from .common import CATEGORY, H3Cond, H3Latent
 from .convert import empty_latent
@@ -27,7 +27,8 @@ class H3EmptyAVLatent(io.ComfyNode):
                              tooltip="Canvas height in pixels, a multiple of 32. Ignored when conditioning is connected."),
                 io.Int.Input("num_frames", default=124, min=1, max=geometry.FRAMES_PER_CHUNK * 21 + 5,
                              tooltip="Frames at 24 fps, snapped up to 17n + 5 (124 = 5.2 s); H3 takes 4-15 s "
-                                     "(97..362 frames). Ignored when conditioning is connected."),
+                                     f"({MIN_REQUESTED_FRAMES}..{MAX_FRAMES} frames). Ignored when conditioning is "
+                                     "connected."),
                 H3Cond.Input("conditioning", optional=True,
                              tooltip="Optional: take the size H3 Conditioning resolved (recommended: the sampler "
                                      "requires the latent and the conditioning to agree)."),

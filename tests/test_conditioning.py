@@ -35,6 +35,7 @@ from h3_core import geometry
 from h3_core.conditioning import (
     MAX_FRAMES,
     MIN_FRAMES,
+    MIN_REQUESTED_FRAMES,
     Conditioning,
     Request,
     RequestError,
@@ -403,6 +404,9 @@ def test_duration_table(seconds, frames, latents, audio):
 def test_frame_count_bounds():
     assert (MIN_FRAMES, MAX_FRAMES) == (107, 362)
     assert resolve_num_frames(num_frames=91) == 107  # the smallest count that snaps into range
+    assert MIN_REQUESTED_FRAMES == 91
+    with pytest.raises(RequestError, match="91..362"):
+        resolve_num_frames(num_frames=90)  # 90 = 17 * 5 + 5 is already aligned: 3.75 s
     assert resolve_num_frames(num_frames=346) == 362  # 362 = 15.083 s is accepted (vLLM-Omni, SGLang)
     assert resolve_num_frames() == 124
 
