@@ -187,23 +187,33 @@ def load_text_encoder(
     layer      the decoder layer whose output H3 reads: 50 for the released checkpoints.
     Only the embedding, the first `layer` decoder layers and the vision tower are read, cast to
     `dtype` and put on `device` one tensor at a time."""
+    source = locate_text_encoder_files(path, tokenizer, processor, layer)
+    presenter = Presenter(load_tokenizer(source.tokenizer_folder), VisionProcessor.from_folder(source.processor_folder))
+    qwen_config = qwen3vl_config(config if config is not None else source.config, layer)
+    _check_compatible(qwen_config, presenter)  # before reading ~51 GB of weights
+    model = load_qwen3vl(source, dtype, device, qwen_config, layer)
+    return TextEncoder(model, presenter, layer)
+
+
+def locate_text_encoder_files(path: str | Path, tokenizer: str | Path | None = None,
+                              processor: str | Path | None = None, layer: int = TEXT_ENCODER_LAYER):
+    """`locate_text_encoder`, refusing a source without its tokenizer or processor: a host calls it before
+    it makes room on the GPU or reads any weight."""
     source = locate_text_encoder(path, tokenizer, processor, layer)
     if source.tokenizer_folder is None:
         hint = (
-            " A single file carries none: pass tokenizer= the release's FL2VA/tokenizer (or FL2VA) folder."
+            " A single file carries none: give the release's FL2VA/tokenizer folder (or FL2VA/) as its tokenizer"
+            " (`tokenizer_folder` in the H3 Text Encoder Loader, `tokenizer=` in Python)."
             if (source.origin == "single file")
             else ""
         )
         raise CheckpointError(f"No tokenizer found for {path}.{hint}")
     if source.processor_folder is None:
         raise CheckpointError(
-            f"No Qwen3-VL processor config found for {path}; pass processor= the release's FL2VA/processor folder."
+            f"No Qwen3-VL processor config found for {path}; give the release's FL2VA/processor folder "
+            "(`processor=` in Python), or a tokenizer folder that has processor/ beside it."
         )
-    presenter = Presenter(load_tokenizer(source.tokenizer_folder), VisionProcessor.from_folder(source.processor_folder))
-    qwen_config = qwen3vl_config(config if config is not None else source.config, layer)
-    _check_compatible(qwen_config, presenter)  # before reading ~51 GB of weights
-    model = load_qwen3vl(source, dtype, device, qwen_config, layer)
-    return TextEncoder(model, presenter, layer)
+    return source
 
 
 def text_encoder_bytes(path: str | Path, dtype: torch.dtype = torch.bfloat16, layer: int = TEXT_ENCODER_LAYER) -> int:

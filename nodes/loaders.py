@@ -15,7 +15,7 @@ from h3_core.parallel import ModelSpec, check_compile_sharding
 from h3_core.placement import check_devices, freed_on_failure
 from h3_core.pipeline import TEXT_WORKING_BYTES, TINY_CANVAS
 from h3_core.references import RELEASE_CANVAS
-from h3_core.text import load_text_encoder, text_encoder_bytes
+from h3_core.text import load_text_encoder, locate_text_encoder_files, text_encoder_bytes
 from h3_core.tiny import (
     TINY_RANDOM,
     tiny_random_audio_vae,
@@ -207,11 +207,13 @@ class H3TextEncoderLoader(io.ComfyNode):
                 encoder.to(target)
         else:
             path = model_path("text_encoders", text_encoder, folder)
+            tokenizer = tokenizer_folder.strip() or None
+            locate_text_encoder_files(path, tokenizer)  # a missing tokenizer is refused before room is made
             dtype = DTYPES[weight_dtype]
             stream = text_encoder_streams(text_encoder_bytes(path, dtype) + TEXT_WORKING_BYTES, target, budget)
             home = text_encoder_offload_device() if stream else target  # streamed layers wait in CPU memory
             with freed_on_failure(target):
-                encoder = load_text_encoder(path, dtype, home, tokenizer=tokenizer_folder.strip() or None)
+                encoder = load_text_encoder(path, dtype, home, tokenizer=tokenizer)
             name, canvas = str(path), RELEASE_CANVAS
         patcher = manage_text_encoder(f"H3 text encoder ({Path(name).name})", encoder, target, stream,
                                       TEXT_WORKING_BYTES)

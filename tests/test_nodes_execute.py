@@ -253,3 +253,15 @@ def test_model_loader_sets_the_attention_window(comfy):
     assert (model.dit.attention_window, model.dit.attention_window_dense_steps) == (4, 5)
     assert model.dit.blocks[0].attn.backend == "sdpa"
     assert loader.execute("tiny-random", "", "fl2va", "bf16", "auto").values[0].dit.attention_window == 0
+
+
+def test_single_file_text_encoder_without_tokenizer_folder_is_refused_before_making_room(comfy):
+    import tiny_qwen
+
+    tokenizer = tiny_qwen.write_tokenizer(comfy.tmp / "tok")
+    name = "qwen3vl_32b_minimax_h3_bf16.safetensors"
+    tiny_qwen.write_single_file(comfy.tmp / "text_encoders" / name,
+                                tiny_qwen.random_model(tiny_qwen.config_dict(tokenizer), seed=3))
+    with pytest.raises(ValueError, match="`tokenizer_folder` in the H3 Text Encoder Loader"):
+        comfy.loaders.H3TextEncoderLoader.execute(name, "", "", "bf16")
+    assert comfy.record.freed == [] and comfy.record.loaded == []  # no other model was asked to leave
