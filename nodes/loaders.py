@@ -23,8 +23,8 @@ from h3_core.tiny import (
     tiny_random_video_vae,
 )
 from h3_core.tiny_text import tiny_random_text_encoder
-from h3_core.vae_audio_checkpoint import load_audio_vae
-from h3_core.vae_video_checkpoint import load_video_vae
+from h3_core.vae_audio_checkpoint import load_audio_vae, locate_audio_vae
+from h3_core.vae_video_checkpoint import load_video_vae, locate_video_vae
 
 from .common import (
     CATEGORY,
@@ -39,6 +39,7 @@ from .common import (
 from .convert import ModelHandle, TextEncoderHandle, VAEHandle
 from .memory import (
     dit_home,
+    make_room,
     manage,
     manage_dit,
     manage_runner,
@@ -254,19 +255,21 @@ class H3VAELoader(io.ComfyNode):
         target = device()
         folder = folder.strip()
         dtype = DTYPES[weight_dtype]
-        if folder:
-            video = load_video_vae(folder, dtype=dtype, device=target)
-            audio, name = load_audio_vae(folder, device=target), folder
-        else:
-            if video_vae == TINY_RANDOM:
+        video_path = folder or (None if video_vae == TINY_RANDOM else model_path("vae", video_vae, ""))
+        audio_path = folder or (None if audio_vae == TINY_RANDOM else model_path("vae", audio_vae, ""))
+        # where the files are (a wrong path fails here), then room for them, before any weight is read
+        files = ((locate_video_vae(video_path).files if video_path else ())
+                 + ((locate_audio_vae(audio_path).file,) if audio_path else ()))
+        make_room(file_bytes(files), target)
+        with freed_on_failure(target):
+            if video_path:
+                video = load_video_vae(video_path, dtype=dtype, device=target)
+            else:
                 video = tiny_random_video_vae(target)  # fp32; like the tiny DiT, kept so on the CPU
                 if dtype is not None and target.type != "cpu":
                     video.set_dtype(dtype)
-            else:
-                video = load_video_vae(model_path("vae", video_vae, ""), dtype=dtype, device=target)
-            audio = (tiny_random_audio_vae(target) if audio_vae == TINY_RANDOM
-                     else load_audio_vae(model_path("vae", audio_vae, ""), device=target))
-            name = f"{video_vae} + {audio_vae}"
+            audio = load_audio_vae(audio_path, device=target) if audio_path else tiny_random_audio_vae(target)
+        name = folder or f"{video_vae} + {audio_vae}"
         patcher = manage(f"H3 VAEs ({name})", [video, audio], target, "vae")
         return io.NodeOutput(VAEHandle(video, audio, name, target, patcher=patcher))
 

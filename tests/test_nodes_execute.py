@@ -244,6 +244,26 @@ def test_vae_loader_weight_dtype_follows_the_reference_policy(comfy, tmp_path):
         assert decoder_block.attn.to_qkv.weight.dtype == expected and decoder_block.ff.w1.weight.dtype == expected
         assert decoder_block.norm1.weight.dtype == torch.float32 == vae.video.encoder.conv_in.weight.dtype
         assert {p.dtype for p in vae.audio.parameters()} == {torch.float32}
+    # before reading them, the loader asked ComfyUI for room for both VAEs' files
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "FL2VA").rglob("*.safetensors")
+                  if f.parent.parent.name in ("video_vae", "audio_vae") or f.parent.name == "audio_vae")
+    assert comfy.record.freed[0] == (on_disk, "cpu") and len(comfy.record.freed) == 2
+
+
+def test_vae_loader_refuses_a_wrong_file_before_making_room_or_reading(comfy, tmp_path, monkeypatch):
+    from video_vae_checkpoints import reference_video_vae, tiny_config
+    from video_vae_checkpoints import write_original_partition as write_video
+
+    config = tiny_config(seed=1)
+    write_video(tmp_path, reference_video_vae(config, seed=2).state_dict(), config)
+
+    def never(*args, **kwargs):
+        raise AssertionError("the video VAE was read before the audio VAE's path was checked")
+
+    monkeypatch.setattr(comfy.loaders, "load_video_vae", never)
+    with pytest.raises(ValueError, match="is not an H3 audio VAE"):  # the folder holds no audio VAE
+        comfy.loaders.H3VAELoader.execute("tiny-random", "tiny-random", str(tmp_path / "FL2VA"))
+    assert comfy.record.freed == [] and comfy.record.loaded == []
 
 
 def test_model_loader_sets_the_attention_window(comfy):
