@@ -53,15 +53,59 @@ def locate_dit(path: str | Path, partition: str = "fl2va") -> DiTSource:
     if not path.exists():
         raise CheckpointError(f"{path} does not exist.")
     if path.is_file():
+        _check_partition(partition, _partition_of_file(path), path)
         return _single_file(path)
     original_partition, diffusers_folder = PARTITIONS[partition]
-    for candidate in (path, path / "transformer", path / original_partition / "transformer", path / diffusers_folder):
+    # the partition's own folders first: a repository root holds both `transformer/` and `transformer_ref/`
+    for candidate in (path, path / diffusers_folder, path / original_partition / "transformer", path / "transformer"):
         if (candidate / "config.json").is_file() and _has_safetensors(candidate):
+            _check_partition(partition, _partition_of_folder(candidate), candidate)
             return _folder(candidate)
     raise CheckpointError(
         f"{path} is not an H3 DiT checkpoint for partition {partition!r}: expected a folder with config.json and "
         f"*.safetensors shards (an original '{original_partition}/transformer' folder, a diffusers "
         f"'{diffusers_folder}' folder, or either of their parents), or a single .safetensors file."
+    )
+
+
+def _partition_of_file(path: Path) -> tuple[str, str] | None:
+    """(partition, how we know) from a single file's name (Comfy-Org: minimax_h3_{fl2va,ref2va}_bf16), if it says."""
+    named = [partition for partition in PARTITIONS if partition in path.name.lower()]
+    return (named[0], "by its file name") if len(named) == 1 else None
+
+
+def _partition_of_folder(folder: Path) -> tuple[str, str] | None:
+    """(partition, how we know) of a transformer folder, from what surrounds it: a diffusers repository's
+    `transformer_ref/` (Ref2VA) beside `transformer/` (FL2VA), the partition's model_index.json
+    (`_minimax_h3.partition`), or an original partition folder's name (FL2VA/, Ref2VA/)."""
+    if folder.name == PARTITIONS["ref2va"][1]:
+        return "ref2va", f"a '{folder.name}' folder"
+    index = folder.parent / "model_index.json"
+    try:
+        raw = read_json(index) if index.is_file() else {}
+    except CheckpointError:
+        raw = {}  # an unreadable index says nothing; the weights themselves are checked as they load
+    named = raw.get("_minimax_h3", {}).get("partition") if isinstance(raw.get("_minimax_h3"), dict) else None
+    if named in PARTITIONS:
+        return named, f"its {index.name} says so"
+    if folder.name == PARTITIONS["fl2va"][1] and PARTITIONS["ref2va"][1] in raw:
+        return "fl2va", f"'{folder.name}' beside '{PARTITIONS['ref2va'][1]}' in {index.name}"
+    by_name = {original.lower(): partition for partition, (original, _) in PARTITIONS.items()}
+    if folder.parent.name.lower() in by_name:
+        return by_name[folder.parent.name.lower()], f"it is in {folder.parent.name}/"
+    return None
+
+
+def _check_partition(partition: str, found: tuple[str, str] | None, where: Path) -> None:
+    """Refuse weights that say they are the other partition: both have the same shapes, so they would
+    load and run the wrong task's model without a word."""
+    if found is None or found[0] == partition:
+        return
+    named, how = found
+    raise CheckpointError(
+        f"{where} holds H3's {PARTITIONS[named][0]} DiT ({how}), but partition {partition!r} was asked for. "
+        f"t2va and fl2va run on FL2VA, ref2va on Ref2VA: choose partition '{named}', or give the "
+        f"{PARTITIONS[partition][0]} weights."
     )
 
 

@@ -111,7 +111,8 @@ def write_original_partition(root: Path, diffusers_sd: dict, config: DiTConfig, 
     raw = {_ORIGINAL_CONFIG_NAMES.get(k, k): v for k, v in config.to_dict().items()}
     raw.update({"_class_name": "MiniMaxH3DiTModel", "_diffusers_version": "0.32.2"})
     (folder / "config.json").write_text(json.dumps(raw))
-    (root / partition / "model_index.json").write_text(json.dumps({"_class_name": "MiniMaxH3Pipeline"}))
+    (root / partition / "model_index.json").write_text(json.dumps(
+        {"_class_name": "MiniMaxH3Pipeline", "_minimax_h3": {"schema_version": 1, "partition": partition.lower()}}))
     return folder
 
 

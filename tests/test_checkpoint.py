@@ -56,6 +56,48 @@ def test_ref2va_partition_is_chosen_by_name(tmp_path, reference, expected, tiny_
         assert_same_weights(load_dit(tmp_path, partition="fl2va"), expected)
 
 
+def test_repository_root_gives_each_partition_its_own_folder(tmp_path, reference, expected, tiny_config):
+    """The Hub repository's root holds the FL2VA DiT in transformer/ and the Ref2VA one in transformer_ref/."""
+    write_diffusers_folder(tmp_path / "transformer", reference_dit(tiny_config, seed=99))
+    write_diffusers_folder(tmp_path / "transformer_ref", reference)
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "MiniMaxH3Pipeline",
+                                                           "transformer": ["diffusers", "X"],
+                                                           "transformer_ref": ["diffusers", "X"]}))
+    assert locate_dit(tmp_path, partition="ref2va").files[0].parent.name == "transformer_ref"
+    assert_same_weights(load_dit(tmp_path, partition="ref2va"), expected)
+    assert locate_dit(tmp_path, partition="fl2va").files[0].parent.name == "transformer"
+    with pytest.raises(CheckpointError, match="holds H3's FL2VA DiT .'transformer' beside 'transformer_ref'"):
+        locate_dit(tmp_path / "transformer", partition="ref2va")
+    with pytest.raises(CheckpointError, match="holds H3's Ref2VA DiT .a 'transformer_ref' folder"):
+        locate_dit(tmp_path / "transformer_ref", partition="fl2va")
+
+
+@pytest.mark.parametrize("where", ["partition", "transformer"])
+def test_the_other_partitions_folder_is_refused(tmp_path, reference, tiny_config, where):
+    """Both partitions have the same shapes: only the release's own labels tell them apart."""
+    folder = write_original_partition(tmp_path, reference.state_dict(), tiny_config, partition="Ref2VA")
+    path = {"partition": tmp_path / "Ref2VA", "transformer": folder}[where]
+    assert locate_dit(path, partition="ref2va").config == tiny_config
+    with pytest.raises(CheckpointError, match="holds H3's Ref2VA DiT .its model_index.json says so.*choose "
+                                              "partition 'ref2va', or give the FL2VA weights"):
+        locate_dit(path, partition="fl2va")
+    (tmp_path / "Ref2VA" / "model_index.json").unlink()  # then the folder's name says it
+    with pytest.raises(CheckpointError, match="holds H3's Ref2VA DiT .it is in Ref2VA/"):
+        locate_dit(path, partition="fl2va")
+
+
+def test_a_single_file_named_for_the_other_partition_is_refused(tmp_path, reference, tiny_config):
+    ref = write_comfy_single_file(tmp_path / "minimax_h3_ref2va_bf16.safetensors", reference.state_dict(), tiny_config)
+    assert locate_dit(ref, partition="ref2va").files == (ref,)
+    with pytest.raises(CheckpointError, match="holds H3's Ref2VA DiT .by its file name.*choose partition 'ref2va'"):
+        locate_dit(ref, partition="fl2va")
+    fl = ref.rename(tmp_path / "minimax_h3_fl2va_bf16.safetensors")
+    with pytest.raises(CheckpointError, match="holds H3's FL2VA DiT .by its file name"):
+        locate_dit(fl, partition="ref2va")
+    neutral = fl.rename(tmp_path / "my_h3_finetune.safetensors")  # a name that does not say: either is taken
+    assert locate_dit(neutral, partition="ref2va").files == locate_dit(neutral, partition="fl2va").files
+
+
 def test_diffusers_layout(tmp_path, reference, expected, tiny_config):
     write_diffusers_folder(tmp_path / "transformer_ref", reference)
     assert len(list((tmp_path / "transformer_ref").glob("*.safetensors"))) > 2  # really sharded
