@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 from comfy_api.latest import io
 
@@ -66,6 +68,24 @@ def preview_settings():
     factors = getattr(known, "latent_rgb_factors", None) if known else None
     bias = getattr(known, "latent_rgb_factors_bias", None) if known else None
     return args.preview_size, factors, bias
+
+
+SAVE_HIDDEN = [io.Hidden.prompt, io.Hidden.extra_pnginfo]  # what a saving node embeds in its file
+
+
+def saved_file_metadata(hidden, num_frames: int, sample_rate: int) -> dict[str, str]:
+    """MP4 tags: a comment, and (as ComfyUI's own SaveVideo does, unless it runs with --disable-metadata)
+    the prompt and the workflow as JSON, so dropping the MP4 on the canvas brings the graph back."""
+    from comfy.cli_args import args
+
+    tags = {"comment": f"MiniMax-H3, {num_frames} frames at 24 fps, {sample_rate} Hz audio"}
+    if hidden is None or args.disable_metadata:
+        return tags
+    if hidden.prompt is not None:
+        tags["prompt"] = json.dumps(hidden.prompt)
+    for key, value in (hidden.extra_pnginfo or {}).items():
+        tags[key] = json.dumps(value)
+    return tags
 
 
 def shift_inputs() -> list:

@@ -36,7 +36,8 @@ from h3_core.pipeline import TASK_PARTITION, largest_layout
 from h3_core.placement import freed_on_failure
 
 from .common import (
-    CATEGORY, H3VAE, H3Latent, H3Model, H3TextEncoder, canvas_inputs, check_interrupt, device, progress_bar, shift_inputs,
+    CATEGORY, SAVE_HIDDEN, H3VAE, H3Latent, H3Model, H3TextEncoder, canvas_inputs, check_interrupt, device, progress_bar,
+    saved_file_metadata, shift_inputs,
 )
 from .conditioning import reference_input
 from .convert import audio_to_decoded, build_request, media_problem, ordered_references, pack_latents, unpack_latents
@@ -158,6 +159,7 @@ class H3SaveMP4(io.ComfyNode):
                                 tooltip="File name prefix inside the output folder; a subfolder may be given."),
             ],
             outputs=[io.Video.Output(display_name="video")],
+            hidden=SAVE_HIDDEN,
             is_output_node=True,
         )
 
@@ -178,8 +180,8 @@ class H3SaveMP4(io.ComfyNode):
 
         place([vae.patcher], decode_working_bytes(vae, latents.video))
         with freed_on_failure(vae.device):
-            write_mp4(path, latents, vae.video, vae.audio, on_frames=on_frames, metadata={
-                "comment": f"MiniMax-H3, {latents.num_frames} frames at 24 fps, {SAMPLE_RATE} Hz audio"})
+            write_mp4(path, latents, vae.video, vae.audio, on_frames=on_frames,
+                      metadata=saved_file_metadata(getattr(cls, "hidden", None), latents.num_frames, SAMPLE_RATE))
         preview = ui.PreviewVideo([ui.SavedResult(file, subfolder, io.FolderType.output)])
         return io.NodeOutput(InputImpl.VideoFromFile(path), ui=preview)
 

@@ -12,7 +12,7 @@ from h3_core.media_write import write_mp4
 from h3_core.output import decode_audio, decode_video
 from h3_core.placement import freed_on_failure
 
-from .common import CATEGORY, H3VAE, H3Latent, check_interrupt, progress_bar
+from .common import CATEGORY, SAVE_HIDDEN, H3VAE, H3Latent, check_interrupt, progress_bar, saved_file_metadata
 from .convert import (
     audio_to_stereo_32k,
     frames_to_image,
@@ -71,6 +71,7 @@ class H3AVSave(io.ComfyNode):
                                tooltip="Soundtrack (resampled to 32 kHz stereo); without it the MP4 gets silence."),
             ],
             outputs=[io.Video.Output(display_name="video")],
+            hidden=SAVE_HIDDEN,
             is_output_node=True,
         )
 
@@ -83,8 +84,7 @@ class H3AVSave(io.ComfyNode):
         file = f"{filename}_{counter:05}_.mp4"
         path = os.path.join(folder, file)
         waveform = None if audio is None else audio_to_stereo_32k(audio, "audio")
-        write_mp4(path, frames, waveform, metadata={"comment": f"MiniMax-H3, {count} frames at 24 fps, "
-                                                               f"{SAMPLE_RATE} Hz audio"})
+        write_mp4(path, frames, waveform, metadata=saved_file_metadata(getattr(cls, "hidden", None), count, SAMPLE_RATE))
         preview = ui.PreviewVideo([ui.SavedResult(file, subfolder, io.FolderType.output)])
         return io.NodeOutput(InputImpl.VideoFromFile(path), ui=preview)
 

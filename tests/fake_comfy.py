@@ -65,6 +65,7 @@ class Schema:
     description: str = ""
     inputs: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
+    hidden: list = field(default_factory=list)
     is_output_node: bool = False
 
 
@@ -74,7 +75,12 @@ class NodeOutput:
 
 
 class ComfyNode:
-    pass
+    hidden = None  # ComfyUI sets the hidden values (prompt, extra_pnginfo) on the class while it executes
+
+
+class Hidden(str, enum.Enum):
+    prompt = "PROMPT"
+    extra_pnginfo = "EXTRA_PNGINFO"
 
 
 class FolderType(str, enum.Enum):
@@ -93,6 +99,7 @@ def _io_module() -> types.ModuleType:
     io.MultiType = _MultiType
     io.Autogrow = _Autogrow
     io.Schema, io.NodeOutput, io.ComfyNode, io.FolderType = Schema, NodeOutput, ComfyNode, FolderType
+    io.Hidden = Hidden
     return io
 
 
@@ -200,7 +207,7 @@ def install(tmp_path: Path, loras: list[str] = (), previews: bool = True) -> Rec
     cli_args = types.ModuleType("comfy.cli_args")
     cli_args.LatentPreviewMethod = LatentPreviewMethod
     cli_args.args = types.SimpleNamespace(preview_method=LatentPreviewMethod.Auto if previews else
-                                          LatentPreviewMethod.NoPreviews, preview_size=512)
+                                          LatentPreviewMethod.NoPreviews, preview_size=512, disable_metadata=False)
     latent_formats = types.ModuleType("comfy.latent_formats")  # no H3 format: h3_core's false colour
     comfy = types.ModuleType("comfy")
     comfy.model_management, comfy.model_patcher, comfy.utils = mm, patcher_module, utils

@@ -158,8 +158,9 @@ def ws(server):
     sock.close()
 
 
-def _queue(base: str, graph: dict, client_id: str) -> str:
-    status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": client_id})
+def _queue(base: str, graph: dict, client_id: str, extra_data: dict | None = None) -> str:
+    status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": client_id, **(
+        {"extra_data": extra_data} if extra_data else {})})
     assert status == 200, body
     return body["prompt_id"]
 
@@ -214,7 +215,8 @@ def test_api_workflow_writes_mp4(server, ws, workflow):
 
     base, work = server
     graph = json.loads(workflow.read_text())
-    prompt_id = _queue(base, graph, ws.client_id)
+    canvas = {"nodes": [], "links": [], "extra": {"from": workflow.stem}}  # what the frontend sends along
+    prompt_id = _queue(base, graph, ws.client_id, {"extra_pnginfo": {"workflow": canvas}})
     history = _wait(base, prompt_id)
     assert history["status"]["status_str"] == "success", json.dumps(history["status"]["messages"])[-4000:]
     saved = _mp4s(history)
@@ -226,6 +228,9 @@ def test_api_workflow_writes_mp4(server, ws, workflow):
         assert video.codec_context.name == "h264" and audio.codec_context.name == "aac"
         assert audio.codec_context.sample_rate == 32000
         frames = sum(1 for _ in container.decode(video=0))
+        tags = dict(container.metadata)
+    # dropped on the canvas, the MP4 gives back its workflow (as ComfyUI's SaveVideo files do)
+    assert json.loads(tags["workflow"]) == canvas and set(json.loads(tags["prompt"])) == set(graph)
     if any(node["class_type"] == "H3Sampler" for node in graph.values()):  # our single-window workflows: 4 s
         assert frames == 107  # 4 s -> 17n + 5 frames
         sampler = _node(graph, "H3Sampler")

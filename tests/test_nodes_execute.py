@@ -4,6 +4,7 @@ sampler (output list, previews, custom sigmas, refinement, interrupt) -> decode 
 the memory-manager wrapper."""
 
 import importlib
+import json
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -285,3 +286,27 @@ def test_single_file_text_encoder_without_tokenizer_folder_is_refused_before_mak
     with pytest.raises(ValueError, match="`tokenizer_folder` in the H3 Text Encoder Loader"):
         comfy.loaders.H3TextEncoderLoader.execute(name, "", "", "bf16")
     assert comfy.record.freed == [] and comfy.record.loaded == []  # no other model was asked to leave
+
+
+def test_saved_mp4_carries_the_prompt_and_workflow_unless_metadata_is_disabled(comfy):
+    """As ComfyUI's SaveVideo: the MP4 holds the prompt and the workflow as JSON tags (use_metadata_tags),
+    so dropping it on the canvas restores the graph; --disable-metadata leaves only our comment."""
+    args = sys.modules["comfy.cli_args"].args
+    save = comfy.output.H3AVSave
+    workflow = {"nodes": [{"id": 1, "type": "H3AVSave"}], "links": []}
+    prompt = {"1": {"class_type": "H3AVSave", "inputs": {"filename_prefix": "H3/meta"}}}
+    save.hidden = SimpleNamespace(prompt=prompt, extra_pnginfo={"workflow": workflow})
+    try:
+        path = Path(save.execute(torch.rand(5, 32, 32, 3), "H3/meta").values[0][1])
+        with av.open(str(path)) as container:
+            tags = dict(container.metadata)
+        assert json.loads(tags["workflow"]) == workflow and json.loads(tags["prompt"]) == prompt
+        assert tags["comment"] == "MiniMax-H3, 5 frames at 24 fps, 32000 Hz audio"
+
+        args.disable_metadata = True
+        path = Path(save.execute(torch.rand(5, 32, 32, 3), "H3/meta").values[0][1])
+        with av.open(str(path)) as container:
+            assert "workflow" not in container.metadata and "prompt" not in container.metadata
+            assert container.metadata["comment"].startswith("MiniMax-H3")
+    finally:
+        save.hidden = None
