@@ -1,10 +1,10 @@
-"""The engine API, used by the `h3` command and the ComfyUI nodes alike:
+"""The engine API, used by the `h3` command and the ComfyUI nodes alike (each name importable from here):
 
-    load_model / load_text_encoder / load_video_vae / load_audio_vae   (each placed and freed on its own)
-    encode(request, text_encoder, video_vae, audio_vae) -> Conditioning (validates before any model runs)
-    sample(dit, conditioning, seed, ...)                  -> AVLatents   (the dual-clock denoise)
-    write_mp4(path, latents, video_vae, audio_vae)        -> Path        (streamed decode + mux)
-    generate(...)                                         -> everything above, with a progress callback
+    load_dit / load_text_encoder / load_video_vae / load_audio_vae      (each placed and freed on its own)
+    encode_request(request, text_encoder, video_vae, audio_vae) -> Conditioning (validates before any model runs)
+    sample(dit, conditioning, seed, ...)                          -> AVLatents   (the dual-clock denoise)
+    write_mp4(path, latents, video_vae, audio_vae)                -> Path        (streamed decode + mux)
+    generate(...)                                                 -> everything above, with a progress callback
 """
 
 from __future__ import annotations

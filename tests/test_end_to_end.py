@@ -176,3 +176,14 @@ def test_ref2va_end_to_end(tiny_text, video_vaes, audio_vaes, dits):
     conditioning = encode_request(request, tiny_text["encoder"], our_vae, our_audio_vae, rules=TINY_RULES)
     assert conditioning.layout.num_condition_audio_rows > 0 and len(conditioning.visual_condition_latents) == 2
     assert_same_latents(sample(our_dit, conditioning, SEED, steps=STEPS), reference)
+
+
+def test_every_engine_api_name_the_pipeline_docstring_lists_is_importable_from_it():
+    import re
+
+    import h3_core.pipeline as pipeline
+
+    listed = [re.findall(r"\w+", line.split("(")[0]) for line in pipeline.__doc__.splitlines() if line.startswith("    ")]
+    names = [name for line in listed for name in line]
+    assert len(names) == 8 and "encode_request" in names and "load_dit" in names
+    assert all(callable(getattr(pipeline, name, None)) for name in names), names
