@@ -59,6 +59,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def add_dit_speed_options(parser: argparse.ArgumentParser) -> None:
+    """How the DiT runs: every command that loads one takes these (and a machine serving ranks must be given
+    the same as its caller)."""
+    parser.add_argument("--attention", default="auto", help=ATTENTION_HELP)
+    parser.add_argument("--compile", action="store_true", help=COMPILE_HELP)
+    parser.add_argument("--attention-window-lossy", type=int, default=0, metavar="FRAMES", help=WINDOW_HELP)
+    parser.add_argument("--attention-window-dense-steps", type=int, default=0, metavar="N", help=DENSE_HELP)
+    parser.add_argument("--linears", default="checkpoint", choices=list(LINEAR_MODES), help=LINEARS_HELP)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="h3", description="MiniMax-H3 engine (h3_core).")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
@@ -106,11 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--vae-dtype", default=None, choices=list(DTYPES),
                      help="video VAE dtype (default: --dtype's, as the reference pipeline: decoder linears in it, encoder "
                           "and norms fp32); fp32 decodes ~7.5x slower on an H200")
-    gen.add_argument("--attention", default="auto", help=ATTENTION_HELP)
-    gen.add_argument("--compile", action="store_true", help=COMPILE_HELP)
-    gen.add_argument("--attention-window-lossy", type=int, default=0, metavar="FRAMES", help=WINDOW_HELP)
-    gen.add_argument("--attention-window-dense-steps", type=int, default=0, metavar="N", help=DENSE_HELP)
-    gen.add_argument("--linears", default="checkpoint", choices=list(LINEAR_MODES), help=LINEARS_HELP)
+    add_dit_speed_options(gen)
     gen.add_argument("--gpu-memory", type=float, metavar="GIB",
                      help="GPU memory the DiT may use (default: what is free); when the model does not fit, the "
                           "leading blocks stay on the GPU and the rest stream from CPU memory")
@@ -144,11 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     den.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     den.add_argument("--dtype", default=None, choices=list(DTYPES),
                      help="model dtype (default: bf16 on GPU, fp32 on CPU; fp32 heads stay fp32)")
-    den.add_argument("--attention", default="auto", help=ATTENTION_HELP)
-    den.add_argument("--linears", default="checkpoint", choices=list(LINEAR_MODES), help=LINEARS_HELP)
-    den.add_argument("--compile", action="store_true", help=COMPILE_HELP)
-    den.add_argument("--attention-window-lossy", type=int, default=0, metavar="FRAMES", help=WINDOW_HELP)
-    den.add_argument("--attention-window-dense-steps", type=int, default=0, metavar="N", help=DENSE_HELP)
+    add_dit_speed_options(den)
     den.set_defaults(run=run_denoise)
     return parser
 

@@ -241,3 +241,20 @@ def test_the_attention_window_splits_like_full_attention(references):
         assert_close(sample(runner, conditioning(True), seed=3, steps=STEPS), expected)
     finally:
         runner.close()
+
+
+def test_a_machine_serving_ranks_takes_the_callers_model_options(monkeypatch):
+    """`python -m h3_core.parallel` on another machine must build the same DiT as the caller's ModelSpec."""
+    import h3_core.parallel.__main__ as serve
+
+    seen = {}
+    monkeypatch.setattr(serve, "serve_ranks", lambda spec, devices, *rest: seen.update(spec=spec, devices=devices) or 0)
+    argv = ["--model", "tiny-random", "--devices", "cpu,cpu", "--init-method", "tcp://x:1", "--world-size", "4",
+            "--first-rank", "2", "--linears", "fp8-weights-lossy", "--compile", "--attention-window-lossy", "8",
+            "--attention-window-dense-steps", "3", "--attention", "sdpa"]
+    assert serve.main(argv) == 0
+    spec = seen["spec"]
+    assert (spec.linears, spec.compile, spec.attention_window, spec.attention_window_dense_steps, spec.attention) == (
+        "fp8-weights-lossy", True, 8, 3, "sdpa") and seen["devices"] == ["cpu", "cpu"]
+    with pytest.raises(SystemExit):  # compile with sharded weights is refused as on the caller
+        serve.main(argv + ["--shard-weights"])

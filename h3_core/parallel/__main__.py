@@ -13,7 +13,9 @@ import argparse
 
 import torch
 
-from .workers import ModelSpec, serve_ranks
+from ..cli import add_dit_speed_options
+from ..local_attention import check_setting as check_window_setting
+from .workers import ModelSpec, check_compile_sharding, serve_ranks
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -28,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="the same checkpoint path the caller's node loads")
     parser.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"])
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
-    parser.add_argument("--attention", default="auto")
+    add_dit_speed_options(parser)  # the same as the caller's
     parser.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                         help="the same adapters, in the same order, as the caller")
     parser.add_argument("--devices", required=True, help="comma-separated, e.g. cuda:0,cuda:1")
@@ -38,9 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-weights", action="store_true", help="as the caller: FSDP-style block sharding")
     args = parser.parse_args(argv)
     loras = tuple(_lora(spec) for spec in args.lora)
-    spec = ModelSpec(args.model, args.partition, DTYPES[args.dtype], args.attention, loras)
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     try:
+        check_compile_sharding(args.compile, args.shard_weights)
+        window, dense_steps = check_window_setting(args.attention_window_lossy, args.attention_window_dense_steps)
+        spec = ModelSpec(args.model, args.partition, DTYPES[args.dtype], args.attention, loras, args.linears,
+                         compile=args.compile, attention_window=window, attention_window_dense_steps=dense_steps)
         return serve_ranks(spec, devices, args.init_method, args.world_size, args.first_rank, args.shard_weights)
     except ValueError as error:
         parser.error(str(error))
