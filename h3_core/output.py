@@ -67,14 +67,15 @@ class AVLatents:
         return cls(tensors["video"], tensors["audio"])
 
 
-def decode_video(vae: VideoVAE, latents: torch.Tensor,
-                 devices: Sequence[str | torch.device] | None = None) -> Iterator[torch.Tensor]:
+def decode_video(vae: VideoVAE, latents: torch.Tensor, devices: Sequence[str | torch.device] | None = None,
+                 tiled: bool | None = None) -> Iterator[torch.Tensor]:
     """Normalized video latents [1, C, L, h, w] -> uint8 frame blocks [n, H, W, 3] as each chunk finishes.
-    `devices` (two or more): the chunks are decoded on all of them at once (`VideoVAE.decode_stream`)."""
+    `devices` (two or more): the chunks are decoded on all of them at once (`VideoVAE.decode_stream`).
+    `tiled`: spatial tiles (None: the VAE config's, which for the release is on)."""
     device = vae.post_quant_conv.weight.device
     raw = vae.denormalize_latents(latents.to(device))
     with torch.inference_mode():
-        for block in vae.decode_stream(raw, devices=devices):
+        for block in vae.decode_stream(raw, tiled, devices=devices):
             frames = model_space_to_frames(block)[0].mul_(255.0).round_()  # [3, n, H, W] in 0..255, in place
             yield frames.to(torch.uint8).permute(1, 2, 3, 0).cpu()
 

@@ -127,13 +127,17 @@ def place_for_encoding(text_encoder, vae=None) -> None:
     place([text_encoder.patcher, None if vae is None else vae.patcher], getattr(placement, "working_bytes", 0))
 
 
-def decode_working_bytes(vae, video_latents) -> int:
+def decode_working_bytes(vae, video_latents, tiled: bool | None = None) -> int:
     """What a streamed decode of `video_latents` [1, C, L, h, w] needs on the device besides the VAE
-    weights (h3_core.vae_video.decode_working_bytes): the decode nodes ask ComfyUI for weights + this."""
+    weights (h3_core.vae_video.decode_working_bytes): the decode nodes ask ComfyUI for weights + this.
+    `tiled`: as the decode will run (None: the VAE config's)."""
+    import dataclasses
+
     from h3_core.vae_video import decode_working_bytes as estimate
 
+    config = vae.video.config if tiled is None else dataclasses.replace(vae.video.config, decoder_tiling=tiled)
     _, _, frames, height, width = video_latents.shape
-    return estimate(vae.video.config, frames, height, width, vae.video.decoder.proj_out.weight.element_size())
+    return estimate(config, frames, height, width, vae.video.decoder.proj_out.weight.element_size())
 
 
 def dit_home(nbytes: int, device, budget_gib: float | None) -> torch.device:

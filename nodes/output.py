@@ -23,6 +23,9 @@ from .convert import (
 from .memory import decode_working_bytes, place
 
 
+TILING = {"release": None, "off": False}  # None: the VAE config's (the release's: tiled)
+
+
 class H3VAEDecode(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -34,20 +37,27 @@ class H3VAEDecode(io.ComfyNode):
             inputs=[
                 H3VAE.Input("vae", tooltip="From H3 VAE Loader."),
                 H3Latent.Input("latent", tooltip="From H3 Dual-Clock Sampler (one output of its list at a time)."),
+                io.Combo.Input("tiling", options=list(TILING), default="release", optional=True,
+                               tooltip="release: each frame decoded in overlapping 256 px tiles, blended (the "
+                                       "release's setting, least memory). off: whole frames at once, no tile "
+                                       "seams, more memory."),
             ],
             outputs=[io.Image.Output(display_name="images"), io.Audio.Output(display_name="audio")],
         )
 
     @classmethod
-    def execute(cls, vae, latent) -> io.NodeOutput:
+    def execute(cls, vae, latent, tiling="release") -> io.NodeOutput:
+        if tiling not in TILING:
+            raise ValueError(f"tiling must be one of {', '.join(TILING)}, got {tiling!r}.")
+        tiled = TILING[tiling]
         latents = unpack_latents(latent)
         total = latents.num_frames
         bar = progress_bar(total)
-        place([vae.patcher], decode_working_bytes(vae, latents.video))
+        place([vae.patcher], decode_working_bytes(vae, latents.video, tiled))
         with freed_on_failure(vae.device):
             audio = waveform_to_audio(list(decode_audio(vae.audio, latents.audio)), total)
             blocks, done = [], 0
-            for block in decode_video(vae.video, latents.video):
+            for block in decode_video(vae.video, latents.video, tiled=tiled):
                 blocks.append(block)
                 done += block.shape[0]
                 bar.update_absolute(done, total)

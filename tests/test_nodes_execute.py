@@ -310,3 +310,21 @@ def test_saved_mp4_carries_the_prompt_and_workflow_unless_metadata_is_disabled(c
             assert container.metadata["comment"].startswith("MiniMax-H3")
     finally:
         save.hidden = None
+
+
+def test_vae_decode_tiling_off_decodes_whole_frames(comfy):
+    import dataclasses
+
+    from h3_core.output import decode_video
+
+    c = comfy
+    model, text, vae = _models(c)
+    out = c.sampler.H3Sampler.execute(model, _cond(c, text, vae).values[0], 0, 2, 0.0, 0.0).values[0][0]
+    vae.video.config = dataclasses.replace(vae.video.config, tile_size=64, tile_min_overlap=32)  # 2 x 4 tiles
+    tiled = c.output.H3VAEDecode.execute(vae, out).values[0]
+    whole = c.output.H3VAEDecode.execute(vae, out, tiling="off").values[0]
+    latents = c.output.unpack_latents(out).video
+    expected = torch.cat(list(decode_video(vae.video, latents, tiled=False))).float() / 255
+    assert torch.equal(whole, expected) and not torch.equal(tiled, whole)
+    with pytest.raises(ValueError, match="tiling must be one of release, off"):
+        c.output.H3VAEDecode.execute(vae, out, tiling="auto")
