@@ -7,7 +7,8 @@ import os
 import folder_paths
 from comfy_api.latest import InputImpl, io, ui
 
-from h3_core.media import SAMPLE_RATE
+from h3_core import geometry
+from h3_core.media import SAMPLE_RATE, resample_audio
 from h3_core.media_write import write_mp4
 from h3_core.output import decode_audio, decode_video
 from h3_core.placement import freed_on_failure
@@ -18,6 +19,7 @@ from .convert import (
     frames_to_image,
     image_to_uint8,
     unpack_latents,
+    video_to_decoded,
     waveform_to_audio,
 )
 from .memory import decode_working_bytes, place
@@ -74,11 +76,15 @@ class H3AVSave(io.ComfyNode):
             category=CATEGORY,
             description="Writes frames and soundtrack as an MP4 (H.264 + AAC, 24 fps) into ComfyUI's output folder.",
             inputs=[
-                io.Image.Input("images", tooltip="Frames at 24 fps, e.g. from H3 VAE Decode."),
+                io.Image.Input("images", optional=True,
+                               tooltip="Frames at 24 fps, e.g. from H3 VAE Decode (or connect a VIDEO instead)."),
                 io.String.Input("filename_prefix", default="H3/h3",
                                 tooltip="File name prefix inside the output folder; a subfolder may be given."),
                 io.Audio.Input("audio", optional=True,
-                               tooltip="Soundtrack (resampled to 32 kHz stereo); without it the MP4 gets silence."),
+                               tooltip="Soundtrack (resampled to 32 kHz stereo); without it the MP4 gets silence "
+                                       "(or the VIDEO's own soundtrack). Given with a VIDEO, it replaces that one."),
+                io.Video.Input("video", optional=True,
+                               tooltip="Instead of images: a ComfyUI VIDEO at 24 fps, with its soundtrack."),
             ],
             outputs=[io.Video.Output(display_name="video")],
             hidden=SAVE_HIDDEN,
@@ -86,17 +92,34 @@ class H3AVSave(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, images, filename_prefix, audio=None) -> io.NodeOutput:
-        frames = image_to_uint8(images, "images")
+    def execute(cls, images=None, filename_prefix="H3/h3", audio=None, video=None) -> io.NodeOutput:
+        frames, waveform = _frames_and_soundtrack(images, audio, video)
         count, height, width = frames.shape[:3]
         folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(
             filename_prefix, folder_paths.get_output_directory(), width, height)
         file = f"{filename}_{counter:05}_.mp4"
         path = os.path.join(folder, file)
-        waveform = None if audio is None else audio_to_stereo_32k(audio, "audio")
         write_mp4(path, frames, waveform, metadata=saved_file_metadata(getattr(cls, "hidden", None), count, SAMPLE_RATE))
         preview = ui.PreviewVideo([ui.SavedResult(file, subfolder, io.FolderType.output)])
         return io.NodeOutput(InputImpl.VideoFromFile(path), ui=preview)
+
+
+def _frames_and_soundtrack(images, audio, video):
+    """uint8 frames [F, H, W, 3] and a 32 kHz stereo waveform (or None) from images or a VIDEO; the
+    audio input, when given, is the soundtrack."""
+    if (images is None) == (video is None):
+        raise ValueError("H3 AV Save: connect either images (frames at 24 fps) or a video, "
+                         + ("not both." if video is not None else "got neither."))
+    if images is not None:
+        return image_to_uint8(images, "images"), None if audio is None else audio_to_stereo_32k(audio, "audio")
+    decoded = video_to_decoded(video, "video")
+    if abs(decoded.fps - geometry.FPS) > 1e-3:
+        raise ValueError(f"H3 AV Save writes {geometry.FPS} fps (H3's rate); this video is {decoded.fps:g} fps. "
+                         "Use ComfyUI's Save Video for other rates.")
+    if audio is not None:
+        return decoded.frames, audio_to_stereo_32k(audio, "audio")
+    soundtrack = None if decoded.audio is None else resample_audio(decoded.audio, decoded.sample_rate)
+    return decoded.frames, soundtrack
 
 
 NODES = [H3VAEDecode, H3AVSave]

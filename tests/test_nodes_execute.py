@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import av
+import numpy as np
 import pytest
 import torch
 
@@ -328,3 +329,28 @@ def test_vae_decode_tiling_off_decodes_whole_frames(comfy):
     assert torch.equal(whole, expected) and not torch.equal(tiled, whole)
     with pytest.raises(ValueError, match="tiling must be one of release, off"):
         c.output.H3VAEDecode.execute(vae, out, tiling="auto")
+
+
+def test_av_save_takes_a_video_with_its_soundtrack(comfy):
+    save = comfy.output.H3AVSave
+    tone = {"waveform": torch.sin(torch.arange(48000 * 2) / 10.0).repeat(1, 2, 1) * 0.3, "sample_rate": 48000}
+
+    def video(fps, audio=tone):
+        return SimpleNamespace(get_components=lambda: SimpleNamespace(
+            images=torch.rand(12, 32, 48, 3), frame_rate=Fraction(fps), audio=audio))
+
+    path = Path(save.execute(filename_prefix="H3/video", video=video(24)).values[0][1])
+    with av.open(str(path)) as container:
+        assert container.streams.video[0].codec_context.name == "h264"
+        assert container.streams.audio[0].codec_context.sample_rate == 32000
+        assert sum(1 for _ in container.decode(video=0)) == 12
+        assert (container.streams.video[0].codec_context.width, container.streams.video[0].codec_context.height) == (48, 32)
+    with av.open(str(path)) as container:
+        loud = np.abs(np.concatenate([f.to_ndarray().ravel() for f in container.decode(audio=0)])).max()
+    assert loud > 0.1  # the video's soundtrack, not silence
+    with pytest.raises(ValueError, match="writes 24 fps .H3's rate.; this video is 25 fps"):
+        save.execute(filename_prefix="H3/video", video=video(25))
+    with pytest.raises(ValueError, match="either images .frames at 24 fps. or a video, not both"):
+        save.execute(torch.rand(3, 32, 48, 3), "H3/video", video=video(24))
+    with pytest.raises(ValueError, match="got neither"):
+        save.execute(filename_prefix="H3/video")
