@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -389,6 +389,7 @@ def encode_request(
     text_states: torch.Tensor | None = None,
     text_tags: torch.Tensor | None = None,
     rules: CanvasRules = RELEASE_CANVAS,
+    on_stage: Callable[[int, int], None] | None = None,
 ) -> Conditioning:
     """Validate `request`, prepare its media and encode it.
 
@@ -396,6 +397,8 @@ def encode_request(
                   this request's presentation instead (they are checked for shape only).
     video_vae     `vae_video.VideoVAE`, needed for keyframes and image/video references.
     audio_vae     `vae_audio.AudioVAE`, needed for audio references and video soundtracks.
+    on_stage      called (done, total) after each model call (the text, each keyframe or reference): a
+                  host shows progress there, and may raise to stop between calls (an interrupt).
     Everything is validated and decoded before the first model runs; models are used in the order
     text encoder, video VAE, audio VAE (so a caller can place one at a time)."""
     plan = validate(request, rules)
@@ -421,22 +424,33 @@ def encode_request(
     if any(reference.has_audio for reference in prepared) and audio_vae is None:
         raise RequestError("This request has audio references or video soundtracks: pass an audio_vae.")
 
+    visual_count = len(keyframes) + sum(reference.kind != "audio" for reference in prepared)
+    stages = (not precomputed) + visual_count + sum(reference.has_audio for reference in prepared)
+    done = 0
+
+    def staged(result):
+        nonlocal done
+        done += 1
+        if on_stage is not None:
+            on_stage(done, stages)
+        return result
+
     if precomputed:
         states, tags = _precomputed_text(text_states, text_tags)
     else:
         presentation = text_encoder.present(
             plan.task, plan.prompt, keyframes, [reference.for_presentation() for reference in prepared]
         )
-        text = text_encoder.encode(presentation)
+        text = staged(text_encoder.encode(presentation))
         states, tags = text.prompt_embeds, text.token_tags
 
-    visual = [encode_image(video_vae, keyframe) for keyframe in keyframes]
+    visual = [staged(encode_image(video_vae, keyframe)) for keyframe in keyframes]
     for reference in prepared:
         if reference.kind == "image":
-            visual.append(encode_image(video_vae, reference.image))
+            visual.append(staged(encode_image(video_vae, reference.image)))
         elif reference.kind == "video":
-            visual.append(encode_video(video_vae, reference.frames))
-    audio = [encode_audio(audio_vae, reference.audio) for reference in prepared if reference.has_audio]
+            visual.append(staged(encode_video(video_vae, reference.frames)))
+    audio = [staged(encode_audio(audio_vae, reference.audio)) for reference in prepared if reference.has_audio]
     channels = audio_vae.config.latent_channels if audio_vae is not None else AudioVAEConfig().latent_channels
     audio_rows = torch.cat(audio, dim=1) if audio else torch.zeros(1, 0, channels)
 

@@ -16,7 +16,7 @@ from h3_core.conditioning import (
 from h3_core.placement import freed_on_failure
 from h3_core.prompt import MAX_AUDIO_REFERENCES, MAX_IMAGE_REFERENCES, MAX_REFERENCES, MAX_VIDEO_REFERENCES
 
-from .common import CATEGORY, H3VAE, H3Cond, H3TextEncoder, canvas_inputs, device
+from .common import CATEGORY, H3VAE, H3Cond, H3TextEncoder, canvas_inputs, check_interrupt, device, progress_bar
 from .convert import SOCKET_KINDS, build_request, media_problem, ordered_references
 from .memory import place_for_encoding
 
@@ -100,8 +100,17 @@ class H3Conditioning(io.ComfyNode):
         audio_vae = None if vae is None else vae.audio
         validate(request, text_encoder.canvas)  # every limit, before any model moves
         place_for_encoding(text_encoder, vae)
+        bar = None
+
+        def on_stage(done: int, total: int) -> None:  # after the text and each keyframe / reference
+            nonlocal bar
+            bar = bar or progress_bar(total)
+            bar.update_absolute(done, total)
+            check_interrupt()
+
         with freed_on_failure(device()):
-            cond = encode_request(request, text_encoder.encoder, video_vae, audio_vae, rules=text_encoder.canvas)
+            cond = encode_request(request, text_encoder.encoder, video_vae, audio_vae, rules=text_encoder.canvas,
+                                  on_stage=on_stage)
         return io.NodeOutput(cond, cond.width, cond.height, cond.num_frames)
 
 

@@ -354,3 +354,20 @@ def test_av_save_takes_a_video_with_its_soundtrack(comfy):
         save.execute(torch.rand(3, 32, 48, 3), "H3/video", video=video(24))
     with pytest.raises(ValueError, match="got neither"):
         save.execute(filename_prefix="H3/video")
+
+
+def test_conditioning_shows_progress_per_model_call_and_stops_on_interrupt(comfy):
+    c = comfy
+    _, text, vae = _models(c)
+    video = SimpleNamespace(get_components=lambda: SimpleNamespace(
+        images=torch.rand(60, 128, 224, 3), frame_rate=Fraction(24), audio=None))
+    audio = {"waveform": torch.randn(1, 2, 32000 * 3) * 0.1, "sample_rate": 32000}
+    refs = {"ref0": torch.rand(1, 160, 160, 3), "ref1": video, "ref2": audio}
+    start = len(c.record.progress)
+    _cond(c, text, vae, "ref2va", references=refs)
+    # the text, the image, the video, the audio: one step each
+    assert [(value, total) for value, total, _ in c.record.progress[start:]] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    c.record.interrupt_after = len(c.record.progress) + 1  # stop after the text encoder's call
+    with pytest.raises(c.memory.mm.InterruptProcessingException):
+        _cond(c, text, vae, "ref2va", references=refs)
+    assert c.record.progress[-1][:2] == (1, 4)
