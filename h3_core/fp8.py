@@ -80,13 +80,14 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 @functools.lru_cache(maxsize=None)
 def scaled_mm_supported(device_type: str, index: int | None = None) -> bool:
     """FP8 matmuls on this device: CUDA from compute capability 8.9 (Ada, Hopper); CPU where this
-    torch build has them (checked once with a tiny product)."""
+    torch build has them in the row-wise form FP8Linear uses (a scale per row and per column; torch
+    2.11's CPU kernel takes per-tensor scales only), checked with a tiny product."""
     if device_type == "cuda":
         return torch.cuda.get_device_capability(index) >= (8, 9)
     try:
         a = torch.zeros(16, 16, dtype=FP8, device=device_type)
-        one = torch.ones((), device=device_type)
-        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        ones = torch.ones(16, 1, device=device_type)
+        torch._scaled_mm(a, a.t(), scale_a=ones, scale_b=ones.t().contiguous(), out_dtype=torch.float32)
         return True
     except (RuntimeError, NotImplementedError):
         return False

@@ -112,9 +112,12 @@ def _frame_spans(num_latent_frames: int) -> np.ndarray:
 
 
 def latent_frame_times(num_latent_frames: int, origin: float) -> np.ndarray:
-    """Rotary time of every latent frame, float64 [L]: origin + a sequential running sum of spans."""
-    offsets = np.concatenate([[0.0], np.cumsum(_frame_spans(num_latent_frames)[:-1])])
-    return origin + offsets
+    """Rotary time of every latent frame, float64 [L]: origin + the running sum of spans. Summed with
+    torch's cumsum, as the reference does: other running sums (numpy's) may round differently in the
+    last bit on some builds, and positions must equal the reference's bitwise."""
+    spans = torch.from_numpy(_frame_spans(num_latent_frames))
+    offsets = torch.cat([torch.zeros(1, dtype=torch.float64), spans[:-1].cumsum(0)])
+    return (origin + offsets).numpy()
 
 
 def last_pixel_frame_time(num_latent_frames: int, origin: float) -> float:

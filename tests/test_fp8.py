@@ -23,6 +23,8 @@ from h3_core.tiny import seeded_random_weights, tiny_random_dit
 
 E4M3_MAX = 448.0
 BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+CPU_SCALED = pytest.mark.skipif(not fp8.scaled_mm_supported("cpu"), reason=(
+    "this torch's CPU _scaled_mm takes per-tensor scales only (torch 2.11); CI's torch 2.13 runs these"))
 
 
 def forward(model, seed=3):
@@ -86,6 +88,7 @@ def test_quantize_does_not_touch_its_input():
     assert torch.equal(x, kept)
 
 
+@CPU_SCALED
 @pytest.mark.parametrize("activations", ["row", "tensor"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_scaled_linear_matches_independent_arithmetic(activations, bias):
@@ -121,6 +124,7 @@ def test_sizes_off_the_fp8_grid_fall_back_to_weight_only():
     assert torch.equal(module(x), F.linear(x, module.dequantized_weight(), module.bias))
 
 
+@CPU_SCALED
 def test_dtype_moves_leave_fp8_weights_and_scales_alone():
     model = tiny_random_dit(torch.float32)
     quantize_blocks(model, "scaled")
@@ -136,6 +140,7 @@ def test_dtype_moves_leave_fp8_weights_and_scales_alone():
 # The swap
 
 
+@CPU_SCALED
 def test_swap_touches_only_the_block_linears_and_stays_close():
     model = tiny_random_dit(torch.float32)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -260,6 +265,7 @@ def test_fp8_scaled_file_loads_into_fp8_linears(tmp_path, bf16_model, style):
         assert cosine(a, b) > 0.99
 
 
+@CPU_SCALED
 def test_fp8_file_with_scaled_matmul(tmp_path, bf16_model):
     path = tmp_path / "fp8.safetensors"
     write_fp8_scaled(path, bf16_model, "comfy_quant", prefix="")
@@ -270,6 +276,7 @@ def test_fp8_file_with_scaled_matmul(tmp_path, bf16_model):
         assert cosine(a, b) > 0.99
 
 
+@CPU_SCALED
 def test_online_quantization_at_load_equals_quantizing_after(tmp_path, bf16_model):
     path = tmp_path / "bf16.safetensors"
     save_file(native_tensors(bf16_model), str(path))
@@ -317,7 +324,7 @@ def test_other_quantizations_and_broken_fp8_files_are_refused(tmp_path, bf16_mod
 # Streaming and memory
 
 
-@pytest.mark.parametrize("matmul", ["scaled", "dequantize"])
+@pytest.mark.parametrize("matmul", [pytest.param("scaled", marks=CPU_SCALED), "dequantize"])
 def test_streamed_fp8_equals_resident_fp8(matmul):
     config = replace(TINY_DIT, num_layers=4)
 

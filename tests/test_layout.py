@@ -219,7 +219,10 @@ def test_last_keyframe_uses_pairwise_summation():
     time = float(ours.position_ids[ours.video_indices[0], 0])
     ref = reference_layout(tags, 107, 48, 84, ("last",))
     assert time == float(ref[0][37, 0])
-    assert time != sequential_time
+    # where this numpy's pairwise sum of the series differs from the sequential one (it does on x86-64
+    # with numpy 2.4; not everywhere), the test shows the order matters
+    pairwise_differs = float(np.sum(np.asarray(spans))) != sum(spans)
+    assert (time != sequential_time) == pairwise_differs
 
 
 def test_patchify_equals_reference_and_documents_the_row_layout():

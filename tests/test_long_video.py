@@ -216,7 +216,7 @@ def test_cli_long_video_with_window_prompts_and_drive_audio(tmp_path, capsys):
     write_wav(tmp_path / "track.wav", 12.0)  # shorter than the clip: padded with silence
     out = tmp_path / "long.safetensors"
     # as the README writes it: window prompts and no --prompt
-    argv = ["generate", "--long-video", "--duration", "20", "--steps", str(STEPS),
+    argv = ["generate", "--device", "cpu", "--long-video", "--duration", "20", "--steps", str(STEPS),
             "--window-prompt", "A fox walks.", "--window-prompt", "The fox runs.", "--drive-audio",
             str(tmp_path / "track.wav"), "--save-latents", str(out)]
     assert main(argv) == 0

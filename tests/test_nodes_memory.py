@@ -84,6 +84,12 @@ def _same(a, b):
     return torch.equal(a["video"], b["video"]) and torch.equal(a["audio"], b["audio"])
 
 
+def _close(a, b, tolerance=1e-5):
+    """Worker processes give the one-process latents up to fp32 rounding (test_parallel.py's tolerance):
+    their CPU thread counts differ from the caller's, and on many cores a GEMM's reduction order can too."""
+    return all((a[key] - b[key]).abs().max().item() <= tolerance for key in ("video", "audio"))
+
+
 def _clean(dit) -> bool:
     """No streaming hook left on any block."""
     return all(not block._forward_pre_hooks and not block._forward_hooks for block in dit.blocks)
@@ -247,7 +253,7 @@ def test_two_cpu_devices_give_the_single_device_latents_and_unloading_stops_the_
         processes = placement.runner.processes
         assert split.split and len(processes) == 2 and all(p.is_alive() for p in processes)
         c.record.progress.clear()
-        assert _same(_sample(c, split, cond), expected)
+        assert _close(_sample(c, split, cond), expected)
         assert [value for value, _, preview in c.record.progress] == [1, 2] and c.record.progress[-1][2][0] == "JPEG"
 
         c.record.progress.clear()
