@@ -112,12 +112,9 @@ def _frame_spans(num_latent_frames: int) -> np.ndarray:
 
 
 def latent_frame_times(num_latent_frames: int, origin: float) -> np.ndarray:
-    """Rotary time of every latent frame, float64 [L]: origin + the running sum of spans. Summed with
-    torch's cumsum, as the reference does: other running sums (numpy's) may round differently in the
-    last bit on some builds, and positions must equal the reference's bitwise."""
-    spans = torch.from_numpy(_frame_spans(num_latent_frames))
-    offsets = torch.cat([torch.zeros(1, dtype=torch.float64), spans[:-1].cumsum(0)])
-    return (origin + offsets).numpy()
+    """Rotary time of every latent frame, float64 [L]: origin + a sequential running sum of spans."""
+    offsets = np.concatenate([[0.0], np.cumsum(_frame_spans(num_latent_frames)[:-1])])
+    return origin + offsets
 
 
 def last_pixel_frame_time(num_latent_frames: int, origin: float) -> float:
@@ -406,17 +403,15 @@ class ReferenceBlock:
 
 def reference_clock_advance(block: ReferenceBlock) -> float:
     """How far a reference block moves the ref2va clock (A.6): 1 for an image, A for an audio clip, and
-    max(A, span(L)) for a video, the video span summed **sequentially** in float64 (the reference keeps
-    this order here while the FL2VA last-keyframe anchor sums pairwise; from 16 latent frames on the two
-    differ in the last ulp)."""
+    max(A, span(L)) for a video, the video span summed in float64 by Python's built-in `sum`, as the
+    reference does: sequentially before Python 3.12, with compensated (Neumaier) summation from 3.12 on.
+    The FL2VA last-keyframe anchor sums the same series with numpy's pairwise sum instead; from 16 latent
+    frames on the orders differ in the last ulp, so each call site keeps its own."""
     if block.kind == "image":
         return 1.0
     if block.kind == "audio":
         return float(block.audio_latents)
-    span = 0.0
-    for step in _frame_spans(block.latent_frames).tolist():
-        span += step
-    return max(float(block.audio_latents), span)
+    return max(float(block.audio_latents), sum(_frame_spans(block.latent_frames).tolist()))
 
 
 def build_ref2va_layout(

@@ -272,12 +272,12 @@ def test_two_cpu_devices_give_the_single_device_latents_and_unloading_stops_the_
         with_lora = _sample(c, c.sampler.H3LoRAApply.execute(one, "style.safetensors", 0.8).values[0], cond)
         assert not _same(with_lora, expected)
         split_lora = c.sampler.H3LoRAApply.execute(split, "style.safetensors", 0.8).values[0]
-        assert _same(_sample(c, split_lora, cond), with_lora)
-        assert _same(_sample(c, split, cond), expected)
+        assert _close(_sample(c, split_lora, cond), with_lora)
+        assert _close(_sample(c, split, cond), expected)
 
         c.mm.unload_all_models()
         assert placement.runner is None and _gone(processes)
-        assert _same(_sample(c, split, cond), expected)  # the next run starts them again
+        assert _close(_sample(c, split, cond), expected)  # the next run starts them again
     lines = [r.getMessage() for r in caplog.records]
     assert any("workers started on cpu, cpu" in line for line in lines), lines
     assert any("workers on cpu, cpu stopped" in line for line in lines), lines
