@@ -95,17 +95,18 @@ def write_mp4(
     metadata: dict[str, str] | None = None,
     on_frames=None,
     devices: Sequence[str | torch.device] | None = None,
+    tiled: bool | None = None,
 ) -> Path:
     """Decode and mux in one pass. The soundtrack is decoded first (it is small: 15 MB a minute);
     the writer interleaves it as the video chunks arrive. `on_frames(done, total)` reports progress;
-    `devices` (two or more) share the video decode (`decode_video`)."""
+    `devices` (two or more) share the video decode and `tiled` picks its spatial tiles (`decode_video`)."""
     latents.check(video_vae.config.latent_channels)
     total = latents.num_frames
     with Mp4Writer(path, metadata=metadata) as writer:
         for piece in decode_audio(audio_vae, latents.audio):
             writer.write_audio(piece)
         done = 0
-        for frames in decode_video(video_vae, latents.video, devices):
+        for frames in decode_video(video_vae, latents.video, devices, tiled):
             writer.write_video_frames(frames.numpy())
             done += frames.shape[0]
             if on_frames is not None:

@@ -70,6 +70,44 @@ def preview_settings():
     return args.preview_size, factors, bias
 
 
+TILING = {"release": None, "off": False}  # None: the VAE config's (the release's: tiled)
+
+
+def decode_inputs() -> list:
+    """How a node decodes video latents: spatial tiling, and the devices that share the clips."""
+    return [
+        io.Combo.Input("tiling", options=list(TILING), default="release", optional=True,
+                       tooltip="release: each frame decoded in overlapping 256 px tiles, blended (the release's "
+                               "setting, least memory). off: whole frames at once, no tile seams, more memory."),
+        io.String.Input("devices", default="", optional=True,
+                        tooltip="Empty: ComfyUI's device. Two or more (e.g. cuda:0,cuda:1): the video's clips are "
+                                "decoded on all of them at once, a VAE copy on each (about 5.6 GB in bf16); the "
+                                "frames equal a one-device decode."),
+    ]
+
+
+def decode_options(tiling: str, devices: str) -> tuple[bool | None, list[torch.device] | None]:
+    """The decode inputs as h3_core takes them: (tiled, devices or None); a bad value is refused."""
+    if tiling not in TILING:
+        raise ValueError(f"tiling must be one of {', '.join(TILING)}, got {tiling!r}.")
+    return TILING[tiling], device_list(devices, "share the decode") or None
+
+
+def device_list(text: str, purpose: str) -> list[torch.device]:
+    """A node's *devices* text (comma-separated) as devices: none, or two or more that exist here."""
+    from h3_core.placement import check_devices
+
+    names = [name.strip() for name in (text or "").split(",") if name.strip()]
+    if len(names) == 1:
+        raise ValueError(f"devices: {names[0]} alone is one device; list two or more to {purpose} "
+                         "(e.g. cuda:0,cuda:1), or leave it empty for ComfyUI's device.")
+    try:
+        parsed = [torch.device(name) for name in names]
+    except RuntimeError:
+        raise ValueError(f"devices: {text!r} is not a list of device names such as cuda:0,cuda:1.") from None
+    return check_devices(parsed)
+
+
 SAVE_HIDDEN = [io.Hidden.prompt, io.Hidden.extra_pnginfo]  # what a saving node embeds in its file
 
 

@@ -12,7 +12,7 @@ from h3_core.attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
 from h3_core.checkpoint import load_dit, locate_dit
 from h3_core.local_attention import check_setting as check_window_setting
 from h3_core.parallel import ModelSpec, check_compile_sharding
-from h3_core.placement import check_devices, freed_on_failure
+from h3_core.placement import freed_on_failure
 from h3_core.pipeline import TEXT_WORKING_BYTES, TINY_CANVAS
 from h3_core.references import RELEASE_CANVAS
 from h3_core.text import load_text_encoder, locate_text_encoder_files, text_encoder_bytes
@@ -33,6 +33,7 @@ from .common import (
     H3Model,
     H3TextEncoder,
     device,
+    device_list,
     model_choices,
     model_path,
 )
@@ -154,20 +155,13 @@ class H3ModelLoader(io.ComfyNode):
 
 def split_devices(devices: str, shard_weights: bool, gpu_memory_gb: float) -> list[torch.device]:
     """The loader's `devices` text as a list (empty: ComfyUI's one device); a bad combination is refused."""
-    names = [name.strip() for name in (devices or "").split(",") if name.strip()]
-    if len(names) == 1:
-        raise ValueError(f"devices: {names[0]} alone is one device; list two or more to split the DiT over them "
-                         "(e.g. cuda:0,cuda:1), or leave it empty for ComfyUI's device.")
-    if shard_weights and not names:
+    parsed = device_list(devices, "split the DiT over them")
+    if shard_weights and not parsed:
         raise ValueError("shard_weights splits the DiT's weights over several devices: list them in devices.")
-    if names and gpu_memory_gb:
+    if parsed and gpu_memory_gb:
         raise ValueError("gpu_memory_gb streams blocks on one device; with several devices leave it at 0 (each "
                          "holds the whole DiT, or 1/N of it with shard_weights).")
-    try:
-        parsed = [torch.device(name) for name in names]
-    except RuntimeError:
-        raise ValueError(f"devices: {devices!r} is not a list of device names such as cuda:0,cuda:1.") from None
-    return check_devices(parsed)
+    return parsed
 
 
 class H3TextEncoderLoader(io.ComfyNode):

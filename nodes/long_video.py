@@ -36,8 +36,8 @@ from h3_core.pipeline import TASK_PARTITION, largest_layout
 from h3_core.placement import freed_on_failure
 
 from .common import (
-    CATEGORY, SAVE_HIDDEN, H3VAE, H3Latent, H3Model, H3TextEncoder, canvas_inputs, check_interrupt, device, progress_bar,
-    saved_file_metadata, shift_inputs,
+    CATEGORY, SAVE_HIDDEN, H3VAE, H3Latent, H3Model, H3TextEncoder, canvas_inputs, check_interrupt, decode_inputs,
+    decode_options, device, progress_bar, saved_file_metadata, shift_inputs,
 )
 from .conditioning import reference_input
 from .convert import audio_to_decoded, build_request, media_problem, ordered_references, pack_latents, unpack_latents
@@ -157,6 +157,7 @@ class H3SaveMP4(io.ComfyNode):
                 H3Latent.Input("latent", tooltip="From H3 Continuation or H3 Dual-Clock Sampler."),
                 io.String.Input("filename_prefix", default="H3/long",
                                 tooltip="File name prefix inside the output folder; a subfolder may be given."),
+                *decode_inputs(),
             ],
             outputs=[io.Video.Output(display_name="video")],
             hidden=SAVE_HIDDEN,
@@ -164,7 +165,8 @@ class H3SaveMP4(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, vae, latent, filename_prefix) -> io.NodeOutput:
+    def execute(cls, vae, latent, filename_prefix, tiling="release", devices="") -> io.NodeOutput:
+        tiled, decode_devices = decode_options(tiling, devices)
         latents = unpack_latents(latent)
         _, _, _, latent_height, latent_width = latents.video.shape
         width, height = latent_width * geometry.VAE_SPATIAL_FACTOR, latent_height * geometry.VAE_SPATIAL_FACTOR
@@ -178,9 +180,9 @@ class H3SaveMP4(io.ComfyNode):
             bar.update_absolute(done, total)
             check_interrupt()
 
-        place([vae.patcher], decode_working_bytes(vae, latents.video))
+        place([vae.patcher], decode_working_bytes(vae, latents.video, tiled))
         with freed_on_failure(vae.device):
-            write_mp4(path, latents, vae.video, vae.audio, on_frames=on_frames,
+            write_mp4(path, latents, vae.video, vae.audio, on_frames=on_frames, devices=decode_devices, tiled=tiled,
                       metadata=saved_file_metadata(getattr(cls, "hidden", None), latents.num_frames, SAMPLE_RATE))
         preview = ui.PreviewVideo([ui.SavedResult(file, subfolder, io.FolderType.output)])
         return io.NodeOutput(InputImpl.VideoFromFile(path), ui=preview)

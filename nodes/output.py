@@ -13,7 +13,10 @@ from h3_core.media_write import write_mp4
 from h3_core.output import decode_audio, decode_video
 from h3_core.placement import freed_on_failure
 
-from .common import CATEGORY, SAVE_HIDDEN, H3VAE, H3Latent, check_interrupt, progress_bar, saved_file_metadata
+from .common import (
+    CATEGORY, SAVE_HIDDEN, H3VAE, H3Latent, check_interrupt, decode_inputs, decode_options, progress_bar,
+    saved_file_metadata,
+)
 from .convert import (
     audio_to_stereo_32k,
     frames_to_image,
@@ -23,9 +26,6 @@ from .convert import (
     waveform_to_audio,
 )
 from .memory import decode_working_bytes, place
-
-
-TILING = {"release": None, "off": False}  # None: the VAE config's (the release's: tiled)
 
 
 class H3VAEDecode(io.ComfyNode):
@@ -39,19 +39,14 @@ class H3VAEDecode(io.ComfyNode):
             inputs=[
                 H3VAE.Input("vae", tooltip="From H3 VAE Loader."),
                 H3Latent.Input("latent", tooltip="From H3 Dual-Clock Sampler (one output of its list at a time)."),
-                io.Combo.Input("tiling", options=list(TILING), default="release", optional=True,
-                               tooltip="release: each frame decoded in overlapping 256 px tiles, blended (the "
-                                       "release's setting, least memory). off: whole frames at once, no tile "
-                                       "seams, more memory."),
+                *decode_inputs(),
             ],
             outputs=[io.Image.Output(display_name="images"), io.Audio.Output(display_name="audio")],
         )
 
     @classmethod
-    def execute(cls, vae, latent, tiling="release") -> io.NodeOutput:
-        if tiling not in TILING:
-            raise ValueError(f"tiling must be one of {', '.join(TILING)}, got {tiling!r}.")
-        tiled = TILING[tiling]
+    def execute(cls, vae, latent, tiling="release", devices="") -> io.NodeOutput:
+        tiled, decode_devices = decode_options(tiling, devices)
         latents = unpack_latents(latent)
         total = latents.num_frames
         bar = progress_bar(total)
@@ -59,7 +54,7 @@ class H3VAEDecode(io.ComfyNode):
         with freed_on_failure(vae.device):
             audio = waveform_to_audio(list(decode_audio(vae.audio, latents.audio)), total)
             blocks, done = [], 0
-            for block in decode_video(vae.video, latents.video, tiled=tiled):
+            for block in decode_video(vae.video, latents.video, decode_devices, tiled):
                 blocks.append(block)
                 done += block.shape[0]
                 bar.update_absolute(done, total)

@@ -371,3 +371,25 @@ def test_conditioning_shows_progress_per_model_call_and_stops_on_interrupt(comfy
     with pytest.raises(c.memory.mm.InterruptProcessingException):
         _cond(c, text, vae, "ref2va", references=refs)
     assert c.record.progress[-1][:2] == (1, 4)
+
+
+def test_decode_nodes_share_the_clips_over_devices(comfy):
+    """devices: the video's clips decode on each listed device at once; the frames equal one device's."""
+    c = comfy
+    model, text, vae = _models(c)
+    out = c.sampler.H3Sampler.execute(model, _cond(c, text, vae).values[0], 0, 2, 0.0, 0.0).values[0][0]
+    one = c.output.H3VAEDecode.execute(vae, out).values[0]
+    assert torch.equal(c.output.H3VAEDecode.execute(vae, out, devices="cpu, cpu").values[0], one)
+    with pytest.raises(ValueError, match="cpu alone is one device; list two or more to share the decode"):
+        c.output.H3VAEDecode.execute(vae, out, devices="cpu")
+    with pytest.raises(ValueError, match="is not a list of device names"):
+        c.output.H3VAEDecode.execute(vae, out, devices="cpu, gpu0")
+
+    long_video = importlib.import_module("nodes.long_video")
+    shared = Path(long_video.H3SaveMP4.execute(vae, out, "H3/shared", devices="cpu,cpu").values[0][1])
+    alone = Path(long_video.H3SaveMP4.execute(vae, out, "H3/alone").values[0][1])
+    frames = []
+    for path in (shared, alone):
+        with av.open(str(path)) as container:
+            frames.append(np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)]))
+    assert frames[0].shape[0] == 107 and np.array_equal(*frames)

@@ -98,7 +98,7 @@ def build(name: str, real: bool) -> dict:
     latent = g.add("H3EmptyAVLatent", width=1344, height=768, num_frames=124, conditioning=[cond, 0])
     sampler = g.add("H3Sampler", model=model_out, conditioning=[cond, 0], latent=[latent, 0], seed=0,
                     steps=0 if real else 2, video_shift=0.0, audio_shift=0.0, denoise=1.0, outputs=1)
-    decode = g.add("H3VAEDecode", vae=[vae, 0], latent=[sampler, 0], tiling="release")
+    decode = g.add("H3VAEDecode", vae=[vae, 0], latent=[sampler, 0], tiling="release", devices="")
     g.add("H3AVSave", images=[decode, 0], audio=[decode, 1], filename_prefix=f"H3/{name}")
     return g.nodes
 
