@@ -163,7 +163,7 @@ def main():
     rows.append(row)
     if args.linears != "checkpoint":
         apply_linear_mode(dit, args.linears, device)
-    backend = dit.set_attention_window(args.attention_window_lossy).set_attention_backend(args.attention)
+    backend = dit.set_attention(args.attention, args.attention_window_lossy)
     if args.compile:
         dit.compile_blocks()
     print(json.dumps({"attention": backend, "window_frames": args.attention_window_lossy, "linears": args.linears,

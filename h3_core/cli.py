@@ -346,8 +346,7 @@ def run_denoise(args) -> int:
         apply_linear_mode(model, args.linears, device)
     else:
         model = load_dit(args.model, args.partition, dtype=dtype, device=device, linears=args.linears)
-    model.set_attention_window(args.attention_window_lossy, args.attention_window_dense_steps)
-    backend = model.set_attention_backend(args.attention)
+    backend = model.set_attention(args.attention, args.attention_window_lossy, args.attention_window_dense_steps)
     if args.compile:
         model.compile_blocks()
     timings["load"] = time.perf_counter() - started

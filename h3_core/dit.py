@@ -305,11 +305,24 @@ class H3DiT(nn.Module):
         themselves (plus every text, conditioning and audio row); 0 restores full attention. The first
         `dense_steps` forwards of each sampler run keep full attention (the early, noisiest steps set
         the layout). See local_attention.py. Set it before `set_attention_backend`, whose "auto" then
-        picks a backend that runs the window."""
+        picks a backend that runs the window (`set_attention` sets both in that order)."""
         if check_window_setting(frames, dense_steps)[0]:
             check_window_backend(self.blocks[0].attn.backend if len(self.blocks) else "sdpa")
         self.attention_window, self.attention_window_dense_steps = frames, dense_steps
         return self
+
+    def set_attention(self, backend: str = "auto", window: int = 0, dense_steps: int = 0) -> str:
+        """Both attention settings at once, whatever was set before: the (lossy, opt-in) window, then the
+        backend, whose "auto" picks one that runs that window (a named one that cannot is refused, and
+        the model keeps its previous settings). Returns the backend's name."""
+        window, dense_steps = check_window_setting(window, dense_steps)
+        before = self.attention_window, self.attention_window_dense_steps
+        self.attention_window, self.attention_window_dense_steps = window, dense_steps
+        try:
+            return self.set_attention_backend(backend)
+        except Exception:
+            self.attention_window, self.attention_window_dense_steps = before
+            raise
 
     def compile_blocks(self, mode: str = "default") -> "H3DiT":
         """torch.compile each repeated block's forward (one graph, reused by every block): fuses norms,

@@ -34,7 +34,7 @@ from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback
 from .sampler import denoise as denoise_loop
 from .text import load_text_encoder, text_encoder_bytes
 from .text_checkpoint import locate_text_encoder
-from .tiny import TINY_RANDOM, tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
+from .tiny import TINY_RANDOM, tiny_model_dtype, tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
 from .tiny_text import tiny_random_text_encoder
 from .vae_audio_checkpoint import load_audio_vae, locate_audio_vae
 from .vae_video_checkpoint import load_video_vae, locate_video_vae
@@ -339,9 +339,8 @@ def load_text_encoder_for(source, settings: GenerateSettings, notes):
 
 
 def model_dtype(source, settings: GenerateSettings) -> torch.dtype:
-    """The dtype the DiT and the video VAE run in: the settings', but float32 for the tiny random model on
-    the CPU (bf16 kernels there are slow, and it needs none)."""
-    return torch.float32 if source.tiny and torch.device(settings.device).type == "cpu" else settings.dtype
+    """The dtype the DiT and the video VAE run in: the settings', or the tiny random model's rule."""
+    return tiny_model_dtype(settings.device, settings.dtype) if source.tiny else settings.dtype
 
 
 def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSettings, loras, conditioning, steps: int,
@@ -390,8 +389,7 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
     if settings.linears != "checkpoint":
         notes(f"linears: {settings.linears} ({LINEAR_MODES[settings.linears]})")
     streamer = place(dit, device, plan)
-    dit.set_attention_window(settings.attention_window, settings.attention_window_dense_steps)
-    backend = dit.set_attention_backend(settings.attention)
+    backend = dit.set_attention(settings.attention, settings.attention_window, settings.attention_window_dense_steps)
     notes(f"attention: {backend}" + (" (auto: the fastest exact kernel installed)" if settings.attention == "auto" else ""))
     if settings.attention_window:
         notes(f"attention window: {settings.attention_window} latent frames around each target video row (lossy)"

@@ -34,6 +34,12 @@ def seeded_random_weights(model: torch.nn.Module, seed: int, gain: float = 1.0) 
     return model
 
 
+def tiny_model_dtype(device, requested: torch.dtype | None) -> torch.dtype:
+    """The dtype the tiny random model computes in: float32 on the CPU (bf16 kernels there are slow, and it
+    needs none), else the requested one (bf16 when none is)."""
+    return torch.float32 if torch.device(device).type == "cpu" else (requested or torch.bfloat16)
+
+
 def tiny_random_dit(dtype: torch.dtype = torch.float32, device="cpu") -> H3DiT:
     """The tiny DiT with seeded random weights; norms and biases are perturbed too, so every term matters."""
     model = seeded_random_weights(H3DiT(TINY_DIT), TINY_SEED).set_dtype(dtype)

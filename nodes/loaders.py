@@ -18,6 +18,7 @@ from h3_core.references import RELEASE_CANVAS
 from h3_core.text import load_text_encoder, locate_text_encoder_files, text_encoder_bytes
 from h3_core.tiny import (
     TINY_RANDOM,
+    tiny_model_dtype,
     tiny_random_audio_vae,
     tiny_random_dit,
     tiny_random_video_vae,
@@ -131,8 +132,8 @@ class H3ModelLoader(io.ComfyNode):
         tiny = checkpoint == TINY_RANDOM and not folder.strip()
         path = None if tiny else model_path("diffusion_models", checkpoint, folder)
         label = f"H3 DiT ({partition}, {TINY_RANDOM if tiny else Path(path).name})"
-        if tiny:  # the tiny model computes in fp32 on the CPU (bf16 kernels there are slow and not needed)
-            dtype = torch.float32 if target.type == "cpu" else (dtype or torch.bfloat16)
+        if tiny:
+            dtype = tiny_model_dtype(target, dtype)
         if split:
             spec = ModelSpec(TINY_RANDOM if tiny else str(path), partition, dtype, attention, compile=bool(compile),
                              attention_window=window, attention_window_dense_steps=dense_steps)
@@ -146,7 +147,7 @@ class H3ModelLoader(io.ComfyNode):
             home = dit_home(file_bytes(locate_dit(path, partition).files), target, budget)
             with freed_on_failure(target):
                 dit = load_dit(path, partition, dtype=dtype, device=home)
-        dit.set_attention_window(window, dense_steps).set_attention_backend(chosen)  # chosen for the compute device
+        dit.set_attention(chosen, window, dense_steps)  # chosen for the compute device
         if compile:
             dit.compile_blocks()  # traced at the first run; streaming hooks run around the compiled forward
         patcher = manage_dit(label, dit, target, home == target, budget)

@@ -187,3 +187,13 @@ def test_every_engine_api_name_the_pipeline_docstring_lists_is_importable_from_i
     names = [name for line in listed for name in line]
     assert len(names) == 8 and "encode_request" in names and "load_dit" in names
     assert all(callable(getattr(pipeline, name, None)) for name in names), names
+
+
+def test_the_tiny_model_computes_in_float32_on_the_cpu_and_as_asked_elsewhere():
+    import torch
+
+    from h3_core.tiny import tiny_model_dtype
+
+    assert tiny_model_dtype("cpu", torch.bfloat16) == torch.float32 == tiny_model_dtype("cpu", None)
+    assert tiny_model_dtype("cuda:1", torch.float16) == torch.float16
+    assert tiny_model_dtype("cuda", None) == torch.bfloat16  # 'checkpoint' in the loader: the release's bf16

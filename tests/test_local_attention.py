@@ -169,6 +169,21 @@ def test_window_setting_is_checked():
     model.set_attention_window(0)  # full attention on any backend
 
 
+def test_set_attention_sets_the_window_then_a_backend_that_runs_it():
+    model = tiny_random_dit()
+    for block in model.blocks:
+        block.attn.backend = "flash"  # a backend without windows, chosen earlier
+    assert model.set_attention("auto", 2, dense_steps=1) == "sdpa"  # auto picks one that runs the window
+    assert (model.attention_window, model.attention_window_dense_steps) == (2, 1)
+    assert {block.attn.backend for block in model.blocks} == {"sdpa"}
+    with pytest.raises(ValueError, match="'flash'"):  # not installed here (in CI), or not one that runs windows
+        model.set_attention("flash", 3)
+    assert (model.attention_window, model.attention_window_dense_steps) == (2, 1)  # unchanged by the refusal
+    with pytest.raises(ValueError, match="whole number of latent frames"):
+        model.set_attention("sdpa", -1)
+    assert model.set_attention() == "sdpa" and model.attention_window == 0  # defaults: full attention, auto
+
+
 needs_flash3 = pytest.mark.skipif(not torch.cuda.is_available() or "flash3" not in available_backends(),
                                   reason="needs CUDA and a FlashAttention 3 build (CI has neither)")
 

@@ -96,8 +96,7 @@ class ModelSpec:
             from ..fp8 import apply_linear_mode
 
             apply_linear_mode(model, self.linears, device)
-        model.set_attention_window(self.attention_window, self.attention_window_dense_steps)
-        model.set_attention_backend(self.attention)
+        model.set_attention(self.attention, self.attention_window, self.attention_window_dense_steps)
         if self.compile:
             model.compile_blocks()
         return model
