@@ -145,13 +145,14 @@ def test_decode_video_and_write_mp4_take_devices(tmp_path, vae, monkeypatch):
 
     seen = []
     real = output.decode_video
-    monkeypatch.setattr(output, "decode_video", lambda v, z, devices=None: seen.append(devices) or real(v, z, devices))
+    monkeypatch.setattr(output, "decode_video",
+                        lambda v, z, devices=None, tiled=None: seen.append((devices, tiled)) or real(v, z, devices, tiled))
     from h3_core.tiny import tiny_random_audio_vae
     from h3_core import geometry
 
     av = output.AVLatents(latents, torch.zeros(2, 32, geometry.audio_latents(39)))
-    output.write_mp4(tmp_path / "a.mp4", av, vae, tiny_random_audio_vae(), devices=["cpu", "cpu"])
-    assert seen == [["cpu", "cpu"]] and (tmp_path / "a.mp4").stat().st_size > 0
+    output.write_mp4(tmp_path / "a.mp4", av, vae, tiny_random_audio_vae(), devices=["cpu", "cpu"], tiled=False)
+    assert seen == [(["cpu", "cpu"], False)] and (tmp_path / "a.mp4").stat().st_size > 0
 
 
 def test_generate_passes_its_devices_to_the_decode(tmp_path, monkeypatch):
