@@ -9,6 +9,7 @@
   ComfyUI's template browser lists under this pack.
 
 Run: python tools/workflows.py   (then node tools/canvas.mjs for the canvas files; see its docstring)
+Every task's graph, and long_video: t2va over 20 s in two continuation windows.
 """
 
 from __future__ import annotations
@@ -103,13 +104,34 @@ def build(name: str, real: bool) -> dict:
     return g.nodes
 
 
+def build_long_video(real: bool) -> dict:
+    """t2va over 20 s in two continuation windows, each with its own prompt, decoded straight into an MP4."""
+    tiny = "tiny-random"
+    g = Graph()
+    model = g.add("H3ModelLoader", checkpoint=REAL["fl2va"] if real else tiny, folder="", partition="fl2va",
+                  weight_dtype="bf16", attention="auto")
+    text = g.add("H3TextEncoderLoader", text_encoder=REAL["text_encoder"] if real else tiny, folder="",
+                 tokenizer_folder="", weight_dtype="bf16")
+    vae = g.add("H3VAELoader", video_vae=REAL["video_vae"] if real else tiny,
+                audio_vae=REAL["audio_vae"] if real else tiny, folder="", weight_dtype="bf16")
+    latent = g.add("H3Continuation", model=[model, 0], text_encoder=[text, 0], vae=[vae, 0],
+                   prompt="A red fox trots along a beach at sunset; waves crash softly and gulls call.", task="t2va",
+                   duration=20.0, mode="continuation", window_frames=277, overlap_frames=22, seed=0,
+                   steps=0 if real else 2, video_shift=0.0, audio_shift=0.0, aspect_ratio="auto", width=0, height=0,
+                   window_prompts="The fox trots along the waterline.\nThe fox breaks into a run as the sun sets.")
+    g.add("H3SaveMP4", vae=[vae, 0], latent=[latent, 0], filename_prefix="H3/long_video", tiling="release",
+          devices="")
+    return g.nodes
+
+
 def main() -> None:
     for folder, real in (("api", False), ("templates", True)):
         out = ROOT / "workflows" / folder
         out.mkdir(parents=True, exist_ok=True)
         for name in TASKS:
             (out / f"{name}.json").write_text(json.dumps(build(name, real), indent=2) + "\n")
-    print(f"wrote {len(TASKS)} API prompts to workflows/api and workflows/templates")
+        (out / "long_video.json").write_text(json.dumps(build_long_video(real), indent=2) + "\n")
+    print(f"wrote {len(TASKS) + 1} API prompts to workflows/api and workflows/templates")
 
 
 if __name__ == "__main__":
