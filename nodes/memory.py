@@ -14,6 +14,7 @@ they run; the VAE decode nodes ask for the decode's working memory besides the w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 import comfy.model_management as mm
@@ -131,8 +132,6 @@ def decode_working_bytes(vae, video_latents, tiled: bool | None = None) -> int:
     """What a streamed decode of `video_latents` [1, C, L, h, w] needs on the device besides the VAE
     weights (h3_core.vae_video.decode_working_bytes): the decode nodes ask ComfyUI for weights + this.
     `tiled`: as the decode will run (None: the VAE config's)."""
-    import dataclasses
-
     from h3_core.vae_video import decode_working_bytes as estimate
 
     config = vae.video.config if tiled is None else dataclasses.replace(vae.video.config, decoder_tiling=tiled)
