@@ -85,7 +85,8 @@ def _partition_of_folder(folder: Path) -> tuple[str, str] | None:
         raw = read_json(index) if index.is_file() else {}
     except CheckpointError:
         raw = {}  # an unreadable index says nothing; the weights themselves are checked as they load
-    named = raw.get("_minimax_h3", {}).get("partition") if isinstance(raw.get("_minimax_h3"), dict) else None
+    labels = raw.get("_minimax_h3")
+    named = labels.get("partition") if isinstance(labels, dict) else None
     if named in PARTITIONS:
         return named, f"its {index.name} says so"
     if folder.name == PARTITIONS["fl2va"][1] and PARTITIONS["ref2va"][1] in raw:

@@ -316,13 +316,9 @@ class H3DiT(nn.Module):
         backend, whose "auto" picks one that runs that window (a named one that cannot is refused, and
         the model keeps its previous settings). Returns the backend's name."""
         window, dense_steps = check_window_setting(window, dense_steps)
-        before = self.attention_window, self.attention_window_dense_steps
+        chosen = resolve_backend(backend, self.condition_proj.weight.device, window=window > 0)  # may refuse
         self.attention_window, self.attention_window_dense_steps = window, dense_steps
-        try:
-            return self.set_attention_backend(backend)
-        except Exception:
-            self.attention_window, self.attention_window_dense_steps = before
-            raise
+        return self.set_attention_backend(chosen)
 
     def compile_blocks(self, mode: str = "default") -> "H3DiT":
         """torch.compile each repeated block's forward (one graph, reused by every block): fuses norms,

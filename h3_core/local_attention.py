@@ -125,6 +125,7 @@ def _sdpa_windowed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     """Target queries [B, S - start, H, D] in chunks of `radius` rows: each against the prefix keys and
     the target keys that can fall in its window, masked."""
     from .attention import sdpa
+
     start, radius, rows = window.start, window.radius, key.shape[1]
     chunk = max(radius, 64)
     outs = []

@@ -8,6 +8,7 @@ import torch
 from comfy_api.latest import io
 
 from h3_core import geometry
+from h3_core.media import SAMPLE_RATE
 
 CATEGORY = "H3"
 H3Model = io.Custom("H3_MODEL")
@@ -111,12 +112,12 @@ def device_list(text: str, purpose: str) -> list[torch.device]:
 SAVE_HIDDEN = [io.Hidden.prompt, io.Hidden.extra_pnginfo]  # what a saving node embeds in its file
 
 
-def saved_file_metadata(hidden, num_frames: int, sample_rate: int) -> dict[str, str]:
+def saved_file_metadata(hidden, num_frames: int) -> dict[str, str]:
     """MP4 tags: a comment, and (as ComfyUI's own SaveVideo does, unless it runs with --disable-metadata)
     the prompt and the workflow as JSON, so dropping the MP4 on the canvas brings the graph back."""
     from comfy.cli_args import args
 
-    tags = {"comment": f"MiniMax-H3, {num_frames} frames at 24 fps, {sample_rate} Hz audio"}
+    tags = {"comment": f"MiniMax-H3, {num_frames} frames at {geometry.FPS} fps, {SAMPLE_RATE} Hz audio"}
     if hidden is None or args.disable_metadata:
         return tags
     if hidden.prompt is not None:

@@ -30,7 +30,6 @@ from h3_core.long_video import (
     split_window_prompts,
     validate_long_video,
 )
-from h3_core.media import SAMPLE_RATE
 from h3_core.output import write_mp4
 from h3_core.pipeline import TASK_PARTITION, largest_layout
 from h3_core.placement import freed_on_failure
@@ -183,7 +182,7 @@ class H3SaveMP4(io.ComfyNode):
         place([vae.patcher], decode_working_bytes(vae, latents.video, tiled))
         with freed_on_failure(vae.device):
             write_mp4(path, latents, vae.video, vae.audio, on_frames=on_frames, devices=decode_devices, tiled=tiled,
-                      metadata=saved_file_metadata(getattr(cls, "hidden", None), latents.num_frames, SAMPLE_RATE))
+                      metadata=saved_file_metadata(cls.hidden, latents.num_frames))
         preview = ui.PreviewVideo([ui.SavedResult(file, subfolder, io.FolderType.output)])
         return io.NodeOutput(InputImpl.VideoFromFile(path), ui=preview)
 

@@ -8,7 +8,7 @@ import folder_paths
 from comfy_api.latest import InputImpl, io, ui
 
 from h3_core import geometry
-from h3_core.media import SAMPLE_RATE, resample_audio
+from h3_core.media import resample_audio
 from h3_core.media_write import write_mp4
 from h3_core.output import decode_audio, decode_video
 from h3_core.placement import freed_on_failure
@@ -94,7 +94,7 @@ class H3AVSave(io.ComfyNode):
             filename_prefix, folder_paths.get_output_directory(), width, height)
         file = f"{filename}_{counter:05}_.mp4"
         path = os.path.join(folder, file)
-        write_mp4(path, frames, waveform, metadata=saved_file_metadata(getattr(cls, "hidden", None), count, SAMPLE_RATE))
+        write_mp4(path, frames, waveform, metadata=saved_file_metadata(cls.hidden, count))
         preview = ui.PreviewVideo([ui.SavedResult(file, subfolder, io.FolderType.output)])
         return io.NodeOutput(InputImpl.VideoFromFile(path), ui=preview)
 
