@@ -215,18 +215,32 @@ def _flash3(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, radius:
 FLASH3_QUERY_TILE = 128  # FlashAttention 3's query tile on Hopper at head_dim 128, bf16 / fp16
 
 
+def query_rows(backend: str, window, rows: int, head_dim: int, dtype: torch.dtype) -> int:
+    """The query rows `attention` runs best with for `rows` keys: more (zeros after the real ones) only where
+    FlashAttention 3's full-attention forward would pad q itself. A caller that writes q anyway can write it
+    padded, saving that copy; the output then has the padded rows too, to be cut off."""
+    if backend != "flash3" or window is not None:
+        return rows
+    return flash3_query_rows(rows, head_dim, dtype)
+
+
+def flash3_query_rows(rows: int, head_dim: int, dtype: torch.dtype) -> int:
+    """`rows` rounded up to an even number of query tiles. Only then does FlashAttention 3's full-attention
+    forward pair CTAs in 2-CTA clusters that share each K/V load (in a build with clusters, the default).
+    On an H200 a compiled 124-frame forward (38,222 rows, 299 tiles) went from 5.144 to 5.111 s with a
+    copy of q into the padded buffer included (bench/RESULTS.md)."""
+    if dtype not in (torch.bfloat16, torch.float16) or head_dim != 128:
+        return rows  # other tiles; and FA3 pairs 8-bit CTAs only at head_dim 192
+    tiles = -(-rows // FLASH3_QUERY_TILE)
+    return rows if tiles % 2 == 0 else (tiles + 1) * FLASH3_QUERY_TILE
+
+
 def pad_to_even_query_tiles(query: torch.Tensor) -> torch.Tensor:
-    """q with zero rows appended (< 128) so FlashAttention 3 sees an even number of query tiles. Only then
-    does its full-attention forward pair CTAs in 2-CTA clusters that share each K/V load (in a build with
-    clusters, the default). On an H200 a compiled 124-frame forward (38,222 rows, 299 tiles) went from
-    5.144 to 5.111 s with the copy of q included (bench/RESULTS.md)."""
-    if query.dtype not in (torch.bfloat16, torch.float16) or query.shape[-1] != 128:
-        return query  # other tiles; and FA3 pairs 8-bit CTAs only at head_dim 192
-    tiles = -(-query.shape[1] // FLASH3_QUERY_TILE)
-    if tiles % 2 == 0:
+    """q with the zero rows `flash3_query_rows` asks for appended (none if it is padded already)."""
+    rows = flash3_query_rows(query.shape[1], query.shape[-1], query.dtype)
+    if rows == query.shape[1]:
         return query
-    padding = (tiles + 1) * FLASH3_QUERY_TILE - query.shape[1]
-    return torch.cat([query, query.new_zeros(query.shape[0], padding, *query.shape[2:])], dim=1)
+    return torch.cat([query, query.new_zeros(query.shape[0], rows - query.shape[1], *query.shape[2:])], dim=1)
 
 
 @_flash3.register_fake

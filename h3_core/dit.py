@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import qk_norm_rope
-from .attention import attention, resolve_backend
+from .attention import attention, query_rows, resolve_backend
 from .local_attention import VideoWindow, check_backend as check_window_backend, check_setting as check_window_setting
 from .rope import apply_rope
 from .config import DiTConfig
@@ -78,14 +78,19 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         q, k, v = qkv.view(batch, rows, 3, self.heads, self.head_dim).unbind(2)
         if rope is not None and torch.compiler.is_compiling() and qk_norm_rope.available(qkv, self.head_dim):
-            # compiled on CUDA: one kernel instead of Inductor's three (equal up to bf16 rounding)
-            q, k = torch.ops.h3.qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, *rope, self.heads, self.q_norm.eps)
+            # compiled on CUDA: one kernel instead of Inductor's three (equal up to bf16 rounding), writing
+            # q with the padding rows the attention kernel wants (cut from its output below)
+            q_rows = rows
+            if self.sequence_parallel is None:
+                q_rows = query_rows(self.backend, window, rows, self.head_dim, qkv.dtype)
+            q, k = torch.ops.h3.qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, *rope, self.heads,
+                                             self.q_norm.eps, q_rows)
         else:
             q, k = self.q_norm(q), self.k_norm(k)
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.sequence_parallel is None:
-            out = attention(q, k, v, self.backend, window)
+            out = attention(q, k, v, self.backend, window)[:, :rows]
         else:  # this rank holds a slice of the rows: trade rows for heads around the attention
             out = self.sequence_parallel.attention(q, k, v, self.backend, window)
         return self.out_proj(out.reshape(batch, rows, -1))

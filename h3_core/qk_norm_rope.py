@@ -7,7 +7,10 @@ it equals the eager path up to bf16 rounding, like the compiled block it serves.
 
     qkv   [B, S, 3 * H * D]  the fused projection's output ([q heads | k heads | v heads])
     cos, sin [S, R]          RoPE tables (R <= D rotated channels, halves paired as in rope.apply_rope)
-    ->    q, k [B, S, H, D]  contiguous
+    ->    q [B, Sq, H, D], k [B, S, H, D]  contiguous; q's rows past S (Sq >= S) are zeros
+
+Sq > S writes q straight into the zero-padded buffer FlashAttention 3 wants (attention.flash3_query_rows),
+which saves copying q there: 14 ms of a 124-frame forward on an H200.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def qk_norm_rope_reference(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: 
 if triton is not None:
 
     @triton.jit
-    def _norm_rope(QKV, Wq, Wk, Cos, Sin, Q, K, total_rows, rows_per_batch, eps,
+    def _norm_rope(QKV, Wq, Wk, Cos, Sin, Q, K, total_rows, rows_per_batch, q_rows_per_batch, eps,
                    H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
         """One program: BLOCK rows of one head of q (axis 2 = 0) or k (1)."""
         head, which = tl.program_id(1), tl.program_id(2)
@@ -68,33 +71,36 @@ if triton is not None:
         sin = tl.load(Sin + table, mask=rotating, other=0.0).to(tl.float32)
         sign = tl.where(d < HALF, -1.0, 1.0)[None, :]
         y = x * rstd * w[None, :] * cos + sign * (x_partner * rstd * w_partner[None, :]) * sin
-        out = (rows[:, None] * H + head) * D + d[None, :]
         if which == 0:
-            tl.store(Q + out, y.to(Q.dtype.element_ty), mask=inside)
+            q_rows = rows // rows_per_batch * q_rows_per_batch + rows % rows_per_batch
+            tl.store(Q + (q_rows[:, None] * H + head) * D + d[None, :], y.to(Q.dtype.element_ty), mask=inside)
         else:
-            tl.store(K + out, y.to(K.dtype.element_ty), mask=inside)
+            tl.store(K + (rows[:, None] * H + head) * D + d[None, :], y.to(K.dtype.element_ty), mask=inside)
 
 
 @torch.library.custom_op("h3::qk_norm_rope", mutates_args=())
 def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 sin: torch.Tensor, heads: int, eps: float, query_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring; one opaque op, so torch.compile calls the kernel as it is."""
     batch, rows, width = qkv.shape
     dim = width // (3 * heads)
     if not qkv.is_contiguous() or cos.shape != sin.shape or cos.shape[0] != rows or cos.shape[1] % 2 or cos.shape[1] > dim:
         raise ValueError(f"qk_norm_rope needs a contiguous qkv [B, S, 3*H*D] and cos/sin [S, R<=D]; got qkv "
                          f"{list(qkv.shape)}, cos {list(cos.shape)}, sin {list(sin.shape)}.")
-    q = torch.empty(batch, rows, heads, dim, dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty_like(q)
-    block = 32
+    if query_rows < rows:
+        raise ValueError(f"qk_norm_rope: query_rows ({query_rows}) must be at least the {rows} rows of qkv.")
+    q = torch.empty(batch, query_rows, heads, dim, dtype=qkv.dtype, device=qkv.device)
+    q[:, rows:].zero_()
+    k = torch.empty(batch, rows, heads, dim, dtype=qkv.dtype, device=qkv.device)
+    block = 16  # x 8 warps: 0.815 ms at 38,222 rows x 56 heads on an H200, 32 x 4 took 0.864 (bench/RESULTS.md)
     grid = (triton.cdiv(batch * rows, block), heads, 2)
-    _norm_rope[grid](qkv, q_weight, k_weight, cos.contiguous(), sin.contiguous(), q, k, batch * rows, rows, eps,
-                     H=heads, D=dim, HALF=cos.shape[1] // 2, BLOCK=block, num_warps=4)
+    _norm_rope[grid](qkv, q_weight, k_weight, cos.contiguous(), sin.contiguous(), q, k, batch * rows, rows, query_rows,
+                     eps, H=heads, D=dim, HALF=cos.shape[1] // 2, BLOCK=block, num_warps=8)
     return q, k
 
 
 @qk_norm_rope.register_fake
-def _(qkv, q_weight, k_weight, cos, sin, heads, eps):
+def _(qkv, q_weight, k_weight, cos, sin, heads, eps, query_rows):
     batch, rows, width = qkv.shape
-    shape = (batch, rows, heads, width // (3 * heads))
-    return qkv.new_empty(shape), qkv.new_empty(shape)
+    dim = width // (3 * heads)
+    return qkv.new_empty(batch, query_rows, heads, dim), qkv.new_empty(batch, rows, heads, dim)

@@ -13,7 +13,7 @@ import torch
 from fa3_stand_in import FA3_STAND_IN
 
 from h3_core import attention as attention_module
-from h3_core.attention import attention, available_backends, resolve_backend
+from h3_core.attention import attention, available_backends, query_rows, resolve_backend
 
 STAND_IN = '''
 import torch.nn.functional as F
@@ -166,6 +166,29 @@ def test_flash3_pads_queries_to_an_even_tile_count(tmp_path, monkeypatch):
     q, k, v = (torch.randn(1, 100, 2, 128, generator=g).bfloat16() for _ in range(3))
     torch.ops.h3.flash3(q, k, v, 8, None, None, None)  # a window: FA3 never pairs CTAs there
     assert flash_attn_interface.QUERY_ROWS[-1] == 100
+    sys.modules.pop("flash_attn_interface", None)
+
+
+def test_query_rows_pads_only_for_flash3_full_attention(tmp_path, monkeypatch):
+    """`query_rows` tells a caller that writes q anyway (compiled blocks) how many rows FA3 wants; q given
+    that padded is passed on as it is, not padded again."""
+    assert query_rows("flash3", None, 300, 128, torch.bfloat16) == 512  # 3 tiles -> 4
+    assert query_rows("flash3", None, 256, 128, torch.float16) == 256  # even already
+    for backend, window, head_dim, dtype in (("sdpa", None, 128, torch.bfloat16), ("flash3-fp8-lossy", None, 128, torch.bfloat16),
+                                             ("flash3", object(), 128, torch.bfloat16), ("flash3", None, 64, torch.bfloat16),
+                                             ("flash3", None, 128, torch.float32)):
+        assert query_rows(backend, window, 300, head_dim, dtype) == 300
+    (tmp_path / "flash_attn_interface.py").write_text(FA3_STAND_IN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn_interface", raising=False)
+    import flash_attn_interface
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 300, 2, 128, generator=g).bfloat16() for _ in range(3))
+    padded = torch.cat([q, q.new_zeros(1, 212, 2, 128)], dim=1)
+    out = attention(padded, k, v, "flash3")
+    assert flash_attn_interface.QUERY_ROWS[-1] == 512 and out.shape == (1, 512, 2, 128)
+    assert torch.equal(out[:, :300], attention(q, k, v, "flash3"))
     sys.modules.pop("flash_attn_interface", None)
 
 

@@ -2,10 +2,13 @@
 arithmetic (the torch reference) against the eager path on the CPU; the Triton kernel against that
 reference, and a compiled DiT against the eager one, on a CUDA device (skipped without one)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from h3_core import qk_norm_rope as fused
+from h3_core.attention import available_backends
 from h3_core.config import TINY_DIT, DiTConfig
 from h3_core.dit import Attention, rope_inverse_frequencies, rope_tables
 from h3_core.rope import apply_rope
@@ -50,15 +53,25 @@ def test_not_offered_without_cuda_or_for_odd_head_sizes():
 
 
 @cuda
-@pytest.mark.parametrize("batch, rows, heads, head_dim", [(1, 4099, 4, 128), (2, 333, 3, 64), (1, 31, 56, 128)])
-def test_kernel_matches_the_reference(batch, rows, heads, head_dim):
+@pytest.mark.parametrize("batch, rows, heads, head_dim, padding",
+                         [(1, 4099, 4, 128, 0), (2, 333, 3, 64, 0), (1, 31, 56, 128, 0), (1, 4099, 4, 128, 93),
+                          (2, 333, 3, 64, 51)])
+def test_kernel_matches_the_reference(batch, rows, heads, head_dim, padding):
     qkv, wq, wk, cos, sin = case(batch, rows, heads, head_dim, "cuda")
-    got = torch.ops.h3.qk_norm_rope(qkv, wq, wk, cos, sin, heads, 1e-5)
-    want = fused.qk_norm_rope_reference(qkv, wq, wk, cos, sin, heads, 1e-5)
-    for g, w in zip(got, want):
-        assert g.is_contiguous() and g.shape == w.shape
+    q, k = torch.ops.h3.qk_norm_rope(qkv, wq, wk, cos, sin, heads, 1e-5, rows + padding)
+    want_q, want_k = fused.qk_norm_rope_reference(qkv, wq, wk, cos, sin, heads, 1e-5)
+    assert q.is_contiguous() and k.is_contiguous() and q.shape == (batch, rows + padding, heads, head_dim)
+    assert k.shape == want_k.shape
+    assert not q[:, rows:].any()  # the padding rows are zeros, in every batch entry
+    for g, w in ((q[:, :rows], want_q), (k, want_k)):
         # the same float32 arithmetic, summed in another order: at most one bf16 step apart
         assert torch.allclose(g.float(), w.float(), rtol=2**-7, atol=1e-6), (g.float() - w.float()).abs().max()
+
+
+def test_kernel_refuses_fewer_query_rows_than_rows():
+    qkv, wq, wk, cos, sin = case(1, 37, 3, TINY_DIT.attention_head_dim)
+    with pytest.raises(ValueError, match=r"query_rows \(36\) must be at least the 37 rows"):
+        fused.qk_norm_rope(qkv, wq, wk, cos, sin, 3, 1e-5, 36)
 
 
 @cuda
@@ -77,4 +90,27 @@ def test_compiled_attention_uses_the_kernel_and_matches_eager():
             got = compiled(x, rope).float()
             torch.cuda.synchronize()
     assert any("_norm_rope" in event.name for event in prof.events())
+    assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.9999
+
+
+@cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or "flash3" not in available_backends(), reason="needs FlashAttention 3")
+def test_compiled_flash3_attention_writes_q_padded_and_matches_eager(monkeypatch):
+    """At head_dim 128 with an odd tile count, the kernel writes q into FA3's padded buffer: FA3 gets the
+    padded rows without a copy of q, and the block's output equals eager SDPA's up to bf16 rounding."""
+    import flash_attn_interface
+
+    config = replace(TINY_DIT, attention_head_dim=128, num_attention_heads=2, rope_freq_dim=16)
+    attn = seeded_random_weights(Attention(config), 4).to("cuda", torch.bfloat16)
+    rows = 300  # 3 query tiles of 128 -> 4
+    positions = torch.stack([torch.arange(rows) // 20, torch.arange(rows) % 20, torch.arange(rows) % 4], -1)
+    rope = tuple(t.to("cuda", torch.bfloat16) for t in rope_tables(positions, rope_inverse_frequencies(config)))
+    x = torch.randn(1, rows, config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = attn(x, rope).float()
+        attn.backend = "flash3"
+        sent, call = [], flash_attn_interface.flash_attn_func
+        monkeypatch.setattr(flash_attn_interface, "flash_attn_func", lambda q, *a, **kw: sent.append(q) or call(q, *a, **kw))
+        got = torch.compile(attn, fullgraph=True)(x, rope).float()
+    assert got.shape == want.shape and sent[-1].shape[1] == 512 and not sent[-1][:, rows:].any()
     assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.9999
