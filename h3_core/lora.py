@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fp8 import FP8Linear
 from .keymap import deinterleave_qkv
 from .lora_formats import (
     LIGHTX2V_NAME,
@@ -65,6 +66,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+LINEARS = (nn.Linear, FP8Linear)  # what a LoRA term may target besides RMSNorm
 DEFAULT_STEPS = 50
 _STATE = "_h3_lora_stack"  # attribute on the model: the applications, newest last
 
@@ -263,7 +265,7 @@ class _Resolved:
 def _declared_shape(module: nn.Module, name: str, param: torch.Tensor) -> tuple[int, ...]:
     """The parameter's shape as its module declares it: sharded block weights (parallel/sharding.py) are
     empty between forwards, yet a dynamic adapter still fits them."""
-    if isinstance(module, nn.Linear):
+    if isinstance(module, LINEARS):
         return (module.out_features, module.in_features) if name == "weight" else (module.out_features,)
     if isinstance(module, nn.RMSNorm):
         return tuple(module.normalized_shape)
@@ -277,7 +279,7 @@ def _resolve(model: nn.Module, lora: LoRA, term: Term, strength: float) -> _Reso
     except AttributeError:
         raise LoRAError(f"{what} targets '{term.target}', which this model does not have (it has "
                         f"{len(getattr(model, 'blocks', []))} blocks); the LoRA was made for a different model size.") from None
-    if not isinstance(module, (nn.Linear, nn.RMSNorm)):
+    if not isinstance(module, (*LINEARS, nn.RMSNorm)):
         raise LoRAError(f"{what} targets '{term.target}', a {type(module).__name__}; only Linear and RMSNorm modules are supported.")
     param = getattr(module, term.param, None)
     if param is None:
@@ -327,7 +329,7 @@ class _DeltaHook:
     """
 
     def __init__(self, module: nn.Module, resolved: list[_Resolved]):
-        dtype = module.weight.dtype
+        dtype = getattr(module, "compute_dtype", module.weight.dtype)  # an FP8Linear computes in bf16 / fp16
         device = module.weight.device
         self.terms = [
             (r.param, r.rows, r.scale,
@@ -347,7 +349,7 @@ class _DeltaHook:
                 contribution = F.linear(F.linear(h, down), up) * scale
             elif param == "bias":
                 contribution = delta.to(out.device) * scale
-            elif isinstance(module, nn.Linear):
+            elif isinstance(module, LINEARS):
                 contribution = F.linear(x.to(delta.dtype), delta.to(x.device)) * scale
             else:
                 contribution = F.rms_norm(x, module.normalized_shape, delta.to(x.device, x.dtype), module.eps) * scale
@@ -472,6 +474,10 @@ def _summed_delta(param: torch.Tensor, resolved: list[_Resolved]) -> torch.Tenso
 def _merge(by_module: dict, backup: bool) -> _Application:
     """One parameter at a time, so at most one fp32 delta is alive. Without a backup the terms are kept
     (they are small) and the delta is recomputed at removal."""
+    fp8 = [target for (target, _), resolved in by_module.items() if isinstance(resolved[0].module, FP8Linear)]
+    if fp8:  # refused before any weight changes
+        raise LoRAError(f"'{fp8[0]}' holds FP8 weights, which a LoRA cannot be merged into without quantizing "
+                        "again; apply it dynamically (as ComfyUI's LoRA node does), or load with linears 'dense'.")
     entries = []
     for (_, param_name), resolved in by_module.items():
         param = getattr(resolved[0].module, param_name)

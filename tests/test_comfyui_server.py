@@ -200,6 +200,14 @@ def test_pack_loads_and_lists_nodes(server):
     assert "IMPORT FAILED" not in log and "Cannot import" not in log, log[-4000:]
 
 
+def test_node_help_pages_are_served(server):
+    """ComfyUI's frontend fetches a custom node's help page from /extensions/<pack folder>/docs/<node id>.md."""
+    base, _ = server
+    for node in NODE_IDS:
+        with urllib.request.urlopen(f"{base}/extensions/comfyui-h3/docs/{node}.md") as response:
+            assert response.read().decode() == (PACK / "web" / "docs" / f"{node}.md").read_text(), node
+
+
 def test_canvas_workflows_are_templates(server):
     """ComfyUI's template browser lists example_workflows/ under the pack's folder name and serves each file."""
     base, _ = server

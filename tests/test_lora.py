@@ -263,6 +263,37 @@ def test_stacking_two_adapters(tmp_path):
     assert dit_outputs_close(merged, expected)
 
 
+def test_dynamic_lora_on_fp8_linears(tmp_path):
+    """FP8 block linears (ComfyUI's Model Loader with linears fp8-*): the dynamic hook adds the adapter
+    exactly as on a dense model whose weights are the FP8 weights dequantized; merging into FP8 weights
+    is refused before any weight changes; removal restores the plain FP8 output bitwise."""
+    from h3_core.fp8 import FP8Linear, quantize_blocks
+
+    lora = load_lora(write_peft(tmp_path / "x.safetensors", random_spec(TINY_DIT, seed=9)))
+    reference = reference_dit(TINY_DIT, seed=10)
+    quantized, dense = ours_from(reference, TINY_DIT), ours_from(reference, TINY_DIT)
+    quantize_blocks(quantized, "dequantize")
+    fp8_modules = {n: m for n, m in quantized.named_modules() if isinstance(m, FP8Linear)}
+    assert fp8_modules
+    with torch.no_grad():
+        for name, module in fp8_modules.items():
+            dense.get_submodule(name).weight.copy_(module.dequantized_weight())
+    inputs = packed(TINY_DIT)
+    plain = run_ours(quantized, inputs)
+    assert dit_outputs_close(plain, run_ours(dense, inputs))
+    stored = {k: v.clone() for k, v in quantized.state_dict().items()}
+    with pytest.raises(LoRAError, match="holds FP8 weights.*apply it dynamically"):
+        apply_loras(quantized, [(lora, 0.9)], partition="fl2va", mode="merge")
+    assert all(torch.equal(v, stored[k]) for k, v in quantized.state_dict().items())
+    for model in (quantized, dense):
+        apply_loras(model, [(lora, 0.9)], partition="fl2va", mode="dynamic")
+    adapted = run_ours(quantized, inputs)
+    assert dit_outputs_close(adapted, run_ours(dense, inputs))
+    assert not dit_outputs_close(adapted, plain, atol=1e-4)  # the adapter really changes the output
+    remove_loras(quantized)
+    assert all(torch.equal(a, b) for a, b in zip(run_ours(quantized, inputs), plain))
+
+
 def test_strength_zero_is_a_no_op(tmp_path):
     lora = load_lora(write_peft(tmp_path / "x.safetensors", random_spec(TINY_DIT)))
     model = ours_from(reference_dit(TINY_DIT, seed=6), TINY_DIT)

@@ -277,6 +277,22 @@ def test_model_loader_sets_the_attention_window(comfy):
     assert loader.execute("tiny-random", "", "fl2va", "bf16", "auto").values[0].dit.attention_window == 0
 
 
+def test_model_loader_linears_reach_the_tiny_model_and_the_workers(comfy, monkeypatch):
+    from h3_core.fp8 import FP8Linear
+
+    loader = comfy.loaders.H3ModelLoader
+    model = loader.execute("tiny-random", "", "fl2va", "bf16", "auto", linears="fp8-weights-lossy").values[0]
+    assert isinstance(model.dit.blocks[0].mlp.fc1, FP8Linear) and model.dit.blocks[0].mlp.fc1.matmul == "dequantize"
+    assert not isinstance(loader.execute("tiny-random", "", "fl2va", "bf16", "auto").values[0].dit.blocks[0].mlp.fc1,
+                          FP8Linear)
+    specs = []
+    monkeypatch.setattr(comfy.loaders, "manage_runner", lambda name, spec, *rest: specs.append(spec) or SimpleNamespace(model=None))
+    loader.execute("tiny-random", "", "fl2va", "bf16", "auto", devices="cpu,cpu", linears="fp8-weights-lossy")
+    assert specs[0].linears == "fp8-weights-lossy"
+    with pytest.raises(ValueError, match="Unknown linears mode 'fp4'"):
+        loader.execute("tiny-random", "", "fl2va", "bf16", "auto", linears="fp4")
+
+
 def test_single_file_text_encoder_without_tokenizer_folder_is_refused_before_making_room(comfy):
     import tiny_qwen
 

@@ -432,3 +432,44 @@ def test_the_decode_working_memory_estimate():
     assert decode_working_bytes(config, 7, 48, 84, 2) < decode_working_bytes(config, 7, 48, 84, 4)
     with pytest.raises(ValueError, match="latents in every dimension"):
         decode_working_bytes(config, 0, 48, 84)
+
+
+def test_fp8_linears_from_a_file_sample_with_a_lora(comfy):
+    """The Model Loader's linears fp8-weights-lossy on a real file: the block linears load as FP8 (ComfyUI
+    is told the smaller size), the sampler runs them close to, not equal to, the dense linears, and a
+    LoRA applies dynamically without touching the cached FP8 weights."""
+    from lora_files import random_spec, write_peft
+
+    from h3_core.fp8 import FP8Linear
+
+    c = comfy
+    cond = _cond(c)
+    dense = _load(c)
+    expected = _sample(c, dense, cond)
+    model = _load(c, linears="fp8-weights-lossy")
+    block = model.dit.blocks[0]
+    for linear in (block.attn.qkv_proj, block.attn.out_proj, block.mlp.fc1, block.mlp.fc2):
+        assert isinstance(linear, FP8Linear) and linear.weight.dtype == torch.float8_e4m3fn
+    assert model.patcher.model_size() < dense.patcher.model_size()
+    got = _sample(c, model, cond)
+    assert not _same(got, expected)
+    for key in ("video", "audio"):
+        assert torch.nn.functional.cosine_similarity(got[key].flatten(), expected[key].flatten(), dim=0) > 0.99
+
+    write_peft(c.tmp / "loras" / "style.safetensors", random_spec(CONFIG, seed=3))
+    stored = {k: v.clone() for k, v in model.dit.state_dict().items()}
+    styled = c.sampler.H3LoRAApply.execute(model, "style.safetensors", 1.0).values[0]
+    assert not _same(_sample(c, styled, cond), got)
+    assert all(torch.equal(stored[k], v) for k, v in model.dit.state_dict().items())
+    assert _same(_sample(c, model, cond), got)  # the hooks left with the run
+
+
+def test_fp8_matmuls_are_refused_before_loading_where_the_device_lacks_them(comfy, monkeypatch):
+    from h3_core import fp8
+
+    monkeypatch.setattr(fp8, "scaled_mm_supported", lambda *device: False)
+    read = []
+    monkeypatch.setattr(comfy.loaders, "load_dit", lambda *a, **k: read.append(a))
+    with pytest.raises(ValueError, match="FP8 matmuls are not supported on cpu.*fp8-weights-lossy"):
+        _load(comfy, linears="fp8-lossy")
+    assert read == []
