@@ -21,6 +21,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from fa3_build_ab import time_call  # bench/ is on the path when this file runs as a script
 
 CUBLAS_COMPUTE_32F = 68
 CUDA_R_32F, CUDA_R_16BF = 0, 14
@@ -132,15 +133,9 @@ class LtGemm:
                                      ctypes.c_size_t(WORKSPACE_BYTES), stream), "cublasLtMatmul")
 
 
-def brief_ms(call, repeats: int = 6) -> float:
-    call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
+def brief_ms(call) -> float:
+    """A few calls right after one another, as short timings are usually taken (the clock still high)."""
+    return time_call(call, repeats=6)
 
 
 def sustained_ms(call, seconds: float, settle: float = 1.2) -> float:
