@@ -10,7 +10,7 @@ it equals the eager path up to bf16 rounding, like the compiled block it serves.
     ->    q [B, Sq, H, D], k [B, S, H, D]  contiguous; q's rows past S (Sq >= S) are zeros
 
 Sq > S writes q straight into the zero-padded buffer FlashAttention 3 wants (attention.flash3_query_rows),
-which saves copying q there: 14 ms of a 124-frame forward on an H200.
+which saves copying q there: 9-24 ms of a compiled 124-frame forward on an H200 (bench/RESULTS.md).
 """
 
 from __future__ import annotations
