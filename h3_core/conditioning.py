@@ -9,10 +9,13 @@
     text_states [1, T, D]              Qwen3-VL after layer 50, the encoder's dtype and device
     text_tags   [T] int64              1 text, 0 the rows of a vision block
     visual_condition_latents           list of normalized [1, 24, L_i, h_i, w_i] float32 CPU, packed order:
-                                       fl2va keyframes (first, then last), ref2va image / video references
-    audio_condition_rows [1, Na, 32]   clean normalized reference audio rows, packed order, channel-major
-                                       per reference (empty [1, 0, 32] when none)
+                                       fl2va keyframes (first, then last), guides, ref2va image / video
+                                       references
+    audio_condition_rows [1, Na, 32]   clean normalized reference / guide audio rows, packed order,
+                                       channel-major per block (empty [1, 0, 32] when none)
     reference_blocks                   ref2va: the shape each reference takes in the layout (request order)
+    keyframe_anchors, guides           t2va / fl2va: what the layout holds besides the target (guides.py
+                                       adds guides)
 The sampler mixes each visual condition once to 0.999 with the request generator (one draw each, in
 list order, *before* the target noise: diffusers' order), packs them into the leading video rows and
 puts the audio rows, unmixed, in front of the target audio rows.
@@ -40,7 +43,7 @@ from typing import Any
 import torch
 
 from . import geometry
-from .layout import REFERENCE_KINDS, PackedLayout, ReferenceBlock, build_ref2va_layout, build_t2va_layout
+from .layout import REFERENCE_KINDS, GuideBlock, PackedLayout, ReferenceBlock, build_ref2va_layout, build_t2va_layout
 from .prompt import MAX_KEYFRAMES, reference_mix_problem
 from .references import (
     RELEASE_CANVAS,
@@ -319,6 +322,8 @@ class Conditioning:
     visual_condition_latents: list[torch.Tensor] = field(default_factory=list)
     audio_condition_rows: torch.Tensor | None = None
     reference_blocks: tuple[ReferenceBlock, ...] = ()  # ref2va: each reference's shape in the layout
+    keyframe_anchors: tuple[str, ...] = ()  # fl2va: "first" / "last" in packed order
+    guides: tuple[GuideBlock, ...] = ()  # t2va / fl2va: guides.add_guide's blocks in packed order
 
     def __post_init__(self):
         if self.audio_condition_rows is None:
@@ -462,10 +467,11 @@ def encode_request(
         geometry.audio_latents(plan.num_frames),
     )
     blocks = tuple(_reference_blocks(prepared, visual, audio))
+    anchors = tuple(anchor for anchor, _ in plan.keyframes)
     if plan.task == "ref2va":
         layout = build_ref2va_layout(tags, blocks, *target)
     else:
-        layout = build_t2va_layout(tags, *target, keyframe_anchors=[anchor for anchor, _ in plan.keyframes])
+        layout = build_t2va_layout(tags, *target, keyframe_anchors=anchors)
     return Conditioning(
-        plan.task, plan.width, plan.height, plan.num_frames, layout, states, tags, visual, audio_rows, blocks
+        plan.task, plan.width, plan.height, plan.num_frames, layout, states, tags, visual, audio_rows, blocks, anchors
     )

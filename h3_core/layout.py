@@ -1,6 +1,6 @@
 """The packed sequence the DiT denoises: row order, positions, tags and clocks (h3-model.md A.4-A.6).
 
-t2va / fl2va:  [ text (T) | keyframe rows | target audio (A ch0 rows, A ch1 rows) | target video (L*R) ]
+t2va / fl2va:  [ text (T) | keyframe rows | guides | target audio (A ch0 rows, A ch1 rows) | target video (L*R) ]
 ref2va:        [ text (T) | reference blocks in request order | target audio | target video ]
 window (long video, G):  [ text | guide video | guide audio | references | target audio | target video ]
 with R = (h/2)*(w/2) rows per latent frame. Per row: `position_ids` [S, 3] float64 (t, h, w),
@@ -40,7 +40,7 @@ class RowClock(enum.IntEnum):
     VIDEO = 0  # target video rows and all text rows: t_video
     AUDIO = 1  # target audio rows: t_audio
     VISUAL_CONDITION = 2  # keyframe / reference / guide video rows: max(t_video, 0.999)
-    AUDIO_CONDITION = 3  # reference audio rows: 1.0
+    AUDIO_CONDITION = 3  # reference / guide audio rows: 1.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,6 +284,23 @@ def _checked_text_tags(text_tags: torch.Tensor | Sequence[int]) -> torch.Tensor:
     return tags
 
 
+@dataclass(frozen=True)
+class GuideBlock:
+    """The shape a guide takes in a t2va / fl2va layout (guides.py): `latent_frames` latent frames on
+    the target grid (0: a sound only), then `audio_latents` stereo latents per channel (0: no sound),
+    both anchored at pixel frame `frame_index` of the target video."""
+
+    frame_index: int
+    latent_frames: int
+    audio_latents: int = 0
+
+    def __post_init__(self):
+        if self.frame_index < 0 or self.latent_frames < 0 or self.audio_latents < 0:
+            raise ValueError(f"A guide block's frame index and sizes must be >= 0, got {self}.")
+        if not self.latent_frames and not self.audio_latents:
+            raise ValueError(f"A guide block holds video latents, audio latents or both, got {self}.")
+
+
 def build_t2va_layout(
     text_tags: torch.Tensor | Sequence[int],
     latent_frames: int,
@@ -292,12 +309,16 @@ def build_t2va_layout(
     audio_latents: int,
     keyframe_anchors: Sequence[str] = (),
     patch_size: tuple[int, int, int] = geometry.PATCH_SIZE,
+    guides: Sequence[GuideBlock] = (),
 ) -> PackedLayout:
-    """`[text | keyframe rows | target audio | target video]` for t2va (no anchors) and fl2va.
+    """`[text | keyframe rows | guides | target audio | target video]` for t2va (no anchors) and fl2va.
 
     `text_tags` [T]: 1 for text rows, 0 for the rows of a vision block in the text stream.
     `keyframe_anchors`: one entry per keyframe block in packed order, "first" or "last"; each block
     is one latent frame on the target grid, at the time of the first / last pixel frame.
+    `guides`: in packed order, each its video latent frames (target grid, conditioning clock) from
+    t = origin + 5/3 * frame_index, then its audio latents (target audio columns, clean) from the same
+    t, as ComfyUI's native H3 keyframes are laid out.
     """
     tags = _checked_text_tags(text_tags)
     _, ph, pw = patch_size
@@ -318,6 +339,12 @@ def build_t2va_layout(
     for anchor in keyframe_anchors:
         time = origin if anchor == "first" else last_pixel_frame_time(latent_frames, origin)
         sequence.video(np.array([time]), grid, RowClock.VISUAL_CONDITION)
+    for guide in guides:
+        anchor = origin + FRAME_TIME * guide.frame_index
+        if guide.latent_frames:
+            sequence.video(latent_frame_times(guide.latent_frames, anchor), grid, RowClock.VISUAL_CONDITION)
+        if guide.audio_latents:
+            sequence.audio(guide.audio_latents, anchor, w_axis, RowClock.AUDIO_CONDITION)
     sequence.audio(audio_latents, origin, w_axis, RowClock.AUDIO)
     sequence.video(latent_frame_times(latent_frames, origin), grid, RowClock.VIDEO)
     return sequence.finish(latent_frames, latent_height, latent_width, audio_latents)

@@ -1,5 +1,6 @@
 """H3 Conditioning: prompt, task, keyframes or references, canvas and duration -> H3_COND (encoded by
-h3_core, every published limit checked first) and the resolved width, height and frame count."""
+h3_core, every published limit checked first) and the resolved width, height and frame count.
+H3 Add Guide: an image, clip or sound anchored at any frame of a t2va / fl2va H3_COND (h3_core.guides)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from h3_core.conditioning import (
     encode_request,
     validate,
 )
+from h3_core.guides import add_guide, check_guide
 from h3_core.placement import freed_on_failure
 from h3_core.prompt import MAX_AUDIO_REFERENCES, MAX_IMAGE_REFERENCES, MAX_REFERENCES, MAX_VIDEO_REFERENCES
 
 from .common import CATEGORY, H3VAE, H3Cond, H3TextEncoder, canvas_inputs, check_interrupt, device, progress_bar
-from .convert import SOCKET_KINDS, build_request, media_problem, ordered_references
-from .memory import place_for_encoding
+from .convert import SOCKET_KINDS, audio_to_decoded, build_request, image_to_uint8, media_problem, ordered_references
+from .memory import place, place_for_encoding
 
 REFERENCE_TOOLTIP = (f"ref2va references, read in slot order (images, videos and audio in any order the prompt "
                      f"refers to them): up to {MAX_IMAGE_REFERENCES} images, {MAX_VIDEO_REFERENCES} videos "
@@ -119,4 +121,43 @@ def _slot(name: str) -> int:
     return int(digits) if digits else -1
 
 
-NODES = [H3Conditioning]
+class H3AddGuide(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3AddGuide",
+            display_name="H3 Add Guide",
+            category=CATEGORY,
+            description="Anchors an image, a short clip or a sound at any frame of a t2va or fl2va video; chain "
+                        "several.",
+            inputs=[
+                H3Cond.Input("conditioning", tooltip="From H3 Conditioning (t2va or fl2va) or another H3 Add Guide."),
+                H3VAE.Input("vae", tooltip="From H3 VAE Loader: encodes the image or clip (video VAE) and the sound "
+                                           "(audio VAE)."),
+                io.Int.Input("frame_index", default=0, min=-9999, max=9999,
+                             tooltip="The video frame (24 fps) the image, or the clip's first frame, and the sound "
+                                     "start at; negative counts from the end (-1 = the last frame). A clip must fit "
+                                     "from there."),
+                io.Image.Input("image", optional=True,
+                               tooltip="An image, or a clip at 24 fps: a batch of 5 frames or more is cut to its first "
+                                       "17n + 5 frames (5, 22, 39, ...); fewer than 5 use the first image. "
+                                       "Cover-cropped onto the canvas."),
+                io.Audio.Input("audio", optional=True,
+                               tooltip="A sound from frame_index on, cut to the video's remaining length."),
+            ],
+            outputs=[H3Cond.Output(display_name="conditioning")],
+        )
+
+    @classmethod
+    def execute(cls, conditioning, vae, frame_index, image=None, audio=None) -> io.NodeOutput:
+        frames = None if image is None else image_to_uint8(image, "image")
+        sound = None if audio is None else audio_to_decoded(audio, "audio")
+        waveform, rate = (None, None) if sound is None else (sound.waveform, sound.sample_rate)
+        check_guide(conditioning, int(frame_index), frames, waveform, rate)  # before the VAE moves
+        place([vae.patcher])
+        with freed_on_failure(device()):
+            guided = add_guide(conditioning, int(frame_index), vae.video, vae.audio, frames, waveform, rate)
+        return io.NodeOutput(guided)
+
+
+NODES = [H3Conditioning, H3AddGuide]

@@ -293,6 +293,27 @@ def test_model_loader_linears_reach_the_tiny_model_and_the_workers(comfy, monkey
         loader.execute("tiny-random", "", "fl2va", "bf16", "auto", linears="fp4")
 
 
+def test_add_guide_anchors_a_clip_and_a_sound_and_the_sampler_runs_it(comfy):
+    c = comfy
+    model, text, vae = _models(c)
+    cond = _cond(c, text, vae).values[0]
+    clip = torch.rand(30, 100, 160, 3)  # cut to 22 frames, cover-cropped onto the 224x128 canvas
+    sound = {"waveform": torch.randn(1, 1, 44100 * 2) * 0.1, "sample_rate": 44100}
+    node = c.conditioning.H3AddGuide
+    guided = node.execute(cond, vae, -30, image=clip).values[0]
+    guided = node.execute(guided, vae, 20, audio=sound).values[0]
+    assert [(g.frame_index, g.latent_frames) for g in guided.guides] == [(cond.num_frames - 30, 7), (20, 0)]
+    assert guided.guides[1].audio_latents == 80  # 2 s of sound at 40 latents a second
+    assert cond.guides == ()  # the input conditioning is unchanged
+    out = c.sampler.H3Sampler.execute(model, guided, 5, 3, 0.0, 0.0).values[0][0]
+    plain = c.sampler.H3Sampler.execute(model, cond, 5, 3, 0.0, 0.0).values[0][0]
+    assert out["video"].shape == plain["video"].shape and not torch.equal(out["video"], plain["video"])
+    placed = len(c.record.loaded)
+    with pytest.raises(ValueError, match="frame_index 200 is outside the video's 107 frames"):
+        node.execute(cond, vae, 200, image=clip[:1])
+    assert len(c.record.loaded) == placed  # refused before the VAE was placed
+
+
 def test_single_file_text_encoder_without_tokenizer_folder_is_refused_before_making_room(comfy):
     import tiny_qwen
 

@@ -9,7 +9,8 @@
   ComfyUI's template browser lists under this pack.
 
 Run: python tools/workflows.py   (then node tools/canvas.mjs for the canvas files; see its docstring)
-Every task's graph, and long_video: t2va over 20 s in two continuation windows.
+Every task's graph; t2va_guides: an image and a sound anchored mid-clip (H3 Add Guide); and long_video:
+t2va over 20 s in two continuation windows.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ TASKS = {
     "ref2va_images": ("ref2va", (), ("image", "image"), False),
     "ref2va_image_audio": ("ref2va", (), ("image", "audio"), False),
     "ref2va_video": ("ref2va", (), ("video",), False),
+    "t2va_guides": ("t2va", (), (), False),
 }
+# name: H3 Add Guide nodes after H3 Conditioning, (frame index, "image" | "audio") in chain order
+GUIDES = {"t2va_guides": ((60, "image"), (24, "audio"))}
 
 
 class Graph:
@@ -96,8 +100,12 @@ def build(name: str, real: bool) -> dict:
                 "video": lambda: _video(g, real, f"reference_{index}")}[kind]
         cond_inputs[f"references.ref{index}"] = make()
     cond = g.add("H3Conditioning", **cond_inputs)
+    cond_out = [cond, 0]
+    for index, (frame, kind) in enumerate(GUIDES.get(name, ())):
+        media = _image(g, real, f"guide_{index}", 8421504) if kind == "image" else _audio(g, real, f"guide_{index}")
+        cond_out = [g.add("H3AddGuide", conditioning=cond_out, vae=[vae, 0], frame_index=frame, **{kind: media}), 0]
     latent = g.add("H3EmptyAVLatent", width=1344, height=768, num_frames=124, conditioning=[cond, 0])
-    sampler = g.add("H3Sampler", model=model_out, conditioning=[cond, 0], latent=[latent, 0], seed=0,
+    sampler = g.add("H3Sampler", model=model_out, conditioning=cond_out, latent=[latent, 0], seed=0,
                     steps=0 if real else 2, video_shift=0.0, audio_shift=0.0, denoise=1.0, outputs=1)
     decode = g.add("H3VAEDecode", vae=[vae, 0], latent=[sampler, 0], tiling="release", devices="")
     g.add("H3AVSave", images=[decode, 0], audio=[decode, 1], filename_prefix=f"H3/{name}")

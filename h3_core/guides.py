@@ -1,0 +1,124 @@
+"""Guides: an image, a short clip or a sound anchored at a pixel frame of the target video (t2va, fl2va).
+
+    conditioning = add_guide(conditioning, frame_index=60, video_vae=vae, frames=image)     # chain several
+
+The release's pipelines (diffusers) anchor keyframes at the first and last frame only; ComfyUI's native
+H3 support (`MiniMaxH3AddGuide`) anchors them anywhere, which is where these facts come from:
+- a guide packs after the keyframe rows as conditioning rows: its video latent frames on the target grid
+  from t = origin + 5/3 * frame_index (the usual latent frame spans after that), then its stereo audio
+  latents from the same t on the target audio columns (`layout.build_t2va_layout`);
+- an image batch of fewer than 5 frames is its first image; a longer one is a clip, cut to its first
+  17n + 5 frames; both are cover-cropped (LANCZOS, centred) onto the canvas; the clip must fit in the
+  video from `frame_index` on;
+- a sound is encoded whole (up to the video's length) and its latents cut to those left after the
+  anchor;
+- the text encoder does not see guides (only fl2va keyframes are in the prompt's presentation).
+The sampler treats a guide like a keyframe: video rows mixed to 0.999 with the request generator (in
+packed order, after the keyframes) on the conditioning clock; audio rows clean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import torch
+from PIL import Image
+
+from . import geometry
+from .conditioning import Conditioning, RequestError
+from .layout import FRAME_TIME, GuideBlock, build_t2va_layout
+from .references import cover_crop, encode_audio, encode_image, encode_video, prepare_audio
+
+MIN_CLIP_FRAMES = geometry.LATENTS_PER_CHUNK  # 5: shorter batches are one image
+
+
+def guide_frame_count(count: int) -> int:
+    """Pixel frames a batch of `count` images anchors: 1 below 5, else the largest 17n + 5 <= count."""
+    if count < MIN_CLIP_FRAMES:
+        return 1
+    return (count - MIN_CLIP_FRAMES) // geometry.FRAMES_PER_CHUNK * geometry.FRAMES_PER_CHUNK + MIN_CLIP_FRAMES
+
+
+def resolve_frame_index(frame_index: int, num_frames: int, frames: int = 1) -> int:
+    """A frame index (negative: from the end) as a frame of the video, checked so `frames` fit from it."""
+    resolved = frame_index if frame_index >= 0 else num_frames + frame_index
+    if resolved < 0 or resolved + frames > num_frames:
+        fit = "" if frames == 1 else f" for a {frames}-frame clip (it must fit from there to the end)"
+        raise RequestError(f"frame_index {frame_index} is outside the video's {num_frames} frames{fit}; use "
+                           f"0..{num_frames - frames} or -{num_frames}..-{frames}.")
+    return resolved
+
+
+def _as_frames(frames) -> np.ndarray:
+    """A PIL image or uint8 frames [N, H, W, 3] (or one [H, W, 3]) as [N, H, W, 3]."""
+    array = np.asarray(frames.convert("RGB")) if isinstance(frames, Image.Image) else np.asarray(frames)
+    array = array[None] if array.ndim == 3 else array
+    if array.ndim != 4 or array.shape[-1] != 3 or array.dtype != np.uint8 or not array.shape[0]:
+        raise RequestError(f"Guide frames must be uint8 RGB [N, H, W, 3] or a PIL image, got {array.dtype} "
+                           f"{list(array.shape)}.")
+    return array
+
+
+def _cut_audio_rows(rows: torch.Tensor, keep: int) -> torch.Tensor:
+    """Channel-major stereo rows [1, 2A, C] -> the first `keep` latents of each channel."""
+    count = rows.shape[1] // geometry.AUDIO_CHANNELS
+    if keep >= count:
+        return rows
+    return torch.cat([rows[:, channel * count:channel * count + keep] for channel in range(geometry.AUDIO_CHANNELS)], 1)
+
+
+def check_guide(conditioning: Conditioning, frame_index: int, frames=None, waveform=None,
+                sample_rate: int | None = None) -> tuple[np.ndarray | None, int, int]:
+    """Every check of a guide that needs no model: (its frames as [N, H, W, 3] uint8 or None, the video
+    frame it anchors at, how many audio latents a sound may keep from there)."""
+    if conditioning.task not in ("t2va", "fl2va"):
+        raise RequestError(f"Guides anchor frames of a t2va or fl2va video; this conditioning is {conditioning.task}.")
+    if frames is None and waveform is None:
+        raise RequestError("A guide needs frames (an image or a clip), a sound, or both.")
+    pixels = None if frames is None else _as_frames(frames)
+    count = 1 if pixels is None else guide_frame_count(pixels.shape[0])
+    anchor = resolve_frame_index(int(frame_index), conditioning.num_frames, count)
+    keep = math.floor(geometry.audio_latents(conditioning.num_frames) - FRAME_TIME * anchor)
+    if waveform is not None:
+        if sample_rate is None:
+            raise RequestError("A guide sound needs its sample_rate.")
+        if keep < 1:
+            raise RequestError(f"frame_index {frame_index} is past the end of the video's soundtrack.")
+    return pixels, anchor, keep
+
+
+def add_guide(conditioning: Conditioning, frame_index: int, video_vae=None, audio_vae=None, frames=None,
+              waveform=None, sample_rate: int | None = None) -> Conditioning:
+    """`conditioning` with one more guide at pixel frame `frame_index` (negative: from the end).
+
+    frames     a PIL image, or uint8 frames [N, H, W, 3] at 24 fps (N >= 5: a clip); needs `video_vae`
+    waveform   a sound [C, M] (mono or stereo) at `sample_rate`; needs `audio_vae`
+    Everything is checked before a model runs."""
+    pixels, anchor, keep = check_guide(conditioning, frame_index, frames, waveform, sample_rate)
+    if pixels is not None and video_vae is None:
+        raise RequestError("Guide frames are encoded with the video VAE: pass a video_vae.")
+    if waveform is not None and audio_vae is None:
+        raise RequestError("A guide sound is encoded with the audio VAE: pass an audio_vae.")
+
+    width, height = conditioning.width, conditioning.height
+    latents, rows = None, None
+    if pixels is not None:
+        count = guide_frame_count(pixels.shape[0])
+        fitted = [cover_crop(Image.fromarray(frame), width, height) for frame in pixels[:count]]
+        latents = (encode_image(video_vae, fitted[0]) if count == 1
+                   else encode_video(video_vae, np.stack([np.asarray(image) for image in fitted])))
+    if waveform is not None:
+        sound = prepare_audio(np.asarray(waveform, dtype=np.float32), int(sample_rate), conditioning.num_frames)
+        rows = _cut_audio_rows(encode_audio(audio_vae, sound), keep)
+    block = GuideBlock(anchor, 0 if latents is None else latents.shape[2],
+                       0 if rows is None else rows.shape[1] // geometry.AUDIO_CHANNELS)
+    guides = (*conditioning.guides, block)
+    layout = conditioning.layout
+    layout = build_t2va_layout(conditioning.text_tags, layout.latent_frames, layout.latent_height, layout.latent_width,
+                               layout.audio_latents, conditioning.keyframe_anchors, guides=guides)
+    visual = list(conditioning.visual_condition_latents) + ([] if latents is None else [latents])
+    audio = conditioning.audio_condition_rows if rows is None else torch.cat([conditioning.audio_condition_rows, rows], 1)
+    return dataclasses.replace(conditioning, layout=layout, visual_condition_latents=visual,
+                               audio_condition_rows=audio, guides=guides)

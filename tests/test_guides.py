@@ -1,0 +1,146 @@
+"""Guides (h3_core/guides.py): images, clips and sounds anchored at any pixel frame of a t2va / fl2va video.
+
+Ground truth: the layout facts of ComfyUI's native H3 support (positions written out here from them, and
+compared with its own PackedLayout when COMFYUI_PATH points at a checkout); and the fl2va path, proven
+against diffusers in test_end_to_end: a guide image at frame 0 must be exactly a "first" keyframe."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from h3_core.conditioning import Request, RequestError, encode_request
+from h3_core.config import TINY_DIT
+from h3_core.guides import add_guide, guide_frame_count, resolve_frame_index
+from h3_core.layout import AUDIO_TAG, VIDEO_TAG, GuideBlock, RowClock, build_t2va_layout, frame_grid
+from h3_core.pipeline import TINY_CANVAS, sample
+from h3_core.tiny import tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
+
+WIDTH, HEIGHT, FRAMES = 224, 128, 107  # the tiny canvas, 4 s
+TEXT_ROWS = 9
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_random_dit(), tiny_random_video_vae(), tiny_random_audio_vae()
+
+
+def text():
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(1, TEXT_ROWS, TINY_DIT.text_dim, generator=g), torch.ones(TEXT_ROWS, dtype=torch.int64)
+
+
+def encoded(task="t2va", video_vae=None, **media):
+    states, tags = text()
+    request = Request(task, "a fox", width=WIDTH, height=HEIGHT, num_frames=FRAMES, **media)
+    return encode_request(request, video_vae=video_vae, text_states=states, text_tags=tags, rules=TINY_CANVAS)
+
+
+def picture(seed: int, frames: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (frames, HEIGHT, WIDTH, 3), dtype=np.uint8)
+
+
+def test_guide_rows_sit_where_the_native_layout_puts_them():
+    """Text | guide 1 video (2 latent frames) | guide 1 audio | guide 2 audio only | target audio | target
+    video; times from origin T + 5/3 * frame index, the video's latent frames 5/3 * (1, 4, ...) apart."""
+    tags = torch.ones(TEXT_ROWS, dtype=torch.int64)
+    grid, w_axis = frame_grid(8, 14)
+    rows = grid.shape[0]
+    layout = build_t2va_layout(tags, 32, 8, 14, 142, guides=[GuideBlock(30, 2, 5), GuideBlock(99, 0, 3)])
+    t, h, w = layout.position_ids.unbind(1)
+    start = TEXT_ROWS
+    first = slice(start, start + 2 * rows)
+    assert torch.equal(t[first], torch.tensor([TEXT_ROWS + 50.0] * rows + [TEXT_ROWS + 50.0 + 5 / 3] * rows,
+                                              dtype=torch.float64))
+    assert torch.equal(torch.stack([h[first], w[first]], 1), torch.cat([grid, grid]).double())
+    audio = slice(first.stop, first.stop + 10)
+    assert torch.equal(t[audio], TEXT_ROWS + 50.0 + torch.arange(5, dtype=torch.float64).repeat(2))
+    assert torch.equal(w[audio], torch.tensor([w_axis[0]] * 5 + [w_axis[-1]] * 5, dtype=torch.float64))
+    second = slice(audio.stop, audio.stop + 6)
+    assert torch.equal(t[second], TEXT_ROWS + 165.0 + torch.arange(3, dtype=torch.float64).repeat(2))
+    assert (layout.token_tags[first] == VIDEO_TAG).all() and (layout.token_tags[audio] == AUDIO_TAG).all()
+    assert (layout.row_clock[first] == RowClock.VISUAL_CONDITION).all()
+    assert (layout.row_clock[audio] == RowClock.AUDIO_CONDITION).all()
+    assert (layout.row_clock[second] == RowClock.AUDIO_CONDITION).all()
+    assert (layout.num_condition_video_rows, layout.num_condition_audio_rows) == (2 * rows, 16)
+    assert torch.equal(layout.video_indices[: 2 * rows], torch.arange(first.start, first.stop))
+    assert torch.equal(layout.audio_indices[:16], torch.cat([torch.arange(audio.start, audio.stop),
+                                                             torch.arange(second.start, second.stop)]))
+    assert layout.sequence_length == second.stop + 2 * 142 + 32 * rows
+
+
+@pytest.mark.skipif(not os.environ.get("COMFYUI_PATH"), reason="COMFYUI_PATH not set: no native ComfyUI layout to compare")
+def test_guide_positions_equal_comfyuis_native_layout():
+    sys.path.insert(0, os.environ["COMFYUI_PATH"])
+    pytest.importorskip("comfy.cli_args").args.cpu = True  # before comfy.model_management looks for a GPU
+    native = pytest.importorskip("comfy.ldm.minimax.model")
+    keyframes = [{"resolved_frame_index": 0, "latent": torch.zeros(1, 24, 1, 8, 14)},
+                 {"resolved_frame_index": 40, "latent": torch.zeros(1, 24, 2, 8, 14),
+                  "audio_latent": torch.zeros(1, 32, 2, 7)},
+                 {"resolved_frame_index": 70, "audio_latent": torch.zeros(1, 32, 2, 4)}]
+    theirs = native.PackedLayout(TEXT_ROWS, 32, 8, 14, 142, keyframes=keyframes)
+    ours = build_t2va_layout(torch.ones(TEXT_ROWS, dtype=torch.int64), 32, 8, 14, 142,
+                             guides=[GuideBlock(0, 1), GuideBlock(40, 2, 7), GuideBlock(70, 0, 4)])
+    # the times exactly; the spatial grid within rounding (ComfyUI's differs from diffusers' in the last ulp
+    # on the target rows too, and ours follows diffusers: test_layout)
+    assert ours.position_ids.shape == theirs.position_ids.shape
+    assert torch.equal(ours.position_ids[:, 0], theirs.position_ids[:, 0])
+    assert torch.allclose(ours.position_ids[:, 1:], theirs.position_ids[:, 1:], rtol=0, atol=1e-12)
+
+
+def test_a_guide_image_at_frame_0_is_a_first_keyframe(models):
+    """Same rows, positions, clocks and latents as fl2va's first keyframe (an image already on the canvas:
+    stretching and cover-cropping leave it as it is), so the same sample, bit for bit."""
+    dit, video_vae, _ = models
+    image = picture(1)[0]
+    keyframe = encoded("fl2va", video_vae, first_image=Image.fromarray(image))
+    guided = add_guide(encoded("t2va"), 0, video_vae, frames=image)
+    for name in ("position_ids", "token_tags", "row_clock", "video_indices", "audio_indices"):
+        assert torch.equal(getattr(keyframe.layout, name), getattr(guided.layout, name)), name
+    assert torch.equal(keyframe.visual_condition_latents[0], guided.visual_condition_latents[0])
+    ours, theirs = sample(dit, guided, seed=3, steps=3), sample(dit, keyframe, seed=3, steps=3)
+    assert torch.equal(ours.video, theirs.video) and torch.equal(ours.audio, theirs.audio)
+
+
+def test_clips_sounds_and_chained_guides(models):
+    dit, video_vae, audio_vae = models
+    plain = encoded("t2va")
+    clip = picture(2, frames=30)  # cut to 22 frames: 7 latent frames
+    sound = np.random.default_rng(3).standard_normal((1, 32000 * 5)).astype(np.float32) * 0.1  # 5 s mono
+    cond = add_guide(plain, -22, video_vae, frames=clip)
+    cond = add_guide(cond, 60, audio_vae=audio_vae, waveform=sound, sample_rate=32000)
+    keep = int(np.floor(cond.layout.audio_latents - 60 * 5 / 3))
+    assert cond.guides == (GuideBlock(FRAMES - 22, 7, 0), GuideBlock(60, 0, keep))
+    assert cond.visual_condition_latents[0].shape[2] == 7 and cond.audio_condition_rows.shape[1] == 2 * keep
+    assert plain.guides == () and plain.layout.num_condition_video_rows == 0  # the input is left as it was
+    with_guides = sample(dit, cond, seed=4, steps=3)
+    without = sample(dit, plain, seed=4, steps=3)
+    assert with_guides.video.shape == without.video.shape and not torch.equal(with_guides.video, without.video)
+
+
+def test_guide_inputs_are_checked_before_any_model_runs(models):
+    _, video_vae, audio_vae = models
+    plain = encoded("t2va")
+    assert [guide_frame_count(n) for n in (1, 4, 5, 21, 22, 40)] == [1, 1, 5, 5, 22, 39]
+    assert resolve_frame_index(-1, FRAMES) == FRAMES - 1
+    with pytest.raises(RequestError, match=r"frame_index 107 is outside the video's 107 frames; use 0\.\.106"):
+        add_guide(plain, FRAMES, video_vae, frames=picture(1)[0])
+    with pytest.raises(RequestError, match="for a 22-frame clip"):
+        add_guide(plain, 90, video_vae, frames=picture(1, frames=22))
+    with pytest.raises(RequestError, match="needs frames .*, a sound, or both"):
+        add_guide(plain, 0, video_vae)
+    with pytest.raises(RequestError, match="pass a video_vae"):
+        add_guide(plain, 0, frames=picture(1)[0])
+    with pytest.raises(RequestError, match="pass an audio_vae"):
+        add_guide(plain, 0, waveform=np.zeros((2, 3200), np.float32), sample_rate=32000)
+    with pytest.raises(RequestError, match="must be uint8 RGB"):
+        add_guide(plain, 0, video_vae, frames=np.zeros((HEIGHT, WIDTH), np.uint8))
+    states, tags = text()
+    ref2va = Request("ref2va", "a fox", references=[("image", Image.fromarray(picture(1)[0]))], width=WIDTH,
+                     height=HEIGHT, num_frames=FRAMES)
+    with pytest.raises(RequestError, match="t2va or fl2va video; this conditioning is ref2va"):
+        add_guide(encode_request(ref2va, video_vae=video_vae, text_states=states, text_tags=tags, rules=TINY_CANVAS),
+                  0, video_vae, frames=picture(1)[0])
