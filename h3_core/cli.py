@@ -26,6 +26,7 @@ from .checkpoint import CheckpointError, infer_config, load_dit, locate_dit
 from .conditioning import Conditioning, Request, resolve_num_frames
 from .continuation import DEFAULT_OVERLAP_FRAMES, DEFAULT_WINDOW_FRAMES
 from .fp8 import LINEAR_MODES, apply_linear_mode
+from .guides import GUIDE_KINDS, GuideFile
 from .layout import build_request_layout
 from .long_video import LongVideoRequest
 from .media import MediaError
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ref", action="append", default=[], metavar="KIND=PATH[@START]",
                      help="ref2va reference, repeatable and ordered: image=PATH, video=PATH, audio=PATH; "
                           "@START (seconds) picks where a video or audio clip starts")
+    gen.add_argument("--guide", action="append", default=[], metavar="FRAME:KIND=PATH",
+                     help="t2va / fl2va, repeatable: an image, video (clip of 17n+5 frames, with its sound) or "
+                          "audio file anchored at video frame FRAME (negative: from the end), e.g. 60:image=a.png")
     gen.add_argument("--aspect-ratio", help=f"one of {', '.join(geometry.ASPECT_RATIOS)} (default 16:9; fl2va: the first image's)")
     gen.add_argument("--width", type=int, help="explicit width (multiple of 32; with --height)")
     gen.add_argument("--height", type=int, help="explicit height (multiple of 32; with --width)")
@@ -167,6 +171,19 @@ def _reference(spec: str) -> MediaReference:
     return MediaReference(kind, Path(path), start_seconds)
 
 
+def _guide(spec: str) -> GuideFile:
+    frame, sep, rest = spec.partition(":")
+    kind, eq, path = rest.partition("=")
+    try:
+        index = int(frame)
+    except ValueError:
+        index = None
+    if not sep or not eq or index is None or kind not in GUIDE_KINDS or not path:
+        raise ValueError(f"--guide takes FRAME:KIND=PATH with an integer FRAME and KIND {', '.join(GUIDE_KINDS)}; "
+                         f"got {spec!r}.")
+    return GuideFile(index, kind, Path(path))
+
+
 def _lora(spec: str) -> tuple[Path, float]:
     path, sep, strength = spec.rpartition(":")
     if sep:
@@ -227,7 +244,7 @@ def run_generate(args) -> int:
     request = Request(
         task=args.task, prompt=_prompt(args), first_image=args.first_image, last_image=args.last_image,
         references=[_reference(spec) for spec in args.ref], aspect_ratio=args.aspect_ratio,
-        width=args.width, height=args.height, duration=args.duration,
+        width=args.width, height=args.height, duration=args.duration, guides=[_guide(spec) for spec in args.guide],
     )
     request = _long_video(args, request)
     settings = GenerateSettings(args.seed, args.outputs, args.steps, args.video_shift, args.audio_shift,

@@ -91,6 +91,8 @@ class Request:
                   (sources: see references.py)
     aspect_ratio  a name of `geometry.ASPECT_RATIOS`, "auto" or None; or `width` and `height` (px)
     duration      seconds, or `num_frames` (24 fps); neither = 5 s
+    guides        t2va / fl2va: `guides.GuideFile`s, read and checked by `pipeline.generate` before any
+                  model loads and added after encoding (`encode_request` leaves them to it)
     """
 
     task: str
@@ -103,6 +105,7 @@ class Request:
     height: int | None = None
     duration: float | None = None
     num_frames: int | None = None
+    guides: Sequence[Any] = ()
 
 
 @dataclass(frozen=True)
@@ -218,6 +221,8 @@ def _check_task_media(request: Request, references: list[MediaReference]) -> lis
             )
         if references:
             raise RequestError("fl2va takes first_image/last_image keyframes, not references (those are ref2va).")
+    if request.guides and request.task not in ("t2va", "fl2va"):
+        raise RequestError(f"Guides anchor frames of a t2va or fl2va video, not of {request.task}.")
     if request.task == "ref2va":
         if keyframes:
             raise RequestError("ref2va takes references, not first_image/last_image (those are fl2va keyframes).")

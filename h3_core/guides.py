@@ -2,6 +2,9 @@
 
     conditioning = add_guide(conditioning, frame_index=60, video_vae=vae, frames=image)     # chain several
 
+From files (`h3 generate --guide FRAME:KIND=PATH`): `Request.guides` holds `GuideFile`s, which
+`pipeline.generate` reads and checks before any model loads and adds after encoding.
+
 The release's pipelines (diffusers) anchor keyframes at the first and last frame only; ComfyUI's native
 H3 support (`MiniMaxH3AddGuide`) anchors them anywhere, which is where these facts come from:
 - a guide packs after the keyframe rows as conditioning rows: its video latent frames on the target grid
@@ -21,17 +24,52 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-from . import geometry
+from . import geometry, media_read
 from .conditioning import Conditioning, RequestError
 from .layout import FRAME_TIME, GuideBlock, build_t2va_layout
-from .references import cover_crop, encode_audio, encode_image, encode_video, prepare_audio
+from .media import SAMPLE_RATE, MediaError
+from .references import MediaInputError, cover_crop, encode_audio, encode_image, encode_video, load_image, prepare_audio
 
 MIN_CLIP_FRAMES = geometry.LATENTS_PER_CHUNK  # 5: shorter batches are one image
+GUIDE_KINDS = ("image", "video", "audio")
+
+
+@dataclass(frozen=True)
+class GuideFile:
+    """A guide in a file: an image, a video (its frames at 24 fps and its soundtrack, if any) or a sound,
+    anchored at `frame_index` (negative: from the end)."""
+
+    frame_index: int
+    kind: str
+    path: Path
+
+    def __post_init__(self):
+        if self.kind not in GUIDE_KINDS:
+            raise RequestError(f"A guide file is one of {', '.join(GUIDE_KINDS)}, got {self.kind!r}.")
+
+
+def read_guide(guide: GuideFile, num_frames: int) -> tuple[np.ndarray | None, np.ndarray | None, int | None]:
+    """(frames [N, H, W, 3] uint8 at 24 fps or None, sound [2, M] or None, its sample rate) of a guide file,
+    at most as long as the video."""
+    what = f"the {guide.kind} guide at frame {guide.frame_index} ({guide.path})"
+    if not Path(guide.path).is_file():
+        raise RequestError(f"{what}: no such file.")
+    try:
+        if guide.kind == "image":
+            return np.asarray(load_image(guide.path, what)), None, None
+        if guide.kind == "video":
+            clip = media_read.read_video(guide.path, 0.0, max_frames=num_frames)
+            return clip.frames, clip.audio, None if clip.audio is None else SAMPLE_RATE
+        return None, media_read.read_audio(guide.path, 0.0, num_frames / geometry.FPS), SAMPLE_RATE
+    except (MediaError, MediaInputError) as error:
+        raise RequestError(f"{what}: {error}") from None
 
 
 def guide_frame_count(count: int) -> int:
@@ -69,18 +107,19 @@ def _cut_audio_rows(rows: torch.Tensor, keep: int) -> torch.Tensor:
     return torch.cat([rows[:, channel * count:channel * count + keep] for channel in range(geometry.AUDIO_CHANNELS)], 1)
 
 
-def check_guide(conditioning: Conditioning, frame_index: int, frames=None, waveform=None,
+def check_guide(task: str, num_frames: int, frame_index: int, frames=None, waveform=None,
                 sample_rate: int | None = None) -> tuple[np.ndarray | None, int, int]:
-    """Every check of a guide that needs no model: (its frames as [N, H, W, 3] uint8 or None, the video
-    frame it anchors at, how many audio latents a sound may keep from there)."""
-    if conditioning.task not in ("t2va", "fl2va"):
-        raise RequestError(f"Guides anchor frames of a t2va or fl2va video; this conditioning is {conditioning.task}.")
+    """Every check of a guide on a `task` video of `num_frames` frames that needs no model: (its frames as
+    [N, H, W, 3] uint8 or None, the video frame it anchors at, how many audio latents a sound may keep
+    from there)."""
+    if task not in ("t2va", "fl2va"):
+        raise RequestError(f"Guides anchor frames of a t2va or fl2va video; this conditioning is {task}.")
     if frames is None and waveform is None:
         raise RequestError("A guide needs frames (an image or a clip), a sound, or both.")
     pixels = None if frames is None else _as_frames(frames)
     count = 1 if pixels is None else guide_frame_count(pixels.shape[0])
-    anchor = resolve_frame_index(int(frame_index), conditioning.num_frames, count)
-    keep = math.floor(geometry.audio_latents(conditioning.num_frames) - FRAME_TIME * anchor)
+    anchor = resolve_frame_index(int(frame_index), num_frames, count)
+    keep = math.floor(geometry.audio_latents(num_frames) - FRAME_TIME * anchor)
     if waveform is not None:
         if sample_rate is None:
             raise RequestError("A guide sound needs its sample_rate.")
@@ -96,7 +135,8 @@ def add_guide(conditioning: Conditioning, frame_index: int, video_vae=None, audi
     frames     a PIL image, or uint8 frames [N, H, W, 3] at 24 fps (N >= 5: a clip); needs `video_vae`
     waveform   a sound [C, M] (mono or stereo) at `sample_rate`; needs `audio_vae`
     Everything is checked before a model runs."""
-    pixels, anchor, keep = check_guide(conditioning, frame_index, frames, waveform, sample_rate)
+    pixels, anchor, keep = check_guide(conditioning.task, conditioning.num_frames, frame_index, frames, waveform,
+                                       sample_rate)
     if pixels is not None and video_vae is None:
         raise RequestError("Guide frames are encoded with the video VAE: pass a video_vae.")
     if waveform is not None and audio_vae is None:

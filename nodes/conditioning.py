@@ -153,7 +153,8 @@ class H3AddGuide(io.ComfyNode):
         frames = None if image is None else image_to_uint8(image, "image")
         sound = None if audio is None else audio_to_decoded(audio, "audio")
         waveform, rate = (None, None) if sound is None else (sound.waveform, sound.sample_rate)
-        check_guide(conditioning, int(frame_index), frames, waveform, rate)  # before the VAE moves
+        # every check before the VAE moves
+        check_guide(conditioning.task, conditioning.num_frames, int(frame_index), frames, waveform, rate)
         place([vae.patcher])
         with freed_on_failure(device()):
             guided = add_guide(conditioning, int(frame_index), vae.video, vae.audio, frames, waveform, rate)

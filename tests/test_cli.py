@@ -105,6 +105,10 @@ def test_info_describes_a_checkpoint(tmp_path, tiny_config, capsys):
         (["generate", "--prompt", "x", "--task", "ref2va", "--ref", "image={tmp}/missing.png", "--out", "{tmp}/o.mp4"], "no file"),
         (["generate", "--prompt", "x", "--task", "fl2va", "--out", "{tmp}/o.mp4"], "image"),
         (["generate", "--prompt", "x", "--outputs", "0", "--out", "{tmp}/o.mp4"], "at least 1"),
+        (["generate", "--prompt", "x", "--guide", "60=image={tmp}/a.png", "--out", "{tmp}/o.mp4"], "FRAME:KIND=PATH"),
+        (["generate", "--prompt", "x", "--guide", "60:image={tmp}/missing.png", "--out", "{tmp}/o.mp4"], "no such file"),
+        (["generate", "--prompt", "x", "--task", "ref2va", "--ref", "image={tmp}/missing.png", "--guide",
+          "0:image={tmp}/missing.png", "--out", "{tmp}/o.mp4"], "not of ref2va"),
     ],
 )
 def test_bad_input_is_a_clear_error(tmp_path, tiny_config, capsys, argv, message):
@@ -113,6 +117,35 @@ def test_bad_input_is_a_clear_error(tmp_path, tiny_config, capsys, argv, message
     assert main([a.format(**fill) for a in argv]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o.safetensors").exists() and not (tmp_path / "o.mp4").exists()
+
+
+def test_generate_with_guides_from_files(tmp_path, capsys):
+    """--guide: an image at frame 50 and a sound from frame 10 change the clip; a frame past the end is
+    refused before any model loads."""
+    from PIL import Image
+
+    image, sound = tmp_path / "frame.png", tmp_path / "voice.wav"
+    Image.fromarray((torch.rand(90, 160, 3) * 255).byte().numpy()).save(image)
+    with av.open(str(sound), "w") as container:
+        stream = container.add_stream("pcm_s16le", rate=32000, layout="stereo")
+        frame = av.AudioFrame.from_ndarray((torch.randn(1, 2 * 32000) * 3000).short().numpy(), format="s16",
+                                           layout="stereo")
+        frame.sample_rate = 32000
+        for packet in stream.encode(frame):
+            container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    base = ["generate", "--prompt", "A fox.", "--steps", "3", "--duration", "4"]
+    plain, guided = tmp_path / "plain.safetensors", tmp_path / "guided.safetensors"
+    assert main([*base, "--save-latents", str(plain)]) == 0
+    assert main([*base, "--guide", f"50:image={image}", "--guide", f"10:audio={sound}",
+                 "--save-latents", str(guided)]) == 0
+    a, b = load_file(plain), load_file(guided)
+    assert a.keys() == b.keys() and not torch.equal(a["video"], b["video"]) and not torch.equal(a["audio"], b["audio"])
+    capsys.readouterr()
+    assert main([*base, "--guide", f"107:image={image}", "--save-latents", str(tmp_path / "x.safetensors")]) == 2
+    assert "frame_index 107 is outside the video's 107 frames" in capsys.readouterr().err
+    assert not (tmp_path / "x.safetensors").exists()
 
 
 def test_generate_with_a_turbo_lora_takes_its_schedule(tmp_path, capsys):
