@@ -121,6 +121,18 @@ def test_clips_sounds_and_chained_guides(models):
     assert with_guides.video.shape == without.video.shape and not torch.equal(with_guides.video, without.video)
 
 
+def test_guides_follow_fl2va_keyframes(models):
+    _, video_vae, _ = models
+    keyframe = encoded("fl2va", video_vae, last_image=Image.fromarray(picture(5)[0]))
+    guided = add_guide(keyframe, 30, video_vae, frames=picture(6)[0])
+    layout = guided.layout
+    expected = build_t2va_layout(guided.text_tags, layout.latent_frames, layout.latent_height, layout.latent_width,
+                                 layout.audio_latents, ("last",), guides=[GuideBlock(30, 1)])
+    assert torch.equal(layout.position_ids, expected.position_ids) and torch.equal(layout.row_clock, expected.row_clock)
+    assert guided.keyframe_anchors == ("last",) and len(guided.visual_condition_latents) == 2
+    assert torch.equal(guided.visual_condition_latents[0], keyframe.visual_condition_latents[0])
+
+
 def test_guide_inputs_are_checked_before_any_model_runs(models):
     _, video_vae, audio_vae = models
     plain = encoded("t2va")
