@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ref2va reference, repeatable and ordered: image=PATH, video=PATH, audio=PATH; "
                           "@START (seconds) picks where a video or audio clip starts")
     gen.add_argument("--guide", action="append", default=[], metavar="FRAME:KIND=PATH",
-                     help="t2va / fl2va, repeatable: an image, video (clip of 17n+5 frames, with its sound) or "
+                     help="repeatable: an image, video (clip of 17n+5 frames, with its sound) or "
                           "audio file anchored at video frame FRAME (negative: from the end), e.g. 60:image=a.png")
     gen.add_argument("--aspect-ratio", help=f"one of {', '.join(geometry.ASPECT_RATIOS)} (default 16:9; fl2va: the first image's)")
     gen.add_argument("--width", type=int, help="explicit width (multiple of 32; with --height)")

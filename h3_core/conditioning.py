@@ -14,8 +14,8 @@
     audio_condition_rows [1, Na, 32]   clean normalized reference / guide audio rows, packed order,
                                        channel-major per block (empty [1, 0, 32] when none)
     reference_blocks                   ref2va: the shape each reference takes in the layout (request order)
-    keyframe_anchors, guides           t2va / fl2va: what the layout holds besides the target (guides.py
-                                       adds guides)
+    keyframe_anchors, guides           fl2va's keyframes and the guides (guides.py): what the layout holds
+                                       besides the text, references and target
 The sampler mixes each visual condition once to 0.999 with the request generator (one draw each, in
 list order, *before* the target noise: diffusers' order), packs them into the leading video rows and
 puts the audio rows, unmixed, in front of the target audio rows.
@@ -91,7 +91,7 @@ class Request:
                   (sources: see references.py)
     aspect_ratio  a name of `geometry.ASPECT_RATIOS`, "auto" or None; or `width` and `height` (px)
     duration      seconds, or `num_frames` (24 fps); neither = 5 s
-    guides        t2va / fl2va: `guides.GuideFile`s, read and checked by `pipeline.generate` before any
+    guides        `guides.GuideFile`s, read and checked by `pipeline.generate` before any
                   model loads and added after encoding (`encode_request` leaves them to it)
     """
 
@@ -221,8 +221,6 @@ def _check_task_media(request: Request, references: list[MediaReference]) -> lis
             )
         if references:
             raise RequestError("fl2va takes first_image/last_image keyframes, not references (those are ref2va).")
-    if request.guides and request.task not in ("t2va", "fl2va"):
-        raise RequestError(f"Guides anchor frames of a t2va or fl2va video, not of {request.task}.")
     if request.task == "ref2va":
         if keyframes:
             raise RequestError("ref2va takes references, not first_image/last_image (those are fl2va keyframes).")
@@ -328,7 +326,7 @@ class Conditioning:
     audio_condition_rows: torch.Tensor | None = None
     reference_blocks: tuple[ReferenceBlock, ...] = ()  # ref2va: each reference's shape in the layout
     keyframe_anchors: tuple[str, ...] = ()  # fl2va: "first" / "last" in packed order
-    guides: tuple[GuideBlock, ...] = ()  # t2va / fl2va: guides.add_guide's blocks in packed order
+    guides: tuple[GuideBlock, ...] = ()  # guides.add_guide's blocks in packed order
 
     def __post_init__(self):
         if self.audio_condition_rows is None:

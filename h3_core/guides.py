@@ -1,4 +1,4 @@
-"""Guides: an image, a short clip or a sound anchored at a pixel frame of the target video (t2va, fl2va).
+"""Guides: an image, a short clip or a sound anchored at a pixel frame of the target video (any task).
 
     conditioning = add_guide(conditioning, frame_index=60, video_vae=vae, frames=image)     # chain several
 
@@ -7,9 +7,10 @@ From files (`h3 generate --guide FRAME:KIND=PATH`): `Request.guides` holds `Guid
 
 The release's pipelines (diffusers) anchor keyframes at the first and last frame only; ComfyUI's native
 H3 support (`MiniMaxH3AddGuide`) anchors them anywhere, which is where these facts come from:
-- a guide packs after the keyframe rows as conditioning rows: its video latent frames on the target grid
-  from t = origin + 5/3 * frame_index (the usual latent frame spans after that), then its stereo audio
-  latents from the same t on the target audio columns (`layout.build_t2va_layout`);
+- a guide packs after the text and keyframe rows, before ref2va's references, as conditioning rows: its
+  video latent frames on the target grid from t = origin + 5/3 * frame_index (origin: where the target
+  starts, after the references' span; the usual latent frame spans after that), then its stereo audio
+  latents from the same t on the target audio columns (`layout.build_t2va_layout`, `build_ref2va_layout`);
 - an image batch of fewer than 5 frames is its first image; a longer one is a clip, cut to its first
   17n + 5 frames; both are cover-cropped (LANCZOS, centred) onto the canvas; the clip must fit in the
   video from `frame_index` on;
@@ -32,8 +33,8 @@ import torch
 from PIL import Image
 
 from . import geometry, media_read
-from .conditioning import Conditioning, RequestError
-from .layout import FRAME_TIME, GuideBlock, build_t2va_layout
+from .conditioning import TASKS, Conditioning, RequestError
+from .layout import FRAME_TIME, GuideBlock, build_ref2va_layout, build_t2va_layout
 from .media import SAMPLE_RATE, MediaError
 from .references import MediaInputError, cover_crop, encode_audio, encode_image, encode_video, load_image, prepare_audio
 
@@ -112,8 +113,8 @@ def check_guide(task: str, num_frames: int, frame_index: int, frames=None, wavef
     """Every check of a guide on a `task` video of `num_frames` frames that needs no model: (its frames as
     [N, H, W, 3] uint8 or None, the video frame it anchors at, how many audio latents a sound may keep
     from there)."""
-    if task not in ("t2va", "fl2va"):
-        raise RequestError(f"Guides anchor frames of a t2va or fl2va video; this conditioning is {task}.")
+    if task not in TASKS:
+        raise RequestError(f"Unknown task {task!r}; guides anchor frames of a {', '.join(TASKS)} video.")
     if frames is None and waveform is None:
         raise RequestError("A guide needs frames (an image or a clip), a sound, or both.")
     pixels = None if frames is None else _as_frames(frames)
@@ -156,9 +157,18 @@ def add_guide(conditioning: Conditioning, frame_index: int, video_vae=None, audi
                        0 if rows is None else rows.shape[1] // geometry.AUDIO_CHANNELS)
     guides = (*conditioning.guides, block)
     layout = conditioning.layout
-    layout = build_t2va_layout(conditioning.text_tags, layout.latent_frames, layout.latent_height, layout.latent_width,
-                               layout.audio_latents, conditioning.keyframe_anchors, guides=guides)
-    visual = list(conditioning.visual_condition_latents) + ([] if latents is None else [latents])
-    audio = conditioning.audio_condition_rows if rows is None else torch.cat([conditioning.audio_condition_rows, rows], 1)
+    target = (layout.latent_frames, layout.latent_height, layout.latent_width, layout.audio_latents)
+    if conditioning.task == "ref2va":
+        layout = build_ref2va_layout(conditioning.text_tags, conditioning.reference_blocks, *target, guides=guides)
+    else:
+        layout = build_t2va_layout(conditioning.text_tags, *target, conditioning.keyframe_anchors, guides=guides)
+    # packed order: keyframes, the guides so far, this one, then references
+    visual = list(conditioning.visual_condition_latents)
+    if latents is not None:
+        visual.insert(len(conditioning.keyframe_anchors) + sum(g.latent_frames > 0 for g in conditioning.guides), latents)
+    audio = conditioning.audio_condition_rows
+    if rows is not None:
+        held = sum(g.audio_latents for g in conditioning.guides) * geometry.AUDIO_CHANNELS
+        audio = torch.cat([audio[:, :held], rows, audio[:, held:]], 1)
     return dataclasses.replace(conditioning, layout=layout, visual_condition_latents=visual,
                                audio_condition_rows=audio, guides=guides)

@@ -1,7 +1,7 @@
 """The packed sequence the DiT denoises: row order, positions, tags and clocks (h3-model.md A.4-A.6).
 
 t2va / fl2va:  [ text (T) | keyframe rows | guides | target audio (A ch0 rows, A ch1 rows) | target video (L*R) ]
-ref2va:        [ text (T) | reference blocks in request order | target audio | target video ]
+ref2va:        [ text (T) | guides | reference blocks in request order | target audio | target video ]
 window (long video, G):  [ text | guide video | guide audio | references | target audio | target video ]
 with R = (h/2)*(w/2) rows per latent frame. Per row: `position_ids` [S, 3] float64 (t, h, w),
 `token_tags` [S] (0 video, 1 text, 2 audio; they address the AdaLN table) and `row_clock` [S]
@@ -339,15 +339,21 @@ def build_t2va_layout(
     for anchor in keyframe_anchors:
         time = origin if anchor == "first" else last_pixel_frame_time(latent_frames, origin)
         sequence.video(np.array([time]), grid, RowClock.VISUAL_CONDITION)
+    _guide_rows(sequence, guides, origin, grid, w_axis)
+    sequence.audio(audio_latents, origin, w_axis, RowClock.AUDIO)
+    sequence.video(latent_frame_times(latent_frames, origin), grid, RowClock.VIDEO)
+    return sequence.finish(latent_frames, latent_height, latent_width, audio_latents)
+
+
+def _guide_rows(sequence: _SequenceBuilder, guides: Sequence[GuideBlock], origin: float, grid: torch.Tensor,
+                w_axis: np.ndarray) -> None:
+    """Each guide's video latent frames (target grid) then audio latents, from origin + 5/3 * frame index."""
     for guide in guides:
         anchor = origin + FRAME_TIME * guide.frame_index
         if guide.latent_frames:
             sequence.video(latent_frame_times(guide.latent_frames, anchor), grid, RowClock.VISUAL_CONDITION)
         if guide.audio_latents:
             sequence.audio(guide.audio_latents, anchor, w_axis, RowClock.AUDIO_CONDITION)
-    sequence.audio(audio_latents, origin, w_axis, RowClock.AUDIO)
-    sequence.video(latent_frame_times(latent_frames, origin), grid, RowClock.VIDEO)
-    return sequence.finish(latent_frames, latent_height, latent_width, audio_latents)
 
 
 def build_request_layout(
@@ -449,21 +455,23 @@ def build_ref2va_layout(
     latent_width: int,
     audio_latents: int,
     patch_size: tuple[int, int, int] = geometry.PATCH_SIZE,
+    guides: Sequence[GuideBlock] = (),
 ) -> PackedLayout:
-    """`[text | reference blocks in request order | target audio | target video]` for ref2va (A.4, A.6).
+    """`[text | guides | reference blocks in request order | target audio | target video]` for ref2va (A.4, A.6).
 
     A clock cursor starts at T (the text length). Image: its rows at t = cursor, own grid; cursor += 1.
     Standalone audio (A_ref): t = cursor + j, w at the target grid's extreme columns; cursor += A_ref.
     Video: its soundtrack rows (if any; w at the video's own grid extremes) immediately followed by its
     video rows, both from t = cursor; cursor += max(A_ref, span(L_ref)). Target audio and video start at
     the final cursor. Visual reference rows take the VISUAL_CONDITION clock, reference audio rows
-    AUDIO_CONDITION; as everywhere, conditioning rows come first within each modality.
+    AUDIO_CONDITION; as everywhere, conditioning rows come first within each modality. `guides` (guides.py)
+    pack after the text as in `build_t2va_layout`, anchored at the target's origin (after the references).
     """
     if not references:
         raise ValueError("A ref2va layout needs at least one reference block; without any use build_t2va_layout.")
     # a long-video window with no guide, offset or lock is exactly this layout: one builder for both
     return build_window_layout(text_tags, references, latent_frames, latent_height, latent_width, audio_latents,
-                               patch_size=patch_size)
+                               patch_size=patch_size, guides=guides)
 
 
 def _reference_rows(
@@ -510,9 +518,10 @@ def build_window_layout(
     guide_audio_latents: int = 0,
     lock_audio: bool = False,
     patch_size: tuple[int, int, int] = geometry.PATCH_SIZE,
+    guides: Sequence[GuideBlock] = (),
 ) -> PackedLayout:
     """One window of a long video:
-    `[text | guide video | guide audio | reference blocks | target audio | target video]`.
+    `[text | guide video | guide audio | guides | reference blocks | target audio | target video]`.
 
     With no guide, offset, origin or lock this is `build_t2va_layout` (no references) or
     `build_ref2va_layout`, row for row.
@@ -525,6 +534,7 @@ def build_window_layout(
                   the clock); clocks VISUAL_CONDITION (0.999 floor) and AUDIO_CONDITION (t = 1).
     lock_audio    the target audio rows hold a driving track: clock AUDIO_CONDITION and counted as
                   conditioning rows, so the sampler never writes them.
+    guides        guides.py's blocks, each from the target's time origin + 5/3 * its frame index.
     """
     tags = _checked_text_tags(text_tags)
     _, ph, pw = patch_size
@@ -554,6 +564,7 @@ def build_window_layout(
     if guide_latent_frames:
         sequence.video(latent_frame_times(guide_latent_frames, moved), target_grid, RowClock.VISUAL_CONDITION)
         sequence.audio(guide_audio_latents, moved, target_w_axis, RowClock.AUDIO_CONDITION)
+    _guide_rows(sequence, guides, moved, target_grid, target_w_axis)
     _reference_rows(sequence, references, origin, target_w_axis, patch_size, float(time_offset))
     sequence.audio(audio_latents, moved, target_w_axis, RowClock.AUDIO_CONDITION if lock_audio else RowClock.AUDIO)
     sequence.video(latent_frame_times(latent_frames, moved), target_grid, RowClock.VIDEO)

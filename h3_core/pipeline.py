@@ -245,7 +245,7 @@ def generate(
     plan = check(request, TINY_CANVAS if model == TINY_RANDOM else RELEASE_CANVAS)  # every limit, before any model
     guides = tuple(request.request.guides if long_video else request.guides)
     if guides and long_video:
-        raise RequestError("Guides anchor frames of one t2va / fl2va clip; a long video cannot take them.")
+        raise RequestError("Guides anchor frames of one clip; a long video cannot take them.")
     guide_media = [read_guide(guide, plan.num_frames) for guide in guides]
     for guide, media in zip(guides, guide_media):
         check_guide(request.task, plan.num_frames, guide.frame_index, *media)

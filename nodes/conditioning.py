@@ -1,6 +1,6 @@
 """H3 Conditioning: prompt, task, keyframes or references, canvas and duration -> H3_COND (encoded by
 h3_core, every published limit checked first) and the resolved width, height and frame count.
-H3 Add Guide: an image, clip or sound anchored at any frame of a t2va / fl2va H3_COND (h3_core.guides)."""
+H3 Add Guide: an image, clip or sound anchored at any frame of an H3_COND's video (h3_core.guides)."""
 
 from __future__ import annotations
 
@@ -128,10 +128,9 @@ class H3AddGuide(io.ComfyNode):
             node_id="H3AddGuide",
             display_name="H3 Add Guide",
             category=CATEGORY,
-            description="Anchors an image, a short clip or a sound at any frame of a t2va or fl2va video; chain "
-                        "several.",
+            description="Anchors an image, a short clip or a sound at any frame of the video; chain several.",
             inputs=[
-                H3Cond.Input("conditioning", tooltip="From H3 Conditioning (t2va or fl2va) or another H3 Add Guide."),
+                H3Cond.Input("conditioning", tooltip="From H3 Conditioning or another H3 Add Guide."),
                 H3VAE.Input("vae", tooltip="From H3 VAE Loader: encodes the image or clip (video VAE) and the sound "
                                            "(audio VAE)."),
                 io.Int.Input("frame_index", default=0, min=-9999, max=9999,

@@ -4,6 +4,7 @@ Ground truth: the layout facts of ComfyUI's native H3 support (positions written
 compared with its own PackedLayout when COMFYUI_PATH points at a checkout); and the fl2va path, proven
 against diffusers in test_end_to_end: a guide image at frame 0 must be exactly a "first" keyframe."""
 
+import dataclasses
 import os
 import sys
 
@@ -15,7 +16,16 @@ from PIL import Image
 from h3_core.conditioning import Request, RequestError, encode_request
 from h3_core.config import TINY_DIT
 from h3_core.guides import add_guide, guide_frame_count, resolve_frame_index
-from h3_core.layout import AUDIO_TAG, VIDEO_TAG, GuideBlock, RowClock, build_t2va_layout, frame_grid
+from h3_core.layout import (
+    AUDIO_TAG,
+    VIDEO_TAG,
+    GuideBlock,
+    ReferenceBlock,
+    RowClock,
+    build_ref2va_layout,
+    build_t2va_layout,
+    frame_grid,
+)
 from h3_core.pipeline import TINY_CANVAS, sample
 from h3_core.tiny import tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
 
@@ -81,9 +91,11 @@ def test_guide_positions_equal_comfyuis_native_layout():
                  {"resolved_frame_index": 40, "latent": torch.zeros(1, 24, 2, 8, 14),
                   "audio_latent": torch.zeros(1, 32, 2, 7)},
                  {"resolved_frame_index": 70, "audio_latent": torch.zeros(1, 32, 2, 4)}]
-    theirs = native.PackedLayout(TEXT_ROWS, 32, 8, 14, 142, keyframes=keyframes)
-    ours = build_t2va_layout(torch.ones(TEXT_ROWS, dtype=torch.int64), 32, 8, 14, 142,
-                             guides=[GuideBlock(0, 1), GuideBlock(40, 2, 7), GuideBlock(70, 0, 4)])
+    refs = [{"kind": "image", "latent_h": 16, "latent_w": 16}, {"kind": "audio", "ref_audio_t": 30}]
+    theirs = native.PackedLayout(TEXT_ROWS, 32, 8, 14, 142, keyframes=keyframes, refs=refs)
+    ours = build_ref2va_layout(torch.ones(TEXT_ROWS, dtype=torch.int64),
+                               [ReferenceBlock.image(16, 16), ReferenceBlock.audio(30)], 32, 8, 14, 142,
+                               guides=[GuideBlock(0, 1), GuideBlock(40, 2, 7), GuideBlock(70, 0, 4)])
     # the times exactly; the spatial grid within rounding (ComfyUI's differs from diffusers' in the last ulp
     # on the target rows too, and ours follows diffusers: test_layout)
     assert ours.position_ids.shape == theirs.position_ids.shape
@@ -150,9 +162,27 @@ def test_guide_inputs_are_checked_before_any_model_runs(models):
         add_guide(plain, 0, waveform=np.zeros((2, 3200), np.float32), sample_rate=32000)
     with pytest.raises(RequestError, match="must be uint8 RGB"):
         add_guide(plain, 0, video_vae, frames=np.zeros((HEIGHT, WIDTH), np.uint8))
+    with pytest.raises(RequestError, match="Unknown task 'i2v'"):
+        add_guide(dataclasses.replace(plain, task="i2v"), 0, video_vae, frames=picture(1)[0])
+
+
+def test_ref2va_guides_pack_before_the_references_from_the_target_origin(models):
+    """In ref2va a guide's rows come after the text and before the references, timed from where the target
+    starts (after the references' span); its latents and sound go before the references' in packed order."""
+    dit, video_vae, audio_vae = models
     states, tags = text()
-    ref2va = Request("ref2va", "a fox", references=[("image", Image.fromarray(picture(1)[0]))], width=WIDTH,
-                     height=HEIGHT, num_frames=FRAMES)
-    with pytest.raises(RequestError, match="t2va or fl2va video; this conditioning is ref2va"):
-        add_guide(encode_request(ref2va, video_vae=video_vae, text_states=states, text_tags=tags, rules=TINY_CANVAS),
-                  0, video_vae, frames=picture(1)[0])
+    request = Request("ref2va", "a fox", references=[("image", Image.fromarray(picture(7)[0]))], width=WIDTH,
+                      height=HEIGHT, num_frames=FRAMES)
+    plain = encode_request(request, video_vae=video_vae, text_states=states, text_tags=tags, rules=TINY_CANVAS)
+    sound = np.random.default_rng(8).standard_normal((2, 32000)).astype(np.float32) * 0.1
+    guided = add_guide(plain, 30, video_vae, audio_vae, frames=picture(9)[0], waveform=sound, sample_rate=32000)
+    layout = guided.layout
+    grid, _ = frame_grid(layout.latent_height, layout.latent_width)
+    origin = TEXT_ROWS + 1.0  # one image reference advances the clock by 1
+    guide_rows = slice(TEXT_ROWS, TEXT_ROWS + grid.shape[0])
+    assert torch.equal(layout.position_ids[guide_rows, 0], torch.full((grid.shape[0],), origin + 50.0, dtype=torch.float64))
+    assert torch.equal(layout.position_ids[guide_rows.stop, 0], torch.tensor(origin + 50.0, dtype=torch.float64))
+    assert guided.visual_condition_latents[1] is plain.visual_condition_latents[0]  # the reference, after the guide
+    assert guided.audio_condition_rows.shape[1] == 2 * guided.guides[0].audio_latents == 2 * 40
+    out = sample(dit, guided, seed=2, steps=3)
+    assert not torch.equal(out.video, sample(dit, plain, seed=2, steps=3).video)
