@@ -16,9 +16,11 @@ H3 support (`MiniMaxH3AddGuide`) anchors them anywhere, which is where these fac
   video from `frame_index` on;
 - a sound is encoded whole (up to the video's length) and its latents cut to those left after the
   anchor;
-- the text encoder does not see guides (only fl2va keyframes are in the prompt's presentation).
-The sampler treats a guide like a keyframe: video rows mixed to 0.999 with the request generator (in
-packed order, after the keyframes) on the conditioning clock; audio rows clean.
+- the text encoder does not see guides (the prompt's presentation holds fl2va keyframes and ref2va
+  references only).
+The sampler treats a guide like a keyframe: video rows mixed to 0.999 with the request generator (one
+draw each in packed order, as diffusers draws for keyframes and references; ComfyUI's native nodes seed
+each condition's draw anew instead) on the conditioning clock; audio rows clean.
 """
 
 from __future__ import annotations
