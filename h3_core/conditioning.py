@@ -92,7 +92,7 @@ class Request:
     aspect_ratio  a name of `geometry.ASPECT_RATIOS`, "auto" or None; or `width` and `height` (px)
     duration      seconds, or `num_frames` (24 fps); neither = 5 s
     guides        `guides.GuideFile`s, read and checked by `pipeline.generate` before any
-                  model loads and added after encoding (`encode_request` leaves them to it)
+                  model loads and added after encoding (`encode_request` refuses them: see guides.py)
     """
 
     task: str
@@ -410,6 +410,9 @@ def encode_request(
     Everything is validated and decoded before the first model runs; models are used in the order
     text encoder, video VAE, audio VAE (so a caller can place one at a time)."""
     plan = validate(request, rules)
+    if request.guides:
+        raise RequestError("encode_request does not read guide files: add each to its result with "
+                           "guides.add_guide (pipeline.generate does both).")
     precomputed = text_states is not None or text_tags is not None
     if precomputed and text_encoder is not None:
         raise RequestError("Pass a text_encoder or precomputed text_states/text_tags, not both.")

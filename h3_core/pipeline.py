@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -249,6 +250,8 @@ def generate(
     guide_media = [read_guide(guide, plan.num_frames) for guide in guides]
     for guide, media in zip(guides, guide_media):
         check_guide(request.task, plan.num_frames, guide.frame_index, *media)
+    if guides:  # added to the conditioning below, once it is encoded
+        request = dataclasses.replace(request, guides=())
     source = resolve_model_source(model, partition)
     resolve_backend(settings.attention, device, window=window > 0)
     if check_linear_mode(settings.linears) == "fp8-lossy":

@@ -166,6 +166,16 @@ def test_guide_inputs_are_checked_before_any_model_runs(models):
         add_guide(dataclasses.replace(plain, task="i2v"), 0, video_vae, frames=picture(1)[0])
 
 
+def test_encode_request_refuses_guide_files_it_does_not_read():
+    from h3_core.guides import GuideFile
+
+    states, tags = text()
+    request = Request("t2va", "a fox", width=WIDTH, height=HEIGHT, num_frames=FRAMES,
+                      guides=[GuideFile(0, "image", "frame.png")])
+    with pytest.raises(RequestError, match="does not read guide files: add each .* with guides.add_guide"):
+        encode_request(request, text_states=states, text_tags=tags, rules=TINY_CANVAS)
+
+
 def test_ref2va_guides_pack_before_the_references_from_the_target_origin(models):
     """In ref2va a guide's rows come after the text and before the references, timed from where the target
     starts (after the references' span); its latents and sound go before the references' in packed order."""
