@@ -84,6 +84,9 @@ def guide_frame_count(count: int) -> int:
 
 def resolve_frame_index(frame_index: int, num_frames: int, frames: int = 1) -> int:
     """A frame index (negative: from the end) as a frame of the video, checked so `frames` fit from it."""
+    if frames > num_frames:
+        raise RequestError(f"A {frames}-frame guide clip is longer than the video's {num_frames} frames; give "
+                           f"at most {num_frames} frames.")
     resolved = frame_index if frame_index >= 0 else num_frames + frame_index
     if resolved < 0 or resolved + frames > num_frames:
         fit = "" if frames == 1 else f" for a {frames}-frame clip (it must fit from there to the end)"

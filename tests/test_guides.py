@@ -152,6 +152,8 @@ def test_guide_inputs_are_checked_before_any_model_runs(models):
     assert resolve_frame_index(-1, FRAMES) == FRAMES - 1
     with pytest.raises(RequestError, match=r"frame_index 107 is outside the video's 107 frames; use 0\.\.106"):
         add_guide(plain, FRAMES, video_vae, frames=picture(1)[0])
+    with pytest.raises(RequestError, match="A 124-frame guide clip is longer than the video's 107 frames"):
+        add_guide(plain, 0, video_vae, frames=picture(1, frames=124))
     with pytest.raises(RequestError, match="for a 22-frame clip"):
         add_guide(plain, 90, video_vae, frames=picture(1, frames=22))
     with pytest.raises(RequestError, match="needs frames .*, a sound, or both"):
