@@ -17,9 +17,18 @@ from h3_core.conditioning import (
 from h3_core.guides import add_guide, check_guide
 from h3_core.placement import freed_on_failure
 from h3_core.prompt import MAX_AUDIO_REFERENCES, MAX_IMAGE_REFERENCES, MAX_REFERENCES, MAX_VIDEO_REFERENCES
+from h3_core.references import frames_at_24fps
 
 from .common import CATEGORY, H3VAE, H3Cond, H3TextEncoder, canvas_inputs, check_interrupt, device, progress_bar
-from .convert import SOCKET_KINDS, audio_to_decoded, build_request, image_to_uint8, media_problem, ordered_references
+from .convert import (
+    SOCKET_KINDS,
+    audio_to_decoded,
+    build_request,
+    image_to_uint8,
+    media_problem,
+    ordered_references,
+    video_to_decoded,
+)
 from .memory import place, place_for_encoding
 
 REFERENCE_TOOLTIP = (f"ref2va references, read in slot order (images, videos and audio in any order the prompt "
@@ -143,15 +152,25 @@ class H3AddGuide(io.ComfyNode):
                                        "Cover-cropped onto the canvas."),
                 io.Audio.Input("audio", optional=True,
                                tooltip="A sound from frame_index on, cut to the video's remaining length."),
+                io.Video.Input("video", optional=True,
+                               tooltip="Instead of image: a ComfyUI VIDEO (any frame rate, brought to 24 fps), used "
+                                       "as a clip with its soundtrack (unless audio is given too)."),
             ],
             outputs=[H3Cond.Output(display_name="conditioning")],
         )
 
     @classmethod
-    def execute(cls, conditioning, vae, frame_index, image=None, audio=None) -> io.NodeOutput:
+    def execute(cls, conditioning, vae, frame_index, image=None, audio=None, video=None) -> io.NodeOutput:
+        if image is not None and video is not None:
+            raise ValueError("Connect an image or a video to one H3 Add Guide, not both.")
         frames = None if image is None else image_to_uint8(image, "image")
         sound = None if audio is None else audio_to_decoded(audio, "audio")
         waveform, rate = (None, None) if sound is None else (sound.waveform, sound.sample_rate)
+        if video is not None:
+            clip = video_to_decoded(video, "video")
+            frames = frames_at_24fps(clip.frames, clip.fps)
+            if sound is None and clip.audio is not None:
+                waveform, rate = clip.audio, clip.sample_rate
         # every check before the VAE moves
         check_guide(conditioning.task, conditioning.num_frames, int(frame_index), frames, waveform, rate)
         place([vae.patcher])

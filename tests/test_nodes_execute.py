@@ -313,6 +313,14 @@ def test_add_guide_anchors_a_clip_and_a_sound_and_the_sampler_runs_it(comfy):
         node.execute(cond, vae, 200, image=clip[:1])
     assert len(c.record.loaded) == placed  # refused before the VAE was placed
 
+    # a VIDEO at 30 fps: 40 frames are 32 at 24 fps, cut to 22; its soundtrack comes along
+    video = SimpleNamespace(get_components=lambda: SimpleNamespace(images=torch.rand(40, 100, 160, 3),
+                                                                   frame_rate=Fraction(30), audio=sound))
+    from_video = node.execute(cond, vae, 10, video=video).values[0]
+    assert from_video.guides[0].latent_frames == 7 and from_video.guides[0].audio_latents == 80
+    with pytest.raises(ValueError, match="an image or a video to one H3 Add Guide, not both"):
+        node.execute(cond, vae, 0, image=clip, video=video)
+
 
 def test_single_file_text_encoder_without_tokenizer_folder_is_refused_before_making_room(comfy):
     import tiny_qwen
