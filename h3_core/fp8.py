@@ -44,9 +44,12 @@ LINEAR_MODES = {
 }
 
 
-def check_linear_mode(mode: str) -> str:
+def check_linear_mode(mode: str, device: torch.device | str | None = None) -> str:
+    """`mode` if it is one of LINEAR_MODES; with a `device`, "fp8-lossy" also needs FP8 matmuls there."""
     if mode not in LINEAR_MODES:
         raise ValueError(f"Unknown linears mode {mode!r}; choose one of {', '.join(LINEAR_MODES)}.")
+    if device is not None and mode == "fp8-lossy":
+        check_scaled_device(torch.device(device))
     return mode
 
 
@@ -348,12 +351,10 @@ class FP8Load:
     def plan(cls, model: nn.Module, file_layers: dict[str, FP8Entry], mode: str, dtype: torch.dtype | None,
              fp32_modules: tuple[str, ...], device: torch.device | str = "cpu") -> "FP8Load":
         """Swap FP8Linear into the meta-built `model` where `mode` keeps or makes FP8 linears."""
-        check_linear_mode(mode)
         device = torch.device(device)
+        check_linear_mode(mode, device)
         compute = dtype or torch.bfloat16
         matmul = "scaled" if mode == "fp8-lossy" else "dequantize"
-        if matmul == "scaled":
-            check_scaled_device(device)
         eligible = set(block_linear_names(model, adaln=True)) | {
             f"token_refiner.blocks.{i}.{leaf}" for i in range(len(model.token_refiner.blocks)) for leaf in BLOCK_LINEARS
         }

@@ -36,7 +36,7 @@ from PIL import Image
 
 from . import geometry, media_read
 from .conditioning import TASKS, Conditioning, RequestError
-from .layout import FRAME_TIME, GuideBlock, build_ref2va_layout, build_t2va_layout
+from .layout import FRAME_TIME, GuideBlock, build_ref2va_layout, build_t2va_layout, pack_audio, unpack_audio
 from .media import SAMPLE_RATE, MediaError
 from .references import MediaInputError, cover_crop, encode_audio, encode_image, encode_video, load_image, prepare_audio
 
@@ -105,14 +105,6 @@ def _as_frames(frames) -> np.ndarray:
     return array
 
 
-def _cut_audio_rows(rows: torch.Tensor, keep: int) -> torch.Tensor:
-    """Channel-major stereo rows [1, 2A, C] -> the first `keep` latents of each channel."""
-    count = rows.shape[1] // geometry.AUDIO_CHANNELS
-    if keep >= count:
-        return rows
-    return torch.cat([rows[:, channel * count:channel * count + keep] for channel in range(geometry.AUDIO_CHANNELS)], 1)
-
-
 def check_guide(task: str, num_frames: int, frame_index: int, frames=None, waveform=None,
                 sample_rate: int | None = None) -> tuple[np.ndarray | None, int, int]:
     """Every check of a guide on a `task` video of `num_frames` frames that needs no model: (its frames as
@@ -157,7 +149,7 @@ def add_guide(conditioning: Conditioning, frame_index: int, video_vae=None, audi
                    else encode_video(video_vae, np.stack([np.asarray(image) for image in fitted])))
     if waveform is not None:
         sound = prepare_audio(np.asarray(waveform, dtype=np.float32), int(sample_rate), conditioning.num_frames)
-        rows = _cut_audio_rows(encode_audio(audio_vae, sound), keep)
+        rows = pack_audio(unpack_audio(encode_audio(audio_vae, sound))[..., :keep])  # each channel's first `keep`
     block = GuideBlock(anchor, 0 if latents is None else latents.shape[2],
                        0 if rows is None else rows.shape[1] // geometry.AUDIO_CHANNELS)
     guides = (*conditioning.guides, block)

@@ -286,9 +286,9 @@ def _checked_text_tags(text_tags: torch.Tensor | Sequence[int]) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class GuideBlock:
-    """The shape a guide takes in a t2va / fl2va layout (guides.py): `latent_frames` latent frames on
-    the target grid (0: a sound only), then `audio_latents` stereo latents per channel (0: no sound),
-    both anchored at pixel frame `frame_index` of the target video."""
+    """The shape a guide takes in a layout (guides.py; a long-video window's latent tail is one at frame
+    0): `latent_frames` latent frames on the target grid (0: a sound only), then `audio_latents` stereo
+    latents per channel (0: no sound), both anchored at pixel frame `frame_index` of the target video."""
 
     frame_index: int
     latent_frames: int
@@ -561,10 +561,8 @@ def build_window_layout(
     moved = target_origin + float(time_offset)
     sequence = _SequenceBuilder()
     sequence.text(tags)
-    if guide_latent_frames:
-        sequence.video(latent_frame_times(guide_latent_frames, moved), target_grid, RowClock.VISUAL_CONDITION)
-        sequence.audio(guide_audio_latents, moved, target_w_axis, RowClock.AUDIO_CONDITION)
-    _guide_rows(sequence, guides, moved, target_grid, target_w_axis)
+    tail = [GuideBlock(0, guide_latent_frames, guide_audio_latents)] if guide_latent_frames else []
+    _guide_rows(sequence, [*tail, *guides], moved, target_grid, target_w_axis)  # the tail: a guide at frame 0
     _reference_rows(sequence, references, origin, target_w_axis, patch_size, float(time_offset))
     sequence.audio(audio_latents, moved, target_w_axis, RowClock.AUDIO_CONDITION if lock_audio else RowClock.AUDIO)
     sequence.video(latent_frame_times(latent_frames, moved), target_grid, RowClock.VIDEO)

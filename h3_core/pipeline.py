@@ -26,7 +26,7 @@ from .offload import load_device, place
 from .conditioning import Request, RequestError, encode_request, validate
 from .layout import pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
-from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, check_scaled_device
+from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
 from .guides import add_guide, check_guide, read_guide
 from .lora import apply_loras, load_lora, sampler_settings
 from .noise import condition_rows, request_generator, target_noise
@@ -254,8 +254,7 @@ def generate(
         request = dataclasses.replace(request, guides=())
     source = resolve_model_source(model, partition)
     resolve_backend(settings.attention, device, window=window > 0)
-    if check_linear_mode(settings.linears) == "fp8-lossy":
-        check_scaled_device(device)
+    check_linear_mode(settings.linears, device)
     loras = [(load_lora(path), float(strength)) for path, strength in settings.loras]
     for lora, _ in loras:
         lora.terms_for(partition)  # an adapter for the other partition is refused before loading

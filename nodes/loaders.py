@@ -10,7 +10,7 @@ from comfy_api.latest import io
 
 from h3_core.attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
 from h3_core.checkpoint import load_dit, locate_dit
-from h3_core.fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, check_scaled_device
+from h3_core.fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
 from h3_core.local_attention import check_setting as check_window_setting
 from h3_core.parallel import ModelSpec, check_compile_sharding
 from h3_core.placement import freed_on_failure
@@ -138,8 +138,7 @@ class H3ModelLoader(io.ComfyNode):
         # an unavailable kernel (or one that cannot run the window), or FP8 matmuls the device lacks, fail
         # before any weight is read
         chosen = resolve_backend(attention, target, window=window > 0)
-        if check_linear_mode(linears) == "fp8-lossy":
-            check_scaled_device(target)
+        check_linear_mode(linears, target)
         dtype = DTYPES[weight_dtype]
         tiny = checkpoint == TINY_RANDOM and not folder.strip()
         path = None if tiny else model_path("diffusion_models", checkpoint, folder)
