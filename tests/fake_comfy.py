@@ -1,10 +1,11 @@
 """The few ComfyUI surfaces our nodes touch, faked, so their execute paths and schemas run in CI without
 ComfyUI: `comfy_api.latest` (io, ui), `comfy.model_management`, `comfy.model_patcher`, `comfy.utils`,
 `comfy.cli_args`, `comfy.latent_formats`, `folder_paths`. Every schema call is recorded as plain data
-(`schema_of`), which the workflow checks read. `install(tmp_path)` puts the fakes in sys.modules."""
+(`schema_of`), which the workflow checks read. `installed(tmp_path)` puts the fakes in sys.modules for a block."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import sys
@@ -128,6 +129,22 @@ class LoadedModel:
     @property
     def model(self):
         return self._patcher()
+
+
+FAKED = ("comfy", "comfy_api", "folder_paths", "nodes")  # top-level modules the fakes (and our nodes) fill
+
+
+@contextlib.contextmanager
+def installed(tmp_path: Path, **options):
+    """`install` for the block, then every faked module and our node modules leave sys.modules again, and
+    what was there before comes back (so the tests around see no fake)."""
+    saved = {name: module for name, module in sys.modules.items() if name.split(".")[0] in FAKED}
+    try:
+        yield install(tmp_path, **options)
+    finally:
+        for name in [name for name in sys.modules if name.split(".")[0] in FAKED]:
+            del sys.modules[name]
+        sys.modules.update(saved)
 
 
 def install(tmp_path: Path, loras: list[str] = (), previews: bool = True) -> Recorder:

@@ -23,16 +23,10 @@ TURBO = "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors"
 
 @pytest.fixture
 def comfy(tmp_path):
-    saved = {name: module for name, module in sys.modules.items()
-             if name.split(".")[0] in ("comfy", "comfy_api", "folder_paths", "nodes")}
-    record = fake_comfy.install(tmp_path)
-    modules = SimpleNamespace(record=record, tmp=tmp_path, **{
-        name: importlib.import_module(f"nodes.{name}") for name in ("loaders", "conditioning", "latent", "sampler",
-                                                                  "output", "memory")})
-    yield modules
-    for name in [n for n in sys.modules if n.split(".")[0] in ("comfy", "comfy_api", "folder_paths", "nodes")]:
-        del sys.modules[name]
-    sys.modules.update(saved)
+    with fake_comfy.installed(tmp_path) as record:
+        yield SimpleNamespace(record=record, tmp=tmp_path, **{
+            name: importlib.import_module(f"nodes.{name}") for name in ("loaders", "conditioning", "latent", "sampler",
+                                                                      "output", "memory")})
 
 
 def _models(c, partition="fl2va"):

@@ -54,16 +54,10 @@ def streaming_budget(layout, steps: int = STEPS, resident: int = 0, prefetch: in
 
 @pytest.fixture
 def comfy(tmp_path):
-    saved = {name: module for name, module in sys.modules.items()
-             if name.split(".")[0] in ("comfy", "comfy_api", "folder_paths", "nodes")}
-    record = fake_comfy.install(tmp_path)
-    write_four_blocks(tmp_path / "diffusion_models")
-    modules = SimpleNamespace(record=record, tmp=tmp_path, mm=sys.modules["comfy.model_management"], **{
-        name: importlib.import_module(f"nodes.{name}") for name in ("loaders", "conditioning", "sampler", "memory")})
-    yield modules
-    for name in [n for n in sys.modules if n.split(".")[0] in ("comfy", "comfy_api", "folder_paths", "nodes")]:
-        del sys.modules[name]
-    sys.modules.update(saved)
+    with fake_comfy.installed(tmp_path) as record:
+        write_four_blocks(tmp_path / "diffusion_models")
+        yield SimpleNamespace(record=record, tmp=tmp_path, mm=sys.modules["comfy.model_management"], **{
+            name: importlib.import_module(f"nodes.{name}") for name in ("loaders", "conditioning", "sampler", "memory")})
 
 
 def _load(c, checkpoint=FOUR_BLOCKS, **options):

@@ -33,15 +33,10 @@ CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
 
 @pytest.fixture(scope="module")
 def schemas(tmp_path_factory):
-    saved = {n: m for n, m in sys.modules.items() if n.split(".")[0] in ("comfy", "comfy_api", "folder_paths", "nodes")}
-    fake_comfy.install(tmp_path_factory.mktemp("comfy"))
-    import nodes
+    with fake_comfy.installed(tmp_path_factory.mktemp("comfy")):
+        import nodes
 
-    found = {cls.define_schema().node_id: fake_comfy.schema_of(cls) for cls in nodes.node_list()}
-    for name in [n for n in sys.modules if n.split(".")[0] in ("comfy", "comfy_api", "folder_paths", "nodes")]:
-        del sys.modules[name]
-    sys.modules.update(saved)
-    return found
+        return {cls.define_schema().node_id: fake_comfy.schema_of(cls) for cls in nodes.node_list()}
 
 
 def _port(schema: dict, name: str):

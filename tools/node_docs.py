@@ -29,18 +29,10 @@ def node_schemas() -> list:
             sys.path.insert(0, str(path))
     import fake_comfy
 
-    faked = ("comfy", "comfy_api", "folder_paths", "nodes")
-    saved = {name: module for name, module in sys.modules.items() if name.split(".")[0] in faked}
-    with tempfile.TemporaryDirectory(prefix="h3-node-docs-") as folder:
-        fake_comfy.install(Path(folder))
-        try:
-            from nodes import node_list
+    with tempfile.TemporaryDirectory(prefix="h3-node-docs-") as folder, fake_comfy.installed(Path(folder)):
+        from nodes import node_list
 
-            return [node.define_schema() for node in node_list()]
-        finally:
-            for name in [name for name in sys.modules if name.split(".")[0] in faked]:
-                del sys.modules[name]
-            sys.modules.update(saved)
+        return [node.define_schema() for node in node_list()]
 
 
 def _kind(port) -> str:
