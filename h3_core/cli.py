@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "@START (seconds) picks where a video or audio clip starts")
     gen.add_argument("--guide", action="append", default=[], metavar="FRAME:KIND=PATH",
                      help="repeatable: an image, video (clip of 17n+5 frames, with its sound) or "
-                          "audio file anchored at video frame FRAME (negative: from the end), e.g. 60:image=a.png")
+                          "audio file anchored at video frame FRAME (negative: from the end, written --guide=-1:image=b.png), "
+                          "e.g. 60:image=a.png; with --long-video FRAME counts frames of the whole clip")
     gen.add_argument("--aspect-ratio", help=f"one of {', '.join(geometry.ASPECT_RATIOS)} (default 16:9; fl2va: the first image's)")
     gen.add_argument("--width", type=int, help="explicit width (multiple of 32; with --height)")
     gen.add_argument("--height", type=int, help="explicit height (multiple of 32; with --width)")

@@ -58,6 +58,18 @@ class GuideFile:
             raise RequestError(f"A guide file is one of {', '.join(GUIDE_KINDS)}, got {self.kind!r}.")
 
 
+@dataclass(frozen=True)
+class GuideMedia:
+    """A guide in memory, before encoding: frames (a PIL image or uint8 [N, H, W, 3] at 24 fps), a sound
+    [C, M] at `sample_rate`, or both, anchored at `frame_index` (negative: from the end). A long video
+    takes its guides this way (long_video.LongVideoRequest.guides)."""
+
+    frame_index: int
+    frames: object = None
+    waveform: object = None
+    sample_rate: int | None = None
+
+
 def read_guide(guide: GuideFile, num_frames: int) -> tuple[np.ndarray | None, np.ndarray | None, int | None]:
     """(frames [N, H, W, 3] uint8 at 24 fps or None, sound [2, M] or None, its sample rate) of a guide file,
     at most as long as the video."""
@@ -126,6 +138,26 @@ def check_guide(task: str, num_frames: int, frame_index: int, frames=None, wavef
     return pixels, anchor, keep
 
 
+def encode_guide(pixels: np.ndarray | None, waveform, sample_rate: int | None, width: int, height: int,
+                 num_frames: int, video_vae=None, audio_vae=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A checked guide's media (`check_guide`'s frames) on a `width` x `height` canvas of a `num_frames`-frame
+    video -> (video latents [1, C, L, h, w] or None, sound latents [2, Ca, A] or None), normalized, CPU."""
+    if pixels is not None and video_vae is None:
+        raise RequestError("Guide frames are encoded with the video VAE: pass a video_vae.")
+    if waveform is not None and audio_vae is None:
+        raise RequestError("A guide sound is encoded with the audio VAE: pass an audio_vae.")
+    latents, sound = None, None
+    if pixels is not None:
+        count = guide_frame_count(pixels.shape[0])
+        fitted = [cover_crop(Image.fromarray(frame), width, height) for frame in pixels[:count]]
+        latents = (encode_image(video_vae, fitted[0]) if count == 1
+                   else encode_video(video_vae, np.stack([np.asarray(image) for image in fitted])))
+    if waveform is not None:
+        prepared = prepare_audio(np.asarray(waveform, dtype=np.float32), int(sample_rate), num_frames)
+        sound = unpack_audio(encode_audio(audio_vae, prepared))[0]
+    return latents, sound
+
+
 def add_guide(conditioning: Conditioning, frame_index: int, video_vae=None, audio_vae=None, frames=None,
               waveform=None, sample_rate: int | None = None) -> Conditioning:
     """`conditioning` with one more guide at pixel frame `frame_index` (negative: from the end).
@@ -135,21 +167,9 @@ def add_guide(conditioning: Conditioning, frame_index: int, video_vae=None, audi
     Everything is checked before a model runs."""
     pixels, anchor, keep = check_guide(conditioning.task, conditioning.num_frames, frame_index, frames, waveform,
                                        sample_rate)
-    if pixels is not None and video_vae is None:
-        raise RequestError("Guide frames are encoded with the video VAE: pass a video_vae.")
-    if waveform is not None and audio_vae is None:
-        raise RequestError("A guide sound is encoded with the audio VAE: pass an audio_vae.")
-
-    width, height = conditioning.width, conditioning.height
-    latents, rows = None, None
-    if pixels is not None:
-        count = guide_frame_count(pixels.shape[0])
-        fitted = [cover_crop(Image.fromarray(frame), width, height) for frame in pixels[:count]]
-        latents = (encode_image(video_vae, fitted[0]) if count == 1
-                   else encode_video(video_vae, np.stack([np.asarray(image) for image in fitted])))
-    if waveform is not None:
-        sound = prepare_audio(np.asarray(waveform, dtype=np.float32), int(sample_rate), conditioning.num_frames)
-        rows = pack_audio(unpack_audio(encode_audio(audio_vae, sound))[..., :keep])  # each channel's first `keep`
+    latents, sound = encode_guide(pixels, waveform, sample_rate, conditioning.width, conditioning.height,
+                                  conditioning.num_frames, video_vae, audio_vae)
+    rows = None if sound is None else pack_audio(sound[None, ..., :keep])  # each channel's first `keep`
     block = GuideBlock(anchor, 0 if latents is None else latents.shape[2],
                        0 if rows is None else rows.shape[1] // geometry.AUDIO_CHANNELS)
     guides = (*conditioning.guides, block)

@@ -15,7 +15,8 @@ decoded once, by the same streaming decoder as any request (output.write_mp4).
 Choices (the sources leave room):
 - References are prepared and encoded once, for the first (longest) window, and reused in every window
   (a reference clip is at most 15 s, so no window would keep more of it).
-- fl2va is not offered: its keyframes pin the first / last frame of one clip.
+- fl2va is not offered: its keyframes pin the first / last frame of one clip. Guides (images, clips,
+  sounds at any frame of the clip) go to the windows that make their frames (window_guides.py).
 """
 
 from __future__ import annotations
@@ -39,12 +40,14 @@ from .continuation import (
     plan_request,
 )
 from .drive_audio import check_track, encode_track, load_track, window_slice
+from .guides import GuideMedia
 from .layout import PackedLayout, ReferenceBlock, build_window_layout, pack_audio
 from .noise import request_generator
 from .output import AVLatents
 from .pipeline import sample
 from .references import RELEASE_CANVAS, CanvasRules, MediaInputError, prepare_reference
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, StepCallback
+from .window_guides import WindowGuide, check_window_guides, encode_window_guides
 
 LONG_VIDEO_TASKS = ("t2va", "ref2va")
 
@@ -59,6 +62,7 @@ class LongVideoRequest:
     window_prompts  optional: one prompt per window, in order (else `request.prompt` in every window; with
                     them `request.prompt` may be empty)
     drive_audio     optional driving soundtrack (a path or a `DecodedAudio`): the output's audio, held fixed
+    guides          optional `guides.GuideMedia`s, their frame indices counting frames of the whole clip
     """
 
     request: Request
@@ -67,6 +71,7 @@ class LongVideoRequest:
     overlap_frames: int = DEFAULT_OVERLAP_FRAMES
     window_prompts: Sequence[str] = ()
     drive_audio: Any = None
+    guides: Sequence[GuideMedia] = ()
 
     @property
     def task(self) -> str:
@@ -146,6 +151,7 @@ def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_
             check_track(request.drive_audio)
         except MediaInputError as error:
             raise RequestError(str(error)) from None
+    check_window_guides(plan.task, windows, total, request.guides, locked_audio=request.drive_audio is not None)
     return LongVideoPlan(plan.task, plan.width, plan.height, total, windows, prompts)
 
 
@@ -158,6 +164,7 @@ class LongConditioning:
     visual_references      normalized [1, C, L_i, h_i, w_i] reference latents, packed order (ref2va)
     reference_blocks       their shapes in the layout; reference_audio_rows [1, N, Ca] clean rows
     drive_audio            normalized driving latents [2, Ca, A_total] or None
+    guides                 the guides' shares of the windows (window_guides.WindowGuide), in guide order
     """
 
     task: str
@@ -171,6 +178,7 @@ class LongConditioning:
     reference_blocks: tuple[ReferenceBlock, ...]
     reference_audio_rows: torch.Tensor
     drive_audio: torch.Tensor | None = None
+    guides: tuple[WindowGuide, ...] = ()
 
     @property
     def seconds(self) -> float:
@@ -184,8 +192,11 @@ class LongConditioning:
             tags, self.reference_blocks, window.latent_frames, latent_height, latent_width, window.audio_latents,
             time_offset=window.time_offset, media_origin=self.media_origin,
             guide_latent_frames=window.guide_latent_frames, guide_audio_latents=window.guide_audio_latents,
-            lock_audio=self.drive_audio is not None,
+            lock_audio=self.drive_audio is not None, guides=[g.block for g in self._guides(window)],
         )
+
+    def _guides(self, window: Window) -> list[WindowGuide]:
+        return [guide for guide in self.guides if guide.window == window.index]
 
     @property
     def max_rows(self) -> int:
@@ -196,8 +207,11 @@ class LongConditioning:
         """One window as an ordinary request: `guide` = (video [1, C, Lg, h, w], audio [2, Ca, Ag]) from
         `Timeline.guide`, None for the first window."""
         states, tags = self.texts[window.index]
-        visual, audio = list(self.visual_references), [self.reference_audio_rows]
-        if guide is not None:  # packed before the references: video rows, then audio rows
+        # packed order: the latent tail, the guides, the references
+        guides = self._guides(window)
+        visual = [g.video for g in guides if g.video is not None] + list(self.visual_references)
+        audio = [pack_audio(g.audio[None]) for g in guides if g.audio is not None] + [self.reference_audio_rows]
+        if guide is not None:  # video rows, then audio rows
             visual.insert(0, guide[0])
             audio.insert(0, pack_audio(guide[1][None]))
         if self.drive_audio is not None:
@@ -231,11 +245,14 @@ def encode_long_video(
     drive = None
     if request.drive_audio is not None:
         drive = encode_track(audio_vae, load_track(request.drive_audio), plan.num_frames)
+    guides = encode_window_guides(plan.task, plan.windows, plan.width, plan.height, plan.num_frames, request.guides,
+                                  video_vae, audio_vae, locked_audio=drive is not None)
     return LongConditioning(
         plan.task, plan.width, plan.height, plan.num_frames, plan.windows,
         tuple(texts[prompt] for prompt in plan.prompts),
         float(max(states.shape[1] for states, _ in texts.values())),
         tuple(first.visual_condition_latents), first.reference_blocks, first.audio_condition_rows, drive,
+        tuple(guides),
     )
 
 

@@ -27,7 +27,7 @@ from .conditioning import Request, RequestError, encode_request, validate
 from .layout import pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
-from .guides import add_guide, check_guide, read_guide
+from .guides import GuideMedia, add_guide, check_guide, read_guide
 from .lora import apply_loras, load_lora, sampler_settings
 from .noise import condition_rows, request_generator, target_noise
 from .output import AVLatents, write_mp4
@@ -243,14 +243,18 @@ def generate(
     except ValueError as error:
         raise RequestError(str(error)) from None
     device, timings = torch.device(settings.device), {}
-    plan = check(request, TINY_CANVAS if model == TINY_RANDOM else RELEASE_CANVAS)  # every limit, before any model
+    rules = TINY_CANVAS if model == TINY_RANDOM else RELEASE_CANVAS
+    plan = check(request, rules)  # every limit, before any model
     guides = tuple(request.request.guides if long_video else request.guides)
-    if guides and long_video:
-        raise RequestError("Guides anchor frames of one clip; a long video cannot take them.")
-    guide_media = [read_guide(guide, plan.num_frames) for guide in guides]
-    for guide, media in zip(guides, guide_media):
-        check_guide(request.task, plan.num_frames, guide.frame_index, *media)
-    if guides:  # added to the conditioning below, once it is encoded
+    guide_media = [GuideMedia(guide.frame_index, *read_guide(guide, plan.num_frames)) for guide in guides]
+    if long_video:  # the windows take them in memory (validated again, now with them)
+        request = dataclasses.replace(request, request=dataclasses.replace(request.request, guides=()),
+                                      guides=tuple(guide_media))
+        check(request, rules)
+        guide_media = []
+    for media in guide_media:
+        check_guide(request.task, plan.num_frames, media.frame_index, media.frames, media.waveform, media.sample_rate)
+    if guide_media:  # added to the conditioning below, once it is encoded
         request = dataclasses.replace(request, guides=())
     source = resolve_model_source(model, partition)
     resolve_backend(settings.attention, device, window=window > 0)
@@ -279,8 +283,9 @@ def generate(
     audio_vae = tiny_random_audio_vae(device) if source.tiny else load_audio_vae(source.root, device=device)
     notes(f"video VAE: decoder linears in {str(video_vae.dtype).removeprefix('torch.')} (encoder and norms float32)")
     conditioning = encode(request, text_encoder, video_vae, audio_vae, rules=source.canvas)
-    for guide, media in zip(guides, guide_media):
-        conditioning = add_guide(conditioning, guide.frame_index, video_vae, audio_vae, *media)
+    for media in guide_media:
+        conditioning = add_guide(conditioning, media.frame_index, video_vae, audio_vae, media.frames, media.waveform,
+                                 media.sample_rate)
     text_encoder.release()  # its ~51 GB leave before the DiT arrives
     del text_encoder
     video_vae.to("cpu"), audio_vae.to("cpu")  # back on the device only for the decode

@@ -16,6 +16,7 @@ H3TextEncoder = io.Custom("H3_TEXT_ENCODER")
 H3VAE = io.Custom("H3_VAE")
 H3Cond = io.Custom("H3_COND")
 H3Latent = io.Custom("H3_LATENT")
+H3Guides = io.Custom("H3_GUIDES")
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "checkpoint": None}
 

@@ -14,7 +14,7 @@ from h3_core.conditioning import (
     encode_request,
     validate,
 )
-from h3_core.guides import add_guide, check_guide
+from h3_core.guides import GuideMedia, add_guide, check_guide
 from h3_core.placement import freed_on_failure
 from h3_core.prompt import MAX_AUDIO_REFERENCES, MAX_IMAGE_REFERENCES, MAX_REFERENCES, MAX_VIDEO_REFERENCES
 from h3_core.references import frames_at_24fps
@@ -146,37 +146,54 @@ class H3AddGuide(io.ComfyNode):
                              tooltip="The video frame (24 fps) the image, or the clip's first frame, and the sound "
                                      "start at; negative counts from the end (-1 = the last frame). A clip must fit "
                                      "from there."),
-                io.Image.Input("image", optional=True,
-                               tooltip="An image, or a clip at 24 fps: a batch of 5 frames or more is cut to its first "
-                                       "17n + 5 frames (5, 22, 39, ...); fewer than 5 use the first image. "
-                                       "Cover-cropped onto the canvas."),
-                io.Audio.Input("audio", optional=True,
-                               tooltip="A sound from frame_index on, cut to the video's remaining length."),
-                io.Video.Input("video", optional=True,
-                               tooltip="Instead of image: a ComfyUI VIDEO (any frame rate, brought to 24 fps), used "
-                                       "as a clip with its soundtrack (unless audio is given too)."),
+                *guide_media_inputs(),
             ],
             outputs=[H3Cond.Output(display_name="conditioning")],
         )
 
     @classmethod
     def execute(cls, conditioning, vae, frame_index, image=None, audio=None, video=None) -> io.NodeOutput:
-        if image is not None and video is not None:
-            raise ValueError("Connect an image or a video to one H3 Add Guide, not both.")
-        frames = None if image is None else image_to_uint8(image, "image")
-        sound = None if audio is None else audio_to_decoded(audio, "audio")
-        waveform, rate = (None, None) if sound is None else (sound.waveform, sound.sample_rate)
-        if video is not None:
-            clip = video_to_decoded(video, "video")
-            frames = frames_at_24fps(clip.frames, clip.fps)
-            if sound is None and clip.audio is not None:
-                waveform, rate = clip.audio, clip.sample_rate
+        media = guide_media(frame_index, image, audio, video)
         # every check before the VAE moves
-        check_guide(conditioning.task, conditioning.num_frames, int(frame_index), frames, waveform, rate)
+        check_guide(conditioning.task, conditioning.num_frames, media.frame_index, media.frames, media.waveform,
+                    media.sample_rate)
         place([vae.patcher])
         with freed_on_failure(device()):
-            guided = add_guide(conditioning, int(frame_index), vae.video, vae.audio, frames, waveform, rate)
+            guided = add_guide(conditioning, media.frame_index, vae.video, vae.audio, media.frames, media.waveform,
+                               media.sample_rate)
         return io.NodeOutput(guided)
+
+
+def guide_media_inputs() -> list:
+    """The image / audio / video sockets of a guide (H3 Add Guide, H3 Continuation Guide)."""
+    return [
+        io.Image.Input("image", optional=True,
+                       tooltip="An image, or a clip at 24 fps: a batch of 5 frames or more is cut to its first "
+                               "17n + 5 frames (5, 22, 39, ...); fewer than 5 use the first image. "
+                               "Cover-cropped onto the canvas."),
+        io.Audio.Input("audio", optional=True,
+                       tooltip="A sound from frame_index on, cut to the video's remaining length."),
+        io.Video.Input("video", optional=True,
+                       tooltip="Instead of image: a ComfyUI VIDEO (any frame rate, brought to 24 fps), used "
+                               "as a clip with its soundtrack (unless audio is given too)."),
+    ]
+
+
+def guide_media(frame_index, image=None, audio=None, video=None) -> GuideMedia:
+    """A guide's sockets as the engine's GuideMedia (frames uint8 at 24 fps, sound at its own rate)."""
+    if image is not None and video is not None:
+        raise ValueError("Connect an image or a video to one guide, not both.")
+    if image is None and audio is None and video is None:
+        raise ValueError("A guide needs an image, a video or a sound: connect at least one.")
+    frames = None if image is None else image_to_uint8(image, "image")
+    sound = None if audio is None else audio_to_decoded(audio, "audio")
+    waveform, rate = (None, None) if sound is None else (sound.waveform, sound.sample_rate)
+    if video is not None:
+        clip = video_to_decoded(video, "video")
+        frames = frames_at_24fps(clip.frames, clip.fps)
+        if sound is None and clip.audio is not None:
+            waveform, rate = clip.audio, clip.sample_rate
+    return GuideMedia(int(frame_index), frames, waveform, rate)
 
 
 NODES = [H3Conditioning, H3AddGuide]

@@ -1,4 +1,5 @@
-"""H3 Continuation (long video, optionally to a driving soundtrack) and H3 Save MP4 (streamed decode).
+"""H3 Continuation (long video, optionally to a driving soundtrack), H3 Continuation Guide (images, clips
+and sounds anchored at frames of the whole clip) and H3 Save MP4 (streamed decode).
 
 A long clip cannot go through H3 VAE Decode: 300 s at 1344x768 is 89 GB of IMAGE frames. H3 Save MP4
 decodes the latent chunk by chunk straight into the file (h3_core.output.write_mp4).
@@ -35,10 +36,10 @@ from h3_core.pipeline import TASK_PARTITION, largest_layout
 from h3_core.placement import freed_on_failure
 
 from .common import (
-    CATEGORY, SAVE_HIDDEN, H3VAE, H3Latent, H3Model, H3TextEncoder, canvas_inputs, check_interrupt, decode_inputs,
+    CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, canvas_inputs, check_interrupt, decode_inputs,
     decode_options, device, progress_bar, saved_file_metadata, shift_inputs,
 )
-from .conditioning import reference_input
+from .conditioning import guide_media, guide_media_inputs, reference_input
 from .convert import audio_to_decoded, build_request, media_problem, ordered_references, pack_latents, unpack_latents
 from .memory import decode_working_bytes, dit_for_run, drop_loras, place, place_for_encoding, use_loras
 
@@ -84,11 +85,14 @@ class H3Continuation(io.ComfyNode):
                                 tooltip="Optional: one prompt per window, one per line, in window order (empty: the "
                                         "prompt in every window). The count must match the plan's windows."),
                 H3VAE.Input("vae", optional=True,
-                            tooltip="From H3 VAE Loader; needed for references and a driving soundtrack."),
+                            tooltip="From H3 VAE Loader; needed for references, a driving soundtrack and guides."),
                 io.Audio.Input("drive_audio", optional=True,
                                tooltip="Optional driving soundtrack: it becomes the output audio, held fixed while "
                                        "the video is generated to it (cut or padded with silence to the duration)."),
                 reference_input(),
+                H3Guides.Input("guides", optional=True,
+                               tooltip="From H3 Continuation Guide: images, clips and sounds at frames of the whole "
+                                       "clip, each given to the window that makes its frames; needs the vae."),
             ],
             outputs=[H3Latent.Output(display_name="latent"), io.Int.Output(display_name="num_frames")],
         )
@@ -96,7 +100,7 @@ class H3Continuation(io.ComfyNode):
     @classmethod
     def execute(cls, model, text_encoder, prompt, task, duration, mode, window_frames, overlap_frames, seed, steps,
                 video_shift, audio_shift, aspect_ratio, width, height, window_prompts="", vae=None, drive_audio=None,
-                references=None) -> io.NodeOutput:
+                references=None, guides=None) -> io.NodeOutput:
         wanted = TASK_PARTITION[task]
         if wanted != model.partition:
             raise ValueError(f"{task} runs on the {wanted} partition, but this model was loaded as "
@@ -105,10 +109,12 @@ class H3Continuation(io.ComfyNode):
         problem = media_problem(task, [kind for kind, _ in references], 0)
         if problem:
             raise ValueError(problem)
+        if guides and vae is None:
+            raise ValueError("Guides are encoded with the VAE: connect H3 VAE Loader's vae to H3 Continuation.")
         request = LongVideoRequest(
             build_request(task, prompt, None, None, references, aspect_ratio, width, height, duration),
             mode, int(window_frames), int(overlap_frames), split_window_prompts(window_prompts or ""),
-            None if drive_audio is None else audio_to_decoded(drive_audio, "drive_audio"),
+            None if drive_audio is None else audio_to_decoded(drive_audio, "drive_audio"), tuple(guides or ()),
         )
         validate_long_video(request, text_encoder.canvas)  # every limit and the plan, before any model moves
         place_for_encoding(text_encoder, vae)
@@ -140,6 +146,32 @@ class H3Continuation(io.ComfyNode):
         latent = pack_latents(latents, seed=int(seed), task=task, steps=settings.steps, width=cond.width,
                               height=cond.height)
         return io.NodeOutput(latent, latents.num_frames)
+
+
+class H3ContinuationGuide(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3ContinuationGuide",
+            display_name="H3 Continuation Guide",
+            category=CATEGORY,
+            description="Anchors an image, a short clip or a sound at a frame of a long video (H3 Continuation); "
+                        "chain several.",
+            inputs=[
+                io.Int.Input("frame_index", default=0, min=-9999, max=9999,
+                             tooltip="The frame of the whole clip (24 fps: 240 = 10 s) the image, or the clip's "
+                                     "first frame, and the sound start at; negative counts from the end (-1 = the "
+                                     "last frame). A clip must end in the window it starts in."),
+                *guide_media_inputs(),
+                H3Guides.Input("guides", optional=True, tooltip="Guides so far, from another H3 Continuation Guide."),
+            ],
+            outputs=[H3Guides.Output(display_name="guides")],
+        )
+
+    @classmethod
+    def execute(cls, frame_index, image=None, audio=None, video=None, guides=None) -> io.NodeOutput:
+        # checked against the clip and its windows by H3 Continuation, before any model moves
+        return io.NodeOutput((*(guides or ()), guide_media(frame_index, image, audio, video)))
 
 
 class H3SaveMP4(io.ComfyNode):
@@ -187,4 +219,4 @@ class H3SaveMP4(io.ComfyNode):
         return io.NodeOutput(InputImpl.VideoFromFile(path), ui=preview)
 
 
-NODES = [H3Continuation, H3SaveMP4]
+NODES = [H3Continuation, H3ContinuationGuide, H3SaveMP4]

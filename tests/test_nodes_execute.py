@@ -312,8 +312,36 @@ def test_add_guide_anchors_a_clip_and_a_sound_and_the_sampler_runs_it(comfy):
                                                                    frame_rate=Fraction(30), audio=sound))
     from_video = node.execute(cond, vae, 10, video=video).values[0]
     assert from_video.guides[0].latent_frames == 7 and from_video.guides[0].audio_latents == 80
-    with pytest.raises(ValueError, match="an image or a video to one H3 Add Guide, not both"):
+    with pytest.raises(ValueError, match="an image or a video to one guide, not both"):
         node.execute(cond, vae, 0, image=clip, video=video)
+
+
+def test_continuation_guides_reach_the_window_that_makes_their_frames(comfy):
+    c = comfy
+    model, text, vae = _models(c)
+    long_video = importlib.import_module("nodes.long_video")
+    guide, continuation = long_video.H3ContinuationGuide, long_video.H3Continuation
+    sound = {"waveform": torch.randn(1, 1, 44100) * 0.1, "sample_rate": 44100}
+    guides = guide.execute(150, image=torch.rand(1, 100, 160, 3)).values[0]
+    guides = guide.execute(-40, audio=sound, guides=guides).values[0]
+    assert [(g.frame_index, g.frames is None, g.waveform is None) for g in guides] == [(150, False, True),
+                                                                                       (-40, True, False)]
+    # 8 s = 192 frames: windows [0, 107) and [85, 192); both guides are in the second window's new frames
+    args = (text, "a fox on a beach", "t2va", 8.0, "continuation", 107, 22, 3, 2, 0.0, 0.0, "auto", 0, 0)
+    plain = continuation.execute(model, *args, vae=vae).values[0]
+    guided = continuation.execute(model, *args, vae=vae, guides=guides).values[0]
+    assert torch.equal(guided["video"][:, :, :32], plain["video"][:, :, :32])  # window 1: 32 latent frames
+    assert not torch.equal(guided["video"][:, :, 32:], plain["video"][:, :, 32:])
+
+    loads = len(c.record.loaded)
+    with pytest.raises(ValueError, match="connect H3 VAE Loader's vae to H3 Continuation"):
+        continuation.execute(model, *args, guides=guides)
+    clip = guide.execute(100, image=torch.rand(22, 100, 160, 3)).values[0]
+    with pytest.raises(ValueError, match="crosses the end of window 1"):
+        continuation.execute(model, *args, vae=vae, guides=clip)
+    assert len(c.record.loaded) == loads  # refused before any model moved
+    with pytest.raises(ValueError, match="needs an image, a video or a sound"):
+        guide.execute(0)
 
 
 def test_single_file_text_encoder_without_tokenizer_folder_is_refused_before_making_room(comfy):

@@ -9,8 +9,9 @@
   ComfyUI's template browser lists under this pack.
 
 Run: python tools/workflows.py   (then node tools/canvas.mjs for the canvas files; see its docstring)
-Every task's graph; t2va_guides: an image and a sound anchored mid-clip (H3 Add Guide); and long_video:
-t2va over 20 s in two continuation windows.
+Every task's graph; t2va_guides: an image and a sound anchored mid-clip (H3 Add Guide); long_video:
+t2va over 20 s in two continuation windows; long_video_guides: the same with an image at the start, one
+at 12.5 s (the second window) and a sound in the last 2.5 s (H3 Continuation Guide).
 """
 
 from __future__ import annotations
@@ -112,8 +113,12 @@ def build(name: str, real: bool) -> dict:
     return g.nodes
 
 
-def build_long_video(real: bool) -> dict:
-    """t2va over 20 s in two continuation windows, each with its own prompt, decoded straight into an MP4."""
+LONG_VIDEO_GUIDES = ((0, "image"), (300, "image"), (-60, "audio"))
+
+
+def build_long_video(real: bool, guides=()) -> dict:
+    """t2va over 20 s in two continuation windows, each with its own prompt, decoded straight into an MP4;
+    `guides` (frame, kind) chained through H3 Continuation Guide."""
     tiny = "tiny-random"
     g = Graph()
     model = g.add("H3ModelLoader", checkpoint=REAL["fl2va"] if real else tiny, folder="", partition="fl2va",
@@ -122,12 +127,18 @@ def build_long_video(real: bool) -> dict:
                  tokenizer_folder="", weight_dtype="bf16")
     vae = g.add("H3VAELoader", video_vae=REAL["video_vae"] if real else tiny,
                 audio_vae=REAL["audio_vae"] if real else tiny, folder="", weight_dtype="bf16")
-    latent = g.add("H3Continuation", model=[model, 0], text_encoder=[text, 0], vae=[vae, 0],
+    chain = {}
+    for index, (frame, kind) in enumerate(guides):
+        media = (_image(g, real, f"long_guide_{index}", 8421504 + 5000 * index) if kind == "image"
+                 else _audio(g, real, f"long_guide_{index}"))
+        chain = {"guides": [g.add("H3ContinuationGuide", frame_index=frame, **{kind: media}, **chain), 0]}
+    latent = g.add("H3Continuation", model=[model, 0], text_encoder=[text, 0], vae=[vae, 0], **chain,
                    prompt="A red fox trots along a beach at sunset; waves crash softly and gulls call.", task="t2va",
                    duration=20.0, mode="continuation", window_frames=277, overlap_frames=22, seed=0,
                    steps=0 if real else 2, video_shift=0.0, audio_shift=0.0, aspect_ratio="auto", width=0, height=0,
                    window_prompts="The fox trots along the waterline.\nThe fox breaks into a run as the sun sets.")
-    g.add("H3SaveMP4", vae=[vae, 0], latent=[latent, 0], filename_prefix="H3/long_video", tiling="release",
+    g.add("H3SaveMP4", vae=[vae, 0], latent=[latent, 0], filename_prefix="H3/long_video" + ("_guides" * bool(guides)),
+          tiling="release",
           devices="")
     return g.nodes
 
@@ -139,7 +150,9 @@ def main() -> None:
         for name in TASKS:
             (out / f"{name}.json").write_text(json.dumps(build(name, real), indent=2) + "\n")
         (out / "long_video.json").write_text(json.dumps(build_long_video(real), indent=2) + "\n")
-    print(f"wrote {len(TASKS) + 1} API prompts to workflows/api and workflows/templates")
+        guided = build_long_video(real, LONG_VIDEO_GUIDES)
+        (out / "long_video_guides.json").write_text(json.dumps(guided, indent=2) + "\n")
+    print(f"wrote {len(TASKS) + 2} API prompts to workflows/api and workflows/templates")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,164 @@
+"""Guides in a long video (window_guides.py): which window makes a guide's frames, how a sound is shared
+out, and that one window with guides is the same request as one clip with H3 Add Guide's guides."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from h3_core.cli import main
+from h3_core.conditioning import Request, RequestError, encode_request
+from h3_core.continuation import plan_windows
+from h3_core.guides import GuideMedia, add_guide, encode_guide
+from h3_core.layout import FRAME_TIME, GuideBlock
+from h3_core.long_video import LongVideoRequest, encode_long_video, sample_long_video, validate_long_video
+from h3_core.pipeline import TINY_CANVAS, sample
+from h3_core.tiny import tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
+from h3_core.tiny_text import tiny_random_text_encoder
+from h3_core.window_guides import owning_window, sound_slices
+
+STEPS = 3
+PROMPT = "A red fox trots along a beach at sunset; waves crash softly and gulls call."
+TWENTY_SECONDS = plan_windows(481, 277, 22)  # (0, 277), (255, 481)
+FORTY_SECONDS = plan_windows(974, 277, 22)  # starts 0, 255, 510, 765
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {"text": tiny_random_text_encoder(), "video": tiny_random_video_vae(), "audio": tiny_random_audio_vae()}
+
+
+def picture(seed: int, frames: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (frames, 128, 224, 3), dtype=np.uint8)
+
+
+def noise_sound(seconds: float, seed: int = 3) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1, int(32000 * seconds))).astype(np.float32) * 0.1
+
+
+def long_request(seconds=20.0, guides=(), **options) -> LongVideoRequest:
+    return LongVideoRequest(Request("t2va", PROMPT, duration=seconds), guides=tuple(guides), **options)
+
+
+def encode(models, seconds=20.0, guides=(), **options):
+    return encode_long_video(long_request(seconds, guides, **options), models["text"], models["video"],
+                             models["audio"], rules=TINY_CANVAS)
+
+
+def test_a_frame_belongs_to_the_window_that_makes_it():
+    # window 2 repeats frames 255-276 from window 1: those are window 1's
+    assert [owning_window(TWENTY_SECONDS, f).index for f in (0, 254, 255, 276, 277, 480)] == [0, 0, 0, 0, 1, 1]
+    with pytest.raises(RequestError, match="outside the clip's 481 frames"):
+        owning_window(TWENTY_SECONDS, 481)
+
+
+def test_a_sound_is_heard_once_end_to_end():
+    anchor, latents = 200, round(FRAME_TIME * (974 - 200))
+    slices = sound_slices(FORTY_SECONDS, anchor, latents)
+    assert [window.index for window, *_ in slices] == [0, 1, 2, 3]
+    assert [local for _, local, _, _ in slices] == [200, 22, 22, 22]  # later windows: right after their tail
+    firsts = [first for _, _, first, _ in slices]
+    counts = [count for _, _, _, count in slices]
+    assert firsts[0] == 0 and all(a + n == b for a, n, b in zip(firsts, counts, firsts[1:]))  # no gap, no repeat
+    assert latents - 1 <= firsts[-1] + counts[-1] <= latents  # the clip's end, floored as one request floors it
+    for window, local, first, _ in slices:  # each slice starts within half a latent of where it is laid
+        assert abs(FRAME_TIME * (window.start + local) - (FRAME_TIME * anchor + first)) <= 0.5
+    for window, local, _, count in slices:  # and fits in its window from there
+        assert count <= window.audio_latents - FRAME_TIME * local
+    short = sound_slices(FORTY_SECONDS, 400, 30)  # 0.75 s from frame 400: window 2 only
+    assert [(w.index, local, first, count) for w, local, first, count in short] == [(1, 145, 0, 30)]
+
+
+def test_guides_land_in_the_windows_that_make_their_frames(models):
+    guides = [
+        GuideMedia(100, frames=picture(1, frames=30)),  # a 22-frame clip: window 1, 7 latent frames
+        GuideMedia(250, waveform=noise_sound(12.0), sample_rate=32000),  # from window 1 on into window 2
+        GuideMedia(-1, frames=picture(2)),  # the last frame: window 2, local 480 - 255
+    ]
+    cond = encode(models, guides=guides)
+    shares = [(g.window, g.block) for g in cond.guides]
+    first_part = round(FRAME_TIME * (277 - 250))  # the sound up to where window 2's new part starts
+    rest = cond.guides[2].block.audio_latents
+    assert shares == [(0, GuideBlock(100, 7, 0)), (0, GuideBlock(250, 0, first_part)), (1, GuideBlock(22, 0, rest)),
+                      (1, GuideBlock(225, 1, 0))]
+    assert rest == round(FRAME_TIME * (481 - 250)) - first_part  # 12 s reach past the clip's end: cut there
+    _, whole = encode_guide(None, guides[1].waveform, 32000, 224, 128, 481, audio_vae=models["audio"])
+    assert torch.equal(torch.cat([cond.guides[1].audio, cond.guides[2].audio], -1), whole[..., :first_part + rest])
+
+    # window 2 packs [text | tail | sound | image | target]; its conditioning holds them in that order
+    window = cond.windows[1]
+    tail = (torch.randn(1, 24, window.guide_latent_frames, 8, 14), torch.randn(2, 32, window.guide_audio_latents))
+    request = cond.window(window, tail)
+    assert len(request.visual_condition_latents) == 2
+    assert torch.equal(request.visual_condition_latents[1], cond.guides[3].video)
+    assert request.audio_condition_rows.shape[1] == 2 * (window.guide_audio_latents + rest)
+    layout = cond.window_layout(window)
+    assert layout.num_condition_video_rows == (window.guide_latent_frames + 1) * 28
+    plain = encode(models)
+    assert layout.sequence_length == plain.window_layout(window).sequence_length + 28 + 2 * rest
+
+    dit = tiny_random_dit()
+    guided, unguided = sample_long_video(dit, cond, seed=3, steps=STEPS), sample_long_video(dit, plain, 3, STEPS)
+    assert guided.video.shape == unguided.video.shape and guided.audio.shape == unguided.audio.shape
+    assert not torch.equal(guided.video[:, :, :82], unguided.video[:, :, :82])
+
+
+def test_one_window_with_guides_is_one_request_with_add_guide(models):
+    clip, sound = picture(4, frames=22), noise_sound(3.0, seed=5)
+    long = encode(models, seconds=10.0, mode="full", guides=[GuideMedia(60, clip, sound, 32000), GuideMedia(-1, picture(6))])
+    plain = encode_request(Request("t2va", PROMPT, duration=10.0), models["text"], rules=TINY_CANVAS)
+    plain = add_guide(plain, 60, models["video"], models["audio"], clip, sound, 32000)
+    plain = add_guide(plain, -1, models["video"], frames=picture(6))
+    window = long.window(long.windows[0], None)
+    assert torch.equal(window.layout.position_ids, plain.layout.position_ids)
+    assert all(torch.equal(a, b) for a, b in zip(window.visual_condition_latents, plain.visual_condition_latents,
+                                                  strict=True))
+    assert torch.equal(window.audio_condition_rows, plain.audio_condition_rows)
+    dit = tiny_random_dit()
+    whole, alone = sample_long_video(dit, long, seed=8, steps=STEPS), sample(dit, plain, 8, STEPS)
+    assert torch.equal(whole.video, alone.video) and torch.equal(whole.audio, alone.audio)
+
+
+@pytest.mark.parametrize("guides, options, message", [
+    ([GuideMedia(270, frames=picture(1, frames=22))], {},
+     r"Guide 1: its 22-frame clip from frame 270 crosses the end of window 1 .*Windows end at frames 277, 481"),
+    ([GuideMedia(100, waveform=noise_sound(1.0), sample_rate=32000)], {"drive_audio": "DRIVE"},
+     "a driving soundtrack fixes the whole clip's audio"),
+    ([GuideMedia(481, frames=picture(1))], {}, "frame_index 481 is outside the video's 481 frames"),
+    ([GuideMedia(0)], {}, "needs frames"),
+    (["frame.png"], {}, "takes its guides as guides.GuideMedia; guide 1 is a str"),
+])
+def test_bad_guides_fail_before_any_model(tmp_path, guides, options, message):
+    if options.get("drive_audio") == "DRIVE":
+        options["drive_audio"] = tmp_path / "drive.wav"
+        write_wav(options["drive_audio"])
+    with pytest.raises(RequestError, match=message):
+        validate_long_video(long_request(guides=guides, **options), TINY_CANVAS)
+
+
+def write_wav(path) -> None:
+    import wave
+
+    with wave.open(str(path), "wb") as handle:
+        handle.setnchannels(1)
+        handle.setsampwidth(2)
+        handle.setframerate(16000)
+        handle.writeframes((np.sin(np.arange(32000) / 10) * 8000).astype("<i2").tobytes())
+
+
+def test_cli_long_video_takes_guides(tmp_path):
+    Image.fromarray(picture(7)[0]).save(tmp_path / "key.png")
+    write_wav(tmp_path / "bell.wav")
+    out, plain = tmp_path / "guided.safetensors", tmp_path / "plain.safetensors"
+    argv = ["generate", "--long-video", "--duration", "20", "--steps", "2", "--prompt", PROMPT]
+    assert main([*argv, "--guide", "300:image=" + str(tmp_path / "key.png"), 
+                 "--guide=-100:audio=" + str(tmp_path / "bell.wav"), "--save-latents", str(out)]) == 0
+    assert main([*argv, "--save-latents", str(plain)]) == 0
+    guided, unguided = load_file(str(out)), load_file(str(plain))
+    assert guided["video"].shape == unguided["video"].shape == (1, 24, 142, 8, 14)
+    # window 1 (frames 0-276, latent frames 0-81) is the same request; window 2 has both guides
+    assert torch.equal(guided["video"][:, :, :82], unguided["video"][:, :, :82])
+    assert not torch.equal(guided["video"][:, :, 82:], unguided["video"][:, :, 82:])
