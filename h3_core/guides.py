@@ -70,9 +70,11 @@ class GuideMedia:
     sample_rate: int | None = None
 
 
-def read_guide(guide: GuideFile, num_frames: int) -> tuple[np.ndarray | None, np.ndarray | None, int | None]:
+def read_guide(guide: GuideFile, num_frames: int, clip_frames: int | None = None
+               ) -> tuple[np.ndarray | None, np.ndarray | None, int | None]:
     """(frames [N, H, W, 3] uint8 at 24 fps or None, sound [2, M] or None, its sample rate) of a guide file,
-    at most as long as the video."""
+    at most as long as the video; a video file's at most `clip_frames` (a long video's window: no clip can
+    be longer) if given."""
     what = f"the {guide.kind} guide at frame {guide.frame_index} ({guide.path})"
     if not Path(guide.path).is_file():
         raise RequestError(f"{what}: no such file.")
@@ -80,7 +82,7 @@ def read_guide(guide: GuideFile, num_frames: int) -> tuple[np.ndarray | None, np
         if guide.kind == "image":
             return np.asarray(load_image(guide.path, what)), None, None
         if guide.kind == "video":
-            clip = media_read.read_video(guide.path, 0.0, max_frames=num_frames)
+            clip = media_read.read_video(guide.path, 0.0, max_frames=clip_frames or num_frames)
             return clip.frames, clip.audio, None if clip.audio is None else SAMPLE_RATE
         return None, media_read.read_audio(guide.path, 0.0, num_frames / geometry.FPS), SAMPLE_RATE
     except (MediaError, MediaInputError) as error:

@@ -246,7 +246,8 @@ def generate(
     rules = TINY_CANVAS if model == TINY_RANDOM else RELEASE_CANVAS
     plan = check(request, rules)  # every limit, before any model
     guides = tuple(request.request.guides if long_video else request.guides)
-    guide_media = [GuideMedia(guide.frame_index, *read_guide(guide, plan.num_frames)) for guide in guides]
+    clip_frames = max(w.frames for w in plan.windows) if long_video else None
+    guide_media = [GuideMedia(guide.frame_index, *read_guide(guide, plan.num_frames, clip_frames)) for guide in guides]
     if long_video:  # the windows take them in memory (validated again, now with them)
         request = dataclasses.replace(request, request=dataclasses.replace(request.request, guides=()),
                                       guides=tuple(guide_media))

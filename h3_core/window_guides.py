@@ -88,12 +88,12 @@ def sound_slices(windows: Sequence[Window], anchor: int, latents: int) -> list[t
         if start >= window.end:
             continue
         first = 0 if start == anchor else round(FRAME_TIME * (start - anchor))
+        if first >= latents:
+            break
         local = start - window.start
         stop = min(latents, first + math.floor(window.audio_latents - FRAME_TIME * local))
         if position + 1 < len(windows):
             stop = min(stop, round(FRAME_TIME * (window.end - anchor)))
-        if first >= latents:
-            break
         if stop > first:
             slices.append((window, local, first, stop - first))
     return slices

@@ -162,3 +162,15 @@ def test_cli_long_video_takes_guides(tmp_path):
     # window 1 (frames 0-276, latent frames 0-81) is the same request; window 2 has both guides
     assert torch.equal(guided["video"][:, :, :82], unguided["video"][:, :, :82])
     assert not torch.equal(guided["video"][:, :, 82:], unguided["video"][:, :, 82:])
+
+
+def test_a_video_guide_file_is_read_no_longer_than_a_window(tmp_path):
+    """A clip must fit in one window, so reading more of a long file would only hold frames in memory."""
+    from h3_core.guides import GuideFile, read_guide
+    from h3_core.media_write import write_mp4
+
+    path = tmp_path / "long.mp4"
+    write_mp4(path, np.zeros((400, 48, 64, 3), dtype=np.uint8), np.zeros((2, 32000 * 17), dtype=np.float32))
+    frames, sound, rate = read_guide(GuideFile(0, "video", path), 974, clip_frames=277)
+    assert frames.shape[0] == 277 and sound.shape[1] == round(277 / 24 * rate)
+    assert read_guide(GuideFile(0, "video", path), 974)[0].shape[0] == 400
