@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from . import geometry
@@ -30,6 +30,7 @@ from .guides import GUIDE_KINDS, GuideFile
 from .layout import build_request_layout
 from .long_video import LongVideoRequest
 from .media import MediaError
+from .output import AVLatents
 from .pipeline import GenerateSettings, generate, sample
 from .references import MediaReference
 from .runtime import return_freed_memory_to_os
@@ -103,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="frames each window repeats from the one before as its guide, 17n+5 (default 22)")
     gen.add_argument("--window-prompt", action="append", default=[], metavar="TEXT",
                      help="one prompt per window, repeatable, in window order (default: --prompt in every window)")
+    gen.add_argument("--continue-from", type=Path, metavar="LATENTS",
+                     help="with --long-video: extend a clip saved with --save-latents (kept as it is; its canvas; "
+                          "--duration counts the whole clip)")
     gen.add_argument("--drive-audio", type=Path, metavar="PATH",
                      help="generate to this soundtrack: it becomes the output audio, held fixed while sampling "
                           "(cut or padded with silence to the duration); works with or without --long-video")
@@ -209,7 +213,8 @@ def _long_video(args, request: Request) -> Request | LongVideoRequest:
     """--long-video and --drive-audio make a LongVideoRequest; without --long-video a driving track runs
     as one window within the usual 4-15 s."""
     options = {"--long-video-mode": args.long_video_mode, "--window-frames": args.window_frames,
-               "--overlap-frames": args.overlap_frames, "--window-prompt": args.window_prompt or None}
+               "--overlap-frames": args.overlap_frames, "--window-prompt": args.window_prompt or None,
+               "--continue-from": args.continue_from}
     given = [name for name, value in options.items() if value is not None]
     if not args.long_video:
         if given:
@@ -226,7 +231,20 @@ def _long_video(args, request: Request) -> Request | LongVideoRequest:
         DEFAULT_WINDOW_FRAMES if args.window_frames is None else args.window_frames,
         DEFAULT_OVERLAP_FRAMES if args.overlap_frames is None else args.overlap_frames,
         tuple(args.window_prompt), args.drive_audio,
+        continue_from=None if args.continue_from is None else _saved_latents(args.continue_from),
     )
+
+
+def _saved_latents(path: Path) -> AVLatents:
+    """Latents written by --save-latents (or an H3 ComfyUI node's), checked before any model loads."""
+    if not path.is_file():
+        raise ValueError(f"--continue-from {path}: no such file.")
+    if path.suffix != ".safetensors":
+        raise ValueError(f"--continue-from {path}: latents are a .safetensors file (from --save-latents).")
+    try:
+        return AVLatents.load(path).check()
+    except (ValueError, OSError, SafetensorError) as error:
+        raise ValueError(f"--continue-from {path}: {error}") from None
 
 
 def run_generate(args) -> int:

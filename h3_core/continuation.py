@@ -10,6 +10,9 @@ positions keep counting across windows. Audio boundaries are taken on the cumula
 
 `Timeline` keeps the cumulative latents: it hands each window its guide tail and appends the window's
 new part. In `full` mode the plan is one window over the whole clip.
+
+A clip already made can be continued: the plan's first window is then that clip, `given` (never
+sampled, its latents kept as they are), and the windows after it continue its tail as above.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class Window:
     start: int
     end: int
     overlap: int  # frames at the front repeated from the previous window (0 for the first)
+    given: bool = False  # a clip already made, continued by the windows after it
 
     @property
     def frames(self) -> int:
@@ -71,6 +75,11 @@ class Window:
         return audio_at(self.start + self.overlap) - audio_at(self.start) if self.overlap else 0
 
 
+def sampled(windows) -> list[Window]:
+    """The windows to sample: all but a given clip."""
+    return [window for window in windows if not window.given]
+
+
 def long_video_frames(seconds: float, mode: str = "continuation") -> int:
     """Frames of a long request (17n + 5 grid), within the published bounds of each mode."""
     limit = {"continuation": MAX_CONTINUATION_SECONDS, "full": MAX_FULL_SECONDS}.get(mode)
@@ -82,19 +91,30 @@ def long_video_frames(seconds: float, mode: str = "continuation") -> int:
 
 
 def plan_windows(
-    total_frames: int, window_frames: int = DEFAULT_WINDOW_FRAMES, overlap_frames: int = DEFAULT_OVERLAP_FRAMES
+    total_frames: int, window_frames: int = DEFAULT_WINDOW_FRAMES, overlap_frames: int = DEFAULT_OVERLAP_FRAMES,
+    given_frames: int = 0,
 ) -> list[Window]:
-    """Windows covering [0, total_frames): the first [0, min(total, W)), then each starting `overlap`
-    frames before the previous end. Starts are multiples of 17 and ends 17n + 5, so every window is on
-    the VAE's grid; the last one may be shorter."""
-    for name, value in (("total", total_frames), ("window", window_frames), ("overlap", overlap_frames)):
+    """Windows covering [0, total_frames): the first [0, min(total, W)) (or, with `given_frames`, the given
+    clip [0, given_frames)), then each starting `overlap` frames before the previous end. Starts are
+    multiples of 17 and ends 17n + 5, so every window is on the VAE's grid; the last one may be shorter."""
+    sizes = [("total", total_frames), ("window", window_frames), ("overlap", overlap_frames)]
+    for name, value in sizes + ([("given clip's", given_frames)] if given_frames else []):
         if value % geometry.FRAMES_PER_CHUNK != geometry.LATENTS_PER_CHUNK:
             raise ValueError(f"The {name} frame count must be of the form 17n + 5 (e.g. 22, 107, 277); got {value}.")
     if not MIN_WINDOW_FRAMES <= window_frames <= MAX_WINDOW_FRAMES:
         raise ValueError(f"Windows must be {MIN_WINDOW_FRAMES}-{MAX_WINDOW_FRAMES} frames; got {window_frames}.")
     if overlap_frames >= window_frames:
         raise ValueError(f"The overlap ({overlap_frames} frames) must be shorter than the window ({window_frames}).")
-    windows = [Window(0, 0, min(total_frames, window_frames), 0)]
+    if given_frames:
+        if given_frames >= total_frames:
+            raise ValueError(f"The whole clip ({total_frames} frames) must be longer than the clip it continues "
+                             f"({given_frames} frames).")
+        if overlap_frames >= given_frames:
+            raise ValueError(f"The overlap ({overlap_frames} frames) must be shorter than the clip it continues "
+                             f"({given_frames} frames).")
+        windows = [Window(0, 0, given_frames, 0, given=True)]
+    else:
+        windows = [Window(0, 0, min(total_frames, window_frames), 0)]
     while windows[-1].end < total_frames:
         start = windows[-1].end - overlap_frames
         windows.append(Window(len(windows), start, min(total_frames, start + window_frames), overlap_frames))
@@ -106,15 +126,19 @@ def plan_request(
     mode: str = "continuation",
     window_frames: int = DEFAULT_WINDOW_FRAMES,
     overlap_frames: int = DEFAULT_OVERLAP_FRAMES,
+    given_frames: int = 0,
 ) -> list[Window]:
     """The windows of a long request: `plan_windows` in continuation mode, one window in full mode."""
+    if mode == "full" and given_frames:
+        raise ValueError("Full mode samples the whole clip as one window, so it cannot continue a given clip; "
+                         "use continuation mode.")
     if mode == "full":
         if total_frames % geometry.FRAMES_PER_CHUNK != geometry.LATENTS_PER_CHUNK:
             raise ValueError(f"The total frame count must be of the form 17n + 5; got {total_frames}.")
         return [Window(0, 0, total_frames, 0)]
     if mode != "continuation":
         raise ValueError(f"Long-video mode must be 'continuation' or 'full', got {mode!r}.")
-    return plan_windows(total_frames, window_frames, overlap_frames)
+    return plan_windows(total_frames, window_frames, overlap_frames, given_frames)
 
 
 class Timeline:

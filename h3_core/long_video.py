@@ -15,6 +15,8 @@ decoded once, by the same streaming decoder as any request (output.write_mp4).
 Choices (the sources leave room):
 - References are prepared and encoded once, for the first (longest) window, and reused in every window
   (a reference clip is at most 15 s, so no window would keep more of it).
+- A clip already made (`continue_from`, e.g. saved latents or an H3 sampler's) is kept as it is and the
+  windows continue from its end, on its canvas: video extension.
 - fl2va is not offered: its keyframes pin the first / last frame of one clip. Guides (images, clips,
   sounds at any frame of the clip) go to the windows that make their frames (window_guides.py).
 """
@@ -38,6 +40,7 @@ from .continuation import (
     Window,
     long_video_frames,
     plan_request,
+    sampled,
 )
 from .drive_audio import check_track, encode_track, load_track, window_slice
 from .guides import GuideMedia
@@ -63,6 +66,8 @@ class LongVideoRequest:
                     them `request.prompt` may be empty)
     drive_audio     optional driving soundtrack (a path or a `DecodedAudio`): the output's audio, held fixed
     guides          optional `guides.GuideMedia`s, their frame indices counting frames of the whole clip
+    continue_from   optional `AVLatents` of a clip already made: kept as they are, continued from their end
+                    on their canvas; `duration` then counts the whole clip, the given one included
     """
 
     request: Request
@@ -72,6 +77,7 @@ class LongVideoRequest:
     window_prompts: Sequence[str] = ()
     drive_audio: Any = None
     guides: Sequence[GuideMedia] = ()
+    continue_from: AVLatents | None = None
 
     @property
     def task(self) -> str:
@@ -91,12 +97,12 @@ class LongVideoPlan:
     height: int
     num_frames: int
     windows: tuple[Window, ...]
-    prompts: tuple[str, ...]  # one per window
+    prompts: tuple[str, ...]  # one per window (a given clip's is the next window's, never used)
 
     @property
     def reference_frames(self) -> int:
-        """The output length references are prepared for: the first window's, within one request's range."""
-        return min(self.windows[0].frames, MAX_FRAMES)
+        """The output length references are prepared for: the first sampled window's, within one request's range."""
+        return min(sampled(self.windows)[0].frames, MAX_FRAMES)
 
 
 def split_window_prompts(text: str) -> tuple[str, ...]:
@@ -128,24 +134,30 @@ def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_
             "supported here)."
         )
     total = _total_frames(request.request, request.mode)
+    base, given_frames = _continued(request)
     try:
-        windows = tuple(plan_request(total, request.mode, request.window_frames, request.overlap_frames))
+        windows = tuple(plan_request(total, request.mode, request.window_frames, request.overlap_frames, given_frames))
     except ValueError as error:
         raise RequestError(str(error)) from None
+    new = sampled(windows)
     prompts = tuple(request.window_prompts or ())
     if prompts:
-        if len(prompts) != len(windows):
+        if len(prompts) != len(new):
             raise RequestError(
-                f"Give one window prompt per window: this {total}-frame plan has {len(windows)} window(s) "
-                f"(starting at frames {', '.join(str(w.start) for w in windows)}), got {len(prompts)} prompt(s)."
+                f"Give one window prompt per window: this {total}-frame plan has {len(new)} window(s) "
+                f"(starting at frames {', '.join(str(w.start) for w in new)}), got {len(prompts)} prompt(s)."
             )
         for index, prompt in enumerate(prompts):
             if not isinstance(prompt, str) or not prompt.strip():
                 raise RequestError(f"Window prompt {index + 1} is empty; every window needs a non-empty prompt.")
     else:
-        prompts = (request.prompt,) * len(windows)
-    first = min(windows[0].frames, MAX_FRAMES)
-    plan = validate(dataclasses.replace(request.request, prompt=prompts[0], duration=None, num_frames=first), rules)
+        prompts = (request.prompt,) * len(new)
+    prompts = prompts[:1] * (len(windows) - len(new)) + prompts
+    first = min(new[0].frames, MAX_FRAMES)
+    plan = validate(dataclasses.replace(base, prompt=prompts[0], duration=None, num_frames=first), rules)
+    if request.drive_audio is not None and given_frames:
+        raise RequestError("A driving soundtrack drives a clip from its first frame; a continued clip already has "
+                           "its sound. Continue without drive audio, or drive the whole clip from the start.")
     if request.drive_audio is not None:
         try:
             check_track(request.drive_audio)
@@ -153,6 +165,27 @@ def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_
             raise RequestError(str(error)) from None
     check_window_guides(plan.task, windows, total, request.guides, locked_audio=request.drive_audio is not None)
     return LongVideoPlan(plan.task, plan.width, plan.height, total, windows, prompts)
+
+
+def _continued(request: LongVideoRequest) -> tuple[Request, int]:
+    """The request on the given clip's canvas and that clip's frame count (the request as it is and 0 without
+    one); a canvas the request names that is not the clip's is refused."""
+    given = request.continue_from
+    if given is None:
+        return request.request, 0
+    if not isinstance(given, AVLatents):
+        raise RequestError(f"continue_from takes the AVLatents of a clip, got {type(given).__name__}.")
+    try:
+        given.check()
+    except ValueError as error:
+        raise RequestError(f"The clip to continue: {error}") from None
+    height, width = (size * geometry.VAE_SPATIAL_FACTOR for size in given.video.shape[3:])
+    asked = request.request
+    if (asked.width, asked.height) not in ((None, None), (width, height)) or asked.aspect_ratio not in (None, "auto"):
+        named = asked.aspect_ratio if asked.aspect_ratio not in (None, "auto") else f"{asked.width}x{asked.height}"
+        raise RequestError(f"A continued clip keeps its canvas, {width}x{height}; this request asks for {named}. "
+                           "Leave the size and aspect ratio unset (auto).")
+    return dataclasses.replace(asked, aspect_ratio=None, width=width, height=height), given.num_frames
 
 
 @dataclass(frozen=True)
@@ -165,6 +198,7 @@ class LongConditioning:
     reference_blocks       their shapes in the layout; reference_audio_rows [1, N, Ca] clean rows
     drive_audio            normalized driving latents [2, Ca, A_total] or None
     guides                 the guides' shares of the windows (window_guides.WindowGuide), in guide order
+    given                  the latents of the clip the windows continue (the first window, given) or None
     """
 
     task: str
@@ -179,6 +213,7 @@ class LongConditioning:
     reference_audio_rows: torch.Tensor
     drive_audio: torch.Tensor | None = None
     guides: tuple[WindowGuide, ...] = ()
+    given: AVLatents | None = None
 
     @property
     def seconds(self) -> float:
@@ -201,7 +236,7 @@ class LongConditioning:
     @property
     def max_rows(self) -> int:
         """The longest packed sequence of any window: what one DiT forward ever holds."""
-        return max(self.window_layout(window).sequence_length for window in self.windows)
+        return max(self.window_layout(window).sequence_length for window in sampled(self.windows))
 
     def window(self, window: Window, guide: tuple[torch.Tensor, torch.Tensor] | None) -> Conditioning:
         """One window as an ordinary request: `guide` = (video [1, C, Lg, h, w], audio [2, Ca, Ag]) from
@@ -229,7 +264,8 @@ def encode_long_video(
     plan = validate_long_video(request, rules)
     if request.drive_audio is not None and audio_vae is None:
         raise RequestError("A driving audio track is encoded by the audio VAE: pass an audio_vae.")
-    base = dataclasses.replace(request.request, prompt=plan.prompts[0], duration=None, num_frames=plan.reference_frames)
+    base = dataclasses.replace(_continued(request)[0], prompt=plan.prompts[0], duration=None,
+                               num_frames=plan.reference_frames)
     first = encode_request(base, text_encoder, video_vae, audio_vae, rules=rules)
     texts = {plan.prompts[0]: (first.text_states, first.text_tags)}
     if len(set(plan.prompts)) > 1:
@@ -252,7 +288,7 @@ def encode_long_video(
         tuple(texts[prompt] for prompt in plan.prompts),
         float(max(states.shape[1] for states, _ in texts.values())),
         tuple(first.visual_condition_latents), first.reference_blocks, first.audio_condition_rows, drive,
-        tuple(guides),
+        tuple(guides), request.continue_from,
     )
 
 
@@ -272,9 +308,13 @@ def sample_long_video(
     [2, Ca, A]). The callback sees steps counted over all windows."""
     generator = request_generator(seed)
     timeline = Timeline()
-    count = len(conditioning.windows)
+    new = sampled(conditioning.windows)
     for window in conditioning.windows:
-        window_callback = None if callback is None else _counting_over_windows(callback, window.index, count)
+        if window.given:
+            timeline.append(window, conditioning.given.video.float().cpu(), conditioning.given.audio.float().cpu())
+            continue
+        index = new.index(window)
+        window_callback = None if callback is None else _counting_over_windows(callback, index, len(new))
         latents = sample(
             dit, conditioning.window(window, timeline.guide(window)), generator, steps, video_shift, audio_shift,
             video_sigmas, audio_sigmas, callback=window_callback, offload_adaln=offload_adaln,

@@ -24,6 +24,7 @@ from .config import TINY_DIT
 from .memory_plan import GIB, MemoryPlan, free_bytes, plan_for, usable_bytes
 from .offload import load_device, place
 from .conditioning import Request, RequestError, encode_request, validate
+from .continuation import sampled
 from .layout import pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
@@ -422,7 +423,8 @@ def largest_layout(conditioning):
     """The packed layout the DiT sees at its largest: the request's, or a long video's biggest window."""
     if hasattr(conditioning, "layout"):
         return conditioning.layout
-    return max((conditioning.window_layout(w) for w in conditioning.windows), key=lambda layout: layout.sequence_length)
+    return max((conditioning.window_layout(w) for w in sampled(conditioning.windows)),
+               key=lambda layout: layout.sequence_length)
 
 
 def _empty_cache(device: torch.device) -> None:

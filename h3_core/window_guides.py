@@ -60,6 +60,10 @@ def check_window_guides(task: str, windows: Sequence[Window], num_frames: int, g
                                f"{type(guide).__name__}.")
         pixels, anchor, keep = check_guide(task, num_frames, guide.frame_index, guide.frames, guide.waveform,
                                            guide.sample_rate)
+        if windows[0].given and anchor < windows[0].end:
+            raise RequestError(f"Guide {number} anchors frame {anchor}, inside the clip being continued (frames "
+                               f"0-{windows[0].end - 1}), which is kept as it is; anchor it at frame "
+                               f"{windows[0].end} or later.")
         if guide.waveform is not None and locked_audio:
             raise RequestError(f"Guide {number} holds a sound, but a driving soundtrack fixes the whole clip's "
                                "audio; give the sound in the driving track or drop it from the guide.")

@@ -21,6 +21,7 @@ from h3_core.continuation import (
     MIN_SECONDS,
     MIN_WINDOW_FRAMES,
     MODES,
+    sampled,
 )
 from h3_core.lora import sampler_settings
 from h3_core.long_video import (
@@ -55,7 +56,8 @@ class H3Continuation(io.ComfyNode):
             category=CATEGORY,
             description="A long video (up to 300 s), window by window: each window continues the latent tail of "
                         "the one before, with the prompt and references in every window. Optionally made to a "
-                        "driving soundtrack. Decode with H3 Save MP4 (streamed).",
+                        "driving soundtrack, or extending a clip already sampled (continue_from). Decode with H3 "
+                        "Save MP4 (streamed).",
             inputs=[
                 H3Model.Input("model", tooltip="From H3 Model Loader: fl2va partition for t2va, ref2va for ref2va."),
                 H3TextEncoder.Input("text_encoder", tooltip="From H3 Text Encoder Loader."),
@@ -93,6 +95,10 @@ class H3Continuation(io.ComfyNode):
                 H3Guides.Input("guides", optional=True,
                                tooltip="From H3 Continuation Guide: images, clips and sounds at frames of the whole "
                                        "clip, each given to the window that makes its frames; needs the vae."),
+                H3Latent.Input("continue_from", optional=True,
+                               tooltip="Optional: a clip to extend (from H3 Dual-Clock Sampler or another H3 "
+                                       "Continuation), kept as it is; the windows continue from its end on its "
+                                       "canvas, and duration counts the whole clip, it included."),
             ],
             outputs=[H3Latent.Output(display_name="latent"), io.Int.Output(display_name="num_frames")],
         )
@@ -100,7 +106,7 @@ class H3Continuation(io.ComfyNode):
     @classmethod
     def execute(cls, model, text_encoder, prompt, task, duration, mode, window_frames, overlap_frames, seed, steps,
                 video_shift, audio_shift, aspect_ratio, width, height, window_prompts="", vae=None, drive_audio=None,
-                references=None, guides=None) -> io.NodeOutput:
+                references=None, guides=None, continue_from=None) -> io.NodeOutput:
         wanted = TASK_PARTITION[task]
         if wanted != model.partition:
             raise ValueError(f"{task} runs on the {wanted} partition, but this model was loaded as "
@@ -109,12 +115,17 @@ class H3Continuation(io.ComfyNode):
         problem = media_problem(task, [kind for kind, _ in references], 0)
         if problem:
             raise ValueError(problem)
+        if continue_from is not None and continue_from.get("empty"):
+            raise ValueError("continue_from holds an empty latent (H3 Empty AV Latent): connect a sampled one, from "
+                             "H3 Dual-Clock Sampler or H3 Continuation.")
+        given = None if continue_from is None else unpack_latents(continue_from)
         if guides and vae is None:
             raise ValueError("Guides are encoded with the VAE: connect H3 VAE Loader's vae to H3 Continuation.")
         request = LongVideoRequest(
             build_request(task, prompt, None, None, references, aspect_ratio, width, height, duration),
             mode, int(window_frames), int(overlap_frames), split_window_prompts(window_prompts or ""),
             None if drive_audio is None else audio_to_decoded(drive_audio, "drive_audio"), tuple(guides or ()),
+            given,
         )
         validate_long_video(request, text_encoder.canvas)  # every limit and the plan, before any model moves
         place_for_encoding(text_encoder, vae)
@@ -131,7 +142,7 @@ class H3Continuation(io.ComfyNode):
                 use_loras(model)
                 if model.split:
                     dit.previews = False  # this node shows progress only
-                bar = progress_bar(len(cond.windows) * settings.steps)
+                bar = progress_bar(len(sampled(cond.windows)) * settings.steps)
 
                 def on_step(state):
                     bar.update_absolute(state.step, state.total)

@@ -228,24 +228,26 @@ def test_api_workflow_writes_mp4(server, ws, workflow):
     history = _wait(base, prompt_id)
     assert history["status"]["status_str"] == "success", json.dumps(history["status"]["messages"])[-4000:]
     saved = _mp4s(history)
-    assert len(saved) == 1, history["outputs"]
-    path = work / "output" / saved[0]["subfolder"] / saved[0]["filename"]
-    with av.open(str(path)) as container:
-        assert sorted(s.type for s in container.streams) == ["audio", "video"]
-        video, audio = container.streams.video[0], container.streams.audio[0]
-        assert video.codec_context.name == "h264" and audio.codec_context.name == "aac"
-        assert audio.codec_context.sample_rate == 32000
-        frames = sum(1 for _ in container.decode(video=0))
-        tags = dict(container.metadata)
-    # dropped on the canvas, the MP4 gives back its workflow (as ComfyUI's SaveVideo files do)
-    assert json.loads(tags["workflow"]) == canvas and set(json.loads(tags["prompt"])) == set(graph)
+    savers = [node for node in graph.values() if node["class_type"] in ("H3AVSave", "H3SaveMP4")]
+    assert len(saved) == len(savers), history["outputs"]
+    frames = []
+    for item in saved:
+        with av.open(str(work / "output" / item["subfolder"] / item["filename"])) as container:
+            assert sorted(s.type for s in container.streams) == ["audio", "video"]
+            video, audio = container.streams.video[0], container.streams.audio[0]
+            assert video.codec_context.name == "h264" and audio.codec_context.name == "aac"
+            assert audio.codec_context.sample_rate == 32000
+            frames.append(sum(1 for _ in container.decode(video=0)))
+            tags = dict(container.metadata)
+        # dropped on the canvas, the MP4 gives back its workflow (as ComfyUI's SaveVideo files do)
+        assert json.loads(tags["workflow"]) == canvas and set(json.loads(tags["prompt"])) == set(graph)
     if any(node["class_type"] == "H3Sampler" for node in graph.values()):  # our single-window workflows: 4 s
-        assert frames == 107  # 4 s -> 17n + 5 frames
+        assert 107 in frames  # 4 s -> 17n + 5 frames
         sampler = _node(graph, "H3Sampler")
         progress = [m for m in ws.of("progress", prompt_id) if m["node"] == sampler]
         assert progress and progress[-1]["value"] == progress[-1]["max"], ws.of("progress", prompt_id)
-    else:
-        assert frames > 0
+    if any(node["class_type"] == "H3Continuation" for node in graph.values()):  # longer than one window
+        assert max(frames) > 107
 
 
 def test_previews_and_output_list(server, ws):

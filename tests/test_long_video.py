@@ -18,8 +18,10 @@ from h3_core import geometry, pipeline
 from h3_core.cli import main
 from h3_core.conditioning import Request, RequestError, encode_request
 from h3_core.drive_audio import encode_track, load_track
+from h3_core.guides import GuideMedia
 from h3_core.layout import build_window_layout, pack_audio, patchify
 from h3_core.long_video import LongVideoRequest, encode_long_video, sample_long_video, validate_long_video
+from h3_core.output import AVLatents
 from h3_core.pipeline import TINY_CANVAS, sample
 from h3_core.references import DecodedAudio
 from h3_core.tiny import tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
@@ -263,3 +265,71 @@ def test_window_prompts_typed_one_per_line():
 
     assert split_window_prompts("  A fox walks.\n\nThe fox runs. \n") == ("A fox walks.", "The fox runs.")
     assert split_window_prompts("") == ()
+
+
+def five_second_clip(models, seed=4):
+    plain = encode_request(Request("t2va", PROMPT, duration=5), models["text"], rules=TINY_CANVAS)
+    return sample(tiny_random_dit(), plain, seed, STEPS)  # 124 frames: 37 latent frames, 207 audio latents
+
+
+def test_a_given_clip_is_kept_and_continued_from_its_tail(models):
+    given = five_second_clip(models)
+    conditioning = encode(models, continue_from=given, window_prompts=["The fox runs.", "The fox rests."])
+    # the given clip [0, 124), then windows from 22 frames before each end
+    assert [(w.start, w.end, w.given) for w in conditioning.windows] == [(0, 124, True), (102, 379, False),
+                                                                        (357, 481, False)]
+    dit, spy = spied_dit()
+    steps = []
+    latents = sample_long_video(dit, conditioning, seed=1, steps=STEPS, callback=lambda s: steps.append(s.step))
+    assert latents.check().num_frames == 481 and steps == [1, 2, 3, 4]  # only the new windows are sampled
+    assert torch.equal(latents.video[:, :, :37], given.video) and torch.equal(latents.audio[..., :207], given.audio)
+    assert len(spy.calls) == 2 * (STEPS - 1)
+    window = conditioning.windows[1]  # its guide is the given clip's tail
+    held = spy.calls[0]["video_rows"][:, : window.guide_latent_frames * 28]
+    assert (held - patchify(given.video[:, :, 37 - window.guide_latent_frames:])).abs().max() < 0.01
+    tail_audio = given.audio[..., 207 - window.guide_audio_latents:]
+    assert torch.equal(spy.calls[0]["audio_rows"][:, : 2 * window.guide_audio_latents], pack_audio(tail_audio[None]))
+    assert conditioning.max_rows == conditioning.window_layout(window).sequence_length
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"mode": "full"}, "cannot continue a given clip; use continuation mode"),
+    ({"seconds": 5.0}, r"must be longer than the clip it continues \(124 frames\)"),
+    ({"width": 256, "height": 128}, "keeps its canvas, 224x128; this request asks for 256x128"),
+    ({"aspect_ratio": "1:1"}, "keeps its canvas, 224x128; this request asks for 1:1"),
+    ({"window_prompts": ["one"]}, r"has 2 window\(s\) \(starting at frames 102, 357\), got 1"),
+    ({"overlap_frames": 124}, r"overlap \(124 frames\) must be shorter than the clip it continues"),
+    ({"drive_audio": "track.wav"}, "a continued clip already has its sound"),
+    ({"guides": [GuideMedia(100, frames=np.zeros((128, 224, 3), np.uint8))]},
+     "inside the clip being continued \\(frames 0-123\\).*at frame 124 or later"),
+])
+def test_bad_continuations_fail_before_any_model(models, tmp_path, options, message):
+    given = AVLatents(torch.zeros(1, 24, 37, 8, 14), torch.zeros(2, 32, 207))
+    seconds = options.pop("seconds", 20.0)
+    canvas = {key: options.pop(key) for key in ("width", "height", "aspect_ratio") if key in options}
+    if "drive_audio" in options:
+        write_wav(tmp_path / "track.wav", 2.0)
+        options["drive_audio"] = tmp_path / "track.wav"
+    request = LongVideoRequest(Request("t2va", PROMPT, duration=seconds, **canvas), continue_from=given, **options)
+    with pytest.raises(RequestError, match=message):
+        validate_long_video(request, TINY_CANVAS)
+    broken = AVLatents(torch.zeros(1, 24, 36, 8, 14), torch.zeros(2, 32, 207))
+    with pytest.raises(RequestError, match="The clip to continue: Video latents need L = 5n \\+ 2"):
+        validate_long_video(LongVideoRequest(Request("t2va", PROMPT, duration=20.0), continue_from=broken), TINY_CANVAS)
+
+
+def test_cli_extends_saved_latents(tmp_path, capsys):
+    five, longer = tmp_path / "five.safetensors", tmp_path / "twelve.safetensors"
+    assert main(["generate", "--prompt", PROMPT, "--steps", "2", "--save-latents", str(five)]) == 0
+    argv = ["generate", "--long-video", "--duration", "12", "--prompt", "The fox keeps running.", "--steps", "2"]
+    assert main([*argv, "--continue-from", str(five), "--save-latents", str(longer)]) == 0
+    first, whole = load_file(str(five)), load_file(str(longer))
+    assert whole["video"].shape[2] == 87 and torch.equal(whole["video"][:, :, :37], first["video"])
+    capsys.readouterr()
+    assert main([*argv, "--continue-from", str(tmp_path / "none.safetensors"), "--save-latents", str(longer)]) == 2
+    assert "none.safetensors: no such file" in capsys.readouterr().err
+    (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
+    assert main([*argv, "--continue-from", str(tmp_path / "bad.safetensors"), "--save-latents", str(longer)]) == 2
+    assert "bad.safetensors:" in capsys.readouterr().err
+    assert main(["generate", "--prompt", PROMPT, "--continue-from", str(five), "--save-latents", str(longer)]) == 2
+    assert "--continue-from: only with --long-video" in capsys.readouterr().err

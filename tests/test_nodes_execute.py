@@ -344,6 +344,28 @@ def test_continuation_guides_reach_the_window_that_makes_their_frames(comfy):
         guide.execute(0)
 
 
+def test_continuation_extends_a_sampled_clip(comfy):
+    c = comfy
+    model, text, vae = _models(c)
+    cond = _cond(c, text, vae).values[0]  # 4 s: 107 frames, 32 latent frames
+    clip = c.sampler.H3Sampler.execute(model, cond, 5, 3, 0.0, 0.0).values[0][0]
+    continuation = importlib.import_module("nodes.long_video").H3Continuation
+    args = (text, "the fox keeps running", "t2va", 8.0, "continuation", 107, 22, 3, 2, 0.0, 0.0, "auto", 0, 0)
+    longer, frames = continuation.execute(model, *args, continue_from=clip).values
+    assert frames == 192 and torch.equal(longer["video"][:, :, :32], clip["video"])
+    assert torch.equal(longer["audio"][..., :clip["audio"].shape[2]], clip["audio"])
+    again = continuation.execute(model, *args[:3], 12.0, *args[4:], continue_from=longer).values[0]  # chained
+    assert torch.equal(again["video"][:, :, :57], longer["video"])
+
+    loads = len(c.record.loaded)
+    empty = c.latent.H3EmptyAVLatent.execute(224, 128, 107).values[0]
+    with pytest.raises(ValueError, match="empty latent .* connect a sampled one"):
+        continuation.execute(model, *args, continue_from=empty)
+    with pytest.raises(ValueError, match="keeps its canvas, 224x128; this request asks for 256x128"):
+        continuation.execute(model, *args[:-2], 256, 128, continue_from=clip)
+    assert len(c.record.loaded) == loads  # refused before any model moved
+
+
 def test_single_file_text_encoder_without_tokenizer_folder_is_refused_before_making_room(comfy):
     import tiny_qwen
 

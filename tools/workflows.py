@@ -11,7 +11,8 @@
 Run: python tools/workflows.py   (then node tools/canvas.mjs for the canvas files; see its docstring)
 Every task's graph; t2va_guides: an image and a sound anchored mid-clip (H3 Add Guide); long_video:
 t2va over 20 s in two continuation windows; long_video_guides: the same with an image at the start, one
-at 12.5 s (the second window) and a sound in the last 2.5 s (H3 Continuation Guide).
+at 12.5 s (the second window) and a sound in the last 2.5 s (H3 Continuation Guide); extend_video: a
+t2va clip sampled, then extended to 15 s by H3 Continuation (continue_from).
 """
 
 from __future__ import annotations
@@ -143,6 +144,34 @@ def build_long_video(real: bool, guides=()) -> dict:
     return g.nodes
 
 
+def build_extend_video(real: bool) -> dict:
+    """A t2va clip from H3 Dual-Clock Sampler, saved, then extended to 15 s (kept as it is, continued from its
+    tail) and saved again."""
+    tiny = "tiny-random"
+    g = Graph()
+    model = g.add("H3ModelLoader", checkpoint=REAL["fl2va"] if real else tiny, folder="", partition="fl2va",
+                  weight_dtype="bf16", attention="auto")
+    text = g.add("H3TextEncoderLoader", text_encoder=REAL["text_encoder"] if real else tiny, folder="",
+                 tokenizer_folder="", weight_dtype="bf16")
+    vae = g.add("H3VAELoader", video_vae=REAL["video_vae"] if real else tiny,
+                audio_vae=REAL["audio_vae"] if real else tiny, folder="", weight_dtype="bf16")
+    cond = g.add("H3Conditioning", text_encoder=[text, 0], vae=[vae, 0], prompt=PROMPT, task="t2va",
+                 aspect_ratio="auto", width=0, height=0, duration=5.0 if real else 4.0)
+    latent = g.add("H3EmptyAVLatent", width=1344, height=768, num_frames=124, conditioning=[cond, 0])
+    clip = g.add("H3Sampler", model=[model, 0], conditioning=[cond, 0], latent=[latent, 0], seed=0,
+                 steps=0 if real else 2, video_shift=0.0, audio_shift=0.0, denoise=1.0, outputs=1)
+    g.add("H3SaveMP4", vae=[vae, 0], latent=[clip, 0], filename_prefix="H3/extend_first", tiling="release",
+          devices="")
+    longer = g.add("H3Continuation", model=[model, 0], text_encoder=[text, 0], vae=[vae, 0], continue_from=[clip, 0],
+                   prompt="The fox slows to a walk and looks out to sea as the light fades.", task="t2va",
+                   duration=15.0 if real else 8.0, mode="continuation", window_frames=277, overlap_frames=22,
+                   seed=0, steps=0 if real else 2, video_shift=0.0, audio_shift=0.0, aspect_ratio="auto", width=0,
+                   height=0, window_prompts="")
+    g.add("H3SaveMP4", vae=[vae, 0], latent=[longer, 0], filename_prefix="H3/extend_video", tiling="release",
+          devices="")
+    return g.nodes
+
+
 def main() -> None:
     for folder, real in (("api", False), ("templates", True)):
         out = ROOT / "workflows" / folder
@@ -152,7 +181,8 @@ def main() -> None:
         (out / "long_video.json").write_text(json.dumps(build_long_video(real), indent=2) + "\n")
         guided = build_long_video(real, LONG_VIDEO_GUIDES)
         (out / "long_video_guides.json").write_text(json.dumps(guided, indent=2) + "\n")
-    print(f"wrote {len(TASKS) + 2} API prompts to workflows/api and workflows/templates")
+        (out / "extend_video.json").write_text(json.dumps(build_extend_video(real), indent=2) + "\n")
+    print(f"wrote {len(TASKS) + 3} API prompts to workflows/api and workflows/templates")
 
 
 if __name__ == "__main__":
