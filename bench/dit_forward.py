@@ -4,6 +4,10 @@ Prints one JSON line per case. `--reference` also times diffusers' MiniMaxH3Tran
 same inputs in the same process (needs diffusers installed), one model on the GPU at a time.
 
     python bench/dit_forward.py --frames 124 209 --text-rows 512 [--reference] [--attention auto] [--compile]
+    python bench/dit_forward.py --frames 124 --image-references 3 --reference-images canvas-lossy --compile
+
+`--image-references N` makes it a ref2va forward with N 1920x1080 image references, sized by
+`--reference-images` (the release's 2048 short edge, or canvas-lossy: the output's area).
 
 Ours runs with `--attention` (default sdpa, the reference's kernel; auto = the fastest exact one here)
 and, with `--compile`, its blocks compiled; the reference always runs as diffusers ships it.
@@ -20,7 +24,8 @@ import torch
 from h3_core import geometry
 from h3_core.config import DiTConfig
 from h3_core.dit import H3DiT, rope_inverse_frequencies
-from h3_core.layout import build_request_layout
+from h3_core.layout import ReferenceBlock, build_ref2va_layout, build_request_layout
+from h3_core.references import REFERENCE_IMAGE_MODES, RELEASE_CANVAS
 from h3_core.sampler import sigma_ladder
 
 
@@ -56,8 +61,21 @@ def build_reference(config: DiTConfig):
     return model.eval().requires_grad_(False)
 
 
-def make_inputs(config: DiTConfig, frames: int, text_rows: int, width: int, height: int):
-    layout = build_request_layout(width, height, frames, torch.ones(text_rows, dtype=torch.long)).to("cuda")
+def make_layout(frames: int, text_rows: int, width: int, height: int, image_references: int = 0,
+                reference_images: str = "release"):
+    """t2va, or ref2va with `image_references` 1920x1080 images sized by `reference_images`."""
+    tags = torch.ones(text_rows, dtype=torch.long)
+    if not image_references:
+        return build_request_layout(width, height, frames, tags)
+    size = RELEASE_CANVAS.sized_for_canvas(reference_images, width, height).reference_image_size(1920, 1080)
+    block = ReferenceBlock.image(*(side // geometry.VAE_SPATIAL_FACTOR for side in reversed(size)))
+    return build_ref2va_layout(tags, [block] * image_references, geometry.latent_frames(frames),
+                               *geometry.latent_size(width, height), geometry.audio_latents(frames))
+
+
+def make_inputs(config: DiTConfig, frames: int, text_rows: int, width: int, height: int, image_references: int = 0,
+                reference_images: str = "release"):
+    layout = make_layout(frames, text_rows, width, height, image_references, reference_images).to("cuda")
     sigmas = sigma_ladder(50, 12.0)
     t_video, t_audio = 1.0 - float(sigmas[10]), 1.0 - float(sigma_ladder(50, 3.0)[10])
     timesteps, indices = layout.row_timesteps(t_video, t_audio)
@@ -85,9 +103,12 @@ def time_forward(call, repeats: int) -> list[float]:
     return times
 
 
-def bench(name, model, config, cases, text_rows, width, height, repeats, **described):
+def bench(name, model, config, cases, text_rows, width, height, repeats, image_references=0,
+          reference_images="release", **described):
     for frames in cases:
-        layout, inputs = make_inputs(config, frames, text_rows, width, height)
+        layout, inputs = make_inputs(config, frames, text_rows, width, height, image_references, reference_images)
+        if image_references:
+            described = {**described, "image_references": image_references, "reference_images": reference_images}
         structure = dict(
             token_tags=layout.token_tags, position_ids=layout.position_ids, video_indices=layout.video_indices,
             audio_indices=layout.audio_indices, text_indices=layout.text_indices,
@@ -121,6 +142,9 @@ def main():
     parser.add_argument("--reference", action="store_true", help="also time diffusers' DiT")
     parser.add_argument("--attention", default="sdpa", help="our attention backend (auto = fastest exact here)")
     parser.add_argument("--compile", action="store_true", help="compile our repeated block (not bitwise exact)")
+    parser.add_argument("--image-references", type=int, default=0, help="ref2va with N 1920x1080 image references")
+    parser.add_argument("--reference-images", nargs="+", choices=REFERENCE_IMAGE_MODES, default=["release"],
+                        help="how the image references are sized; several: one run each")
     args = parser.parse_args()
     config = DiTConfig(num_layers=args.layers)
     width, height = geometry.canvas_size(args.aspect_ratio)
@@ -131,13 +155,16 @@ def main():
     backend = model.set_attention_backend(args.attention)
     if args.compile:
         model.compile_blocks()
-    bench("ours", model, config, args.frames, args.text_rows, width, height, args.repeats,
-          attention=backend, compiled=args.compile)
+    for mode in args.reference_images:
+        bench("ours", model, config, args.frames, args.text_rows, width, height, args.repeats, args.image_references,
+              mode, attention=backend, compiled=args.compile)
     del model
     torch.cuda.empty_cache()
     if args.reference:
         model = build_reference(config)
-        bench("diffusers", model, config, args.frames, args.text_rows, width, height, args.repeats, attention="diffusers default")
+        for mode in args.reference_images:
+            bench("diffusers", model, config, args.frames, args.text_rows, width, height, args.repeats,
+                  args.image_references, mode, attention="diffusers default")
 
 
 if __name__ == "__main__":

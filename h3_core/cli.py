@@ -32,7 +32,7 @@ from .long_video import LongVideoRequest
 from .media import MediaError
 from .output import AVLatents
 from .pipeline import GenerateSettings, generate, sample
-from .references import MediaReference
+from .references import REFERENCE_IMAGE_MODES, MediaReference
 from .runtime import return_freed_memory_to_os
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule
 from .tiny import TINY_RANDOM, tiny_random_dit
@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ref", action="append", default=[], metavar="KIND=PATH[@START]",
                      help="ref2va reference, repeatable and ordered: image=PATH, video=PATH, audio=PATH; "
                           "@START (seconds) picks where a video or audio clip starts")
+    gen.add_argument("--reference-images", choices=REFERENCE_IMAGE_MODES, default="release",
+                     help="image references at the release's 2048-pixel short edge (default), or canvas-lossy: "
+                          "scaled down to the output's pixel area (far fewer rows, faster steps, less detail)")
     gen.add_argument("--guide", action="append", default=[], metavar="FRAME:KIND=PATH",
                      help="repeatable: an image, video (clip of 17n+5 frames, with its sound) or "
                           "audio file anchored at video frame FRAME (negative: from the end, written --guide=-1:image=b.png), "
@@ -264,6 +267,7 @@ def run_generate(args) -> int:
         task=args.task, prompt=_prompt(args), first_image=args.first_image, last_image=args.last_image,
         references=[_reference(spec) for spec in args.ref], aspect_ratio=args.aspect_ratio,
         width=args.width, height=args.height, duration=args.duration, guides=[_guide(spec) for spec in args.guide],
+        reference_images=args.reference_images,
     )
     request = _long_video(args, request)
     settings = GenerateSettings(args.seed, args.outputs, args.steps, args.video_shift, args.audio_shift,

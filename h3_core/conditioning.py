@@ -93,6 +93,8 @@ class Request:
     duration      seconds, or `num_frames` (24 fps); neither = 5 s
     guides        `guides.GuideFile`s, read and checked by `pipeline.generate` before any
                   model loads and added after encoding (`encode_request` refuses them: see guides.py)
+    reference_images  "release" (image references at the release's 2048 short edge) or "canvas-lossy"
+                  (scaled down to the output's pixel area: fewer rows, faster steps, less detail)
     """
 
     task: str
@@ -106,6 +108,7 @@ class Request:
     duration: float | None = None
     num_frames: int | None = None
     guides: Sequence[Any] = ()
+    reference_images: str = "release"
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,7 @@ class RequestPlan:
     num_frames: int
     keyframes: tuple[tuple[str, Any], ...] = ()  # (anchor "first" | "last", image source)
     references: tuple[MediaReference, ...] = ()
+    reference_rules: CanvasRules = RELEASE_CANVAS  # what the references are prepared with
 
     @property
     def seconds(self) -> float:
@@ -304,7 +308,12 @@ def validate(request: Request, rules: CanvasRules = RELEASE_CANVAS) -> RequestPl
     if size is None and named is None:
         size = rules.canvas(*(anchor_size or geometry.ASPECT_RATIOS[DEFAULT_ASPECT_RATIO]))
     width, height = size or named
-    return RequestPlan(request.task, request.prompt, width, height, num_frames, tuple(keyframes), tuple(references))
+    try:
+        reference_rules = rules.sized_for_canvas(request.reference_images, width, height)
+    except MediaInputError as error:
+        raise RequestError(str(error)) from None
+    return RequestPlan(request.task, request.prompt, width, height, num_frames, tuple(keyframes), tuple(references),
+                       reference_rules)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,7 +436,8 @@ def encode_request(
             [load_image(source, f"{anchor}_image") for anchor, source in plan.keyframes], plan.width, plan.height
         )
         prepared: list[PreparedReference] = [
-            prepare_reference(reference, plan.num_frames, rules, f"references[{index}] ({reference.kind})")
+            prepare_reference(reference, plan.num_frames, plan.reference_rules,
+                              f"references[{index}] ({reference.kind})")
             for index, reference in enumerate(plan.references)
         ]
     except MediaInputError as error:

@@ -271,7 +271,8 @@ def encode_long_video(
     if len(set(plan.prompts)) > 1:
         checked = validate(base, rules)
         shown = [
-            prepare_reference(reference, plan.reference_frames, rules, f"references[{i}]").for_presentation()
+            prepare_reference(reference, plan.reference_frames, checked.reference_rules,
+                              f"references[{i}]").for_presentation()
             for i, reference in enumerate(checked.references)
         ]
         for prompt in plan.prompts:

@@ -37,6 +37,7 @@ makes them configurable too, which is what lets the parity tests run the whole r
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -56,6 +57,9 @@ from .vae_video import encode_condition
 
 FPS = geometry.FPS
 REFERENCE_IMAGE_SHORT_EDGE = 2048
+# How image references are sized: the release's 2048 short edge (up or down), or scaled down (never up) to
+# the output's pixel area as ComfyUI's native nodes do by default ("match"): fewer DiT rows, less detail.
+REFERENCE_IMAGE_MODES = ("release", "canvas-lossy")
 MIN_VIDEO_REFERENCE_FRAMES = 22  # one 17-frame chunk plus the VAE's leading 5: the smallest 17n+5 it encodes
 # Published file limits (h3-model.md F): images JPG/PNG/WEBP/HEIC/HEIF up to 30 MiB, audio WAV/MP3 up
 # to 15 MiB. Videos have no published file limit; any container PyAV decodes is taken.
@@ -108,12 +112,14 @@ class MediaReference:
 class CanvasRules:
     """The canvas geometry of a checkpoint: target and video-reference canvases keep `short_edge` with
     the area capped at `max_pixels`; image references are encoded at their own
-    `reference_image_short_edge`. Both axes round to `multiple` (VAE 16 x patch 2)."""
+    `reference_image_short_edge` (the release's rule), or with `reference_image_area` set, scaled down
+    (never up) to that many pixels (`sized_for_canvas`). Both axes round to `multiple` (VAE 16 x patch 2)."""
 
     short_edge: int = geometry.SHORT_EDGE
     max_pixels: int = geometry.MAX_PIXELS
     reference_image_short_edge: int = REFERENCE_IMAGE_SHORT_EDGE
     multiple: int = geometry.CANVAS_MULTIPLE
+    reference_image_area: int = 0
 
     def canvas(self, width: float, height: float) -> tuple[int, int]:
         """(width, height) of the canvas for an aspect ratio: `geometry.canvas_size` under these rules."""
@@ -121,9 +127,19 @@ class CanvasRules:
 
     def reference_image_size(self, width: int, height: int) -> tuple[int, int]:
         """(width, height) an image reference is encoded at: its short edge scaled to
-        `reference_image_short_edge` (up or down), each axis rounded to the nearest multiple."""
-        scale = self.reference_image_short_edge / min(width, height)
+        `reference_image_short_edge` (up or down), or its area down to `reference_image_area` when that is
+        set, each axis rounded to the nearest multiple."""
+        if self.reference_image_area:
+            scale = min(1.0, math.sqrt(self.reference_image_area / (width * height)))
+        else:
+            scale = self.reference_image_short_edge / min(width, height)
         return self._round(width * scale), self._round(height * scale)
+
+    def sized_for_canvas(self, mode: str, width: int, height: int) -> "CanvasRules":
+        """These rules with image references sized by `mode` (REFERENCE_IMAGE_MODES) for a width x height output."""
+        if mode not in REFERENCE_IMAGE_MODES:
+            raise MediaInputError(f"Reference image sizing is one of {', '.join(REFERENCE_IMAGE_MODES)}; got {mode!r}.")
+        return dataclasses.replace(self, reference_image_area=width * height if mode == "canvas-lossy" else 0)
 
     def _round(self, value: float) -> int:
         return max(self.multiple, round(value / self.multiple) * self.multiple)

@@ -17,7 +17,7 @@ from h3_core.conditioning import (
 from h3_core.guides import GuideMedia, add_guide, check_guide
 from h3_core.placement import freed_on_failure
 from h3_core.prompt import MAX_AUDIO_REFERENCES, MAX_IMAGE_REFERENCES, MAX_REFERENCES, MAX_VIDEO_REFERENCES
-from h3_core.references import frames_at_24fps
+from h3_core.references import REFERENCE_IMAGE_MODES, frames_at_24fps
 
 from .common import CATEGORY, H3VAE, H3Cond, H3TextEncoder, canvas_inputs, check_interrupt, device, progress_bar
 from .convert import (
@@ -39,6 +39,15 @@ REFERENCE_TOOLTIP = (f"ref2va references, read in slot order (images, videos and
 
 
 LINKED_TYPES = {"text_encoder": "H3_TEXT_ENCODER", "vae": "H3_VAE", "first_image": "IMAGE", "last_image": "IMAGE"}
+
+
+def reference_images_input():
+    return io.Combo.Input(
+        "reference_images", options=list(REFERENCE_IMAGE_MODES), default="release", optional=True,
+        tooltip="How ref2va image references are sized. release: the reference pipeline's 2048-pixel short edge "
+                "(a 16:9 image is 7,296 DiT rows at any output size). canvas-lossy: scaled down (never up) to the "
+                "output's pixel area, as ComfyUI's native nodes do by default: far fewer rows and faster steps "
+                "with several images, but the model sees less detail than the release gives it.")
 
 
 def reference_input():
@@ -71,6 +80,7 @@ class H3Conditioning(io.ComfyNode):
                 io.Image.Input("first_image", optional=True, tooltip="fl2va: the first frame (first image of a batch)."),
                 io.Image.Input("last_image", optional=True, tooltip="fl2va: the last frame (first image of a batch)."),
                 reference_input(),
+                reference_images_input(),
             ],
             outputs=[
                 H3Cond.Output(display_name="conditioning"),
@@ -99,14 +109,14 @@ class H3Conditioning(io.ComfyNode):
 
     @classmethod
     def execute(cls, text_encoder, prompt, task, aspect_ratio, width, height, duration, vae=None,
-                first_image=None, last_image=None, references=None) -> io.NodeOutput:
+                first_image=None, last_image=None, references=None, reference_images="release") -> io.NodeOutput:
         references = ordered_references(references)
         keyframes = (first_image is not None) + (last_image is not None)
         problem = media_problem(task, [kind for kind, _ in references], keyframes)
         if problem:
             raise ValueError(problem)
         request = build_request(task, prompt, first_image, last_image, references, aspect_ratio, width, height,
-                                duration)
+                                duration, reference_images)
         video_vae = None if vae is None else vae.video
         audio_vae = None if vae is None else vae.audio
         validate(request, text_encoder.canvas)  # every limit, before any model moves

@@ -251,6 +251,7 @@ def build_request(
     width: int = 0,
     height: int = 0,
     duration: float | None = None,
+    reference_images: str = "release",
 ) -> Request:
     """The node's inputs -> an h3_core Request. `references`: ((kind, ComfyUI value), ...) in the order
     the model reads them (None values skipped). width/height 0 = not given: the aspect ratio (or, for
@@ -270,6 +271,7 @@ def build_request(
         width=int(width) if explicit else None,
         height=int(height) if explicit else None,
         duration=duration,
+        reference_images=reference_images,
     )
 
 

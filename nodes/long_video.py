@@ -40,7 +40,7 @@ from .common import (
     CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, canvas_inputs, check_interrupt, decode_inputs,
     decode_options, device, progress_bar, saved_file_metadata, shift_inputs,
 )
-from .conditioning import guide_media, guide_media_inputs, reference_input
+from .conditioning import guide_media, guide_media_inputs, reference_images_input, reference_input
 from .convert import audio_to_decoded, build_request, media_problem, ordered_references, pack_latents, unpack_latents
 from .memory import decode_working_bytes, dit_for_run, drop_loras, place, place_for_encoding, use_loras
 
@@ -99,6 +99,7 @@ class H3Continuation(io.ComfyNode):
                                tooltip="Optional: a clip to extend (from H3 Dual-Clock Sampler or another H3 "
                                        "Continuation), kept as it is; the windows continue from its end on its "
                                        "canvas, and duration counts the whole clip, it included."),
+                reference_images_input(),
             ],
             outputs=[H3Latent.Output(display_name="latent"), io.Int.Output(display_name="num_frames")],
         )
@@ -106,7 +107,7 @@ class H3Continuation(io.ComfyNode):
     @classmethod
     def execute(cls, model, text_encoder, prompt, task, duration, mode, window_frames, overlap_frames, seed, steps,
                 video_shift, audio_shift, aspect_ratio, width, height, window_prompts="", vae=None, drive_audio=None,
-                references=None, guides=None, continue_from=None) -> io.NodeOutput:
+                references=None, guides=None, continue_from=None, reference_images="release") -> io.NodeOutput:
         wanted = TASK_PARTITION[task]
         if wanted != model.partition:
             raise ValueError(f"{task} runs on the {wanted} partition, but this model was loaded as "
@@ -122,7 +123,8 @@ class H3Continuation(io.ComfyNode):
         if guides and vae is None:
             raise ValueError("Guides are encoded with the VAE: connect H3 VAE Loader's vae to H3 Continuation.")
         request = LongVideoRequest(
-            build_request(task, prompt, None, None, references, aspect_ratio, width, height, duration),
+            build_request(task, prompt, None, None, references, aspect_ratio, width, height, duration,
+                          reference_images),
             mode, int(window_frames), int(overlap_frames), split_window_prompts(window_prompts or ""),
             None if drive_audio is None else audio_to_decoded(drive_audio, "drive_audio"), tuple(guides or ()),
             given,

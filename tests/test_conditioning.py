@@ -515,6 +515,14 @@ def test_fl2va_keyframe_must_fit_the_ratio_range():
     assert_rejected(Request("fl2va", PROMPT, first_image=Image.new("RGB", (500, 100))), "first_image", "1:4 to 4:1")
 
 
+def test_reference_image_sizing_is_checked_and_planned():
+    plan = validate(Request("ref2va", PROMPT, references=[IMAGE], reference_images="canvas-lossy"))
+    assert (plan.width, plan.height) == (1344, 768) and plan.reference_rules.reference_image_area == 1344 * 768
+    assert validate(Request("ref2va", PROMPT, references=[IMAGE])).reference_rules.reference_image_area == 0
+    assert_rejected(Request("ref2va", PROMPT, references=[IMAGE], reference_images="max"),
+                    "Reference image sizing is one of release, canvas-lossy; got 'max'")
+
+
 def test_ref2va_needs_references_and_no_keyframes():
     assert_rejected(Request("ref2va", PROMPT), "ref2va needs at least one")
     assert_rejected(

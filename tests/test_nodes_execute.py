@@ -86,6 +86,12 @@ def test_fl2va_and_ref2va_through_the_growing_reference_list(comfy):
     with pytest.raises(ValueError, match="loaded as fl2va"):
         c.sampler.H3Sampler.execute(model, cond, 0, 2, 0.0, 0.0)
 
+    # image references sized to the output's area (native ComfyUI's 'match') instead of a 256 short edge here
+    lossy = _cond(c, text, vae, "ref2va", references=refs, reference_images="canvas-lossy").values[0]
+    assert [(b.latent_height, b.latent_width) for b in cond.reference_blocks][0] == (16, 16)
+    assert [(b.latent_height, b.latent_width) for b in lossy.reference_blocks][0] == (10, 10)  # 160 px, kept
+    assert cond.layout.num_condition_video_rows - lossy.layout.num_condition_video_rows == 8 * 8 - 5 * 5  # 2x2 patches
+
 
 def test_conditioning_media_checks(comfy):
     c = comfy

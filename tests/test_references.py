@@ -27,6 +27,7 @@ from h3_core.references import (
     CanvasRules,
     DecodedAudio,
     DecodedVideo,
+    MediaInputError,
     MediaReference,
     encode_audio,
     encode_image,
@@ -105,6 +106,21 @@ def test_reference_image_size_rule():
         expected = (max(32, round(width * scale / 32) * 32), max(32, round(height * scale / 32) * 32))
         assert RELEASE_CANVAS.reference_image_size(width, height) == expected
     assert RELEASE_CANVAS.reference_image_size(1920, 1080) == (3648, 2048)  # 7296 DiT rows (h3-model.md F)
+
+
+def test_canvas_lossy_scales_image_references_down_to_the_output_area():
+    """ComfyUI's native default ('match'): scale = min(1, sqrt(W * H / (w * h))), never up, then the same
+    rounding to 32; the release's rule is left as it is."""
+    rules = RELEASE_CANVAS.sized_for_canvas("canvas-lossy", 1344, 768)
+    for width, height in [(120, 90), (300, 1100), (4000, 2100), (1023, 1024), (37, 149), (6000, 1500), (2048, 2048)]:
+        scale = min(1.0, math.sqrt(1344 * 768 / (width * height)))
+        expected = (max(32, round(width * scale / 32) * 32), max(32, round(height * scale / 32) * 32))
+        assert rules.reference_image_size(width, height) == expected
+    assert rules.reference_image_size(1920, 1080) == (1344, 768)  # 1008 DiT rows instead of 7296
+    assert rules.reference_image_size(300, 200) == (288, 192)  # not scaled up to a 2048 short edge
+    assert RELEASE_CANVAS.sized_for_canvas("release", 1344, 768) == RELEASE_CANVAS
+    with pytest.raises(MediaInputError, match="one of release, canvas-lossy; got 'match'"):
+        RELEASE_CANVAS.sized_for_canvas("match", 1344, 768)
 
 
 # ---------------------------------------------------------------------------------------------
