@@ -2,6 +2,7 @@
 
     h3 generate --prompt ... --out clip.mp4   prompt (+ keyframes / references) to an MP4
     h3 generate --long-video --duration 75 ... the same, window by window (latent-tail continuation)
+    h3 encode VIDEO --out LATENTS            a video of yours as latents, for generate --continue-from
     h3 info PATH                             what a DiT checkpoint is (layout, config, size), from headers
     h3 denoise --model M ...                 the DiT's denoise alone, from precomputed text states
 """
@@ -31,7 +32,7 @@ from .layout import build_request_layout
 from .long_video import LongVideoRequest
 from .media import MediaError
 from .output import AVLatents
-from .pipeline import GenerateSettings, generate, sample
+from .pipeline import GenerateSettings, encode_clip_file, generate, sample
 from .references import REFERENCE_IMAGE_MODES, MediaReference
 from .runtime import return_freed_memory_to_os
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule
@@ -139,6 +140,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --devices: each device keeps 1/N of every block's weights and gathers a block just "
                           "before it runs (FSDP-style), so N smaller cards hold the model together")
     gen.set_defaults(run=run_generate)
+
+    enc = sub.add_parser("encode", help="a video file (and its sound) to H3 latents: extend it with "
+                                        "generate --long-video --continue-from")
+    enc.add_argument("video", type=Path, help="any video PyAV reads (brought to 24 fps, cut to 17n+5 frames)")
+    enc.add_argument("--out", type=Path, required=True, help="the latents, .safetensors")
+    enc.add_argument("--model", default=TINY_RANDOM, help=f"where the VAEs are: as generate's --model (default {TINY_RANDOM})")
+    enc.add_argument("--audio", type=Path, help="a sound to use instead of the video's soundtrack (none: silence)")
+    enc.add_argument("--width", type=int, help="canvas width (multiple of 32; with --height; default: the video's "
+                                                "aspect ratio on the model's canvas)")
+    enc.add_argument("--height", type=int, help="canvas height (multiple of 32; with --width)")
+    enc.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    enc.add_argument("--vae-dtype", default=None, choices=list(DTYPES), help="video VAE linears (default bf16 on GPU)")
+    enc.set_defaults(run=run_encode)
 
     info = sub.add_parser("info", help="describe a DiT checkpoint without loading it")
     info.add_argument("path", help="release root, partition folder, diffusers folder or single .safetensors file")
@@ -248,6 +262,16 @@ def _saved_latents(path: Path) -> AVLatents:
         return AVLatents.load(path).check()
     except (ValueError, OSError, SafetensorError) as error:
         raise ValueError(f"--continue-from {path}: {error}") from None
+
+
+def run_encode(args) -> int:
+    latents = encode_clip_file(args.video, args.model, args.out, audio=args.audio, width=args.width,
+                               height=args.height, device=args.device,
+                               vae_dtype=DTYPES[args.vae_dtype] if args.vae_dtype else None)
+    _, _, _, latent_height, latent_width = latents.video.shape
+    print(f"{args.out}: {latents.num_frames} frames at {latent_width * 16}x{latent_height * 16} "
+          f"({latents.num_frames / 24:.2f} s)")
+    return 0
 
 
 def run_generate(args) -> int:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from . import geometry
-from .conditioning import MAX_FRAMES, Conditioning, Request, RequestError, encode_request, validate
+from .conditioning import MAX_FRAMES, MIN_FRAMES, Conditioning, Request, RequestError, encode_request, validate
 from .continuation import (
     DEFAULT_OVERLAP_FRAMES,
     DEFAULT_WINDOW_FRAMES,
@@ -101,8 +101,15 @@ class LongVideoPlan:
 
     @property
     def reference_frames(self) -> int:
-        """The output length references are prepared for: the first sampled window's, within one request's range."""
-        return min(sampled(self.windows)[0].frames, MAX_FRAMES)
+        """The output length references are prepared for: the longest sampled window's (the first, unless a
+        given clip leaves a short one first), within one request's range."""
+        return reference_frames(self.windows)
+
+
+def reference_frames(windows) -> int:
+    """The longest sampled window's frames brought into one request's range (a continued clip's extension
+    may be shorter than one request): what the media is checked and prepared for."""
+    return min(max(MIN_FRAMES, max(window.frames for window in sampled(windows))), MAX_FRAMES)
 
 
 def split_window_prompts(text: str) -> tuple[str, ...]:
@@ -153,8 +160,8 @@ def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_
     else:
         prompts = (request.prompt,) * len(new)
     prompts = prompts[:1] * (len(windows) - len(new)) + prompts
-    first = min(new[0].frames, MAX_FRAMES)
-    plan = validate(dataclasses.replace(base, prompt=prompts[0], duration=None, num_frames=first), rules)
+    plan = validate(dataclasses.replace(base, prompt=prompts[0], duration=None, num_frames=reference_frames(windows)),
+                    rules)
     if request.drive_audio is not None and given_frames:
         raise RequestError("A driving soundtrack drives a clip from its first frame; a continued clip already has "
                            "its sound. Continue without drive audio, or drive the whole clip from the start.")

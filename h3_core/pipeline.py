@@ -18,19 +18,22 @@ from pathlib import Path
 
 import torch
 
+from . import geometry, media_read
 from .attention import resolve_backend
 from .checkpoint import infer_config, load_dit, locate_dit
 from .config import TINY_DIT
 from .memory_plan import GIB, MemoryPlan, free_bytes, plan_for, usable_bytes
 from .offload import load_device, place
 from .conditioning import Request, RequestError, encode_request, validate
-from .continuation import sampled
+from .clip_latents import clip_frame_count, encode_clip
+from .continuation import MAX_CONTINUATION_SECONDS, sampled
 from .layout import pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
 from .guides import GuideMedia, add_guide, check_guide, read_guide
 from .lora import apply_loras, load_lora, sampler_settings
 from .noise import condition_rows, request_generator, target_noise
+from .media import SAMPLE_RATE, MediaError
 from .output import AVLatents, write_mp4
 from .references import RELEASE_CANVAS, CanvasRules
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback
@@ -279,10 +282,7 @@ def generate(
     clock = time.perf_counter()
     progress("text encoder", 0, 1)
     text_encoder = load_text_encoder_for(source, settings, notes)
-    vae_dtype = settings.vae_dtype or model_dtype(source, settings)
-    video_vae = (tiny_random_video_vae(device).set_dtype(vae_dtype) if source.tiny
-                 else load_video_vae(source.root, dtype=vae_dtype, device=device))
-    audio_vae = tiny_random_audio_vae(device) if source.tiny else load_audio_vae(source.root, device=device)
+    video_vae, audio_vae = load_vaes(source, device, settings.vae_dtype or model_dtype(source, settings))
     notes(f"video VAE: decoder linears in {str(video_vae.dtype).removeprefix('torch.')} (encoder and norms float32)")
     conditioning = encode(request, text_encoder, video_vae, audio_vae, rules=source.canvas)
     for media in guide_media:
@@ -354,6 +354,45 @@ def load_text_encoder_for(source, settings: GenerateSettings, notes):
                   "from CPU memory")
             return load_text_encoder(source.root, settings.dtype, "cpu").stream_layers(device)
     return load_text_encoder(source.root, settings.dtype, device)
+
+
+def load_vaes(source, device: torch.device, dtype: torch.dtype):
+    """(video VAE with its decoder linears in `dtype`, audio VAE) of a model source, on `device`."""
+    if source.tiny:
+        return tiny_random_video_vae(device).set_dtype(dtype), tiny_random_audio_vae(device)
+    return load_video_vae(source.root, dtype=dtype, device=device), load_audio_vae(source.root, device=device)
+
+
+def encode_clip_file(video: str | Path, model: str, out: str | Path, *, audio: str | Path | None = None,
+                     width: int | None = None, height: int | None = None, device: str = "cpu",
+                     vae_dtype: torch.dtype | None = None) -> AVLatents:
+    """A video file (its frames at 24 fps and its soundtrack, or `audio`'s) encoded by `model`'s VAEs and
+    saved as latents for `generate --long-video --continue-from` (clip_latents.py). The canvas: width x
+    height, or the video's own aspect ratio on the model's canvas. Everything is checked before a VAE loads."""
+    if Path(out).suffix != ".safetensors":
+        raise ValueError(f"{out} must end in .safetensors.")
+    if (width is None) != (height is None):
+        raise RequestError(f"Give width and height together (or neither: from the video); got {width}x{height}.")
+    source = resolve_model_source(model, "fl2va")
+    try:
+        clip = media_read.read_video(video, max_frames=int(MAX_CONTINUATION_SECONDS * geometry.FPS))
+        sound = None if audio is None else media_read.read_audio(audio, 0.0, clip.frames.shape[0] / geometry.FPS)
+    except MediaError as error:
+        raise RequestError(f"{video if audio is None else audio}: {error}") from None
+    waveform = clip.audio if audio is None else sound
+    if width is None:
+        width, height = source.canvas.canvas(clip.frames.shape[2], clip.frames.shape[1])
+    clip_frame_count(clip.frames.shape[0], geometry.FPS)
+    geometry.check_canvas(width, height)
+    if not source.tiny:
+        locate_video_vae(source.root), locate_audio_vae(source.root)
+    device = torch.device(device)
+    dtype = vae_dtype or (tiny_model_dtype(device, None) if source.tiny else torch.bfloat16)
+    video_vae, audio_vae = load_vaes(source, device, dtype)
+    latents = encode_clip(video_vae, audio_vae, clip.frames, geometry.FPS, width, height, waveform,
+                          None if waveform is None else SAMPLE_RATE)
+    latents.save(out, {"source": str(video), "model": source.name, "width": str(width), "height": str(height)})
+    return latents
 
 
 def model_dtype(source, settings: GenerateSettings) -> torch.dtype:

@@ -504,10 +504,11 @@ def encode_image(vae, image: Image.Image) -> torch.Tensor:
 @torch.no_grad()
 def encode_video(vae, frames: np.ndarray) -> torch.Tensor:
     """Video reference frames [N, H, W, 3] -> normalized latents [1, C, L, H/16, W/16] of their first
-    `vae_frame_count(N)` frames (L = 5n + 2), float32, CPU."""
+    `vae_frame_count(N)` frames (L = 5n + 2), float32, CPU. The frames stay in CPU memory; each 17-frame
+    clip visits the VAE's device as it is encoded."""
     count = vae_frame_count(frames.shape[0])
     pixels = torch.from_numpy(np.ascontiguousarray(frames[:count])).permute(3, 0, 1, 2)[None]
-    return encode_condition(vae, pixels.to(_device(vae))).cpu()
+    return encode_condition(vae, pixels).cpu()
 
 
 @torch.no_grad()

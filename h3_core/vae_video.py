@@ -28,7 +28,7 @@ import dataclasses
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -472,15 +472,25 @@ class VideoVAE(nn.Module):
         return encode_tiled(encode_tile, pixels, config.tile_size, config.tile_min_overlap, config.spatial_ratio)
 
     @torch.no_grad()
-    def encode_moments(self, pixels: torch.Tensor, tiled: bool | None = None) -> torch.Tensor:
+    def encode_moments(self, pixels: torch.Tensor, tiled: bool | None = None,
+                       prepare: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """Model-space pixels [B, 3, F, H, W] -> moments [B, 2C, L, H/16, W/16], in 17-frame clips
-        (one frame alone), each clip spatially tiled unless `tiled=False` (default: the config's)."""
-        tiled = self.config.encoder_tiling if tiled is None else tiled
-        pixels = pixels.to(self.encoder.conv_in.weight.dtype)
-        return self.config.temporal_chunking.encode(lambda clip: self._encode_clip(clip, tiled), pixels)
+        (one frame alone), each clip spatially tiled unless `tiled=False` (default: the config's).
 
-    def encode(self, pixels: torch.Tensor, tiled: bool | None = None) -> Posterior:
-        return Posterior.from_moments(self.encode_moments(pixels, tiled))
+        `prepare` (elementwise, e.g. `frames_to_model_space`) turns each clip into model space after it
+        reaches the VAE's device: a long clip can stay uint8 in CPU memory, one clip at a time on the device."""
+        tiled = self.config.encoder_tiling if tiled is None else tiled
+        weight = self.encoder.conv_in.weight
+
+        def encode_clip(clip: torch.Tensor) -> torch.Tensor:
+            clip = clip.to(weight.device)
+            return self._encode_clip((clip if prepare is None else prepare(clip)).to(weight.dtype), tiled)
+
+        return self.config.temporal_chunking.encode(encode_clip, pixels)
+
+    def encode(self, pixels: torch.Tensor, tiled: bool | None = None,
+               prepare: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Posterior:
+        return Posterior.from_moments(self.encode_moments(pixels, tiled, prepare))
 
     # -- decode ---------------------------------------------------------------------------------
 
@@ -663,6 +673,6 @@ def encode_condition(vae: VideoVAE, frames: torch.Tensor, seed: int = CONDITION_
     *sample* the posterior with a fresh CPU generator seeded `seed` (not the request's), round to
     float16 and back, then normalize with latents_mean / latents_std.
     """
-    posterior = vae.encode(frames_to_model_space(frames))
+    posterior = vae.encode(frames, prepare=frames_to_model_space)
     latents = posterior.sample(torch.Generator().manual_seed(seed))
     return vae.normalize_latents(fp16_round_trip(latents))

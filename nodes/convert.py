@@ -28,7 +28,7 @@ from h3_core.media import (
 )
 from h3_core.output import AVLatents
 from h3_core.prompt import MAX_KEYFRAMES, reference_mix_problem
-from h3_core.references import CanvasRules, DecodedAudio, DecodedVideo, MediaReference
+from h3_core.references import RELEASE_CANVAS, CanvasRules, DecodedAudio, DecodedVideo, MediaReference
 
 LATENT_KIND = "h3_av_latent"
 
@@ -74,6 +74,7 @@ class VAEHandle:
     name: str
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     patcher: Any = field(default=None, repr=False)
+    canvas: CanvasRules = RELEASE_CANVAS  # the canvas a clip is encoded on when none is given
 
 
 # ----------------------------------------------------------------------------------------------

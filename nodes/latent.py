@@ -1,14 +1,18 @@
-"""H3 Empty AV Latent: the size of a generation (canvas and frame count) as an H3_LATENT of zeros."""
+"""H3 Empty AV Latent: the size of a generation (canvas and frame count) as an H3_LATENT of zeros.
+H3 VAE Encode: a clip you have (frames and sound) as an H3_LATENT, to extend or re-sample it."""
 
 from __future__ import annotations
 
 from comfy_api.latest import io
 
 from h3_core import geometry
+from h3_core.clip_latents import clip_frame_count, encode_clip
 from h3_core.conditioning import MAX_FRAMES, MIN_REQUESTED_FRAMES, RequestError, resolve_num_frames
+from h3_core.placement import freed_on_failure
 
-from .common import CATEGORY, H3Cond, H3Latent
-from .convert import empty_latent
+from .common import CATEGORY, H3VAE, H3Cond, H3Latent, device
+from .convert import audio_to_decoded, empty_latent, image_to_uint8, pack_latents, video_to_decoded
+from .memory import place
 
 
 class H3EmptyAVLatent(io.ComfyNode):
@@ -48,4 +52,57 @@ class H3EmptyAVLatent(io.ComfyNode):
         return io.NodeOutput(empty_latent(width, height, num_frames))
 
 
-NODES = [H3EmptyAVLatent]
+class H3VAEEncode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3VAEEncode",
+            display_name="H3 VAE Encode",
+            category=CATEGORY,
+            description="A clip you have (a VIDEO, or IMAGE frames with an optional AUDIO) as an H3 latent: extend "
+                        "it with H3 Continuation (continue_from) or re-sample it with H3 Dual-Clock Sampler "
+                        "(denoise below 1).",
+            inputs=[
+                H3VAE.Input("vae", tooltip="From H3 VAE Loader: the video and audio VAEs."),
+                io.Video.Input("video", optional=True,
+                               tooltip="A ComfyUI VIDEO (any frame rate, brought to 24 fps) with its soundtrack."),
+                io.Image.Input("images", optional=True, tooltip="Instead of video: frames at frame_rate."),
+                io.Float.Input("frame_rate", default=24.0, min=1.0, max=240.0, step=0.001, optional=True,
+                               tooltip="The frame rate of images (brought to 24 fps)."),
+                io.Audio.Input("audio", optional=True,
+                               tooltip="The sound (instead of the video's soundtrack); silence when there is none."),
+                io.Int.Input("width", default=0, min=0, max=4096, step=32, optional=True,
+                             tooltip="Canvas width (multiple of 32); 0 with height 0: the clip's own aspect ratio on "
+                                     "the model's canvas (768 px short edge). The frames are cover-cropped onto it."),
+                io.Int.Input("height", default=0, min=0, max=4096, step=32, optional=True,
+                             tooltip="Canvas height (multiple of 32); 0 with width 0: from the clip."),
+            ],
+            outputs=[H3Latent.Output(display_name="latent"), io.Int.Output(display_name="width"),
+                     io.Int.Output(display_name="height"), io.Int.Output(display_name="num_frames")],
+        )
+
+    @classmethod
+    def execute(cls, vae, video=None, images=None, frame_rate=24.0, audio=None, width=0, height=0) -> io.NodeOutput:
+        if (video is None) == (images is None):
+            raise ValueError("Connect a video or images (frames) to H3 VAE Encode, one of them.")
+        if bool(width) != bool(height):
+            raise ValueError(f"Give width and height together (or both 0: from the clip); got {width}x{height}.")
+        if video is not None:
+            clip = video_to_decoded(video, "video")
+            frames, fps, waveform, rate = clip.frames, clip.fps, clip.audio, clip.sample_rate
+        else:
+            frames, fps, waveform, rate = image_to_uint8(images, "images"), float(frame_rate), None, None
+        if audio is not None:
+            sound = audio_to_decoded(audio, "audio")
+            waveform, rate = sound.waveform, sound.sample_rate
+        if not width:
+            width, height = vae.canvas.canvas(frames.shape[2], frames.shape[1])
+        clip_frame_count(frames.shape[0], fps)  # too short a clip is refused before the VAEs move
+        place([vae.patcher])
+        with freed_on_failure(device()):
+            latents = encode_clip(vae.video, vae.audio, frames, fps, int(width), int(height), waveform, rate)
+        latent = pack_latents(latents, width=int(width), height=int(height))
+        return io.NodeOutput(latent, int(width), int(height), latents.num_frames)
+
+
+NODES = [H3EmptyAVLatent, H3VAEEncode]

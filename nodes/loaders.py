@@ -278,7 +278,8 @@ class H3VAELoader(io.ComfyNode):
             audio = load_audio_vae(audio_path, device=target) if audio_path else tiny_random_audio_vae(target)
         name = folder or f"{video_vae} + {audio_vae}"
         patcher = manage(f"H3 VAEs ({name})", [video, audio], target, "vae")
-        return io.NodeOutput(VAEHandle(video, audio, name, target, patcher=patcher))
+        canvas = TINY_CANVAS if video_vae == TINY_RANDOM and not folder else RELEASE_CANVAS
+        return io.NodeOutput(VAEHandle(video, audio, name, target, patcher=patcher, canvas=canvas))
 
 
 NODES = [H3ModelLoader, H3TextEncoderLoader, H3VAELoader]

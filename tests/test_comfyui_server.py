@@ -28,7 +28,8 @@ PACK = Path(__file__).resolve().parents[1]
 WORKFLOWS = sorted((PACK / "workflows" / "api").glob("*.json"))
 TEMPLATES = sorted((PACK / "example_workflows").glob("*.json"))
 NODE_IDS = ["H3ModelLoader", "H3TextEncoderLoader", "H3VAELoader", "H3Conditioning", "H3EmptyAVLatent", "H3Sampler",
-            "H3LoRAApply", "H3VAEDecode", "H3AVSave", "H3AddGuide", "H3Continuation", "H3ContinuationGuide", "H3SaveMP4"]
+            "H3LoRAApply", "H3VAEDecode", "H3AVSave", "H3AddGuide", "H3Continuation", "H3ContinuationGuide", "H3SaveMP4",
+            "H3VAEEncode"]
 TURBO_LORA = "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors"
 COMFYUI = os.environ.get("COMFYUI_PATH")
 PREVIEW_EVENTS = (1, 4)  # ComfyUI's binary PREVIEW_IMAGE and PREVIEW_IMAGE_WITH_METADATA

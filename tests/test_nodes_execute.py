@@ -372,6 +372,34 @@ def test_continuation_extends_a_sampled_clip(comfy):
     assert len(c.record.loaded) == loads  # refused before any model moved
 
 
+def test_vae_encode_turns_a_video_into_a_latent_to_extend(comfy):
+    c = comfy
+    model, text, vae = _models(c)
+    sound = {"waveform": torch.randn(1, 2, 44100 * 3) * 0.1, "sample_rate": 44100}
+    video = SimpleNamespace(get_components=lambda: SimpleNamespace(images=torch.rand(75, 100, 180, 3),
+                                                                   frame_rate=Fraction(30), audio=sound))
+    encode = c.latent.H3VAEEncode
+    latent, width, height, frames = encode.execute(vae, video=video).values
+    # 75 frames at 30 fps = 60 at 24 fps, cut to 56 (17n + 5); tiny-random's canvas for a 9:5 clip
+    assert (width, height, frames) == (224, 128, 56) and latent["video"].shape == (1, 24, 17, 8, 14)
+    assert latent["audio"].shape == (2, 32, 93) and not latent.get("empty")
+    longer, total = importlib.import_module("nodes.long_video").H3Continuation.execute(
+        model, text, "the street keeps going", "t2va", 5.0, "continuation", 107, 22, 3, 2, 0.0, 0.0, "auto", 0, 0,
+        continue_from=latent).values
+    assert total == 124 and torch.equal(longer["video"][:, :, :17], latent["video"])
+    frames_only = encode.execute(vae, images=torch.rand(30, 64, 64, 3), frame_rate=24.0, width=128, height=128).values
+    assert frames_only[1:] == (128, 128, 22)  # silence for the sound
+
+    loads = len(c.record.loaded)
+    with pytest.raises(ValueError, match="Connect a video or images"):
+        encode.execute(vae)
+    with pytest.raises(ValueError, match="needs at least 22 frames at 24 fps"):
+        encode.execute(vae, images=torch.rand(10, 64, 64, 3))
+    with pytest.raises(ValueError, match="width and height together"):
+        encode.execute(vae, images=torch.rand(30, 64, 64, 3), width=128)
+    assert len(c.record.loaded) == loads  # refused before the VAEs were placed
+
+
 def test_single_file_text_encoder_without_tokenizer_folder_is_refused_before_making_room(comfy):
     import tiny_qwen
 
