@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import numpy as np
 import torch
@@ -20,18 +19,7 @@ from h3_core.vae_audio import AudioVAE, AudioVAEConfig
 from h3_core.vae_video import (
     CONDITION_ENCODE_SEED, VideoVAE, VideoVAEConfig, fp16_round_trip, frames_to_model_space,
 )
-
-GIB = 1024**3
-
-
-def timed(work):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    clock = time.perf_counter()
-    result = work()
-    torch.cuda.synchronize()
-    return result, time.perf_counter() - clock, torch.cuda.max_memory_allocated() / GIB
-
+from vae_decode import GIB, timed  # bench/ is on the path when a script here runs
 
 def whole_clip_on_device(vae: VideoVAE, frames: np.ndarray) -> torch.Tensor:
     """The encode as it ran before: every frame on the GPU in model space, then 17-frame clips."""

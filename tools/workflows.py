@@ -78,17 +78,23 @@ def _video(graph: Graph, real: bool, what: str) -> list:
     return [graph.add("CreateVideo", images=[frames, 0], fps=24.0, audio=[sound, 0]), 0]
 
 
+def _loaders(graph: Graph, real: bool, partition: str = "fl2va") -> tuple[str, str, str]:
+    """The three loaders: the Comfy-Org files (real) or tiny-random."""
+    tiny = "tiny-random"
+    model = graph.add("H3ModelLoader", checkpoint=REAL[partition] if real else tiny, folder="", partition=partition,
+                      weight_dtype="bf16", attention="auto")
+    text = graph.add("H3TextEncoderLoader", text_encoder=REAL["text_encoder"] if real else tiny, folder="",
+                     tokenizer_folder="", weight_dtype="bf16")
+    vae = graph.add("H3VAELoader", video_vae=REAL["video_vae"] if real else tiny,
+                    audio_vae=REAL["audio_vae"] if real else tiny, folder="", weight_dtype="bf16")
+    return model, text, vae
+
+
 def build(name: str, real: bool) -> dict:
     task, keyframes, references, turbo = TASKS[name]
     partition = "ref2va" if task == "ref2va" else "fl2va"
-    tiny = "tiny-random"
     g = Graph()
-    model = g.add("H3ModelLoader", checkpoint=REAL[partition] if real else tiny, folder="", partition=partition,
-                  weight_dtype="bf16", attention="auto")
-    text = g.add("H3TextEncoderLoader", text_encoder=REAL["text_encoder"] if real else tiny, folder="",
-                 tokenizer_folder="", weight_dtype="bf16")
-    vae = g.add("H3VAELoader", video_vae=REAL["video_vae"] if real else tiny,
-                audio_vae=REAL["audio_vae"] if real else tiny, folder="", weight_dtype="bf16")
+    model, text, vae = _loaders(g, real, partition)
     model_out = [model, 0]
     if turbo:
         model_out = [g.add("H3LoRAApply", model=model_out, lora_name=TURBO_LORA, strength=1.0), 0]
@@ -120,14 +126,8 @@ LONG_VIDEO_GUIDES = ((0, "image"), (300, "image"), (-60, "audio"))
 def build_long_video(real: bool, guides=()) -> dict:
     """t2va over 20 s in two continuation windows, each with its own prompt, decoded straight into an MP4;
     `guides` (frame, kind) chained through H3 Continuation Guide."""
-    tiny = "tiny-random"
     g = Graph()
-    model = g.add("H3ModelLoader", checkpoint=REAL["fl2va"] if real else tiny, folder="", partition="fl2va",
-                  weight_dtype="bf16", attention="auto")
-    text = g.add("H3TextEncoderLoader", text_encoder=REAL["text_encoder"] if real else tiny, folder="",
-                 tokenizer_folder="", weight_dtype="bf16")
-    vae = g.add("H3VAELoader", video_vae=REAL["video_vae"] if real else tiny,
-                audio_vae=REAL["audio_vae"] if real else tiny, folder="", weight_dtype="bf16")
+    model, text, vae = _loaders(g, real)
     chain = {}
     for index, (frame, kind) in enumerate(guides):
         media = (_image(g, real, f"long_guide_{index}", 8421504 + 5000 * index) if kind == "image"
@@ -147,14 +147,8 @@ def build_long_video(real: bool, guides=()) -> dict:
 def build_extend_video(real: bool) -> dict:
     """A t2va clip from H3 Dual-Clock Sampler, saved, then extended to 15 s (kept as it is, continued from its
     tail) and saved again."""
-    tiny = "tiny-random"
     g = Graph()
-    model = g.add("H3ModelLoader", checkpoint=REAL["fl2va"] if real else tiny, folder="", partition="fl2va",
-                  weight_dtype="bf16", attention="auto")
-    text = g.add("H3TextEncoderLoader", text_encoder=REAL["text_encoder"] if real else tiny, folder="",
-                 tokenizer_folder="", weight_dtype="bf16")
-    vae = g.add("H3VAELoader", video_vae=REAL["video_vae"] if real else tiny,
-                audio_vae=REAL["audio_vae"] if real else tiny, folder="", weight_dtype="bf16")
+    model, text, vae = _loaders(g, real)
     cond = g.add("H3Conditioning", text_encoder=[text, 0], vae=[vae, 0], prompt=PROMPT, task="t2va",
                  aspect_ratio="auto", width=0, height=0, duration=5.0 if real else 4.0)
     latent = g.add("H3EmptyAVLatent", width=1344, height=768, num_frames=124, conditioning=[cond, 0])
