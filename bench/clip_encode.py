@@ -21,6 +21,7 @@ from h3_core.vae_video import (
 )
 from vae_decode import GIB, timed  # bench/ is on the path when a script here runs
 
+
 def whole_clip_on_device(vae: VideoVAE, frames: np.ndarray) -> torch.Tensor:
     """The encode as it ran before: every frame on the GPU in model space, then 17-frame clips."""
     pixels = torch.from_numpy(frames).permute(3, 0, 1, 2)[None].cuda()
