@@ -12,7 +12,8 @@ Run: python tools/workflows.py   (then node tools/canvas.mjs for the canvas file
 Every task's graph; t2va_guides: an image and a sound anchored mid-clip (H3 Add Guide); long_video:
 t2va over 20 s in two continuation windows; long_video_guides: the same with an image at the start, one
 at 12.5 s (the second window) and a sound in the last 2.5 s (H3 Continuation Guide); extend_video: a
-t2va clip sampled, then extended to 15 s by H3 Continuation (continue_from).
+t2va clip sampled, then extended to 15 s by H3 Continuation (continue_from); extend_my_video: a video of
+your own (H3 VAE Encode) extended the same way.
 """
 
 from __future__ import annotations
@@ -166,6 +167,20 @@ def build_extend_video(real: bool) -> dict:
     return g.nodes
 
 
+def build_extend_my_video(real: bool) -> dict:
+    """A video of your own (H3 VAE Encode) extended to 15 s by H3 Continuation and saved."""
+    g = Graph()
+    model, text, vae = _loaders(g, real)
+    clip = g.add("H3VAEEncode", vae=[vae, 0], video=_video(g, real, "my_clip"), width=0, height=0)
+    longer = g.add("H3Continuation", model=[model, 0], text_encoder=[text, 0], vae=[vae, 0], continue_from=[clip, 0],
+                   prompt=PROMPT, task="t2va", duration=15.0 if real else 5.0, mode="continuation",
+                   window_frames=277, overlap_frames=22, seed=0, steps=0 if real else 2, video_shift=0.0,
+                   audio_shift=0.0, aspect_ratio="auto", width=0, height=0, window_prompts="")
+    g.add("H3SaveMP4", vae=[vae, 0], latent=[longer, 0], filename_prefix="H3/extend_my_video", tiling="release",
+          devices="")
+    return g.nodes
+
+
 def main() -> None:
     for folder, real in (("api", False), ("templates", True)):
         out = ROOT / "workflows" / folder
@@ -176,7 +191,8 @@ def main() -> None:
         guided = build_long_video(real, LONG_VIDEO_GUIDES)
         (out / "long_video_guides.json").write_text(json.dumps(guided, indent=2) + "\n")
         (out / "extend_video.json").write_text(json.dumps(build_extend_video(real), indent=2) + "\n")
-    print(f"wrote {len(TASKS) + 3} API prompts to workflows/api and workflows/templates")
+        (out / "extend_my_video.json").write_text(json.dumps(build_extend_my_video(real), indent=2) + "\n")
+    print(f"wrote {len(TASKS) + 4} API prompts to workflows/api and workflows/templates")
 
 
 if __name__ == "__main__":
