@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--window-prompt", action="append", default=[], metavar="TEXT",
                      help="one prompt per window, repeatable, in window order (default: --prompt in every window)")
     gen.add_argument("--continue-from", type=Path, metavar="LATENTS",
-                     help="with --long-video: extend a clip saved with --save-latents (kept as it is; its canvas; "
+                     help="with --long-video: extend a clip saved with --save-latents or h3 encode (kept as it is; its canvas; "
                           "--duration counts the whole clip)")
     gen.add_argument("--drive-audio", type=Path, metavar="PATH",
                      help="generate to this soundtrack: it becomes the output audio, held fixed while sampling "
@@ -253,7 +253,7 @@ def _long_video(args, request: Request) -> Request | LongVideoRequest:
 
 
 def _saved_latents(path: Path) -> AVLatents:
-    """Latents written by --save-latents (or an H3 ComfyUI node's), checked before any model loads."""
+    """Latents written by --save-latents or h3 encode, checked before any model loads."""
     if not path.is_file():
         raise ValueError(f"--continue-from {path}: no such file.")
     if path.suffix != ".safetensors":
