@@ -17,14 +17,22 @@ from .conditioning import RequestError
 from .drive_audio import encode_track, load_track
 from .media import SAMPLE_RATE, audio_samples_for_frames
 from .output import AVLatents
-from .references import DecodedAudio, MediaInputError, cover_crop, encode_video, frames_at_24fps, vae_frame_count
+from .references import (
+    DecodedAudio,
+    MediaInputError,
+    count_at_24fps,
+    cover_crop,
+    encode_video,
+    frames_at_24fps,
+    vae_frame_count,
+)
 
 MIN_CLIP_FRAMES = 22  # the shortest clip the latent layout holds (7 latent frames)
 
 
 def clip_frame_count(frames: int, fps: float) -> int:
     """Frames at 24 fps a clip of `frames` frames at `fps` keeps: the largest 17n + 5 (refused below 22)."""
-    at_24 = int(np.floor(frames * geometry.FPS / fps + 0.5))
+    at_24 = count_at_24fps(frames, fps)
     if at_24 < MIN_CLIP_FRAMES:
         raise RequestError(f"A clip to encode needs at least {MIN_CLIP_FRAMES} frames at 24 fps (0.92 s); this one "
                            f"has {at_24} ({frames} at {fps:g} fps).")

@@ -30,6 +30,7 @@ from .attention import attention, query_rows, resolve_backend
 from .local_attention import VideoWindow, check_backend as check_window_backend, check_setting as check_window_setting
 from .rope import apply_rope
 from .config import DiTConfig
+from .fp8 import compute_dtype
 from .layout import RowClock
 
 MODALITIES = 3  # AdaLN table rows per timestep: 0 video, 1 text, 2 audio
@@ -161,8 +162,7 @@ class AdaLNProjection(nn.Module):
     def forward(self, temb: torch.Tensor) -> torch.Tensor:
         # SiLU at temb's fp32 precision, cast only after: every block reads the same temb, so an early
         # rounding would bias all blocks' modulations alike (the reference's order).
-        # (an FP8Linear's weight is e4m3: it names the dtype it computes in)
-        table = self.linear(F.silu(temb).to(getattr(self.linear, "compute_dtype", self.linear.weight.dtype)))
+        table = self.linear(F.silu(temb).to(compute_dtype(self.linear)))
         return table.view(temb.shape[0] * self.rows_per_timestep, -1)
 
 

@@ -44,6 +44,11 @@ LINEAR_MODES = {
 }
 
 
+def compute_dtype(linear: nn.Module) -> torch.dtype:
+    """The dtype a linear computes in: an FP8Linear's `compute_dtype` (its weight is e4m3), else its weight's."""
+    return getattr(linear, "compute_dtype", linear.weight.dtype)
+
+
 def check_linear_mode(mode: str, device: torch.device | str | None = None) -> str:
     """`mode` if it is one of LINEAR_MODES; with a `device`, "fp8-lossy" also needs FP8 matmuls there."""
     if mode not in LINEAR_MODES:

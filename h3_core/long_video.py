@@ -31,7 +31,16 @@ from typing import Any
 import torch
 
 from . import geometry
-from .conditioning import MAX_FRAMES, MIN_FRAMES, Conditioning, Request, RequestError, encode_request, validate
+from .conditioning import (
+    MAX_FRAMES,
+    MIN_FRAMES,
+    Conditioning,
+    Request,
+    RequestError,
+    RequestPlan,
+    encode_request,
+    validate,
+)
 from .continuation import (
     DEFAULT_OVERLAP_FRAMES,
     DEFAULT_WINDOW_FRAMES,
@@ -90,7 +99,11 @@ class LongVideoRequest:
 
 @dataclass(frozen=True)
 class LongVideoPlan:
-    """A validated long request: its geometry, the whole clip's frame count, the windows and their prompts."""
+    """A validated long request: its geometry, the whole clip's frame count, the windows and their prompts.
+
+    `first` is the first window's prompt as one request on the clip's canvas, as long as the longest sampled
+    window within one request's range (a continued clip's extension may be shorter than one request); the
+    references and prompts are checked (`first_plan`) and encoded with it."""
 
     task: str
     width: int
@@ -98,18 +111,8 @@ class LongVideoPlan:
     num_frames: int
     windows: tuple[Window, ...]
     prompts: tuple[str, ...]  # one per window (a given clip's is the next window's, never used)
-
-    @property
-    def reference_frames(self) -> int:
-        """The output length references are prepared for: the longest sampled window's (the first, unless a
-        given clip leaves a short one first), within one request's range."""
-        return reference_frames(self.windows)
-
-
-def reference_frames(windows) -> int:
-    """The longest sampled window's frames brought into one request's range (a continued clip's extension
-    may be shorter than one request): what the media is checked and prepared for."""
-    return min(max(MIN_FRAMES, max(window.frames for window in sampled(windows))), MAX_FRAMES)
+    first: Request
+    first_plan: RequestPlan
 
 
 def split_window_prompts(text: str) -> tuple[str, ...]:
@@ -160,8 +163,9 @@ def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_
     else:
         prompts = (request.prompt,) * len(new)
     prompts = prompts[:1] * (len(windows) - len(new)) + prompts
-    plan = validate(dataclasses.replace(base, prompt=prompts[0], duration=None, num_frames=reference_frames(windows)),
-                    rules)
+    longest = min(max(MIN_FRAMES, max(window.frames for window in new)), MAX_FRAMES)
+    first = dataclasses.replace(base, prompt=prompts[0], duration=None, num_frames=longest)
+    plan = validate(first, rules)
     if request.drive_audio is not None and given_frames:
         raise RequestError("A driving soundtrack drives a clip from its first frame; a continued clip already has "
                            "its sound. Continue without drive audio, or drive the whole clip from the start.")
@@ -171,7 +175,7 @@ def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_
         except MediaInputError as error:
             raise RequestError(str(error)) from None
     check_window_guides(plan.task, windows, total, request.guides, locked_audio=request.drive_audio is not None)
-    return LongVideoPlan(plan.task, plan.width, plan.height, total, windows, prompts)
+    return LongVideoPlan(plan.task, plan.width, plan.height, total, windows, prompts, first, plan)
 
 
 def _continued(request: LongVideoRequest) -> tuple[Request, int]:
@@ -241,9 +245,14 @@ class LongConditioning:
         return [guide for guide in self.guides if guide.window == window.index]
 
     @property
+    def largest_layout(self) -> PackedLayout:
+        """The longest packed sequence of any sampled window: what one DiT forward ever holds."""
+        return max((self.window_layout(window) for window in sampled(self.windows)),
+                   key=lambda layout: layout.sequence_length)
+
+    @property
     def max_rows(self) -> int:
-        """The longest packed sequence of any window: what one DiT forward ever holds."""
-        return max(self.window_layout(window).sequence_length for window in sampled(self.windows))
+        return self.largest_layout.sequence_length
 
     def window(self, window: Window, guide: tuple[torch.Tensor, torch.Tensor] | None) -> Conditioning:
         """One window as an ordinary request: `guide` = (video [1, C, Lg, h, w], audio [2, Ca, Ag]) from
@@ -271,14 +280,12 @@ def encode_long_video(
     plan = validate_long_video(request, rules)
     if request.drive_audio is not None and audio_vae is None:
         raise RequestError("A driving audio track is encoded by the audio VAE: pass an audio_vae.")
-    base = dataclasses.replace(_continued(request)[0], prompt=plan.prompts[0], duration=None,
-                               num_frames=plan.reference_frames)
-    first = encode_request(base, text_encoder, video_vae, audio_vae, rules=rules)
+    first = encode_request(plan.first, text_encoder, video_vae, audio_vae, rules=rules)
     texts = {plan.prompts[0]: (first.text_states, first.text_tags)}
     if len(set(plan.prompts)) > 1:
-        checked = validate(base, rules)
+        checked = plan.first_plan
         shown = [
-            prepare_reference(reference, plan.reference_frames, checked.reference_rules,
+            prepare_reference(reference, checked.num_frames, checked.reference_rules,
                               f"references[{i}]").for_presentation()
             for i, reference in enumerate(checked.references)
         ]

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fp8 import FP8Linear
+from .fp8 import FP8Linear, compute_dtype
 from .keymap import deinterleave_qkv
 from .lora_formats import (
     LIGHTX2V_NAME,
@@ -329,7 +329,7 @@ class _DeltaHook:
     """
 
     def __init__(self, module: nn.Module, resolved: list[_Resolved]):
-        dtype = getattr(module, "compute_dtype", module.weight.dtype)  # an FP8Linear computes in bf16 / fp16
+        dtype = compute_dtype(module)
         device = module.weight.device
         self.terms = [
             (r.param, r.rows, r.scale,

@@ -26,7 +26,7 @@ from .memory_plan import GIB, MemoryPlan, free_bytes, plan_for, usable_bytes
 from .offload import load_device, place
 from .conditioning import Request, RequestError, encode_request, validate
 from .clip_latents import clip_frame_count, encode_clip
-from .continuation import MAX_CONTINUATION_SECONDS, sampled
+from .continuation import MAX_CONTINUATION_SECONDS
 from .layout import pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
@@ -257,9 +257,10 @@ def generate(
                                       guides=tuple(guide_media))
         check(request, rules)
         guide_media = []
-    for media in guide_media:
-        check_guide(request.task, plan.num_frames, media.frame_index, media.frames, media.waveform, media.sample_rate)
-    if guide_media:  # added to the conditioning below, once it is encoded
+    elif guide_media:  # checked now, added to the conditioning once it is encoded
+        for media in guide_media:
+            check_guide(request.task, plan.num_frames, media.frame_index, media.frames, media.waveform,
+                        media.sample_rate)
         request = dataclasses.replace(request, guides=())
     source = resolve_model_source(model, partition)
     resolve_backend(settings.attention, device, window=window > 0)
@@ -384,8 +385,9 @@ def encode_clip_file(video: str | Path, model: str, out: str | Path, *, audio: s
         width, height = source.canvas.canvas(clip.frames.shape[2], clip.frames.shape[1])
     clip_frame_count(clip.frames.shape[0], geometry.FPS)
     geometry.check_canvas(width, height)
-    if not source.tiny:
-        locate_video_vae(source.root), locate_audio_vae(source.root)
+    if not source.tiny:  # both found and recognized before either loads
+        locate_video_vae(source.root)
+        locate_audio_vae(source.root)
     device = torch.device(device)
     dtype = vae_dtype or (tiny_model_dtype(device, None) if source.tiny else torch.bfloat16)
     video_vae, audio_vae = load_vaes(source, device, dtype)
@@ -462,8 +464,7 @@ def largest_layout(conditioning):
     """The packed layout the DiT sees at its largest: the request's, or a long video's biggest window."""
     if hasattr(conditioning, "layout"):
         return conditioning.layout
-    return max((conditioning.window_layout(w) for w in sampled(conditioning.windows)),
-               key=lambda layout: layout.sequence_length)
+    return conditioning.largest_layout
 
 
 def _empty_cache(device: torch.device) -> None:

@@ -379,14 +379,17 @@ def prepare_image_reference(image: Image.Image, rules: CanvasRules = RELEASE_CAN
     return image if image.size == size else image.resize(size, Image.Resampling.LANCZOS)
 
 
+def count_at_24fps(count: int, fps: float) -> int:
+    """How many frames `count` frames at `fps` become on the 24 fps slot grid (`frames_at_24fps`)."""
+    return count if fps == FPS else math.floor(count * (FPS / fps) + 0.5)
+
+
 def frames_at_24fps(frames: np.ndarray, fps: float) -> np.ndarray:
     """[N, H, W, 3] at `fps` -> the 24 fps slot grid by dropping and repeating whole frames."""
     if fps == FPS:
         return frames
-    scale = FPS / fps
-    slots = np.floor(np.arange(frames.shape[0]) * scale + 0.5).astype(np.int64)
-    end = math.floor(frames.shape[0] * scale + 0.5)
-    return np.repeat(frames, np.diff(slots, append=end), axis=0)
+    slots = np.floor(np.arange(frames.shape[0]) * (FPS / fps) + 0.5).astype(np.int64)
+    return np.repeat(frames, np.diff(slots, append=count_at_24fps(frames.shape[0], fps)), axis=0)
 
 
 def prepare_video_frames(

@@ -6,13 +6,13 @@ rows the denoiser sees, window prompts, driving audio, `h3 generate --long-video
 """
 
 import re
-import wave
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
+from wav_files import write_wav
 
 from h3_core import geometry, pipeline
 from h3_core.cli import main
@@ -202,16 +202,6 @@ def test_generate_decodes_the_whole_clip_once(tmp_path, monkeypatch):
     request = LongVideoRequest(Request("t2va", PROMPT, duration=20))
     (result,) = pipeline.generate(request, "tiny-random", pipeline.GenerateSettings(steps=STEPS), out=tmp_path / "a.mp4")
     assert decoded == [481] and result.latents.num_frames == 481
-
-
-def write_wav(path, seconds: float) -> None:
-    time = np.arange(int(seconds * 16000)) / 16000
-    with wave.open(str(path), "wb") as handle:
-        handle.setnchannels(2)
-        handle.setsampwidth(2)
-        handle.setframerate(16000)
-        stereo = np.stack([np.sin(2 * np.pi * 220 * time), np.sin(2 * np.pi * 330 * time)], axis=1)
-        handle.writeframes((0.5 * stereo * 32767).astype("<i2").tobytes())
 
 
 def test_cli_long_video_with_window_prompts_and_drive_audio(tmp_path, capsys):

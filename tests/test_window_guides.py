@@ -8,6 +8,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
+from wav_files import write_wav
 
 from h3_core.cli import main
 from h3_core.conditioning import Request, RequestError, encode_request
@@ -134,24 +135,14 @@ def test_one_window_with_guides_is_one_request_with_add_guide(models):
 def test_bad_guides_fail_before_any_model(tmp_path, guides, options, message):
     if options.get("drive_audio") == "DRIVE":
         options["drive_audio"] = tmp_path / "drive.wav"
-        write_wav(options["drive_audio"])
+        write_wav(options["drive_audio"], 2.0)
     with pytest.raises(RequestError, match=message):
         validate_long_video(long_request(guides=guides, **options), TINY_CANVAS)
 
 
-def write_wav(path) -> None:
-    import wave
-
-    with wave.open(str(path), "wb") as handle:
-        handle.setnchannels(1)
-        handle.setsampwidth(2)
-        handle.setframerate(16000)
-        handle.writeframes((np.sin(np.arange(32000) / 10) * 8000).astype("<i2").tobytes())
-
-
 def test_cli_long_video_takes_guides(tmp_path):
     Image.fromarray(picture(7)[0]).save(tmp_path / "key.png")
-    write_wav(tmp_path / "bell.wav")
+    write_wav(tmp_path / "bell.wav", 2.0)
     out, plain = tmp_path / "guided.safetensors", tmp_path / "plain.safetensors"
     argv = ["generate", "--long-video", "--duration", "20", "--steps", "2", "--prompt", PROMPT]
     assert main([*argv, "--guide", "300:image=" + str(tmp_path / "key.png"), 
