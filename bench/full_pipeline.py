@@ -11,7 +11,14 @@ release's; the count is printed. One JSON line per stage, then a summary line.
 
     python bench/full_pipeline.py --steps 4 --duration 5 --out /tmp/full.mp4     (GPU)
     python bench/full_pipeline.py --steps 50 --compile --linears fp8-lossy --attention-window-lossy 8   (fastest, lossy)
+    python bench/full_pipeline.py --gpu-memory 24 --steps 4                        (as on a 24 GB card)
     python bench/full_pipeline.py --tiny --out /tmp/tiny.mp4                      (CPU smoke run)
+
+`--gpu-memory GIB` caps this process's GPU memory at GIB (torch's per-process fraction: the allocator
+refuses anything past it) and places the models as `h3 generate --gpu-memory GIB` does when they do not
+fit: the text encoder's layers visit the GPU one at a time, the DiT keeps the blocks its memory plan
+allows resident and streams the rest from pinned CPU memory. The big models are then built in CPU memory
+(their values drawn on the GPU, a tensor at a time).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import argparse
 import copy
 import gc
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -31,6 +39,8 @@ from h3_core.conditioning import Request, encode_request
 from h3_core.config import TINY_DIT, DiTConfig
 from h3_core.dit import H3DiT, rope_inverse_frequencies
 from h3_core.fp8 import apply_linear_mode
+from h3_core.memory_plan import plan_for
+from h3_core.offload import place
 from h3_core.output import write_mp4
 from h3_core.pipeline import TINY_CANVAS, sample
 from h3_core.prompt import Presenter
@@ -51,19 +61,25 @@ PROMPT = (
 )
 
 
-def materialize_(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Allocate a meta-built model on `device` with small random values (timing ignores the values)."""
+def materialize_(model: torch.nn.Module, device: torch.device, draw_on: torch.device | None = None) -> torch.nn.Module:
+    """Allocate a meta-built model on `device` with small random values (timing ignores the values);
+    `draw_on`: a GPU that draws each matrix for a model held in CPU memory (much faster than the CPU)."""
     model.to_empty(device=device)
     with torch.no_grad():
         for param in model.parameters():
             if param.ndim >= 2:
-                param.normal_(0.0, 1.0 / param[0].numel() ** 0.5)
+                std = 1.0 / param[0].numel() ** 0.5
+                if draw_on is None:
+                    param.normal_(0.0, std)
+                else:
+                    param.copy_(torch.empty(param.shape, dtype=param.dtype, device=draw_on).normal_(0.0, std))
             else:
                 param.fill_(1.0) if param.numel() > 1 else param.zero_()
     return model.eval().requires_grad_(False)
 
 
-def text_encoder(folder: Path, device: torch.device, dtype: torch.dtype, tiny: bool) -> TextEncoder:
+def text_encoder(folder: Path, device: torch.device, dtype: torch.dtype, tiny: bool,
+                 draw_on: torch.device | None = None) -> TextEncoder:
     """Qwen3-VL cut after layer 50 (identity final norm, as the loader builds it) with the real sizes, and
     the tiny tokenizer's special-token ids so the presenter and the model agree."""
     from transformers import Qwen3VLModel
@@ -77,7 +93,7 @@ def text_encoder(folder: Path, device: torch.device, dtype: torch.dtype, tiny: b
         model = Qwen3VLModel(config)
     model.language_model.norm = torch.nn.Identity()
     model.to(dtype)
-    materialize_(model, device)
+    materialize_(model, device, draw_on)
     for name, module in list(model.named_modules()):  # rotary tables: rebuilt from the config on the device
         if "RotaryEmbedding" in type(module).__name__:
             with torch.device(device):
@@ -87,11 +103,12 @@ def text_encoder(folder: Path, device: torch.device, dtype: torch.dtype, tiny: b
     return TextEncoder(model, presenter)
 
 
-def build_dit(config: DiTConfig, device: torch.device, dtype: torch.dtype) -> H3DiT:
+def build_dit(config: DiTConfig, device: torch.device, dtype: torch.dtype,
+              draw_on: torch.device | None = None) -> H3DiT:
     with torch.device("meta"):
         model = H3DiT(config)
     model.set_dtype(dtype)
-    materialize_(model, device)
+    materialize_(model, device, draw_on)
     model.rope_inv_freq = rope_inverse_frequencies(config).to(device)
     return model
 
@@ -126,8 +143,17 @@ def main():
     parser.add_argument("--compile", action="store_true", help="compile the repeated block (h3 generate --compile)")
     parser.add_argument("--linears", default="checkpoint", help="h3 generate --linears (e.g. fp8-lossy)")
     parser.add_argument("--attention-window-lossy", type=int, default=0, metavar="FRAMES")
+    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                        help="cap the GPU at GIB and place the models as h3 generate --gpu-memory does")
+    parser.add_argument("--uncapped", action="store_true",
+                        help="with --gpu-memory: place the models for GIB but do not cap (how much the allocator "
+                             "reserves beyond what is allocated)")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
+    capped = args.gpu_memory is not None and not args.tiny
+    if capped and not args.uncapped:  # the allocator refuses anything past the cap, as a smaller card would
+        torch.cuda.set_per_process_memory_fraction(args.gpu_memory * GIB / torch.cuda.get_device_properties(0).total_memory)
+    home, draw_on = (torch.device("cpu"), device) if capped else (device, None)
     dtype = torch.float32 if args.tiny else torch.bfloat16
     folder = Path(tempfile.mkdtemp(prefix="h3-bench-tok-"))
     write_tokenizer(folder)
@@ -137,7 +163,12 @@ def main():
     rules = TINY_CANVAS if args.tiny else RELEASE_CANVAS
     rows = []
 
-    encoder, row = stage("text encoder build (random, stands for the load)", device, lambda: text_encoder(folder, device, dtype, args.tiny))
+    def build_text_encoder():
+        encoder = text_encoder(folder, home, dtype, args.tiny, draw_on)
+        return encoder.stream_layers(device) if capped else encoder
+
+    encoder, row = stage("text encoder build (random, stands for the load)" + (", layers streamed" if capped else ""),
+                         device, build_text_encoder)
     shutil.rmtree(folder, ignore_errors=True)  # the tokenizer and processor are loaded
     rows.append(row)
     video_config = TINY_VIDEO_VAE if args.tiny else VideoVAEConfig()
@@ -159,10 +190,20 @@ def main():
             torch.cuda.empty_cache()
 
     rows.append(stage("release text encoder, park VAEs", device, release)[1])
-    dit, row = stage("DiT build (random, stands for the load)", device, lambda: build_dit(TINY_DIT if args.tiny else DiTConfig(), device, dtype))
+    config = TINY_DIT if args.tiny else DiTConfig()
+    fp8 = args.linears.startswith("fp8")
+    plan = plan_for(config, conditioning.layout, args.steps, device, args.gpu_memory, fp8=fp8) if capped else None
+    if plan is not None:
+        print(json.dumps({"memory_plan": plan.describe(config.num_layers), "fits": plan.fits,
+                          "planned_peak_gib": round(plan.expected_peak_bytes / GIB, 2)}), flush=True)
+    dit, row = stage("DiT build (random, stands for the load)", device, lambda: build_dit(config, home, dtype, draw_on))
     rows.append(row)
     if args.linears != "checkpoint":
-        apply_linear_mode(dit, args.linears, device)
+        apply_linear_mode(dit, args.linears, home)
+    streamer = None
+    if plan is not None:
+        streamer, row = stage("DiT placed by its memory plan", device, lambda: place(dit, device, plan))
+        rows.append(row)
     backend = dit.set_attention(args.attention, args.attention_window_lossy)
     if args.compile:
         dit.compile_blocks()
@@ -180,15 +221,18 @@ def main():
 
     def run_sample():
         last[0] = time.perf_counter()
-        return sample(dit, conditioning, seed=0, steps=args.steps, callback=on_step)
+        return sample(dit, conditioning, seed=0, steps=args.steps, callback=on_step,
+                      offload_adaln=plan is not None and plan.offload_adaln)
 
     latents, row = stage(f"sample ({args.steps} steps)", device, run_sample)
     rows.append(row)
     print(json.dumps({"seconds_per_step": step_times}), flush=True)
 
     def release_dit():
-        nonlocal dit
-        dit = None
+        nonlocal dit, streamer
+        if streamer is not None:
+            streamer.remove()
+        dit = streamer = None  # the streamer holds the resident blocks too
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -209,8 +253,11 @@ def main():
         "summary": "full pipeline", "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "canvas": f"{width}x{height}", "frames": int(latents.num_frames),
         "frames_in_mp4": frames, "streams": streams, "steps": args.steps,
+        "gpu_memory_gib": args.gpu_memory if capped else None, "capped": capped and not args.uncapped,
+        "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
         "total_seconds": round(sum(r["seconds"] for r in rows), 2),
         "peak_allocated_gib": max((r.get("peak_allocated_gib", 0) for r in rows), default=0),
+        "peak_reserved_gib": max((r.get("peak_reserved_gib", 0) for r in rows), default=0),
     }
     print(json.dumps(summary), flush=True)
 

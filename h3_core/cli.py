@@ -34,7 +34,7 @@ from .media import MediaError
 from .output import AVLatents
 from .pipeline import GenerateSettings, encode_clip_file, generate, sample
 from .references import REFERENCE_IMAGE_MODES, MediaReference
-from .runtime import return_freed_memory_to_os
+from .runtime import return_freed_memory_to_os, use_expandable_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule
 from .tiny import TINY_RANDOM, tiny_random_dit
 
@@ -55,6 +55,8 @@ COMPILE_HELP = ("torch.compile the repeated block: ~10%% faster per step on an H
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if "," not in (getattr(args, "devices", None) or ""):  # one device (worker processes keep torch's default)
+        use_expandable_segments()
     try:
         return args.run(args)
     except (CheckpointError, ValueError, FileNotFoundError, MediaError) as error:  # LoRAError is a ValueError

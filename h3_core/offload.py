@@ -128,9 +128,11 @@ class BlockStreamer:
         return hook
 
     def remove(self) -> None:
+        """Take the hooks off and give back the GPU slots (the blocks keep their CPU or resident weights)."""
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
+        self.slots, self.slot_free, self.loaded = [], [], {}
 
     @property
     def offloaded_bytes(self) -> int:
@@ -182,7 +184,6 @@ def unplace(dit: H3DiT, device: torch.device | str, streamer: BlockStreamer | No
             views = streamer.home.pop(index)
             for param, view in zip(_streamed_parameters(streamer.blocks[index]), views):
                 param.data = torch.empty(view.shape, dtype=view.dtype).copy_(view) if view.is_pinned() else view
-        streamer.slots, streamer.loaded = [], {}
     dit.to(device)
 
 

@@ -36,6 +36,7 @@ from .noise import condition_rows, request_generator, target_noise
 from .media import SAMPLE_RATE, MediaError
 from .output import AVLatents, write_mp4
 from .references import RELEASE_CANVAS, CanvasRules
+from .runtime import fixed_allocator_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback
 from .sampler import denoise as denoise_loop
 from .text import load_text_encoder, text_encoder_bytes
@@ -316,7 +317,7 @@ def generate(
                 streamer.remove()
             if hasattr(dit, "close"):
                 dit.close()  # the parallel workers
-            dit = None
+            dit = streamer = None  # the streamer holds the resident blocks too
             _empty_cache(device)
         latents_path = numbered(save_latents, index, settings.outputs)
         if latents_path is not None:
@@ -431,6 +432,10 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
             "block streamed from the CPU; shorten it, use a smaller canvas, or free GPU memory.")
     if device.type == "cuda":
         notes(f"memory: {plan.describe(config.num_layers)}")
+        if plan.streams and fixed_allocator_segments():
+            notes("memory: torch's allocator has fixed-size segments, so the plan keeps one block's activations "
+                  "spare for fragmentation; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the h3 command's "
+                  "default) leaves more room for resident blocks")
     home = load_device(plan, device)
     # LoRAs merge into dense weights, so with them the lossy FP8 linears are made after the merge
     quantize_later = source.tiny or (bool(loras) and settings.linears.startswith("fp8"))

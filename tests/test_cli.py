@@ -190,3 +190,23 @@ def test_generate_decodes_with_the_chosen_vae_dtype(tmp_path, monkeypatch, capsy
         assert main(with_option(argv, "--out", str(tmp_path / "a.mp4")) + extra) == 0
         assert f"video VAE: decoder linears in {named}" in capsys.readouterr().err
     assert seen == [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)]
+
+
+@pytest.mark.parametrize(
+    "configured, devices, expected",
+    [
+        ("", None, "expandable_segments:True"),  # the default on one device
+        ("backend:cudaMallocAsync", None, "backend:cudaMallocAsync"),  # the user's choice stays
+        ("", "cpu,cpu", ""),  # worker processes keep torch's default allocator
+    ],
+)
+def test_generate_turns_on_expandable_segments(monkeypatch, capsys, configured, devices, expected):
+    """A streamed DiT ran out of memory by fragmentation under torch's fixed-size segments (bench/RESULTS.md),
+    so one-device runs set PYTORCH_CUDA_ALLOC_CONF before CUDA starts, unless the user set it."""
+    import os
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", configured)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    argv = ["generate", "--prompt", "x", "--duration", "40", "--out", "o.mp4"] + (["--devices", devices] if devices else [])
+    assert main(argv) == 2  # refused (40 s) after the setting, before any model
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == expected

@@ -1,5 +1,7 @@
 """Block streaming gives the resident model's outputs; the memory planner's choices."""
 
+import gc
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -47,6 +49,7 @@ def test_streamed_equals_resident(resident, prefetch):
         assert all(p.data_ptr() == home.data_ptr() for p, home in zip(block_params, streamer.home[index]))
     streamer.remove()
     assert all(not block._forward_pre_hooks for block in model.blocks)
+    assert streamer.slots == [] and streamer.loaded == {}  # the GPU slots go with the hooks
 
 
 def test_streamer_rejects_bad_counts():
@@ -101,7 +104,23 @@ def test_planner_says_when_nothing_fits():
     assert plan.expected_peak_bytes > 8 * GIB
 
 
-def test_plan_for_a_layout_and_place_by_it():
+def test_fixed_allocator_segments_keep_one_block_of_activations_spare():
+    """With torch's default (fixed-size) segments a whole request streamed for 24 GiB reserved 4.7 GiB
+    beyond what it allocated: the plan keeps one block's activations (5.3 GiB at 124 frames) free for that."""
+    from h3_core.runtime import fixed_allocator_segments
+
+    plain, fixed = plan_memory(REAL, ROWS_124F, 24 * GIB), plan_memory(REAL, ROWS_124F, 24 * GIB, fixed_segments=True)
+    spare = activation_bytes(REAL, ROWS_124F, 2)
+    assert fixed.resident_blocks < plain.resident_blocks
+    assert fixed.expected_peak_bytes <= usable_bytes(24 * GIB) - spare < plain.expected_peak_bytes
+    assert fixed_allocator_segments({})
+    assert fixed_allocator_segments({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"})
+    assert not fixed_allocator_segments({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert not fixed_allocator_segments({"PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.6, expandable_segments:true"})
+    assert not fixed_allocator_segments({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})  # ComfyUI's default
+
+
+def test_plan_for_a_layout_and_place_by_it(monkeypatch):
     """plan_for reads the rows and per-step timesteps from the layout; place() then streams or keeps
     everything resident, and the outputs equal the unplaced model's."""
     from h3_core.layout import build_request_layout
@@ -110,8 +129,12 @@ def test_plan_for_a_layout_and_place_by_it():
 
     layout = build_request_layout(1344, 768, 124, torch.ones(512, dtype=torch.long))
     assert layout.sequence_length == ROWS_124F
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     small = plan_for(REAL, layout, 50, "cuda", budget_gib=24)
     assert small.streams and small == plan_memory(REAL, ROWS_124F, 24 * GIB, 49, 2)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # torch's default: fixed-size segments
+    assert plan_for(REAL, layout, 50, "cuda", budget_gib=24) == plan_memory(REAL, ROWS_124F, 24 * GIB, 49, 2,
+                                                                            fixed_segments=True)
     big = plan_for(REAL, layout, 50, "cpu")
     assert not big.streams and not big.offload_adaln
     assert load_device(big, "cuda") == torch.device("cuda") and load_device(small, "cuda") == torch.device("cpu")
@@ -154,14 +177,27 @@ def test_generate_streams_when_the_plan_says_so(tmp_path, monkeypatch):
     from h3_core import pipeline
     from h3_core.conditioning import RequestError
     from h3_core.memory_plan import MemoryPlan
+    from h3_core.output import AVLatents
 
     resident = _tiny_generate(tmp_path)
-    placed = []
-    real_place = pipeline.place
+    placed, alive_at_save = [], []
+    real_place, real_save = pipeline.place, AVLatents.save
+
+    def place(*args):
+        streamer = real_place(*args)
+        placed.append(weakref.ref(streamer))
+        return streamer
+
+    def save(latents, *args, **kwargs):  # after sampling: the streamer (and the blocks it holds) must be gone
+        gc.collect()
+        alive_at_save.append(placed[-1]())
+        return real_save(latents, *args, **kwargs)
+
     monkeypatch.setattr(pipeline, "plan_for", lambda *args, **kwargs: MemoryPlan(1, 1, True, 0, True))
-    monkeypatch.setattr(pipeline, "place", lambda *args: placed.append(real_place(*args)) or placed[-1])
+    monkeypatch.setattr(pipeline, "place", place)
+    monkeypatch.setattr(AVLatents, "save", save)
     streamed = _tiny_generate(tmp_path)
-    assert placed and placed[0] is not None and not placed[0].hooks  # streamed, then the hooks removed
+    assert placed and alive_at_save == [None]  # streamed, then dropped before the outputs are written
     assert torch.equal(resident.video, streamed.video) and torch.equal(resident.audio, streamed.audio)
     monkeypatch.undo()
     monkeypatch.setattr(pipeline, "load_dit", lambda *a, **k: pytest.fail("weights read for a request that cannot fit"))
