@@ -64,6 +64,7 @@ RELEASED_LATENTS_STD = (
 RESIDUAL_DILATIONS = (1, 3, 9)
 RESIDUAL_KERNEL = 7
 DECODER_EDGE_KERNEL = 7  # conv_pre and conv_post
+ENCODER_IN_KERNEL, ENCODER_OUT_KERNEL = 7, 3  # the encoder's first and last convolutions
 ANTI_ALIAS_RATIO = 2
 ANTI_ALIAS_KERNEL = 12  # even: the taps sit at half-integer times
 UPSAMPLE_PAD = ANTI_ALIAS_KERNEL // ANTI_ALIAS_RATIO - 1  # 5 replicated input samples each side
@@ -78,6 +79,11 @@ MLP_RATIO = 2
 # minute streams in the memory of five seconds (a whole 15 s stereo decode at the released size peaks at
 # 0.3 GiB of fp32 activations on an H200; the 29-latent context costs ~30% more decoder work).
 DECODE_WINDOW_LATENTS = 200
+# The encoder's trunk runs in windows too: its first stages hold 64-128 channels at 32 kHz, so one pass
+# over a 20 s stereo track at the released size took 1.54 GiB (CPU, fp32) and a 300 s driving soundtrack
+# would take ~23 GiB; in 10 s windows (with 12 frames of context each side) 0.81 GiB whatever the length,
+# bitwise equal on the CPU. Only the trunk is windowed: the causal attention after it sees every frame.
+ENCODE_WINDOW_LATENTS = 400
 
 
 @dataclass(frozen=True)
@@ -260,6 +266,11 @@ def same_padding(kernel_size: int, dilation: int = 1) -> int:
     return (kernel_size - 1) * dilation // 2
 
 
+def downsample_padding(stride: int) -> int:
+    """Padding of an encoder block's strided convolution (kernel 2 stride): the length divides exactly."""
+    return math.ceil(stride / 2)
+
+
 class ResidualUnit(nn.Module):
     """`x + conv1x1(snake(conv7_dilated(snake(x))))`; the padding keeps the length, so no crop is needed."""
 
@@ -288,7 +299,7 @@ class EncoderBlock(nn.Module):
         self.block = nn.Sequential(
             *(ResidualUnit(half, dilation) for dilation in RESIDUAL_DILATIONS),
             Snake(half),
-            nn.Conv1d(half, channels, 2 * stride, stride=stride, padding=math.ceil(stride / 2)),
+            nn.Conv1d(half, channels, 2 * stride, stride=stride, padding=downsample_padding(stride)),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -301,11 +312,12 @@ class Encoder(nn.Module):
     def __init__(self, config: AudioVAEConfig):
         super().__init__()
         width = config.encoder_dim
-        layers: list[nn.Module] = [nn.Conv1d(1, width, 7, padding=3)]
+        layers: list[nn.Module] = [nn.Conv1d(1, width, ENCODER_IN_KERNEL, padding=same_padding(ENCODER_IN_KERNEL))]
         for stride in config.encoder_rates:
             width *= 2
             layers.append(EncoderBlock(width, stride))
-        layers += [Snake(width), nn.Conv1d(width, config.latent_dim, 3, padding=1)]
+        layers += [Snake(width), nn.Conv1d(width, config.latent_dim, ENCODER_OUT_KERNEL,
+                                           padding=same_padding(ENCODER_OUT_KERNEL))]
         self.block = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -444,7 +456,7 @@ class BigVGANDecoder(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
-# Decoder receptive field
+# Receptive fields: the context that makes windowed encodes and decodes equal one pass
 
 
 def _conv_inputs(span: tuple[int, int], kernel: int, stride: int, dilation: int, padding: int) -> tuple[int, int]:
@@ -459,6 +471,33 @@ def _transposed_conv_inputs(span: tuple[int, int], kernel: int, stride: int, pad
     return -((kernel - 1 - first - padding) // stride), (last + padding) // stride
 
 
+def _frames_beyond(span: tuple[int, int], density: int) -> int:
+    """How many latent frames beyond latent frame 0 samples `span` reach, on a grid of `density` samples a frame."""
+    first, last = span
+    return max(-(first // density), -(-(last + 1) // density) - 1)
+
+
+def encode_context(config: AudioVAEConfig) -> int:
+    """Latent frames of context on each side that make a windowed encoder trunk equal the whole trunk.
+
+    Traces, backwards from one latent frame through every convolution of the trunk, which samples it reads
+    on each layer's own grid; windows start on latent frames, so every grid lines up with the whole
+    pass, and only the zeros a window pads at its edges differ. 12 at the release."""
+    density, span = 1, (0, 0)
+    span = _conv_inputs(span, ENCODER_OUT_KERNEL, 1, 1, same_padding(ENCODER_OUT_KERNEL))
+    needed = _frames_beyond(span, density)
+    for stride in reversed(config.encoder_rates):
+        density *= stride
+        span = _conv_inputs(span, 2 * stride, stride, 1, downsample_padding(stride))
+        needed = max(needed, _frames_beyond(span, density))
+        for dilation in reversed(RESIDUAL_DILATIONS):  # residual: the identity path reads the span itself too
+            inner = _conv_inputs(span, RESIDUAL_KERNEL, 1, dilation, same_padding(RESIDUAL_KERNEL, dilation))
+            span = (min(span[0], inner[0]), max(span[1], inner[1]))
+            needed = max(needed, _frames_beyond(span, density))
+    span = _conv_inputs(span, ENCODER_IN_KERNEL, 1, 1, same_padding(ENCODER_IN_KERNEL))
+    return max(needed, _frames_beyond(span, density))
+
+
 def decode_context(config: AudioVAEConfig) -> int:
     """Latent frames of context on each side that make a windowed decode equal the whole decode.
 
@@ -471,8 +510,7 @@ def decode_context(config: AudioVAEConfig) -> int:
 
     def reads(span: tuple[int, int], density: int) -> tuple[int, int]:
         nonlocal needed
-        first, last = span
-        needed = max(needed, -(first // density), -(-(last + 1) // density) - 1)
+        needed = max(needed, _frames_beyond(span, density))
         return span
 
     def through_activation(span, density):  # backwards: the downsampler, then the upsampler
@@ -519,6 +557,7 @@ class AudioVAE(nn.Module):
         self.mean_proj = nn.Conv1d(config.latent_channels, config.latent_channels, 1)
         self.dec_in_proj = nn.Conv1d(config.latent_channels, config.latent_dim, 1)
         self.decoder = BigVGANDecoder(config)
+        self.encode_context = encode_context(config)
         self.decode_context = decode_context(config)
 
     @property
@@ -536,9 +575,26 @@ class AudioVAE(nn.Module):
         """[B, 1, N] -> posterior mean [B, C, ceil(N / hop)] float32, after zero right-padding to the hop."""
         hop = self.config.hop_length
         waveform = F.pad(waveform.to(self.device, self.dtype), (0, -waveform.shape[-1] % hop))
-        trunk = self.encoder(waveform)  # [B, latent_dim, A]
+        trunk = self.encode_trunk(waveform)  # [B, latent_dim, A]
         projected = self.pre_block(trunk.transpose(1, 2)).transpose(1, 2)  # [B, C, A]
         return self.mean_proj(projected).float()
+
+    @torch.no_grad()
+    def encode_trunk(self, waveform: torch.Tensor, window: int = ENCODE_WINDOW_LATENTS,
+                     context: int | None = None) -> torch.Tensor:
+        """The convolutional encoder over [B, 1, hop A] -> [B, latent_dim, A], `window` latent frames at a
+        time, each computed with `context` frames of its neighbours (default: `encode_context`, the trunk's
+        receptive field): equal to one pass to float rounding, in the memory of one window."""
+        if window < 1:
+            raise ValueError(f"window must be at least one latent frame, got {window}.")
+        hop, context = self.config.hop_length, self.encode_context if context is None else context
+        frames = waveform.shape[-1] // hop
+        pieces = []
+        for start in range(0, frames, window):
+            stop = min(start + window, frames)
+            first, last = max(0, start - context), min(frames, stop + context)
+            pieces.append(self.encoder(waveform[..., first * hop : last * hop])[..., start - first : stop - first])
+        return torch.cat(pieces, dim=-1)
 
     @torch.no_grad()
     def decode_mono(self, latents: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from diffusers.modular_pipelines.minimax_h3.references import MiniMaxH3AudioRefe
 from torch import nn
 
 from h3_core.layout import pack_audio, unpack_audio
-from h3_core.vae_audio import AudioVAEConfig, KaiserDownsample, KaiserUpsample, decode_context
+from h3_core.vae_audio import AudioVAEConfig, KaiserDownsample, KaiserUpsample, decode_context, encode_context
 from h3_core.vae_audio_checkpoint import load_audio_vae
 
 ATOL = 1e-5
@@ -168,3 +168,49 @@ def test_decode_context_is_exactly_the_receptive_field(ours):
 
     assert core_is_clean(ours.decode_context)
     assert not core_is_clean(ours.decode_context - 1)
+
+
+def test_windowed_encoder_trunk_equals_one_pass(ours, waveform):
+    """encode_mono runs the trunk in windows (a 300 s track would not fit otherwise); with a small window the
+    pieces still give the one-pass trunk, and the posterior means match the reference above."""
+    mono = torch.nn.functional.pad(waveform.reshape(2, 1, -1), (0, -waveform.shape[-1] % HOP))  # 59 frames
+    whole = ours.encoder(mono)
+    calls = []
+    hook = ours.encoder.register_forward_pre_hook(lambda module, inputs: calls.append(inputs[0].shape[-1] // HOP))
+    try:
+        windowed = ours.encode_trunk(mono, window=20)
+    finally:
+        hook.remove()
+    assert calls == [20 + 12, 12 + 20 + 12, 12 + 19]  # frames 0-20, 20-40, 40-59, each with 12 of context
+    torch.testing.assert_close(windowed, whole, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="at least one latent frame"):
+        ours.encode_trunk(mono, window=0)
+
+
+def test_encode_context_is_exactly_the_receptive_field(ours):
+    """As for the decode: every trunk convolution's input outside a one-frame window (plus context, on that
+    layer's own grid) becomes NaN. With the computed context the frame stays clean; one less poisons it."""
+    assert ours.encode_context == encode_context(AudioVAEConfig()) == 12
+    frames, core = 40, 20
+    mono = torch.randn(1, 1, frames * HOP, generator=torch.Generator().manual_seed(9))
+
+    def core_is_clean(context: int) -> bool:
+        def outside_window_to_nan(module, inputs):
+            (x,) = inputs
+            density = x.shape[-1] // frames
+            x = x.clone()
+            x[..., : (core - context) * density] = float("nan")
+            x[..., (core + 1 + context) * density :] = float("nan")
+            return (x,)
+
+        hooks = [m.register_forward_pre_hook(outside_window_to_nan) for m in ours.encoder.modules()
+                 if isinstance(m, nn.Conv1d)]
+        try:
+            trunk = ours.encoder(mono)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return not trunk[..., core].isnan().any()
+
+    assert core_is_clean(ours.encode_context)
+    assert not core_is_clean(ours.encode_context - 1)
