@@ -12,12 +12,14 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from . import geometry
+from . import geometry, media_read
 from .conditioning import RequestError
 from .drive_audio import encode_track, load_track
 from .media import SAMPLE_RATE, audio_samples_for_frames
+from .media_read import VideoClip
 from .output import AVLatents
 from .references import (
+    CanvasRules,
     DecodedAudio,
     MediaInputError,
     count_at_24fps,
@@ -39,6 +41,22 @@ def clip_frame_count(frames: int, fps: float) -> int:
     return vae_frame_count(at_24)
 
 
+def read_clip(path, rules: CanvasRules, width: int | None = None, height: int | None = None,
+              max_frames: int | None = None) -> tuple[VideoClip, int, int]:
+    """A video file's frames at 24 fps and its soundtrack, each frame cover-cropped onto the canvas as it is
+    decoded (width x height, or the video's own aspect ratio under `rules`), so a long clip is held at the
+    canvas size only. Returns (clip, width, height)."""
+    canvas = [] if width is None else [(width, height)]  # else the first frame decides
+
+    def onto_canvas(frame: np.ndarray) -> np.ndarray:
+        if not canvas:
+            canvas.append(rules.canvas(frame.shape[1], frame.shape[0]))
+        return np.asarray(cover_crop(Image.fromarray(frame), *canvas[0]))
+
+    clip = media_read.read_video(path, max_frames=max_frames, fit=onto_canvas)
+    return clip, *canvas[0]
+
+
 def encode_clip(video_vae, audio_vae, frames: np.ndarray, fps: float, width: int, height: int, waveform=None,
                 sample_rate: int | None = None) -> AVLatents:
     """uint8 frames [N, H, W, 3] at `fps` (and a sound [C, M] at `sample_rate`) -> AVLatents of their first
@@ -58,7 +76,8 @@ def encode_clip(video_vae, audio_vae, frames: np.ndarray, fps: float, width: int
         track = load_track(silence if waveform is None else DecodedAudio(waveform, sample_rate), "the clip's sound")
     except MediaInputError as error:
         raise RequestError(str(error)) from None
-    fitted = np.stack([np.asarray(cover_crop(Image.fromarray(frame), width, height))
-                       for frame in frames_at_24fps(frames, fps)[:count]])
-    video = encode_video(video_vae, fitted)
+    frames = frames_at_24fps(frames, fps)[:count]
+    if frames.shape[1:3] != (height, width):  # frames read onto the canvas already (h3 encode) are used as they are
+        frames = np.stack([np.asarray(cover_crop(Image.fromarray(frame), width, height)) for frame in frames])
+    video = encode_video(video_vae, frames)
     return AVLatents(video, encode_track(audio_vae, track, count)).check()

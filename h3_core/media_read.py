@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -250,19 +250,23 @@ def iter_video_frames(
 
 
 def read_video(
-    path: str | os.PathLike, start_seconds: float = 0.0, max_frames: int | None = None, *, with_audio: bool = True
+    path: str | os.PathLike, start_seconds: float = 0.0, max_frames: int | None = None, *, with_audio: bool = True,
+    fit: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> VideoClip:
     """A video file's frames at 24 fps (at most `max_frames`, from `start_seconds`) and its soundtrack.
 
     The soundtrack is read for exactly the span of the returned frames (N / 24 s from the same
     start), as `read_audio` would. Raises MediaError if no frame lies at or after `start_seconds`.
+    `fit` (e.g. a crop onto the canvas) is applied to each frame as it is decoded, so only what it
+    returns is kept: a long clip at a larger size never sits in memory whole.
     """
     path = Path(path)
     _check_start(start_seconds)
     _check_max_frames(max_frames)
     with _open_media(path) as container:
         stream, fps = _checked_video_stream(container, path)
-        frames = list(_frames_on_24fps_grid(container, stream, fps, start_seconds, max_frames))
+        decoded = _frames_on_24fps_grid(container, stream, fps, start_seconds, max_frames)
+        frames = list(decoded if fit is None else map(fit, decoded))
     if not frames:
         raise MediaError(f"{path} has no video frames at or after {start_seconds} s.")
     audio = None

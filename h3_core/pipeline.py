@@ -25,7 +25,7 @@ from .config import TINY_DIT
 from .memory_plan import GIB, MemoryPlan, free_bytes, plan_for, usable_bytes
 from .offload import load_device, place
 from .conditioning import Request, RequestError, encode_request, validate
-from .clip_latents import clip_frame_count, encode_clip
+from .clip_latents import clip_frame_count, encode_clip, read_clip
 from .continuation import MAX_CONTINUATION_SECONDS
 from .layout import pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
@@ -375,17 +375,17 @@ def encode_clip_file(video: str | Path, model: str, out: str | Path, *, audio: s
         raise ValueError(f"{out} must end in .safetensors.")
     if (width is None) != (height is None):
         raise RequestError(f"Give width and height together (or neither: from the video); got {width}x{height}.")
+    if width is not None:
+        geometry.check_canvas(width, height)
     source = resolve_model_source(model, "fl2va")
     try:
-        clip = media_read.read_video(video, max_frames=int(MAX_CONTINUATION_SECONDS * geometry.FPS))
+        clip, width, height = read_clip(video, source.canvas, width, height,
+                                        max_frames=int(MAX_CONTINUATION_SECONDS * geometry.FPS))
         sound = None if audio is None else media_read.read_audio(audio, 0.0, clip.frames.shape[0] / geometry.FPS)
     except MediaError as error:
         raise RequestError(f"{video if audio is None else audio}: {error}") from None
     waveform = clip.audio if audio is None else sound
-    if width is None:
-        width, height = source.canvas.canvas(clip.frames.shape[2], clip.frames.shape[1])
     clip_frame_count(clip.frames.shape[0], geometry.FPS)
-    geometry.check_canvas(width, height)
     if not source.tiny:  # both found and recognized before either loads
         locate_video_vae(source.root)
         locate_audio_vae(source.root)

@@ -56,9 +56,10 @@ def test_bad_clips_are_refused_before_a_vae_runs():
         encode_clip(None, None, clip(30), 24.0, 224, 128, np.zeros((2, 100), np.float32), -1)
 
 
-def test_cli_encodes_a_video_file_for_continue_from(tmp_path, capsys, vaes):
+def test_cli_encodes_a_video_file_for_continue_from(tmp_path, capsys, vaes, monkeypatch):
     from safetensors.torch import load_file
 
+    from h3_core import media_read
     from h3_core.cli import main
     from h3_core.media_read import read_video
     from h3_core.media_write import write_mp4
@@ -66,8 +67,12 @@ def test_cli_encodes_a_video_file_for_continue_from(tmp_path, capsys, vaes):
     path, out = tmp_path / "mine.mp4", tmp_path / "mine.safetensors"
     sound = (np.sin(np.arange(32000 * 3) / 7.0) * 0.3).astype(np.float32)[None].repeat(2, 0)
     write_mp4(path, clip(60, seed=3)[:, :96, :176], sound)
+    held = []  # the frames the command keeps in memory: cropped onto the canvas as they were decoded
+    monkeypatch.setattr(media_read, "read_video", lambda *a, **k: held.append(read_video(*a, **k)) or held[-1])
     assert main(["encode", str(path), "--out", str(out), "--device", "cpu"]) == 0
     assert "mine.safetensors: 56 frames at 224x128" in capsys.readouterr().out  # 176x96 on the tiny canvas
+    assert [c.frames.shape for c in held] == [(60, 128, 224, 3)]
+    monkeypatch.undo()
     video = read_video(path)
     expected = encode_clip(*vaes, video.frames, 24.0, 224, 128, video.audio, 32000)
     saved = load_file(str(out))
