@@ -42,10 +42,11 @@ def clip_frame_count(frames: int, fps: float) -> int:
 
 
 def read_clip(path, rules: CanvasRules, width: int | None = None, height: int | None = None,
-              max_frames: int | None = None) -> tuple[VideoClip, int, int]:
-    """A video file's frames at 24 fps and its soundtrack, each frame cover-cropped onto the canvas as it is
-    decoded (width x height, or the video's own aspect ratio under `rules`), so a long clip is held at the
-    canvas size only. Returns (clip, width, height)."""
+              max_frames: int | None = None, start_seconds: float = 0.0,
+              with_audio: bool = True) -> tuple[VideoClip, int, int]:
+    """A video file's frames at 24 fps from `start_seconds` and its soundtrack, each frame cover-cropped onto
+    the canvas as it is decoded (width x height, or the video's own aspect ratio under `rules`), so a long
+    clip is held at the canvas size only. Returns (clip, width, height)."""
     canvas = [] if width is None else [(width, height)]  # else the first frame decides
 
     def onto_canvas(frame: np.ndarray) -> np.ndarray:
@@ -53,7 +54,7 @@ def read_clip(path, rules: CanvasRules, width: int | None = None, height: int | 
             canvas.append(rules.canvas(frame.shape[1], frame.shape[0]))
         return np.asarray(cover_crop(Image.fromarray(frame), *canvas[0]))
 
-    clip = media_read.read_video(path, max_frames=max_frames, fit=onto_canvas)
+    clip = media_read.read_video(path, start_seconds, max_frames, with_audio=with_audio, fit=onto_canvas)
     return clip, *canvas[0]
 
 

@@ -11,7 +11,9 @@ Pure functions: no ComfyUI import, so the tests run them on a machine without Co
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -188,8 +190,32 @@ def video_to_decoded(video, what: str = "video") -> DecodedVideo:
     return DecodedVideo(frames, fps, decoded.waveform, decoded.sample_rate)
 
 
+def video_file(video) -> tuple[str, float, float] | None:
+    """(path, start seconds, duration seconds or 0 = to the end) of a ComfyUI VIDEO read from a file on disk
+    (Load Video's VideoFromFile, trimmed or not), or None for any other VIDEO. Such a clip can be read
+    straight from its file, frame by frame, instead of decoded whole into float32 frames by get_components()
+    (a 30 s 1080p clip: 18 GB)."""
+    source = getattr(video, "get_stream_source", None)
+    path = source() if callable(source) else None
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+        return None
+    trim = getattr(video, "get_active_trim_window", None)
+    start, duration = trim() if callable(trim) else (0.0, 0.0)
+    return os.fspath(path), float(start), float(duration)
+
+
 # ----------------------------------------------------------------------------------------------
 # The request
+
+
+def media_reference(kind: str, value, what: str) -> MediaReference:
+    """A ComfyUI IMAGE / VIDEO / AUDIO value -> an h3_core MediaReference. A Load Video VIDEO trimmed at most
+    at its start is read from its file, from that start, only as many frames as the output takes; other
+    VIDEOs (and a trim with an end, which the file path cannot express) are decoded by ComfyUI."""
+    on_disk = video_file(value) if kind == "video" else None
+    if on_disk is not None and not on_disk[2]:
+        return MediaReference("video", Path(on_disk[0]), on_disk[1])
+    return MediaReference(kind, reference_source(kind, value, what))
 
 
 def reference_source(kind: str, value, what: str):
@@ -260,7 +286,7 @@ def build_request(
     refs = []
     for kind, value in references:
         if value is not None:
-            refs.append(MediaReference(kind, reference_source(kind, value, f"{kind} reference {len(refs) + 1}")))
+            refs.append(media_reference(kind, value, f"{kind} reference {len(refs) + 1}"))
     explicit = bool(width) or bool(height)
     return Request(
         task=task,

@@ -6,12 +6,14 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from h3_core import geometry
-from h3_core.clip_latents import clip_frame_count, encode_clip
+from h3_core.clip_latents import clip_frame_count, encode_clip, read_clip
+from h3_core.continuation import MAX_CONTINUATION_SECONDS
+from h3_core.media import SAMPLE_RATE, MediaError
 from h3_core.conditioning import MAX_FRAMES, MIN_REQUESTED_FRAMES, RequestError, resolve_num_frames
 from h3_core.placement import freed_on_failure
 
 from .common import CATEGORY, H3VAE, H3Cond, H3Latent, device
-from .convert import audio_to_decoded, empty_latent, image_to_uint8, pack_latents, video_to_decoded
+from .convert import audio_to_decoded, empty_latent, image_to_uint8, pack_latents, video_file, video_to_decoded
 from .memory import place
 
 
@@ -87,7 +89,20 @@ class H3VAEEncode(io.ComfyNode):
             raise ValueError("Connect a video or images (frames) to H3 VAE Encode, one of them.")
         if bool(width) != bool(height):
             raise ValueError(f"Give width and height together (or both 0: from the clip); got {width}x{height}.")
-        if video is not None:
+        if width:
+            geometry.check_canvas(int(width), int(height))
+        on_disk = None if video is None else video_file(video)
+        if on_disk is not None:  # read from its file onto the canvas, as h3 encode does: never whole in float32
+            path, start, duration = on_disk
+            longest = int(MAX_CONTINUATION_SECONDS * geometry.FPS)
+            try:
+                clip, width, height = read_clip(path, vae.canvas, width or None, height or None,
+                                                min(longest, round(duration * geometry.FPS)) if duration else longest,
+                                                start, with_audio=audio is None)
+            except MediaError as error:
+                raise ValueError(f"video: {error}") from None
+            frames, fps, waveform, rate = clip.frames, float(geometry.FPS), clip.audio, SAMPLE_RATE
+        elif video is not None:
             clip = video_to_decoded(video, "video")
             frames, fps, waveform, rate = clip.frames, clip.fps, clip.audio, clip.sample_rate
         else:

@@ -76,6 +76,37 @@ def test_build_request_maps_inputs():
     assert [r.kind for r in refs.references] == ["image", "audio"]
 
 
+def test_a_loaded_video_reference_is_read_from_its_file(tmp_path):
+    """A Load Video VIDEO (VideoFromFile) becomes a file reference from its trim start, so only the frames the
+    output takes are decoded; a trim with an end, a stream in memory or frames in memory go through
+    get_components() as before."""
+    import io
+
+    from h3_core.media_write import write_mp4
+    from h3_core.references import DecodedVideo
+
+    path = tmp_path / "ref.mp4"
+    write_mp4(path, np.zeros((48, 64, 96, 3), np.uint8))
+    parts = SimpleNamespace(images=torch.rand(30, 64, 96, 3), frame_rate=Fraction(24), audio=None)
+    decoded = []
+
+    def video(source, trim):
+        return SimpleNamespace(get_stream_source=lambda: source, get_active_trim_window=lambda: trim,
+                               get_components=lambda: decoded.append(source) or parts)
+
+    def reference(value):
+        (ref,) = convert.build_request("ref2va", "x", references=[("video", value)]).references
+        return ref
+
+    from_file = reference(video(str(path), (1.5, 0.0)))
+    assert (from_file.source, from_file.start_seconds, decoded) == (path, 1.5, [])
+    assert isinstance(reference(video(str(path), (1.5, 1.0))).source, DecodedVideo)  # trimmed at the end
+    assert isinstance(reference(video(io.BytesIO(path.read_bytes()), (0.0, 0.0))).source, DecodedVideo)
+    assert isinstance(reference(video(str(tmp_path / "gone.mp4"), (0.0, 0.0))).source, DecodedVideo)
+    assert len(decoded) == 3
+    assert convert.video_file(SimpleNamespace(get_stream_source=lambda: str(path))) == (str(path), 0.0, 0.0)
+
+
 def test_latent_packing_checks():
     from h3_core import geometry
 

@@ -400,6 +400,36 @@ def test_vae_encode_turns_a_video_into_a_latent_to_extend(comfy):
     assert len(c.record.loaded) == loads  # refused before the VAEs were placed
 
 
+def test_vae_encode_reads_a_loaded_video_from_its_file(comfy):
+    """A Load Video VIDEO (VideoFromFile: a path and a trim window) is read from its file onto the canvas frame
+    by frame, as `h3 encode` reads it, never decoded whole through get_components(); the trim is honoured."""
+    from h3_core.clip_latents import encode_clip, read_clip
+    from h3_core.media_write import write_mp4
+
+    c = comfy
+    _, _, vae = _models(c)
+    path = c.tmp / "mine.mp4"
+    frames = np.random.default_rng(4).integers(0, 256, (96, 100, 180, 3), dtype=np.uint8)  # 4 s at 24 fps
+    write_mp4(path, frames, (np.sin(np.arange(32000 * 4) / 9.0) * 0.3).astype(np.float32)[None].repeat(2, 0))
+
+    def loaded(trim=None):
+        video = SimpleNamespace(get_stream_source=lambda: str(path),
+                                get_components=lambda: pytest.fail("decoded whole through get_components"))
+        if trim is not None:
+            video.get_active_trim_window = lambda: trim
+        return video
+
+    latent, width, height, count = c.latent.H3VAEEncode.execute(vae, video=loaded((1.0, 2.0))).values
+    clip, w, h = read_clip(path, vae.canvas, start_seconds=1.0, max_frames=48)  # frames 24-71
+    expected = encode_clip(vae.video, vae.audio, clip.frames, 24.0, w, h, clip.audio, 32000)
+    assert (width, height, count) == (w, h, 39) == (224, 128, 39)  # 48 frames at 24 fps, cut to 17n + 5
+    assert torch.equal(latent["video"], expected.video) and torch.equal(latent["audio"], expected.audio)
+    whole = c.latent.H3VAEEncode.execute(vae, video=loaded()).values  # no trim window: the whole file
+    assert whole[3] == 90
+    with pytest.raises(ValueError, match="multiples of 32"):
+        c.latent.H3VAEEncode.execute(vae, video=loaded(), width=200, height=128)
+
+
 def test_single_file_text_encoder_without_tokenizer_folder_is_refused_before_making_room(comfy):
     import tiny_qwen
 
