@@ -95,10 +95,10 @@ class H3VAEEncode(io.ComfyNode):
         if on_disk is not None:  # read from its file onto the canvas, as h3 encode does: never whole in float32
             path, start, duration = on_disk
             longest = int(MAX_CONTINUATION_SECONDS * geometry.FPS)
+            wanted = max(1, min(longest, round(duration * geometry.FPS))) if duration else longest
             try:
-                clip, width, height = read_clip(path, vae.canvas, width or None, height or None,
-                                                min(longest, round(duration * geometry.FPS)) if duration else longest,
-                                                start, with_audio=audio is None)
+                clip, width, height = read_clip(path, vae.canvas, width or None, height or None, wanted, start,
+                                                with_audio=audio is None)
             except MediaError as error:
                 raise ValueError(f"video: {error}") from None
             frames, fps, waveform, rate = clip.frames, float(geometry.FPS), clip.audio, SAMPLE_RATE
