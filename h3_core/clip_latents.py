@@ -10,10 +10,10 @@ latents gives the VAEs' reconstruction of the clip, not its pixels.
 from __future__ import annotations
 
 import numpy as np
-from PIL import Image
 
 from . import geometry, media_read
 from .conditioning import RequestError
+from .continuation import MAX_CONTINUATION_SECONDS
 from .drive_audio import encode_track, load_track
 from .media import SAMPLE_RATE, audio_samples_for_frames
 from .media_read import VideoClip
@@ -23,13 +23,14 @@ from .references import (
     DecodedAudio,
     MediaInputError,
     count_at_24fps,
-    cover_crop,
     encode_video,
     frames_at_24fps,
+    frames_on_canvas,
     vae_frame_count,
 )
 
 MIN_CLIP_FRAMES = 22  # the shortest clip the latent layout holds (7 latent frames)
+MAX_CLIP_FRAMES = int(MAX_CONTINUATION_SECONDS * geometry.FPS)  # the longest read: a long video's whole length
 
 
 def clip_frame_count(frames: int, fps: float) -> int:
@@ -42,7 +43,7 @@ def clip_frame_count(frames: int, fps: float) -> int:
 
 
 def read_clip(path, rules: CanvasRules, width: int | None = None, height: int | None = None,
-              max_frames: int | None = None, start_seconds: float = 0.0,
+              max_frames: int = MAX_CLIP_FRAMES, start_seconds: float = 0.0,
               with_audio: bool = True) -> tuple[VideoClip, int, int]:
     """A video file's frames at 24 fps from `start_seconds` and its soundtrack, each frame cover-cropped onto
     the canvas as it is decoded (width x height, or the video's own aspect ratio under `rules`), so a long
@@ -52,7 +53,7 @@ def read_clip(path, rules: CanvasRules, width: int | None = None, height: int | 
     def onto_canvas(frame: np.ndarray) -> np.ndarray:
         if not canvas:
             canvas.append(rules.canvas(frame.shape[1], frame.shape[0]))
-        return np.asarray(cover_crop(Image.fromarray(frame), *canvas[0]))
+        return frames_on_canvas(frame[None], *canvas[0])[0]
 
     clip = media_read.read_video(path, start_seconds, max_frames, with_audio=with_audio, fit=onto_canvas)
     return clip, *canvas[0]
@@ -77,8 +78,5 @@ def encode_clip(video_vae, audio_vae, frames: np.ndarray, fps: float, width: int
         track = load_track(silence if waveform is None else DecodedAudio(waveform, sample_rate), "the clip's sound")
     except MediaInputError as error:
         raise RequestError(str(error)) from None
-    frames = frames_at_24fps(frames, fps)[:count]
-    if frames.shape[1:3] != (height, width):  # frames read onto the canvas already (h3 encode) are used as they are
-        frames = np.stack([np.asarray(cover_crop(Image.fromarray(frame), width, height)) for frame in frames])
-    video = encode_video(video_vae, frames)
+    video = encode_video(video_vae, frames_on_canvas(frames_at_24fps(frames, fps)[:count], width, height))
     return AVLatents(video, encode_track(audio_vae, track, count)).check()

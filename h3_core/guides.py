@@ -38,7 +38,9 @@ from . import geometry, media_read
 from .conditioning import TASKS, Conditioning, RequestError
 from .layout import FRAME_TIME, GuideBlock, build_ref2va_layout, build_t2va_layout, pack_audio, unpack_audio
 from .media import SAMPLE_RATE, MediaError
-from .references import MediaInputError, cover_crop, encode_audio, encode_image, encode_video, load_image, prepare_audio
+from .references import (
+    MediaInputError, encode_audio, encode_image, encode_video, frames_on_canvas, load_image, prepare_audio,
+)
 
 MIN_CLIP_FRAMES = geometry.LATENTS_PER_CHUNK  # 5: shorter batches are one image
 GUIDE_KINDS = ("image", "video", "audio")
@@ -151,9 +153,8 @@ def encode_guide(pixels: np.ndarray | None, waveform, sample_rate: int | None, w
     latents, sound = None, None
     if pixels is not None:
         count = guide_frame_count(pixels.shape[0])
-        fitted = [cover_crop(Image.fromarray(frame), width, height) for frame in pixels[:count]]
-        latents = (encode_image(video_vae, fitted[0]) if count == 1
-                   else encode_video(video_vae, np.stack([np.asarray(image) for image in fitted])))
+        fitted = frames_on_canvas(pixels[:count], width, height)
+        latents = encode_image(video_vae, Image.fromarray(fitted[0])) if count == 1 else encode_video(video_vae, fitted)
     if waveform is not None:
         prepared = prepare_audio(np.asarray(waveform, dtype=np.float32), int(sample_rate), num_frames)
         sound = unpack_audio(encode_audio(audio_vae, prepared))[0]

@@ -26,7 +26,6 @@ from .memory_plan import GIB, MemoryPlan, free_bytes, plan_for, usable_bytes
 from .offload import load_device, place
 from .conditioning import Request, RequestError, encode_request, validate
 from .clip_latents import clip_frame_count, encode_clip, read_clip
-from .continuation import MAX_CONTINUATION_SECONDS
 from .layout import pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
@@ -379,8 +378,7 @@ def encode_clip_file(video: str | Path, model: str, out: str | Path, *, audio: s
         geometry.check_canvas(width, height)
     source = resolve_model_source(model, "fl2va")
     try:
-        clip, width, height = read_clip(video, source.canvas, width, height,
-                                        max_frames=int(MAX_CONTINUATION_SECONDS * geometry.FPS))
+        clip, width, height = read_clip(video, source.canvas, width, height, with_audio=audio is None)
         sound = None if audio is None else media_read.read_audio(audio, 0.0, clip.frames.shape[0] / geometry.FPS)
     except MediaError as error:
         raise RequestError(f"{video if audio is None else audio}: {error}") from None

@@ -373,6 +373,14 @@ def cover_crop(image: Image.Image, width: int, height: int) -> Image.Image:
     return resized.crop((left, top, left + width, top + height))
 
 
+def frames_on_canvas(frames: np.ndarray, width: int, height: int) -> np.ndarray:
+    """uint8 frames [N, H, W, 3] cover-cropped onto width x height; frames already that size as they are
+    (`cover_crop` would give them back unchanged)."""
+    if frames.shape[1:3] == (height, width):
+        return frames
+    return np.stack([np.asarray(cover_crop(Image.fromarray(frame), width, height)) for frame in frames])
+
+
 def prepare_image_reference(image: Image.Image, rules: CanvasRules = RELEASE_CANVAS) -> Image.Image:
     """An image reference at its own encode size (`CanvasRules.reference_image_size`), LANCZOS."""
     size = rules.reference_image_size(image.width, image.height)

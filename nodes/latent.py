@@ -6,8 +6,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from h3_core import geometry
-from h3_core.clip_latents import clip_frame_count, encode_clip, read_clip
-from h3_core.continuation import MAX_CONTINUATION_SECONDS
+from h3_core.clip_latents import MAX_CLIP_FRAMES, clip_frame_count, encode_clip, read_clip
 from h3_core.media import SAMPLE_RATE, MediaError
 from h3_core.conditioning import MAX_FRAMES, MIN_REQUESTED_FRAMES, RequestError, resolve_num_frames
 from h3_core.placement import freed_on_failure
@@ -94,8 +93,7 @@ class H3VAEEncode(io.ComfyNode):
         on_disk = None if video is None else video_file(video)
         if on_disk is not None:  # read from its file onto the canvas, as h3 encode does: never whole in float32
             path, start, duration = on_disk
-            longest = int(MAX_CONTINUATION_SECONDS * geometry.FPS)
-            wanted = max(1, min(longest, round(duration * geometry.FPS))) if duration else longest
+            wanted = max(1, min(MAX_CLIP_FRAMES, round(duration * geometry.FPS))) if duration else MAX_CLIP_FRAMES
             try:
                 clip, width, height = read_clip(path, vae.canvas, width or None, height or None, wanted, start,
                                                 with_audio=audio is None)
