@@ -140,8 +140,7 @@ def build_long_video(real: bool, guides=()) -> dict:
                    steps=0 if real else 2, video_shift=0.0, audio_shift=0.0, aspect_ratio="auto", width=0, height=0,
                    window_prompts="The fox trots along the waterline.\nThe fox breaks into a run as the sun sets.")
     g.add("H3SaveMP4", vae=[vae, 0], latent=[latent, 0], filename_prefix="H3/long_video" + ("_guides" * bool(guides)),
-          tiling="release",
-          devices="")
+          tiling="release", devices="")
     return g.nodes
 
 
