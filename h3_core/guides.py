@@ -48,8 +48,8 @@ GUIDE_KINDS = ("image", "video", "audio")
 
 @dataclass(frozen=True)
 class GuideFile:
-    """A guide in a file: an image, a video (its frames at 24 fps and its soundtrack, if any) or a sound,
-    anchored at `frame_index` (negative: from the end)."""
+    """A guide in a file: an image, a video (its frames at 24 fps and its soundtrack, if any, cut where the
+    target video ends) or a sound, anchored at `frame_index` (negative: from the end)."""
 
     frame_index: int
     kind: str
@@ -74,9 +74,9 @@ class GuideMedia:
 
 def read_guide(guide: GuideFile, num_frames: int, clip_frames: int | None = None
                ) -> tuple[np.ndarray | None, np.ndarray | None, int | None]:
-    """(frames [N, H, W, 3] uint8 at 24 fps or None, sound [2, M] or None, its sample rate) of a guide file,
-    at most as long as the video; a video file's at most `clip_frames` (a long video's window: no clip can
-    be longer) if given."""
+    """(frames [N, H, W, 3] uint8 at 24 fps or None, sound [2, M] or None, its sample rate) of a guide file:
+    a video file's frames up to the end of the video (`clip_room`) and at most `clip_frames` (a long video's
+    window: no clip can be longer) if given; a sound at most as long as the video."""
     what = f"the {guide.kind} guide at frame {guide.frame_index} ({guide.path})"
     if not Path(guide.path).is_file():
         raise RequestError(f"{what}: no such file.")
@@ -84,11 +84,20 @@ def read_guide(guide: GuideFile, num_frames: int, clip_frames: int | None = None
         if guide.kind == "image":
             return np.asarray(load_image(guide.path, what)), None, None
         if guide.kind == "video":
-            clip = media_read.read_video(guide.path, 0.0, max_frames=clip_frames or num_frames)
+            room = clip_room(guide.frame_index, num_frames)
+            clip = media_read.read_video(guide.path, 0.0, max_frames=min(room, clip_frames or room))
             return clip.frames, clip.audio, None if clip.audio is None else SAMPLE_RATE
         return None, media_read.read_audio(guide.path, 0.0, num_frames / geometry.FPS), SAMPLE_RATE
     except (MediaError, MediaInputError) as error:
         raise RequestError(f"{what}: {error}") from None
+
+
+def clip_room(frame_index: int, num_frames: int) -> int:
+    """How many frames a video guide anchored at `frame_index` (negative: from the end) can hold before a
+    `num_frames`-frame video ends: a longer video file is read only that far. At least 1 and at most
+    `num_frames`, so an anchor outside the video is still reported by `resolve_frame_index`."""
+    anchor = frame_index if frame_index >= 0 else num_frames + frame_index
+    return min(num_frames, max(1, num_frames - anchor))
 
 
 def guide_frame_count(count: int) -> int:

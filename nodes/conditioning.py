@@ -8,16 +8,17 @@ from comfy_api.latest import io
 
 from h3_core.conditioning import (
     DEFAULT_SECONDS,
+    MAX_FRAMES,
     MAX_SECONDS,
     MIN_SECONDS,
     TASKS,
     encode_request,
     validate,
 )
-from h3_core.guides import GuideMedia, add_guide, check_guide
+from h3_core.guides import GuideMedia, add_guide, check_guide, clip_room
 from h3_core.placement import freed_on_failure
 from h3_core.prompt import MAX_AUDIO_REFERENCES, MAX_IMAGE_REFERENCES, MAX_REFERENCES, MAX_VIDEO_REFERENCES
-from h3_core.references import REFERENCE_IMAGE_MODES, frames_at_24fps
+from h3_core.references import REFERENCE_IMAGE_MODES, frames_on_canvas
 
 from .common import CATEGORY, H3VAE, H3Cond, H3TextEncoder, canvas_inputs, check_interrupt, device, progress_bar
 from .convert import (
@@ -27,7 +28,7 @@ from .convert import (
     image_to_uint8,
     media_problem,
     ordered_references,
-    video_to_decoded,
+    video_at_24fps,
 )
 from .memory import place, place_for_encoding
 
@@ -163,7 +164,8 @@ class H3AddGuide(io.ComfyNode):
 
     @classmethod
     def execute(cls, conditioning, vae, frame_index, image=None, audio=None, video=None) -> io.NodeOutput:
-        media = guide_media(frame_index, image, audio, video)
+        room = clip_room(int(frame_index), conditioning.num_frames)
+        media = guide_media(frame_index, image, audio, video, room, (conditioning.width, conditioning.height))
         # every check before the VAE moves
         check_guide(conditioning.task, conditioning.num_frames, media.frame_index, media.frames, media.waveform,
                     media.sample_rate)
@@ -185,12 +187,16 @@ def guide_media_inputs() -> list:
                        tooltip="A sound from frame_index on, cut to the video's remaining length."),
         io.Video.Input("video", optional=True,
                        tooltip="Instead of image: a ComfyUI VIDEO (any frame rate, brought to 24 fps), used "
-                               "as a clip with its soundtrack (unless audio is given too)."),
+                               "as a clip with its soundtrack (unless audio is given too). Only the frames the "
+                               "clip can use are read (a Load Video file from its trim start)."),
     ]
 
 
-def guide_media(frame_index, image=None, audio=None, video=None) -> GuideMedia:
-    """A guide's sockets as the engine's GuideMedia (frames uint8 at 24 fps, sound at its own rate)."""
+def guide_media(frame_index, image=None, audio=None, video=None, max_frames: int = MAX_FRAMES,
+                canvas: tuple[int, int] | None = None) -> GuideMedia:
+    """A guide's sockets as the engine's GuideMedia (frames uint8 at 24 fps, sound at its own rate). A VIDEO
+    gives at most `max_frames` frames (what fits from the anchor; no window is longer than MAX_FRAMES), each
+    cover-cropped onto `canvas` (width, height) as it is read from its file when known."""
     if image is not None and video is not None:
         raise ValueError("Connect an image or a video to one guide, not both.")
     if image is None and audio is None and video is None:
@@ -199,8 +205,9 @@ def guide_media(frame_index, image=None, audio=None, video=None) -> GuideMedia:
     sound = None if audio is None else audio_to_decoded(audio, "audio")
     waveform, rate = (None, None) if sound is None else (sound.waveform, sound.sample_rate)
     if video is not None:
-        clip = video_to_decoded(video, "video")
-        frames = frames_at_24fps(clip.frames, clip.fps)
+        fit = None if canvas is None else (lambda frame: frames_on_canvas(frame[None], *canvas)[0])
+        clip = video_at_24fps(video, "video", max_frames, fit, with_audio=sound is None)
+        frames = clip.frames
         if sound is None and clip.audio is not None:
             waveform, rate = clip.audio, clip.sample_rate
     return GuideMedia(int(frame_index), frames, waveform, rate)

@@ -20,17 +20,20 @@ import numpy as np
 import torch
 from PIL import Image
 
-from h3_core import geometry
+from h3_core import geometry, media_read
 from h3_core.conditioning import Request
 from h3_core.media import (
     SAMPLE_RATE,
+    MediaError,
     as_uint8_frames,
     audio_samples_for_frames,
     resample_audio,
 )
 from h3_core.output import AVLatents
 from h3_core.prompt import MAX_KEYFRAMES, reference_mix_problem
-from h3_core.references import RELEASE_CANVAS, CanvasRules, DecodedAudio, DecodedVideo, MediaReference
+from h3_core.references import (
+    RELEASE_CANVAS, CanvasRules, DecodedAudio, DecodedVideo, MediaReference, frames_at_24fps,
+)
 
 LATENT_KIND = "h3_av_latent"
 
@@ -202,6 +205,28 @@ def video_file(video) -> tuple[str, float, float] | None:
     trim = getattr(video, "get_active_trim_window", None)
     start, duration = trim() if callable(trim) else (0.0, 0.0)
     return os.fspath(path), float(start), float(duration)
+
+
+def trim_frames(duration: float, cap: int) -> int:
+    """How many 24 fps frames a trim window of `duration` seconds holds (0: no end, so `cap`), 1 to `cap`."""
+    return max(1, min(cap, round(duration * geometry.FPS))) if duration else cap
+
+
+def video_at_24fps(video, what: str, max_frames: int, fit=None, with_audio: bool = True) -> DecodedVideo:
+    """A ComfyUI VIDEO's first `max_frames` frames on the 24 fps grid (uint8) and its soundtrack. A Load Video
+    VIDEO is read from its file (trim honoured), `fit` applied to each frame as it is decoded, so a long or
+    large file is never held whole; any other VIDEO comes through get_components() and is cut after."""
+    on_disk = video_file(video)
+    if on_disk is None:
+        clip = video_to_decoded(video, what)
+        sound = (clip.audio, clip.sample_rate) if with_audio else (None, None)
+        return DecodedVideo(frames_at_24fps(clip.frames, clip.fps)[:max_frames], float(geometry.FPS), *sound)
+    path, start, duration = on_disk
+    try:
+        clip = media_read.read_video(path, start, trim_frames(duration, max_frames), with_audio=with_audio, fit=fit)
+    except MediaError as error:
+        raise ValueError(f"{what}: {error}") from None
+    return DecodedVideo(clip.frames, float(geometry.FPS), clip.audio, None if clip.audio is None else SAMPLE_RATE)
 
 
 # ----------------------------------------------------------------------------------------------

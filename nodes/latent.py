@@ -12,7 +12,9 @@ from h3_core.conditioning import MAX_FRAMES, MIN_REQUESTED_FRAMES, RequestError,
 from h3_core.placement import freed_on_failure
 
 from .common import CATEGORY, H3VAE, H3Cond, H3Latent, device
-from .convert import audio_to_decoded, empty_latent, image_to_uint8, pack_latents, video_file, video_to_decoded
+from .convert import (
+    audio_to_decoded, empty_latent, image_to_uint8, pack_latents, trim_frames, video_file, video_to_decoded,
+)
 from .memory import place
 
 
@@ -93,9 +95,9 @@ class H3VAEEncode(io.ComfyNode):
         on_disk = None if video is None else video_file(video)
         if on_disk is not None:  # read from its file onto the canvas, as h3 encode does: never whole in float32
             path, start, duration = on_disk
-            wanted = max(1, min(MAX_CLIP_FRAMES, round(duration * geometry.FPS))) if duration else MAX_CLIP_FRAMES
             try:
-                clip, width, height = read_clip(path, vae.canvas, width or None, height or None, wanted, start,
+                clip, width, height = read_clip(path, vae.canvas, width or None, height or None,
+                                                trim_frames(duration, MAX_CLIP_FRAMES), start,
                                                 with_audio=audio is None)
             except MediaError as error:
                 raise ValueError(f"video: {error}") from None

@@ -322,6 +322,42 @@ def test_add_guide_anchors_a_clip_and_a_sound_and_the_sampler_runs_it(comfy):
         node.execute(cond, vae, 0, image=clip, video=video)
 
 
+def test_add_guide_reads_a_loaded_video_from_its_file_only_as_far_as_the_video_goes(comfy, monkeypatch):
+    """A Load Video VIDEO guide is read from its file (trim start honoured), only the frames that fit from the
+    anchor, each cropped onto the canvas as decoded: the same latents as the frames through get_components()."""
+    from h3_core import media_read
+    from h3_core.media_write import write_mp4
+
+    c = comfy
+    _, text, vae = _models(c)
+    cond = _cond(c, text, vae).values[0]  # 107 frames on the 224x128 canvas
+    path = c.tmp / "guide.mp4"
+    frames = np.random.default_rng(6).integers(0, 256, (240, 100, 180, 3), dtype=np.uint8)  # 10 s at 24 fps
+    write_mp4(path, frames, (np.sin(np.arange(32000 * 10) / 7.0) * 0.3).astype(np.float32)[None].repeat(2, 0))
+    reads = []
+    real_read = media_read.read_video
+
+    def counted(*args, **kwargs):
+        clip = real_read(*args, **kwargs)
+        reads.append(clip.frames.shape)
+        return clip
+
+    loaded = SimpleNamespace(get_stream_source=lambda: str(path), get_active_trim_window=lambda: (1.0, 0.0),
+                             get_components=lambda: pytest.fail("decoded whole through get_components"))
+    monkeypatch.setattr(media_read, "read_video", counted)
+    from_file = c.conditioning.H3AddGuide.execute(cond, vae, 60, video=loaded).values[0]
+    monkeypatch.undo()
+    assert reads == [(47, 128, 224, 3)]  # 107 - 60 frames, already on the canvas
+    clip = media_read.read_video(path, 1.0, 47)
+    sound = {"waveform": torch.from_numpy(clip.audio)[None], "sample_rate": 32000}
+    in_memory = SimpleNamespace(get_components=lambda: SimpleNamespace(
+        images=torch.from_numpy(clip.frames).float() / 255, frame_rate=Fraction(24), audio=sound))
+    expected = c.conditioning.H3AddGuide.execute(cond, vae, 60, video=in_memory).values[0]
+    assert from_file.guides == expected.guides and from_file.guides[0].latent_frames == 12  # 39 frames
+    assert torch.equal(from_file.visual_condition_latents[-1], expected.visual_condition_latents[-1])
+    assert torch.equal(from_file.audio_condition_rows, expected.audio_condition_rows)
+
+
 def test_continuation_guides_reach_the_window_that_makes_their_frames(comfy):
     c = comfy
     model, text, vae = _models(c)

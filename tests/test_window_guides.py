@@ -165,3 +165,20 @@ def test_a_video_guide_file_is_read_no_longer_than_a_window(tmp_path):
     frames, sound, rate = read_guide(GuideFile(0, "video", path), 974, clip_frames=277)
     assert frames.shape[0] == 277 and sound.shape[1] == round(277 / 24 * rate)
     assert read_guide(GuideFile(0, "video", path), 974)[0].shape[0] == 400
+
+
+def test_a_video_guide_file_is_read_only_up_to_where_the_video_ends(tmp_path):
+    """A clip longer than the frames left after its anchor is cut there (as an AUDIO guide is), instead of
+    being read whole and refused as too long to fit."""
+    from h3_core.guides import GuideFile, check_guide, clip_room, read_guide
+    from h3_core.media_write import write_mp4
+
+    assert [clip_room(i, 107) for i in (0, 60, 106, -1, -47, 200, -300)] == [107, 47, 1, 1, 47, 1, 107]
+    path = tmp_path / "long.mp4"
+    write_mp4(path, np.zeros((240, 48, 64, 3), dtype=np.uint8), np.zeros((2, 32000 * 10), dtype=np.float32))
+    frames, sound, rate = read_guide(GuideFile(60, "video", path), 107)
+    assert frames.shape[0] == 47 and sound.shape[1] == round(47 / 24 * rate)
+    pixels, anchor, _ = check_guide("t2va", 107, 60, frames, sound, rate)
+    assert (pixels.shape[0], anchor) == (47, 60)  # 39 of them (17n + 5) are anchored
+    assert read_guide(GuideFile(-47, "video", path), 107)[0].shape[0] == 47
+    assert read_guide(GuideFile(60, "video", path), 974, clip_frames=22)[0].shape[0] == 22
