@@ -28,3 +28,35 @@ def test_generate_on_one_gpu(tmp_path, capsys):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_generate_split_over_two_gpus(tmp_path, capsys):
     _generate(tmp_path, capsys, "--devices", "cuda:0,cuda:1")
+
+
+def _allocator_after_generate(tmp_path, allocator_conf: str | None) -> str:
+    """Run `h3 generate` on one GPU in a fresh process (torch reads its allocator settings when CUDA starts)
+    and report whether a tensor made after it lives in an expandable segment."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from h3_core.runtime import ALLOCATOR_VARIABLES
+
+    script = ("import sys, torch; from h3_core.cli import main; code = main(sys.argv[1:]); "
+              "kept = torch.ones(1 << 20, device='cuda:0'); "
+              "print('RESULT', code, all(s.get('is_expandable', False) for s in torch.cuda.memory_snapshot()))")
+    env = {name: value for name, value in os.environ.items() if name not in ALLOCATOR_VARIABLES}
+    if allocator_conf is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = allocator_conf
+    argv = [sys.executable, "-c", script, "generate", "--prompt", "A red fox.", "--steps", "2", "--device", "cuda:0",
+            "--gpu-memory", "8", "--out", str(tmp_path / "fox.mp4")]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+                          timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
+    assert lines, done.stdout[-2000:] + done.stderr[-2000:]
+    return lines[-1]
+
+
+def test_one_gpu_generate_uses_expandable_segments_unless_the_user_configured_the_allocator(tmp_path):
+    """Fixed segments fragmented a streamed DiT on a 24 GiB budget into running out of memory, so the CLI
+    asks torch for expandable ones before CUDA starts; a user's own allocator setting is left alone."""
+    assert _allocator_after_generate(tmp_path, None) == "RESULT 0 True"
+    assert _allocator_after_generate(tmp_path, "expandable_segments:False") == "RESULT 0 False"
