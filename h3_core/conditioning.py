@@ -414,8 +414,9 @@ def encode_request(
                   this request's presentation instead (they are checked for shape only).
     video_vae     `vae_video.VideoVAE`, needed for keyframes and image/video references.
     audio_vae     `vae_audio.AudioVAE`, needed for audio references and video soundtracks.
-    on_stage      called (done, total) after each model call (the text, each keyframe or reference): a
-                  host shows progress there, and may raise to stop between calls (an interrupt).
+    on_stage      called (done, total) after each model call (the text, each keyframe or reference), and
+                  with `done` unchanged between the text encoder's layers: a host shows progress there,
+                  and may raise to stop (an interrupt).
     Everything is validated and decoded before the first model runs; models are used in the order
     text encoder, video VAE, audio VAE (so a caller can place one at a time)."""
     plan = validate(request, rules)
@@ -462,7 +463,8 @@ def encode_request(
         presentation = text_encoder.present(
             plan.task, plan.prompt, keyframes, [reference.for_presentation() for reference in prepared]
         )
-        text = staged(text_encoder.encode(presentation))
+        between_layers = None if on_stage is None else (lambda: on_stage(done, stages))
+        text = staged(text_encoder.encode(presentation, between_layers))
         states, tags = text.prompt_embeds, text.token_tags
 
     visual = [staged(encode_image(video_vae, keyframe)) for keyframe in keyframes]

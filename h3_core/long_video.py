@@ -24,7 +24,7 @@ Choices (the sources leave room):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,13 +274,17 @@ class LongConditioning:
 
 
 def encode_long_video(
-    request: LongVideoRequest, text_encoder, video_vae=None, audio_vae=None, *, rules: CanvasRules = RELEASE_CANVAS
+    request: LongVideoRequest, text_encoder, video_vae=None, audio_vae=None, *, rules: CanvasRules = RELEASE_CANVAS,
+    between_calls: Callable[[], None] | None = None,
 ) -> LongConditioning:
-    """Validate, then encode every distinct prompt, the references (once) and the driving track (once)."""
+    """Validate, then encode every distinct prompt, the references (once) and the driving track (once).
+    `between_calls` is called between model calls and the text encoder's layers: a host may raise there to
+    stop (an interrupt)."""
     plan = validate_long_video(request, rules)
     if request.drive_audio is not None and audio_vae is None:
         raise RequestError("A driving audio track is encoded by the audio VAE: pass an audio_vae.")
-    first = encode_request(plan.first, text_encoder, video_vae, audio_vae, rules=rules)
+    on_stage = None if between_calls is None else (lambda done, total: between_calls())
+    first = encode_request(plan.first, text_encoder, video_vae, audio_vae, rules=rules, on_stage=on_stage)
     texts = {plan.prompts[0]: (first.text_states, first.text_tags)}
     if len(set(plan.prompts)) > 1:
         checked = plan.first_plan
@@ -291,11 +295,15 @@ def encode_long_video(
         ]
         for prompt in plan.prompts:
             if prompt not in texts:
-                encoded = text_encoder.encode(text_encoder.present(plan.task, prompt, (), shown))
+                encoded = text_encoder.encode(text_encoder.present(plan.task, prompt, (), shown), between_calls)
                 texts[prompt] = (encoded.prompt_embeds, encoded.token_tags)
     drive = None
     if request.drive_audio is not None:
+        if between_calls is not None:
+            between_calls()
         drive = encode_track(audio_vae, load_track(request.drive_audio), plan.num_frames)
+    if between_calls is not None and request.guides:
+        between_calls()
     guides = encode_window_guides(plan.task, plan.windows, plan.width, plan.height, plan.num_frames, request.guides,
                                   video_vae, audio_vae, locked_audio=drive is not None)
     return LongConditioning(

@@ -22,6 +22,7 @@ requests) and `release()` drops it. The DiT casts the embeddings to its own dtyp
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,8 +81,11 @@ class TextEncoder:
         return self.presenter.present(task, prompt, keyframes, references)
 
     @torch.no_grad()
-    def encode(self, presentation: Presentation) -> TextConditioning:
-        """The hidden state after decoder layer `layer` for every row of `presentation`."""
+    def encode(self, presentation: Presentation, between_layers: Callable[[], None] | None = None
+               ) -> TextConditioning:
+        """The hidden state after decoder layer `layer` for every row of `presentation`. `between_layers` is
+        called before each decoder layer runs: a host may raise there to stop (an interrupt) without waiting
+        for the whole encoder (50 layers of the 32B: tens of seconds when they stream from CPU memory)."""
         model = self._loaded()
         if not isinstance(presentation, Presentation):
             raise TypeError(
@@ -107,13 +111,21 @@ class TextEncoder:
             for name, value in presentation.vision_inputs.items()
         }
         model.rope_deltas = None  # transformers caches multimodal RoPE offsets for generation; start clean
-        output = model(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            mm_token_type_ids=presentation.mm_token_type_ids.to(device)[None],
-            use_cache=False,
-            **vision,
-        )
+        hooks = [] if between_layers is None else [
+            layer.register_forward_pre_hook(lambda module, args: between_layers())
+            for layer in model.language_model.layers
+        ]
+        try:
+            output = model(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                mm_token_type_ids=presentation.mm_token_type_ids.to(device)[None],
+                use_cache=False,
+                **vision,
+            )
+        finally:
+            for hook in hooks:
+                hook.remove()
         return TextConditioning(output.last_hidden_state, presentation.token_tags.clone())
 
     def to(self, device: str | torch.device) -> "TextEncoder":

@@ -122,12 +122,14 @@ class H3Conditioning(io.ComfyNode):
         audio_vae = None if vae is None else vae.audio
         validate(request, text_encoder.canvas)  # every limit, before any model moves
         place_for_encoding(text_encoder, vae)
-        bar = None
+        bar, shown = None, 0
 
-        def on_stage(done: int, total: int) -> None:  # after the text and each keyframe / reference
-            nonlocal bar
+        def on_stage(done: int, total: int) -> None:  # after each model call, and between text encoder layers
+            nonlocal bar, shown
             bar = bar or progress_bar(total)
-            bar.update_absolute(done, total)
+            if done != shown:
+                bar.update_absolute(done, total)
+                shown = done
             check_interrupt()
 
         with freed_on_failure(device()):

@@ -133,7 +133,8 @@ class H3Continuation(io.ComfyNode):
         place_for_encoding(text_encoder, vae)
         with freed_on_failure(device()):
             cond = encode_long_video(request, text_encoder.encoder, None if vae is None else vae.video,
-                                     None if vae is None else vae.audio, rules=text_encoder.canvas)
+                                     None if vae is None else vae.audio, rules=text_encoder.canvas,
+                                     between_calls=check_interrupt)
 
         dit = model.dit
         contracts = [lora.contract for lora, _ in model.loras if lora.contract is not None]

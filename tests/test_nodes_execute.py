@@ -386,6 +386,23 @@ def test_continuation_guides_reach_the_window_that_makes_their_frames(comfy):
         guide.execute(0)
 
 
+def test_continuation_stops_inside_the_text_encoder_on_interrupt(comfy):
+    c = comfy
+    model, text, vae = _models(c)
+    continuation = importlib.import_module("nodes.long_video").H3Continuation
+    layers = text.encoder.model.language_model.layers
+    ran = []
+    hook = layers[0].register_forward_hook(lambda module, args, output: ran.append(module))
+    c.record.interrupt_after = len(c.record.progress)
+    try:
+        with pytest.raises(c.memory.mm.InterruptProcessingException):
+            continuation.execute(model, text, "a fox on a beach", "t2va", 8.0, "continuation", 107, 22, 3, 2, 0.0,
+                                 0.0, "auto", 0, 0, vae=vae)
+    finally:
+        hook.remove()
+    assert ran == [] and all(not layer._forward_pre_hooks for layer in layers)
+
+
 def test_continuation_extends_a_sampled_clip(comfy):
     c = comfy
     model, text, vae = _models(c)
@@ -560,6 +577,17 @@ def test_conditioning_shows_progress_per_model_call_and_stops_on_interrupt(comfy
     with pytest.raises(c.memory.mm.InterruptProcessingException):
         _cond(c, text, vae, "ref2va", references=refs)
     assert c.record.progress[-1][:2] == (1, 4)
+    c.record.interrupt_after = len(c.record.progress)  # stop inside the text encoder, between its layers
+    ran = []
+    layers = text.encoder.model.language_model.layers
+    hook = layers[0].register_forward_hook(lambda module, args, output: ran.append(module))
+    try:
+        with pytest.raises(c.memory.mm.InterruptProcessingException):
+            _cond(c, text, vae, "ref2va", references=refs)
+    finally:
+        hook.remove()
+    assert ran == [] and len(c.record.progress) == c.record.interrupt_after  # before its first layer ran
+    assert all(not layer._forward_pre_hooks for layer in layers)
 
 
 def test_decode_nodes_share_the_clips_over_devices(comfy):

@@ -184,6 +184,29 @@ def test_t2va_equals_diffusers(tiny, encoder, monkeypatch):
     assert_same(encoder.encode(presentation), presentation, reference)
 
 
+def test_between_layers_runs_before_each_decoder_layer_and_can_stop_the_encode(encoder):
+    """A host's interrupt check runs between the decoder layers (the result unchanged), and raising there
+    stops the encode mid-way and leaves no hook behind."""
+    presentation = encoder.presenter.t2va(PROMPT)
+    layers = encoder.model.language_model.layers
+    calls = []
+    got = encoder.encode(presentation, lambda: calls.append(len(calls)))
+    assert len(calls) == len(layers) > 1
+    assert torch.equal(got.prompt_embeds, encoder.encode(presentation).prompt_embeds)
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_the_second():
+        if len(calls) == len(layers) + 1:
+            raise Stop
+        calls.append(len(calls))
+
+    with pytest.raises(Stop):
+        encoder.encode(presentation, stop_at_the_second)
+    assert len(calls) == len(layers) + 1 and all(not layer._forward_pre_hooks for layer in layers)
+
+
 @pytest.mark.parametrize(
     "keyframes",
     [
