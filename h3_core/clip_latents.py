@@ -9,25 +9,28 @@ latents gives the VAEs' reconstruction of the clip, not its pixels.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+
 import numpy as np
+import torch
 
 from . import geometry, media_read
 from .conditioning import RequestError
 from .continuation import MAX_CONTINUATION_SECONDS
 from .drive_audio import encode_track, load_track
-from .media import SAMPLE_RATE, audio_samples_for_frames
-from .media_read import VideoClip
+from .media import SAMPLE_RATE, MediaError, audio_samples_for_frames
 from .output import AVLatents
 from .references import (
     CanvasRules,
     DecodedAudio,
     MediaInputError,
     count_at_24fps,
-    encode_video,
     frames_at_24fps,
     frames_on_canvas,
     vae_frame_count,
 )
+from .vae_video import condition_latents, frames_to_model_space
 
 MIN_CLIP_FRAMES = 22  # the shortest clip the latent layout holds (7 latent frames)
 MAX_CLIP_FRAMES = int(MAX_CONTINUATION_SECONDS * geometry.FPS)  # the longest read: a long video's whole length
@@ -42,21 +45,21 @@ def clip_frame_count(frames: int, fps: float) -> int:
     return vae_frame_count(at_24)
 
 
-def read_clip(path, rules: CanvasRules, width: int | None = None, height: int | None = None,
-              max_frames: int = MAX_CLIP_FRAMES, start_seconds: float = 0.0,
-              with_audio: bool = True) -> tuple[VideoClip, int, int]:
-    """A video file's frames at 24 fps from `start_seconds` and its soundtrack, each frame cover-cropped onto
-    the canvas as it is decoded (width x height, or the video's own aspect ratio under `rules`), so a long
-    clip is held at the canvas size only. Returns (clip, width, height)."""
-    canvas = [] if width is None else [(width, height)]  # else the first frame decides
-
-    def onto_canvas(frame: np.ndarray) -> np.ndarray:
-        if not canvas:
-            canvas.append(rules.canvas(frame.shape[1], frame.shape[0]))
-        return frames_on_canvas(frame[None], *canvas[0])[0]
-
-    clip = media_read.read_video(path, start_seconds, max_frames, with_audio=with_audio, fit=onto_canvas)
-    return clip, *canvas[0]
+def stream_clip(path, rules: CanvasRules, width: int | None = None, height: int | None = None,
+                max_frames: int = MAX_CLIP_FRAMES, start_seconds: float = 0.0) -> tuple[Iterator[np.ndarray], int, int]:
+    """A video file's frames at 24 fps from `start_seconds`, each cover-cropped onto the canvas (width x height,
+    or the video's own aspect ratio under `rules`) as it is decoded, as an iterator for `encode_clip_frames`:
+    a long clip is never in memory whole. The first 22 frames are decoded now, so a file that cannot be read
+    or is too short is refused before any VAE loads. Returns (frames, width, height)."""
+    frames = media_read.iter_video_frames(path, start_seconds, max_frames)
+    first = list(itertools.islice(frames, MIN_CLIP_FRAMES))
+    if not first:
+        raise MediaError(f"{path} has no video frames at or after {start_seconds} s.")
+    clip_frame_count(len(first), geometry.FPS)
+    if width is None:
+        width, height = rules.canvas(first[0].shape[1], first[0].shape[0])
+    on_canvas = (frames_on_canvas(frame[None], width, height)[0] for frame in itertools.chain(first, frames))
+    return on_canvas, width, height
 
 
 def encode_clip(video_vae, audio_vae, frames: np.ndarray, fps: float, width: int, height: int, waveform=None,
@@ -73,10 +76,59 @@ def encode_clip(video_vae, audio_vae, frames: np.ndarray, fps: float, width: int
     except ValueError as error:
         raise RequestError(str(error)) from None
     count = clip_frame_count(frames.shape[0], fps)
-    silence = DecodedAudio(np.zeros((2, audio_samples_for_frames(count)), np.float32), SAMPLE_RATE)
+    sound = None if waveform is None else DecodedAudio(waveform, sample_rate)
+    on_canvas = (frames_on_canvas(frame[None], width, height)[0] for frame in frames_at_24fps(frames, fps)[:count])
+    return encode_clip_frames(video_vae, audio_vae, on_canvas, sound)
+
+
+def encode_clip_frames(video_vae, audio_vae, frames: Iterable[np.ndarray],
+                       sound: DecodedAudio | Callable[[int], np.ndarray | None] | None = None) -> AVLatents:
+    """Frames at 24 fps already on the canvas, uint8 [H, W, 3], one at a time (at least 22) -> AVLatents of
+    their first 17n + 5 frames: the video VAE encodes 17 at a time as they arrive, so 22 frames are held,
+    not the clip (the posterior is then sampled in one draw: the same latents as `encode_video` of them all).
+
+    sound  a DecodedAudio (checked before any VAE runs), or a function given how many frames arrived that
+           returns their sound [2, M] at 32 kHz or None (a file's own soundtrack, read once its length is
+           known); None or no sound: silence. Either is cut or padded to the 17n + 5 frames."""
     try:
-        track = load_track(silence if waveform is None else DecodedAudio(waveform, sample_rate), "the clip's sound")
+        given = load_track(sound, "the clip's sound") if isinstance(sound, DecodedAudio) else None
     except MediaInputError as error:
         raise RequestError(str(error)) from None
-    video = encode_video(video_vae, frames_on_canvas(frames_at_24fps(frames, fps)[:count], width, height))
+    pieces = VaeClips(frames)
+    moments = video_vae.encode_moments_of_clips(map(_as_pixels, pieces), prepare=frames_to_model_space)
+    video = condition_latents(video_vae, moments).cpu()
+    count = pieces.kept
+    if callable(sound):
+        found = sound(pieces.arrived)
+        given = None if found is None else load_track(DecodedAudio(found, SAMPLE_RATE), "the clip's sound")
+    track = given if given is not None else torch.zeros(2, audio_samples_for_frames(count))
     return AVLatents(video, encode_track(audio_vae, track, count)).check()
+
+
+class VaeClips:
+    """Frames arriving one at a time, cut into the video VAE's 17-frame clips of their first 17n + 5: a clip
+    is yielded once 5 more frames have arrived after it (so it is surely kept), and the last 5 are repeated
+    from their last frame to 17, as `TemporalChunking.encode` pads them. `arrived` and `kept` count frames."""
+
+    def __init__(self, frames: Iterable[np.ndarray]):
+        self.frames, self.arrived, self.kept = frames, 0, 0
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        length, tail = geometry.FRAMES_PER_CHUNK, MIN_CLIP_FRAMES - geometry.FRAMES_PER_CHUNK
+        held: list[np.ndarray] = []
+        for frame in self.frames:
+            self.arrived += 1
+            held.append(frame)
+            if len(held) == length + tail:
+                self.kept += length
+                yield np.stack(held[:length])
+                held = held[length:]
+        if not self.kept:
+            clip_frame_count(self.arrived, geometry.FPS)  # fewer than 22: refused with the usual message
+        self.kept += tail
+        yield np.stack(held[:tail] + [held[tail - 1]] * (length - tail))
+
+
+def _as_pixels(clip: np.ndarray) -> torch.Tensor:
+    """uint8 [F, H, W, 3] -> [1, 3, F, H, W] (what the video VAE's encoder takes)."""
+    return torch.from_numpy(clip).permute(3, 0, 1, 2)[None]

@@ -269,13 +269,18 @@ def read_video(
         frames = list(decoded if fit is None else map(fit, decoded))
     if not frames:
         raise MediaError(f"{path} has no video frames at or after {start_seconds} s.")
-    audio = None
-    if with_audio:
-        with _open_media(path) as container:
-            if container.streams.audio:
-                waveform, rate = _decode_audio_window(container, start_seconds, len(frames) / FPS)
-                audio = resample_audio(waveform, rate) if waveform.shape[1] else None
+    audio = read_soundtrack(path, start_seconds, len(frames) / FPS) if with_audio else None
     return VideoClip(frames=np.stack(frames), audio=audio, source_fps=fps)
+
+
+def read_soundtrack(path: str | os.PathLike, start_seconds: float, seconds: float) -> np.ndarray | None:
+    """A video's sound over `seconds` from `start_seconds` as float32 [2, M] at 32 kHz (as `read_audio`), or
+    None when the file has no audio stream or no sound there: a video without sound is not an error."""
+    with _open_media(Path(path)) as container:
+        if not container.streams.audio:
+            return None
+        waveform, rate = _decode_audio_window(container, start_seconds, seconds)
+    return resample_audio(waveform, rate) if waveform.shape[1] else None
 
 
 def read_audio(path: str | os.PathLike, start_seconds: float = 0.0, max_seconds: float | None = None) -> np.ndarray:

@@ -25,7 +25,7 @@ from .config import TINY_DIT
 from .memory_plan import GIB, MemoryPlan, free_bytes, plan_for, usable_bytes
 from .offload import load_device, place
 from .conditioning import Request, RequestError, encode_request, validate
-from .clip_latents import clip_frame_count, encode_clip, read_clip
+from .clip_latents import MAX_CLIP_FRAMES, encode_clip_frames, stream_clip
 from .layout import pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
@@ -34,7 +34,7 @@ from .lora import apply_loras, load_lora, sampler_settings
 from .noise import condition_rows, request_generator, target_noise
 from .media import SAMPLE_RATE, MediaError
 from .output import AVLatents, write_mp4
-from .references import RELEASE_CANVAS, CanvasRules
+from .references import RELEASE_CANVAS, CanvasRules, DecodedAudio
 from .runtime import fixed_allocator_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback
 from .sampler import denoise as denoise_loop
@@ -377,21 +377,22 @@ def encode_clip_file(video: str | Path, model: str, out: str | Path, *, audio: s
     if width is not None:
         geometry.check_canvas(width, height)
     source = resolve_model_source(model, "fl2va")
-    try:
-        clip, width, height = read_clip(video, source.canvas, width, height, with_audio=audio is None)
-        sound = None if audio is None else media_read.read_audio(audio, 0.0, clip.frames.shape[0] / geometry.FPS)
+    try:  # the first frames are read now: a bad or short file is refused before a VAE loads
+        frames, width, height = stream_clip(video, source.canvas, width, height)
+        sound = (lambda seen: media_read.read_soundtrack(video, 0.0, seen / geometry.FPS)) if audio is None else \
+            DecodedAudio(media_read.read_audio(audio, 0.0, MAX_CLIP_FRAMES / geometry.FPS), SAMPLE_RATE)
     except MediaError as error:
         raise RequestError(f"{video if audio is None else audio}: {error}") from None
-    waveform = clip.audio if audio is None else sound
-    clip_frame_count(clip.frames.shape[0], geometry.FPS)
     if not source.tiny:  # both found and recognized before either loads
         locate_video_vae(source.root)
         locate_audio_vae(source.root)
     device = torch.device(device)
     dtype = vae_dtype or (tiny_model_dtype(device, None) if source.tiny else torch.bfloat16)
     video_vae, audio_vae = load_vaes(source, device, dtype)
-    latents = encode_clip(video_vae, audio_vae, clip.frames, geometry.FPS, width, height, waveform,
-                          None if waveform is None else SAMPLE_RATE)
+    try:  # the rest of the frames are decoded as the video VAE takes them, 17 at a time
+        latents = encode_clip_frames(video_vae, audio_vae, frames, sound)
+    except MediaError as error:
+        raise RequestError(f"{video}: {error}") from None
     latents.save(out, {"source": str(video), "model": source.name, "width": str(width), "height": str(height)})
     return latents
 

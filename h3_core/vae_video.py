@@ -28,7 +28,7 @@ import dataclasses
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -479,6 +479,17 @@ class VideoVAE(nn.Module):
 
         `prepare` (elementwise, e.g. `frames_to_model_space`) turns each clip into model space after it
         reaches the VAE's device: a long clip can stay uint8 in CPU memory, one clip at a time on the device."""
+        return self.config.temporal_chunking.encode(self._clip_encoder(tiled, prepare), pixels)
+
+    @torch.no_grad()
+    def encode_moments_of_clips(self, clips: Iterable[torch.Tensor], tiled: bool | None = None,
+                                prepare: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """`encode_moments` of a video given as its 17-frame clips [B, 3, 17, H, W], in order, the last
+        padded by repeating its last frame (`TemporalChunking.encode_clips`): made one at a time by the
+        caller, e.g. as a file is decoded, so the frames are never all in memory."""
+        return self.config.temporal_chunking.encode_clips(self._clip_encoder(tiled, prepare), clips)
+
+    def _clip_encoder(self, tiled: bool | None, prepare: Callable[[torch.Tensor], torch.Tensor] | None):
         tiled = self.config.encoder_tiling if tiled is None else tiled
         weight = self.encoder.conv_in.weight
 
@@ -486,7 +497,7 @@ class VideoVAE(nn.Module):
             clip = clip.to(weight.device)
             return self._encode_clip((clip if prepare is None else prepare(clip)).to(weight.dtype), tiled)
 
-        return self.config.temporal_chunking.encode(encode_clip, pixels)
+        return encode_clip
 
     def encode(self, pixels: torch.Tensor, tiled: bool | None = None,
                prepare: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Posterior:
@@ -673,6 +684,11 @@ def encode_condition(vae: VideoVAE, frames: torch.Tensor, seed: int = CONDITION_
     *sample* the posterior with a fresh CPU generator seeded `seed` (not the request's), round to
     float16 and back, then normalize with latents_mean / latents_std.
     """
-    posterior = vae.encode(frames, prepare=frames_to_model_space)
-    latents = posterior.sample(torch.Generator().manual_seed(seed))
+    return condition_latents(vae, vae.encode_moments(frames, prepare=frames_to_model_space), seed)
+
+
+def condition_latents(vae: VideoVAE, moments: torch.Tensor, seed: int = CONDITION_ENCODE_SEED) -> torch.Tensor:
+    """`encode_condition` after the encoder: moments [1, 2C, L, h, w] -> normalized float32 latents (the
+    posterior sampled in one draw over all L, so a video encoded clip by clip gets the same noise)."""
+    latents = Posterior.from_moments(moments).sample(torch.Generator().manual_seed(seed))
     return vae.normalize_latents(fp16_round_trip(latents))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -200,15 +200,18 @@ class TemporalChunking:
         num_frames = pixels.shape[2]
         if num_frames == 1:
             return encode_clip(pixels)
-        moments = []
-        for start in range(0, num_frames, self.clip_length):
-            clip = pixels[:, :, start : start + self.clip_length]
-            missing = self.clip_length - clip.shape[2]
-            if missing:
-                clip = torch.cat([clip, clip[:, :, -1:].expand(-1, -1, missing, -1, -1)], dim=2)
-            moments.append(encode_clip(clip))
-        moments = torch.cat(moments, dim=2)
+        return self.encode_clips(encode_clip, map(self._padded, pixels.split(self.clip_length, dim=2)))
+
+    def encode_clips(self, encode_clip: Tile, clips: Iterable[torch.Tensor]) -> torch.Tensor:
+        """`encode` of a video given as its 17-frame clips [B, 3, 17, H, W] in order (the last one's frames
+        after the video's end repeating its last frame, as `encode` pads it): the clips may be made as they
+        are consumed, so a long video need never be in memory whole."""
+        moments = torch.cat([encode_clip(clip) for clip in clips], dim=2)
         return moments[:, :, : moments.shape[2] - self.token_drop]
+
+    def _padded(self, clip: torch.Tensor) -> torch.Tensor:
+        missing = self.clip_length - clip.shape[2]
+        return torch.cat([clip, clip[:, :, -1:].expand(-1, -1, missing, -1, -1)], dim=2) if missing else clip
 
     def decode(self, decode_clip: Tile, latents: torch.Tensor) -> Iterator[torch.Tensor]:
         """Yield the frames of [B, C, L, h, w] latents chunk by chunk, each block as soon as it is final.

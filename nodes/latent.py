@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from h3_core import geometry
-from h3_core.clip_latents import MAX_CLIP_FRAMES, clip_frame_count, encode_clip, read_clip
-from h3_core.media import SAMPLE_RATE, MediaError
+from h3_core import geometry, media_read
+from h3_core.clip_latents import MAX_CLIP_FRAMES, clip_frame_count, encode_clip, encode_clip_frames, stream_clip
+from h3_core.media import MediaError
 from h3_core.conditioning import MAX_FRAMES, MIN_REQUESTED_FRAMES, RequestError, resolve_num_frames
 from h3_core.placement import freed_on_failure
 
@@ -92,30 +92,36 @@ class H3VAEEncode(io.ComfyNode):
             raise ValueError(f"Give width and height together (or both 0: from the clip); got {width}x{height}.")
         if width:
             geometry.check_canvas(int(width), int(height))
+        given = None if audio is None else audio_to_decoded(audio, "audio")
         on_disk = None if video is None else video_file(video)
-        if on_disk is not None:  # read from its file onto the canvas, as h3 encode does: never whole in float32
+        if on_disk is not None:  # streamed from its file onto the canvas, as h3 encode does: ~22 frames held
             path, start, duration = on_disk
             try:
-                clip, width, height = read_clip(path, vae.canvas, width or None, height or None,
-                                                trim_frames(duration, MAX_CLIP_FRAMES), start,
-                                                with_audio=audio is None)
+                frames, width, height = stream_clip(path, vae.canvas, width or None, height or None,
+                                                    trim_frames(duration, MAX_CLIP_FRAMES), start)
             except MediaError as error:
                 raise ValueError(f"video: {error}") from None
-            frames, fps, waveform, rate = clip.frames, float(geometry.FPS), clip.audio, SAMPLE_RATE
-        elif video is not None:
-            clip = video_to_decoded(video, "video")
-            frames, fps, waveform, rate = clip.frames, clip.fps, clip.audio, clip.sample_rate
+            sound = given or (lambda seen: media_read.read_soundtrack(path, start, seen / geometry.FPS))
+            place([vae.patcher])
+            with freed_on_failure(device()):
+                try:
+                    latents = encode_clip_frames(vae.video, vae.audio, frames, sound)
+                except MediaError as error:
+                    raise ValueError(f"video: {error}") from None
         else:
-            frames, fps, waveform, rate = image_to_uint8(images, "images"), float(frame_rate), None, None
-        if audio is not None:
-            sound = audio_to_decoded(audio, "audio")
-            waveform, rate = sound.waveform, sound.sample_rate
-        if not width:
-            width, height = vae.canvas.canvas(frames.shape[2], frames.shape[1])
-        clip_frame_count(frames.shape[0], fps)  # too short a clip is refused before the VAEs move
-        place([vae.patcher])
-        with freed_on_failure(device()):
-            latents = encode_clip(vae.video, vae.audio, frames, fps, int(width), int(height), waveform, rate)
+            if video is not None:
+                clip = video_to_decoded(video, "video")
+                frames, fps, waveform, rate = clip.frames, clip.fps, clip.audio, clip.sample_rate
+            else:
+                frames, fps, waveform, rate = image_to_uint8(images, "images"), float(frame_rate), None, None
+            if given is not None:
+                waveform, rate = given.waveform, given.sample_rate
+            if not width:
+                width, height = vae.canvas.canvas(frames.shape[2], frames.shape[1])
+            clip_frame_count(frames.shape[0], fps)  # too short a clip is refused before the VAEs move
+            place([vae.patcher])
+            with freed_on_failure(device()):
+                latents = encode_clip(vae.video, vae.audio, frames, fps, int(width), int(height), waveform, rate)
         latent = pack_latents(latents, width=int(width), height=int(height))
         return io.NodeOutput(latent, int(width), int(height), latents.num_frames)
 

@@ -8,11 +8,13 @@ import pytest
 import torch
 from PIL import Image
 
-from h3_core.clip_latents import clip_frame_count, encode_clip
+from h3_core.clip_latents import VaeClips, clip_frame_count, encode_clip, stream_clip
 from h3_core.conditioning import RequestError
 from h3_core.drive_audio import encode_track, load_track
 from h3_core.references import DecodedAudio, cover_crop, encode_video, frames_at_24fps
+from h3_core.references import RELEASE_CANVAS
 from h3_core.tiny import tiny_random_audio_vae, tiny_random_video_vae
+from h3_core.vae_video import VideoVAE
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +47,43 @@ def test_clip_lengths_snap_down_to_17n_plus_5():
         clip_frame_count(21, 24.0)
 
 
+@pytest.mark.parametrize("count", [22, 38, 39, 40, 60])
+def test_clips_cut_as_frames_arrive_are_the_whole_clips_17_frame_pieces(count):
+    """VaeClips yields what TemporalChunking.encode cuts from the first 17n + 5 frames (the last piece padded
+    with its last frame), each piece once 5 more frames have arrived: never more than 22 frames held."""
+    frames = clip(count)
+    arrived = []
+
+    def source():
+        for index, frame in enumerate(frames):
+            arrived.append(index + 1)
+            yield frame
+
+    pieces = VaeClips(source())
+    got = [(piece, len(arrived)) for piece in pieces]
+    kept = clip_frame_count(count, 24.0)
+    whole = torch.from_numpy(frames[:kept]).permute(3, 0, 1, 2)[None]
+    chunking = tiny_random_video_vae().config.temporal_chunking
+    expected = [c[0].permute(1, 2, 3, 0).numpy() for c in map(chunking._padded, whole.split(17, dim=2))]
+    assert len(got) == len(expected) and all(np.array_equal(a, b) for (a, _), b in zip(got, expected))
+    assert [seen for _, seen in got[:-1]] == [17 * k + 22 for k in range(len(got) - 1)]
+    assert (pieces.arrived, pieces.kept) == (count, kept)
+
+
+def test_a_short_or_unreadable_file_is_refused_from_its_first_frames(tmp_path):
+    from h3_core.media import MediaError
+    from h3_core.media_write import write_mp4
+
+    with pytest.raises(RequestError, match="needs at least 22 frames at 24 fps"):
+        list(VaeClips(iter(clip(21))))
+    path = tmp_path / "short.mp4"
+    write_mp4(path, clip(20)[:, :96, :176])
+    with pytest.raises(RequestError, match="has 20"):
+        stream_clip(path, RELEASE_CANVAS)
+    with pytest.raises(MediaError, match="no video frames at or after 5"):
+        stream_clip(path, RELEASE_CANVAS, start_seconds=5.0)
+
+
 def test_bad_clips_are_refused_before_a_vae_runs():
     with pytest.raises(RequestError, match="multiples of 32"):
         encode_clip(None, None, clip(30), 24.0, 200, 128)
@@ -67,11 +106,25 @@ def test_cli_encodes_a_video_file_for_continue_from(tmp_path, capsys, vaes, monk
     path, out = tmp_path / "mine.mp4", tmp_path / "mine.safetensors"
     sound = (np.sin(np.arange(32000 * 3) / 7.0) * 0.3).astype(np.float32)[None].repeat(2, 0)
     write_mp4(path, clip(60, seed=3)[:, :96, :176], sound)
-    held = []  # the frames the command keeps in memory: cropped onto the canvas as they were decoded
-    monkeypatch.setattr(media_read, "read_video", lambda *a, **k: held.append(read_video(*a, **k)) or held[-1])
+    decoded, encoded_after = [], []  # frames decoded from the file so far, when each 17-frame clip is encoded
+    real_frames, real_encode = media_read.iter_video_frames, VideoVAE._encode_clip
+
+    def counted_frames(*args, **kwargs):
+        for frame in real_frames(*args, **kwargs):
+            decoded.append(frame.shape)
+            yield frame
+
+    def logged_encode(self, pixels, tiled):
+        encoded_after.append((len(decoded), tuple(pixels.shape[2:])))
+        return real_encode(self, pixels, tiled)
+
+    monkeypatch.setattr(media_read, "iter_video_frames", counted_frames)
+    monkeypatch.setattr(VideoVAE, "_encode_clip", logged_encode)
     assert main(["encode", str(path), "--out", str(out), "--device", "cpu"]) == 0
     assert "mine.safetensors: 56 frames at 224x128" in capsys.readouterr().out  # 176x96 on the tiny canvas
-    assert [c.frames.shape for c in held] == [(60, 128, 224, 3)]
+    # streamed: each clip is encoded once 5 frames past it are decoded (so at most 22 are held); the kept
+    # 56 = 3 x 17 + 5, the last 5 padded to 17 once the file ends; the 4 after them are dropped
+    assert encoded_after == [(22 + 17 * k, (17, 128, 224)) for k in range(3)] + [(60, (17, 128, 224))]
     monkeypatch.undo()
     video = read_video(path)
     expected = encode_clip(*vaes, video.frames, 24.0, 224, 128, video.audio, 32000)

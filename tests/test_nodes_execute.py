@@ -456,7 +456,8 @@ def test_vae_encode_turns_a_video_into_a_latent_to_extend(comfy):
 def test_vae_encode_reads_a_loaded_video_from_its_file(comfy):
     """A Load Video VIDEO (VideoFromFile: a path and a trim window) is read from its file onto the canvas frame
     by frame, as `h3 encode` reads it, never decoded whole through get_components(); the trim is honoured."""
-    from h3_core.clip_latents import encode_clip, read_clip
+    from h3_core.clip_latents import encode_clip
+    from h3_core.media_read import read_video
     from h3_core.media_write import write_mp4
 
     c = comfy
@@ -473,9 +474,9 @@ def test_vae_encode_reads_a_loaded_video_from_its_file(comfy):
         return video
 
     latent, width, height, count = c.latent.H3VAEEncode.execute(vae, video=loaded((1.0, 2.0))).values
-    clip, w, h = read_clip(path, vae.canvas, start_seconds=1.0, max_frames=48)  # frames 24-71
-    expected = encode_clip(vae.video, vae.audio, clip.frames, 24.0, w, h, clip.audio, 32000)
-    assert (width, height, count) == (w, h, 39) == (224, 128, 39)  # 48 frames at 24 fps, cut to 17n + 5
+    clip = read_video(path, 1.0, 48)  # frames 24-71, decoded whole, then encoded whole
+    expected = encode_clip(vae.video, vae.audio, clip.frames, 24.0, 224, 128, clip.audio, 32000)
+    assert (width, height, count) == (224, 128, 39)  # 48 frames at 24 fps, cut to 17n + 5
     assert torch.equal(latent["video"], expected.video) and torch.equal(latent["audio"], expected.audio)
     whole = c.latent.H3VAEEncode.execute(vae, video=loaded()).values  # no trim window: the whole file
     assert whole[3] == 90
