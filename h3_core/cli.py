@@ -266,10 +266,37 @@ def _saved_latents(path: Path) -> AVLatents:
         raise ValueError(f"--continue-from {path}: {error}") from None
 
 
+class StageBars:
+    """A pipeline progress callback, (stage, done, total): one progress bar on stderr per stage, the last
+    stage's closed when the next begins."""
+
+    def __init__(self):
+        self.bars = {}
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        from tqdm import tqdm
+
+        bar = self.bars.get(stage)
+        if bar is None:
+            self.close()
+            bar = self.bars[stage] = tqdm(total=total, desc=stage, file=sys.stderr, leave=False)
+        if total != bar.total:
+            bar.total = total
+        bar.update(done - bar.n)
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
+
+
 def run_encode(args) -> int:
-    latents = encode_clip_file(args.video, args.model, args.out, audio=args.audio, width=args.width,
-                               height=args.height, device=args.device,
-                               vae_dtype=DTYPES[args.vae_dtype] if args.vae_dtype else None)
+    progress = StageBars()
+    try:
+        latents = encode_clip_file(args.video, args.model, args.out, audio=args.audio, width=args.width,
+                                   height=args.height, device=args.device,
+                                   vae_dtype=DTYPES[args.vae_dtype] if args.vae_dtype else None, progress=progress)
+    finally:
+        progress.close()
     _, _, _, latent_height, latent_width = latents.video.shape
     print(f"{args.out}: {latents.num_frames} frames at {latent_width * 16}x{latent_height * 16} "
           f"({latents.num_frames / 24:.2f} s)")
@@ -277,8 +304,6 @@ def run_encode(args) -> int:
 
 
 def run_generate(args) -> int:
-    from tqdm import tqdm
-
     if args.out is None and args.save_latents is None:
         raise ValueError("Give --out FILE.mp4 (and/or --save-latents FILE.safetensors).")
     if args.outputs < 1:
@@ -303,16 +328,7 @@ def run_generate(args) -> int:
                                 attention_window=args.attention_window_lossy,
                                 attention_window_dense_steps=args.attention_window_dense_steps,
                                 vae_dtype=DTYPES[args.vae_dtype] if args.vae_dtype else None)
-    bars: dict[str, tqdm] = {}
-
-    def progress(stage: str, done: int, total: int) -> None:
-        bar = bars.get(stage)
-        if bar is None:
-            for old in bars.values():
-                old.close()
-            bar = bars[stage] = tqdm(total=total, desc=stage, file=sys.stderr, leave=False)
-        bar.update(done - bar.n)
-
+    progress = StageBars()
     if device.type == "cuda":
         torch.cuda.init()  # the memory statistics need CUDA's state, and nothing has touched the GPU yet
         torch.cuda.reset_peak_memory_stats(device)
@@ -320,8 +336,7 @@ def run_generate(args) -> int:
         results = generate(request, args.model, settings, args.out, args.save_latents, progress,
                            notes=lambda line: print(f"h3: {line}", file=sys.stderr))
     finally:
-        for bar in bars.values():
-            bar.close()
+        progress.close()
     for result in results:
         written = result.video_path or result.latents_path
         stages = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in result.seconds.items())

@@ -81,21 +81,39 @@ def encode_clip(video_vae, audio_vae, frames: np.ndarray, fps: float, width: int
     return encode_clip_frames(video_vae, audio_vae, on_canvas, sound)
 
 
+def expected_clip_frames(path, start_seconds: float = 0.0, max_frames: int = MAX_CLIP_FRAMES) -> int:
+    """How many frames encoding a video file from `start_seconds` will keep, from its container's duration
+    (for a progress bar's total; `max_frames` when the container does not say)."""
+    duration = media_read.probe(path).duration_seconds
+    at_24 = max_frames if duration is None else min(max_frames, int((duration - start_seconds) * geometry.FPS))
+    return vae_frame_count(max(at_24, MIN_CLIP_FRAMES))
+
+
 def encode_clip_frames(video_vae, audio_vae, frames: Iterable[np.ndarray],
-                       sound: DecodedAudio | Callable[[int], np.ndarray | None] | None = None) -> AVLatents:
+                       sound: DecodedAudio | Callable[[int], np.ndarray | None] | None = None,
+                       on_clip: Callable[[int], None] | None = None) -> AVLatents:
     """Frames at 24 fps already on the canvas, uint8 [H, W, 3], one at a time (at least 22) -> AVLatents of
     their first 17n + 5 frames: the video VAE encodes 17 at a time as they arrive, so 22 frames are held,
     not the clip (the posterior is then sampled in one draw: the same latents as `encode_video` of them all).
 
     sound  a DecodedAudio (checked before any VAE runs), or a function given how many frames arrived that
            returns their sound [2, M] at 32 kHz or None (a file's own soundtrack, read once its length is
-           known); None or no sound: silence. Either is cut or padded to the 17n + 5 frames."""
+           known); None or no sound: silence. Either is cut or padded to the 17n + 5 frames.
+    on_clip  called with the frames encoded so far after each 17-frame clip: a host shows progress there
+             and may raise to stop (an interrupt)."""
     try:
         given = load_track(sound, "the clip's sound") if isinstance(sound, DecodedAudio) else None
     except MediaInputError as error:
         raise RequestError(str(error)) from None
     pieces = VaeClips(frames)
-    moments = video_vae.encode_moments_of_clips(map(_as_pixels, pieces), prepare=frames_to_model_space)
+
+    def clips() -> Iterator[torch.Tensor]:
+        for piece in pieces:
+            yield _as_pixels(piece)
+            if on_clip is not None:  # runs when the VAE asks for the next clip: this one is encoded
+                on_clip(pieces.kept)
+
+    moments = video_vae.encode_moments_of_clips(clips(), prepare=frames_to_model_space)
     video = condition_latents(video_vae, moments).cpu()
     count = pieces.kept
     if callable(sound):

@@ -25,7 +25,7 @@ from .config import TINY_DIT
 from .memory_plan import GIB, MemoryPlan, free_bytes, plan_for, usable_bytes
 from .offload import load_device, place
 from .conditioning import Request, RequestError, encode_request, validate
-from .clip_latents import MAX_CLIP_FRAMES, encode_clip_frames, stream_clip
+from .clip_latents import MAX_CLIP_FRAMES, encode_clip_frames, expected_clip_frames, stream_clip
 from .layout import pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
@@ -366,10 +366,11 @@ def load_vaes(source, device: torch.device, dtype: torch.dtype):
 
 def encode_clip_file(video: str | Path, model: str, out: str | Path, *, audio: str | Path | None = None,
                      width: int | None = None, height: int | None = None, device: str = "cpu",
-                     vae_dtype: torch.dtype | None = None) -> AVLatents:
+                     vae_dtype: torch.dtype | None = None, progress: Progress | None = None) -> AVLatents:
     """A video file (its frames at 24 fps and its soundtrack, or `audio`'s) encoded by `model`'s VAEs and
     saved as latents for `generate --long-video --continue-from` (clip_latents.py). The canvas: width x
-    height, or the video's own aspect ratio on the model's canvas. Everything is checked before a VAE loads."""
+    height, or the video's own aspect ratio on the model's canvas. Everything is checked before a VAE loads.
+    `progress("encode", frames done, frames expected)` after each 17 frames."""
     if Path(out).suffix != ".safetensors":
         raise ValueError(f"{out} must end in .safetensors.")
     if (width is None) != (height is None):
@@ -389,8 +390,10 @@ def encode_clip_file(video: str | Path, model: str, out: str | Path, *, audio: s
     device = torch.device(device)
     dtype = vae_dtype or (tiny_model_dtype(device, None) if source.tiny else torch.bfloat16)
     video_vae, audio_vae = load_vaes(source, device, dtype)
+    expected = expected_clip_frames(video)
+    on_clip = None if progress is None else (lambda done: progress("encode", done, max(done, expected)))
     try:  # the rest of the frames are decoded as the video VAE takes them, 17 at a time
-        latents = encode_clip_frames(video_vae, audio_vae, frames, sound)
+        latents = encode_clip_frames(video_vae, audio_vae, frames, sound, on_clip)
     except MediaError as error:
         raise RequestError(f"{video}: {error}") from None
     latents.save(out, {"source": str(video), "model": source.name, "width": str(width), "height": str(height)})

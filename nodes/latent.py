@@ -6,12 +6,14 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from h3_core import geometry, media_read
-from h3_core.clip_latents import MAX_CLIP_FRAMES, clip_frame_count, encode_clip, encode_clip_frames, stream_clip
+from h3_core.clip_latents import (
+    MAX_CLIP_FRAMES, clip_frame_count, encode_clip, encode_clip_frames, expected_clip_frames, stream_clip,
+)
 from h3_core.media import MediaError
 from h3_core.conditioning import MAX_FRAMES, MIN_REQUESTED_FRAMES, RequestError, resolve_num_frames
 from h3_core.placement import freed_on_failure
 
-from .common import CATEGORY, H3VAE, H3Cond, H3Latent, device
+from .common import CATEGORY, H3VAE, H3Cond, H3Latent, check_interrupt, device, progress_bar
 from .convert import (
     audio_to_decoded, empty_latent, image_to_uint8, pack_latents, trim_frames, video_file, video_to_decoded,
 )
@@ -102,10 +104,17 @@ class H3VAEEncode(io.ComfyNode):
             except MediaError as error:
                 raise ValueError(f"video: {error}") from None
             sound = given or (lambda seen: media_read.read_soundtrack(path, start, seen / geometry.FPS))
+            expected = expected_clip_frames(path, start, trim_frames(duration, MAX_CLIP_FRAMES))
+            bar = progress_bar(expected)
+
+            def on_clip(done: int) -> None:  # after each 17 frames: a 300 s clip takes minutes
+                bar.update_absolute(done, max(done, expected))
+                check_interrupt()
+
             place([vae.patcher])
             with freed_on_failure(device()):
                 try:
-                    latents = encode_clip_frames(vae.video, vae.audio, frames, sound)
+                    latents = encode_clip_frames(vae.video, vae.audio, frames, sound, on_clip)
                 except MediaError as error:
                     raise ValueError(f"video: {error}") from None
         else:

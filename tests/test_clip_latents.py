@@ -130,5 +130,10 @@ def test_cli_encodes_a_video_file_for_continue_from(tmp_path, capsys, vaes, monk
     expected = encode_clip(*vaes, video.frames, 24.0, 224, 128, video.audio, 32000)
     saved = load_file(str(out))
     assert torch.equal(saved["video"], expected.video) and torch.equal(saved["audio"], expected.audio)
+    from h3_core.pipeline import encode_clip_file
+
+    steps = []
+    encode_clip_file(path, "tiny-random", tmp_path / "again.safetensors", progress=lambda *step: steps.append(step))
+    assert steps == [("encode", 17, 56), ("encode", 34, 56), ("encode", 51, 56), ("encode", 56, 56)]
     assert main(["encode", str(path), "--out", str(out), "--width", "224"]) == 2
     assert "width and height together" in capsys.readouterr().err

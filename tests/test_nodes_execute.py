@@ -473,7 +473,9 @@ def test_vae_encode_reads_a_loaded_video_from_its_file(comfy):
             video.get_active_trim_window = lambda: trim
         return video
 
+    start = len(c.record.progress)
     latent, width, height, count = c.latent.H3VAEEncode.execute(vae, video=loaded((1.0, 2.0))).values
+    assert [(done, total) for done, total, _ in c.record.progress[start:]] == [(17, 39), (34, 39), (39, 39)]
     clip = read_video(path, 1.0, 48)  # frames 24-71, decoded whole, then encoded whole
     expected = encode_clip(vae.video, vae.audio, clip.frames, 24.0, 224, 128, clip.audio, 32000)
     assert (width, height, count) == (224, 128, 39)  # 48 frames at 24 fps, cut to 17n + 5
@@ -482,6 +484,10 @@ def test_vae_encode_reads_a_loaded_video_from_its_file(comfy):
     assert whole[3] == 90
     with pytest.raises(ValueError, match="multiples of 32"):
         c.latent.H3VAEEncode.execute(vae, video=loaded(), width=200, height=128)
+    c.record.interrupt_after = len(c.record.progress) + 2  # cancelled after the second 17 frames
+    with pytest.raises(c.memory.mm.InterruptProcessingException):
+        c.latent.H3VAEEncode.execute(vae, video=loaded())
+    assert [done for done, _, _ in c.record.progress[-2:]] == [17, 34]
 
 
 def test_single_file_text_encoder_without_tokenizer_folder_is_refused_before_making_room(comfy):
