@@ -4,7 +4,7 @@ installed; skips with a message otherwise. Starts the server on a free loopback 
 linked into custom_nodes (and a tiny Turbo LoRA under the file name the turbo workflow names), then:
 /object_info and the template list, every API workflow to an MP4 on tiny-random with progress and
 previews on the websocket, an output list, node errors at queue time, a bad sigma ladder, an interrupt
-mid-sampling, and /free releasing our models."""
+mid-sampling, and /free releasing our models. Also, in process: Load Video's VIDEO class read from its file."""
 
 import asyncio
 import json
@@ -436,3 +436,39 @@ def test_workflow_nodes_and_inputs_exist_in_this_comfyui(server):
         problems += [f"{path.name}: {node['type']} unknown" for node in json.loads(path.read_text())["nodes"]
                      if node["type"] not in info and node["type"] not in frontend_only]
     assert not problems, "\n".join(problems)
+
+
+def test_load_videos_file_video_is_read_from_its_file_with_its_trim(tmp_path, monkeypatch):
+    """Our file route (H3 VAE Encode, guides, video references) leans on Load Video's VIDEO, this ComfyUI's
+    VideoFromFile, answering get_stream_source() and get_active_trim_window(): checked on the real class,
+    trimmed as ComfyUI trims it, against the file read directly. No server needed."""
+    import importlib.util
+
+    import numpy as np
+
+    sys.path.insert(0, COMFYUI)
+    try:
+        import comfy.cli_args
+
+        comfy.cli_args.args.cpu = True  # as the server runs here; ComfyUI's API import sets up its device
+        from comfy_api.latest import InputImpl
+    finally:
+        sys.path.remove(COMFYUI)  # ComfyUI's nodes.py would hide our nodes package
+    from h3_core.media_read import read_video
+    from h3_core.media_write import write_mp4
+
+    spec = importlib.util.spec_from_file_location("h3_convert", PACK / "nodes" / "convert.py")
+    convert = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "h3_convert", convert)  # its dataclasses look their module up
+    spec.loader.exec_module(convert)  # pure: no ComfyUI or package-relative imports
+    video_at_24fps, video_file = convert.video_at_24fps, convert.video_file
+
+    path = tmp_path / "clip.mp4"
+    frames = np.random.default_rng(2).integers(0, 256, (72, 64, 96, 3), dtype=np.uint8)
+    write_mp4(path, frames, (np.sin(np.arange(32000 * 3) / 5.0) * 0.3).astype(np.float32)[None].repeat(2, 0))
+    video = InputImpl.VideoFromFile(str(path))
+    trimmed = video.as_trimmed(start_time=0.5, duration=1.0)
+    assert video_file(video) == (str(path), 0.0, 0.0) and video_file(trimmed) == (str(path), 0.5, 1.0)
+    clip, expected = video_at_24fps(trimmed, "video", 100), read_video(path, 0.5, 24)
+    assert np.array_equal(clip.frames, expected.frames) and np.array_equal(clip.audio, expected.audio)
+    assert video_at_24fps(video, "video", 30).frames.shape == (30, 64, 96, 3)
