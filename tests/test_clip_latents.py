@@ -70,6 +70,19 @@ def test_clips_cut_as_frames_arrive_are_the_whole_clips_17_frame_pieces(count):
     assert (pieces.arrived, pieces.kept) == (count, kept)
 
 
+def test_a_soundtrack_read_after_the_frames_is_asked_for_what_arrived(vaes):
+    """A file's own soundtrack is read once the frames have all arrived (for exactly those), and a file
+    without one gets silence, as frames given with no sound do."""
+    from h3_core.clip_latents import encode_clip_frames
+
+    frames = clip(60)[:, :64, :64]
+    asked = []
+    quiet = encode_clip_frames(*vaes, iter(frames), lambda seen: asked.append(seen))  # returns None
+    assert asked == [60] and quiet.num_frames == 56
+    expected = encode_clip(*vaes, frames, 24.0, 64, 64)
+    assert torch.equal(quiet.video, expected.video) and torch.equal(quiet.audio, expected.audio)
+
+
 def test_a_short_or_unreadable_file_is_refused_from_its_first_frames(tmp_path):
     from h3_core.media import MediaError
     from h3_core.media_write import write_mp4
