@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -43,6 +43,7 @@ from h3_core.memory_plan import plan_for
 from h3_core.offload import place
 from h3_core.output import write_mp4
 from h3_core.pipeline import TINY_CANVAS, sample
+from h3_core.runtime import empty_caches
 from h3_core.prompt import Presenter
 from h3_core.references import RELEASE_CANVAS
 from h3_core.text import TextEncoder
@@ -113,8 +114,17 @@ def build_dit(config: DiTConfig, device: torch.device, dtype: torch.dtype,
     return model
 
 
+def host_rss_bytes() -> int:
+    """This process's resident memory now (Linux /proc)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def stage(name: str, device: torch.device, work):
-    """Run `work()`, print its seconds and the GPU's peak allocation during it."""
+    """Run `work()`, print its seconds, the GPU's peak allocation during it and the process's resident host
+    memory (now, and its peak so far: pinned and parked weights are host memory a smaller machine must have)."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -127,6 +137,8 @@ def stage(name: str, device: torch.device, work):
         row["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
         row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 2)
         row["allocated_after_gib"] = round(torch.cuda.memory_allocated() / GIB, 2)
+    row["host_rss_gib"] = round(host_rss_bytes() / GIB, 2)
+    row["host_peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, 2)
     print(json.dumps(row), flush=True)
     return result, row
 
@@ -185,9 +197,7 @@ def main():
     def release():
         encoder.release()
         video_vae.to("cpu"), audio_vae.to("cpu")
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        empty_caches(device)  # as pipeline.generate does
 
     rows.append(stage("release text encoder, park VAEs", device, release)[1])
     config = TINY_DIT if args.tiny else DiTConfig()
@@ -233,9 +243,7 @@ def main():
         if streamer is not None:
             streamer.remove()
         dit = streamer = None  # the streamer holds the resident blocks too
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        empty_caches(device)  # also the pinned memory the streamed blocks waited in
 
     rows.append(stage("release DiT", device, release_dit)[1])
 
@@ -258,6 +266,7 @@ def main():
         "total_seconds": round(sum(r["seconds"] for r in rows), 2),
         "peak_allocated_gib": max((r.get("peak_allocated_gib", 0) for r in rows), default=0),
         "peak_reserved_gib": max((r.get("peak_reserved_gib", 0) for r in rows), default=0),
+        "host_peak_rss_gib": max((r["host_peak_rss_gib"] for r in rows), default=0),
     }
     print(json.dumps(summary), flush=True)
 

@@ -35,7 +35,7 @@ from .noise import condition_rows, request_generator, target_noise
 from .media import SAMPLE_RATE, MediaError
 from .output import AVLatents, write_mp4
 from .references import RELEASE_CANVAS, CanvasRules, DecodedAudio
-from .runtime import fixed_allocator_segments
+from .runtime import empty_caches, fixed_allocator_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback
 from .sampler import denoise as denoise_loop
 from .text import load_text_encoder, text_encoder_bytes
@@ -292,7 +292,7 @@ def generate(
     text_encoder.release()  # its ~51 GB leave before the DiT arrives
     del text_encoder
     video_vae.to("cpu"), audio_vae.to("cpu")  # back on the device only for the decode
-    _empty_cache(device)
+    empty_caches(device)
     timings["encode"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
@@ -317,7 +317,7 @@ def generate(
             if hasattr(dit, "close"):
                 dit.close()  # the parallel workers
             dit = streamer = None  # the streamer holds the resident blocks too
-            _empty_cache(device)
+            empty_caches(device)
         latents_path = numbered(save_latents, index, settings.outputs)
         if latents_path is not None:
             latents.save(latents_path, {"seed": str(seed), "task": request.task, "model": source.name})
@@ -472,8 +472,3 @@ def largest_layout(conditioning):
     if hasattr(conditioning, "layout"):
         return conditioning.layout
     return conditioning.largest_layout
-
-
-def _empty_cache(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()

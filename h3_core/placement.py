@@ -10,7 +10,6 @@ for them; every move and the model's release are logged (logger "h3"), so a host
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import sys
 import traceback
@@ -18,6 +17,8 @@ import weakref
 from collections.abc import Iterable
 
 import torch
+
+from .runtime import empty_caches
 
 log = logging.getLogger("h3")
 GIB = 2**30
@@ -39,12 +40,6 @@ def _bytes(parts: Iterable) -> int:
                     seen.add(id(tensor))
                     total += tensor.numel() * tensor.element_size()
     return total
-
-
-def _empty_cache(device: torch.device | None) -> None:
-    gc.collect()
-    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
-        torch.cuda.empty_cache()
 
 
 class Placement:
@@ -79,7 +74,7 @@ class Placement:
             for part in self.parts:
                 if _modules(part):  # a released text encoder has nothing left to move
                     part.to(self.device)
-            _empty_cache(previous)
+            empty_caches(previous)
         return self.size
 
     def load(self) -> int:
@@ -126,7 +121,7 @@ class TextEncoderPlacement(Placement):
             self.encoder.stream_layers(self.load_device)
         else:
             self.encoder.to(self.offload_device)
-            _empty_cache(self.load_device)
+            empty_caches(self.load_device)
         return self.size
 
     def load(self) -> int:
@@ -155,7 +150,7 @@ def freed_on_failure(device=None):
         yield
     except BaseException as error:
         traceback.clear_frames(error.__traceback__)
-        _empty_cache(None if device is None else torch.device(device))
+        empty_caches(None if device is None else torch.device(device))
         raise
 
 
@@ -224,7 +219,7 @@ class DiTPlacement(Placement):
                 adaln_home = self.offload_device if wanted[2] else self.load_device
                 for module in self.dit.adaln_modules():
                     module.to(adaln_home)
-                _empty_cache(self.load_device)
+                empty_caches(self.load_device)
                 log.info("H3: %s: AdaLN weights moved to %s", self.name, adaln_home)
             else:
                 self.offload()
@@ -245,7 +240,7 @@ class DiTPlacement(Placement):
         moved = self.loaded_bytes
         unplace(self.dit, self.offload_device, self.streamer)
         self.streamer, self.loaded = None, False
-        _empty_cache(self.load_device)
+        empty_caches(self.load_device)
         return moved
 
     def load(self) -> int:
