@@ -35,7 +35,7 @@ from .noise import condition_rows, request_generator, target_noise
 from .media import SAMPLE_RATE, MediaError
 from .output import AVLatents, write_mp4
 from .references import RELEASE_CANVAS, CanvasRules, DecodedAudio
-from .runtime import empty_caches, fixed_allocator_segments
+from .runtime import empty_caches, fixed_allocator_segments, host_memory_warning
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback
 from .sampler import denoise as denoise_loop
 from .text import load_text_encoder, text_encoder_bytes
@@ -445,6 +445,10 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
         dit = tiny_random_dit(model_dtype(source, settings), home)
     else:
         linears = "checkpoint" if quantize_later else settings.linears
+        size = sum(Path(f).stat().st_size for f in dit_source.files)  # about what it takes once read
+        warning = host_memory_warning(size, "The DiT") if home.type == "cpu" else None
+        if warning:
+            notes(f"memory: {warning}")
         dit = load_dit(source.root, partition, dtype=settings.dtype, device=home, linears=linears)
     if loras:
         report = apply_loras(dit, loras, partition=partition, mode="merge", backup=False)

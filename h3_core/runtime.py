@@ -7,6 +7,7 @@ import ctypes
 import ctypes.util
 import gc
 import os
+from pathlib import Path
 
 import torch
 
@@ -63,3 +64,25 @@ def empty_caches(device: torch.device | None = None) -> None:
         getattr(torch._C, "_host_emptyCache", None)
     if empty_host is not None:
         empty_host()
+
+
+def host_memory_available() -> int | None:
+    """Bytes the system can give without swapping (Linux MemAvailable), or None where it does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def host_memory_warning(nbytes: int, what: str) -> str | None:
+    """A warning when reading `nbytes` into CPU memory would take more than the system has available (it
+    would swap, or the system would stop the process), else None."""
+    available = host_memory_available()
+    if available is None or nbytes <= available:
+        return None
+    return (f"{what} needs about {nbytes / 2**30:.1f} GiB of CPU memory and {available / 2**30:.1f} GiB is "
+            "available: expect swapping, or the system stopping this process. Free other models first, or load a "
+            "smaller (FP8) file.")

@@ -3,6 +3,7 @@ original release / partition folder, or `tiny-random`) -> handles on our own soc
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from h3_core.parallel import ModelSpec, check_compile_sharding
 from h3_core.placement import freed_on_failure
 from h3_core.pipeline import TEXT_WORKING_BYTES, TINY_CANVAS
 from h3_core.references import RELEASE_CANVAS
+from h3_core.runtime import host_memory_warning
 from h3_core.text import load_text_encoder, locate_text_encoder_files, text_encoder_bytes
 from h3_core.tiny import (
     TINY_RANDOM,
@@ -50,6 +52,9 @@ from .memory import (
     text_encoder_offload_device,
     text_encoder_streams,
 )
+
+log = logging.getLogger("h3")
+
 
 def file_bytes(paths) -> int:
     """On-disk size of weight files (a folder counts its .safetensors): roughly what they take once loaded."""
@@ -156,7 +161,11 @@ class H3ModelLoader(io.ComfyNode):
             dit = tiny_random_dit(dtype, home)
             apply_linear_mode(dit, linears, home)
         else:  # the file's size bounds what the DiT takes (FP8 linears take less)
-            home = dit_home(file_bytes(locate_dit(path, partition).files), target, budget)
+            nbytes = file_bytes(locate_dit(path, partition).files)
+            home = dit_home(nbytes, target, budget)
+            warning = host_memory_warning(nbytes, label) if home.type == "cpu" else None
+            if warning:
+                log.warning("H3: %s", warning)
             with freed_on_failure(target):
                 dit = load_dit(path, partition, dtype=dtype, device=home, linears=linears)
         dit.set_attention(chosen, window, dense_steps)  # chosen for the compute device
@@ -220,6 +229,9 @@ class H3TextEncoderLoader(io.ComfyNode):
             dtype = DTYPES[weight_dtype]
             stream = text_encoder_streams(text_encoder_bytes(path, dtype) + TEXT_WORKING_BYTES, target, budget)
             home = text_encoder_offload_device() if stream else target  # streamed layers wait in CPU memory
+            warning = host_memory_warning(text_encoder_bytes(path, dtype), "The text encoder") if stream else None
+            if warning:
+                log.warning("H3: %s", warning)
             with freed_on_failure(target):
                 encoder = load_text_encoder(path, dtype, home, tokenizer=tokenizer)
             name, canvas = str(path), RELEASE_CANVAS

@@ -467,3 +467,44 @@ def test_fp8_matmuls_are_refused_before_loading_where_the_device_lacks_them(comf
     with pytest.raises(ValueError, match="FP8 matmuls are not supported on cpu.*fp8-weights-lossy"):
         _load(comfy, linears="fp8-lossy")
     assert read == []
+
+
+def test_a_dit_read_into_more_cpu_memory_than_is_available_is_warned_about(comfy, caplog, monkeypatch):
+    """Reading a DiT into CPU memory the system does not have swaps or gets ComfyUI stopped: the log says so,
+    with what it needs and what is available (Linux MemAvailable), before the read."""
+    from h3_core import runtime
+
+    size = sum(f.stat().st_size for f in (comfy.tmp / "diffusion_models").rglob("*.safetensors"))
+    monkeypatch.setattr(runtime, "host_memory_available", lambda: size // 2)
+    with caplog.at_level("WARNING", logger="h3"):
+        _load(comfy)
+    assert any("needs about" in r.message and "GiB of CPU memory" in r.message and "Free other models" in r.message
+               for r in caplog.records), caplog.text
+    caplog.clear()
+    monkeypatch.setattr(runtime, "host_memory_available", lambda: size * 4)
+    with caplog.at_level("WARNING", logger="h3"):
+        _load(comfy)
+    assert not any("GiB of CPU memory" in r.message for r in caplog.records)
+
+
+def test_h3_generate_notes_a_dit_bigger_than_the_available_cpu_memory(tmp_path, monkeypatch):
+    """The CLI's side of the warning above: `h3 generate` reading the DiT into CPU memory says it in a note."""
+    from h3_core import pipeline, runtime
+    from h3_core.checkpoint import locate_dit
+
+    path = write_four_blocks(tmp_path)
+    monkeypatch.setattr(runtime, "host_memory_available", lambda: path.stat().st_size // 2)
+    source = pipeline.resolve_model_source(str(path), "fl2va")
+    layout = _cond_layout()
+    notes = []
+    dit, _, streamer = pipeline.load_sampling_dit(
+        source, locate_dit(path, "fl2va"), "fl2va", pipeline.GenerateSettings(steps=STEPS, dtype=torch.float32),
+        [], SimpleNamespace(layout=layout), STEPS, notes.append)
+    assert streamer is None and len(dit.blocks) == 4
+    assert any(note.startswith("memory: The DiT needs about") and "GiB of CPU memory" in note for note in notes), notes
+
+
+def _cond_layout():
+    from h3_core.layout import build_request_layout
+
+    return build_request_layout(224, 128, 107, torch.ones(6, dtype=torch.long))
