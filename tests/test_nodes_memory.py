@@ -508,3 +508,17 @@ def _cond_layout():
     from h3_core.layout import build_request_layout
 
     return build_request_layout(224, 128, 107, torch.ones(6, dtype=torch.long))
+
+
+def test_a_streamed_text_encoder_read_into_too_little_cpu_memory_is_warned_about(comfy, caplog, monkeypatch):
+    import tiny_qwen
+
+    from h3_core import runtime
+
+    tokenizer = tiny_qwen.write_tokenizer(comfy.tmp / "tok")
+    model = tiny_qwen.random_model(tiny_qwen.config_dict(tokenizer), seed=3)
+    release = tiny_qwen.write_original_release(comfy.tmp / "MiniMax-H3", model, tokenizer)
+    monkeypatch.setattr(runtime, "host_memory_available", lambda: 1024)
+    with caplog.at_level("WARNING", logger="h3"):  # a budget too small for it: its layers will stream
+        comfy.loaders.H3TextEncoderLoader.execute("tiny-random", str(release), "", "bf16", gpu_memory_gb=0.001)
+    assert any(r.message.startswith("H3: The text encoder needs about") for r in caplog.records), caplog.text
