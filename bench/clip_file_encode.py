@@ -75,10 +75,10 @@ def write_source(path: Path, seconds: float, width: int, height: int) -> None:
 
 def run_case(case: str, path: Path, width: int, height: int, out: Path, device: torch.device) -> None:
     """One encode in this process; prints its JSON line and saves the latents to `out`."""
-    from h3_core.clip_latents import encode_clip, encode_clip_frames, stream_clip
-    from h3_core.media_read import read_soundtrack, read_video
+    from h3_core.clip_latents import encode_clip, encode_clip_frames, file_soundtrack, stream_clip
+    from h3_core.media_read import read_video
     from h3_core.output import AVLatents
-    from h3_core.references import RELEASE_CANVAS, frames_on_canvas
+    from h3_core.references import RELEASE_CANVAS, frame_on_canvas
     from h3_core.tiny import seeded_random_weights
     from h3_core.vae_audio import AudioVAE, AudioVAEConfig
     from h3_core.vae_video import VideoVAE, VideoVAEConfig
@@ -94,10 +94,9 @@ def run_case(case: str, path: Path, width: int, height: int, out: Path, device: 
     with PeakRss() as rss:
         if case == "streamed":
             frames, _, _ = stream_clip(path, RELEASE_CANVAS, width, height)
-            latents: AVLatents = encode_clip_frames(video_vae, audio_vae, frames,
-                                                    lambda seen: read_soundtrack(path, 0.0, seen / 24))
+            latents: AVLatents = encode_clip_frames(video_vae, audio_vae, frames, file_soundtrack(path))
         else:
-            clip = read_video(path, fit=lambda frame: frames_on_canvas(frame[None], width, height)[0])
+            clip = read_video(path, fit=lambda frame: frame_on_canvas(frame, width, height))
             latents = encode_clip(video_vae, audio_vae, clip.frames, 24.0, width, height, clip.audio, 32000)
         if cuda:
             torch.cuda.synchronize()

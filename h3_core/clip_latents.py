@@ -26,8 +26,8 @@ from .references import (
     DecodedAudio,
     MediaInputError,
     count_at_24fps,
+    frame_on_canvas,
     frames_at_24fps,
-    frames_on_canvas,
     vae_frame_count,
 )
 from .vae_video import condition_latents, frames_to_model_space
@@ -58,8 +58,14 @@ def stream_clip(path, rules: CanvasRules, width: int | None = None, height: int 
     clip_frame_count(len(first), geometry.FPS)
     if width is None:
         width, height = rules.canvas(first[0].shape[1], first[0].shape[0])
-    on_canvas = (frames_on_canvas(frame[None], width, height)[0] for frame in itertools.chain(first, frames))
+    on_canvas = (frame_on_canvas(frame, width, height) for frame in itertools.chain(first, frames))
     return on_canvas, width, height
+
+
+def file_soundtrack(path, start_seconds: float = 0.0) -> Callable[[int], np.ndarray | None]:
+    """`encode_clip_frames`'s `sound` for a streamed file: its own soundtrack over the frames that arrived
+    (None without one), read once they are all known."""
+    return lambda arrived: media_read.read_soundtrack(path, start_seconds, arrived / geometry.FPS)
 
 
 def encode_clip(video_vae, audio_vae, frames: np.ndarray, fps: float, width: int, height: int, waveform=None,
@@ -77,7 +83,7 @@ def encode_clip(video_vae, audio_vae, frames: np.ndarray, fps: float, width: int
         raise RequestError(str(error)) from None
     count = clip_frame_count(frames.shape[0], fps)
     sound = None if waveform is None else DecodedAudio(waveform, sample_rate)
-    on_canvas = (frames_on_canvas(frame[None], width, height)[0] for frame in frames_at_24fps(frames, fps)[:count])
+    on_canvas = (frame_on_canvas(frame, width, height) for frame in frames_at_24fps(frames, fps)[:count])
     return encode_clip_frames(video_vae, audio_vae, on_canvas, sound)
 
 
@@ -125,8 +131,8 @@ def encode_clip_frames(video_vae, audio_vae, frames: Iterable[np.ndarray],
 
 class VaeClips:
     """Frames arriving one at a time, cut into the video VAE's 17-frame clips of their first 17n + 5: a clip
-    is yielded once 5 more frames have arrived after it (so it is surely kept), and the last 5 are repeated
-    from their last frame to 17, as `TemporalChunking.encode` pads them. `arrived` and `kept` count frames."""
+    is yielded once 5 more frames have arrived after it (so it is surely kept), then the last 5 (which the
+    VAE pads, `TemporalChunking.encode_clips`). `arrived` and `kept` count frames."""
 
     def __init__(self, frames: Iterable[np.ndarray]):
         self.frames, self.arrived, self.kept = frames, 0, 0
@@ -144,7 +150,7 @@ class VaeClips:
         if not self.kept:
             clip_frame_count(self.arrived, geometry.FPS)  # fewer than 22: refused with the usual message
         self.kept += tail
-        yield np.stack(held[:tail] + [held[tail - 1]] * (length - tail))
+        yield np.stack(held[:tail])
 
 
 def _as_pixels(clip: np.ndarray) -> torch.Tensor:

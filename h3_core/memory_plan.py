@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from .config import DiTConfig
 from .dit import MODALITIES
+from .runtime import fixed_allocator_segments
 
 GIB = 2**30
 # Kept free inside every budget: the caching allocator's block rounding and fragmentation, and library
@@ -179,8 +180,6 @@ def plan_for(config: DiTConfig, layout, steps: int, device, budget_gib: float | 
     the CPU is not limited). Hosts call it before loading, so a request that cannot fit is refused
     before the weights are read. On CUDA the plan allows for the allocator the environment sets up."""
     import torch
-
-    from .runtime import fixed_allocator_segments
 
     device = torch.device(device)
     if budget_gib is not None and not budget_gib > 0:

@@ -25,7 +25,7 @@ from .config import TINY_DIT
 from .memory_plan import GIB, MemoryPlan, free_bytes, plan_for, usable_bytes
 from .offload import load_device, place
 from .conditioning import Request, RequestError, encode_request, validate
-from .clip_latents import MAX_CLIP_FRAMES, encode_clip_frames, expected_clip_frames, stream_clip
+from .clip_latents import MAX_CLIP_FRAMES, encode_clip_frames, expected_clip_frames, file_soundtrack, stream_clip
 from .layout import pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
@@ -44,7 +44,7 @@ from .tiny import TINY_RANDOM, tiny_model_dtype, tiny_random_audio_vae, tiny_ran
 from .tiny_text import tiny_random_text_encoder
 from .vae_audio_checkpoint import load_audio_vae, locate_audio_vae
 from .vae_video_checkpoint import load_video_vae, locate_video_vae
-from .weights import CheckpointError
+from .weights import CheckpointError, file_bytes
 
 
 def sample(
@@ -380,7 +380,7 @@ def encode_clip_file(video: str | Path, model: str, out: str | Path, *, audio: s
     source = resolve_model_source(model, "fl2va")
     try:  # the first frames are read now: a bad or short file is refused before a VAE loads
         frames, width, height = stream_clip(video, source.canvas, width, height)
-        sound = (lambda seen: media_read.read_soundtrack(video, 0.0, seen / geometry.FPS)) if audio is None else \
+        sound = file_soundtrack(video) if audio is None else \
             DecodedAudio(media_read.read_audio(audio, 0.0, MAX_CLIP_FRAMES / geometry.FPS), SAMPLE_RATE)
     except MediaError as error:
         raise RequestError(f"{video if audio is None else audio}: {error}") from None
@@ -445,8 +445,7 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
         dit = tiny_random_dit(model_dtype(source, settings), home)
     else:
         linears = "checkpoint" if quantize_later else settings.linears
-        size = sum(Path(f).stat().st_size for f in dit_source.files)  # about what it takes once read
-        warning = host_memory_warning(size, "The DiT") if home.type == "cpu" else None
+        warning = host_memory_warning(file_bytes(dit_source.files), "The DiT") if home.type == "cpu" else None
         if warning:
             notes(f"memory: {warning}")
         dit = load_dit(source.root, partition, dtype=settings.dtype, device=home, linears=linears)

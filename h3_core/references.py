@@ -378,7 +378,14 @@ def frames_on_canvas(frames: np.ndarray, width: int, height: int) -> np.ndarray:
     (`cover_crop` would give them back unchanged)."""
     if frames.shape[1:3] == (height, width):
         return frames
-    return np.stack([np.asarray(cover_crop(Image.fromarray(frame), width, height)) for frame in frames])
+    return np.stack([frame_on_canvas(frame, width, height) for frame in frames])
+
+
+def frame_on_canvas(frame: np.ndarray, width: int, height: int) -> np.ndarray:
+    """One uint8 frame [H, W, 3] cover-cropped onto width x height (as it is when already that size)."""
+    if frame.shape[:2] == (height, width):
+        return frame
+    return np.asarray(cover_crop(Image.fromarray(frame), width, height))
 
 
 def prepare_image_reference(image: Image.Image, rules: CanvasRules = RELEASE_CANVAS) -> Image.Image:

@@ -484,9 +484,9 @@ class VideoVAE(nn.Module):
     @torch.no_grad()
     def encode_moments_of_clips(self, clips: Iterable[torch.Tensor], tiled: bool | None = None,
                                 prepare: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """`encode_moments` of a video given as its 17-frame clips [B, 3, 17, H, W], in order, the last
-        padded by repeating its last frame (`TemporalChunking.encode_clips`): made one at a time by the
-        caller, e.g. as a file is decoded, so the frames are never all in memory."""
+        """`encode_moments` of a video given as its consecutive 17-frame clips [B, 3, 17, H, W] (the last may
+        be shorter; `TemporalChunking.encode_clips`): made one at a time by the caller, e.g. as a file is
+        decoded, so the frames are never all in memory."""
         return self.config.temporal_chunking.encode_clips(self._clip_encoder(tiled, prepare), clips)
 
     def _clip_encoder(self, tiled: bool | None, prepare: Callable[[torch.Tensor], torch.Tensor] | None):

@@ -200,13 +200,13 @@ class TemporalChunking:
         num_frames = pixels.shape[2]
         if num_frames == 1:
             return encode_clip(pixels)
-        return self.encode_clips(encode_clip, map(self._padded, pixels.split(self.clip_length, dim=2)))
+        return self.encode_clips(encode_clip, pixels.split(self.clip_length, dim=2))
 
     def encode_clips(self, encode_clip: Tile, clips: Iterable[torch.Tensor]) -> torch.Tensor:
-        """`encode` of a video given as its 17-frame clips [B, 3, 17, H, W] in order (the last one's frames
-        after the video's end repeating its last frame, as `encode` pads it): the clips may be made as they
-        are consumed, so a long video need never be in memory whole."""
-        moments = torch.cat([encode_clip(clip) for clip in clips], dim=2)
+        """`encode` of a video given as its consecutive 17-frame clips [B, 3, 17, H, W] (the last may be
+        shorter: it is padded with its last frame): the clips may be made as they are consumed, so a long
+        video need never be in memory whole."""
+        moments = torch.cat([encode_clip(self._padded(clip)) for clip in clips], dim=2)
         return moments[:, :, : moments.shape[2] - self.token_drop]
 
     def _padded(self, clip: torch.Tensor) -> torch.Tensor:

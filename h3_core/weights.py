@@ -34,6 +34,15 @@ def check_safetensors_file(path: Path, what: str) -> None:
         raise CheckpointError(f"{path.name} is not a .safetensors file; {what} files must be safetensors.")
 
 
+def file_bytes(paths: Iterable[Path | str]) -> int:
+    """On-disk size of weight files (a folder counts its .safetensors): roughly what they take once loaded."""
+    total = 0
+    for path in map(Path, paths):
+        files = [path] if path.is_file() else list(path.rglob("*.safetensors")) if path.is_dir() else []
+        total += sum(f.stat().st_size for f in files)
+    return total
+
+
 def read_json(path: Path) -> dict:
     """A JSON object from a checkpoint's config or index file; anything else is a CheckpointError."""
     try:

@@ -18,7 +18,7 @@ from h3_core.conditioning import (
 from h3_core.guides import GuideMedia, add_guide, check_guide, clip_room
 from h3_core.placement import freed_on_failure
 from h3_core.prompt import MAX_AUDIO_REFERENCES, MAX_IMAGE_REFERENCES, MAX_REFERENCES, MAX_VIDEO_REFERENCES
-from h3_core.references import REFERENCE_IMAGE_MODES, frames_on_canvas
+from h3_core.references import REFERENCE_IMAGE_MODES, frame_on_canvas
 
 from .common import CATEGORY, H3VAE, H3Cond, H3TextEncoder, canvas_inputs, check_interrupt, device, progress_bar
 from .convert import (
@@ -207,7 +207,7 @@ def guide_media(frame_index, image=None, audio=None, video=None, max_frames: int
     sound = None if audio is None else audio_to_decoded(audio, "audio")
     waveform, rate = (None, None) if sound is None else (sound.waveform, sound.sample_rate)
     if video is not None:
-        fit = None if canvas is None else (lambda frame: frames_on_canvas(frame[None], *canvas)[0])
+        fit = None if canvas is None else (lambda frame: frame_on_canvas(frame, *canvas))
         clip = video_at_24fps(video, "video", max_frames, fit, with_audio=sound is None)
         frames = clip.frames
         if sound is None and clip.audio is not None:

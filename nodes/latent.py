@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from h3_core import geometry, media_read
+from h3_core import geometry
 from h3_core.clip_latents import (
-    MAX_CLIP_FRAMES, clip_frame_count, encode_clip, encode_clip_frames, expected_clip_frames, stream_clip,
+    MAX_CLIP_FRAMES, clip_frame_count, encode_clip, encode_clip_frames, expected_clip_frames, file_soundtrack,
+    stream_clip,
 )
 from h3_core.media import MediaError
 from h3_core.conditioning import MAX_FRAMES, MIN_REQUESTED_FRAMES, RequestError, resolve_num_frames
@@ -103,7 +104,7 @@ class H3VAEEncode(io.ComfyNode):
                                                     trim_frames(duration, MAX_CLIP_FRAMES), start)
             except MediaError as error:
                 raise ValueError(f"video: {error}") from None
-            sound = given or (lambda seen: media_read.read_soundtrack(path, start, seen / geometry.FPS))
+            sound = given or file_soundtrack(path, start)
             expected = expected_clip_frames(path, start, trim_frames(duration, MAX_CLIP_FRAMES))
             bar = progress_bar(expected)
 

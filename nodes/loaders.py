@@ -18,6 +18,7 @@ from h3_core.placement import freed_on_failure
 from h3_core.pipeline import TEXT_WORKING_BYTES, TINY_CANVAS
 from h3_core.references import RELEASE_CANVAS
 from h3_core.runtime import host_memory_warning
+from h3_core.weights import file_bytes
 from h3_core.text import load_text_encoder, locate_text_encoder_files, text_encoder_bytes
 from h3_core.tiny import (
     TINY_RANDOM,
@@ -54,15 +55,6 @@ from .memory import (
 )
 
 log = logging.getLogger("h3")
-
-
-def file_bytes(paths) -> int:
-    """On-disk size of weight files (a folder counts its .safetensors): roughly what they take once loaded."""
-    total = 0
-    for path in map(Path, paths):
-        files = [path] if path.is_file() else list(path.rglob("*.safetensors")) if path.is_dir() else []
-        total += sum(f.stat().st_size for f in files)
-    return total
 
 
 FOLDER_TOOLTIP = ("Optional: a folder of the original release (its root or a partition folder such as FL2VA/). "
@@ -227,9 +219,10 @@ class H3TextEncoderLoader(io.ComfyNode):
             tokenizer = tokenizer_folder.strip() or None
             locate_text_encoder_files(path, tokenizer)  # a missing tokenizer is refused before room is made
             dtype = DTYPES[weight_dtype]
-            stream = text_encoder_streams(text_encoder_bytes(path, dtype) + TEXT_WORKING_BYTES, target, budget)
+            weight_bytes = text_encoder_bytes(path, dtype)
+            stream = text_encoder_streams(weight_bytes + TEXT_WORKING_BYTES, target, budget)
             home = text_encoder_offload_device() if stream else target  # streamed layers wait in CPU memory
-            warning = host_memory_warning(text_encoder_bytes(path, dtype), "The text encoder") if stream else None
+            warning = host_memory_warning(weight_bytes, "The text encoder") if stream else None
             if warning:
                 log.warning("H3: %s", warning)
             with freed_on_failure(target):

@@ -49,8 +49,8 @@ def test_clip_lengths_snap_down_to_17n_plus_5():
 
 @pytest.mark.parametrize("count", [22, 38, 39, 40, 60])
 def test_clips_cut_as_frames_arrive_are_the_whole_clips_17_frame_pieces(count):
-    """VaeClips yields what TemporalChunking.encode cuts from the first 17n + 5 frames (the last piece padded
-    with its last frame), each piece once 5 more frames have arrived: never more than 22 frames held."""
+    """VaeClips yields what TemporalChunking.encode cuts from the first 17n + 5 frames (17 each, the last 5),
+    each piece once 5 more frames have arrived: never more than 22 frames held."""
     frames = clip(count)
     arrived = []
 
@@ -63,8 +63,7 @@ def test_clips_cut_as_frames_arrive_are_the_whole_clips_17_frame_pieces(count):
     got = [(piece, len(arrived)) for piece in pieces]
     kept = clip_frame_count(count, 24.0)
     whole = torch.from_numpy(frames[:kept]).permute(3, 0, 1, 2)[None]
-    chunking = tiny_random_video_vae().config.temporal_chunking
-    expected = [c[0].permute(1, 2, 3, 0).numpy() for c in map(chunking._padded, whole.split(17, dim=2))]
+    expected = [c[0].permute(1, 2, 3, 0).numpy() for c in whole.split(17, dim=2)]
     assert len(got) == len(expected) and all(np.array_equal(a, b) for (a, _), b in zip(got, expected))
     assert [seen for _, seen in got[:-1]] == [17 * k + 22 for k in range(len(got) - 1)]
     assert (pieces.arrived, pieces.kept) == (count, kept)
