@@ -20,16 +20,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from full_pipeline import host_rss_bytes  # bench/ is on the path when a script here runs
 
 GIB = 1 << 30
 
 
 def rss_gib() -> float:
-    """This process's resident memory now (Linux)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024 / GIB
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    """This process's resident memory now, GiB."""
+    return host_rss_bytes() / GIB
 
 
 class PeakRss:
