@@ -252,30 +252,76 @@ def load_dit(
     (fp32 projections/heads, `dtype` elsewhere) is applied tensor by tensor while streaming.
     `linears` (fp8.LINEAR_MODES): FP8 weights of an fp8_scaled file stay FP8 ("checkpoint") or are
     dequantized ("dense"); the "fp8-*-lossy" modes also quantize dense block linears as they stream in."""
-    source = locate_dit(path, partition)
-    config = config or source.config or infer_config(source)
-    with torch.device("meta"):
-        model = H3DiT(config)
-    fp8_load = fp8.FP8Load.plan(model, source.fp8_layers, linears, dtype, FP32_MODULES, device)
+    return DiTReader(path, partition, dtype, config, linears, device).read(device)
 
-    def without_inv_freq():
-        for name, tensor, file in iter_native_tensors(source, config.attention_head_dim):
-            if name == "rope.inv_freq":  # shipped by the release; we recompute it, after checking it agrees
-                _check_inv_freq(tensor, model, file)
-            else:
-                yield name, tensor, file
 
-    fp8_parameters = fp8_load.fp8_parameters
+class DiTReader:
+    """One checkpoint's DiT, whose weights can be read, dropped and read again. Built from the files'
+    headers only (no tensor is read): `model` is the DiT on the meta device, with its FP8 layers chosen.
+    `read(device)` fills it strictly; `drop()` empties it again (every weight back on the meta device),
+    so a host short of CPU memory can let a model it does not need now go and read it back later; the
+    module objects, and whatever holds them, stay the same. `device` (for FP8 checks): where it computes."""
 
-    def release_policy(name: str) -> torch.dtype | None:
-        if dtype is None or name in fp8_parameters:
-            return None
-        return torch.float32 if name.startswith(FP32_MODULES) else dtype
+    def __init__(self, path: str | Path, partition: str = "fl2va", dtype: torch.dtype | None = None,
+                 config: DiTConfig | None = None, linears: str = "checkpoint",
+                 device: str | torch.device = "cpu"):
+        self.source = locate_dit(path, partition)
+        self.dtype = dtype
+        config = config or self.source.config or infer_config(self.source)
+        with torch.device("meta"):
+            self.model = H3DiT(config)
+        self._fp8 = fp8.FP8Load.plan(self.model, self.source.fp8_layers, linears, dtype, FP32_MODULES, device)
 
-    origin = f"{source.files[0].parent if len(source.files) > 1 else source.files[0]} ({source.origin})"
-    assign_strictly(model, fp8_load.stream(without_inv_freq(), device), origin, release_policy, device)
-    model.rope_inv_freq = rope_inverse_frequencies(config).to(device)
-    return model.eval().requires_grad_(False)
+    @property
+    def nbytes(self) -> int:
+        """The bytes the model's weights take once read."""
+        return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+
+    @property
+    def is_read(self) -> bool:
+        return not any(t.is_meta for t in self.model.state_dict().values())
+
+    def read(self, device: str | torch.device = "cpu") -> H3DiT:
+        """Fill the model from the files onto `device` (a read model is returned as it is)."""
+        if self.is_read:
+            return self.model
+        model, source, dtype = self.model, self.source, self.dtype
+        for file in source.files:
+            if not file.exists():
+                raise CheckpointError(f"{file} is gone: the DiT cannot be read from it.")
+        fp8_parameters = self._fp8.fp8_parameters
+
+        def without_inv_freq():
+            for name, tensor, file in iter_native_tensors(source, model.config.attention_head_dim):
+                if name == "rope.inv_freq":  # shipped by the release; we recompute it, after checking it agrees
+                    _check_inv_freq(tensor, model, file)
+                else:
+                    yield name, tensor, file
+
+        def release_policy(name: str) -> torch.dtype | None:
+            if dtype is None or name in fp8_parameters:
+                return None
+            return torch.float32 if name.startswith(FP32_MODULES) else dtype
+
+        origin = f"{source.files[0].parent if len(source.files) > 1 else source.files[0]} ({source.origin})"
+        try:
+            assign_strictly(model, self._fp8.stream(without_inv_freq(), device), origin, release_policy, device)
+        except BaseException:
+            self.drop()  # nothing half-read stays behind
+            raise
+        model.rope_inv_freq = rope_inverse_frequencies(model.config).to(device)
+        return model.eval().requires_grad_(False)
+
+    def drop(self) -> None:
+        """Every weight back on the meta device (shapes and dtypes kept), its memory freed once nothing
+        else holds it."""
+        for module in self.model.modules():
+            for name, tensor in module._parameters.items():
+                if tensor is not None and not tensor.is_meta:
+                    module._parameters[name] = torch.nn.Parameter(tensor.to("meta"), requires_grad=False)
+            for name, tensor in module._buffers.items():
+                if tensor is not None and not tensor.is_meta:
+                    module._buffers[name] = tensor.to("meta")
 
 
 def _check_inv_freq(tensor: torch.Tensor, model: H3DiT, file: Path) -> None:

@@ -5,6 +5,11 @@ or objects with `.to(device)` such as the text encoder), the device they compute
 wait on. `load()` / `offload()` move every part and return the bytes moved, so a manager can account
 for them; every move and the model's release are logged (logger "h3"), so a host's "unload" is visible.
 `freed_on_failure` wraps heavy work so a failed or interrupted run hands its memory back.
+
+A placement whose weights can be read again from their files (a DiT with its `DiTReader`, a text
+encoder with its reader) can also `release_weights()`: a host short of CPU memory lets such a model go
+while another needs the room, and the model is read again at its next `load()`. `before_host_read`
+(set by a host) is told before weights are read into CPU memory, so it can free room first.
 """
 
 from __future__ import annotations
@@ -31,12 +36,13 @@ def _modules(part) -> list[torch.nn.Module]:
     return [inner] if isinstance(inner, torch.nn.Module) else []
 
 
-def _bytes(parts: Iterable) -> int:
+def _bytes(parts: Iterable, device_type: str | None = None) -> int:
+    """Bytes of the parts' weights (those on `device_type` only, if given)."""
     seen, total = set(), 0
     for part in parts:
         for module in _modules(part):
             for tensor in list(module.parameters()) + list(module.buffers()):
-                if id(tensor) not in seen:
+                if id(tensor) not in seen and (device_type is None or tensor.device.type == device_type):
                     seen.add(id(tensor))
                     total += tensor.numel() * tensor.element_size()
     return total
@@ -55,7 +61,26 @@ class Placement:
         self.offload_device = torch.device(offload_device)
         self.size = _bytes(self.parts)
         self.loaded = loaded
+        self.before_host_read = None  # (bytes, placement) -> None: a host frees CPU memory before a read
         weakref.finalize(self, log.info, "H3: %s released (%.2f GiB)", name, self.size / GIB)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of its weights in CPU memory now."""
+        return _bytes(self.parts, "cpu")
+
+    @property
+    def releasable(self) -> bool:
+        """Whether its weights can go and be read again from their files (`release_weights`)."""
+        return False
+
+    def release_weights(self) -> int:
+        """Drop the weights (read again at the next `load`); the CPU bytes freed."""
+        raise NotImplementedError(f"{self.name} cannot be read again from files, so it is not released.")
+
+    def _before_read(self, device: torch.device) -> None:
+        if device.type == "cpu" and self.before_host_read is not None:
+            self.before_host_read(self.size, self)
 
     @property
     def device(self) -> torch.device:
@@ -110,7 +135,23 @@ class TextEncoderPlacement(Placement):
             self.size -= _bytes([layers])
             self.working_bytes = 2 * _bytes([layers[0]]) + activation_bytes
 
+    @property
+    def releasable(self) -> bool:
+        return self.encoder.model is not None and self.encoder.reader is not None
+
+    def release_weights(self) -> int:
+        freed = self.host_bytes
+        self.encoder.release()
+        self.loaded = False
+        log.info("H3: %s let go of its weights (%.2f GiB of CPU memory); they are read again from the file for "
+                 "the next prompt", self.name, freed / GIB)
+        return freed
+
     def _move(self, loaded: bool) -> int:
+        if loaded and self.encoder.model is None and self.encoder.reader is not None:  # released: read it back
+            home = self.offload_device if self.stream else self.load_device
+            self._before_read(home)
+            self.encoder.read(home)
         if not self.stream:
             return super()._move(loaded)
         if self.loaded == loaded or self.encoder.model is None:  # a released encoder has nothing to move
@@ -166,11 +207,15 @@ class DiTPlacement(Placement):
     (`use`) and loads; `offload` removes the streaming hooks and brings every weight home, so the next
     request plans afresh. `loaded_bytes` is what the plan keeps on the device (a partial load).
 
-    `budget_gib`: the device memory the DiT may use (None: what the host reports free)."""
+    `budget_gib`: the device memory the DiT may use (None: what the host reports free). `reader`: the
+    `checkpoint.DiTReader` whose model `dit` is; its weights are then read at the first load (straight
+    onto the device when the plan keeps everything there), and may be released and read again."""
 
     def __init__(self, name: str, dit, load_device, offload_device, loaded: bool = False,
-                 budget_gib: float | None = None):
-        self.dit, self.budget_gib = dit, budget_gib
+                 budget_gib: float | None = None, reader=None):
+        if reader is not None and reader.model is not dit:
+            raise ValueError("The DiT placed must be its reader's model.")
+        self.dit, self.budget_gib, self.reader = dit, budget_gib, reader
         self.plan = None  # the plan of the next load, and of the model while loaded (None: whole)
         self.streamer = None
         super().__init__(name, [dit], load_device, offload_device, loaded)
@@ -225,12 +270,34 @@ class DiTPlacement(Placement):
                 self.offload()
         self.plan = plan
 
+    @property
+    def releasable(self) -> bool:
+        return self.reader is not None and self.reader.is_read
+
+    def release_weights(self) -> int:
+        freed = self.host_bytes
+        if self.streamer is not None:  # its hooks off; the pinned homes and the slots go with the weights
+            self.streamer.remove()
+            self.streamer.home.clear()
+            self.streamer = None
+        self.reader.drop()
+        self.loaded = False
+        empty_caches(self.load_device)
+        log.info("H3: %s let go of its weights (%.2f GiB of CPU memory); they are read again from the file at "
+                 "its next run", self.name, freed / GIB)
+        return freed
+
     def _move(self, loaded: bool) -> int:
-        from .offload import place, unplace
+        from .offload import load_device, place, unplace
 
         if self.loaded == loaded:
             return 0
         if loaded:
+            if self.reader is not None and not self.reader.is_read:
+                home = self.load_device if self.plan is None else load_device(self.plan, self.load_device)
+                self._before_read(home)
+                log.info("H3: %s: reading its weights onto %s (%.2f GiB)", self.name, home, self.size / GIB)
+                self.reader.read(home)
             self.loaded = True
             if self.plan is None:
                 self.dit.to(self.load_device)

@@ -21,10 +21,10 @@ requests) and `release()` drops it. The DiT casts the embeddings to its own dtyp
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,6 +38,7 @@ from .prompt import (
     VisionProcessor,
     load_tokenizer,
 )
+from .runtime import empty_caches
 from .text_checkpoint import TEXT_ENCODER_LAYER, CheckpointError, load_qwen3vl, locate_text_encoder, qwen3vl_config
 
 
@@ -60,12 +61,16 @@ class TextEncoder:
     """Qwen3-VL truncated after decoder layer `layer`, with the presenter that feeds it.
 
     `model`: transformers' `Qwen3VLModel` holding `layer` decoder layers and an identity final norm
-    (as `text_checkpoint.load_qwen3vl` builds it). `presenter`: tokenizer + vision processor."""
+    (as `text_checkpoint.load_qwen3vl` builds it). `presenter`: tokenizer + vision processor.
+    `reader(device)`: reads the same model again from its files (None: it cannot be read again), so a
+    host short of CPU memory may `release` the encoder and `read` it back for the next prompt."""
 
-    def __init__(self, model, presenter: Presenter, layer: int = TEXT_ENCODER_LAYER):
+    def __init__(self, model, presenter: Presenter, layer: int = TEXT_ENCODER_LAYER,
+                 reader: Callable[[torch.device], Any] | None = None):
         self.model = model
         self.presenter = presenter
         self.layer = layer
+        self.reader = reader
         _check_compatible(model.config, presenter)
 
     @property
@@ -166,13 +171,21 @@ class TextEncoder:
         device = None if self.model is None else self.device
         self._stop_streaming()
         self.model = None
-        gc.collect()
-        if device is not None and device.type == "cuda":
-            torch.cuda.empty_cache()
+        empty_caches(device)
+
+    def read(self, device: str | torch.device) -> "TextEncoder":
+        """After `release`: the weights read again from the files onto `device` (a no-op while they are here)."""
+        if self.model is None:
+            if self.reader is None:
+                raise RuntimeError("This text encoder was released and has no files to read it from; load it "
+                                   "again with load_text_encoder.")
+            self.model = self.reader(torch.device(device))
+        return self
 
     def _loaded(self):
         if self.model is None:
-            raise RuntimeError("This text encoder was released; load it again with load_text_encoder.")
+            raise RuntimeError("This text encoder was released; read it again (TextEncoder.read) or load it "
+                               "with load_text_encoder.")
         return self.model
 
 
@@ -204,7 +217,7 @@ def load_text_encoder(
     qwen_config = qwen3vl_config(config if config is not None else source.config, layer)
     _check_compatible(qwen_config, presenter)  # before reading ~51 GB of weights
     model = load_qwen3vl(source, dtype, device, qwen_config, layer)
-    return TextEncoder(model, presenter, layer)
+    return TextEncoder(model, presenter, layer, reader=lambda to: load_qwen3vl(source, dtype, to, qwen_config, layer))
 
 
 def locate_text_encoder_files(path: str | Path, tokenizer: str | Path | None = None,

@@ -193,4 +193,6 @@ def tiny_random_text_encoder(hidden: int = 48, device="cpu", seed: int = 7):
         write_processor(folder, nested=True)
         model = random_model(config_dict(folder, layers=50, hidden=hidden), seed)
         model.save_pretrained(str(folder), safe_serialization=True)
-        return load_text_encoder(folder, dtype=torch.float32, device=device)
+        encoder = load_text_encoder(folder, dtype=torch.float32, device=device)
+    encoder.reader = None  # its files are gone: it cannot be let go of and read again
+    return encoder

@@ -3,21 +3,19 @@ original release / partition folder, or `tiny-random`) -> handles on our own soc
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 from comfy_api.latest import io
 
 from h3_core.attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
-from h3_core.checkpoint import load_dit, locate_dit
+from h3_core.checkpoint import DiTReader
 from h3_core.fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
 from h3_core.local_attention import check_setting as check_window_setting
 from h3_core.parallel import ModelSpec, check_compile_sharding
 from h3_core.placement import freed_on_failure
 from h3_core.pipeline import TEXT_WORKING_BYTES, TINY_CANVAS
 from h3_core.references import RELEASE_CANVAS
-from h3_core.runtime import host_memory_warning
 from h3_core.weights import file_bytes
 from h3_core.text import load_text_encoder, locate_text_encoder_files, text_encoder_bytes
 from h3_core.tiny import (
@@ -43,8 +41,8 @@ from .common import (
     model_path,
 )
 from .convert import ModelHandle, TextEncoderHandle, VAEHandle
+from .host_memory import make_host_room
 from .memory import (
-    dit_home,
     make_room,
     manage,
     manage_dit,
@@ -53,9 +51,6 @@ from .memory import (
     text_encoder_offload_device,
     text_encoder_streams,
 )
-
-log = logging.getLogger("h3")
-
 
 FOLDER_TOOLTIP = ("Optional: a folder of the original release (its root or a partition folder such as FL2VA/). "
                   "When set it is used instead of the file chosen above.")
@@ -68,7 +63,8 @@ class H3ModelLoader(io.ComfyNode):
             node_id="H3ModelLoader",
             display_name="H3 Model Loader",
             category=CATEGORY,
-            description="Loads the MiniMax-H3 diffusion transformer (one partition) with the H3 engine.",
+            description="Loads the MiniMax-H3 diffusion transformer (one partition) with the H3 engine. The file is "
+                        "checked now; its weights are read at the first run, once the prompt is encoded.",
             inputs=[
                 io.Combo.Input("checkpoint", options=model_choices("diffusion_models"), default=TINY_RANDOM,
                                tooltip="A file from models/diffusion_models (Comfy-Org names work), or tiny-random: "
@@ -148,22 +144,17 @@ class H3ModelLoader(io.ComfyNode):
             patcher = manage_runner(label, spec, split, bool(shard_weights))
             return io.NodeOutput(ModelHandle(patcher.model, partition, spec.source, target, tiny, patcher=patcher))
         budget = float(gpu_memory_gb) or None
+        reader = None
         if tiny:
-            home = target
-            dit = tiny_random_dit(dtype, home)
-            apply_linear_mode(dit, linears, home)
-        else:  # the file's size bounds what the DiT takes (FP8 linears take less)
-            nbytes = file_bytes(locate_dit(path, partition).files)
-            home = dit_home(nbytes, target, budget)
-            warning = host_memory_warning(nbytes, label) if home.type == "cpu" else None
-            if warning:
-                log.warning("H3: %s", warning)
-            with freed_on_failure(target):
-                dit = load_dit(path, partition, dtype=dtype, device=home, linears=linears)
+            dit = tiny_random_dit(dtype, target)
+            apply_linear_mode(dit, linears, target)
+        else:  # headers only: the weights are read at the first run, once the prompt is encoded
+            reader = DiTReader(path, partition, dtype, linears=linears, device=target)
+            dit = reader.model
         dit.set_attention(chosen, window, dense_steps)  # chosen for the compute device
         if compile:
             dit.compile_blocks()  # traced at the first run; streaming hooks run around the compiled forward
-        patcher = manage_dit(label, dit, target, home == target, budget)
+        patcher = manage_dit(label, dit, target, tiny, budget, reader)
         return io.NodeOutput(ModelHandle(dit, partition, str(path or TINY_RANDOM), target, tiny, patcher=patcher))
 
 
@@ -222,9 +213,8 @@ class H3TextEncoderLoader(io.ComfyNode):
             weight_bytes = text_encoder_bytes(path, dtype)
             stream = text_encoder_streams(weight_bytes + TEXT_WORKING_BYTES, target, budget)
             home = text_encoder_offload_device() if stream else target  # streamed layers wait in CPU memory
-            warning = host_memory_warning(weight_bytes, "The text encoder") if stream else None
-            if warning:
-                log.warning("H3: %s", warning)
+            if stream:  # our other models may let go of CPU memory for it (host_memory)
+                make_host_room(weight_bytes, what="The text encoder")
             with freed_on_failure(target):
                 encoder = load_text_encoder(path, dtype, home, tokenizer=tokenizer)
             name, canvas = str(path), RELEASE_CANVAS

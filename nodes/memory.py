@@ -8,7 +8,8 @@ by the engine's memory plan for each run (DiTPlacement): whole when it fits, els
 the rest of its blocks streamed from pinned CPU memory, reported to ComfyUI as a partial load. A DiT
 split over several devices (RunnerPlacement) lives in worker processes: unloading it stops them. A text
 encoder that does not fit (TextEncoderPlacement) waits in CPU memory and its layers visit the device as
-they run; the VAE decode nodes ask for the decode's working memory besides the weights.
+they run; the VAE decode nodes ask for the decode's working memory besides the weights. The DiT and a
+text encoder read from files can also let go of their CPU memory for each other (host_memory.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import torch
 from h3_core.lora import apply_loras, remove_loras
 from h3_core.memory_plan import GIB, usable_bytes, working_bytes
 from h3_core.placement import DiTPlacement, Placement, RunnerPlacement, TextEncoderPlacement
+
+from .host_memory import track
 
 
 class H3Patcher(comfy.model_patcher.ModelPatcher):
@@ -105,6 +108,7 @@ def manage_text_encoder(name: str, encoder, device, stream: bool, activation_byt
     run; ComfyUI then sees only the resident part."""
     placement = TextEncoderPlacement(name, encoder, device, mm.text_encoder_offload_device(), stream,
                                      loaded=not stream, activation_bytes=activation_bytes)
+    track(placement)
     patcher = H3Patcher(placement)
     place([patcher], placement.working_bytes)
     return patcher
@@ -139,24 +143,14 @@ def decode_working_bytes(vae, video_latents, tiled: bool | None = None) -> int:
     return estimate(config, frames, height, width, vae.video.decoder.proj_out.weight.element_size())
 
 
-def dit_home(nbytes: int, device, budget_gib: float | None) -> torch.device:
-    """Where the loader reads the DiT to: onto `device` when the whole model fits what is free there (after
-    asking other models to leave) or the user's budget; else ComfyUI's offload device (the CPU), and each
-    run streams the blocks that do not fit."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return device
-    room = int(budget_gib * GIB) if budget_gib else nbytes
-    make_room(min(nbytes, room), device)
-    if not budget_gib:
-        room = mm.get_free_memory(device) - mm.extra_reserved_memory()
-    return device if nbytes <= usable_bytes(room) else torch.device(mm.unet_offload_device())
-
-
-def manage_dit(name: str, dit, device, loaded: bool, budget_gib: float | None) -> H3Patcher:
+def manage_dit(name: str, dit, device, loaded: bool, budget_gib: float | None, reader=None) -> H3Patcher:
     """The DiT under ComfyUI's model manager, placed by a memory plan at each run. One read onto the
-    device (`loaded`) is registered now; one waiting on the CPU is registered by its first run."""
-    placement = DiTPlacement(name, dit, device, mm.unet_offload_device(), loaded=loaded, budget_gib=budget_gib)
+    device (`loaded`) is registered now; one waiting on the CPU is registered by its first run. With
+    `reader` (checkpoint.DiTReader) the weights are read at the first run, and may be let go of while
+    another of our models needs the CPU memory (host_memory)."""
+    placement = DiTPlacement(name, dit, device, mm.unet_offload_device(), loaded=loaded, budget_gib=budget_gib,
+                             reader=reader)
+    track(placement)
     patcher = H3Patcher(placement)
     if loaded:
         place([patcher])

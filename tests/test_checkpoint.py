@@ -238,3 +238,36 @@ def test_pruned_checkpoint_is_explained(tmp_path):
 def test_unknown_partition():
     with pytest.raises(ValueError, match="fl2va, ref2va"):
         locate_dit(".", partition="t2v")
+
+
+def test_a_reader_reads_drops_and_reads_again_the_same_weights(tmp_path, reference, expected, tiny_config):
+    """DiTReader: the model is built from the headers alone (every weight on meta), read strictly on demand,
+    dropped back to meta (its memory freed) and read again into the same module objects."""
+    path = write_comfy_single_file(tmp_path / "minimax_h3_fl2va_bf16.safetensors", reference.state_dict(), tiny_config)
+    reader = checkpoint.DiTReader(path, dtype=torch.float32)
+    modules = dict(reader.model.named_modules())
+    assert not reader.is_read and all(t.is_meta for t in reader.model.state_dict().values())
+    assert reader.nbytes == sum(t.numel() * 4 for t in expected.values())
+    assert_same_weights(reader.read("cpu"), expected) and reader.is_read
+    weight = reader.model.blocks[0].attn.qkv_proj.weight
+    assert reader.read("cpu").blocks[0].attn.qkv_proj.weight is weight  # a read model is not read twice
+    reader.drop()
+    assert not reader.is_read and all(t.is_meta for t in reader.model.state_dict().values())
+    assert reader.model.rope_inv_freq.is_meta
+    assert_same_weights(reader.read("cpu"), expected)
+    assert all(modules[name] is module for name, module in reader.model.named_modules())
+    assert torch.equal(reader.model.rope_inv_freq, load_dit(path).rope_inv_freq)
+
+
+def test_a_failed_read_leaves_the_model_dropped_and_a_missing_file_is_named(tmp_path, reference, tiny_config):
+    path = write_comfy_single_file(tmp_path / "dit.safetensors", reference.state_dict(), tiny_config)
+    reader = checkpoint.DiTReader(path)
+    tensors = load_file(str(path))
+    tensors.pop(next(name for name in tensors if name.endswith("final_layer.video_out.bias")))
+    save_file(tensors, str(path))  # the file changed under the reader: a tensor went missing
+    with pytest.raises(CheckpointError, match="missing 1 tensor"):
+        reader.read("cpu")
+    assert not reader.is_read and all(t.is_meta for t in reader.model.state_dict().values())
+    path.unlink()
+    with pytest.raises(CheckpointError, match=r"dit\.safetensors is gone"):
+        reader.read("cpu")

@@ -352,6 +352,7 @@ def test_a_small_gpu_memory_budget_streams_blocks_and_free_unloads_them(server):
     assert history["status"]["status_str"] == "success", json.dumps(history["status"]["messages"])[-4000:]
     assert len(_mp4s(history)) == 1
     assert "blocks resident, rest streamed" in _log(work), _log(work)[-4000:]
+    assert f"{FOUR_BLOCKS}): reading its weights onto cpu" in _log(work)  # at the run, not by the loader
     status, _ = _post(f"{base}/free", {"unload_models": True})
     assert status == 200
     log = _wait_for_log(work, "block streaming removed")

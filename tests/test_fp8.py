@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from h3_core import fp8
-from h3_core.checkpoint import CheckpointError, load_dit, locate_dit
+from h3_core.checkpoint import CheckpointError, DiTReader, load_dit, locate_dit
 from h3_core.config import DiTConfig, TINY_DIT
 from h3_core.dit import H3DiT, rope_inverse_frequencies
 from h3_core.fp8 import FP8Linear, quantize_blocks
@@ -254,6 +254,13 @@ def test_fp8_scaled_file_loads_into_fp8_linears(tmp_path, bf16_model, style):
     qkv = model.blocks[0].attn.qkv_proj
     assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.shape == () and qkv.matmul == "dequantize"
     assert torch.equal(qkv.dequantized_weight().float(), meant["blocks.0.attn.qkv_proj"].bfloat16().float())
+
+    # read again after a drop (a host short of CPU memory): the same FP8 weights and scales
+    reader = DiTReader(path, dtype=torch.bfloat16)
+    first = {k: v.clone() for k, v in reader.read("cpu").state_dict().items()}
+    reader.drop()
+    again = reader.read("cpu").state_dict()
+    assert set(first) == set(again) and all(torch.equal(first[k], again[k]) for k in first)
 
     # "dense" dequantizes at load; the weight-only FP8 model computes exactly what it computes
     dense = load_dit(path, dtype=torch.bfloat16, linears="dense")

@@ -57,7 +57,8 @@ def comfy(tmp_path):
     with fake_comfy.installed(tmp_path) as record:
         write_four_blocks(tmp_path / "diffusion_models")
         yield SimpleNamespace(record=record, tmp=tmp_path, mm=sys.modules["comfy.model_management"], **{
-            name: importlib.import_module(f"nodes.{name}") for name in ("loaders", "conditioning", "sampler", "memory")})
+            name: importlib.import_module(f"nodes.{name}")
+            for name in ("loaders", "conditioning", "sampler", "memory", "host_memory")})
 
 
 def _load(c, checkpoint=FOUR_BLOCKS, **options):
@@ -192,16 +193,23 @@ def test_a_budget_too_small_is_refused_before_anything_moves(comfy):
     assert len(c.record.loaded) == loads and model.patcher.model.plan is None  # nothing was placed
 
 
-def test_the_loader_reads_to_the_cpu_what_does_not_fit_the_gpu(comfy):
+def test_the_loader_reads_no_weight_and_the_first_run_reads_them(comfy, monkeypatch):
+    """The loader reads the file's headers only; the weights are read at the first run (by then the prompt
+    is encoded and the text encoder's memory can be free), once, into the same modules."""
     c = comfy
-    home = c.memory.dit_home
-    c.record.free_bytes = 8 * GIB
-    assert home(10 * GIB, "cuda:0", None) == torch.device("cpu")  # streamed at each run
-    assert c.record.freed[-1] == (10 * GIB, "cuda:0")  # other models were asked to leave first
-    c.record.free_bytes = 40 * GIB
-    assert home(10 * GIB, "cuda:0", None) == torch.device("cuda:0")
-    assert home(10 * GIB, "cuda:0", 8.0) == torch.device("cpu") and c.record.freed[-1] == (8 * GIB, "cuda:0")
-    assert home(10 * GIB, "cpu", 1.0) == torch.device("cpu")
+    model = _load(c)
+    reader = model.patcher.model.reader
+    assert reader.model is model.dit and all(t.is_meta for t in model.dit.state_dict().values())
+    assert c.record.loaded == []  # nothing registered as loaded yet
+    cond = _cond(c)
+    reads = []
+    read = reader.read
+    monkeypatch.setattr(reader, "read", lambda device: reads.append(torch.device(device)) or read(device))
+    first = _sample(c, model, cond)
+    assert reads == [torch.device("cpu")] and reader.is_read
+    assert _same(_sample(c, model, cond), first) and len(reads) == 1
+    eager = _load(c, "tiny-random")  # a different model: the first run really used the file's weights
+    assert not _same(_sample(c, eager, _cond(c)), first)
 
 
 def test_loader_input_checks(comfy):
@@ -463,7 +471,7 @@ def test_fp8_matmuls_are_refused_before_loading_where_the_device_lacks_them(comf
 
     monkeypatch.setattr(fp8, "scaled_mm_supported", lambda *device: False)
     read = []
-    monkeypatch.setattr(comfy.loaders, "load_dit", lambda *a, **k: read.append(a))
+    monkeypatch.setattr(comfy.loaders, "DiTReader", lambda *a, **k: read.append(a))
     with pytest.raises(ValueError, match="FP8 matmuls are not supported on cpu.*fp8-weights-lossy"):
         _load(comfy, linears="fp8-lossy")
     assert read == []
@@ -471,20 +479,76 @@ def test_fp8_matmuls_are_refused_before_loading_where_the_device_lacks_them(comf
 
 def test_a_dit_read_into_more_cpu_memory_than_is_available_is_warned_about(comfy, caplog, monkeypatch):
     """Reading a DiT into CPU memory the system does not have swaps or gets ComfyUI stopped: the log says so,
-    with what it needs and what is available (Linux MemAvailable), before the read."""
+    with what it needs and what is available (Linux MemAvailable), before the read at the first run."""
     from h3_core import runtime
 
+    cond = _cond(comfy)
     size = sum(f.stat().st_size for f in (comfy.tmp / "diffusion_models").rglob("*.safetensors"))
     monkeypatch.setattr(runtime, "host_memory_available", lambda: size // 2)
     with caplog.at_level("WARNING", logger="h3"):
-        _load(comfy)
+        _sample(comfy, _load(comfy), cond)
     assert any("needs about" in r.message and "GiB of CPU memory" in r.message and "Free other models" in r.message
                for r in caplog.records), caplog.text
     caplog.clear()
-    monkeypatch.setattr(runtime, "host_memory_available", lambda: size * 4)
+    monkeypatch.setattr(runtime, "host_memory_available", lambda: size + comfy.host_memory.HEADROOM)
     with caplog.at_level("WARNING", logger="h3"):
-        _load(comfy)
+        _sample(comfy, _load(comfy), cond)
     assert not any("GiB of CPU memory" in r.message for r in caplog.records)
+
+
+def _file_text_encoder(c):
+    """A tiny Qwen3-VL written as the release lays it out and loaded with its layers streamed (a budget too
+    small for it), so its weights wait in CPU memory and can be read again from the files; on the tiny
+    canvas, as the tiny DiT needs."""
+    import tiny_qwen
+
+    from h3_core.pipeline import TINY_CANVAS
+
+    tokenizer = tiny_qwen.write_tokenizer(c.tmp / "tok")
+    qwen = tiny_qwen.random_model(tiny_qwen.config_dict(tokenizer, hidden=CONFIG.text_dim), seed=3)
+    release = tiny_qwen.write_original_release(c.tmp / "MiniMax-H3", qwen, tokenizer)
+    text = c.loaders.H3TextEncoderLoader.execute("tiny-random", str(release), "", "fp32", gpu_memory_gb=0.001)
+    return dataclasses.replace(text.values[0], canvas=TINY_CANVAS)
+
+
+def test_our_models_take_turns_in_cpu_memory_too_small_for_both(comfy, caplog, monkeypatch):
+    """With no CPU memory to spare, the streamed text encoder and the DiT each let go of their weights
+    while the other reads, and are read again from their files when next needed (a new prompt, the next
+    run); the latents are those of a machine with room for both. ComfyUI's own cache is asked first."""
+    from h3_core import runtime
+
+    c = comfy
+    asked = []
+    comfy_memory = SimpleNamespace(extra_ram_release=lambda target, free_active=False: asked.append(target))
+    monkeypatch.setitem(sys.modules, "comfy.memory_management", comfy_memory)
+    available = [0]
+    monkeypatch.setattr(runtime, "host_memory_available", lambda: available[0])
+    vae = c.loaders.H3VAELoader.execute("tiny-random", "tiny-random", "").values[0]
+    text = _file_text_encoder(c)
+    encoder, dit_placement = text.encoder, None
+
+    def encode(prompt):
+        return c.conditioning.H3Conditioning.execute(text, prompt, "t2va", "auto", 0, 0, 4.0, vae=vae).values[0]
+
+    fox = encode("a fox on a beach")
+    model = _load(c)
+    dit_placement = model.patcher.model
+    with caplog.at_level("INFO", logger="h3"):
+        first = _sample(c, model, fox)  # the DiT's read makes the idle encoder let go
+        assert encoder.model is None and dit_placement.reader.is_read
+        heron = encode("a heron in the reeds")  # the encoder is read again; the idle DiT lets go
+        assert encoder.model is not None and not dit_placement.reader.is_read
+        second = _sample(c, model, heron)
+        assert encoder.model is None and dit_placement.reader.is_read
+    released = [r.message for r in caplog.records if "let go of its weights" in r.message]
+    assert len(released) == 3 and "text encoder" in released[0] and "H3 DiT" in released[1], released
+    assert asked and all(target >= c.host_memory.HEADROOM for target in asked)
+
+    available[0] = 1 << 50  # room for both: nothing lets go, and the results are the same
+    assert _same(_sample(c, model, encode("a fox on a beach")), first)
+    assert _same(_sample(c, model, encode("a heron in the reeds")), second)
+    assert encoder.model is not None and dit_placement.reader.is_read
+    assert not _same(first, second)
 
 
 def test_h3_generate_notes_a_dit_bigger_than_the_available_cpu_memory(tmp_path, monkeypatch):

@@ -97,3 +97,41 @@ def test_empty_caches_returns_the_pinned_homes_of_streamed_blocks():
     assert stats()[key] - before == held  # freed, but still cached (resident)
     empty_caches(torch.device("cuda"))
     assert stats()[key] == before
+
+
+def test_a_released_dit_frees_its_pinned_memory_and_is_read_again_onto_the_gpu(tmp_path):
+    """A DiT placed from a DiTReader (ComfyUI's loader): the first load reads it into CPU memory for a
+    streaming plan; `release_weights` takes the hooks off and gives the pinned homes back to the system;
+    the next load, planned whole, reads it straight onto the GPU. Every run gives the resident output."""
+    from safetensors.torch import save_file
+
+    from h3_core.checkpoint import DiTReader
+    from h3_core.placement import DiTPlacement
+    from h3_core.runtime import empty_caches
+
+    path = tmp_path / "h3_tiny_4_blocks.safetensors"
+    save_file({name: t.contiguous() for name, t in _model().state_dict().items()}, str(path))
+    expected = _sample(_model().cuda(), offload_adaln=False)
+    stats = getattr(torch.cuda, "host_memory_stats", lambda: {})
+    key = "allocated_bytes.current"
+    empty_caches(torch.device("cuda"))
+    before = stats().get(key)
+
+    reader = DiTReader(path, device="cuda")
+    placement = DiTPlacement("tiny", reader.model, "cuda", "cpu", reader=reader)
+    placement.use(MemoryPlan(1, 1, True, 0, True))
+    placement.load()
+    assert placement.streamer is not None and reader.is_read
+    assert all(view.is_pinned() for views in placement.streamer.home.values() for view in views)
+    assert all(torch.equal(a, b) for a, b in zip(expected, _sample(reader.model, offload_adaln=True)))
+
+    assert placement.release_weights() > 0
+    assert not reader.is_read and not placement.loaded and placement.streamer is None
+    assert not any(block._forward_pre_hooks for block in reader.model.blocks)
+    if before is not None:
+        assert stats()[key] == before  # the pinned homes went back to the system
+
+    placement.use(None)
+    placement.load()
+    assert all(p.device.type == "cuda" for p in reader.model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(expected, _sample(reader.model, offload_adaln=False)))

@@ -1,0 +1,66 @@
+"""CPU memory shared by our large models inside ComfyUI.
+
+The bf16 DiT (~62 GB) and the text encoder (~51 GB) cannot both wait in the CPU memory of a typical
+machine with a 24 GB card, and ComfyUI keeps every loader's output between runs. So before one of our
+models reads weights into CPU memory, room is made: first ComfyUI is asked to drop cached outputs of
+earlier workflows (its RAM-pressure cache, where it has one), then our other models that can be read
+again from their files let their weights go, largest first, until the read fits. A released model is read
+again when it is next needed (the text encoder for a changed prompt, the DiT at its next run): slower
+than keeping both, but it runs where holding both would swap or be stopped by the system.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+
+from h3_core import runtime
+from h3_core.memory_plan import GIB
+
+log = logging.getLogger("h3")
+
+HEADROOM = 4 * GIB  # left free besides a read: ComfyUI, the activations' CPU side, the page cache
+_tracked: weakref.WeakSet = weakref.WeakSet()
+
+
+def track(placement) -> None:
+    """Let `placement` make room before it reads weights into CPU memory, and let go of its own weights
+    when another of ours needs the room."""
+    placement.before_host_read = make_host_room
+    _tracked.add(placement)
+
+
+def make_host_room(nbytes: int, needing=None, what: str | None = None) -> None:
+    """Before `needing` (a Placement, or None for a model not yet placed, named `what`) reads `nbytes`
+    into CPU memory: free room as above. If the read itself still does not fit, warn (it goes on: the
+    system may still find the memory)."""
+    if _fits(nbytes + HEADROOM):
+        return
+    _release_comfy_cache(nbytes + HEADROOM)
+    for placement in sorted(_tracked, key=lambda p: p.host_bytes, reverse=True):
+        if _fits(nbytes + HEADROOM):
+            return
+        if placement is not needing and placement.releasable and placement.host_bytes > 0:
+            placement.release_weights()
+    warning = runtime.host_memory_warning(nbytes, what or getattr(needing, "name", "An H3 model"))
+    if warning:
+        log.warning("H3: %s", warning)
+
+
+def _fits(nbytes: int) -> bool:
+    available = runtime.host_memory_available()
+    return available is None or nbytes <= available
+
+
+def _release_comfy_cache(target: int) -> None:
+    """ComfyUI's RAM-pressure cache (its default in 0.33) drops outputs of earlier workflows first; an older
+    ComfyUI, or one started with another cache mode, has none."""
+    try:
+        import comfy.memory_management as comfy_memory
+    except ImportError:
+        return
+    release = getattr(comfy_memory, "extra_ram_release", None)
+    if release is not None:
+        release(target)
+        gc.collect()
