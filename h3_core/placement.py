@@ -8,8 +8,9 @@ for them; every move and the model's release are logged (logger "h3"), so a host
 
 A placement whose weights can be read again from their files (a DiT with its `DiTReader`, a text
 encoder with its reader) can also `release_weights()`: a host short of CPU memory lets such a model go
-while another needs the room, and the model is read again at its next `load()`. `before_host_read`
-(set by a host) is told before weights are read into CPU memory, so it can free room first.
+while another needs the room, and the model is read again at its next `load()`. `make_host_room`
+(set by a host) is asked before weights go into CPU memory, so it can free room first; a model that
+would be parked there (unloaded from the GPU) with no room left lets go of its weights instead.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .runtime import empty_caches
+from .runtime import empty_caches, host_memory_warning
 
 log = logging.getLogger("h3")
 GIB = 2**30
@@ -61,7 +62,7 @@ class Placement:
         self.offload_device = torch.device(offload_device)
         self.size = _bytes(self.parts)
         self.loaded = loaded
-        self.before_host_read = None  # (bytes, placement) -> None: a host frees CPU memory before a read
+        self.make_host_room = None  # (bytes, placement, others) -> whether they fit now: set by a host
         weakref.finalize(self, log.info, "H3: %s released (%.2f GiB)", name, self.size / GIB)
 
     @property
@@ -78,9 +79,27 @@ class Placement:
         """Drop the weights (read again at the next `load`); the CPU bytes freed."""
         raise NotImplementedError(f"{self.name} cannot be read again from files, so it is not released.")
 
+    def _host_room(self, nbytes: int, others: bool = True) -> bool:
+        """Whether `nbytes` more fit in CPU memory, once the host (if any) made what room it can (`others`:
+        also by letting its other idle models go)."""
+        return self.make_host_room is None or self.make_host_room(nbytes, self, others)
+
     def _before_read(self, device: torch.device) -> None:
-        if device.type == "cpu" and self.before_host_read is not None:
-            self.before_host_read(self.size, self)
+        """Before the weights are read onto `device`: room made in CPU memory, or a warning."""
+        if device.type == "cpu" and not self._host_room(self.size):
+            warning = host_memory_warning(self.size, self.name)
+            if warning:
+                log.warning("H3: %s", warning)
+
+    def _parks_released(self, nbytes: int) -> bool:
+        """About to move `nbytes` from the device into CPU memory: without room for them there, a model that
+        can be read again lets go of its weights instead (True when it did). Other models are not let go
+        of for it: it leaves because another model is about to run, maybe one of those."""
+        if (nbytes == 0 or self.offload_device.type != "cpu" or self.load_device == self.offload_device
+                or not self.releasable or self._host_room(nbytes, False)):
+            return False
+        self.release_weights()
+        return True
 
     @property
     def device(self) -> torch.device:
@@ -143,8 +162,8 @@ class TextEncoderPlacement(Placement):
         freed = self.host_bytes
         self.encoder.release()
         self.loaded = False
-        log.info("H3: %s let go of its weights (%.2f GiB of CPU memory); they are read again from the file for "
-                 "the next prompt", self.name, freed / GIB)
+        log.info("H3: %s let go of its weights (%.2f GiB) for CPU memory; they are read again from the files "
+                 "for the next prompt", self.name, self.size / GIB)
         return freed
 
     def _move(self, loaded: bool) -> int:
@@ -153,6 +172,8 @@ class TextEncoderPlacement(Placement):
             self._before_read(home)
             self.encoder.read(home)
         if not self.stream:
+            if not loaded and self.loaded and self._parks_released(self.size):
+                return self.size
             return super()._move(loaded)
         if self.loaded == loaded or self.encoder.model is None:  # a released encoder has nothing to move
             self.loaded = loaded
@@ -283,8 +304,8 @@ class DiTPlacement(Placement):
         self.reader.drop()
         self.loaded = False
         empty_caches(self.load_device)
-        log.info("H3: %s let go of its weights (%.2f GiB of CPU memory); they are read again from the file at "
-                 "its next run", self.name, freed / GIB)
+        log.info("H3: %s let go of its weights (%.2f GiB) for CPU memory; they are read again from the file at "
+                 "its next run", self.name, self.size / GIB)
         return freed
 
     def _move(self, loaded: bool) -> int:
@@ -305,6 +326,8 @@ class DiTPlacement(Placement):
                 self.streamer = place(self.dit, self.load_device, self.plan)
             return self.loaded_bytes
         moved = self.loaded_bytes
+        if self._parks_released(moved):
+            return moved
         unplace(self.dit, self.offload_device, self.streamer)
         self.streamer, self.loaded = None, False
         empty_caches(self.load_device)

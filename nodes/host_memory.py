@@ -6,7 +6,9 @@ models reads weights into CPU memory, room is made: first ComfyUI is asked to dr
 earlier workflows (its RAM-pressure cache, where it has one), then our other models that can be read
 again from their files let their weights go, largest first, until the read fits. A released model is read
 again when it is next needed (the text encoder for a changed prompt, the DiT at its next run): slower
-than keeping both, but it runs where holding both would swap or be stopped by the system.
+than keeping both, but it runs where holding both would swap or be stopped by the system. A model that
+ComfyUI unloads from the GPU asks only ComfyUI's cache for room to wait in; without it, it lets go of its
+own weights (h3_core.placement).
 """
 
 from __future__ import annotations
@@ -25,27 +27,33 @@ _tracked: weakref.WeakSet = weakref.WeakSet()
 
 
 def track(placement) -> None:
-    """Let `placement` make room before it reads weights into CPU memory, and let go of its own weights
+    """Let `placement` make room before its weights go into CPU memory, and let go of its own weights
     when another of ours needs the room."""
-    placement.before_host_read = make_host_room
+    placement.make_host_room = make_host_room
     _tracked.add(placement)
 
 
-def make_host_room(nbytes: int, needing=None, what: str | None = None) -> None:
-    """Before `needing` (a Placement, or None for a model not yet placed, named `what`) reads `nbytes`
-    into CPU memory: free room as above. If the read itself still does not fit, warn (it goes on: the
-    system may still find the memory)."""
+def make_host_room(nbytes: int, needing=None, others: bool = True) -> bool:
+    """Before `needing` (a Placement, or None for a model not yet placed) puts `nbytes` into CPU memory:
+    free room as above (`others`: our other models too); whether they fit now (with the headroom)."""
     if _fits(nbytes + HEADROOM):
-        return
+        return True
     _release_comfy_cache(nbytes + HEADROOM)
     for placement in sorted(_tracked, key=lambda p: p.host_bytes, reverse=True):
         if _fits(nbytes + HEADROOM):
-            return
-        if placement is not needing and placement.releasable and placement.host_bytes > 0:
+            return True
+        if others and placement is not needing and placement.releasable and placement.host_bytes > 0:
             placement.release_weights()
-    warning = runtime.host_memory_warning(nbytes, what or getattr(needing, "name", "An H3 model"))
-    if warning:
-        log.warning("H3: %s", warning)
+    return _fits(nbytes + HEADROOM)
+
+
+def warn_unless_room(nbytes: int, what: str) -> None:
+    """`make_host_room` for a model not yet placed, named `what`; a warning in the log if the read itself
+    still does not fit (it goes on: the system may still find the memory)."""
+    if not make_host_room(nbytes):
+        warning = runtime.host_memory_warning(nbytes, what)
+        if warning:
+            log.warning("H3: %s", warning)
 
 
 def _fits(nbytes: int) -> bool:

@@ -41,7 +41,7 @@ from .common import (
     model_path,
 )
 from .convert import ModelHandle, TextEncoderHandle, VAEHandle
-from .host_memory import make_host_room
+from .host_memory import warn_unless_room
 from .memory import (
     make_room,
     manage,
@@ -214,7 +214,7 @@ class H3TextEncoderLoader(io.ComfyNode):
             stream = text_encoder_streams(weight_bytes + TEXT_WORKING_BYTES, target, budget)
             home = text_encoder_offload_device() if stream else target  # streamed layers wait in CPU memory
             if stream:  # our other models may let go of CPU memory for it (host_memory)
-                make_host_room(weight_bytes, what="The text encoder")
+                warn_unless_room(weight_bytes, "The text encoder")
             with freed_on_failure(target):
                 encoder = load_text_encoder(path, dtype, home, tokenizer=tokenizer)
             name, canvas = str(path), RELEASE_CANVAS

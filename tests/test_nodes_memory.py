@@ -551,6 +551,39 @@ def test_our_models_take_turns_in_cpu_memory_too_small_for_both(comfy, caplog, m
     assert not _same(first, second)
 
 
+def test_a_model_unloaded_without_cpu_room_to_wait_in_lets_go_instead(comfy, caplog, monkeypatch):
+    """ComfyUI unloading a model from the GPU moves it into CPU memory. Without room for it there, a model
+    that can be read again lets go of its weights instead (and no other model is let go of for it: another
+    is about to run), and its next load reads it again. With room, it waits in CPU memory as before."""
+    from h3_core import runtime
+    from h3_core.checkpoint import DiTReader
+    from h3_core.placement import DiTPlacement
+
+    path = comfy.tmp / "diffusion_models" / FOUR_BLOCKS
+    idle = DiTReader(path, dtype=torch.float32)
+    idle.read("cpu")
+    comfy.host_memory.track(DiTPlacement("idle", idle.model, "cpu", "cpu", reader=idle))
+    reader = DiTReader(path, dtype=torch.float32)
+    # "cpu:0" stands for a GPU: a device other than the one it waits on, so unloading moves it
+    placement = DiTPlacement("parked", reader.model, torch.device("cpu", 0), "cpu", reader=reader)
+    comfy.host_memory.track(placement)
+    placement.load()
+    expected = {name: t.clone() for name, t in reader.model.state_dict().items()}
+
+    monkeypatch.setattr(runtime, "host_memory_available", lambda: 0)
+    with caplog.at_level("INFO", logger="h3"):
+        assert placement.offload() == placement.size
+    assert not reader.is_read and not placement.loaded and idle.is_read
+    assert any("parked let go of its weights" in r.message for r in caplog.records), caplog.text
+
+    monkeypatch.setattr(runtime, "host_memory_available", lambda: 1 << 50)
+    placement.load()
+    got = reader.model.state_dict()
+    assert all(torch.equal(got[name], t) for name, t in expected.items())
+    placement.offload()
+    assert reader.is_read and not placement.loaded  # room enough: it waits in CPU memory
+
+
 def test_h3_generate_notes_a_dit_bigger_than_the_available_cpu_memory(tmp_path, monkeypatch):
     """The CLI's side of the warning above: `h3 generate` reading the DiT into CPU memory says it in a note."""
     from h3_core import pipeline, runtime
