@@ -10,6 +10,7 @@ Checkpoint dtypes are kept unless a dtype is asked for. Pickle formats are refus
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -281,8 +282,9 @@ class DiTReader:
     def is_read(self) -> bool:
         return not any(t.is_meta for t in self.model.state_dict().values())
 
-    def read(self, device: str | torch.device = "cpu") -> H3DiT:
-        """Fill the model from the files onto `device` (a read model is returned as it is)."""
+    def read(self, device: str | torch.device = "cpu", on_tensor: Callable[[int, int], None] | None = None) -> H3DiT:
+        """Fill the model from the files onto `device` (a read model is returned as it is); `on_tensor(done,
+        total)` after each tensor (a progress bar; raising there stops the read and drops what was read)."""
         if self.is_read:
             return self.model
         model, source, dtype = self.model, self.source, self.dtype
@@ -305,7 +307,8 @@ class DiTReader:
 
         origin = f"{source.files[0].parent if len(source.files) > 1 else source.files[0]} ({source.origin})"
         try:
-            assign_strictly(model, self._fp8.stream(without_inv_freq(), device), origin, release_policy, device)
+            assign_strictly(model, self._fp8.stream(without_inv_freq(), device), origin, release_policy, device,
+                            on_tensor)
         except BaseException:
             self.drop()  # nothing half-read stays behind
             raise

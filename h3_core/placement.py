@@ -63,6 +63,7 @@ class Placement:
         self.size = _bytes(self.parts)
         self.loaded = loaded
         self.make_host_room = None  # (bytes, placement, others) -> whether they fit now: set by a host
+        self.on_read = None  # (tensors done, total) while weights are read from files: a host's progress bar
         weakref.finalize(self, log.info, "H3: %s released (%.2f GiB)", name, self.size / GIB)
 
     @property
@@ -170,7 +171,7 @@ class TextEncoderPlacement(Placement):
         if loaded and self.encoder.model is None and self.encoder.reader is not None:  # released: read it back
             home = self.offload_device if self.stream else self.load_device
             self._before_read(home)
-            self.encoder.read(home)
+            self.encoder.read(home, self.on_read)
         if not self.stream:
             if not loaded and self.loaded and self._parks_released(self.size):
                 return self.size
@@ -318,7 +319,7 @@ class DiTPlacement(Placement):
                 home = self.load_device if self.plan is None else load_device(self.plan, self.load_device)
                 self._before_read(home)
                 log.info("H3: %s: reading its weights onto %s (%.2f GiB)", self.name, home, self.size / GIB)
-                self.reader.read(home)
+                self.reader.read(home, self.on_read)
             self.loaded = True
             if self.plan is None:
                 self.dit.to(self.load_device)

@@ -62,11 +62,11 @@ class TextEncoder:
 
     `model`: transformers' `Qwen3VLModel` holding `layer` decoder layers and an identity final norm
     (as `text_checkpoint.load_qwen3vl` builds it). `presenter`: tokenizer + vision processor.
-    `reader(device)`: reads the same model again from its files (None: it cannot be read again), so a
-    host short of CPU memory may `release` the encoder and `read` it back for the next prompt."""
+    `reader(device, on_tensor)`: reads the same model again from its files (None: it cannot be read
+    again), so a host short of CPU memory may `release` the encoder and `read` it back for the next prompt."""
 
     def __init__(self, model, presenter: Presenter, layer: int = TEXT_ENCODER_LAYER,
-                 reader: Callable[[torch.device], Any] | None = None):
+                 reader: Callable[..., Any] | None = None):
         self.model = model
         self.presenter = presenter
         self.layer = layer
@@ -173,13 +173,15 @@ class TextEncoder:
         self.model = None
         empty_caches(device)
 
-    def read(self, device: str | torch.device) -> "TextEncoder":
-        """After `release`: the weights read again from the files onto `device` (a no-op while they are here)."""
+    def read(self, device: str | torch.device, on_tensor: Callable[[int, int], None] | None = None
+             ) -> "TextEncoder":
+        """After `release`: the weights read again from the files onto `device` (a no-op while they are
+        here); `on_tensor(done, total)` after each tensor."""
         if self.model is None:
             if self.reader is None:
                 raise RuntimeError("This text encoder was released and has no files to read it from; load it "
                                    "again with load_text_encoder.")
-            self.model = self.reader(torch.device(device))
+            self.model = self.reader(torch.device(device), on_tensor)
         return self
 
     def _loaded(self):
@@ -217,7 +219,8 @@ def load_text_encoder(
     qwen_config = qwen3vl_config(config if config is not None else source.config, layer)
     _check_compatible(qwen_config, presenter)  # before reading ~51 GB of weights
     model = load_qwen3vl(source, dtype, device, qwen_config, layer)
-    return TextEncoder(model, presenter, layer, reader=lambda to: load_qwen3vl(source, dtype, to, qwen_config, layer))
+    return TextEncoder(model, presenter, layer, reader=lambda to, on_tensor=None: load_qwen3vl(
+        source, dtype, to, qwen_config, layer, on_tensor))
 
 
 def locate_text_encoder_files(path: str | Path, tokenizer: str | Path | None = None,

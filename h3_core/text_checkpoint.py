@@ -265,9 +265,11 @@ def load_qwen3vl(
     device: str | torch.device = "cpu",
     config=None,
     layers: int = TEXT_ENCODER_LAYER,
+    on_tensor=None,
 ):
     """Build transformers' `Qwen3VLModel` with `layers` decoder layers and an identity final norm,
-    and fill it tensor by tensor (cast to `dtype`, placed on `device`) from `source`.
+    and fill it tensor by tensor (cast to `dtype`, placed on `device`) from `source`; `on_tensor(done,
+    total)` after each (weights.assign_strictly).
 
     With the stack cut after decoder layer `layers` and no final norm, the model's
     `last_hidden_state` is the un-normalized residual stream after that layer, i.e. the full
@@ -294,7 +296,7 @@ def load_qwen3vl(
     with torch.device("meta"):
         model = Qwen3VLModel(qwen_config)
     model.language_model.norm = torch.nn.Identity()  # H3 reads the stream before the final norm
-    assign_strictly(model, _used_tensors(source.files, layers), _origin(source), lambda name: dtype, device)
+    assign_strictly(model, _used_tensors(source.files, layers), _origin(source), lambda name: dtype, device, on_tensor)
     _rebuild_rotary_buffers(model, device)
     return model.eval().requires_grad_(False)
 

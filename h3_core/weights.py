@@ -104,9 +104,11 @@ def assign_strictly(
     origin: str,
     dtype_for: Callable[[str], torch.dtype | None] = lambda name: None,
     device: str | torch.device = "cpu",
+    on_tensor: Callable[[int, int], None] | None = None,
 ) -> torch.nn.Module:
     """Fill a meta-built `model` from streamed items. Unexpected, repeated, mis-shaped or missing
-    tensors are errors. `dtype_for(name)` may cast a tensor (None keeps the checkpoint's dtype)."""
+    tensors are errors. `dtype_for(name)` may cast a tensor (None keeps the checkpoint's dtype).
+    `on_tensor(done, total)` after each tensor: a host's progress bar (it may raise to stop)."""
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     seen: set[str] = set()
     for name, tensor, where in items:
@@ -122,6 +124,8 @@ def assign_strictly(
         dtype = dtype_for(name)
         _assign(model, name, tensor.to(device=device, dtype=dtype) if dtype is not None else tensor.to(device))
         seen.add(name)
+        if on_tensor is not None:
+            on_tensor(len(seen), len(expected))
     missing = sorted(set(expected) - seen)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

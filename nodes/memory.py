@@ -125,11 +125,37 @@ def place(patchers, working_bytes: int = 0) -> None:
     mm.load_models_gpu([p for p in patchers if p is not None], memory_required=working_bytes)
 
 
+@contextlib.contextmanager
+def read_progress(placement):
+    """While `placement` may read its weights from files (a first run, or after letting them go): a
+    progress bar over the tensors, and the node's cancel checked after each (the 62 GB DiT takes from
+    seconds to a minute)."""
+    from .common import check_interrupt, progress_bar
+
+    if placement is None:  # a handle made outside the loaders has nothing to read
+        yield
+        return
+    bar = None
+
+    def on_read(done: int, total: int) -> None:
+        nonlocal bar
+        bar = bar or progress_bar(total)
+        bar.update_absolute(done, total)
+        check_interrupt()
+
+    placement.on_read = on_read
+    try:
+        yield
+    finally:
+        placement.on_read = None
+
+
 def place_for_encoding(text_encoder, vae=None) -> None:
     """The text encoder (and the VAE, for keyframes and references) on the device, with room for what a
     streaming encoder needs besides (its layers in flight and the activations; nothing when resident)."""
     placement = getattr(text_encoder.patcher, "model", None)
-    place([text_encoder.patcher, None if vae is None else vae.patcher], getattr(placement, "working_bytes", 0))
+    with read_progress(placement):
+        place([text_encoder.patcher, None if vae is None else vae.patcher], getattr(placement, "working_bytes", 0))
 
 
 def decode_working_bytes(vae, video_latents, tiled: bool | None = None) -> int:
@@ -202,6 +228,7 @@ def dit_for_run(model, layout, steps: int):
         free = mm.get_free_memory(placement.load_device) - mm.extra_reserved_memory()
     plan = placement.plan_request(layout, steps, free)
     placement.use(plan)
-    place([patcher], working)
+    with read_progress(placement):
+        place([patcher], working)
     with placement.unloaded_on_failure():
         yield plan

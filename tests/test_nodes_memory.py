@@ -204,10 +204,23 @@ def test_the_loader_reads_no_weight_and_the_first_run_reads_them(comfy, monkeypa
     cond = _cond(c)
     reads = []
     read = reader.read
-    monkeypatch.setattr(reader, "read", lambda device: reads.append(torch.device(device)) or read(device))
+    monkeypatch.setattr(reader, "read", lambda device, on_tensor=None: reads.append(torch.device(device)) or
+                        read(device, on_tensor))
+    tensors = len(model.dit.state_dict())
+    c.record.progress.clear()
+    c.record.interrupt_after = 5  # cancel while the weights are read: nothing half-read stays
+    with pytest.raises(c.mm.InterruptProcessingException):
+        _sample(c, model, cond)
+    assert c.record.progress == [(done, tensors, None) for done in range(1, 6)] and not reader.is_read
+    c.record.interrupt_after = None
+    c.record.progress.clear()
     first = _sample(c, model, cond)
-    assert reads == [torch.device("cpu")] and reader.is_read
-    assert _same(_sample(c, model, cond), first) and len(reads) == 1
+    # a bar over the tensors read, then the sampler's over its steps
+    assert c.record.progress[:tensors] == [(done, tensors, None) for done in range(1, tensors + 1)]
+    sampler = c.record.progress[tensors:]
+    assert sampler and all(total == sampler[-1][0] != tensors for _, total, _ in sampler)
+    assert reads == [torch.device("cpu")] * 2 and reader.is_read
+    assert _same(_sample(c, model, cond), first) and len(reads) == 2
     eager = _load(c, "tiny-random")  # a different model: the first run really used the file's weights
     assert not _same(_sample(c, eager, _cond(c)), first)
 
@@ -536,8 +549,11 @@ def test_our_models_take_turns_in_cpu_memory_too_small_for_both(comfy, caplog, m
     with caplog.at_level("INFO", logger="h3"):
         first = _sample(c, model, fox)  # the DiT's read makes the idle encoder let go
         assert encoder.model is None and dit_placement.reader.is_read
+        c.record.progress.clear()
         heron = encode("a heron in the reeds")  # the encoder is read again; the idle DiT lets go
         assert encoder.model is not None and not dit_placement.reader.is_read
+        tensors = len(encoder.model.state_dict())  # the read had its progress bar
+        assert c.record.progress[:tensors] == [(done, tensors, None) for done in range(1, tensors + 1)]
         second = _sample(c, model, heron)
         assert encoder.model is None and dit_placement.reader.is_read
     released = [r.message for r in caplog.records if "let go of its weights" in r.message]
