@@ -200,6 +200,7 @@ def load_text_encoder(
     processor: str | Path | None = None,
     config: dict | str | Path | None = None,
     layer: int = TEXT_ENCODER_LAYER,
+    on_tensor: Callable[[int, int], None] | None = None,
 ) -> TextEncoder:
     """Load the text conditioner from any layout users have.
 
@@ -212,13 +213,14 @@ def load_text_encoder(
     config     a Qwen3-VL config (dict, config.json or its folder) overriding the folder's; a single
                file defaults to the built-in Qwen3-VL-32B config.
     layer      the decoder layer whose output H3 reads: 50 for the released checkpoints.
+    on_tensor  called (done, total) after each tensor read: a progress bar.
     Only the embedding, the first `layer` decoder layers and the vision tower are read, cast to
     `dtype` and put on `device` one tensor at a time."""
     source = locate_text_encoder_files(path, tokenizer, processor, layer)
     presenter = Presenter(load_tokenizer(source.tokenizer_folder), VisionProcessor.from_folder(source.processor_folder))
     qwen_config = qwen3vl_config(config if config is not None else source.config, layer)
     _check_compatible(qwen_config, presenter)  # before reading ~51 GB of weights
-    model = load_qwen3vl(source, dtype, device, qwen_config, layer)
+    model = load_qwen3vl(source, dtype, device, qwen_config, layer, on_tensor)
     return TextEncoder(model, presenter, layer, reader=lambda to, on_tensor=None: load_qwen3vl(
         source, dtype, to, qwen_config, layer, on_tensor))
 

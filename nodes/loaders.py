@@ -48,6 +48,7 @@ from .memory import (
     manage_dit,
     manage_runner,
     manage_text_encoder,
+    read_bar,
     text_encoder_offload_device,
     text_encoder_streams,
 )
@@ -216,7 +217,7 @@ class H3TextEncoderLoader(io.ComfyNode):
             if stream:  # our other models may let go of CPU memory for it (host_memory)
                 warn_unless_room(weight_bytes, "The text encoder")
             with freed_on_failure(target):
-                encoder = load_text_encoder(path, dtype, home, tokenizer=tokenizer)
+                encoder = load_text_encoder(path, dtype, home, tokenizer=tokenizer, on_tensor=read_bar())
             name, canvas = str(path), RELEASE_CANVAS
         patcher = manage_text_encoder(f"H3 text encoder ({Path(name).name})", encoder, target, stream,
                                       TEXT_WORKING_BYTES)

@@ -125,25 +125,30 @@ def place(patchers, working_bytes: int = 0) -> None:
     mm.load_models_gpu([p for p in patchers if p is not None], memory_required=working_bytes)
 
 
-@contextlib.contextmanager
-def read_progress(placement):
-    """While `placement` may read its weights from files (a first run, or after letting them go): a
-    progress bar over the tensors, and the node's cancel checked after each (the 62 GB DiT takes from
-    seconds to a minute)."""
+def read_bar():
+    """An `on_tensor(done, total)` for reading weights from files inside a node: a progress bar over the
+    tensors, and the node's cancel checked after each (the 62 GB DiT takes from seconds to a minute)."""
     from .common import check_interrupt, progress_bar
 
-    if placement is None:  # a handle made outside the loaders has nothing to read
-        yield
-        return
     bar = None
 
-    def on_read(done: int, total: int) -> None:
+    def on_tensor(done: int, total: int) -> None:
         nonlocal bar
         bar = bar or progress_bar(total)
         bar.update_absolute(done, total)
         check_interrupt()
 
-    placement.on_read = on_read
+    return on_tensor
+
+
+@contextlib.contextmanager
+def read_progress(placement):
+    """While `placement` may read its weights from files (a first run, or after letting them go), its
+    reads show a `read_bar`."""
+    if placement is None:  # a handle made outside the loaders has nothing to read
+        yield
+        return
+    placement.on_read = read_bar()
     try:
         yield
     finally:

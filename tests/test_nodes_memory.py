@@ -539,6 +539,8 @@ def test_our_models_take_turns_in_cpu_memory_too_small_for_both(comfy, caplog, m
     vae = c.loaders.H3VAELoader.execute("tiny-random", "tiny-random", "").values[0]
     text = _file_text_encoder(c)
     encoder, dit_placement = text.encoder, None
+    tensors = len(encoder.model.state_dict())  # the loader's read had a progress bar
+    assert c.record.progress == [(done, tensors, None) for done in range(1, tensors + 1)]
 
     def encode(prompt):
         return c.conditioning.H3Conditioning.execute(text, prompt, "t2va", "auto", 0, 0, 4.0, vae=vae).values[0]
@@ -552,7 +554,6 @@ def test_our_models_take_turns_in_cpu_memory_too_small_for_both(comfy, caplog, m
         c.record.progress.clear()
         heron = encode("a heron in the reeds")  # the encoder is read again; the idle DiT lets go
         assert encoder.model is not None and not dit_placement.reader.is_read
-        tensors = len(encoder.model.state_dict())  # the read had its progress bar
         assert c.record.progress[:tensors] == [(done, tensors, None) for done in range(1, tensors + 1)]
         second = _sample(c, model, heron)
         assert encoder.model is None and dit_placement.reader.is_read
