@@ -20,7 +20,7 @@ import torch
 
 from . import geometry, media_read
 from .attention import resolve_backend
-from .checkpoint import infer_config, load_dit, locate_dit
+from .checkpoint import DiTReader, infer_config, locate_dit
 from .config import TINY_DIT
 from .memory_plan import GIB, MemoryPlan, free_bytes, plan_for, usable_bytes
 from .offload import load_device, place
@@ -282,7 +282,8 @@ def generate(
 
     clock = time.perf_counter()
     progress("text encoder", 0, 1)
-    text_encoder = load_text_encoder_for(source, settings, notes)
+    text_encoder = load_text_encoder_for(source, settings, notes,
+                                         lambda done, total: progress("read text encoder", done, total))
     video_vae, audio_vae = load_vaes(source, device, settings.vae_dtype or model_dtype(source, settings))
     notes(f"video VAE: decoder linears in {str(video_vae.dtype).removeprefix('torch.')} (encoder and norms float32)")
     conditioning = encode(request, text_encoder, video_vae, audio_vae, rules=source.canvas)
@@ -297,7 +298,7 @@ def generate(
 
     clock = time.perf_counter()
     dit, plan, streamer = load_sampling_dit(source, dit_source, partition, settings, loras, conditioning,
-                                            schedule.steps, notes)
+                                            schedule.steps, notes, lambda done, total: progress("read DiT", done, total))
     timings["load"] = time.perf_counter() - clock
 
     results = []
@@ -341,9 +342,10 @@ def generate(
 TEXT_WORKING_BYTES = 2 * GIB  # the encoder's activations, thousands of rows with vision references
 
 
-def load_text_encoder_for(source, settings: GenerateSettings, notes):
+def load_text_encoder_for(source, settings: GenerateSettings, notes, on_tensor=None):
     """The text encoder on the device when it fits (in `settings.gpu_memory` or what is free); else in
-    CPU memory with its decoder layers visiting the GPU one at a time (`TextEncoder.stream_layers`)."""
+    CPU memory with its decoder layers visiting the GPU one at a time (`TextEncoder.stream_layers`).
+    `on_tensor(done, total)` as its tensors are read."""
     device = torch.device(settings.device)
     if source.tiny:
         return tiny_random_text_encoder(device=device)
@@ -353,8 +355,8 @@ def load_text_encoder_for(source, settings: GenerateSettings, notes):
         if need > usable_bytes(budget):
             notes(f"text encoder: {need / GIB:.1f} GiB does not fit in {budget / GIB:.1f} GiB; its layers stream "
                   "from CPU memory")
-            return load_text_encoder(source.root, settings.dtype, "cpu").stream_layers(device)
-    return load_text_encoder(source.root, settings.dtype, device)
+            return load_text_encoder(source.root, settings.dtype, "cpu", on_tensor=on_tensor).stream_layers(device)
+    return load_text_encoder(source.root, settings.dtype, device, on_tensor=on_tensor)
 
 
 def load_vaes(source, device: torch.device, dtype: torch.dtype):
@@ -406,7 +408,7 @@ def model_dtype(source, settings: GenerateSettings) -> torch.dtype:
 
 
 def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSettings, loras, conditioning, steps: int,
-                      notes):
+                      notes, on_tensor=None):
     """The DiT where the request's memory plan puts it: resident, or its leading blocks resident and the
     rest streamed from the CPU (a request that cannot fit even so is refused before any weight is read);
     or split over `settings.devices` in worker processes. Returns (dit, plan, streamer or None)."""
@@ -448,7 +450,7 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
         warning = host_memory_warning(file_bytes(dit_source.files), "The DiT") if home.type == "cpu" else None
         if warning:
             notes(f"memory: {warning}")
-        dit = load_dit(source.root, partition, dtype=settings.dtype, device=home, linears=linears)
+        dit = DiTReader(source.root, partition, settings.dtype, linears=linears, device=device).read(home, on_tensor)
     if loras:
         report = apply_loras(dit, loras, partition=partition, mode="merge", backup=False)
         for line in report.lines():

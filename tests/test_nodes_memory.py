@@ -610,11 +610,13 @@ def test_h3_generate_notes_a_dit_bigger_than_the_available_cpu_memory(tmp_path, 
     monkeypatch.setattr(runtime, "host_memory_available", lambda: path.stat().st_size // 2)
     source = pipeline.resolve_model_source(str(path), "fl2va")
     layout = _cond_layout()
-    notes = []
+    notes, read = [], []
     dit, _, streamer = pipeline.load_sampling_dit(
         source, locate_dit(path, "fl2va"), "fl2va", pipeline.GenerateSettings(steps=STEPS, dtype=torch.float32),
-        [], SimpleNamespace(layout=layout), STEPS, notes.append)
+        [], SimpleNamespace(layout=layout), STEPS, notes.append, lambda *step: read.append(step))
     assert streamer is None and len(dit.blocks) == 4
+    tensors = len(dit.state_dict())  # the CLI's "read DiT" bar
+    assert read == [(done, tensors) for done in range(1, tensors + 1)]
     assert any(note.startswith("memory: The DiT needs about") and "GiB of CPU memory" in note for note in notes), notes
 
 
