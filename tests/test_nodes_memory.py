@@ -601,6 +601,27 @@ def test_a_model_unloaded_without_cpu_room_to_wait_in_lets_go_instead(comfy, cap
     assert reader.is_read and not placement.loaded  # room enough: it waits in CPU memory
 
 
+def test_a_text_encoder_unloaded_without_cpu_room_lets_go_instead(comfy, monkeypatch):
+    """The same for a text encoder resident on the GPU: without room in CPU memory, unloading lets go of its
+    weights, and the next encode reads them again onto the device and gives the same conditioning."""
+    from h3_core import runtime
+    from h3_core.placement import TextEncoderPlacement
+
+    text = _file_text_encoder(comfy)  # streamed there; here the same encoder resident on "cpu:0"
+    encoder = text.encoder
+    encoder.to("cpu")
+    placement = TextEncoderPlacement("text", encoder, torch.device("cpu", 0), "cpu", loaded=True)
+    comfy.host_memory.track(placement)
+    presentation = encoder.present("t2va", "a fox on a beach")
+    expected = encoder.encode(presentation).prompt_embeds
+    monkeypatch.setattr(runtime, "host_memory_available", lambda: 0)
+    assert placement.offload() == placement.size
+    assert encoder.model is None and not placement.loaded
+    monkeypatch.setattr(runtime, "host_memory_available", lambda: 1 << 50)
+    placement.load()
+    assert torch.equal(encoder.encode(presentation).prompt_embeds, expected)
+
+
 def test_h3_generate_notes_a_dit_bigger_than_the_available_cpu_memory(tmp_path, monkeypatch):
     """The CLI's side of the warning above: `h3 generate` reading the DiT into CPU memory says it in a note."""
     from h3_core import pipeline, runtime
