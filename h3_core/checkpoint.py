@@ -24,6 +24,7 @@ from .weights import (
     CheckpointError,
     assign_strictly,
     check_safetensors_file,
+    read_headers,
     read_json,
     read_tensors,
     shard_files,
@@ -258,10 +259,12 @@ def load_dit(
 
 class DiTReader:
     """One checkpoint's DiT, whose weights can be read, dropped and read again. Built from the files'
-    headers only (no tensor is read): `model` is the DiT on the meta device, with its FP8 layers chosen.
-    `read(device)` fills it strictly; `drop()` empties it again (every weight back on the meta device),
-    so a host short of CPU memory can let a model it does not need now go and read it back later; the
-    module objects, and whatever holds them, stay the same. `device` (for FP8 checks): where it computes."""
+    headers only: `model` is the DiT on the meta device, its FP8 layers chosen, and every strict check
+    (names, shapes, nothing missing) already run on the headers, so its tensors carry the shapes and
+    dtypes the read will give and a broken file is refused before any data is read. `read(device)`
+    fills it; `drop()` empties it again (every weight back on the meta device), so a host short of CPU
+    memory can let a model it does not need now go and read it back later; the module objects, and
+    whatever holds them, stay the same. `device` (for the FP8 checks): where it computes."""
 
     def __init__(self, path: str | Path, partition: str = "fl2va", dtype: torch.dtype | None = None,
                  config: DiTConfig | None = None, linears: str = "checkpoint",
@@ -272,6 +275,7 @@ class DiTReader:
         with torch.device("meta"):
             self.model = H3DiT(config)
         self._fp8 = fp8.FP8Load.plan(self.model, self.source.fp8_layers, linears, dtype, FP32_MODULES, device)
+        self._fill(read_headers(self.source.files), "meta")
 
     @property
     def nbytes(self) -> int:
@@ -287,33 +291,16 @@ class DiTReader:
         total)` after each tensor (a progress bar; raising there stops the read and drops what was read)."""
         if self.is_read:
             return self.model
-        model, source, dtype = self.model, self.source, self.dtype
-        for file in source.files:
+        for file in self.source.files:
             if not file.exists():
                 raise CheckpointError(f"{file} is gone: the DiT cannot be read from it.")
-        fp8_parameters = self._fp8.fp8_parameters
-
-        def without_inv_freq():
-            for name, tensor, file in iter_native_tensors(source, model.config.attention_head_dim):
-                if name == "rope.inv_freq":  # shipped by the release; we recompute it, after checking it agrees
-                    _check_inv_freq(tensor, model, file)
-                else:
-                    yield name, tensor, file
-
-        def release_policy(name: str) -> torch.dtype | None:
-            if dtype is None or name in fp8_parameters:
-                return None
-            return torch.float32 if name.startswith(FP32_MODULES) else dtype
-
-        origin = f"{source.files[0].parent if len(source.files) > 1 else source.files[0]} ({source.origin})"
         try:
-            assign_strictly(model, self._fp8.stream(without_inv_freq(), device), origin, release_policy, device,
-                            on_tensor)
+            self._fill(read_tensors(self.source.files), device, on_tensor)
         except BaseException:
             self.drop()  # nothing half-read stays behind
             raise
-        model.rope_inv_freq = rope_inverse_frequencies(model.config).to(device)
-        return model.eval().requires_grad_(False)
+        self.model.rope_inv_freq = rope_inverse_frequencies(self.model.config).to(device)
+        return self.model.eval().requires_grad_(False)
 
     def drop(self) -> None:
         """Every weight back on the meta device (shapes and dtypes kept), its memory freed once nothing
@@ -326,11 +313,34 @@ class DiTReader:
                 if tensor is not None and not tensor.is_meta:
                     module._buffers[name] = tensor.to("meta")
 
+    def _fill(self, items, device, on_tensor=None) -> None:
+        """Assign the file's (key, tensor, file) `items` strictly, in our names, the release dtype policy
+        and the FP8 plan applied (meta tensors from the headers check everything but the values)."""
+        model, source, dtype = self.model, self.source, self.dtype
+        fp8_parameters = self._fp8.fp8_parameters
+
+        def without_inv_freq():
+            for name, tensor, file in to_native(items, source.naming, source.qkv_layout, model.config.attention_head_dim):
+                if name == "rope.inv_freq":  # shipped by the release; we recompute it, after checking it agrees
+                    _check_inv_freq(tensor, model, file)
+                else:
+                    yield name, tensor, file
+
+        def release_policy(name: str) -> torch.dtype | None:
+            if dtype is None or name in fp8_parameters:
+                return None
+            return torch.float32 if name.startswith(FP32_MODULES) else dtype
+
+        origin = f"{source.files[0].parent if len(source.files) > 1 else source.files[0]} ({source.origin})"
+        assign_strictly(model, self._fp8.stream(without_inv_freq(), device), origin, release_policy, device, on_tensor)
+
 
 def _check_inv_freq(tensor: torch.Tensor, model: H3DiT, file: Path) -> None:
     expected = rope_inverse_frequencies(model.config)
     if tensor.shape != expected.shape:
         raise CheckpointError(f"'rope.inv_freq' in {file} has shape {list(tensor.shape)}, expected {list(expected.shape)}.")
+    if tensor.is_meta:  # a check of the headers: the values are checked when read
+        return
     if not torch.allclose(tensor.float(), expected, rtol=1e-6, atol=0):
         raise CheckpointError(
             f"'rope.inv_freq' in {file} does not match rope_theta={model.config.rope_theta} from the config."

@@ -27,7 +27,7 @@ from safetensors import safe_open
 from torch import nn
 
 from . import keymap
-from .weights import CheckpointError
+from .weights import HEADER_DTYPES, CheckpointError
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -251,7 +251,7 @@ def apply_linear_mode(model: nn.Module, mode: str, device: torch.device | str | 
 # (our activations are scaled per row on the fly).
 
 FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-HEADER_FP8 = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+HEADER_FP8 = {name: dtype for name, dtype in HEADER_DTYPES.items() if name.startswith("F8_")}
 DROPPED_LEAVES = ("comfy_quant", "input_scale", "scale_input")
 SCALE_LEAVES = ("weight_scale", "scale_weight")
 

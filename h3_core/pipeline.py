@@ -20,7 +20,7 @@ import torch
 
 from . import geometry, media_read
 from .attention import resolve_backend
-from .checkpoint import DiTReader, infer_config, locate_dit
+from .checkpoint import DiTReader, infer_config, load_dit, locate_dit  # noqa: F401 (load_dit: engine API, above)
 from .config import TINY_DIT
 from .memory_plan import GIB, MemoryPlan, free_bytes, plan_for, usable_bytes
 from .offload import load_device, place

@@ -98,6 +98,27 @@ def read_tensors(files: Iterable[Path]) -> Iterator[Item]:
                 yield key, handle.get_tensor(key), path
 
 
+# safetensors header dtypes
+HEADER_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def read_headers(files: Iterable[Path]) -> Iterator[Item]:
+    """`read_tensors` without the data: each tensor on the meta device with the shape and dtype its file's
+    header gives, to check a checkpoint against a model before anything is read."""
+    for path in files:
+        with safe_open(path, "pt") as handle:
+            for key in handle.keys():
+                piece = handle.get_slice(key)
+                dtype = HEADER_DTYPES.get(piece.get_dtype())
+                if dtype is None:
+                    raise CheckpointError(f"'{key}' in {path} has dtype {piece.get_dtype()}, which H3 does not use.")
+                yield key, torch.empty(piece.get_shape(), dtype=dtype, device="meta"), path
+
+
 def assign_strictly(
     model: torch.nn.Module,
     items: Iterable[Item],

@@ -128,7 +128,8 @@ def test_checkpoint_dtypes_are_kept(tmp_path, reference, tiny_config):
 
 
 def test_loading_streams_one_tensor_at_a_time(tmp_path, reference, monkeypatch):
-    """Tensors are read and assigned one by one (diffusers q/k/v wait for their siblings): never a second copy."""
+    """Tensors are read and assigned one by one (diffusers q/k/v wait for their siblings): never a second copy.
+    (The check of the headers before, on meta tensors, is not counted.)"""
     write_diffusers_folder(tmp_path / "transformer", reference)
     reads, consumed, waiting = [0], [0], []
     real_to_native, real_assign = checkpoint.to_native, weights._assign
@@ -136,14 +137,15 @@ def test_loading_streams_one_tensor_at_a_time(tmp_path, reference, monkeypatch):
     def counting_to_native(items, *args):
         def counted():
             for item in items:
-                reads[0] += 1
+                reads[0] += not item[1].is_meta
                 yield item
 
         return real_to_native(counted(), *args)
 
     def counting_assign(model, name, tensor):
-        consumed[0] += 3 if name.endswith("qkv_proj.weight") else 1  # a fused qkv came from three reads
-        waiting.append(reads[0] - consumed[0])
+        if not tensor.is_meta:
+            consumed[0] += 3 if name.endswith("qkv_proj.weight") else 1  # a fused qkv came from three reads
+            waiting.append(reads[0] - consumed[0])
         real_assign(model, name, tensor)
 
     monkeypatch.setattr(checkpoint, "to_native", counting_to_native)
@@ -257,6 +259,32 @@ def test_a_reader_reads_drops_and_reads_again_the_same_weights(tmp_path, referen
     assert_same_weights(reader.read("cpu"), expected)
     assert all(modules[name] is module for name, module in reader.model.named_modules())
     assert torch.equal(reader.model.rope_inv_freq, load_dit(path).rope_inv_freq)
+
+
+def test_a_reader_checks_the_headers_before_reading_anything(tmp_path, reference, tiny_config, monkeypatch):
+    """A broken checkpoint (a tensor missing) is refused when the reader is made, with no data read; an
+    unread model already has the dtypes the read will give (the release policy: bf16, fp32 heads), so its
+    size is the read model's."""
+    path = write_comfy_single_file(tmp_path / "dit.safetensors", reference.state_dict(), tiny_config)
+    reads = []
+    monkeypatch.setattr(checkpoint, "read_tensors", lambda files: reads.append(files) or iter(()))
+    reader = checkpoint.DiTReader(path, dtype=torch.bfloat16)
+    assert reads == [] and not reader.is_read
+    dtypes = {name: t.dtype for name, t in reader.model.state_dict().items()}
+    monkeypatch.undo()
+    read = reader.read("cpu").state_dict()
+    assert dtypes == {name: t.dtype for name, t in read.items()}
+    assert dtypes["blocks.0.attn.qkv_proj.weight"] == torch.bfloat16
+    assert dtypes["final_layer.video_out.weight"] == torch.float32
+    assert reader.nbytes == sum(t.numel() * t.element_size() for t in read.values())
+
+    tensors = load_file(str(path))
+    tensors.pop(next(name for name in tensors if name.endswith("blocks.1.mlp.fc2.weight")))
+    save_file(tensors, str(path))
+    monkeypatch.setattr(checkpoint, "read_tensors", lambda files: reads.append(files) or iter(()))
+    with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\): blocks\.1\.mlp\.fc2\.weight"):
+        checkpoint.DiTReader(path)
+    assert reads == []
 
 
 def test_a_failed_read_leaves_the_model_dropped_and_a_missing_file_is_named(tmp_path, reference, tiny_config):

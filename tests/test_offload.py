@@ -200,7 +200,7 @@ def test_generate_streams_when_the_plan_says_so(tmp_path, monkeypatch):
     assert placed and alive_at_save == [None]  # streamed, then dropped before the outputs are written
     assert torch.equal(resident.video, streamed.video) and torch.equal(resident.audio, streamed.audio)
     monkeypatch.undo()
-    monkeypatch.setattr(pipeline, "load_dit", lambda *a, **k: pytest.fail("weights read for a request that cannot fit"))
+    monkeypatch.setattr(pipeline, "DiTReader", lambda *a, **k: pytest.fail("weights read for a request that cannot fit"))
     with pytest.raises(RequestError, match="even with every DiT block streamed"):
         _tiny_generate(tmp_path, gpu_memory=1e-6)
 
