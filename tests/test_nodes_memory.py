@@ -224,6 +224,13 @@ def test_the_loader_reads_no_weight_and_the_first_run_reads_them(comfy, monkeypa
     eager = _load(c, "tiny-random")  # a different model: the first run really used the file's weights
     assert not _same(_sample(c, eager, _cond(c)), first)
 
+    # unread, a bf16 model is already sized (and planned) as bf16: what ComfyUI is told is what will arrive
+    bf16 = c.loaders.H3ModelLoader.execute(FOUR_BLOCKS, "", "fl2va", "bf16", "auto").values[0]
+    unread = bf16.patcher.model.size
+    bf16.patcher.model.reader.read("cpu")
+    assert unread == sum(t.numel() * t.element_size() for t in list(bf16.dit.parameters()) + list(bf16.dit.buffers()))
+    assert bf16.dit.dtype == torch.bfloat16 and unread < bf16.patcher.model.reader.nbytes * 1.01
+
 
 def test_loader_input_checks(comfy):
     c = comfy
