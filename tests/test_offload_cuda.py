@@ -119,9 +119,12 @@ def test_a_released_dit_frees_its_pinned_memory_and_is_read_again_onto_the_gpu(t
 
     reader = DiTReader(path, device="cuda")
     placement = DiTPlacement("tiny", reader.model, "cuda", "cpu", reader=reader)
+    unread = placement.size
     placement.use(MemoryPlan(1, 1, True, 0, True))
     placement.load()
     assert placement.streamer is not None and reader.is_read
+    read = sum(t.numel() * t.element_size() for t in [*reader.model.parameters(), *reader.model.buffers()])
+    assert unread == read  # sized before the read as it is read
     assert all(view.is_pinned() for views in placement.streamer.home.values() for view in views)
     assert all(torch.equal(a, b) for a, b in zip(expected, _sample(reader.model, offload_adaln=True)))
 
