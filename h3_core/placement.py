@@ -85,10 +85,10 @@ class Placement:
         also by letting its other idle models go)."""
         return self.make_host_room is None or self.make_host_room(nbytes, self, others)
 
-    def _before_read(self, device: torch.device) -> None:
-        """Before the weights are read onto `device`: room made in CPU memory, or a warning."""
-        if device.type == "cpu" and not self._host_room(self.size):
-            warning = host_memory_warning(self.size, self.name)
+    def _before_read(self, device: torch.device, nbytes: int) -> None:
+        """Before `nbytes` of weights are read onto `device`: room made in CPU memory, or a warning."""
+        if device.type == "cpu" and not self._host_room(nbytes):
+            warning = host_memory_warning(nbytes, self.name)
             if warning:
                 log.warning("H3: %s", warning)
 
@@ -150,6 +150,7 @@ class TextEncoderPlacement(Placement):
         super().__init__(name, [encoder], load_device, offload_device, loaded)
         self.encoder, self.stream = encoder, stream
         self.working_bytes = 0
+        self.weight_bytes = self.size  # all of them, the streamed layers too: what a read puts in memory
         if stream:
             layers = encoder.model.language_model.layers
             self.size -= _bytes([layers])
@@ -170,7 +171,7 @@ class TextEncoderPlacement(Placement):
     def _move(self, loaded: bool) -> int:
         if loaded and self.encoder.model is None and self.encoder.reader is not None:  # released: read it back
             home = self.offload_device if self.stream else self.load_device
-            self._before_read(home)
+            self._before_read(home, self.weight_bytes)
             self.encoder.read(home, self.on_read)
         if not self.stream:
             if not loaded and self.loaded and self._parks_released(self.size):
@@ -317,7 +318,7 @@ class DiTPlacement(Placement):
         if loaded:
             if self.reader is not None and not self.reader.is_read:
                 home = self.load_device if self.plan is None else load_device(self.plan, self.load_device)
-                self._before_read(home)
+                self._before_read(home, self.size)
                 log.info("H3: %s: reading its weights onto %s (%.2f GiB)", self.name, home, self.size / GIB)
                 self.reader.read(home, self.on_read)
             self.loaded = True

@@ -562,6 +562,8 @@ def test_our_models_take_turns_in_cpu_memory_too_small_for_both(comfy, caplog, m
         heron = encode("a heron in the reeds")  # the encoder is read again; the idle DiT lets go
         assert encoder.model is not None and not dit_placement.reader.is_read
         assert c.record.progress[:tensors] == [(done, tensors, None) for done in range(1, tensors + 1)]
+        weights = sum(t.numel() * t.element_size() for t in [*encoder.model.parameters(), *encoder.model.buffers()])
+        assert asked[-1] == weights + c.host_memory.HEADROOM  # room asked for all of it, streamed layers too
         second = _sample(c, model, heron)
         assert encoder.model is None and dit_placement.reader.is_read
     released = [r.message for r in caplog.records if "let go of its weights" in r.message]
