@@ -687,7 +687,8 @@ def test_generate_streams_a_text_encoder_that_does_not_fit(tiny, monkeypatch):
             calls.append(("stream", str(device)))
             return self
 
-    monkeypatch.setattr(pipeline, "load_text_encoder", lambda root, dtype, device: calls.append(("load", str(device))) or Loaded())
+    monkeypatch.setattr(pipeline, "load_text_encoder",
+                        lambda root, dtype, device, on_tensor=None: calls.append(("load", str(device))) or Loaded())
     monkeypatch.setattr(pipeline, "free_bytes", lambda device: 64 * 2**30)
     source = pipeline.ModelSource("release", tiny["partition"])
     notes = []
