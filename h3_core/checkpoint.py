@@ -264,12 +264,13 @@ class DiTReader:
     dtypes the read will give and a broken file is refused before any data is read. `read(device)`
     fills it; `drop()` empties it again (every weight back on the meta device), so a host short of CPU
     memory can let a model it does not need now go and read it back later; the module objects, and
-    whatever holds them, stay the same. `device` (for the FP8 checks): where it computes."""
+    whatever holds them, stay the same. `path`: anything `locate_dit` takes, or its DiTSource (a caller that
+    located it already). `device` (for the FP8 checks): where it computes."""
 
-    def __init__(self, path: str | Path, partition: str = "fl2va", dtype: torch.dtype | None = None,
+    def __init__(self, path: str | Path | DiTSource, partition: str = "fl2va", dtype: torch.dtype | None = None,
                  config: DiTConfig | None = None, linears: str = "checkpoint",
                  device: str | torch.device = "cpu"):
-        self.source = locate_dit(path, partition)
+        self.source = path if isinstance(path, DiTSource) else locate_dit(path, partition)
         self.dtype = dtype
         config = config or self.source.config or infer_config(self.source)
         with torch.device("meta"):

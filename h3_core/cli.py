@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from . import geometry
@@ -37,6 +37,7 @@ from .references import REFERENCE_IMAGE_MODES, MediaReference
 from .runtime import return_freed_memory_to_os, use_expandable_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule
 from .tiny import TINY_RANDOM, tiny_random_dit
+from .weights import HEADER_DTYPES, read_headers
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LINEARS_HELP = "; ".join(f"{name}: {what}" for name, what in LINEAR_MODES.items())
@@ -353,17 +354,12 @@ def _peak(device: torch.device) -> str:
 def run_info(args) -> int:
     source = locate_dit(args.path, args.partition)
     config = source.config or infer_config(source)
+    names = {dtype: name for name, dtype in HEADER_DTYPES.items()}  # safetensors' spelling in the report
     count, bytes_by_dtype = 0, {}
-    for path in source.files:
-        with safe_open(path, "pt") as handle:
-            for key in handle.keys():
-                tensor = handle.get_slice(key)
-                numel = 1
-                for size in tensor.get_shape():
-                    numel *= size
-                dtype = tensor.get_dtype()
-                bytes_by_dtype[dtype] = bytes_by_dtype.get(dtype, 0) + numel * _bytes_per(dtype)
-                count += 1
+    for _, tensor, _ in read_headers(source.files):
+        name = names[tensor.dtype]
+        bytes_by_dtype[name] = bytes_by_dtype.get(name, 0) + tensor.numel() * tensor.element_size()
+        count += 1
     print(json.dumps({
         "origin": source.origin, "naming": source.naming, "qkv_layout": source.qkv_layout,
         "files": len(source.files), "tensors": count,
@@ -371,10 +367,6 @@ def run_info(args) -> int:
         "config": config.to_dict(),
     }, indent=2))
     return 0
-
-
-def _bytes_per(dtype: str) -> int:
-    return {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}.get(dtype, 1)
 
 
 def _canvas(args) -> tuple[int, int]:

@@ -44,7 +44,7 @@ from .tiny import TINY_RANDOM, tiny_model_dtype, tiny_random_audio_vae, tiny_ran
 from .tiny_text import tiny_random_text_encoder
 from .vae_audio_checkpoint import load_audio_vae, locate_audio_vae
 from .vae_video_checkpoint import load_video_vae, locate_video_vae
-from .weights import CheckpointError, file_bytes
+from .weights import CheckpointError
 
 
 def sample(
@@ -447,10 +447,11 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
         dit = tiny_random_dit(model_dtype(source, settings), home)
     else:
         linears = "checkpoint" if quantize_later else settings.linears
-        warning = host_memory_warning(file_bytes(dit_source.files), "The DiT") if home.type == "cpu" else None
+        reader = DiTReader(dit_source, partition, settings.dtype, config, linears, device)
+        warning = host_memory_warning(reader.nbytes, "The DiT") if home.type == "cpu" else None
         if warning:
             notes(f"memory: {warning}")
-        dit = DiTReader(source.root, partition, settings.dtype, linears=linears, device=device).read(home, on_tensor)
+        dit = reader.read(home, on_tensor)
     if loras:
         report = apply_loras(dit, loras, partition=partition, mode="merge", backup=False)
         for line in report.lines():

@@ -49,6 +49,13 @@ def _bytes(parts: Iterable, device_type: str | None = None) -> int:
     return total
 
 
+def warn_host_memory(nbytes: int, what: str) -> None:
+    """Log `runtime.host_memory_warning` when reading `nbytes` into CPU memory would not fit."""
+    warning = host_memory_warning(nbytes, what)
+    if warning:
+        log.warning("H3: %s", warning)
+
+
 class Placement:
     """One model's parts, moved together between `load_device` and `offload_device`.
 
@@ -88,9 +95,7 @@ class Placement:
     def _before_read(self, device: torch.device, nbytes: int) -> None:
         """Before `nbytes` of weights are read onto `device`: room made in CPU memory, or a warning."""
         if device.type == "cpu" and not self._host_room(nbytes):
-            warning = host_memory_warning(nbytes, self.name)
-            if warning:
-                log.warning("H3: %s", warning)
+            warn_host_memory(nbytes, self.name)
 
     def _parks_released(self, nbytes: int) -> bool:
         """About to move `nbytes` from the device into CPU memory: without room for them there, a model that

@@ -14,13 +14,11 @@ own weights (h3_core.placement).
 from __future__ import annotations
 
 import gc
-import logging
 import weakref
 
 from h3_core import runtime
 from h3_core.memory_plan import GIB
-
-log = logging.getLogger("h3")
+from h3_core.placement import warn_host_memory
 
 HEADROOM = 4 * GIB  # left free besides a read: ComfyUI, the activations' CPU side, the page cache
 _tracked: weakref.WeakSet = weakref.WeakSet()
@@ -51,9 +49,7 @@ def warn_unless_room(nbytes: int, what: str) -> None:
     """`make_host_room` for a model not yet placed, named `what`; a warning in the log if the read itself
     still does not fit (it goes on: the system may still find the memory)."""
     if not make_host_room(nbytes):
-        warning = runtime.host_memory_warning(nbytes, what)
-        if warning:
-            log.warning("H3: %s", warning)
+        warn_host_memory(nbytes, what)
 
 
 def _fits(nbytes: int) -> bool:
