@@ -7,7 +7,8 @@ forward while the others wait; then all ranks time the sequence-parallel forward
 timing is the slowest rank's, after a warm-up. Prints one JSON line per case, with the speedup over
 one GPU, the peak memory of every rank, and the largest difference from the single-GPU output.
 
-    python bench/multi_gpu.py --gpus 2 [--sharded] [--frames 124] [--text-rows 512]
+    python bench/multi_gpu.py --gpus 2 [--sharded | --compile] [--frames 124] [--text-rows 512] [--attention flash3]
+    python bench/multi_gpu.py --gpus 4 --compile --attention flash3-fp8-lossy --linears fp8-lossy   # lossy
     python bench/multi_gpu.py --tiny      # CPU, gloo, a tiny model: the plumbing and exactness
 """
 
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 from h3_core import geometry  # noqa: E402
 from h3_core.config import TINY_DIT, DiTConfig  # noqa: E402
 from h3_core.dit import H3DiT, rope_inverse_frequencies  # noqa: E402
+from h3_core.fp8 import apply_linear_mode  # noqa: E402
 from h3_core.layout import build_request_layout  # noqa: E402
 from h3_core.parallel import sequence, sharding  # noqa: E402
 from h3_core.sampler import sigma_ladder  # noqa: E402
@@ -124,11 +126,15 @@ def rank_main(rank: int, args, init_method: str) -> None:
     cpu = dist.new_group(backend="gloo")  # waits and small exchanges that must not spin a GPU
     started = time.perf_counter()
     model = build(config, device)
+    if args.linears != "checkpoint":
+        apply_linear_mode(model, args.linears, device)
     backend = model.set_attention_backend(args.attention)
+    if args.compile:
+        model.compile_blocks()  # the one-GPU and the sequence-parallel forward each compile once, in the warm-up
     width, height = (args.width, args.height) if args.tiny else geometry.canvas_size(args.aspect_ratio)
     inputs, rows = make_inputs(model, width, height, args.frames, args.text_rows, device)
     common = {"width": width, "height": height, "frames": args.frames, "text_rows": args.text_rows, "rows": rows,
-              "layers": config.num_layers, "attention": backend, "torch": torch.__version__,
+              "layers": config.num_layers, "attention": backend, "linears": args.linears, "compiled": args.compile, "torch": torch.__version__,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     if rank == 0:
         print(json.dumps({"built": round(time.perf_counter() - started, 1), **common}), flush=True)
@@ -178,12 +184,16 @@ def main() -> None:
     parser.add_argument("--aspect-ratio", default="16:9", help="canvas (16:9 = 1344x768)")
     parser.add_argument("--layers", type=int, default=50, help="fewer blocks for a quick check")
     parser.add_argument("--attention", default="auto")
+    parser.add_argument("--linears", default="checkpoint", help="block linears, as h3 generate's (fp8-lossy: e4m3)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the repeated block (not with --sharded)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="CPU + gloo with a tiny 4-head model (no GPU needed)")
     parser.add_argument("--width", type=int, default=128, help="--tiny canvas")
     parser.add_argument("--height", type=int, default=64, help="--tiny canvas")
     args = parser.parse_args()
+    if args.compile and args.sharded:
+        raise SystemExit("--compile traces whole blocks and cannot time sharded weights; run them separately.")
     if not args.tiny and torch.cuda.device_count() < args.gpus:
         raise SystemExit(f"--gpus {args.gpus} needs {args.gpus} CUDA devices; {torch.cuda.device_count()} visible.")
     with tempfile.TemporaryDirectory(prefix="h3-bench-") as folder:
