@@ -38,8 +38,8 @@ from .references import RELEASE_CANVAS, CanvasRules, DecodedAudio
 from .runtime import empty_caches, fixed_allocator_segments, host_memory_warning
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback
 from .sampler import denoise as denoise_loop
-from .text import load_text_encoder, text_encoder_bytes
-from .text_checkpoint import locate_text_encoder
+from .text import load_text_encoder, spread_counts, text_encoder_sizes
+from .text_checkpoint import TEXT_ENCODER_LAYER, locate_text_encoder
 from .tiny import TINY_RANDOM, tiny_model_dtype, tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
 from .tiny_text import tiny_random_text_encoder
 from .vae_audio_checkpoint import load_audio_vae, locate_audio_vae
@@ -343,20 +343,37 @@ TEXT_WORKING_BYTES = 2 * GIB  # the encoder's activations, thousands of rows wit
 
 
 def load_text_encoder_for(source, settings: GenerateSettings, notes, on_tensor=None):
-    """The text encoder on the device when it fits (in `settings.gpu_memory` or what is free); else in
-    CPU memory with its decoder layers visiting the GPU one at a time (`TextEncoder.stream_layers`).
-    `on_tensor(done, total)` as its tensors are read."""
+    """The text encoder on the device when it fits (in `settings.gpu_memory` or what is free); else, with
+    several `settings.devices` that hold it between them, its decoder layers spread over them
+    (`TextEncoder.spread_layers`); else in CPU memory with its decoder layers visiting the GPU one at a
+    time (`TextEncoder.stream_layers`). `on_tensor(done, total)` as its tensors are read."""
     device = torch.device(settings.device)
     if source.tiny:
         return tiny_random_text_encoder(device=device)
     if device.type == "cuda":
-        need = text_encoder_bytes(source.root, settings.dtype) + TEXT_WORKING_BYTES
-        budget = int(settings.gpu_memory * GIB) if settings.gpu_memory else free_bytes(device)
+        rest, layer_bytes = text_encoder_sizes(source.root, settings.dtype)
+        need = rest + TEXT_ENCODER_LAYER * layer_bytes + TEXT_WORKING_BYTES
+        budget = _budget_bytes(settings, device)
         if need > usable_bytes(budget):
+            devices = [torch.device(d) for d in settings.devices]
+            room = [usable_bytes(_budget_bytes(settings, d)) - TEXT_WORKING_BYTES - (rest if i == 0 else 0)
+                    for i, d in enumerate(devices)]
+            counts = spread_counts(TEXT_ENCODER_LAYER, layer_bytes, room) if len(devices) > 1 and all(
+                d.type == "cuda" for d in devices) else None
+            if counts:
+                notes(f"text encoder: {need / GIB:.1f} GiB does not fit in {budget / GIB:.1f} GiB; its layers are "
+                      f"spread over {', '.join(f'{d} ({n})' for d, n in zip(devices, counts) if n)}")
+                loaded = load_text_encoder(source.root, settings.dtype, "cpu", on_tensor=on_tensor)
+                return loaded.spread_layers(devices, counts)
             notes(f"text encoder: {need / GIB:.1f} GiB does not fit in {budget / GIB:.1f} GiB; its layers stream "
                   "from CPU memory")
             return load_text_encoder(source.root, settings.dtype, "cpu", on_tensor=on_tensor).stream_layers(device)
     return load_text_encoder(source.root, settings.dtype, device, on_tensor=on_tensor)
+
+
+def _budget_bytes(settings: GenerateSettings, device: torch.device) -> int:
+    """What a model may use on a CUDA `device`: `settings.gpu_memory` when set, else what is free there."""
+    return int(settings.gpu_memory * GIB) if settings.gpu_memory else free_bytes(device)
 
 
 def load_vaes(source, device: torch.device, dtype: torch.dtype):

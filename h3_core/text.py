@@ -21,7 +21,7 @@ requests) and `release()` drops it. The DiT casts the embeddings to its own dtyp
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +71,8 @@ class TextEncoder:
         self.presenter = presenter
         self.layer = layer
         self.reader = reader
+        self._visits = None  # stream_layers' LayerVisits
+        self._spread = None  # spread_layers' (devices, hooks)
         _check_compatible(model.config, presenter)
 
     @property
@@ -131,11 +133,11 @@ class TextEncoder:
         finally:
             for hook in hooks:
                 hook.remove()
-        return TextConditioning(output.last_hidden_state, presentation.token_tags.clone())
+        return TextConditioning(output.last_hidden_state.to(device), presentation.token_tags.clone())
 
     def to(self, device: str | torch.device) -> "TextEncoder":
         """Move the weights (e.g. "cpu" to park the encoder while the DiT runs)."""
-        self._stop_streaming()
+        self._clear_placement()
         self.model = self._loaded().to(device)
         return self
 
@@ -147,31 +149,54 @@ class TextEncoder:
         from .offload import LayerVisits
 
         model = self._loaded()
-        self._stop_streaming()
-        layers = model.language_model.layers
-        in_layers = {id(t) for t in list(layers.parameters()) + list(layers.buffers())}
-        for module in model.modules():
-            for name, param in module.named_parameters(recurse=False):
-                if id(param) not in in_layers:
-                    param.data = param.data.to(device)
-            for name, buffer in module.named_buffers(recurse=False):
-                if id(buffer) not in in_layers:
-                    module._buffers[name] = buffer.to(device)
-        self._visits = LayerVisits(list(layers), device)
+        self._clear_placement()
+        _move_all_but_layers(model, device)
+        self._visits = LayerVisits(list(model.language_model.layers), device)
         return self
 
-    def _stop_streaming(self) -> None:
-        visits = getattr(self, "_visits", None)
-        if visits is not None:
-            visits.remove()
+    def spread_layers(self, devices: Sequence[str | torch.device], counts: Sequence[int]) -> "TextEncoder":
+        """Decoder layers in consecutive runs over several devices (`counts[i]` of them on `devices[i]`),
+        everything else on the first: for GPUs that hold the encoder between them but none alone (it then
+        needs no streaming and no CPU memory). Each layer past the first device's moves its inputs (the
+        hidden state, masks, rotary tables) onto its device; `encode` returns on the first device. The same
+        result as one device."""
+        model = self._loaded()
+        layers = model.language_model.layers
+        if len(counts) != len(devices) or min(counts, default=-1) < 0 or sum(counts) != len(layers):
+            raise ValueError(f"spread_layers needs one layer count (>= 0) per device, {len(layers)} layers in all; "
+                             f"got {list(counts)} for {len(devices)} devices.")
+        self._clear_placement()
+        devices = [torch.device(d) for d in devices]
+        _move_all_but_layers(model, devices[0])
+        hooks, start = [], 0
+        for run, (device, count) in enumerate(zip(devices, counts)):
+            for layer in layers[start:start + count]:
+                layer.to(device)
+                if run:  # the model hands every layer the first device's masks and rotary tables
+                    hooks.append(layer.register_forward_pre_hook(
+                        lambda module, args, kwargs, device=device: (_to_device(args, device),
+                                                                     _to_device(kwargs, device)),
+                        with_kwargs=True))
+            start += count
+        self._spread = (devices, hooks)
+        return self
+
+    def _clear_placement(self) -> None:
+        """End streaming or spreading (the weights stay where they are)."""
+        if self._visits is not None:
+            self._visits.remove()
             self._visits = None
+        for hook in self._spread[1] if self._spread else ():
+            hook.remove()
+        self._spread = None
 
     def release(self) -> None:
         """Drop the weights and free their memory; the presenter stays usable."""
-        device = None if self.model is None else self.device
-        self._stop_streaming()
+        devices = self._spread[0] if self._spread else [None if self.model is None else self.device]
+        self._clear_placement()
         self.model = None
-        empty_caches(device)
+        for device in devices:
+            empty_caches(device)
 
     def read(self, device: str | torch.device, on_tensor: Callable[[int, int], None] | None = None
              ) -> "TextEncoder":
@@ -189,6 +214,41 @@ class TextEncoder:
             raise RuntimeError("This text encoder was released; read it again (TextEncoder.read) or load it "
                                "with load_text_encoder.")
         return self.model
+
+
+def _move_all_but_layers(model, device: str | torch.device) -> None:
+    """Every weight and buffer of `model` outside its decoder layers onto `device` (in place)."""
+    layers = model.language_model.layers
+    in_layers = {id(t) for t in list(layers.parameters()) + list(layers.buffers())}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if id(param) not in in_layers:
+                param.data = param.data.to(device)
+        for name, buffer in module.named_buffers(recurse=False):
+            if id(buffer) not in in_layers:
+                module._buffers[name] = buffer.to(device)
+
+
+def _to_device(value, device: torch.device):
+    """`value` with every tensor in it (through tuples, lists and dicts) on `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def spread_counts(layers: int, layer_bytes: int, room: Sequence[int]) -> list[int] | None:
+    """How many of `layers` decoder layers (`layer_bytes` each) each device takes, filling the devices in
+    order with what their `room` (bytes) holds; None when they do not all fit."""
+    counts, left = [], layers
+    for free in room:
+        take = min(left, max(0, free) // layer_bytes) if layer_bytes > 0 else left
+        counts.append(take)
+        left -= take
+    return counts if left == 0 else None
 
 
 def load_text_encoder(
@@ -249,13 +309,24 @@ def locate_text_encoder_files(path: str | Path, tokenizer: str | Path | None = N
 def text_encoder_bytes(path: str | Path, dtype: torch.dtype = torch.bfloat16, layer: int = TEXT_ENCODER_LAYER) -> int:
     """Bytes of the weights `load_text_encoder` would place (embedding, `layer` decoder layers, vision
     tower), from the config alone: a host decides before reading ~51 GB whether they fit on its GPU."""
+    rest, per_layer = text_encoder_sizes(path, dtype, layer)
+    return rest + layer * per_layer
+
+
+def text_encoder_sizes(path: str | Path, dtype: torch.dtype = torch.bfloat16, layer: int = TEXT_ENCODER_LAYER
+                       ) -> tuple[int, int]:
+    """(bytes outside the decoder layers, bytes of one decoder layer) of what `load_text_encoder` places,
+    from the config alone: what `spread_layers` must fit on each device."""
     from transformers import Qwen3VLModel
 
     config = qwen3vl_config(locate_text_encoder(path, layers=layer).config, layer)
     with torch.device("meta"):
         model = Qwen3VLModel(config)
     model.language_model.norm = torch.nn.Identity()  # as the loader builds it: H3 reads the pre-norm stream
-    return sum(p.numel() for p in model.parameters()) * torch.empty(0, dtype=dtype).element_size()
+    size = torch.empty(0, dtype=dtype).element_size()
+    layers = model.language_model.layers
+    per_layer = sum(p.numel() for p in layers[0].parameters()) * size if len(layers) else 0
+    return sum(p.numel() for p in model.parameters()) * size - len(layers) * per_layer, per_layer
 
 
 def _check_compatible(config, presenter: Presenter) -> None:

@@ -222,3 +222,39 @@ def test_text_encoder_layers_visit_the_device_one_at_a_time():
     assert [p.data_ptr() for p in layers.parameters()] == homes
     encoder.to("cpu")
     assert not any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers)
+
+
+def test_text_encoder_layers_spread_over_devices():
+    """spread_layers: the same prompt states as one device, a hook (moving the hidden state, masks and
+    rotary tables) on every layer past the first device's, none after to(); counts that do not cover the
+    layers exactly are refused. (All devices are the CPU here; tests/test_offload_cuda.py spreads over
+    two GPUs.)"""
+    from h3_core.tiny_text import tiny_random_text_encoder
+
+    encoder = tiny_random_text_encoder()
+    presentation = encoder.present("t2va", "a fox trots along the beach")
+    expected = encoder.encode(presentation).prompt_embeds
+    layers = encoder.model.language_model.layers
+    encoder.spread_layers(["cpu", "cpu", "cpu"], [20, 0, 30])
+    assert [i for i, layer in enumerate(layers) if layer._forward_pre_hooks] == list(range(20, 50))
+    assert torch.equal(expected, encoder.encode(presentation).prompt_embeds)
+    for counts in ([20, 20], [25, 26], [-1, 51]):
+        with pytest.raises(ValueError, match="one layer count .* 50 layers in all"):
+            encoder.spread_layers(["cpu", "cpu"], counts)
+    encoder.to("cpu")
+    assert not any(layer._forward_pre_hooks for layer in layers)
+    encoder.release()
+    assert encoder.model is None
+
+
+@pytest.mark.parametrize("room, counts", [
+    ([10, 10], [10, 0]),         # the first holds them all
+    ([4, 3, 9], [4, 3, 3]),      # filled in order
+    ([4.5, 5.9, 9], [4, 5, 1]),  # whole layers only
+    ([-3, 10], [0, 10]),         # a first device already full of the rest of the encoder takes none
+    ([4, 5], None),              # 9 < 10: they do not fit
+])
+def test_spread_counts_fill_the_devices_in_order(room, counts):
+    from h3_core.text import spread_counts
+
+    assert spread_counts(10, 100, [int(r * 100) for r in room]) == counts

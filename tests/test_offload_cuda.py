@@ -65,6 +65,26 @@ def test_text_encoder_streams_its_layers_through_the_gpu():
     assert streamed.model.language_model.embed_tokens.weight.device.type == "cuda"
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_text_encoder_spreads_its_layers_over_two_gpus():
+    from h3_core.tiny_text import tiny_random_text_encoder
+
+    resident = tiny_random_text_encoder().to("cuda:0")
+    presentation = resident.present("t2va", "a fox trots along the beach")
+    expected = resident.encode(presentation).prompt_embeds.cpu()
+    spread = tiny_random_text_encoder().spread_layers(["cuda:0", "cuda:1"], [18, 32])
+    got = spread.encode(presentation).prompt_embeds
+    layers = spread.model.language_model.layers
+    assert got.device == torch.device("cuda:0") and torch.equal(expected, got.cpu())
+    assert [str(p.device) for layer in (layers[17], layers[18]) for p in list(layer.parameters())[:1]] == ["cuda:0", "cuda:1"]
+    assert spread.model.language_model.embed_tokens.weight.device == torch.device("cuda:0")
+    on_second = sum(p.numel() * p.element_size() for p in layers[18:].parameters())
+    held = torch.cuda.memory_allocated(1)  # those layers, and cuBLAS's workspace (kept by torch's allocator)
+    del layers
+    spread.release()
+    assert torch.cuda.memory_allocated(1) <= held - on_second
+
+
 def test_video_decode_threads_on_cuda_give_the_single_stream_frames():
     """The multi-device decode's threads on a CUDA device (named twice: one shared replica, two threads)
     give the single-device stream's frames bitwise."""

@@ -668,16 +668,21 @@ def test_loader_errors(tiny, tmp_path):
 
 def test_text_encoder_bytes_from_the_config_equal_the_loaded_weights(tiny):
     """What a host checks against its GPU before reading the weights is what loading then places."""
-    from h3_core.text import text_encoder_bytes
+    from h3_core.text import text_encoder_bytes, text_encoder_sizes
 
     loaded = load_text_encoder(tiny["partition"], dtype=torch.bfloat16)
     placed = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     assert text_encoder_bytes(tiny["partition"], torch.bfloat16) == placed
+    rest, per_layer = text_encoder_sizes(tiny["partition"], torch.bfloat16)
+    layers = loaded.model.language_model.layers
+    assert per_layer == sum(p.numel() * p.element_size() for p in layers[-1].parameters())
+    assert rest + len(layers) * per_layer == placed
 
 
-def test_generate_streams_a_text_encoder_that_does_not_fit(tiny, monkeypatch):
-    """pipeline.load_text_encoder_for: on a GPU with too little room, the encoder loads to the CPU and
-    streams its layers; with room (or on the CPU) it loads onto the device."""
+@pytest.fixture
+def encoder_loads(monkeypatch):
+    """pipeline.load_text_encoder replaced by a recorder: ("load", device), then ("stream", device) or
+    ("spread", devices, counts) as the pipeline places the encoder."""
     from h3_core import pipeline
 
     calls = []
@@ -687,19 +692,56 @@ def test_generate_streams_a_text_encoder_that_does_not_fit(tiny, monkeypatch):
             calls.append(("stream", str(device)))
             return self
 
+        def spread_layers(self, devices, counts):
+            calls.append(("spread", [str(d) for d in devices], counts))
+            return self
+
     monkeypatch.setattr(pipeline, "load_text_encoder",
                         lambda root, dtype, device, on_tensor=None: calls.append(("load", str(device))) or Loaded())
+    return calls
+
+
+def test_generate_streams_a_text_encoder_that_does_not_fit(tiny, monkeypatch, encoder_loads):
+    """pipeline.load_text_encoder_for: on a GPU with too little room, the encoder loads to the CPU and
+    streams its layers; with room (or on the CPU) it loads onto the device."""
+    from h3_core import pipeline
+
     monkeypatch.setattr(pipeline, "free_bytes", lambda device: 64 * 2**30)
     source = pipeline.ModelSource("release", tiny["partition"])
     notes = []
     pipeline.load_text_encoder_for(source, pipeline.GenerateSettings(device="cuda", gpu_memory=0.5), notes.append)
-    assert calls == [("load", "cpu"), ("stream", "cuda")] and "stream from CPU memory" in notes[0]
-    calls.clear()
+    assert encoder_loads == [("load", "cpu"), ("stream", "cuda")] and "stream from CPU memory" in notes[0]
+    encoder_loads.clear()
     pipeline.load_text_encoder_for(source, pipeline.GenerateSettings(device="cuda"), notes.append)
-    assert calls == [("load", "cuda")]
-    calls.clear()
+    assert encoder_loads == [("load", "cuda")]
+    encoder_loads.clear()
     pipeline.load_text_encoder_for(source, pipeline.GenerateSettings(device="cpu"), notes.append)
-    assert calls == [("load", "cpu")]
+    assert encoder_loads == [("load", "cpu")]
+
+
+def test_generate_spreads_a_text_encoder_over_devices_that_hold_it_together(tiny, monkeypatch, encoder_loads):
+    """pipeline.load_text_encoder_for with several devices: too big for the first, the encoder's decoder
+    layers go to the devices in order, as many as each has room for (the first also holds the rest of the
+    encoder); when all of them together cannot hold it, it streams through the first."""
+    from h3_core import pipeline
+    from h3_core.text import text_encoder_sizes
+
+    rest, layer_bytes = text_encoder_sizes(tiny["partition"], torch.bfloat16)
+    notes, free = [], {}
+    monkeypatch.setattr(pipeline, "free_bytes", lambda device: free[str(device)])
+    monkeypatch.setattr(pipeline, "usable_bytes", lambda budget: budget)  # no allocator headroom: exact counts
+    source = pipeline.ModelSource("release", tiny["partition"])
+    work = pipeline.TEXT_WORKING_BYTES
+    settings = pipeline.GenerateSettings(device="cuda:0", devices=("cuda:0", "cuda:1", "cuda:2"))
+    free.update({"cuda:0": rest + work + 30 * layer_bytes, "cuda:1": work + 5 * layer_bytes,
+                 "cuda:2": work + 40 * layer_bytes})
+    pipeline.load_text_encoder_for(source, settings, notes.append)
+    assert encoder_loads == [("load", "cpu"), ("spread", ["cuda:0", "cuda:1", "cuda:2"], [30, 5, 15])]
+    assert "spread over cuda:0 (30), cuda:1 (5), cuda:2 (15)" in notes[-1]
+    encoder_loads.clear()
+    free["cuda:2"] = work + 14 * layer_bytes  # one layer short
+    pipeline.load_text_encoder_for(source, settings, notes.append)
+    assert encoder_loads == [("load", "cpu"), ("stream", "cuda:0")] and "stream from CPU memory" in notes[-1]
 
 
 def test_demo_text_encoder_leaves_no_temporary_folder(tmp_path, monkeypatch):
