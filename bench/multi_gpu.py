@@ -7,7 +7,7 @@ forward while the others wait; then all ranks time the sequence-parallel forward
 timing is the slowest rank's, after a warm-up. Prints one JSON line per case, with the speedup over
 one GPU, the peak memory of every rank, and the largest difference from the single-GPU output.
 
-    python bench/multi_gpu.py --gpus 2 [--sharded | --compile] [--frames 124] [--text-rows 512] [--attention flash3]
+    python bench/multi_gpu.py --gpus 2 [--sharded] [--compile] [--frames 124] [--text-rows 512] [--attention flash3]
     python bench/multi_gpu.py --gpus 4 --compile --attention flash3-fp8-lossy --linears fp8-lossy   # lossy
     python bench/multi_gpu.py --tiny      # CPU, gloo, a tiny model: the plumbing and exactness
 """
@@ -185,15 +185,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=50, help="fewer blocks for a quick check")
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--linears", default="checkpoint", help="block linears, as h3 generate's (fp8-lossy: e4m3)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the repeated block (not with --sharded)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the repeated block")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="CPU + gloo with a tiny 4-head model (no GPU needed)")
     parser.add_argument("--width", type=int, default=128, help="--tiny canvas")
     parser.add_argument("--height", type=int, default=64, help="--tiny canvas")
     args = parser.parse_args()
-    if args.compile and args.sharded:
-        raise SystemExit("--compile traces whole blocks and cannot time sharded weights; run them separately.")
     if not args.tiny and torch.cuda.device_count() < args.gpus:
         raise SystemExit(f"--gpus {args.gpus} needs {args.gpus} CUDA devices; {torch.cuda.device_count()} visible.")
     with tempfile.TemporaryDirectory(prefix="h3-bench-") as folder:

@@ -239,8 +239,10 @@ def _visiting(module: nn.Module, device: torch.device):
 
 
 class _CompiledForward:
-    """A block's compiled forward, used while none of its submodules carries a hook: the graph does not
-    see hooks added after it was traced (dynamic LoRA adapters), so such a block runs its eager forward.
+    """A block's compiled forward, used while none of the submodules it runs carries a hook: the graph does
+    not see hooks added after it was traced (dynamic LoRA adapters), so such a block runs its eager forward.
+    Its AdaLN projection does not count: the forward takes the finished table (`H3DiT.modulation` calls
+    the projection), so hooks there (sharded weights gathered for it, AdaLN LoRAs) leave the graph valid.
 
     The graph is traced for a table of `_COMPILED_TABLE_ROWS` rows: a step has 1 to 4 distinct timesteps
     (one per row clock in use; the first step of a text-to-video run has 1, the rest 2), and each count
@@ -250,7 +252,8 @@ class _CompiledForward:
         self.block, self.eager, self.compiled = block, block.forward, compiled
 
     def __call__(self, x, table, adaln_index, rope, window=None):
-        inner = (module for module in self.block.modules() if module is not self.block)
+        table_only = set(self.block.adaln_proj.modules())
+        inner = (module for module in self.block.modules() if module is not self.block and module not in table_only)
         if any(module._forward_hooks or module._forward_pre_hooks for module in inner):
             return self.eager(x, table, adaln_index, rope, window)
         padded = F.pad(table, (0, 0, 0, max(0, _COMPILED_TABLE_ROWS - table.shape[0])))  # never cut a larger table

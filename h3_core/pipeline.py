@@ -239,10 +239,7 @@ def generate(
     for path, suffix in ((out, ".mp4"), (save_latents, ".safetensors")):
         if path is not None and Path(path).suffix != suffix:
             raise ValueError(f"{path} must end in {suffix}.")
-    from .parallel import check_compile_sharding  # the runner's own rule, asked before any model loads
-
     try:
-        check_compile_sharding(settings.compile, settings.shard_weights)
         window, _ = check_window_setting(settings.attention_window, settings.attention_window_dense_steps)
     except ValueError as error:
         raise RequestError(str(error)) from None

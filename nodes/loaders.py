@@ -12,7 +12,7 @@ from h3_core.attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
 from h3_core.checkpoint import DiTReader
 from h3_core.fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
 from h3_core.local_attention import check_setting as check_window_setting
-from h3_core.parallel import ModelSpec, check_compile_sharding
+from h3_core.parallel import ModelSpec
 from h3_core.placement import freed_on_failure
 from h3_core.pipeline import TEXT_WORKING_BYTES, TINY_CANVAS
 from h3_core.references import RELEASE_CANVAS
@@ -97,7 +97,7 @@ class H3ModelLoader(io.ComfyNode):
                 io.Boolean.Input("compile", default=False, optional=True,
                                  tooltip="torch.compile the repeated block: about 10% faster per step on an H200 once "
                                          "the first run has paid the compile (tens of seconds); not bitwise exact. "
-                                         "Blocks carrying a LoRA run uncompiled. Not with shard_weights."),
+                                         "Blocks carrying a LoRA run uncompiled."),
                 io.Int.Input("attention_window_lossy", default=0, min=0, max=256, optional=True,
                              tooltip="Lossy speed-up, 0 = off (full attention, as the model was trained). N > 0: "
                                      "each video token attends only the video within N latent frames (4 frames "
@@ -125,7 +125,6 @@ class H3ModelLoader(io.ComfyNode):
                 shard_weights=False, compile=False, attention_window_lossy=0,
                 attention_window_dense_steps=0, linears="checkpoint") -> io.NodeOutput:
         split = split_devices(devices, shard_weights, gpu_memory_gb)
-        check_compile_sharding(bool(compile), bool(shard_weights))
         target = split[0] if split else device()
         window, dense_steps = check_window_setting(int(attention_window_lossy or 0),
                                                    int(attention_window_dense_steps or 0))

@@ -2,6 +2,6 @@
 sequence split with all-to-all over heads (`sequence`), and optional FSDP-style weight sharding
 (`sharding`). See README "Several GPUs"."""
 
-from .workers import ModelSpec, ParallelRunner, ParallelWorkerError, check_compile_sharding, serve_ranks
+from .workers import ModelSpec, ParallelRunner, ParallelWorkerError, serve_ranks
 
-__all__ = ["ModelSpec", "ParallelRunner", "ParallelWorkerError", "check_compile_sharding", "serve_ranks"]
+__all__ = ["ModelSpec", "ParallelRunner", "ParallelWorkerError", "serve_ranks"]

@@ -15,7 +15,7 @@ import torch
 
 from ..cli import add_dit_speed_options
 from ..local_attention import check_setting as check_window_setting
-from .workers import ModelSpec, check_compile_sharding, serve_ranks
+from .workers import ModelSpec, serve_ranks
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -42,7 +42,6 @@ def main(argv: list[str] | None = None) -> int:
     loras = tuple(_lora(spec) for spec in args.lora)
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     try:
-        check_compile_sharding(args.compile, args.shard_weights)
         window, dense_steps = check_window_setting(args.attention_window_lossy, args.attention_window_dense_steps)
         spec = ModelSpec(args.model, args.partition, DTYPES[args.dtype], args.attention, loras, args.linears,
                          compile=args.compile, attention_window=window, attention_window_dense_steps=dense_steps)

@@ -59,7 +59,7 @@ class ModelSpec:
     loras: tuple[tuple[str, float], ...] = ()  # (file, strength), merged after loading, in order
     linears: str = "checkpoint"  # fp8.LINEAR_MODES, as `h3 generate --linears`
     config: DiTConfig | None = None  # tiny-random: another tiny shape (default TINY_DIT)
-    compile: bool = False  # torch.compile the repeated block's forward (not with sharded weights)
+    compile: bool = False  # torch.compile the repeated block's forward
     attention_window: int = 0  # latent frames; > 0: the lossy windowed video attention (local_attention.py)
     attention_window_dense_steps: int = 0  # with a window: leading forwards of each run with full attention
 
@@ -352,13 +352,6 @@ class _Pool:
             shutil.rmtree(self.tempdir, ignore_errors=True)
 
 
-def check_compile_sharding(compile: bool, shard_weights: bool) -> None:
-    """Compiled blocks and sharded weights do not mix (compile traces whole blocks). The runner checks it,
-    and hosts call it before loading anything."""
-    if compile and shard_weights:
-        raise ValueError("compile works on whole blocks; it cannot be combined with sharded weights (turn one off).")
-
-
 class ParallelRunner:
     """The DiT over several devices (sequence parallel, optionally sharded weights), one worker each.
 
@@ -379,7 +372,6 @@ class ParallelRunner:
         world_size: int | None = None,
         threads: int | None = None,
     ):
-        check_compile_sharding(spec.compile, shard_weights)
         self.spec = spec
         self.devices = [torch.device(d) for d in devices]
         kinds = {d.type for d in self.devices}
