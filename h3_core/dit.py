@@ -250,10 +250,10 @@ class _CompiledForward:
 
     def __init__(self, block: nn.Module, compiled):
         self.block, self.eager, self.compiled = block, block.forward, compiled
+        self.table_only = set(block.adaln_proj.modules())  # a module put there later counts (runs eager): safe
 
     def __call__(self, x, table, adaln_index, rope, window=None):
-        table_only = set(self.block.adaln_proj.modules())
-        inner = (module for module in self.block.modules() if module is not self.block and module not in table_only)
+        inner = (m for m in self.block.modules() if m is not self.block and m not in self.table_only)
         if any(module._forward_hooks or module._forward_pre_hooks for module in inner):
             return self.eager(x, table, adaln_index, rope, window)
         padded = F.pad(table, (0, 0, 0, max(0, _COMPILED_TABLE_ROWS - table.shape[0])))  # never cut a larger table

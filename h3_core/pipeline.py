@@ -352,20 +352,24 @@ def load_text_encoder_for(source, settings: GenerateSettings, notes, on_tensor=N
         need = rest + TEXT_ENCODER_LAYER * layer_bytes + TEXT_WORKING_BYTES
         budget = _budget_bytes(settings, device)
         if need > usable_bytes(budget):
-            devices = [torch.device(d) for d in settings.devices]
-            room = [usable_bytes(_budget_bytes(settings, d)) - TEXT_WORKING_BYTES - (rest if i == 0 else 0)
-                    for i, d in enumerate(devices)]
-            counts = spread_counts(TEXT_ENCODER_LAYER, layer_bytes, room) if len(devices) > 1 and all(
-                d.type == "cuda" for d in devices) else None
-            if counts:
-                notes(f"text encoder: {need / GIB:.1f} GiB does not fit in {budget / GIB:.1f} GiB; its layers are "
-                      f"spread over {', '.join(f'{d} ({n})' for d, n in zip(devices, counts) if n)}")
-                loaded = load_text_encoder(source.root, settings.dtype, "cpu", on_tensor=on_tensor)
-                return loaded.spread_layers(devices, counts)
-            notes(f"text encoder: {need / GIB:.1f} GiB does not fit in {budget / GIB:.1f} GiB; its layers stream "
-                  "from CPU memory")
-            return load_text_encoder(source.root, settings.dtype, "cpu", on_tensor=on_tensor).stream_layers(device)
+            counts = _text_encoder_spread(settings, rest, layer_bytes)
+            spread = ", ".join(f"{d} ({n})" for d, n in zip(settings.devices, counts or ()) if n)
+            where = f"its layers are spread over {spread}" if counts else "its layers stream from CPU memory"
+            notes(f"text encoder: {need / GIB:.1f} GiB does not fit in {budget / GIB:.1f} GiB; {where}")
+            loaded = load_text_encoder(source.root, settings.dtype, "cpu", on_tensor=on_tensor)
+            return loaded.spread_layers(settings.devices, counts) if counts else loaded.stream_layers(device)
     return load_text_encoder(source.root, settings.dtype, device, on_tensor=on_tensor)
+
+
+def _text_encoder_spread(settings: GenerateSettings, rest: int, layer_bytes: int) -> list[int] | None:
+    """How many decoder layers each of several CUDA `settings.devices` takes (the first also holds the
+    encoder's `rest` bytes), or None when there are not several or they cannot hold the encoder together."""
+    devices = [torch.device(d) for d in settings.devices]
+    if len(devices) < 2 or any(d.type != "cuda" for d in devices):
+        return None
+    room = [usable_bytes(_budget_bytes(settings, d)) - TEXT_WORKING_BYTES - (rest if i == 0 else 0)
+            for i, d in enumerate(devices)]
+    return spread_counts(TEXT_ENCODER_LAYER, layer_bytes, room)
 
 
 def _budget_bytes(settings: GenerateSettings, device: torch.device) -> int:
