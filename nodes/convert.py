@@ -7,6 +7,7 @@ Pure functions: no ComfyUI import, so the tests run them on a machine without Co
     VIDEO   object with get_components() (images, frame_rate, audio) -> DecodedVideo
     H3_LATENT  dict {"video": [1, 24, L, h, w], "audio": [2, 32, A], "seed", "task", ...} <-> AVLatents
                ("empty": True from H3 Empty AV Latent: zeros that only fix the size)
+    LATENT  (ComfyUI's own H3 AV latent) video [B, 24, L, h, w] and audio [B, 32, 2, A] <-> H3_LATENT per item
 """
 
 from __future__ import annotations
@@ -352,7 +353,8 @@ def pack_latents(latents: AVLatents, **info) -> dict:
 def unpack_latents(value) -> AVLatents:
     """An H3_LATENT dict -> checked AVLatents (a core LATENT is refused with a clear message)."""
     if not isinstance(value, dict) or value.get("kind") != LATENT_KIND:
-        raise ValueError("This input needs an H3_LATENT from an H3 sampler (a core LATENT is a different format).")
+        raise ValueError("This input needs an H3_LATENT from an H3 node; a LATENT from ComfyUI's own MiniMax H3 "
+                         "nodes converts with LATENT to H3 Latent.")
     return AVLatents(value["video"], value["audio"]).check()
 
 
@@ -376,6 +378,36 @@ def latent_size_problem(latent: dict, width: int, height: int, num_frames: int) 
                 f"but the conditioning asks for {width}x{height}, {num_frames} frames; make the latent from the "
                 "conditioning (connect it to H3 Empty AV Latent) or match its size.")
     return None
+
+
+def to_core_av(latent: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """An H3_LATENT -> (video [1, 24, L, h, w], audio [1, 32, 2, A]): the layout of ComfyUI's own H3 AV
+    latents, whose stereo channel sits after the 32 latent channels (ours carries it as the batch). Both
+    normalize with the release's per-channel statistics, so the values carry over unchanged."""
+    latents = unpack_latents(latent)
+    return latents.video, latents.audio.permute(1, 0, 2).unsqueeze(0).contiguous()
+
+
+def from_core_av(video, audio) -> list[dict]:
+    """ComfyUI's own H3 AV latent (video [B, 24, L, h, w], audio [B, 32, 2, A]) -> one checked H3_LATENT a
+    batch item. All-zero items (an empty latent) only fix the size, as H3 Empty AV Latent's do."""
+    if not isinstance(video, torch.Tensor) or video.ndim != 5 or video.shape[1] != 24:
+        shape = list(video.shape) if isinstance(video, torch.Tensor) else type(video).__name__
+        raise ValueError(f"The video part must be [B, 24, L, h, w] (a MiniMax H3 latent); got {shape}.")
+    if not isinstance(audio, torch.Tensor) or audio.ndim != 4 or audio.shape[1:3] != (32, geometry.AUDIO_CHANNELS):
+        shape = list(audio.shape) if isinstance(audio, torch.Tensor) else type(audio).__name__
+        raise ValueError(f"The audio part must be [B, 32, 2, A] (a MiniMax H3 stereo latent); got {shape}.")
+    if video.shape[0] != audio.shape[0]:
+        raise ValueError(f"The video and audio parts hold {video.shape[0]} and {audio.shape[0]} items; they must agree.")
+    latent_height, latent_width = video.shape[3:]
+    width, height = latent_width * geometry.VAE_SPATIAL_FACTOR, latent_height * geometry.VAE_SPATIAL_FACTOR
+    items = []
+    for index in range(video.shape[0]):
+        latents = AVLatents(video[index:index + 1].detach().float().cpu(),
+                            audio[index].detach().float().cpu().permute(1, 0, 2).contiguous())
+        empty = not (latents.video.any() or latents.audio.any())
+        items.append(pack_latents(latents, width=width, height=height, empty=empty))
+    return items
 
 
 def seconds_of(num_frames: int) -> float:

@@ -1,5 +1,6 @@
 """H3 Empty AV Latent: the size of a generation (canvas and frame count) as an H3_LATENT of zeros.
-H3 VAE Encode: a clip you have (frames and sound) as an H3_LATENT, to extend or re-sample it."""
+H3 VAE Encode: a clip you have (frames and sound) as an H3_LATENT, to extend or re-sample it.
+H3 Latent to LATENT / LATENT to H3 Latent: the same latent in the layout of ComfyUI's own MiniMax H3 nodes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from h3_core.placement import freed_on_failure
 
 from .common import CATEGORY, H3VAE, H3Cond, H3Latent, check_interrupt, device, progress_bar
 from .convert import (
-    audio_to_decoded, empty_latent, image_to_uint8, pack_latents, trim_frames, video_file, video_to_decoded,
+    audio_to_decoded, empty_latent, from_core_av, image_to_uint8, pack_latents, to_core_av, trim_frames, video_file,
+    video_to_decoded,
 )
 from .memory import place
 
@@ -136,4 +138,57 @@ class H3VAEEncode(io.ComfyNode):
         return io.NodeOutput(latent, int(width), int(height), latents.num_frames)
 
 
-NODES = [H3EmptyAVLatent, H3VAEEncode]
+class H3LatentToLatent(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3LatentToLatent",
+            display_name="H3 Latent to LATENT",
+            category=CATEGORY,
+            description="An H3 latent as ComfyUI's own MiniMax H3 AV LATENT (video [1, 24, L, H/16, W/16], audio "
+                        "[1, 32, 2, 40 per second]), for the core nodes: Separate AV Latent, then VAE Decode and "
+                        "VAE Decode Audio with the MiniMax H3 VAEs (or a TAEH3 preview decoder). Same values.",
+            inputs=[H3Latent.Input("latent", tooltip="From an H3 sampler, H3 Continuation or H3 VAE Encode.")],
+            outputs=[io.Latent.Output(display_name="LATENT")],
+        )
+
+    @classmethod
+    def execute(cls, latent) -> io.NodeOutput:
+        try:
+            from comfy.nested_tensor import NestedTensor
+        except ImportError:
+            raise RuntimeError("H3 Latent to LATENT needs a ComfyUI with joint video + audio latents "
+                               "(comfy.nested_tensor, as its own MiniMax H3 nodes use): update ComfyUI.") from None
+        video, audio = to_core_av(latent)
+        return io.NodeOutput({"samples": NestedTensor((video, audio))})
+
+
+class H3LatentFromLatent(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3LatentFromLatent",
+            display_name="LATENT to H3 Latent",
+            category=CATEGORY,
+            description="ComfyUI's own MiniMax H3 AV LATENT (Empty MiniMax H3 AV Latent, a core sampler's output) as "
+                        "H3 latents, one per batch item (a list: the nodes after it run once per item). Then: H3 VAE "
+                        "Decode or H3 Save MP4, H3 Continuation's continue_from, or the H3 sampler's latent (an "
+                        "all-zero latent only fixes the size).",
+            inputs=[io.Latent.Input("latent", tooltip="A joint video + audio LATENT of MiniMax H3 (join separate "
+                                                      "video and audio latents with Concat AV Latent first).")],
+            outputs=[H3Latent.Output(display_name="latent", is_output_list=True)],
+        )
+
+    @classmethod
+    def execute(cls, latent) -> io.NodeOutput:
+        samples = latent.get("samples") if isinstance(latent, dict) else None
+        if not getattr(samples, "is_nested", False) or len(samples.unbind()) != 2:
+            raise ValueError("LATENT to H3 Latent: the LATENT must hold MiniMax H3's video and audio together (an AV "
+                             "latent); join a separate video and audio latent with Concat AV Latent first.")
+        try:
+            return io.NodeOutput(from_core_av(*samples.unbind()))
+        except ValueError as error:
+            raise ValueError(f"LATENT to H3 Latent: {error}") from None
+
+
+NODES = [H3EmptyAVLatent, H3VAEEncode, H3LatentToLatent, H3LatentFromLatent]

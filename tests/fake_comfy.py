@@ -1,6 +1,6 @@
 """The few ComfyUI surfaces our nodes touch, faked, so their execute paths and schemas run in CI without
 ComfyUI: `comfy_api.latest` (io, ui), `comfy.model_management`, `comfy.model_patcher`, `comfy.utils`,
-`comfy.cli_args`, `comfy.latent_formats`, `folder_paths`. Every schema call is recorded as plain data
+`comfy.cli_args`, `comfy.latent_formats`, `comfy.nested_tensor`, `folder_paths`. Every schema call is recorded as plain data
 (`schema_of`), which the workflow checks read. `installed(tmp_path)` puts the fakes in sys.modules for a block."""
 
 from __future__ import annotations
@@ -226,9 +226,21 @@ def install(tmp_path: Path, loras: list[str] = (), previews: bool = True) -> Rec
     cli_args.args = types.SimpleNamespace(preview_method=LatentPreviewMethod.Auto if previews else
                                           LatentPreviewMethod.NoPreviews, preview_size=512, disable_metadata=False)
     latent_formats = types.ModuleType("comfy.latent_formats")  # no H3 format: h3_core's false colour
+
+    class NestedTensor:
+        """ComfyUI's joint AV latent: its tensors in order, flagged nested."""
+
+        def __init__(self, tensors):
+            self.tensors, self.is_nested = list(tensors), True
+
+        def unbind(self):
+            return self.tensors
+
+    nested_tensor = types.ModuleType("comfy.nested_tensor")
+    nested_tensor.NestedTensor = NestedTensor
     comfy = types.ModuleType("comfy")
     comfy.model_management, comfy.model_patcher, comfy.utils = mm, patcher_module, utils
-    comfy.cli_args, comfy.latent_formats = cli_args, latent_formats
+    comfy.cli_args, comfy.latent_formats, comfy.nested_tensor = cli_args, latent_formats, nested_tensor
 
     folder_paths = types.ModuleType("folder_paths")
     folders = {"loras": loras_dir}
@@ -255,7 +267,8 @@ def install(tmp_path: Path, loras: list[str] = (), previews: bool = True) -> Rec
     for name, module in (("comfy_api", api), ("comfy_api.latest", latest), ("comfy", comfy),
                          ("comfy.model_management", mm), ("comfy.model_patcher", patcher_module),
                          ("comfy.utils", utils), ("comfy.cli_args", cli_args),
-                         ("comfy.latent_formats", latent_formats), ("folder_paths", folder_paths)):
+                         ("comfy.latent_formats", latent_formats), ("comfy.nested_tensor", nested_tensor),
+                         ("folder_paths", folder_paths)):
         sys.modules[name] = module
     for name in [n for n in sys.modules if n == "nodes" or n.startswith("nodes.")]:
         if name != "nodes.convert":

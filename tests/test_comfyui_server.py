@@ -4,7 +4,8 @@ installed; skips with a message otherwise. Starts the server on a free loopback 
 linked into custom_nodes (and a tiny Turbo LoRA under the file name the turbo workflow names), then:
 /object_info and the template list, every API workflow to an MP4 on tiny-random with progress and
 previews on the websocket, an output list, node errors at queue time, a bad sigma ladder, an interrupt
-mid-sampling, and /free releasing our models. Also, in process: Load Video's VIDEO class read from its file."""
+mid-sampling, /free releasing our models, and our latents through ComfyUI's own AV latent nodes. Also, in
+process: Load Video's VIDEO class read from its file, and ComfyUI's own H3 audio VAE on our latents."""
 
 import asyncio
 import json
@@ -29,7 +30,7 @@ WORKFLOWS = sorted((PACK / "workflows" / "api").glob("*.json"))
 TEMPLATES = sorted((PACK / "example_workflows").glob("*.json"))
 NODE_IDS = ["H3ModelLoader", "H3TextEncoderLoader", "H3VAELoader", "H3Conditioning", "H3EmptyAVLatent", "H3Sampler",
             "H3LoRAApply", "H3VAEDecode", "H3AVSave", "H3AddGuide", "H3Continuation", "H3ContinuationGuide", "H3SaveMP4",
-            "H3VAEEncode"]
+            "H3VAEEncode", "H3LatentToLatent", "H3LatentFromLatent"]
 TURBO_LORA = "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors"
 COMFYUI = os.environ.get("COMFYUI_PATH")
 PREVIEW_EVENTS = (1, 4)  # ComfyUI's binary PREVIEW_IMAGE and PREVIEW_IMAGE_WITH_METADATA
@@ -417,6 +418,31 @@ def test_free_releases_our_models(server):
         assert any("released" in line for line in lines), lines
 
 
+def test_latents_cross_comfyuis_own_av_latent_nodes(server):
+    """An empty latent from ComfyUI's own Empty MiniMax H3 AV Latent sizes our sampler; its result goes out as a
+    core LATENT through Separate and Concat AV Latent and back, to our decode and MP4: same frames as direct."""
+    import av
+
+    base, work = server
+    graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
+    sampler, decode = _node(graph, "H3Sampler"), _node(graph, "H3VAEDecode")
+    graph.update({
+        "n1": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 224, "height": 128, "length": 107}},
+        "n2": {"class_type": "H3LatentFromLatent", "inputs": {"latent": ["n1", 0]}},
+        "n3": {"class_type": "H3LatentToLatent", "inputs": {"latent": [sampler, 0]}},
+        "n4": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["n3", 0]}},
+        "n5": {"class_type": "LTXVConcatAVLatent", "inputs": {"video_latent": ["n4", 0], "audio_latent": ["n4", 1]}},
+        "n6": {"class_type": "H3LatentFromLatent", "inputs": {"latent": ["n5", 0]}},
+    })
+    graph[sampler]["inputs"].update(latent=["n2", 0], steps=3)
+    graph[decode]["inputs"]["latent"] = ["n6", 0]
+    history = _wait(base, _queue(base, graph, "cross"))
+    assert history["status"]["status_str"] == "success", json.dumps(history["status"]["messages"])[-4000:]
+    (item,) = _mp4s(history)
+    with av.open(str(work / "output" / item["subfolder"] / item["filename"])) as container:
+        assert sum(1 for _ in container.decode(video=0)) == 107
+
+
 def test_workflow_nodes_and_inputs_exist_in_this_comfyui(server):
     """Every node id and input name our workflow files use, against the live /object_info (the core
     nodes too, which tests/test_workflows.py can only list)."""
@@ -473,3 +499,56 @@ def test_load_videos_file_video_is_read_from_its_file_with_its_trim(tmp_path, mo
     clip, expected = video_at_24fps(trimmed, "video", 100), read_video(path, 0.5, 24)
     assert np.array_equal(clip.frames, expected.frames) and np.array_equal(clip.audio, expected.audio)
     assert video_at_24fps(video, "video", 30).frames.shape == (30, 64, 96, 3)
+
+
+def test_comfyuis_own_h3_vaes_read_and_write_our_latents_after_conversion(tmp_path):
+    """The video latents carry over unchanged when both sides normalize with the same statistics (checked).
+    The audio layout is the one part of the conversion that moves data (the stereo axis): ComfyUI's own
+    MiniMaxH3AudioVAE, given the tiny ComfyUI single file our loader reads too, encodes a stereo waveform
+    into what to_core_av makes of ours and decodes that to our waveform. No server needed."""
+    import torch
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, COMFYUI)
+    try:
+        import comfy.cli_args
+
+        comfy.cli_args.args.cpu = True
+        from comfy.ldm.minimax import vae as native_video
+        from comfy.ldm.minimax.audio_vae import MiniMaxH3AudioVAE
+    finally:
+        sys.path.remove(COMFYUI)
+    from audio_vae_checkpoints import TINY_AUDIO_VAE, reference_audio_vae, write_comfy_single_file
+
+    from h3_core.output import AVLatents
+    from h3_core.vae_audio_checkpoint import load_audio_vae
+    from h3_core.vae_video import RELEASE_LATENTS_MEAN, RELEASE_LATENTS_STD
+
+    # the video part moves unchanged: both normalize it with the release's statistics
+    assert native_video.LATENTS_MEAN == list(RELEASE_LATENTS_MEAN)
+    assert native_video.LATENTS_STD == list(RELEASE_LATENTS_STD)
+    from nodes.convert import from_core_av, pack_latents, to_core_av
+
+    path = write_comfy_single_file(tmp_path / "audio_vae.safetensors", reference_audio_vae())
+    ours = load_audio_vae(path)
+    native = MiniMaxH3AudioVAE(encoder_dim=TINY_AUDIO_VAE.encoder_dim, latent_dim=TINY_AUDIO_VAE.latent_dim,
+                               decoder_dim=TINY_AUDIO_VAE.decoder_dim, vae_latent_channels=32).eval()
+    native.load_state_dict(load_file(str(path)), strict=True)
+
+    num_frames = 22  # 37 audio latents of 800 samples
+    torch.manual_seed(0)
+    waveform = torch.randn(2, 37 * 800) * 0.3
+    waveform[1] *= 0.2  # left and right differ: a swapped stereo axis shows
+    with torch.no_grad():
+        audio = ours.encode(waveform)
+        latent = pack_latents(AVLatents(torch.zeros(1, 24, 7, 2, 2), audio))
+        assert latent["num_frames"] == num_frames
+        core_video, core_audio = to_core_av(latent)
+        native_audio = native.encode(waveform[None])
+        torch.testing.assert_close(core_audio, native_audio, atol=2e-4, rtol=1e-4)
+        ours_back = from_core_av(core_video, native_audio)[0]["audio"]
+        torch.testing.assert_close(ours_back, audio, atol=2e-4, rtol=1e-4)
+        heard = native.decode(core_audio)[0]
+        torch.testing.assert_close(heard, ours.decode(audio), atol=2e-4, rtol=1e-4)
+    assert (audio[0] - audio[1]).abs().max() > 0.02  # 100x the tolerance: a swapped stereo axis would show

@@ -120,6 +120,37 @@ def test_latent_packing_checks():
         convert.unpack_latents({"samples": torch.zeros(1, 4, 8, 8)})  # a core LATENT
 
 
+def test_core_av_layout_round_trip_and_checks():
+    from h3_core import geometry
+
+    num_frames = 22
+    latents = AVLatents(torch.randn(1, 24, 7, 4, 6), torch.randn(2, 32, geometry.audio_latents(num_frames)))
+    video, audio = convert.to_core_av(convert.pack_latents(latents, seed=3))
+    assert video.shape == (1, 24, 7, 4, 6) and audio.shape == (1, 32, 2, 37)
+    assert torch.equal(audio[0, :, 0], latents.audio[0]) and torch.equal(audio[0, :, 1], latents.audio[1])  # L, R
+    (back,) = convert.from_core_av(video, audio)
+    assert torch.equal(back["video"], latents.video) and torch.equal(back["audio"], latents.audio)
+    assert (back["width"], back["height"], back["num_frames"], back["empty"]) == (96, 64, 22, False)
+
+    # a batch of two (one of them zeros: an empty latent only fixes the size), in bf16 as a core sampler may leave it
+    two_video = torch.cat([video, torch.zeros_like(video)]).bfloat16()
+    two_audio = torch.cat([audio, torch.zeros_like(audio)]).bfloat16()
+    first, second = convert.from_core_av(two_video, two_audio)
+    assert first["video"].dtype == torch.float32 and torch.equal(first["video"], video.bfloat16().float())
+    assert not first["empty"] and second["empty"] and second["audio"].shape == (2, 32, 37)
+
+    with pytest.raises(ValueError, match=r"video part must be \[B, 24, L, h, w\]"):
+        convert.from_core_av(torch.zeros(1, 16, 7, 4, 6), audio)
+    with pytest.raises(ValueError, match=r"audio part must be \[B, 32, 2, A\]"):
+        convert.from_core_av(video, torch.zeros(1, 32, 37))
+    with pytest.raises(ValueError, match="hold 2 and 1 items"):
+        convert.from_core_av(two_video, audio)
+    with pytest.raises(ValueError, match="5n \\+ 2"):
+        convert.from_core_av(torch.zeros(1, 24, 8, 4, 6), audio)
+    with pytest.raises(ValueError, match="take 37 audio latents per channel; got 40"):
+        convert.from_core_av(video, torch.zeros(1, 32, 2, 40))
+
+
 def test_node_chain_on_tiny_random(tmp_path):
     """What H3 Conditioning -> H3 Sampler -> H3 VAE Decode -> H3 AV Save do, minus ComfyUI: an fl2va
     request from an IMAGE tensor, 2 steps on tiny-random, IMAGE + AUDIO out, an MP4 with both streams."""

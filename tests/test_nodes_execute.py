@@ -139,6 +139,33 @@ def test_sampler_sigmas_denoise_and_latent_checks(comfy):
         c.latent.H3EmptyAVLatent.execute(256, 128, 50)
 
 
+def test_latents_cross_to_and_from_comfyuis_own_h3_latent(comfy):
+    c = comfy
+    model, text, vae = _models(c)
+    cond = _cond(c, text, vae).values[0]
+    sampled = c.sampler.H3Sampler.execute(model, cond, 5, 3, 0.0, 0.0).values[0][0]
+    core = c.latent.H3LatentToLatent.execute(sampled).values[0]
+    video, audio = core["samples"].unbind()
+    assert video.shape == (1, 24, 32, 8, 14) and audio.shape == (1, 32, 2, sampled["audio"].shape[2])
+    (back,) = c.latent.H3LatentFromLatent.execute(core).values[0]
+    assert torch.equal(back["video"], sampled["video"]) and torch.equal(back["audio"], sampled["audio"])
+    images, sound = c.output.H3VAEDecode.execute(vae, back).values
+    direct_images, direct_sound = c.output.H3VAEDecode.execute(vae, sampled).values
+    assert torch.equal(images, direct_images) and torch.equal(sound["waveform"], direct_sound["waveform"])
+
+    # an empty core latent of the conditioning's size (as Empty MiniMax H3 AV Latent makes) only fixes the size
+    nested = sys.modules["comfy.nested_tensor"].NestedTensor
+    zeros = {"samples": nested((torch.zeros_like(video), torch.zeros_like(audio)))}
+    (empty,) = c.latent.H3LatentFromLatent.execute(zeros).values[0]
+    assert empty["empty"]
+    same = c.sampler.H3Sampler.execute(model, cond, 5, 3, 0.0, 0.0, latent=empty).values[0][0]
+    assert torch.equal(same["video"], sampled["video"])
+    with pytest.raises(ValueError, match="LATENT to H3 Latent: .*video and audio together .* Concat AV Latent"):
+        c.latent.H3LatentFromLatent.execute({"samples": video})
+    with pytest.raises(ValueError, match=r"LATENT to H3 Latent: The audio part must be \[B, 32, 2, A\]"):
+        c.latent.H3LatentFromLatent.execute({"samples": nested((video, audio[:, :, 0]))})
+
+
 def test_interrupt_stops_and_frees(comfy):
     c = comfy
     model, text, vae = _models(c)
