@@ -259,3 +259,36 @@ def test_a_machine_serving_ranks_takes_the_callers_model_options(monkeypatch):
     assert (spec.linears, spec.compile, spec.attention_window, spec.attention_window_dense_steps, spec.attention) == (
         "fp8-weights-lossy", True, 8, 3, "sdpa") and seen["devices"] == ["cpu", "cpu"]
     assert serve.main(argv + ["--shard-weights"]) == 0 and seen["spec"].compile  # compiled sharded blocks too
+
+
+def test_ranks_served_from_another_process_join_over_tcp_and_match_one_process():
+    """The multi-machine path run on one machine: rank 0 in the runner here, rank 1 served by `python -m
+    h3_core.parallel` in another process tree (as on a second machine), meeting at a TCP rendezvous. The
+    result equals one process's, and the serving side exits cleanly when the runner closes."""
+    import socket
+    import subprocess
+    import sys
+
+    spec = ModelSpec(TINY_RANDOM, dtype=torch.float32, attention="sdpa")  # the serving side builds TINY_DIT too
+    expected = sample(spec.load("cpu"), conditioning(False), seed=3, steps=STEPS)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_method = f"tcp://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "h3_core.parallel", "--model", TINY_RANDOM, "--dtype", "fp32", "--attention", "sdpa",
+         "--devices", "cpu", "--init-method", init_method, "--world-size", "2", "--first-rank", "1"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    runner = None
+    try:
+        runner = ParallelRunner(spec, ["cpu"], init_method=init_method, world_size=2, threads=1)
+        assert_close(sample(runner, conditioning(False), seed=3, steps=STEPS), expected)
+    finally:
+        if runner is not None:
+            runner.close()
+        try:
+            output = server.communicate(timeout=120)[0]
+        except subprocess.TimeoutExpired:
+            server.kill()
+            output = server.communicate()[0]
+    assert server.returncode == 0, output
