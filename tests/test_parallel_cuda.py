@@ -1,5 +1,5 @@
 """The worker processes on real GPUs (NCCL): 2 and 4 ranks, with and without sharded weights, give what
-one process on one GPU gives. Skipped without enough CUDA devices (CI has none); run on a multi-GPU
+one process on one GPU gives; so does a rank served by `python -m h3_core.parallel` (the multi-machine path). Skipped without enough CUDA devices (CI has none); run on a multi-GPU
 machine: `python -m pytest tests/test_parallel_cuda.py`.
 
 Tolerance 1e-4 (fp32) rather than the CPU tests' 1e-5: on a GPU, cuBLAS and the attention kernels pick
@@ -10,7 +10,7 @@ differently; a wrong split (rows, heads or pad rows mixed up) is off by order 1.
 import pytest
 import torch
 
-from test_parallel import SPEC, STEPS, assert_all_gone, conditioning
+from test_parallel import SPEC, STEPS, assert_all_gone, check_a_served_rank, conditioning
 
 from h3_core import pipeline
 from h3_core.parallel import ParallelRunner
@@ -47,3 +47,9 @@ def test_gpu_ranks_match_one_gpu(one_gpu, gpus, shard):
     finally:
         runner.close()
     assert_all_gone(runner)
+
+
+def test_a_rank_served_by_another_process_tree_matches_one_gpu():
+    """As on two machines, over NCCL: rank 0 in the runner on cuda:0, rank 1 on cuda:1 served by `python -m
+    h3_core.parallel`, meeting at a TCP rendezvous."""
+    check_a_served_rank("cuda:0", "cuda:1", TOLERANCE)
