@@ -206,11 +206,20 @@ def iter_native_tensors(source: DiTSource, head_dim: int):
     return to_native(read_tensors(source.files), source.naming, source.qkv_layout, head_dim)
 
 
+SPARSE_ATTENTION_GATE = ".to_gate_compress.weight"  # FastVideo's VSA gate, one per attention (h3-model.md H)
+
+
 def to_native(items, naming: str, qkv_layout: str, head_dim: int):
     """Map (key, tensor, where) items of any layout onto our names; diffusers q/k/v are fused as soon as
     all three have been read, so at most a few attention weights wait in memory."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor, where in items:
+        if key.endswith(SPARSE_ATTENTION_GATE):
+            raise CheckpointError(
+                f"{where} holds Video Sparse Attention gates ('{key}'): a sparse-attention student such as "
+                "FastVideo's FastH3 8-Step V2, which only runs with a VSA attention kernel that h3_core does not "
+                "have. Use the H3 release (with a Turbo adapter, or the dense-datafree FastH3 4-step LoRA, for "
+                "few steps).")
         name = keymap.strip_prefix(key)
         if naming == "diffusers":
             name, part = keymap.diffusers_to_native_name(name)

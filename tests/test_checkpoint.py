@@ -183,6 +183,22 @@ def test_unexpected_tensor_is_named_with_its_file(tmp_path, reference, tiny_conf
         load_dit(tmp_path)
 
 
+def test_a_sparse_attention_student_is_refused_by_name_before_reading(tmp_path, reference, tiny_config, monkeypatch):
+    """FastH3 8-Step V2 is a diffusers transformer plus a VSA gate per attention: refused from the headers."""
+    folder = write_diffusers_folder(tmp_path / "transformer", reference, max_shard_size="10GB")
+    (shard,) = folder.glob("*.safetensors")
+    tensors = load_file(str(shard))
+    inner = tiny_config.num_attention_heads * tiny_config.attention_head_dim
+    for i in range(tiny_config.num_layers):
+        tensors[f"transformer_blocks.{i}.attn.to_gate_compress.weight"] = torch.zeros(inner, tiny_config.hidden_size)
+    save_file(tensors, str(shard))
+    monkeypatch.setattr(weights, "read_tensors", lambda *_: pytest.fail("tensor data read before the refusal"))
+    monkeypatch.setattr(checkpoint, "read_tensors", lambda *_: pytest.fail("tensor data read before the refusal"))
+    with pytest.raises(CheckpointError, match=r"Video Sparse Attention gates \('transformer_blocks\.0\.attn\."
+                                              r"to_gate_compress\.weight'\).*FastH3 8-Step V2.*VSA"):
+        load_dit(folder)
+
+
 def test_misshaped_tensor_is_named_with_shapes(tmp_path, reference, tiny_config):
     path = write_comfy_single_file(tmp_path / "dit.safetensors", reference.state_dict(), tiny_config, "")
     tensors = load_file(str(path))
