@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import sys
@@ -117,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drive-audio", type=Path, metavar="PATH",
                      help="generate to this soundtrack: it becomes the output audio, held fixed while sampling "
                           "(cut or padded with silence to the duration); works with or without --long-video")
+    gen.add_argument("--keep", choices=["video", "audio"],
+                     help="with --from: keep that part of the given clip and generate the other (video: the sound for "
+                          "your video; audio: a video to your sound); its canvas and length; not in the release's "
+                          "pipelines")
+    gen.add_argument("--from", dest="given", type=Path, metavar="LATENTS",
+                     help="with --keep: a clip's latents from h3 encode (or --save-latents), 4-15 s")
     gen.add_argument("--steps", type=int, help="sigma points including the final 0 (default 50 -> 49 model calls, "
                                                "or what a Turbo adapter was distilled for)")
     gen.add_argument("--video-shift", type=float, help=f"default {VIDEO_SHIFT:g} (or the Turbo adapter's)")
@@ -255,16 +262,32 @@ def _long_video(args, request: Request) -> Request | LongVideoRequest:
     )
 
 
-def _saved_latents(path: Path) -> AVLatents:
+def _saved_latents(path: Path, option: str = "--continue-from") -> AVLatents:
     """Latents written by --save-latents or h3 encode, checked before any model loads."""
     if not path.is_file():
-        raise ValueError(f"--continue-from {path}: no such file.")
+        raise ValueError(f"{option} {path}: no such file.")
     if path.suffix != ".safetensors":
-        raise ValueError(f"--continue-from {path}: latents are a .safetensors file (from --save-latents).")
+        raise ValueError(f"{option} {path}: latents are a .safetensors file (from --save-latents or h3 encode).")
     try:
         return AVLatents.load(path).check()
     except (ValueError, OSError, SafetensorError) as error:
-        raise ValueError(f"--continue-from {path}: {error}") from None
+        raise ValueError(f"{option} {path}: {error}") from None
+
+
+def _kept(args, request: Request) -> tuple[Request, AVLatents | None]:
+    """--keep with --from: the request on the given clip's canvas and length, and the clip's latents."""
+    if args.keep is None and args.given is None:
+        return request, None
+    if args.keep is None or args.given is None:
+        raise ValueError("--keep video|audio and --from LATENTS go together: which part of which clip to keep.")
+    clashes = [name for name, value in (("--long-video", args.long_video), ("--drive-audio", args.drive_audio),
+                                        ("--aspect-ratio", args.aspect_ratio), ("--width", args.width)) if value]
+    if clashes:
+        raise ValueError(f"--keep takes the given clip's canvas and length as one request: drop {', '.join(clashes)}.")
+    given = _saved_latents(args.given, "--from")
+    height, width = (size * geometry.VAE_SPATIAL_FACTOR for size in given.video.shape[3:])
+    return dataclasses.replace(request, width=width, height=height, duration=None,
+                               num_frames=given.num_frames), given
 
 
 class StageBars:
@@ -321,6 +344,7 @@ def run_generate(args) -> int:
         width=args.width, height=args.height, duration=args.duration, guides=[_guide(spec) for spec in args.guide],
         reference_images=args.reference_images,
     )
+    request, given = _kept(args, request)
     request = _long_video(args, request)
     settings = GenerateSettings(args.seed, args.outputs, args.steps, args.video_shift, args.audio_shift,
                                 str(device), dtype, args.attention, [_lora(spec) for spec in args.lora],
@@ -335,7 +359,7 @@ def run_generate(args) -> int:
         torch.cuda.reset_peak_memory_stats(device)
     try:
         results = generate(request, args.model, settings, args.out, args.save_latents, progress,
-                           notes=lambda line: print(f"h3: {line}", file=sys.stderr))
+                           notes=lambda line: print(f"h3: {line}", file=sys.stderr), given=given, keep=args.keep)
     finally:
         progress.close()
     for result in results:

@@ -192,6 +192,27 @@ class PackedLayout:
         lookup[present] = clock_to_index
         return timesteps, lookup[self.row_clock]
 
+    def locked(self, modality: str) -> PackedLayout:
+        """This layout with its target `modality` ("video" or "audio") held as conditioning: the rows keep
+        their positions and tags, take the conditioning clock (video max(t_video, 0.999), audio 1.0, as
+        keyframes and driving audio do) and count as conditioning rows, so the sampler never writes them.
+        A driving track's layout is `locked("audio")`."""
+        if modality not in ("video", "audio"):
+            raise ValueError(f"A layout locks its target 'video' or 'audio', got {modality!r}.")
+        targets = self.target_video_indices if modality == "video" else self.target_audio_indices
+        row_clock = self.row_clock.clone()
+        row_clock[targets] = RowClock.VISUAL_CONDITION if modality == "video" else RowClock.AUDIO_CONDITION
+        counts = {"num_condition_video_rows": self.video_indices.numel()} if modality == "video" else {
+            "num_condition_audio_rows": self.audio_indices.numel()}
+        return dataclasses.replace(self, row_clock=row_clock, **counts)
+
+    @property
+    def locked_modality(self) -> str | None:
+        """"video" or "audio" when that modality has no rows to generate (a locked layout), else None."""
+        if not self.target_video_indices.numel():
+            return "video"
+        return None if self.target_audio_indices.numel() else "audio"
+
     def to(self, device: torch.device | str) -> PackedLayout:
         moved = {
             field.name: getattr(self, field.name).to(device)

@@ -20,9 +20,11 @@ def request_generator(seed: int) -> torch.Generator:
 def target_noise(
     layout: PackedLayout, generator: torch.Generator, latent_channels: int = 24, audio_latent_channels: int = 32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Noise for the generated rows: video [1, Nv_target, C*4] and audio [1, 2A, Ca], fp32 on the CPU."""
+    """Noise for the generated rows: video [1, Nv_target, C*4] and audio [1, 2A, Ca], fp32 on the CPU (no draw
+    for a modality the layout holds fixed)."""
+    frames = layout.latent_frames if layout.target_video_indices.numel() else 0
     video = torch.randn(
-        (1, latent_channels, layout.latent_frames, layout.latent_height, layout.latent_width),
+        (1, latent_channels, frames, layout.latent_height, layout.latent_width),
         generator=generator,
         dtype=torch.float32,
     )

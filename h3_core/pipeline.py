@@ -60,6 +60,7 @@ def sample(
     offload_adaln: bool = False,
     init: AVLatents | None = None,
     denoise: float = 1.0,
+    keep: str | None = None,
 ) -> AVLatents:
     """Denoise one request. Noise comes from one CPU generator seeded with `seed`, in diffusers' order:
     one draw per visual condition (mixed to t = 0.999), then the target video, then the target audio.
@@ -69,24 +70,34 @@ def sample(
     normalized [1, C, L_i, h_i, w_i], packed order) and `audio_condition_rows` [1, N, Ca] (clean).
     `init`: latents to refine instead of pure noise; each modality starts at its ladder's first sigma s
     as s * noise + (1 - s) * init (`denoise` < 1 cuts the automatic ladders, see DualClockSchedule.build).
+    `keep` ("video" or "audio", with `init`): that modality of `init` is held as conditioning and comes back
+    as it is; only the other is generated (video-to-audio: the sound for a given video; audio-to-video as a
+    driving track does). Held video rows are a visual condition (t = 0.999, drawn last of them), held audio
+    clean at t = 1, as the release holds keyframes and vLLM-Omni a driving track.
     `dit` may be a `parallel.ParallelRunner`: its workers then run this function on their devices."""
     if not isinstance(dit, torch.nn.Module):
         return dit.sample(conditioning, seed, steps, video_shift, audio_shift, video_sigmas, audio_sigmas,
-                          callback=callback, offload_adaln=offload_adaln, init=init, denoise=denoise)
+                          callback=callback, offload_adaln=offload_adaln, init=init, denoise=denoise, keep=keep)
     schedule = DualClockSchedule.build(steps, video_shift, audio_shift, video_sigmas, audio_sigmas, denoise)
     layout = conditioning.layout
+    kept = _kept_latents(init, layout, keep)
+    if keep is not None:
+        layout = layout.locked(keep)
     device = dit.condition_proj.weight.device
     config = dit.config
     generator = seed if isinstance(seed, torch.Generator) else request_generator(seed)
+    visual_conditions = [*conditioning.visual_condition_latents, *([kept] if keep == "video" else [])]
     held_video = (
-        condition_rows(conditioning.visual_condition_latents, generator)
-        if conditioning.visual_condition_latents
+        condition_rows(visual_conditions, generator)
+        if visual_conditions
         else torch.zeros(1, 0, config.video_patch_dim)
     )
     video_noise, audio_noise = target_noise(layout, generator, config.in_channels, config.audio_in_channels)
     if init is not None:
         video_noise, audio_noise = start_rows(init, layout, schedule, video_noise, audio_noise)
     held_audio = conditioning.audio_condition_rows
+    if keep == "audio":
+        held_audio = torch.cat([held_audio.float().cpu(), pack_audio(kept.float().cpu()[None])], dim=1)
     if held_video.shape[1] != layout.num_condition_video_rows or held_audio.shape[1] != layout.num_condition_audio_rows:
         raise ValueError(
             f"The conditioning holds {held_video.shape[1]} video / {held_audio.shape[1]} audio rows but its layout "
@@ -101,23 +112,48 @@ def sample(
         )
     target_video = video_rows[:, layout.num_condition_video_rows :].float().cpu()
     target_audio = audio_rows[:, layout.num_condition_audio_rows :].float().cpu()
+    if keep == "video":
+        return AVLatents(kept.float().cpu().contiguous(), unpack_audio(target_audio)[0].contiguous())
     video = unpatchify(target_video, layout.latent_frames, layout.latent_height, layout.latent_width)
-    return AVLatents(video.contiguous(), unpack_audio(target_audio)[0].contiguous())
+    audio = kept.float().cpu() if keep == "audio" else unpack_audio(target_audio)[0]
+    return AVLatents(video.contiguous(), audio.contiguous())
 
 
-def start_rows(init: AVLatents, layout, schedule: DualClockSchedule, video_noise: torch.Tensor,
-               audio_noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target rows that start from `init` at each ladder's first sigma (flow matching: s * noise + (1 - s) * x)."""
+def _kept_latents(init: AVLatents | None, layout, keep: str | None) -> torch.Tensor | None:
+    """The latents `keep` holds fixed (checked against the layout before any model runs), or None."""
+    if keep is None:
+        return None
+    if keep not in ("video", "audio"):
+        raise ValueError(f"keep holds the given 'video' or 'audio' fixed, got {keep!r}.")
+    if init is None:
+        raise ValueError(f"keep={keep!r} holds the {keep} of a given latent: pass init (the clip's latents).")
+    _check_init_size(init, layout)
+    if layout.locked_modality is not None:
+        raise ValueError(f"This conditioning already holds its {layout.locked_modality} fixed (a driving track); "
+                         "keep takes a request that generates both.")
+    return init.video if keep == "video" else init.audio
+
+
+def _check_init_size(init: AVLatents, layout) -> None:
     init.check()
     want = (layout.latent_frames, layout.latent_height, layout.latent_width, layout.audio_latents)
     have = (*init.video.shape[2:], init.audio.shape[2])
     if have != want:
-        raise ValueError(f"The latent to refine has (frames, height, width, audio) latents {have}, but this "
+        raise ValueError(f"The given latent has (frames, height, width, audio) latents {have}, but this "
                          f"conditioning makes {want}; use a latent of the same size and duration.")
-    video = patchify(init.video.float().cpu())
-    audio = pack_audio(init.audio.float().cpu()[None])
+
+
+def start_rows(init: AVLatents, layout, schedule: DualClockSchedule, video_noise: torch.Tensor,
+               audio_noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target rows that start from `init` at each ladder's first sigma (flow matching: s * noise + (1 - s) * x);
+    a modality the layout holds fixed has no target rows and stays empty."""
+    _check_init_size(init, layout)
     s_video, s_audio = schedule.video[0], schedule.audio[0]
-    return s_video * video_noise + (1 - s_video) * video, s_audio * audio_noise + (1 - s_audio) * audio
+    if video_noise.shape[1]:
+        video_noise = s_video * video_noise + (1 - s_video) * patchify(init.video.float().cpu())
+    if audio_noise.shape[1]:
+        audio_noise = s_audio * audio_noise + (1 - s_audio) * pack_audio(init.audio.float().cpu()[None])
+    return video_noise, audio_noise
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,12 +253,16 @@ def generate(
     save_latents: Path | None = None,
     progress: Progress | None = None,
     notes: Callable[[str], None] | None = None,
+    given: AVLatents | None = None,
+    keep: str | None = None,
 ) -> list[GenerateResult]:
     """Prompt and references to MP4s. Validation runs first (no model is loaded for a bad request);
     then, one model at a time on the device: text encoder (released after encoding), VAEs for the
     conditioning, the DiT for sampling, the VAEs again for the streamed decode (the last output's video
     chunks on all of `settings.devices` when several are given). A `LongVideoRequest` runs
-    window by window (long_video.py) and its whole clip is decoded once."""
+    window by window (long_video.py) and its whole clip is decoded once. `keep` ("video" or "audio") holds
+    that part of the `given` clip's latents and generates the other (`sample`'s keep; one plain request
+    of the clip's size)."""
     from .long_video import LongVideoRequest, encode_long_video, sample_long_video, validate_long_video  # uses sample
 
     long_video = isinstance(request, LongVideoRequest)
@@ -246,6 +286,15 @@ def generate(
     device, timings = torch.device(settings.device), {}
     rules = TINY_CANVAS if model == TINY_RANDOM else RELEASE_CANVAS
     plan = check(request, rules)  # every limit, before any model
+    if keep is not None:
+        if long_video or given is None:
+            raise RequestError("keep holds part of a given clip in one plain request: pass given latents, no long video.")
+        if keep not in ("video", "audio"):
+            raise RequestError(f"keep holds the given 'video' or 'audio' fixed, got {keep!r}.")
+        size = (plan.num_frames, *geometry.latent_size(plan.width, plan.height))
+        if (given.num_frames, *given.video.shape[3:]) != size:
+            raise RequestError(f"The given clip has (frames, latent height, latent width) "
+                               f"{(given.num_frames, *given.video.shape[3:])}, the request {size}: make them agree.")
     guides = tuple(request.request.guides if long_video else request.guides)
     clip_frames = max(w.frames for w in plan.windows) if long_video else None
     guide_media = [GuideMedia(guide.frame_index, *read_guide(guide, plan.num_frames, clip_frames)) for guide in guides]
@@ -306,7 +355,7 @@ def generate(
             dit, conditioning, seed, schedule.steps, schedule.video_shift, schedule.audio_shift,
             schedule.video_sigmas, schedule.audio_sigmas,
             callback=lambda state: progress(f"sample {index + 1}/{settings.outputs}", state.step, state.total),
-            offload_adaln=plan.offload_adaln,
+            offload_adaln=plan.offload_adaln, **({"init": given, "keep": keep} if keep is not None else {}),
         )
         seconds = {**timings, "sample": time.perf_counter() - clock}
         if index == settings.outputs - 1:  # the DiT's device memory is free before the last decode

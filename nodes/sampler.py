@@ -21,6 +21,9 @@ SIGMAS_TOOLTIP = ("Optional {what} sigma ladder (core SIGMAS, e.g. from ManualSi
                   "given, the other modality's automatic ladder gets as many points.")
 
 
+KEEP_CHOICES = ("none", "video", "audio")
+
+
 def checked_sigmas(sigmas, what: str):
     """A SIGMAS input as a list, or a clear error naming the input (before any model moves)."""
     if sigmas is None:
@@ -60,13 +63,19 @@ class H3Sampler(io.ComfyNode):
                                        "sigmas starting below 1). Unconnected: the conditioning's size, from noise."),
                 io.Sigmas.Input("video_sigmas", optional=True, tooltip=SIGMAS_TOOLTIP.format(what="video")),
                 io.Sigmas.Input("audio_sigmas", optional=True, tooltip=SIGMAS_TOOLTIP.format(what="audio")),
+                io.Combo.Input("keep", options=list(KEEP_CHOICES), default="none", optional=True,
+                               tooltip="With a latent connected (e.g. your clip through H3 VAE Encode): video = keep "
+                                       "its video and make the sound for it (video-to-audio); audio = keep its "
+                                       "sound and make a video to it (as a driving soundtrack does). The kept part "
+                                       "comes back unchanged (decoding shows the VAE's reconstruction); not in "
+                                       "the release's pipelines. none = generate both."),
             ],
             outputs=[H3Latent.Output(display_name="latent", is_output_list=True)],
         )
 
     @classmethod
     def execute(cls, model, conditioning, seed, steps, video_shift, audio_shift, denoise=1.0, outputs=1, latent=None,
-                video_sigmas=None, audio_sigmas=None) -> io.NodeOutput:
+                video_sigmas=None, audio_sigmas=None, keep="none") -> io.NodeOutput:
         wanted = TASK_PARTITION[conditioning.task]
         if wanted != model.partition:
             raise ValueError(f"{conditioning.task} runs on the {wanted} partition, but this model was loaded as "
@@ -85,6 +94,12 @@ class H3Sampler(io.ComfyNode):
         if starts_low and init is None:
             raise ValueError("denoise < 1 (or sigmas starting below 1.0) refines a latent: connect one from an H3 "
                              "sampler (an empty latent has nothing to refine), or set denoise to 1.0.")
+        if keep not in KEEP_CHOICES:
+            raise ValueError(f"keep must be one of {', '.join(KEEP_CHOICES)}; got {keep!r}.")
+        keep = None if keep == "none" else keep
+        if keep is not None and init is None:
+            raise ValueError(f"keep = {keep} holds the {keep} of the connected latent: connect one with content (your "
+                             "clip through H3 VAE Encode, or a sampled one); an empty latent has none.")
 
         dit = model.dit
         contracts = [lora.contract for lora, _ in model.loras if lora.contract is not None]
@@ -105,7 +120,7 @@ class H3Sampler(io.ComfyNode):
                 for index in range(outputs):
                     def on_step(state, done=index):
                         preview = None
-                        if previews is not None and state.video_rows is not None:
+                        if previews is not None and state.video_rows is not None and keep != "video":
                             size, factors, bias = previews
                             picture = latent_rgb(state.video_estimate_frame(), factors, bias)
                             preview = ("JPEG", Image.fromarray(picture), size)
@@ -116,7 +131,7 @@ class H3Sampler(io.ComfyNode):
                     seed_i = (int(seed) + index) % 2**64  # the generator's range; the widget allows its top
                     latents = sample(dit, conditioning, seed_i, settings.steps, settings.video_shift,
                                      settings.audio_shift, settings.video_sigmas, settings.audio_sigmas,
-                                     callback=on_step, init=init, denoise=denoise,
+                                     callback=on_step, init=init, denoise=denoise, keep=keep,
                                      offload_adaln=plan is not None and plan.offload_adaln)
                     results.append(pack_latents(latents, seed=seed_i, task=conditioning.task,
                                                 steps=settings.steps, width=conditioning.width,

@@ -166,6 +166,29 @@ def test_latents_cross_to_and_from_comfyuis_own_h3_latent(comfy):
         c.latent.H3LatentFromLatent.execute({"samples": nested((video, audio[:, :, 0]))})
 
 
+def test_sampler_keeps_a_clips_video_and_makes_its_sound(comfy):
+    c = comfy
+    model, text, vae = _models(c)
+    cond = _cond(c, text, vae).values[0]  # 224x128, 107 frames
+    clip, width, height, frames = c.latent.H3VAEEncode.execute(
+        vae, images=torch.rand(110, 128, 224, 3), frame_rate=24.0, width=224, height=128).values
+    assert (width, height, frames) == (224, 128, 107)
+    run = c.sampler.H3Sampler.execute
+    out = run(model, cond, 3, 3, 0.0, 0.0, latent=clip, keep="video").values[0][0]
+    assert torch.equal(out["video"], clip["video"]) and not torch.equal(out["audio"], clip["audio"])
+    assert all(preview is None for _, _, preview in c.record.progress[-2:])  # nothing generated to preview
+    sound = run(model, cond, 3, 3, 0.0, 0.0, latent=clip, keep="audio").values[0][0]
+    assert torch.equal(sound["audio"], clip["audio"]) and not torch.equal(sound["video"], clip["video"])
+
+    loads = len(c.record.loaded)
+    empty = c.latent.H3EmptyAVLatent.execute(224, 128, 107).values[0]
+    with pytest.raises(ValueError, match="keep = video holds the video of the connected latent"):
+        run(model, cond, 3, 3, 0.0, 0.0, latent=empty, keep="video")
+    with pytest.raises(ValueError, match="keep = audio holds the audio"):
+        run(model, cond, 3, 3, 0.0, 0.0, keep="audio")
+    assert len(c.record.loaded) == loads  # refused before any model moved
+
+
 def test_interrupt_stops_and_frees(comfy):
     c = comfy
     model, text, vae = _models(c)

@@ -79,6 +79,22 @@ def test_two_ranks_match_one_process(two_ranks, references, keyframe):
     assert_close(latents, references[keyframe])
 
 
+@pytest.mark.parametrize("keep", ["video", "audio"])
+def test_a_kept_modality_splits_like_a_plain_request(two_ranks, keep):
+    """keep= reaches the workers: the sound for a given video (or a video to a given sound) over two ranks."""
+    from h3_core.output import AVLatents
+
+    layout = conditioning(True).layout
+    generator = torch.Generator().manual_seed(8)
+    given = AVLatents(torch.randn(1, 24, layout.latent_frames, layout.latent_height, layout.latent_width,
+                                  generator=generator),
+                      torch.randn(2, 32, layout.audio_latents, generator=generator))
+    expected = sample(SPEC.load("cpu"), conditioning(True), 3, STEPS, init=given, keep=keep)
+    got = two_ranks.sample(conditioning(True), 3, STEPS, init=given, keep=keep)
+    assert_close(got, expected)
+    assert torch.equal(getattr(got, keep), getattr(given, keep))
+
+
 def test_four_ranks_with_sharded_weights_match_one_process(references):
     runner = ParallelRunner(SPEC, ["cpu"] * 4, shard_weights=True, threads=1)
     for keyframe in (False, True):
