@@ -443,6 +443,27 @@ def test_latents_cross_comfyuis_own_av_latent_nodes(server):
         assert sum(1 for _ in container.decode(video=0)) == 107
 
 
+def test_the_sampler_makes_the_sound_for_a_clip_it_keeps(server):
+    """Frames from a core node (Empty Image, 110 of them) through H3 VAE Encode, then the sampler with keep =
+    video: an MP4 of the clip's 107 frames with a generated soundtrack."""
+    import av
+
+    base, work = server
+    graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
+    sampler = _node(graph, "H3Sampler")
+    graph.update({
+        "n1": {"class_type": "EmptyImage", "inputs": {"width": 224, "height": 128, "batch_size": 110, "color": 3381555}},
+        "n2": {"class_type": "H3VAEEncode", "inputs": {"vae": [_node(graph, "H3VAELoader"), 0], "images": ["n1", 0],
+                                                        "frame_rate": 24.0, "width": 224, "height": 128}},
+    })
+    graph[sampler]["inputs"].update(latent=["n2", 0], keep="video")
+    history = _wait(base, _queue(base, graph, "keep"))
+    assert history["status"]["status_str"] == "success", json.dumps(history["status"]["messages"])[-4000:]
+    (item,) = _mp4s(history)
+    with av.open(str(work / "output" / item["subfolder"] / item["filename"])) as container:
+        assert sum(1 for _ in container.decode(video=0)) == 107 and container.streams.audio
+
+
 def test_workflow_nodes_and_inputs_exist_in_this_comfyui(server):
     """Every node id and input name our workflow files use, against the live /object_info (the core
     nodes too, which tests/test_workflows.py can only list)."""
