@@ -208,7 +208,7 @@ class PackedLayout:
 
     @property
     def locked_modality(self) -> str | None:
-        """"video" or "audio" when that modality has no rows to generate (a locked layout), else None."""
+        """The modality ("video" or "audio") that has no rows to generate (a locked layout), else None."""
         if not self.target_video_indices.numel():
             return "video"
         return None if self.target_audio_indices.numel() else "audio"
