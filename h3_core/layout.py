@@ -196,7 +196,7 @@ class PackedLayout:
         """This layout with its target `modality` ("video" or "audio") held as conditioning: the rows keep
         their positions and tags, take the conditioning clock (video max(t_video, 0.999), audio 1.0, as
         keyframes and driving audio do) and count as conditioning rows, so the sampler never writes them.
-        A driving track's layout is `locked("audio")`."""
+        A driving track's window is `locked("audio")` (long_video.py)."""
         if modality not in ("video", "audio"):
             raise ValueError(f"A layout locks its target 'video' or 'audio', got {modality!r}.")
         targets = self.target_video_indices if modality == "video" else self.target_audio_indices
@@ -537,14 +537,13 @@ def build_window_layout(
     media_origin: float | None = None,
     guide_latent_frames: int = 0,
     guide_audio_latents: int = 0,
-    lock_audio: bool = False,
     patch_size: tuple[int, int, int] = geometry.PATCH_SIZE,
     guides: Sequence[GuideBlock] = (),
 ) -> PackedLayout:
     """One window of a long video:
     `[text | guide video | guide audio | guides | reference blocks | target audio | target video]`.
 
-    With no guide, offset, origin or lock this is `build_t2va_layout` (no references) or
+    With no guide, offset or origin this is `build_t2va_layout` (no references) or
     `build_ref2va_layout`, row for row.
     media_origin  where the media clock starts (default T, the text length). With one prompt per
                   window, the longest text length: every window keeps one clock.
@@ -553,8 +552,6 @@ def build_window_layout(
     guide_*       the previous result's tail: latent frames on the target grid, then stereo audio
                   latents (channel-major), both from the target's time origin (guides never advance
                   the clock); clocks VISUAL_CONDITION (0.999 floor) and AUDIO_CONDITION (t = 1).
-    lock_audio    the target audio rows hold a driving track: clock AUDIO_CONDITION and counted as
-                  conditioning rows, so the sampler never writes them.
     guides        guides.py's blocks, each from the target's time origin + 5/3 * its frame index.
     """
     tags = _checked_text_tags(text_tags)
@@ -585,6 +582,6 @@ def build_window_layout(
     tail = [GuideBlock(0, guide_latent_frames, guide_audio_latents)] if guide_latent_frames else []
     _guide_rows(sequence, [*tail, *guides], moved, target_grid, target_w_axis)  # the tail: a guide at frame 0
     _reference_rows(sequence, references, origin, target_w_axis, patch_size, float(time_offset))
-    sequence.audio(audio_latents, moved, target_w_axis, RowClock.AUDIO_CONDITION if lock_audio else RowClock.AUDIO)
+    sequence.audio(audio_latents, moved, target_w_axis, RowClock.AUDIO)
     sequence.video(latent_frame_times(latent_frames, moved), target_grid, RowClock.VIDEO)
     return sequence.finish(latent_frames, latent_height, latent_width, audio_latents)

@@ -234,12 +234,13 @@ class LongConditioning:
         """The packed sequence of one window (guide rows from the second window on)."""
         _, tags = self.texts[window.index]
         latent_height, latent_width = geometry.latent_size(self.width, self.height)
-        return build_window_layout(
+        layout = build_window_layout(
             tags, self.reference_blocks, window.latent_frames, latent_height, latent_width, window.audio_latents,
             time_offset=window.time_offset, media_origin=self.media_origin,
             guide_latent_frames=window.guide_latent_frames, guide_audio_latents=window.guide_audio_latents,
-            lock_audio=self.drive_audio is not None, guides=[g.block for g in self._guides(window)],
+            guides=[g.block for g in self._guides(window)],
         )
+        return layout if self.drive_audio is None else layout.locked("audio")  # the track is never sampled
 
     def _guides(self, window: Window) -> list[WindowGuide]:
         return [guide for guide in self.guides if guide.window == window.index]

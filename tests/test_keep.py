@@ -15,7 +15,7 @@ import torch
 from test_long_video import PROMPT, STEPS, encode, models, spied_dit  # noqa: F401 (models is a fixture)
 
 from h3_core.conditioning import Conditioning
-from h3_core.layout import RowClock, build_t2va_layout, build_window_layout, patchify
+from h3_core.layout import RowClock, build_t2va_layout, patchify
 from h3_core.noise import request_generator
 from h3_core.output import AVLatents
 from h3_core.pipeline import sample
@@ -29,13 +29,17 @@ def track(seconds: float) -> DecodedAudio:
     return DecodedAudio(torch.stack([torch.sin(2 * np.pi * 220 * time), torch.sin(2 * np.pi * 330 * time)]), 32000)
 
 
-def test_a_locked_audio_layout_is_the_driving_tracks_layout():
+def test_a_locked_layout_moves_only_the_target_rows_clock_and_count():
+    """What a driving track's window holds (tests/test_long_video_layout.py::test_locked_audio_is_held_at_t1):
+    the target audio at AUDIO_CONDITION and counted as conditioning; every other field as before."""
     tags = torch.tensor([1, 1, 0, 0, 1])
     plain = build_t2va_layout(tags, 12, 4, 6, 70)
-    driven = build_window_layout(tags, (), 12, 4, 6, 70, lock_audio=True)
     locked = plain.locked("audio")
-    for field in dataclasses.fields(driven):
-        mine, theirs = getattr(locked, field.name), getattr(driven, field.name)
+    expected_clock = plain.row_clock.clone()
+    expected_clock[plain.audio_indices] = RowClock.AUDIO_CONDITION
+    expected = dataclasses.replace(plain, row_clock=expected_clock, num_condition_audio_rows=140)
+    for field in dataclasses.fields(expected):
+        mine, theirs = getattr(locked, field.name), getattr(expected, field.name)
         assert torch.equal(mine, theirs) if isinstance(mine, torch.Tensor) else mine == theirs, field.name
     assert (plain.locked_modality, locked.locked_modality) == (None, "audio")
 

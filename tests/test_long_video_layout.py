@@ -184,7 +184,7 @@ def test_a_shared_origin_for_window_prompts():
 
 def test_locked_audio_is_held_at_t1():
     _, window = plan_windows(long_video_frames(20))
-    layout = window_layout(window, lock_audio=True)
+    layout = window_layout(window).locked("audio")
     guide_audio = 2 * window.guide_audio_latents
     assert layout.num_condition_audio_rows == guide_audio + 2 * window.audio_latents
     assert layout.target_audio_indices.numel() == 0 and layout.audio_latents == window.audio_latents
