@@ -80,8 +80,11 @@ def sample(
                           callback=callback, offload_adaln=offload_adaln, init=init, denoise=denoise, keep=keep)
     schedule = DualClockSchedule.build(steps, video_shift, audio_shift, video_sigmas, audio_sigmas, denoise)
     layout = conditioning.layout
-    kept = _kept_latents(init, layout, keep)
+    kept = kept_latents(init, keep, latent_shape(layout))
     if keep is not None:
+        if layout.locked_modality is not None:
+            raise ValueError(f"This conditioning already holds its {layout.locked_modality} fixed (a driving track); "
+                             "keep takes a request that generates both.")
         layout = layout.locked(keep)
     device = dit.condition_proj.weight.device
     config = dit.config
@@ -119,24 +122,31 @@ def sample(
     return AVLatents(video.contiguous(), audio.contiguous())
 
 
-def _kept_latents(init: AVLatents | None, layout, keep: str | None) -> torch.Tensor | None:
-    """The latents `keep` holds fixed (checked against the layout before any model runs), or None."""
+def latent_shape(layout) -> tuple[int, int, int, int]:
+    """(latent frames, latent height, latent width, audio latents per channel) a layout generates."""
+    return layout.latent_frames, layout.latent_height, layout.latent_width, layout.audio_latents
+
+
+def request_latent_shape(num_frames: int, width: int, height: int) -> tuple[int, int, int, int]:
+    """`latent_shape` of a request's layout, from its frame count and canvas (before any layout exists)."""
+    return (geometry.latent_frames(num_frames), *geometry.latent_size(width, height),
+            geometry.audio_latents(num_frames))
+
+
+def kept_latents(init: AVLatents | None, keep: str | None, want: tuple[int, ...]) -> torch.Tensor | None:
+    """The latents `keep` holds fixed, checked against the request's `latent_shape` `want`, or None."""
     if keep is None:
         return None
     if keep not in ("video", "audio"):
         raise ValueError(f"keep holds the given 'video' or 'audio' fixed, got {keep!r}.")
     if init is None:
         raise ValueError(f"keep={keep!r} holds the {keep} of a given latent: pass init (the clip's latents).")
-    _check_init_size(init, layout)
-    if layout.locked_modality is not None:
-        raise ValueError(f"This conditioning already holds its {layout.locked_modality} fixed (a driving track); "
-                         "keep takes a request that generates both.")
+    _check_init_size(init, want)
     return init.video if keep == "video" else init.audio
 
 
-def _check_init_size(init: AVLatents, layout) -> None:
+def _check_init_size(init: AVLatents, want: tuple[int, ...]) -> None:
     init.check()
-    want = (layout.latent_frames, layout.latent_height, layout.latent_width, layout.audio_latents)
     have = (*init.video.shape[2:], init.audio.shape[2])
     if have != want:
         raise ValueError(f"The given latent has (frames, height, width, audio) latents {have}, but this "
@@ -147,7 +157,7 @@ def start_rows(init: AVLatents, layout, schedule: DualClockSchedule, video_noise
                audio_noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Target rows that start from `init` at each ladder's first sigma (flow matching: s * noise + (1 - s) * x);
     a modality the layout holds fixed has no target rows and stays empty."""
-    _check_init_size(init, layout)
+    _check_init_size(init, latent_shape(layout))
     s_video, s_audio = schedule.video[0], schedule.audio[0]
     if video_noise.shape[1]:
         video_noise = s_video * video_noise + (1 - s_video) * patchify(init.video.float().cpu())
@@ -287,14 +297,12 @@ def generate(
     rules = TINY_CANVAS if model == TINY_RANDOM else RELEASE_CANVAS
     plan = check(request, rules)  # every limit, before any model
     if keep is not None:
-        if long_video or given is None:
-            raise RequestError("keep holds part of a given clip in one plain request: pass given latents, no long video.")
-        if keep not in ("video", "audio"):
-            raise RequestError(f"keep holds the given 'video' or 'audio' fixed, got {keep!r}.")
-        size = (plan.num_frames, *geometry.latent_size(plan.width, plan.height))
-        if (given.num_frames, *given.video.shape[3:]) != size:
-            raise RequestError(f"The given clip has (frames, latent height, latent width) "
-                               f"{(given.num_frames, *given.video.shape[3:])}, the request {size}: make them agree.")
+        if long_video:
+            raise RequestError("keep holds part of a given clip in one plain request, not a long video.")
+        try:
+            kept_latents(given, keep, request_latent_shape(plan.num_frames, plan.width, plan.height))
+        except ValueError as error:
+            raise RequestError(str(error)) from None
     guides = tuple(request.request.guides if long_video else request.guides)
     clip_frames = max(w.frames for w in plan.windows) if long_video else None
     guide_media = [GuideMedia(guide.frame_index, *read_guide(guide, plan.num_frames, clip_frames)) for guide in guides]

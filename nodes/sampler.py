@@ -94,8 +94,6 @@ class H3Sampler(io.ComfyNode):
         if starts_low and init is None:
             raise ValueError("denoise < 1 (or sigmas starting below 1.0) refines a latent: connect one from an H3 "
                              "sampler (an empty latent has nothing to refine), or set denoise to 1.0.")
-        if keep not in KEEP_CHOICES:
-            raise ValueError(f"keep must be one of {', '.join(KEEP_CHOICES)}; got {keep!r}.")
         keep = None if keep == "none" else keep
         if keep is not None and init is None:
             raise ValueError(f"keep = {keep} holds the {keep} of the connected latent: connect one with content (your "
