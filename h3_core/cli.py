@@ -25,7 +25,7 @@ from . import geometry
 from .attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
 from .local_attention import check_setting as check_window_setting
 from .checkpoint import CheckpointError, infer_config, load_dit, locate_dit
-from .conditioning import Conditioning, Request, resolve_num_frames
+from .conditioning import MAX_FRAMES, Conditioning, Request, resolve_num_frames
 from .continuation import DEFAULT_OVERLAP_FRAMES, DEFAULT_WINDOW_FRAMES
 from .fp8 import LINEAR_MODES, apply_linear_mode
 from .guides import GUIDE_KINDS, GuideFile
@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "your video; audio: a video to your sound); its canvas and length; not in the release's "
                           "pipelines")
     gen.add_argument("--from", dest="given", type=Path, metavar="LATENTS",
-                     help="with --keep: a clip's latents from h3 encode (or --save-latents), 4-15 s")
+                     help="with --keep: a clip's latents from h3 encode (or --save-latents), 4-15 s; with "
+                          "--long-video --keep video up to 300 s, its sound made window by window")
     gen.add_argument("--steps", type=int, help="sigma points including the final 0 (default 50 -> 49 model calls, "
                                                "or what a Turbo adapter was distilled for)")
     gen.add_argument("--video-shift", type=float, help=f"default {VIDEO_SHIFT:g} (or the Turbo adapter's)")
@@ -236,9 +237,9 @@ def _prompt(args) -> str:
     raise ValueError("Give --prompt TEXT (or, with --long-video, one --window-prompt TEXT per window).")
 
 
-def _long_video(args, request: Request) -> Request | LongVideoRequest:
+def _long_video(args, request: Request, kept: AVLatents | None = None) -> Request | LongVideoRequest:
     """--long-video and --drive-audio make a LongVideoRequest; without --long-video a driving track runs
-    as one window within the usual 4-15 s."""
+    as one window within the usual 4-15 s. `kept`: the clip of --long-video --keep video --from."""
     options = {"--long-video-mode": args.long_video_mode, "--window-frames": args.window_frames,
                "--overlap-frames": args.overlap_frames, "--window-prompt": args.window_prompt or None,
                "--continue-from": args.continue_from}
@@ -258,7 +259,7 @@ def _long_video(args, request: Request) -> Request | LongVideoRequest:
         DEFAULT_WINDOW_FRAMES if args.window_frames is None else args.window_frames,
         DEFAULT_OVERLAP_FRAMES if args.overlap_frames is None else args.overlap_frames,
         tuple(args.window_prompt), args.drive_audio,
-        continue_from=None if args.continue_from is None else _saved_latents(args.continue_from),
+        continue_from=None if args.continue_from is None else _saved_latents(args.continue_from), keep_video=kept,
     )
 
 
@@ -280,11 +281,19 @@ def _kept(args, request: Request) -> tuple[Request, AVLatents | None]:
         return request, None
     if args.keep is None or args.given is None:
         raise ValueError("--keep video|audio and --from LATENTS go together: which part of which clip to keep.")
-    clashes = [name for name, value in (("--long-video", args.long_video), ("--drive-audio", args.drive_audio),
+    if args.long_video and args.keep == "audio":
+        raise ValueError("--long-video --keep audio: a long video is made to a sound of yours with --drive-audio "
+                         "FILE (the sound file itself) instead.")
+    clashes = [name for name, value in (("--drive-audio", args.drive_audio), ("--continue-from", args.continue_from),
                                         ("--aspect-ratio", args.aspect_ratio), ("--width", args.width)) if value]
     if clashes:
-        raise ValueError(f"--keep takes the given clip's canvas and length as one request: drop {', '.join(clashes)}.")
+        raise ValueError(f"--keep takes the given clip's canvas and length: drop {', '.join(clashes)}.")
     given = _saved_latents(args.given, "--from")
+    if args.long_video:  # the whole clip, on its canvas (long_video.LongVideoRequest.keep_video)
+        return dataclasses.replace(request, duration=None), given
+    if given.num_frames > MAX_FRAMES:
+        raise ValueError(f"--from {args.given}: the clip lasts {given.num_frames / geometry.FPS:.1f} s; one request "
+                         f"keeps 4-15 s. Add --long-video to make its sound window by window.")
     height, width = (size * geometry.VAE_SPATIAL_FACTOR for size in given.video.shape[3:])
     return dataclasses.replace(request, width=width, height=height, duration=None,
                                num_frames=given.num_frames), given
@@ -345,7 +354,10 @@ def run_generate(args) -> int:
         reference_images=args.reference_images,
     )
     request, given = _kept(args, request)
-    request = _long_video(args, request)
+    if args.long_video:  # the long request holds the kept clip
+        request, given = _long_video(args, request, given), None
+    else:
+        request = _long_video(args, request)
     settings = GenerateSettings(args.seed, args.outputs, args.steps, args.video_shift, args.audio_shift,
                                 str(device), dtype, args.attention, [_lora(spec) for spec in args.lora],
                                 linears=args.linears, devices=devices, shard_weights=args.shard_weights,
@@ -359,7 +371,8 @@ def run_generate(args) -> int:
         torch.cuda.reset_peak_memory_stats(device)
     try:
         results = generate(request, args.model, settings, args.out, args.save_latents, progress,
-                           notes=lambda line: print(f"h3: {line}", file=sys.stderr), given=given, keep=args.keep)
+                           notes=lambda line: print(f"h3: {line}", file=sys.stderr), given=given,
+                           keep=None if given is None else args.keep)
     finally:
         progress.close()
     for result in results:

@@ -38,6 +38,14 @@ def audio_at(frame: int) -> int:
     return geometry.audio_latents(frame) if frame else 0
 
 
+def video_at(start: int) -> int:
+    """Video latents before a window's first frame `start` (a multiple of 17) on the cumulative timeline, 5 per
+    17 frames: the window's latents are the whole clip's [video_at(start), video_at(start) + latent_frames)."""
+    if start % geometry.FRAMES_PER_CHUNK:
+        raise ValueError(f"Windows start at multiples of {geometry.FRAMES_PER_CHUNK} frames; got {start}.")
+    return start // geometry.FRAMES_PER_CHUNK * geometry.LATENTS_PER_CHUNK
+
+
 @dataclass(frozen=True)
 class Window:
     """One request of the plan: pixel frames [start, end) of the whole clip."""

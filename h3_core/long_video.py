@@ -19,6 +19,10 @@ Choices (the sources leave room):
   windows continue from its end, on its canvas: video extension.
 - fl2va is not offered: its keyframes pin the first / last frame of one clip. Guides (images, clips,
   sounds at any frame of the clip) go to the windows that make their frames (window_guides.py).
+- A clip's video can be kept (`keep_video`: the sound for a long clip of yours): each window holds its slice
+  of the clip's latents as one request's keep="video" does (pipeline.sample), and only the sound continues
+  from window to window. A window's first latents are then a slice of the whole clip's encoding rather than
+  a fresh start; they are the hidden overlap (the tail guide), so the clip comes back exactly as given.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from .continuation import (
     Timeline,
     Window,
     long_video_frames,
+    video_at,
     plan_request,
     sampled,
 )
@@ -77,6 +82,8 @@ class LongVideoRequest:
     guides          optional `guides.GuideMedia`s, their frame indices counting frames of the whole clip
     continue_from   optional `AVLatents` of a clip already made: kept as they are, continued from their end
                     on their canvas; `duration` then counts the whole clip, the given one included
+    keep_video      optional `AVLatents` of a clip (e.g. from h3 encode) whose video is kept while its sound is
+                    made: on its canvas, `duration` None for all of it or its first seconds; its audio is unused
     """
 
     request: Request
@@ -87,6 +94,7 @@ class LongVideoRequest:
     drive_audio: Any = None
     guides: Sequence[GuideMedia] = ()
     continue_from: AVLatents | None = None
+    keep_video: AVLatents | None = None
 
     @property
     def task(self) -> str:
@@ -120,16 +128,25 @@ def split_window_prompts(text: str) -> tuple[str, ...]:
     return tuple(line.strip() for line in text.splitlines() if line.strip())
 
 
-def _total_frames(request: Request, mode: str) -> int:
+def _total_frames(request: Request, mode: str, kept_frames: int = 0) -> int:
+    """The whole clip's frames from the request's duration; with a kept clip of `kept_frames`, all of it when
+    no duration is given, else its first seconds."""
+    if kept_frames and request.num_frames is None and request.duration is None:
+        request = dataclasses.replace(request, duration=kept_frames / geometry.FPS)
     if request.num_frames is not None or request.duration is None:
         raise RequestError(
             f"A long video is asked for by its duration in seconds (got duration={request.duration!r}, "
             f"num_frames={request.num_frames!r}); give the duration only."
         )
     try:
-        return long_video_frames(request.duration, mode)
+        total = long_video_frames(request.duration, mode)
     except ValueError as error:
         raise RequestError(str(error)) from None
+    if kept_frames and total > kept_frames:
+        raise RequestError(f"The kept clip lasts {kept_frames} frames ({kept_frames / geometry.FPS:.2f} s); "
+                           f"{request.duration:g} s would need {total} frames. Ask for at most its length, or leave the "
+                           "duration unset for all of it.")
+    return total
 
 
 def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_CANVAS) -> LongVideoPlan:
@@ -143,8 +160,9 @@ def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_
             f"Long video and driving audio run t2va or ref2va, not {request.task!r} (fl2va keyframes are not "
             "supported here)."
         )
-    total = _total_frames(request.request, request.mode)
     base, given_frames = _continued(request)
+    base, kept_frames = _kept_clip(request, base)
+    total = _total_frames(base, request.mode, kept_frames)
     try:
         windows = tuple(plan_request(total, request.mode, request.window_frames, request.overlap_frames, given_frames))
     except ValueError as error:
@@ -174,8 +192,42 @@ def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_
             check_track(request.drive_audio)
         except MediaInputError as error:
             raise RequestError(str(error)) from None
-    check_window_guides(plan.task, windows, total, request.guides, locked_audio=request.drive_audio is not None)
+    check_window_guides(plan.task, windows, total, request.guides, _locked(request))
     return LongVideoPlan(plan.task, plan.width, plan.height, total, windows, prompts, first, plan)
+
+
+def _locked(request: LongVideoRequest) -> str | None:
+    """The modality the whole clip holds fixed: "audio" with a driving track, "video" with a kept clip."""
+    return "audio" if request.drive_audio is not None else "video" if request.keep_video is not None else None
+
+
+def _on_canvas(request: Request, clip: AVLatents, what: str) -> Request:
+    """`request` on the canvas of `clip`; a canvas the request names that is not the clip's is refused."""
+    height, width = (size * geometry.VAE_SPATIAL_FACTOR for size in clip.video.shape[3:])
+    if (request.width, request.height) not in ((None, None), (width, height)) or request.aspect_ratio not in (None, "auto"):
+        named = request.aspect_ratio if request.aspect_ratio not in (None, "auto") else f"{request.width}x{request.height}"
+        raise RequestError(f"{what} keeps its canvas, {width}x{height}; this request asks for {named}. "
+                           "Leave the size and aspect ratio unset (auto).")
+    return dataclasses.replace(request, aspect_ratio=None, width=width, height=height)
+
+
+def _kept_clip(request: LongVideoRequest, base: Request) -> tuple[Request, int]:
+    """With `keep_video`: the request on the kept clip's canvas and the clip's frame count (else as it is and 0)."""
+    kept = request.keep_video
+    if kept is None:
+        return base, 0
+    if not isinstance(kept, AVLatents):
+        raise RequestError(f"keep_video takes the AVLatents of a clip, got {type(kept).__name__}.")
+    clashes = [name for name, value in (("continue_from", request.continue_from), ("drive_audio", request.drive_audio))
+               if value is not None]
+    if clashes:
+        raise RequestError(f"keep_video makes the sound for a whole clip of yours; it cannot go with "
+                           f"{' or '.join(clashes)} (drive_audio already fixes the sound, continue_from extends a clip).")
+    try:
+        kept.check()
+    except ValueError as error:
+        raise RequestError(f"The clip to keep: {error}") from None
+    return _on_canvas(base, kept, "A kept clip"), kept.num_frames
 
 
 def _continued(request: LongVideoRequest) -> tuple[Request, int]:
@@ -190,13 +242,7 @@ def _continued(request: LongVideoRequest) -> tuple[Request, int]:
         given.check()
     except ValueError as error:
         raise RequestError(f"The clip to continue: {error}") from None
-    height, width = (size * geometry.VAE_SPATIAL_FACTOR for size in given.video.shape[3:])
-    asked = request.request
-    if (asked.width, asked.height) not in ((None, None), (width, height)) or asked.aspect_ratio not in (None, "auto"):
-        named = asked.aspect_ratio if asked.aspect_ratio not in (None, "auto") else f"{asked.width}x{asked.height}"
-        raise RequestError(f"A continued clip keeps its canvas, {width}x{height}; this request asks for {named}. "
-                           "Leave the size and aspect ratio unset (auto).")
-    return dataclasses.replace(asked, aspect_ratio=None, width=width, height=height), given.num_frames
+    return _on_canvas(request.request, given, "A continued clip"), given.num_frames
 
 
 @dataclass(frozen=True)
@@ -208,6 +254,7 @@ class LongConditioning:
     visual_references      normalized [1, C, L_i, h_i, w_i] reference latents, packed order (ref2va)
     reference_blocks       their shapes in the layout; reference_audio_rows [1, N, Ca] clean rows
     drive_audio            normalized driving latents [2, Ca, A_total] or None
+    kept_video             the kept clip's normalized video latents [1, C, L_total, h, w] or None
     guides                 the guides' shares of the windows (window_guides.WindowGuide), in guide order
     given                  the latents of the clip the windows continue (the first window, given) or None
     """
@@ -225,6 +272,7 @@ class LongConditioning:
     drive_audio: torch.Tensor | None = None
     guides: tuple[WindowGuide, ...] = ()
     given: AVLatents | None = None
+    kept_video: torch.Tensor | None = None
 
     @property
     def seconds(self) -> float:
@@ -240,7 +288,9 @@ class LongConditioning:
             guide_latent_frames=window.guide_latent_frames, guide_audio_latents=window.guide_audio_latents,
             guides=[g.block for g in self._guides(window)],
         )
-        return layout if self.drive_audio is None else layout.locked("audio")  # the track is never sampled
+        if self.drive_audio is not None:
+            return layout.locked("audio")  # the track is never sampled
+        return layout if self.kept_video is None else layout.locked("video")
 
     def _guides(self, window: Window) -> list[WindowGuide]:
         return [guide for guide in self.guides if guide.window == window.index]
@@ -268,10 +318,18 @@ class LongConditioning:
             audio.insert(0, pack_audio(guide[1][None]))
         if self.drive_audio is not None:
             audio.append(pack_audio(window_slice(self.drive_audio, window)[None]))
+        if self.kept_video is not None:  # the last visual condition, as pipeline.sample's keep="video" adds it
+            visual.append(self.kept_window(window))
         return Conditioning(
             self.task, self.width, self.height, window.frames, self.window_layout(window), states, tags, visual,
             torch.cat([rows.float().cpu() for rows in audio], dim=1), self.reference_blocks,
         )
+
+
+    def kept_window(self, window: Window) -> torch.Tensor:
+        """The kept clip's video latents of one window [1, C, L_w, h, w]."""
+        first = video_at(window.start)
+        return self.kept_video[:, :, first : first + window.latent_frames]
 
 
 def encode_long_video(
@@ -306,13 +364,16 @@ def encode_long_video(
     if between_calls is not None and request.guides:
         between_calls()
     guides = encode_window_guides(plan.task, plan.windows, plan.width, plan.height, plan.num_frames, request.guides,
-                                  video_vae, audio_vae, locked_audio=drive is not None)
+                                  video_vae, audio_vae, _locked(request))
+    kept = request.keep_video
+    if kept is not None:
+        kept = kept.video[:, :, : geometry.latent_frames(plan.num_frames)].float().cpu()
     return LongConditioning(
         plan.task, plan.width, plan.height, plan.num_frames, plan.windows,
         tuple(texts[prompt] for prompt in plan.prompts),
         float(max(states.shape[1] for states, _ in texts.values())),
         tuple(first.visual_condition_latents), first.reference_blocks, first.audio_condition_rows, drive,
-        tuple(guides), request.continue_from,
+        tuple(guides), request.continue_from, kept,
     )
 
 
@@ -343,8 +404,9 @@ def sample_long_video(
             dit, conditioning.window(window, timeline.guide(window)), generator, steps, video_shift, audio_shift,
             video_sigmas, audio_sigmas, callback=window_callback, offload_adaln=offload_adaln,
         )
-        drive = conditioning.drive_audio
-        timeline.append(window, latents.video, latents.audio if drive is None else window_slice(drive, window))
+        drive, kept = conditioning.drive_audio, conditioning.kept_video
+        timeline.append(window, latents.video if kept is None else conditioning.kept_window(window),
+                        latents.audio if drive is None else window_slice(drive, window))
     return AVLatents(*timeline.latents())
 
 

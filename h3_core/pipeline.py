@@ -73,7 +73,9 @@ def sample(
     `keep` ("video" or "audio", with `init`): that modality of `init` is held as conditioning and comes back
     as it is; only the other is generated (video-to-audio: the sound for a given video; audio-to-video as a
     driving track does). Held video rows are a visual condition (t = 0.999, drawn last of them), held audio
-    clean at t = 1, as the release holds keyframes and vLLM-Omni a driving track.
+    clean at t = 1, as the release holds keyframes and vLLM-Omni a driving track. A modality the conditioning's
+    layout already holds (a long video's driving track or kept clip) comes back with no latents: its holder
+    has them.
     `dit` may be a `parallel.ParallelRunner`: its workers then run this function on their devices."""
     if not isinstance(dit, torch.nn.Module):
         return dit.sample(conditioning, seed, steps, video_shift, audio_shift, video_sigmas, audio_sigmas,
@@ -117,7 +119,9 @@ def sample(
     target_audio = audio_rows[:, layout.num_condition_audio_rows :].float().cpu()
     if keep == "video":
         return AVLatents(kept.float().cpu().contiguous(), unpack_audio(target_audio)[0].contiguous())
-    video = unpatchify(target_video, layout.latent_frames, layout.latent_height, layout.latent_width)
+    video = (unpatchify(target_video, layout.latent_frames, layout.latent_height, layout.latent_width)
+             if target_video.shape[1] else torch.zeros(1, config.in_channels, 0, layout.latent_height,
+                                                       layout.latent_width))
     audio = kept.float().cpu() if keep == "audio" else unpack_audio(target_audio)[0]
     return AVLatents(video.contiguous(), audio.contiguous())
 
@@ -298,7 +302,8 @@ def generate(
     plan = check(request, rules)  # every limit, before any model
     if keep is not None:
         if long_video:
-            raise RequestError("keep holds part of a given clip in one plain request, not a long video.")
+            raise RequestError("keep holds part of a given clip in one plain request; a long video keeps a clip's "
+                               "video with LongVideoRequest(keep_video=...), its sound with drive_audio.")
         try:
             kept_latents(given, keep, request_latent_shape(plan.num_frames, plan.width, plan.height))
         except ValueError as error:

@@ -50,9 +50,11 @@ def owning_window(windows: Sequence[Window], frame: int) -> Window:
 
 
 def check_window_guides(task: str, windows: Sequence[Window], num_frames: int, guides: Sequence[GuideMedia],
-                        locked_audio: bool = False) -> list[tuple]:
+                        locked: str | None = None) -> list[tuple]:
     """Every check of a long video's guides that needs no model: per guide, `check_guide`'s (frames or None,
-    frame of the clip, audio latents left), after checking that its image or clip ends in its window."""
+    frame of the clip, audio latents left), after checking that its image or clip ends in its window. `locked`:
+    the modality the whole clip holds fixed ("audio": a driving track, "video": a kept clip), which no guide
+    may carry."""
     checked = []
     for number, guide in enumerate(guides, 1):
         if not isinstance(guide, GuideMedia):
@@ -64,9 +66,12 @@ def check_window_guides(task: str, windows: Sequence[Window], num_frames: int, g
             raise RequestError(f"Guide {number} anchors frame {anchor}, inside the clip being continued (frames "
                                f"0-{windows[0].end - 1}), which is kept as it is; anchor it at frame "
                                f"{windows[0].end} or later.")
-        if guide.waveform is not None and locked_audio:
+        if guide.waveform is not None and locked == "audio":
             raise RequestError(f"Guide {number} holds a sound, but a driving soundtrack fixes the whole clip's "
                                "audio; give the sound in the driving track or drop it from the guide.")
+        if guide.frames is not None and locked == "video":
+            raise RequestError(f"Guide {number} holds a picture, but the kept clip fixes the whole clip's video; "
+                               "only sounds can guide it.")
         if pixels is not None:
             count = guide_frame_count(pixels.shape[0])
             window = owning_window(windows, anchor)
@@ -105,10 +110,10 @@ def sound_slices(windows: Sequence[Window], anchor: int, latents: int) -> list[t
 
 def encode_window_guides(task: str, windows: Sequence[Window], width: int, height: int, num_frames: int,
                          guides: Sequence[GuideMedia], video_vae=None, audio_vae=None,
-                         locked_audio: bool = False) -> list[WindowGuide]:
+                         locked: str | None = None) -> list[WindowGuide]:
     """Every guide encoded once and shared out to its windows, in guide order."""
     shares = []
-    checked = check_window_guides(task, windows, num_frames, guides, locked_audio)
+    checked = check_window_guides(task, windows, num_frames, guides, locked)
     for guide, (pixels, anchor, _) in zip(guides, checked):
         video, sound = encode_guide(pixels, guide.waveform, guide.sample_rate, width, height, num_frames,
                                     video_vae, audio_vae)

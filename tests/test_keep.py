@@ -11,14 +11,18 @@ import re
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from test_long_video import PROMPT, STEPS, encode, models, spied_dit  # noqa: F401 (models is a fixture)
 
-from h3_core.conditioning import Conditioning
+from h3_core import geometry
+from h3_core.conditioning import Conditioning, Request, RequestError
+from h3_core.guides import GuideMedia
+from h3_core.long_video import LongVideoRequest, encode_long_video, sample_long_video, validate_long_video
 from h3_core.layout import RowClock, build_t2va_layout, patchify
 from h3_core.noise import request_generator
 from h3_core.output import AVLatents
-from h3_core.pipeline import sample
+from h3_core.pipeline import TINY_CANVAS, sample
 from h3_core.references import DecodedAudio
 from h3_core.sampler import DualClockSchedule
 from h3_core.tiny import tiny_random_dit
@@ -143,8 +147,110 @@ def test_cli_makes_the_sound_for_an_encoded_clip(tmp_path, capsys):
 
     for argv, message in (
         (["--keep", "video"], "--keep video|audio and --from LATENTS go together"),
-        (["--keep", "audio", "--from", str(clip), "--long-video"], "drop --long-video"),
+        (["--keep", "audio", "--from", str(clip), "--long-video"], "--long-video --keep audio: .* --drive-audio FILE"),
+        (["--keep", "video", "--from", str(clip), "--continue-from", str(clip)], "drop --continue-from"),
         (["--keep", "audio", "--from", str(tmp_path / "none.safetensors")], "--from .*none.safetensors: no such file"),
     ):
         assert main(["generate", "--prompt", PROMPT, "--out", str(tmp_path / "x.mp4"), *argv]) == 2
         assert re.search(message, capsys.readouterr().err), message
+
+
+def kept_clip(frames: int, seed: int = 0) -> AVLatents:
+    """Random latents of a `frames`-frame clip on the tiny canvas (224x128: 8x14 latents)."""
+    generator = torch.Generator().manual_seed(seed)
+    return AVLatents(torch.randn(1, 24, geometry.latent_frames(frames), 8, 14, generator=generator),
+                     torch.randn(2, 32, geometry.audio_latents(frames), generator=generator))
+
+
+def encode_kept(models, clip: AVLatents, seconds=None, **options):
+    request = LongVideoRequest(Request("t2va", PROMPT, duration=seconds), keep_video=clip, **options)
+    return encode_long_video(request, models["text"], models["video"], models["audio"], rules=TINY_CANVAS)
+
+
+def test_a_kept_clip_in_one_window_is_keep_video(models):
+    """A 5 s clip kept the long-video way (one window) equals one request given the clip with keep="video"."""
+    clip = kept_clip(124)
+    conditioning = encode_kept(models, clip, mode="full")
+    (window,) = conditioning.windows
+    assert (conditioning.num_frames, conditioning.width, conditioning.height) == (124, 224, 128)
+    got = sample_long_video(tiny_random_dit(), conditioning, 7, STEPS)
+    plain = encode(models, seconds=5.0, mode="full").window(window, None)
+    expected = sample(tiny_random_dit(), plain, 7, STEPS, init=clip, keep="video")
+    assert torch.equal(got.video, clip.video) and torch.equal(got.audio, expected.audio)
+
+
+def test_a_long_kept_clip_gets_its_sound_window_by_window(models):
+    """20 s: windows [0, 277) and [255, 481). Each holds its slice of the clip as its last visual condition
+    (window 2: [75, 142) of 142 latent frames, after the tail guide [75, 82)); the clip comes back as given and
+    only the sound is new. A shorter duration keeps the clip's first seconds."""
+    clip = kept_clip(481)
+    conditioning = encode_kept(models, clip)
+    first, second = conditioning.windows
+    assert [(w.start, w.end) for w in conditioning.windows] == [(0, 277), (255, 481)]
+    dit, spy = spied_dit()
+    got = sample_long_video(dit, conditioning, 3, STEPS)
+    assert torch.equal(got.video, clip.video) and got.check().num_frames == 481
+    assert got.audio.shape == clip.audio.shape and not torch.equal(got.audio, clip.audio)
+    assert len(spy.calls) == 2 * (STEPS - 1)
+
+    window = conditioning.window(second, (clip.video[:, :, 75:82], got.audio[..., 425:462]))
+    assert window.layout.locked_modality == "video" and window.layout.num_condition_audio_rows == 2 * 37
+    assert torch.equal(window.visual_condition_latents[0], clip.video[:, :, 75:82])
+    assert torch.equal(window.visual_condition_latents[-1], clip.video[:, :, 75:142])
+    assert torch.equal(conditioning.kept_window(first), clip.video[:, :, :82])
+    # window 2's video rows, all held: the tail guide and its slice, each mixed once to 0.999 z + 0.001 n with
+    # the generator's next draws (window 1 drew for its slice, then its audio)
+    generator, level = request_generator(3), torch.tensor(0.999)
+    torch.randn(1, 24, 82, 8, 14, generator=generator), torch.randn(2 * 462, 32, generator=generator)
+    tail, rest = (torch.randn(1, 24, count, 8, 14, generator=generator) for count in (7, 67))
+    held = torch.cat([patchify(level * clip.video[:, :, 75:82] + (1 - level) * tail),
+                      patchify(level * clip.video[:, :, 75:142] + (1 - level) * rest)], dim=1)
+    assert torch.equal(spy.calls[STEPS - 1]["video_rows"], held)
+    assert torch.equal(spy.calls[-1]["video_rows"], held)  # never written
+
+    other = sample_long_video(tiny_random_dit(), encode_kept(models, dataclasses.replace(clip, video=-clip.video)), 3,
+                              STEPS)
+    assert not torch.equal(other.audio[..., 462:], got.audio[..., 462:])  # the sound follows the video
+
+    shorter = encode_kept(models, clip, seconds=10.0)  # 243 frames: the clip's first 72 latent frames
+    assert shorter.num_frames == 243 and torch.equal(shorter.kept_video, clip.video[:, :, :72])
+
+
+def test_cli_makes_the_sound_for_a_long_clip_window_by_window(tmp_path, capsys):
+    """h3 generate --long-video --keep video --from a 5 s clip in 107-frame windows ([0, 107), [85, 124)): the
+    whole clip on its canvas, its video kept; a clip over 15 s without --long-video is sent there."""
+    from h3_core.cli import main
+
+    clip = tmp_path / "clip.safetensors"
+    kept_clip(124).save(clip)
+    latents = tmp_path / "sound.safetensors"
+    assert main(["generate", "--prompt", PROMPT, "--long-video", "--window-frames", "107", "--keep", "video",
+                 "--from", str(clip), "--steps", "3", "--device", "cpu", "--save-latents", str(latents)]) == 0
+    saved, given = load_file(str(latents)), load_file(str(clip))
+    assert torch.equal(saved["video"], given["video"]) and saved["audio"].shape == given["audio"].shape
+    assert "124 frames" in capsys.readouterr().out
+
+    kept_clip(481).save(tmp_path / "long.safetensors")
+    assert main(["generate", "--prompt", PROMPT, "--keep", "video", "--from", str(tmp_path / "long.safetensors"),
+                 "--out", str(tmp_path / "x.mp4")]) == 2
+    assert "the clip lasts 20.0 s; one request keeps 4-15 s. Add --long-video" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seconds, options, message", [
+    (25.0, {}, r"The kept clip lasts 481 frames \(20.04 s\); 25 s would need 600 frames"),
+    (None, {"drive_audio": "song.wav"}, "cannot go with drive_audio"),
+    (None, {"mode": "full"}, "A full long video lasts 4 s up to 30 s"),
+    (None, {"guides": (GuideMedia(0, np.zeros((1, 128, 224, 3), np.uint8)),)}, "Guide 1 holds a picture, but the kept"),
+])
+def test_bad_kept_clips_fail_before_any_model(seconds, options, message):
+    clip = kept_clip(481) if "mode" not in options else AVLatents(torch.zeros(1, 24, 5 * 44 + 2, 8, 14),
+                                                                   torch.zeros(2, 32, geometry.audio_latents(753)))
+    request = LongVideoRequest(Request("t2va", PROMPT, duration=seconds), keep_video=clip, **options)
+    with pytest.raises(RequestError, match=message):
+        validate_long_video(request, TINY_CANVAS)
+    sized = LongVideoRequest(Request("t2va", PROMPT, aspect_ratio="16:9"), keep_video=kept_clip(124))
+    with pytest.raises(RequestError, match="A kept clip keeps its canvas, 224x128; this request asks for 16:9"):
+        validate_long_video(sized, TINY_CANVAS)
+    sound = GuideMedia(240, waveform=np.zeros((2, 32000), np.float32), sample_rate=32000)
+    validate_long_video(LongVideoRequest(Request("t2va", PROMPT), keep_video=kept_clip(481), guides=(sound,)),
+                        TINY_CANVAS)  # a sound may guide a kept clip
