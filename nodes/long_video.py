@@ -56,8 +56,8 @@ class H3Continuation(io.ComfyNode):
             category=CATEGORY,
             description="A long video (up to 300 s), window by window: each window continues the latent tail of "
                         "the one before, with the prompt and references in every window. Optionally made to a "
-                        "driving soundtrack, or extending a clip already sampled (continue_from). Decode with H3 "
-                        "Save MP4 (streamed).",
+                        "driving soundtrack, extending a clip already sampled (continue_from), or making the sound "
+                        "for a clip of yours (keep_video). Decode with H3 Save MP4 (streamed).",
             inputs=[
                 H3Model.Input("model", tooltip="From H3 Model Loader: fl2va partition for t2va, ref2va for ref2va."),
                 H3TextEncoder.Input("text_encoder", tooltip="From H3 Text Encoder Loader."),
@@ -99,6 +99,11 @@ class H3Continuation(io.ComfyNode):
                                tooltip="Optional: a clip to extend (from H3 Dual-Clock Sampler or another H3 "
                                        "Continuation), kept as it is; the windows continue from its end on its "
                                        "canvas, and duration counts the whole clip, it included."),
+                H3Latent.Input("keep_video", optional=True,
+                               tooltip="Optional: a clip whose video is kept while its sound is made, window by window "
+                                       "(from H3 VAE Encode of your video, or a sampler) on its canvas (leave the "
+                                       "aspect ratio on auto), for its first `duration` seconds (all of it when "
+                                       "longer). Not one of the release's pipelines: judge it on real clips."),
                 reference_images_input(),
             ],
             outputs=[H3Latent.Output(display_name="latent"), io.Int.Output(display_name="num_frames")],
@@ -107,7 +112,8 @@ class H3Continuation(io.ComfyNode):
     @classmethod
     def execute(cls, model, text_encoder, prompt, task, duration, mode, window_frames, overlap_frames, seed, steps,
                 video_shift, audio_shift, aspect_ratio, width, height, window_prompts="", vae=None, drive_audio=None,
-                references=None, guides=None, continue_from=None, reference_images="release") -> io.NodeOutput:
+                references=None, guides=None, continue_from=None, reference_images="release",
+                keep_video=None) -> io.NodeOutput:
         wanted = TASK_PARTITION[task]
         if wanted != model.partition:
             raise ValueError(f"{task} runs on the {wanted} partition, but this model was loaded as "
@@ -120,6 +126,12 @@ class H3Continuation(io.ComfyNode):
             raise ValueError("continue_from holds an empty latent (H3 Empty AV Latent): connect a sampled one, from "
                              "H3 Dual-Clock Sampler or H3 Continuation.")
         given = None if continue_from is None else unpack_latents(continue_from)
+        if keep_video is not None and keep_video.get("empty"):
+            raise ValueError("keep_video holds an empty latent (H3 Empty AV Latent): connect your clip's, from H3 VAE "
+                             "Encode.")
+        kept = None if keep_video is None else unpack_latents(keep_video)
+        if kept is not None and duration * geometry.FPS >= kept.num_frames:
+            duration = None  # the whole clip
         if guides and vae is None:
             raise ValueError("Guides are encoded with the VAE: connect H3 VAE Loader's vae to H3 Continuation.")
         request = LongVideoRequest(
@@ -127,7 +139,7 @@ class H3Continuation(io.ComfyNode):
                           reference_images),
             mode, int(window_frames), int(overlap_frames), split_window_prompts(window_prompts or ""),
             None if drive_audio is None else audio_to_decoded(drive_audio, "drive_audio"), tuple(guides or ()),
-            given,
+            given, kept,
         )
         validate_long_video(request, text_encoder.canvas)  # every limit and the plan, before any model moves
         place_for_encoding(text_encoder, vae)

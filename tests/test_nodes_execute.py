@@ -475,6 +475,31 @@ def test_continuation_extends_a_sampled_clip(comfy):
     assert len(c.record.loaded) == loads  # refused before any model moved
 
 
+def test_continuation_makes_the_sound_for_a_kept_clip(comfy):
+    """keep_video: the clip's video comes back as it is with a new sound, over all its windows (a duration longer
+    than the clip takes all of it, a shorter one its first seconds)."""
+    c = comfy
+    model, text, vae = _models(c)
+    continuation = importlib.import_module("nodes.long_video").H3Continuation
+    args = (text, "rain on a tin roof", "t2va", 8.0, "continuation", 107, 22, 3, 2, 0.0, 0.0, "auto", 0, 0)
+    clip, frames = continuation.execute(model, *args).values  # 192 frames: windows [0, 107), [85, 192)
+    sound, total = continuation.execute(model, *args[:3], 300.0, *args[4:], keep_video=clip).values
+    assert total == frames == 192 and torch.equal(sound["video"], clip["video"])
+    assert sound["audio"].shape == clip["audio"].shape and not torch.equal(sound["audio"], clip["audio"])
+    first, total = continuation.execute(model, *args[:3], 5.0, *args[4:], keep_video=clip).values
+    assert total == 124 and torch.equal(first["video"], clip["video"][:, :, :37])
+
+    loads = len(c.record.loaded)
+    empty = c.latent.H3EmptyAVLatent.execute(224, 128, 107).values[0]
+    with pytest.raises(ValueError, match="keep_video holds an empty latent"):
+        continuation.execute(model, *args, keep_video=empty)
+    with pytest.raises(ValueError, match="A kept clip keeps its canvas, 224x128; this request asks for 16:9"):
+        continuation.execute(model, *args[:-3], "16:9", 0, 0, keep_video=clip)
+    with pytest.raises(ValueError, match="cannot go with continue_from"):
+        continuation.execute(model, *args, keep_video=clip, continue_from=clip)
+    assert len(c.record.loaded) == loads  # refused before any model moved
+
+
 def test_vae_encode_turns_a_video_into_a_latent_to_extend(comfy):
     c = comfy
     model, text, vae = _models(c)

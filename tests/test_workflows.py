@@ -179,7 +179,8 @@ def test_every_task_has_an_api_prompt_and_a_template():
     names = {p.stem for p in (ROOT / "workflows" / "api").glob("*.json")}
     canvas = {p.stem for p in CANVAS}
     wanted = {"t2va", "t2va_turbo", "fl2va_first", "fl2va_last", "fl2va_first_last", "ref2va_images",
-              "ref2va_image_audio", "ref2va_video", "t2va_guides", "long_video", "long_video_guides", "extend_video", "extend_my_video"}
+              "ref2va_image_audio", "ref2va_video", "t2va_guides", "long_video", "long_video_guides", "extend_video",
+              "extend_my_video", "sound_for_my_video"}
     assert wanted <= names and wanted == canvas
 
 

@@ -13,7 +13,8 @@ Every task's graph; t2va_guides: an image and a sound anchored mid-clip (H3 Add 
 t2va over 20 s in two continuation windows; long_video_guides: the same with an image at the start, one
 at 12.5 s (the second window) and a sound in the last 2.5 s (H3 Continuation Guide); extend_video: a
 t2va clip sampled, then extended to 15 s by H3 Continuation (continue_from); extend_my_video: a video of
-your own (H3 VAE Encode) extended the same way.
+your own (H3 VAE Encode) extended the same way; sound_for_my_video: the sound made for a video of your own
+(H3 Continuation's keep_video), window by window.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = ("A red fox trots along a beach at sunset; waves crash softly, gulls call, and a woman laughs "
           "somewhere behind the camera.")
+SOUND_PROMPT = ("The sound of this scene as it happens: footsteps, wind and the world around the camera, with "
+                "no music.")
 TURBO_LORA = "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors"
 REAL = {  # Comfy-Org/MiniMax-H3 file names (models/diffusion_models, text_encoders, vae)
     "fl2va": "minimax_h3_fl2va_bf16.safetensors",
@@ -71,12 +74,13 @@ def _audio(graph: Graph, real: bool, what: str) -> list:
     return [graph.add("EmptyAudio", duration=3.0, sample_rate=32000, channels=2), 0]
 
 
-def _video(graph: Graph, real: bool, what: str) -> list:
+def _video(graph: Graph, real: bool, what: str, frames: int = 60) -> list:
+    """A video of the user's (real) or `frames` frames of one colour at 24 fps with silence (tiny)."""
     if real:
         return [graph.add("LoadVideo", file=f"h3_{what}.mp4"), 0]
-    frames = graph.add("EmptyImage", width=224, height=128, batch_size=60, color=3355647)
-    sound = graph.add("EmptyAudio", duration=2.5, sample_rate=32000, channels=2)
-    return [graph.add("CreateVideo", images=[frames, 0], fps=24.0, audio=[sound, 0]), 0]
+    images = graph.add("EmptyImage", width=224, height=128, batch_size=frames, color=3355647)
+    sound = graph.add("EmptyAudio", duration=frames / 24, sample_rate=32000, channels=2)
+    return [graph.add("CreateVideo", images=[images, 0], fps=24.0, audio=[sound, 0]), 0]
 
 
 def _loaders(graph: Graph, real: bool, partition: str = "fl2va") -> tuple[str, str, str]:
@@ -180,6 +184,20 @@ def build_extend_my_video(real: bool) -> dict:
     return g.nodes
 
 
+def build_sound_for_my_video(real: bool) -> dict:
+    """The sound for a video of your own (H3 VAE Encode), made window by window while its video is kept."""
+    g = Graph()
+    model, text, vae = _loaders(g, real)
+    clip = g.add("H3VAEEncode", vae=[vae, 0], video=_video(g, real, "my_clip", frames=110), width=0, height=0)
+    sound = g.add("H3Continuation", model=[model, 0], text_encoder=[text, 0], vae=[vae, 0], keep_video=[clip, 0],
+                  prompt=SOUND_PROMPT, task="t2va", duration=300.0, mode="continuation", window_frames=277,
+                  overlap_frames=22, seed=0, steps=0 if real else 2, video_shift=0.0, audio_shift=0.0,
+                  aspect_ratio="auto", width=0, height=0, window_prompts="")
+    g.add("H3SaveMP4", vae=[vae, 0], latent=[sound, 0], filename_prefix="H3/sound_for_my_video", tiling="release",
+          devices="")
+    return g.nodes
+
+
 def main() -> None:
     for folder, real in (("api", False), ("templates", True)):
         out = ROOT / "workflows" / folder
@@ -191,7 +209,8 @@ def main() -> None:
         (out / "long_video_guides.json").write_text(json.dumps(guided, indent=2) + "\n")
         (out / "extend_video.json").write_text(json.dumps(build_extend_video(real), indent=2) + "\n")
         (out / "extend_my_video.json").write_text(json.dumps(build_extend_my_video(real), indent=2) + "\n")
-    print(f"wrote {len(TASKS) + 4} API prompts to workflows/api and workflows/templates")
+        (out / "sound_for_my_video.json").write_text(json.dumps(build_sound_for_my_video(real), indent=2) + "\n")
+    print(f"wrote {len(TASKS) + 5} API prompts to workflows/api and workflows/templates")
 
 
 if __name__ == "__main__":
