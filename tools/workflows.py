@@ -188,9 +188,10 @@ def build_sound_for_my_video(real: bool) -> dict:
     """The sound for a video of your own (H3 VAE Encode), made window by window while its video is kept."""
     g = Graph()
     model, text, vae = _loaders(g, real)
-    clip = g.add("H3VAEEncode", vae=[vae, 0], video=_video(g, real, "my_clip", frames=110), width=0, height=0)
+    clip = g.add("H3VAEEncode", vae=[vae, 0], video=_video(g, real, "my_clip", frames=130), width=0, height=0)
     sound = g.add("H3Continuation", model=[model, 0], text_encoder=[text, 0], vae=[vae, 0], keep_video=[clip, 0],
-                  prompt=SOUND_PROMPT, task="t2va", duration=300.0, mode="continuation", window_frames=277,
+                  prompt=SOUND_PROMPT, task="t2va", duration=300.0, mode="continuation",
+                  window_frames=277 if real else 107,  # tiny: 124 frames in two windows
                   overlap_frames=22, seed=0, steps=0 if real else 2, video_shift=0.0, audio_shift=0.0,
                   aspect_ratio="auto", width=0, height=0, window_prompts="")
     g.add("H3SaveMP4", vae=[vae, 0], latent=[sound, 0], filename_prefix="H3/sound_for_my_video", tiling="release",
