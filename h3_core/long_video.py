@@ -52,9 +52,9 @@ from .continuation import (
     Timeline,
     Window,
     long_video_frames,
-    video_at,
     plan_request,
     sampled,
+    video_at,
 )
 from .drive_audio import check_track, encode_track, load_track, window_slice
 from .guides import GuideMedia
@@ -324,7 +324,6 @@ class LongConditioning:
             self.task, self.width, self.height, window.frames, self.window_layout(window), states, tags, visual,
             torch.cat([rows.float().cpu() for rows in audio], dim=1), self.reference_blocks,
         )
-
 
     def kept_window(self, window: Window) -> torch.Tensor:
         """The kept clip's video latents of one window [1, C, L_w, h, w]."""
