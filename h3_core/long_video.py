@@ -411,6 +411,7 @@ def sample_long_video(
 
 def _counting_over_windows(callback: StepCallback, index: int, count: int) -> StepCallback:
     def on_step(state):
-        callback(dataclasses.replace(state, step=index * state.total + state.step, total=count * state.total))
+        callback(dataclasses.replace(state, step=index * state.total + state.step, total=count * state.total,
+                                     ladder_step=state.step))
 
     return on_step

@@ -105,6 +105,8 @@ class StepState:
     schedule: DualClockSchedule
     video_velocity: torch.Tensor | None = None  # this step's prediction, all video rows
     layout: Any = None
+    ladder_step: int | None = None  # this run's step on the ladders when `step` counts over several runs
+
 
     def video_estimate_frame(self, index: int | None = None) -> torch.Tensor:
         """The clean-video estimate of one target latent frame (default: the middle one), [C, h, w] fp32 on
@@ -116,7 +118,8 @@ class StepState:
         index = layout.latent_frames // 2 if index is None else index
         start = layout.num_condition_video_rows + index * per_frame
         rows = self.video_rows[:1, start : start + per_frame].float()
-        rows = rows + self.schedule.video[self.step].to(rows.device) * self.video_velocity[:1, start : start + per_frame].float()
+        sigma = self.schedule.video[self.step if self.ladder_step is None else self.ladder_step]
+        rows = rows + sigma.to(rows.device) * self.video_velocity[:1, start : start + per_frame].float()
         return unpatchify(rows, 1, layout.latent_height, layout.latent_width)[0, :, 0].cpu()
 
 

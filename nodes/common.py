@@ -72,6 +72,19 @@ def preview_settings():
     return args.preview_size, factors, bias
 
 
+def step_preview(state, previews):
+    """A step's preview for ComfyUI's progress bar, ("JPEG", picture, max size): the clean-video estimate of
+    the middle frame being made. None when previews are off or no video is made (a kept video)."""
+    if previews is None or state.video_rows is None or state.layout.locked_modality == "video":
+        return None
+    from PIL import Image
+
+    from h3_core.preview import latent_rgb
+
+    size, factors, bias = previews
+    return "JPEG", Image.fromarray(latent_rgb(state.video_estimate_frame(), factors, bias)), size
+
+
 TILING = {"release": None, "off": False}  # None: the VAE config's (the release's: tiled)
 
 

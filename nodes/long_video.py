@@ -38,7 +38,7 @@ from h3_core.placement import freed_on_failure
 
 from .common import (
     CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, canvas_inputs, check_interrupt, decode_inputs,
-    decode_options, device, progress_bar, saved_file_metadata, shift_inputs,
+    decode_options, device, preview_settings, progress_bar, saved_file_metadata, shift_inputs, step_preview,
 )
 from .conditioning import guide_media, guide_media_inputs, reference_images_input, reference_input
 from .convert import audio_to_decoded, build_request, media_problem, ordered_references, pack_latents, unpack_latents
@@ -151,16 +151,17 @@ class H3Continuation(io.ComfyNode):
         dit = model.dit
         contracts = [lora.contract for lora, _ in model.loras if lora.contract is not None]
         settings = sampler_settings(contracts, steps or None, video_shift or None, audio_shift or None)
+        previews = preview_settings()
         # placed by the engine's plan for the largest window, as the sampler places it
         with freed_on_failure(model.device), dit_for_run(model, largest_layout(cond), settings.steps) as plan:
             try:
                 use_loras(model)
-                if model.split:
-                    dit.previews = False  # this node shows progress only
+                if model.split:  # rank 0 then sends each step's rows back for the preview
+                    dit.previews = previews is not None
                 bar = progress_bar(len(sampled(cond.windows)) * settings.steps)
 
-                def on_step(state):
-                    bar.update_absolute(state.step, state.total)
+                def on_step(state):  # the window being made: its middle frame
+                    bar.update_absolute(state.step, state.total, step_preview(state, previews))
                     check_interrupt()
 
                 check_interrupt()

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import folder_paths
 from comfy_api.latest import io
-from PIL import Image
-
 from h3_core.lora import load_lora, sampler_settings
 from h3_core.pipeline import TASK_PARTITION, sample
 from h3_core.placement import freed_on_failure
-from h3_core.preview import latent_rgb
 from h3_core.sampler import DualClockSchedule, custom_ladder
 
-from .common import CATEGORY, H3Cond, H3Latent, H3Model, check_interrupt, preview_settings, progress_bar, shift_inputs
+from .common import (
+    CATEGORY, H3Cond, H3Latent, H3Model, check_interrupt, preview_settings, progress_bar, shift_inputs, step_preview,
+)
 from .convert import latent_size_problem, pack_latents, unpack_latents
 from .memory import dit_for_run, drop_loras, use_loras
 
@@ -117,12 +116,8 @@ class H3Sampler(io.ComfyNode):
                 bar = progress_bar(outputs * settings.steps)
                 for index in range(outputs):
                     def on_step(state, done=index):
-                        preview = None
-                        if previews is not None and state.video_rows is not None and keep != "video":
-                            size, factors, bias = previews
-                            picture = latent_rgb(state.video_estimate_frame(), factors, bias)
-                            preview = ("JPEG", Image.fromarray(picture), size)
-                        bar.update_absolute(done * state.total + state.step, outputs * state.total, preview)
+                        bar.update_absolute(done * state.total + state.step, outputs * state.total,
+                                            step_preview(state, previews))
                         check_interrupt()
 
                     check_interrupt()

@@ -85,6 +85,19 @@ def test_the_first_window_is_an_ordinary_request(models):
     assert torch.equal(whole.video[:, :, :82], alone.video) and torch.equal(whole.audio[..., :462], alone.audio)
 
 
+def test_each_windows_preview_estimates_its_own_frames(models):
+    """Steps count over both windows, and each step's clean estimate (a preview) is of the window being made:
+    at a window's last step its middle frame as the result holds it (window 1: frame 41 of 82; window 2: 33
+    of its 67, after the 7 overlap frames dropped, so 82 + 26 of the clip)."""
+    conditioning = encode(models)
+    states = []
+    latents = sample_long_video(tiny_random_dit(), conditioning, 5, STEPS, callback=lambda state: states.append(
+        (state.step, state.total, state.video_estimate_frame())))
+    assert [(step, total) for step, total, _ in states] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert torch.allclose(states[1][2], latents.video[0, :, 41], atol=1e-6)
+    assert torch.allclose(states[3][2], latents.video[0, :, 82 + 26], atol=1e-6)
+
+
 def test_full_mode_is_one_window(models):
     dit, spy = spied_dit()
     ten = encode(models, seconds=10, mode="full")

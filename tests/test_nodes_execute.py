@@ -483,7 +483,11 @@ def test_continuation_makes_the_sound_for_a_kept_clip(comfy):
     continuation = importlib.import_module("nodes.long_video").H3Continuation
     args = (text, "rain on a tin roof", "t2va", 8.0, "continuation", 107, 22, 3, 2, 0.0, 0.0, "auto", 0, 0)
     clip, frames = continuation.execute(model, *args).values  # 192 frames: windows [0, 107), [85, 192)
+    steps = c.record.progress[-2:]  # one bar over both windows (a model call each), a preview of the window made
+    assert [(value, total) for value, total, _ in steps] == [(1, 2), (2, 2)]
+    assert all(preview[0] == "JPEG" and preview[1].size == (14, 8) for _, _, preview in steps)
     sound, total = continuation.execute(model, *args[:3], 300.0, *args[4:], keep_video=clip).values
+    assert all(preview is None for _, _, preview in c.record.progress[-2:])  # the video is kept: nothing to show
     assert total == frames == 192 and torch.equal(sound["video"], clip["video"])
     assert sound["audio"].shape == clip["audio"].shape and not torch.equal(sound["audio"], clip["audio"])
     first, total = continuation.execute(model, *args[:3], 5.0, *args[4:], keep_video=clip).values
