@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from . import fp8, keymap
 from .config import DiTConfig
-from .dit import FP32_MODULES, H3DiT, rope_inverse_frequencies
+from .dit import H3DiT, fp32_modules, rope_inverse_frequencies
 from .weights import (
     CheckpointError,
     assign_strictly,
@@ -145,11 +145,6 @@ def _fp8_layers(files: tuple[Path, ...], supported: bool) -> dict:
 
 def _naming(keys: list[str], path: Path) -> str:
     stripped = [keymap.strip_prefix(k) for k in keys]
-    if any(k.startswith("adaln_t_table") or ".adaln_t_table" in k for k in stripped):
-        raise CheckpointError(
-            f"{path.name} is a pruned H3 checkpoint (AdaLN replaced by 'adaln_t_table'): a different architecture "
-            "that this loader does not run. Use the full (non-pruned) bf16 checkpoint."
-        )
     if any(k.startswith("transformer_blocks.") for k in stripped):
         return "diffusers"
     if any(k.startswith("blocks.") for k in stripped):
@@ -182,7 +177,13 @@ def infer_config(source: DiTSource) -> DiTConfig:
     patch_volume = 4
     num_layers = 1 + max(int(m.group(1)) for k in shapes if (m := re.match(r"blocks\.(\d+)\.", k)))
     refiner = {int(m.group(1)) for k in shapes if (m := re.match(r"token_refiner\.blocks\.(\d+)\.", k))}
-    freq_dim = shape("time_embedder.proj_in.weight")[1]
+    if CURVE_TABLE in shapes:  # curve form: the table's rows and width instead of a time embedder
+        grid, width = shape(CURVE_TABLE)
+        time_embedder = {"adaln_curve_grid": grid, "time_embed_dim": width}
+    else:
+        time_embedder = {"freq_dim": shape("time_embedder.proj_in.weight")[1],
+                         "time_embed_hidden_dim": shape("time_embedder.proj_in.weight")[0],
+                         "time_embed_dim": shape("time_embedder.proj_out.weight")[0]}
     return DiTConfig(
         num_attention_heads=shape("blocks.0.attn.out_proj.weight")[1] // head_dim,
         attention_head_dim=head_dim,
@@ -193,9 +194,7 @@ def infer_config(source: DiTSource) -> DiTConfig:
         in_channels=shape("video_patch_proj.weight")[1] // patch_volume,
         audio_in_channels=shape("audio_patch_proj.weight")[1],
         text_dim=shape("condition_proj.weight")[1],
-        freq_dim=freq_dim,
-        time_embed_hidden_dim=shape("time_embedder.proj_in.weight")[0],
-        time_embed_dim=shape("time_embedder.proj_out.weight")[0],
+        **time_embedder,
         # The release ships rope.inv_freq; without it, the release's ratio (16 frequencies per 128 channels).
         rope_freq_dim=int(inv_freq.numel()) if inv_freq is not None else head_dim // 8,
     )
@@ -207,6 +206,7 @@ def iter_native_tensors(source: DiTSource, head_dim: int):
 
 
 SPARSE_ATTENTION_GATE = ".to_gate_compress.weight"  # FastVideo's VSA gate, one per attention (h3-model.md H)
+CURVE_TABLE = "adaln_t_table"  # a curve-form ("pruned") file's sampled AdaLN input: our time_embedder.table
 
 
 def to_native(items, naming: str, qkv_layout: str, head_dim: int):
@@ -221,6 +221,8 @@ def to_native(items, naming: str, qkv_layout: str, head_dim: int):
                 "have. Use the H3 release (with a Turbo adapter, or the dense-datafree FastH3 4-step LoRA, for "
                 "few steps).")
         name = keymap.strip_prefix(key)
+        if name == CURVE_TABLE:
+            name = "time_embedder.table"
         if naming == "diffusers":
             name, part = keymap.diffusers_to_native_name(name)
             if name.endswith(".mlp.fc1.weight"):
@@ -284,7 +286,7 @@ class DiTReader:
         config = config or self.source.config or infer_config(self.source)
         with torch.device("meta"):
             self.model = H3DiT(config)
-        self._fp8 = fp8.FP8Load.plan(self.model, self.source.fp8_layers, linears, dtype, FP32_MODULES, device)
+        self._fp8 = fp8.FP8Load.plan(self.model, self.source.fp8_layers, linears, dtype, fp32_modules(config), device)
         self._fill(read_headers(self.source.files), "meta")
 
     @property
@@ -328,6 +330,7 @@ class DiTReader:
         and the FP8 plan applied (meta tensors from the headers check everything but the values)."""
         model, source, dtype = self.model, self.source, self.dtype
         fp8_parameters = self._fp8.fp8_parameters
+        in_fp32 = fp32_modules(model.config)
 
         def without_inv_freq():
             for name, tensor, file in to_native(items, source.naming, source.qkv_layout, model.config.attention_head_dim):
@@ -337,9 +340,11 @@ class DiTReader:
                     yield name, tensor, file
 
         def release_policy(name: str) -> torch.dtype | None:
-            if dtype is None or name in fp8_parameters:
+            if name in fp8_parameters:
                 return None
-            return torch.float32 if name.startswith(FP32_MODULES) else dtype
+            if name.startswith(in_fp32) and (dtype is not None or model.config.curve_form):
+                return torch.float32  # the curve form's AdaLN is fp32 even when the file stores bf16 / fp16
+            return dtype
 
         origin = f"{source.files[0].parent if len(source.files) > 1 else source.files[0]} ({source.origin})"
         assign_strictly(model, self._fp8.stream(without_inv_freq(), device), origin, release_policy, device, on_tensor)

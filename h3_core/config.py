@@ -43,6 +43,9 @@ class DiTConfig:
     norm_eps: float = 1e-5
     qk_norm_eps: float = 1e-5
     final_norm_eps: float = 1e-5
+    # Curve-form ("pruned") checkpoints: > 0 = rows of the `adaln_t_table` that replaces the time embedder
+    # (h3-model.md I.2); `time_embed_dim` is then the curve's width (8 in the published files).
+    adaln_curve_grid: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
@@ -53,6 +56,14 @@ class DiTConfig:
             )
         if self.freq_dim % 2:
             raise ValueError(f"freq_dim must be even (cos and sin halves), got {self.freq_dim}.")
+        if self.adaln_curve_grid == 1 or self.adaln_curve_grid < 0:
+            raise ValueError(f"adaln_curve_grid is 0 (a time embedder) or the curve table's rows (at least 2), "
+                             f"got {self.adaln_curve_grid}.")
+
+    @property
+    def curve_form(self) -> bool:
+        """A pruned checkpoint's model: AdaLN over a sampled curve of the time embedding, no time embedder."""
+        return self.adaln_curve_grid > 0
 
     @property
     def video_patch_dim(self) -> int:
@@ -77,8 +88,11 @@ class DiTConfig:
         return cls(**values)
 
     def to_dict(self) -> dict:
+        """diffusers' config fields (and `adaln_curve_grid` for the curve form, which diffusers does not have)."""
         out = dataclasses.asdict(self)
         out["patch_size"] = list(self.patch_size)
+        if not self.curve_form:
+            del out["adaln_curve_grid"]
         return out
 
 

@@ -13,11 +13,17 @@ One packed sequence of S rows (text | conditioning | audio | video) runs through
 Precision policy (the checkpoint's): the patch projections, the time embedder and the two output
 heads are fp32; everything else runs in the model dtype (bf16 for the release). Module names equal
 the original keys, with `attn.qkv_proj` held in the stacked [q; k; v] row order.
+
+Curve form (`config.curve_form`, the community's "pruned" files, h3-model.md I.2): the time embedder and
+the SiLU before each AdaLN projection are replaced by a table of the projection's input sampled over
+t in [0, 1] (`adaln_t_table`, read by linear interpolation), and the projections take its few columns
+instead of 2688, in fp32 as ComfyUI's model runs them. Everything else is the same model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -36,6 +42,13 @@ from .layout import RowClock
 MODALITIES = 3  # AdaLN table rows per timestep: 0 video, 1 text, 2 audio
 _COMPILED_TABLE_ROWS = MODALITIES * len(RowClock)  # a step has at most one distinct timestep per row clock
 FP32_MODULES = ("video_patch_proj", "audio_patch_proj", "time_embedder", "final_layer.video_out", "final_layer.audio_out")
+
+
+def fp32_modules(config: DiTConfig) -> tuple[str, ...]:
+    """Name prefixes of the modules held in fp32: FP32_MODULES, and in the curve form every AdaLN projection."""
+    if not config.curve_form:
+        return FP32_MODULES
+    return (*FP32_MODULES, *(f"blocks.{i}.adaln_proj." for i in range(config.num_layers)), "final_layer.adaln_proj.")
 
 
 def timestep_features(timesteps: torch.Tensor, dim: int) -> torch.Tensor:
@@ -146,23 +159,50 @@ class TimeEmbedder(nn.Module):
         self.proj_in = nn.Linear(config.freq_dim, config.time_embed_hidden_dim)
         self.proj_out = nn.Linear(config.time_embed_hidden_dim, config.time_embed_dim)
 
+    @property
+    def device(self) -> torch.device:
+        return self.proj_in.weight.device
+
     def forward(self, timesteps: torch.Tensor) -> torch.Tensor:
         features = timestep_features(timesteps, self.freq_dim).to(self.proj_in.weight.dtype)
         return self.proj_out(F.silu(self.proj_in(features)))
 
 
-class AdaLNProjection(nn.Module):
-    """temb [K, E] -> table [K * rows_per_timestep, width]; table row timestep_index * rows + tag."""
+class CurveTimeEmbedder(nn.Module):
+    """The curve form's stand-in for the time embedder and SiLU: `table` [grid, width] (fp32, the file's
+    `adaln_t_table`) holds the AdaLN input at t = i / (grid - 1); t in between is linearly interpolated,
+    clamped to [0, 1], t = 1 read on the last interval (as ComfyUI's MiniMax H3 model reads it)."""
 
-    def __init__(self, in_features: int, out_features: int, rows_per_timestep: int):
+    def __init__(self, config: DiTConfig):
+        super().__init__()
+        self.register_buffer("table", torch.zeros(config.adaln_curve_grid, config.time_embed_dim))
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    def forward(self, timesteps: torch.Tensor) -> torch.Tensor:
+        table = self.table.to(timesteps.device)  # ~33 KB: read where the timesteps are, wherever it is kept
+        last = table.shape[0] - 1
+        position = timesteps.float().clamp(0.0, 1.0) * last
+        lower = position.floor().long().clamp(max=last - 1)
+        return torch.lerp(table[lower], table[lower + 1], (position - lower)[:, None])
+
+
+class AdaLNProjection(nn.Module):
+    """temb [K, E] -> table [K * rows_per_timestep, width]; table row timestep_index * rows + tag.
+    `silu`: False in the curve form, whose table already holds the projection's input."""
+
+    def __init__(self, in_features: int, out_features: int, rows_per_timestep: int, silu: bool = True):
         super().__init__()
         self.rows_per_timestep = rows_per_timestep
+        self.silu = silu
         self.linear = nn.Linear(in_features, out_features)
 
     def forward(self, temb: torch.Tensor) -> torch.Tensor:
         # SiLU at temb's fp32 precision, cast only after: every block reads the same temb, so an early
         # rounding would bias all blocks' modulations alike (the reference's order).
-        table = self.linear(F.silu(temb).to(compute_dtype(self.linear)))
+        table = self.linear((F.silu(temb) if self.silu else temb).to(compute_dtype(self.linear)))
         return table.view(temb.shape[0] * self.rows_per_timestep, -1)
 
 
@@ -179,7 +219,8 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.norm2 = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = SwiGLU(config)
-        self.adaln_proj = AdaLNProjection(config.time_embed_dim, 6 * MODALITIES * config.hidden_size, MODALITIES)
+        self.adaln_proj = AdaLNProjection(config.time_embed_dim, 6 * MODALITIES * config.hidden_size, MODALITIES,
+                                          silu=not config.curve_form)
 
     def forward(self, x, table: torch.Tensor, adaln_index: torch.Tensor, rope, window: VideoWindow | None = None) -> torch.Tensor:
         """table [3K, 6H] from `adaln_proj`; adaln_index [S] = timestep_index * 3 + tag."""
@@ -196,7 +237,7 @@ class FinalLayer(nn.Module):
     def __init__(self, config: DiTConfig):
         super().__init__()
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.final_norm_eps)
-        self.adaln_proj = AdaLNProjection(config.time_embed_dim, 2 * config.hidden_size, 1)
+        self.adaln_proj = AdaLNProjection(config.time_embed_dim, 2 * config.hidden_size, 1, silu=not config.curve_form)
         self.video_out = nn.Linear(config.hidden_size, config.video_patch_dim)
         self.audio_out = nn.Linear(config.hidden_size, config.audio_in_channels)
 
@@ -269,7 +310,7 @@ class H3DiT(nn.Module):
         self.video_patch_proj = nn.Linear(config.video_patch_dim, config.hidden_size)
         self.audio_patch_proj = nn.Linear(config.audio_in_channels, config.hidden_size)
         self.condition_proj = nn.Linear(config.text_dim, config.hidden_size)
-        self.time_embedder = TimeEmbedder(config)
+        self.time_embedder = CurveTimeEmbedder(config) if config.curve_form else TimeEmbedder(config)
         self.token_refiner = TokenRefiner(config)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.final_layer = FinalLayer(config)
@@ -294,6 +335,9 @@ class H3DiT(nn.Module):
                 module.adaln_proj.to(dtype)
             elif name not in FP32_MODULES:
                 module.to(dtype)
+        if self.config.curve_form:  # its AdaLN projections stay fp32 (a few MB)
+            for module in self.adaln_modules():
+                module.float()
         return self
 
     @property
@@ -340,8 +384,15 @@ class H3DiT(nn.Module):
 
     def modulation(self, timesteps: torch.Tensor) -> Modulation:
         """[K] distinct timesteps -> every block's AdaLN table and the final layer's, as `forward` computes them."""
-        temb = self.time_embedder(timesteps.to(self.time_embedder.proj_in.weight.device))
-        return Modulation([block.adaln_proj(temb) for block in self.blocks], self.final_layer.adaln_proj(temb))
+        temb = self.time_embedder(timesteps.to(self.time_embedder.device))
+        return Modulation([self._table(block.adaln_proj, temb) for block in self.blocks],
+                          self._table(self.final_layer.adaln_proj, temb))
+
+    def _table(self, projection: AdaLNProjection, temb: torch.Tensor) -> torch.Tensor:
+        """One projection's table, in the model dtype: the curve form's fp32 projections are cast after, as
+        ComfyUI's model casts their rows where the blocks use them (the full model's are already in it)."""
+        table = projection(temb)
+        return table.to(self.dtype) if self.config.curve_form else table
 
     def adaln_modules(self) -> list[nn.Module]:
         """The timestep-only part of the model (~13B of the 33B parameters in the release)."""
@@ -352,7 +403,7 @@ class H3DiT(nn.Module):
         """Keep the AdaLN weights on `device` (the CPU) for the duration; `modulation_schedule` still
         computes the tables on the compute device, one module visiting it at a time. Each module goes back
         where it was: weights a memory plan keeps on the CPU (offload.place) must not land on a small GPU."""
-        homes = [next(module.parameters()).device for module in self.adaln_modules()]
+        homes = [next(itertools.chain(module.parameters(), module.buffers())).device for module in self.adaln_modules()]
         for module in self.adaln_modules():
             module.to(device)
         try:
@@ -373,9 +424,9 @@ class H3DiT(nn.Module):
         per_block = []
         for block in self.blocks:
             with _visiting(block.adaln_proj, device):
-                per_block.append([park(block.adaln_proj(temb)) for temb in tembs])
+                per_block.append([park(self._table(block.adaln_proj, temb)) for temb in tembs])
         with _visiting(self.final_layer.adaln_proj, device):
-            finals = [park(self.final_layer.adaln_proj(temb)) for temb in tembs]
+            finals = [park(self._table(self.final_layer.adaln_proj, temb)) for temb in tembs]
         return [Modulation([tables[s] for tables in per_block], finals[s]) for s in range(len(tembs))]
 
     def forward(

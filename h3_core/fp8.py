@@ -360,7 +360,8 @@ class FP8Load:
         check_linear_mode(mode, device)
         compute = dtype or torch.bfloat16
         matmul = "scaled" if mode == "fp8-lossy" else "dequantize"
-        eligible = set(block_linear_names(model, adaln=True)) | {
+        curve = getattr(getattr(model, "config", None), "curve_form", False)  # its fp32 AdaLN is never FP8
+        eligible = set(block_linear_names(model, adaln=not curve)) | {
             f"token_refiner.blocks.{i}.{leaf}" for i in range(len(model.token_refiner.blocks)) for leaf in BLOCK_LINEARS
         }
         kept, dense_dtype = set(), {}

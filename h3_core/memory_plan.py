@@ -63,12 +63,16 @@ def shared_weight_bytes(config: DiTConfig, dtype_bytes: int) -> int:
 
 
 def adaln_weight_bytes(config: DiTConfig, dtype_bytes: int) -> int:
-    """The timestep-only weights: fp32 time embedder, every block's AdaLN projection and the final one."""
+    """The timestep-only weights: fp32 time embedder, every block's AdaLN projection and the final one
+    (in the curve form: the fp32 table and fp32 projections of its few columns)."""
     h, e = config.hidden_size, config.time_embed_dim
+    per_block = (e + 1) * 6 * MODALITIES * h
+    projections = config.num_layers * per_block + (e + 1) * 2 * h
+    if config.curve_form:
+        return 4 * (config.adaln_curve_grid * e + projections)
     embedder = 4 * (config.freq_dim * config.time_embed_hidden_dim + config.time_embed_hidden_dim
                     + config.time_embed_hidden_dim * e + e)
-    per_block = (e + 1) * 6 * MODALITIES * h
-    return embedder + dtype_bytes * (config.num_layers * per_block + (e + 1) * 2 * h)
+    return embedder + dtype_bytes * projections
 
 
 def activation_bytes(config: DiTConfig, rows: int, dtype_bytes: int, fp8: bool = False) -> int:

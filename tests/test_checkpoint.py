@@ -247,12 +247,6 @@ def test_safetensors_without_dit_tensors(tmp_path):
         load_dit(tmp_path / "vae.safetensors")
 
 
-def test_pruned_checkpoint_is_explained(tmp_path):
-    save_file({"blocks.0.norm1.weight": torch.ones(4), "adaln_t_table": torch.zeros(1025, 8)}, str(tmp_path / "p.safetensors"))
-    with pytest.raises(CheckpointError, match="pruned"):
-        load_dit(tmp_path / "p.safetensors")
-
-
 def test_unknown_partition():
     with pytest.raises(ValueError, match="fl2va, ref2va"):
         locate_dit(".", partition="t2v")

@@ -27,10 +27,10 @@ CPU_SCALED = pytest.mark.skipif(not fp8.scaled_mm_supported("cpu"), reason=(
     "this torch's CPU _scaled_mm takes per-tensor scales only (torch 2.11); CI's torch 2.13 runs these"))
 
 
-def forward(model, seed=3):
-    """One forward of a T2VA layout at a step where video and audio clocks differ."""
+def forward(model, seed=3, times=(0.3, 0.55)):
+    """One forward of a T2VA layout at a step where video and audio clocks differ (`times`: t video, audio)."""
     layout = build_request_layout(128, 64, 124, torch.ones(6, dtype=torch.long))
-    timesteps, indices = layout.row_timesteps(0.3, 0.55)
+    timesteps, indices = layout.row_timesteps(*times)
     g = torch.Generator().manual_seed(seed)
     config = model.config
     with torch.inference_mode():

@@ -138,6 +138,24 @@ def test_a_plan_that_only_keeps_the_adaln_weights_home_moves_only_them(comfy, ca
     assert any("AdaLN weights moved to cpu" in line for line in lines) and not any("unloaded" in line for line in lines)
 
 
+def test_a_pruned_single_file_loads_and_samples(comfy):
+    """A curve-form ("pruned") file in models/diffusion_models, spelled as Comfy-Org ships them: the Model
+    Loader reads it and the sampler gives what the engine gives on the same file."""
+    from test_curve_form import comfy_curve_file, curve_model
+
+    from h3_core.checkpoint import load_dit
+    from h3_core.pipeline import sample
+
+    c = comfy
+    path = c.tmp / "diffusion_models" / "h3_tiny_fl2va_pruned_bf16.safetensors"
+    comfy_curve_file(path, curve_model(seeded_random_weights(H3DiT(CONFIG), TINY_SEED)))
+    model = _load(c, path.name)
+    assert model.dit.config.adaln_curve_grid == 1025
+    cond = _cond(c)
+    expected = sample(load_dit(path, dtype=torch.float32), cond, 5, STEPS)
+    assert _same(_sample(c, model, cond), {"video": expected.video, "audio": expected.audio})
+
+
 def test_failure_and_interrupt_remove_the_streamer(comfy):
     c = comfy
     cond = _cond(c)

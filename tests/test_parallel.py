@@ -110,6 +110,24 @@ def test_a_window_that_holds_its_video_splits_like_one_process(two_ranks):
     assert_close(got, expected)
 
 
+def test_a_pruned_file_splits_with_sharded_weights_like_one_process(tmp_path):
+    """A curve-form file (fp32 AdaLN over the table's columns) read by each worker, its weights sharded."""
+    from test_curve_form import comfy_curve_file, curve_model
+
+    from h3_core.dit import H3DiT
+    from h3_core.tiny import seeded_random_weights
+
+    path = tmp_path / "h3_fl2va_pruned_bf16.safetensors"
+    comfy_curve_file(path, curve_model(seeded_random_weights(H3DiT(HEADS4), 1)))
+    spec = dataclasses.replace(SPEC, source=str(path), config=None)
+    expected = sample(spec.load("cpu"), conditioning(False), 3, STEPS)
+    runner = ParallelRunner(spec, ["cpu", "cpu"], shard_weights=True, threads=1)
+    try:
+        assert_close(runner.sample(conditioning(False), 3, STEPS), expected)
+    finally:
+        runner.close()
+
+
 def test_four_ranks_with_sharded_weights_match_one_process(references):
     runner = ParallelRunner(SPEC, ["cpu"] * 4, shard_weights=True, threads=1)
     for keyframe in (False, True):
