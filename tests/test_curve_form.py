@@ -1,14 +1,17 @@
 """The curve form ("pruned" files: `adaln_t_table` instead of the time embedder, h3-model.md I.2).
 
-No reference library runs it (diffusers refuses these files), so it is proven against our full model,
-which test_dit_parity proves equal to diffusers: a curve-form model made from a full one by the
-published construction (table = G V, W_reduced = W V for the curve G = silu(time_embedder(t)) sampled at
-t = i / (grid - 1), V orthogonal) gives the full model's output at timesteps on the grid, and reads
-timesteps between grid points by linear interpolation. The files load in ComfyUI's layouts (bf16 and
-fp8_scaled), their AdaLN in fp32.
+diffusers refuses these files; ComfyUI's own MiniMaxH3Model runs them, and is the reference where
+COMFYUI_PATH points at a checkout: the same weights give the same forward. Without it, the curve form is
+proven against our full model (test_dit_parity: equal to diffusers): a curve-form model made from a full
+one by the published construction (table = G V, W_reduced = W V for the curve G = silu(time_embedder(t))
+sampled at t = i / (grid - 1), V orthogonal) gives the full model's output at timesteps on the grid, and
+reads timesteps between grid points by linear interpolation. The files load in ComfyUI's layouts (bf16
+and fp8_scaled), their AdaLN in fp32.
 """
 
 import dataclasses
+import os
+import sys
 
 import pytest
 import torch
@@ -194,3 +197,49 @@ def test_an_adapter_for_the_full_adaln_is_refused_with_the_reason(tmp_path):
     with pytest.raises(LoRAError, match="input width 32; 'blocks.0.adaln_proj.linear' takes 8. This model is a pruned"):
         apply_loras(model, [load_lora(path)], partition="fl2va")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.skipif(not os.environ.get("COMFYUI_PATH"),
+                    reason="COMFYUI_PATH not set: ComfyUI's own H3 model, the curve form's reference, is not here")
+def test_comfyuis_own_h3_model_gives_the_same_output():
+    """The same curve-form weights in ComfyUI's MiniMaxH3Model (what runs these files in ComfyUI) and in
+    ours, one t2va forward at a step off the grid: the same velocities (ComfyUI returns them negated)."""
+    sys.path.insert(0, os.environ["COMFYUI_PATH"])
+    pytest.importorskip("comfy.cli_args").args.cpu = True  # before comfy.model_management looks for a GPU
+    native = pytest.importorskip("comfy.ldm.minimax.model")
+    import comfy.ops
+
+    from h3_core.dit import rope_inverse_frequencies
+    from h3_core.layout import build_t2va_layout, pack_audio, patchify, unpatchify
+
+    ours = curve_model(tiny_random_dit())
+    c = ours.config
+    theirs = native.MiniMaxH3Model(
+        hidden_size=c.hidden_size, num_layers=c.num_layers, token_refiner_num_layers=c.num_refiner_layers,
+        num_attention_heads=c.num_attention_heads, attention_head_dim=c.attention_head_dim, ffn_hidden_size=c.ffn_dim,
+        latents_dim=c.in_channels, audio_latents_dim=c.audio_in_channels, text_dim=c.text_dim,
+        time_embed_dim=c.time_embed_dim, rope_inv_freq_len=c.rope_freq_dim, adaln_curve_grid=c.adaln_curve_grid,
+        dtype=torch.float32, device="cpu", operations=comfy.ops.disable_weight_init)
+    state = {("adaln_t_table" if k == "time_embedder.table" else k): v for k, v in ours.state_dict().items()}
+    theirs.load_state_dict({**state, "rope.inv_freq": rope_inverse_frequencies(c)})
+    theirs.eval().requires_grad_(False)
+
+    g = torch.Generator().manual_seed(4)
+    frames, height, width, audio_latents, text_rows = 7, 8, 14, 37, 5
+    video = torch.randn(1, c.in_channels, frames, height, width, generator=g)
+    audio = torch.randn(2, c.audio_in_channels, audio_latents, generator=g)  # ours: one latent per channel
+    text = torch.randn(1, text_rows, c.text_dim, generator=g)
+    sigma = 0.6
+    t_video = 1.0 - sigma
+    t_audio = float(1.0 - native.time_shift_sigma(torch.tensor(sigma), 12.0, 3.0))
+    with torch.inference_mode():
+        their_video, their_audio = theirs._forward([video, audio.permute(1, 0, 2)[None]],
+                                                   torch.tensor([sigma * 1000.0]), text)
+    layout = build_t2va_layout(torch.ones(text_rows, dtype=torch.long), frames, height, width, audio_latents)
+    timesteps, indices = layout.row_timesteps(t_video, t_audio)
+    with torch.inference_mode():
+        our_video, our_audio = ours(patchify(video), pack_audio(audio[None]), text, timesteps, indices,
+                                    layout.token_tags, layout.position_ids, layout.video_indices,
+                                    layout.audio_indices, layout.text_indices)
+    assert torch.allclose(unpatchify(our_video, frames, height, width), -their_video, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(our_audio, pack_audio(-their_audio.permute(0, 2, 1, 3)), atol=1e-4, rtol=1e-4)
