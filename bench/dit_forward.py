@@ -6,6 +6,9 @@ same inputs in the same process (needs diffusers installed), one model on the GP
     python bench/dit_forward.py --frames 124 209 --text-rows 512 [--reference] [--attention auto] [--compile]
     python bench/dit_forward.py --frames 124 --image-references 3 --reference-images canvas-lossy --compile
 
+`--curve-grid 1025` times the curve form of the pruned files (Comfy-Org's `*_pruned_*`: an 8-column AdaLN
+table instead of the time embedder and the 26 GB of AdaLN weights).
+
 `--image-references N` makes it a ref2va forward with N 1920x1080 image references, sized by
 `--reference-images` (the release's 2048 short edge, or canvas-lossy: the output's area).
 
@@ -33,8 +36,9 @@ def randomize_(model: torch.nn.Module) -> torch.nn.Module:
     """Materialize a meta-built model on the GPU and fill it with small random values (not zeros)."""
     model.to_empty(device="cuda")
     with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.02)
+        for tensor in [*model.parameters(), *model.buffers()]:  # buffers too: the curve form's table
+            if tensor.is_floating_point():
+                tensor.normal_(0.0, 0.02)
     return model
 
 
@@ -145,8 +149,11 @@ def main():
     parser.add_argument("--image-references", type=int, default=0, help="ref2va with N 1920x1080 image references")
     parser.add_argument("--reference-images", nargs="+", choices=REFERENCE_IMAGE_MODES, default=["release"],
                         help="how the image references are sized; several: one run each")
+    parser.add_argument("--curve-grid", type=int, default=0,
+                        help="the curve form (pruned files) with this many table rows, 8 columns (0: the full model)")
     args = parser.parse_args()
-    config = DiTConfig(num_layers=args.layers)
+    curve = {"adaln_curve_grid": args.curve_grid, "time_embed_dim": 8} if args.curve_grid else {}
+    config = DiTConfig(num_layers=args.layers, **curve)
     width, height = geometry.canvas_size(args.aspect_ratio)
     started = time.time()
     model = build_ours(config)
@@ -157,7 +164,7 @@ def main():
         model.compile_blocks()
     for mode in args.reference_images:
         bench("ours", model, config, args.frames, args.text_rows, width, height, args.repeats, args.image_references,
-              mode, attention=backend, compiled=args.compile)
+              mode, attention=backend, compiled=args.compile, **({"curve_grid": args.curve_grid} if curve else {}))
     del model
     torch.cuda.empty_cache()
     if args.reference:
