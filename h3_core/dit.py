@@ -385,13 +385,13 @@ class H3DiT(nn.Module):
     def modulation(self, timesteps: torch.Tensor) -> Modulation:
         """[K] distinct timesteps -> every block's AdaLN table and the final layer's, as `forward` computes them."""
         temb = self.time_embedder(timesteps.to(self.time_embedder.device))
-        return Modulation([self._table(block.adaln_proj, temb) for block in self.blocks],
-                          self._table(self.final_layer.adaln_proj, temb))
+        return Modulation([self._block_table(block, temb) for block in self.blocks], self.final_layer.adaln_proj(temb))
 
-    def _table(self, projection: AdaLNProjection, temb: torch.Tensor) -> torch.Tensor:
-        """One projection's table, in the model dtype: the curve form's fp32 projections are cast after, as
-        ComfyUI's model casts their rows where the blocks use them (the full model's are already in it)."""
-        table = projection(temb)
+    def _block_table(self, block: Block, temb: torch.Tensor) -> torch.Tensor:
+        """A block's table in the model dtype: the curve form's fp32 projection is cast after, as ComfyUI's model
+        casts a block's rows to the stream's dtype (the full model's is in it already). The final layer's table
+        is left as made: there ComfyUI's curve form modulates in fp32."""
+        table = block.adaln_proj(temb)
         return table.to(self.dtype) if self.config.curve_form else table
 
     def adaln_modules(self) -> list[nn.Module]:
@@ -424,9 +424,9 @@ class H3DiT(nn.Module):
         per_block = []
         for block in self.blocks:
             with _visiting(block.adaln_proj, device):
-                per_block.append([park(self._table(block.adaln_proj, temb)) for temb in tembs])
+                per_block.append([park(self._block_table(block, temb)) for temb in tembs])
         with _visiting(self.final_layer.adaln_proj, device):
-            finals = [park(self._table(self.final_layer.adaln_proj, temb)) for temb in tembs]
+            finals = [park(self.final_layer.adaln_proj(temb)) for temb in tembs]
         return [Modulation([tables[s] for tables in per_block], finals[s]) for s in range(len(tembs))]
 
     def forward(

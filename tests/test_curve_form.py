@@ -80,7 +80,8 @@ def test_bf16_curve_model_keeps_its_adaln_in_fp32():
     assert curve.final_layer.adaln_proj.linear.weight.dtype == torch.float32
     assert curve.time_embedder.table.dtype == torch.float32 and curve.blocks[0].mlp.fc1.weight.dtype == torch.bfloat16
     table = curve.modulation(torch.tensor([0.5]))
-    assert table.blocks[0].dtype == torch.bfloat16  # rows meet the bf16 stream in its dtype
+    assert table.blocks[0].dtype == torch.bfloat16  # a block's rows meet the bf16 stream in its dtype
+    assert table.final.dtype == torch.float32  # the final layer modulates in fp32, as ComfyUI's curve form does
     video, _ = forward(curve, times=(0.25, 0.5))
     assert torch.isfinite(video).all()
 
