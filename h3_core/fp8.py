@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -79,10 +80,34 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.view(-1)
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """weight * scale in fp32, then rounded once to `dtype`; scale [] or [out]."""
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rotation: int = 0) -> torch.Tensor:
+    """weight * scale in fp32, then rounded once to `dtype`; scale [] or [out]. `rotation` > 0: the weight was
+    stored ConvRot-rotated in groups of that many input columns, which are turned back first."""
     scale = scale.float()
-    return (weight.float() * (scale.view(-1, 1) if scale.ndim else scale)).to(dtype)
+    dense = weight.float() * (scale.view(-1, 1) if scale.ndim else scale)
+    return (unrotate(dense, rotation) if rotation else dense).to(dtype)
+
+
+def hadamard(size: int, device=None) -> torch.Tensor:
+    """ComfyUI's ConvRot rotation: Kronecker powers of [[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]] scaled
+    by 1/sqrt(size), size a power of 4. Symmetric and orthogonal, so it is its own inverse."""
+    if size < 4 or 4 ** round(math.log(size, 4)) != size:
+        raise ValueError(f"A ConvRot group is a power of 4 (4, 16, 64, 256, ...); got {size}.")
+    base = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=torch.float32, device=device)
+    matrix = base
+    while matrix.shape[0] < size:
+        matrix = torch.kron(matrix, base)
+    return matrix / size**0.5
+
+
+def unrotate(weight: torch.Tensor, group: int) -> torch.Tensor:
+    """A ConvRot-rotated weight [out, in] back in the model's basis: each group of `group` input columns
+    times the rotation again (fp32)."""
+    out_features, in_features = weight.shape
+    if in_features % group:
+        raise ValueError(f"A ConvRot weight with {in_features} input columns does not split into groups of {group}.")
+    grouped = weight.float().reshape(out_features, in_features // group, group)
+    return (grouped @ hadamard(group, weight.device)).reshape(out_features, in_features)
 
 
 @functools.lru_cache(maxsize=None)
@@ -251,6 +276,7 @@ def apply_linear_mode(model: nn.Module, mode: str, device: torch.device | str | 
 # (our activations are scaled per row on the fly).
 
 FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+INT8_FORMAT = "int8_tensorwise"  # ComfyUI's int8 files (`*_int8_convrot`): dequantized at load, not kept
 HEADER_FP8 = {name: dtype for name, dtype in HEADER_DTYPES.items() if name.startswith("F8_")}
 DROPPED_LEAVES = ("comfy_quant", "input_scale", "scale_input")
 SCALE_LEAVES = ("weight_scale", "scale_weight")
@@ -258,11 +284,13 @@ SCALE_LEAVES = ("weight_scale", "scale_weight")
 
 @dataclass(frozen=True)
 class FP8Entry:
-    """One FP8 layer of a checkpoint: its format and the shape its scale is held in ([] or [out])."""
+    """One quantized layer of a checkpoint: its format (an FP8 dtype, or int8 for ComfyUI's int8 ConvRot,
+    which is dequantized at load) and the shape its scale is held in ([] or [out])."""
 
     dtype: torch.dtype
     scale_shape: tuple[int, ...]
     scaled: bool  # False: FP8 weight without a scale (scale 1)
+    rotation: int = 0  # int8 ConvRot: the rotation's group size (input columns)
 
 
 def checkpoint_fp8_layers(files: Iterable[Path]) -> dict[str, FP8Entry]:
@@ -279,22 +307,26 @@ def checkpoint_fp8_layers(files: Iterable[Path]) -> dict[str, FP8Entry]:
                 old = FP8_FORMATS["float8_e5m2"] if dtype == "F8_E5M2" else FP8_FORMATS["float8_e4m3fn"]
                 for name in keys:
                     if name.endswith(".scale_weight"):
-                        formats.setdefault(name[: -len(".scale_weight")], old)
+                        formats.setdefault(name[: -len(".scale_weight")], (old, 0))
             for name, key in keys.items():
                 if not name.endswith(".weight"):
                     continue
                 layer = name[: -len(".weight")]
                 header = handle.get_slice(key).get_dtype()
-                dtype = formats.get(layer, HEADER_FP8.get(header))
+                dtype, rotation = formats.get(layer, (HEADER_FP8.get(header), 0))
                 scale_key = next((keys[f"{layer}.{leaf}"] for leaf in SCALE_LEAVES if f"{layer}.{leaf}" in keys), None)
                 if dtype is None:
                     if scale_key is not None:
                         raise CheckpointError(
                             f"'{key}' in {path.name} has a scale but is stored as {header} with no FP8 format named; "
-                            "this loader reads bf16/fp32 and FP8 (fp8_scaled) H3 files only."
+                            "this loader reads bf16/fp32, FP8 (fp8_scaled) and int8 ConvRot H3 files only."
                         )
                     continue
-                if header not in HEADER_FP8 and header != "U8":
+                if dtype == torch.int8:
+                    if header != "I8" or scale_key is None:
+                        raise CheckpointError(f"'{key}' in {path.name} is marked int8 but stored as {header}"
+                                              f"{'' if scale_key else ' without a weight_scale'}.")
+                elif header not in HEADER_FP8 and header != "U8":
                     raise CheckpointError(f"'{key}' in {path.name} is marked FP8 but stored as {header}.")
                 shape = handle.get_slice(key).get_shape()
                 scale_shape = () if scale_key is None else tuple(handle.get_slice(scale_key).get_shape())
@@ -306,18 +338,19 @@ def checkpoint_fp8_layers(files: Iterable[Path]) -> dict[str, FP8Entry]:
                         f"The scale of '{key}' in {path.name} has shape {list(scale_shape)}; expected one value "
                         f"or one per output channel ({shape[0]})."
                     )
-                layers[layer] = FP8Entry(dtype, () if numel == 1 else (shape[0],), scale_key is not None)
+                layers[layer] = FP8Entry(dtype, () if numel == 1 else (shape[0],), scale_key is not None, rotation)
     return layers
 
 
-def _layer_formats(handle, keys: dict[str, str], path: Path) -> dict[str, torch.dtype]:
-    """Formats named by `X.comfy_quant` tensors or the `_quantization_metadata` file metadata."""
-    named: dict[str, str] = {}
+def _layer_formats(handle, keys: dict[str, str], path: Path) -> dict[str, tuple[torch.dtype, int]]:
+    """(dtype, ConvRot group or 0) per layer, as `X.comfy_quant` tensors or the `_quantization_metadata` file
+    metadata name them: FP8, or int8 ("int8_tensorwise", optionally ConvRot-rotated), dequantized at load."""
+    named: dict[str, dict] = {}
     metadata = handle.metadata() or {}
     if "_quantization_metadata" in metadata:
         try:
             for layer, conf in json.loads(metadata["_quantization_metadata"]).get("layers", {}).items():
-                named[keymap.strip_prefix(layer)] = conf.get("format")
+                named[keymap.strip_prefix(layer)] = dict(conf)
         except (json.JSONDecodeError, AttributeError):
             raise CheckpointError(f"{path.name} has unreadable '_quantization_metadata'.") from None
     for name, key in keys.items():
@@ -326,15 +359,24 @@ def _layer_formats(handle, keys: dict[str, str], path: Path) -> dict[str, torch.
                 conf = json.loads(bytes(handle.get_tensor(key).tolist()).decode("utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
                 raise CheckpointError(f"'{key}' in {path.name} is not a JSON quantization record.") from None
-            named[name[: -len(".comfy_quant")]] = conf.get("format")
+            named[name[: -len(".comfy_quant")]] = dict(conf)
     formats = {}
-    for layer, fmt in named.items():
+    for layer, conf in named.items():
+        fmt = conf.get("format")
+        if fmt == INT8_FORMAT:
+            rotation = int(conf.get("convrot_groupsize", 256)) if conf.get("convrot") else 0
+            if rotation and (rotation < 4 or 4 ** round(math.log(rotation, 4)) != rotation):
+                raise CheckpointError(f"{path.name} rotates '{layer}' in groups of {rotation}; ConvRot groups are "
+                                      "powers of 4.")
+            formats[layer] = (torch.int8, rotation)
+            continue
         if fmt not in FP8_FORMATS:
             raise CheckpointError(
                 f"{path.name} quantizes '{layer}' as {fmt!r}; this loader reads FP8 (float8_e4m3fn / float8_e5m2, "
-                "the 'fp8_scaled' files) and unquantized H3 files only."
+                "the 'fp8_scaled' files), int8 ('int8_tensorwise', ConvRot or not, dequantized at load) and "
+                "unquantized H3 files only."
             )
-        formats[layer] = FP8_FORMATS[fmt]
+        formats[layer] = (FP8_FORMATS[fmt], 0)
     return formats
 
 
@@ -418,7 +460,8 @@ class FP8Load:
                 yield f"{layer}.weight", parts["weight"], where
                 yield f"{layer}.weight_scale", parts["scale"], where
             else:
-                yield f"{layer}.weight", dequantize(parts["weight"].to(device), parts["scale"].to(device), self.dense_dtype[layer]), where
+                yield f"{layer}.weight", dequantize(parts["weight"].to(device), parts["scale"].to(device),
+                                                    self.dense_dtype[layer], entry.rotation), where
         for layer, parts in pending.items():
             missing = "its scale" if "weight" in parts else "its weight"
             raise CheckpointError(f"FP8 layer '{layer}' lacks {missing} in the checkpoint.")

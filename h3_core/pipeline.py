@@ -508,7 +508,8 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
         return dit, MemoryPlan(0, 0, False, 0, True), None
 
     config = TINY_DIT if source.tiny else (dit_source.config or infer_config(dit_source))
-    fp8 = settings.linears.startswith("fp8") or bool(dit_source is not None and dit_source.fp8_layers)
+    fp8 = settings.linears.startswith("fp8") or (dit_source is not None and any(  # int8 layers load dense
+        entry.dtype != torch.int8 for entry in dit_source.fp8_layers.values()))
     plan = plan_for(config, largest_layout(conditioning), steps, device, settings.gpu_memory, fp8=fp8)
     if not plan.fits:
         raise RequestError(

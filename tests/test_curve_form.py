@@ -118,17 +118,41 @@ def test_a_pruned_comfy_file_loads_as_the_curve_form(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(forward(loaded, times=(0.25, 0.5)), forward(expected, times=(0.25, 0.5))))
 
 
+def spell_the_table_as_shipped(path) -> None:
+    """The quantized-file writers keep our names: rename our `time_embedder.table` to `adaln_t_table`."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as handle:
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+    tensors["model.diffusion_model.adaln_t_table"] = tensors.pop("model.diffusion_model.time_embedder.table")
+    save_file(tensors, str(path))
+
+
+def test_a_pruned_int8_convrot_file_loads_dequantized(tmp_path):
+    """Comfy-Org's `*_pruned_int8_convrot`: the blocks' and the token refiner's linears int8 ConvRot (dequantized
+    at load), the curve form around them."""
+    from test_fp8 import write_int8_convrot
+
+    curve = curve_model(tiny_random_dit())
+    leaves = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+    layers = [f"{stack}.{i}.{leaf}" for stack in ("blocks", "token_refiner.blocks") for i in range(2) for leaf in leaves]
+    path = tmp_path / "minimax_h3_fl2va_pruned_int8_convrot.safetensors"
+    meant, _ = write_int8_convrot(path, curve, layers)
+    spell_the_table_as_shipped(path)
+    loaded = load_dit(path, dtype=torch.float32)
+    assert loaded.config.curve_form and torch.equal(loaded.time_embedder.table, curve.time_embedder.table)
+    for layer in layers:
+        assert torch.allclose(loaded.get_submodule(layer).weight.double(), meant[layer], atol=1e-6)
+    video, _ = forward(loaded, times=(0.25, 0.5))
+    assert F.cosine_similarity(video.flatten(), forward(curve, times=(0.25, 0.5))[0].flatten(), dim=0) > 0.999
+
+
 def test_a_pruned_fp8_scaled_file_dequantizes_its_adaln_to_fp32(tmp_path):
     curve = curve_model(tiny_random_dit()).set_dtype(torch.bfloat16)
     path = tmp_path / "minimax_h3_fl2va_pruned_fp8_scaled.safetensors"
     layers = [f"blocks.{i}.{leaf}" for i in range(2) for leaf in ("attn.qkv_proj", "mlp.fc1")]
     meant = write_fp8_scaled(path, curve, "comfy_quant", layers=[*layers, "blocks.0.adaln_proj.linear"])
-    from safetensors import safe_open
-
-    with safe_open(path, "pt") as handle:  # write_fp8_scaled keeps the model's names: spell the table as shipped
-        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
-    tensors["model.diffusion_model.adaln_t_table"] = tensors.pop("model.diffusion_model.time_embedder.table")
-    save_file(tensors, str(path))
+    spell_the_table_as_shipped(path)
     loaded = load_dit(path, dtype=torch.bfloat16)
     assert isinstance(loaded.blocks[1].mlp.fc1, FP8Linear)
     adaln = loaded.blocks[0].adaln_proj.linear

@@ -306,9 +306,14 @@ def test_other_quantizations_and_broken_fp8_files_are_refused(tmp_path, bf16_mod
     int8["model.diffusion_model.blocks.0.mlp.fc1.weight_scale"] = torch.tensor(1.0)
     int8["model.diffusion_model.blocks.0.mlp.fc1.comfy_quant"] = torch.tensor(
         list(json.dumps({"format": "int8_tensorwise"}).encode()), dtype=torch.uint8)
-    save_file(int8, str(tmp_path / "int8.safetensors"))
-    with pytest.raises(CheckpointError, match="int8_tensorwise"):
-        load_dit(tmp_path / "int8.safetensors")
+    save_file(int8, str(tmp_path / "int8.safetensors"))  # plain int8 (no ConvRot): dequantized at load
+    assert torch.equal(load_dit(tmp_path / "int8.safetensors").blocks[0].mlp.fc1.weight, torch.zeros(256, 64))
+    w4a4 = dict(int8)
+    w4a4["model.diffusion_model.blocks.0.mlp.fc1.comfy_quant"] = torch.tensor(
+        list(json.dumps({"format": "convrot_w4a4"}).encode()), dtype=torch.uint8)
+    save_file(w4a4, str(tmp_path / "w4a4.safetensors"))
+    with pytest.raises(CheckpointError, match="'convrot_w4a4'; this loader reads FP8"):
+        load_dit(tmp_path / "w4a4.safetensors")
 
     no_scale = dict(tensors)
     no_scale["model.diffusion_model.blocks.0.mlp.fc1.weight"] = torch.zeros(256, 64, dtype=torch.uint8)
@@ -394,3 +399,85 @@ def test_lossy_paths_are_off_by_default(tmp_path, bf16_model):
     assert not any(isinstance(m, FP8Linear) for m in tiny_random_dit().modules())
     with pytest.raises(ValueError, match="fp8-lossy"):
         load_dit(path, linears="fp8")
+
+
+# ----------------------------------------------------------------------------------------------
+# ComfyUI int8 (ConvRot) single files: dequantized at load
+
+
+def convrot_matrix(group: int) -> torch.Tensor:
+    """The rotation as ComfyUI documents it, built here independently: Kronecker powers of the 4x4 block,
+    normalized (float64)."""
+    block = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=torch.float64)
+    matrix = block
+    while matrix.shape[0] < group:
+        matrix = torch.kron(matrix, block)
+    return matrix / group**0.5
+
+
+def write_int8_convrot(path, model, layers, group=16, prefix="model.diffusion_model."):
+    """An `*_int8_convrot` file: each layer's weight rotated in groups of `group` input columns (x @ H^T),
+    then int8 with one fp32 scale per row, and its comfy_quant record. Returns (the weights the file means,
+    the original weights), float64."""
+    tensors = native_tensors(model)
+    rotation = convrot_matrix(group)
+    meant, original = {}, {}
+    for layer in layers:
+        weight = tensors.pop(f"{layer}.weight").double()
+        out_features, in_features = weight.shape
+        rotated = (weight.reshape(out_features, -1, group) @ rotation.T).reshape(out_features, in_features)
+        scale = rotated.abs().amax(dim=1, keepdim=True) / 127.0
+        q = (rotated / scale).round().clamp(-127, 127).to(torch.int8)
+        stored = q.double() * scale.float().double()
+        meant[layer] = (stored.reshape(out_features, -1, group) @ rotation).reshape(out_features, in_features)
+        original[layer] = weight
+        tensors[f"{layer}.weight"] = q
+        tensors[f"{layer}.weight_scale"] = scale.float()
+        record = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": group}
+        tensors[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps(record).encode()), dtype=torch.uint8)
+    save_file({prefix + k: v.contiguous() for k, v in tensors.items()}, str(path))
+    return meant, original
+
+
+def test_an_int8_convrot_file_is_turned_back_and_dequantized_at_load(tmp_path):
+    model = tiny_random_dit()
+    layers = [f"blocks.{i}.{leaf}" for i in range(2) for leaf in BLOCK_LINEARS]
+    path = tmp_path / "minimax_h3_fl2va_int8_convrot.safetensors"
+    meant, original = write_int8_convrot(path, model, layers)
+    assert {entry.rotation for entry in locate_dit(path).fp8_layers.values()} == {16}
+    loaded = load_dit(path, dtype=torch.float32)
+    for layer in layers:
+        weight = loaded.get_submodule(layer).weight
+        assert type(loaded.get_submodule(layer)) is nn.Linear and weight.dtype == torch.float32
+        assert torch.allclose(weight.double(), meant[layer], atol=1e-6)
+        error = (weight.double() - original[layer]).norm() / original[layer].norm()
+        assert error < 0.02  # int8 rounding only: a weight left rotated would be ~1.4 away
+    assert cosine(forward(loaded)[0], forward(model)[0]) > 0.999
+
+
+def test_int8_rotation_groups_must_be_powers_of_four(tmp_path):
+    model = tiny_random_dit()
+    path = tmp_path / "bad.safetensors"
+    write_int8_convrot(path, model, ["blocks.0.mlp.fc1"], group=16)
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as handle:
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+    record = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 8}
+    tensors["model.diffusion_model.blocks.0.mlp.fc1.comfy_quant"] = torch.tensor(list(json.dumps(record).encode()),
+                                                                                  dtype=torch.uint8)
+    save_file(tensors, str(path))
+    with pytest.raises(CheckpointError, match="groups of 8; ConvRot groups are powers of 4"):
+        locate_dit(path)
+
+
+def test_our_convrot_dequantization_is_comfy_kitchens():
+    """ComfyUI's own kernels package, where installed (ComfyUI's requirements): the same weights back."""
+    kitchen = pytest.importorskip("comfy_kitchen.backends.eager.quantization",
+                                  reason="comfy_kitchen (ComfyUI's kernels) is not installed here")
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-127, 128, (96, 256), generator=g, dtype=torch.int8)
+    scale = torch.rand(96, 1, generator=g) * 0.01
+    for group in (16, 64, 256):
+        theirs = kitchen.dequantize_int8_convrot_weight(q, scale, group)
+        assert torch.allclose(fp8.dequantize(q, scale.view(-1), torch.float32, group), theirs, atol=1e-6)
