@@ -300,7 +300,7 @@ def checkpoint_fp8_layers(files: Iterable[Path]) -> dict[str, FP8Entry]:
     for path in files:
         with safe_open(path, "pt") as handle:
             keys = {keymap.strip_prefix(k): k for k in handle.keys()}
-            formats = _layer_formats(handle, keys, path)
+            formats = layer_formats(handle, keys, path)
             marker = next((k for name, k in keys.items() if name == "scaled_fp8"), None)
             if marker is not None:
                 dtype = handle.get_slice(marker).get_dtype()
@@ -342,7 +342,7 @@ def checkpoint_fp8_layers(files: Iterable[Path]) -> dict[str, FP8Entry]:
     return layers
 
 
-def _layer_formats(handle, keys: dict[str, str], path: Path) -> dict[str, tuple[torch.dtype, int]]:
+def layer_formats(handle, keys: dict[str, str], path: Path) -> dict[str, tuple[torch.dtype, int]]:
     """(dtype, ConvRot group or 0) per layer, as `X.comfy_quant` tensors or the `_quantization_metadata` file
     metadata name them: FP8, or int8 ("int8_tensorwise", optionally ConvRot-rotated), dequantized at load."""
     named: dict[str, dict] = {}

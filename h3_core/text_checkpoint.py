@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from . import fp8
 from .weights import (
     PICKLE_SUFFIXES,
     CheckpointError,
@@ -296,19 +297,49 @@ def load_qwen3vl(
     with torch.device("meta"):
         model = Qwen3VLModel(qwen_config)
     model.language_model.norm = torch.nn.Identity()  # H3 reads the stream before the final norm
-    assign_strictly(model, _used_tensors(source.files, layers), _origin(source), lambda name: dtype, device, on_tensor)
+    assign_strictly(model, _used_tensors(source.files, layers, dtype), _origin(source), lambda name: dtype, device,
+                    on_tensor)
     _rebuild_rotary_buffers(model, device)
     return model.eval().requires_grad_(False)
 
 
-def _used_tensors(files: tuple[Path, ...], layers: int):
-    """(model name, tensor, file) for the tensors H3 uses; the others are never read from disk."""
+def _used_tensors(files: tuple[Path, ...], layers: int, dtype: torch.dtype):
+    """(model name, tensor, file) for the tensors H3 uses; the others are never read from disk. Quantized
+    linears (ComfyUI's int8 ConvRot or FP8 files) come dequantized to `dtype`; their scales and records are
+    read with them."""
     for path in files:
         with safe_open(path, "pt") as handle:
+            quantized = _quantized_layers(handle, path)
             for key in handle.keys():
+                layer, _, leaf = key.rpartition(".")
+                if layer in quantized and leaf != "weight":
+                    continue  # the scale, the format record, the input scale: used with the weight
                 name = model_name(key, layers)
-                if name is not None:
-                    yield name, handle.get_tensor(key), path
+                if name is None:
+                    continue
+                tensor = handle.get_tensor(key)
+                if layer in quantized:
+                    (format_dtype, rotation), scale = quantized[layer], handle.get_tensor(f"{layer}.weight_scale")
+                    weight = tensor.view(format_dtype) if tensor.dtype == torch.uint8 else tensor
+                    tensor = fp8.dequantize(weight, scale.reshape(-1) if scale.numel() > 1 else scale.reshape(()),
+                                            dtype or torch.bfloat16, rotation)
+                yield name, tensor, path
+
+
+def _quantized_layers(handle, path: Path) -> dict[str, tuple[torch.dtype, int]]:
+    """The file's quantized layers (keys without `.weight`) -> (format dtype, ConvRot group or 0); formats
+    other than FP8 and int8 are a CheckpointError naming them."""
+    keys = set(handle.keys())
+    formats = fp8.layer_formats(handle, {key: key for key in keys}, path)
+    for layer in formats:
+        if f"{layer}.weight_scale" not in keys:
+            raise CheckpointError(f"'{layer}.weight' in {path.name} is quantized but has no weight_scale.")
+    for key in keys:
+        if key.endswith(".weight_scale") and key[: -len(".weight_scale")] not in formats:
+            raise CheckpointError(f"'{key}' in {path.name} scales a quantized weight, but the file names no format for "
+                                  "it (a comfy_quant record or _quantization_metadata); this loader reads bf16 text "
+                                  "encoders and ComfyUI's int8 (ConvRot) and FP8 ones.")
+    return formats
 
 
 def _all_model_names(keys: list[str]) -> list[str]:
@@ -318,10 +349,9 @@ def _all_model_names(keys: list[str]) -> list[str]:
 
 def _check_is_text_encoder(names: list[str], source: TextEncoderSource) -> None:
     stripped = _all_model_names(names)
-    if any(k.endswith((".weight_scale", ".comfy_quant", ".scale_weight", ".input_scale")) for k in names):
-        raise CheckpointError(
-            f"{_origin(source)} is a quantized text encoder; only the bf16 (or fp16/fp32) file is supported."
-        )
+    if any(k.endswith(".scale_weight") for k in names):
+        raise CheckpointError(f"{_origin(source)} is an old-style scaled FP8 text encoder; use the bf16 file or "
+                              "a ComfyUI int8 ConvRot one.")
     if "language_model.embed_tokens.weight" not in stripped:
         raise CheckpointError(
             f"{_origin(source)} holds no Qwen3-VL text encoder (no 'model.embed_tokens.weight' or "

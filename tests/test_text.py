@@ -489,6 +489,38 @@ def test_every_layout_loads_the_same_encoder(tiny, encoder, tmp_path):
         assert torch.equal(other.encode(again).prompt_embeds, expected), path
 
 
+def test_an_int8_convrot_single_file_loads_dequantized(tiny, encoder, tmp_path):
+    """ComfyUI's `qwen3vl_32b_minimax_h3_int8_convrot`: every decoder linear int8, rotated in groups (here
+    16 columns), one scale per row; each weight turned back and dequantized at load, close to the original."""
+    from test_fp8 import convrot_matrix
+
+    tensors = tiny_qwen.comfy_keys(tiny["model"].state_dict())
+    rotation, meant = convrot_matrix(16), {}
+    for key in [k for k in tensors if re.match(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$", k)]:
+        weight = tensors[key].double()
+        out_features, in_features = weight.shape
+        rotated = (weight.reshape(out_features, -1, 16) @ rotation.T).reshape(out_features, in_features)
+        scale = rotated.abs().amax(dim=1, keepdim=True) / 127.0
+        q = (rotated / scale).round().clamp(-127, 127).to(torch.int8)
+        layer = key[: -len(".weight")]
+        meant[layer] = ((q.double() * scale.float().double()).reshape(out_features, -1, 16) @ rotation).reshape(
+            out_features, in_features)
+        record = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 16}
+        tensors.update({key: q, f"{layer}.weight_scale": scale.float(),
+                        f"{layer}.comfy_quant": torch.tensor(list(json.dumps(record).encode()), dtype=torch.uint8)})
+    assert len(meant) == 7 * 50  # the 50 decoder layers a ComfyUI file keeps
+    path = _write(tmp_path / "qwen3vl_int8_convrot.safetensors", tensors)
+    loaded = load_text_encoder(path, torch.float32, tokenizer=tiny["partition"], config=tiny["config"])
+    layers = loaded.model.language_model.layers
+    for layer, weight in meant.items():
+        index, kind, name = re.match(r"model\.layers\.(\d+)\.(\w+)\.(\w+)", layer).groups()
+        got = getattr(getattr(layers[int(index)], kind), name).weight
+        assert torch.allclose(got.double(), weight, atol=1e-6), layer
+    presentation = encoder.presenter.t2va(PROMPT)
+    expected, got = encoder.encode(presentation).prompt_embeds, loaded.encode(presentation).prompt_embeds
+    assert torch.nn.functional.cosine_similarity(got.flatten(), expected.flatten(), dim=0) > 0.999
+
+
 def test_only_the_used_weights_are_loaded(tiny, encoder, tmp_path):
     model = encoder.model
     assert len(model.language_model.layers) == 50
@@ -640,7 +672,8 @@ def test_loader_errors(tiny, tmp_path):
     quantized = _write(
         tmp_path / "int8.safetensors", dict(tensors, **{"model.layers.0.mlp.down_proj.weight_scale": torch.ones(1)})
     )
-    with pytest.raises(CheckpointError, match="quantized"):
+    with pytest.raises(CheckpointError, match="down_proj.weight_scale' in int8.safetensors scales a quantized weight, "
+                                              "but the file names no format"):
         load_text_encoder(quantized, tokenizer=partition, config=tiny["config"])
 
     # A single file with no config given is read as Qwen3-VL-32B: the tiny tokenizer's ids do not
