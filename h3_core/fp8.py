@@ -88,9 +88,11 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, ro
     return (unrotate(dense, rotation) if rotation else dense).to(dtype)
 
 
-def hadamard(size: int, device=None) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def hadamard(size: int, device: torch.device | None = None) -> torch.Tensor:
     """ComfyUI's ConvRot rotation: Kronecker powers of [[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]] scaled
-    by 1/sqrt(size), size a power of 4. Symmetric and orthogonal, so it is its own inverse."""
+    by 1/sqrt(size), size a power of 4. Symmetric and orthogonal, so it is its own inverse. Made once per
+    size and device (a kept int8 linear rebuilds its weight every call)."""
     if size < 4 or 4 ** round(math.log(size, 4)) != size:
         raise ValueError(f"A ConvRot group is a power of 4 (4, 16, 64, 256, ...); got {size}.")
     base = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=torch.float32, device=device)
@@ -133,14 +135,17 @@ def scaled_mm_supported(device_type: str, index: int | None = None) -> bool:
 class FP8Linear(nn.Module):
     """y = x W^T (+ bias) with W = weight (e4m3) * weight_scale (fp32, [] or [out]); see the module
     docstring for the two `matmul` ways. Outputs are in `compute_dtype`. The parameter names are the
-    fp8_scaled files' (`.weight`, `.weight_scale`), so state dicts load and stream as they are."""
+    fp8_scaled files' (`.weight`, `.weight_scale`), so state dicts load and stream as they are.
+    A ComfyUI int8 file's linears are held the same way (`weight_dtype` int8, weight-only), their ConvRot
+    rotation (`rotation`: its group size) turned back each time the weight is rebuilt."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, per_channel: bool = True,
                  compute_dtype: torch.dtype = torch.bfloat16, matmul: str = "dequantize",
-                 activations: str = "row", weight_dtype: torch.dtype = FP8, device=None):
+                 activations: str = "row", weight_dtype: torch.dtype = FP8, device=None, rotation: int = 0):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.compute_dtype = compute_dtype
+        self.rotation = rotation
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=weight_dtype, device=device), requires_grad=False)
         scale_shape = (out_features,) if per_channel else ()
         self.weight_scale = nn.Parameter(torch.ones(scale_shape, dtype=torch.float32, device=device), requires_grad=False)
@@ -172,7 +177,7 @@ class FP8Linear(nn.Module):
         return self
 
     def dequantized_weight(self) -> torch.Tensor:
-        return dequantize(self.weight, self.weight_scale, self.compute_dtype)
+        return dequantize(self.weight, self.weight_scale, self.compute_dtype, self.rotation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.matmul == "scaled":
@@ -412,11 +417,12 @@ class FP8Load:
                 module = model.get_submodule(layer)
             except AttributeError:
                 raise CheckpointError(f"The checkpoint has FP8 weights for '{layer}', which this model does not have.") from None
-            if mode != "dense" and layer in eligible and entry.dtype == FP8 and isinstance(module, nn.Linear):
-                kept.add(layer)
+            if mode != "dense" and layer in eligible and entry.dtype in (FP8, torch.int8) and isinstance(module, nn.Linear):
+                kept.add(layer)  # int8 (ComfyUI's int8 files) is kept weight-only, whatever `matmul` says
                 model.set_submodule(layer, FP8Linear(module.in_features, module.out_features, module.bias is not None,
-                                                     bool(entry.scale_shape), compute, matmul, device="meta"))
-            else:  # e5m2, the fp32 heads and anything else a file may hold in FP8: dequantized once here
+                                                     bool(entry.scale_shape), compute, matmul, weight_dtype=entry.dtype,
+                                                     device="meta", rotation=entry.rotation))
+            else:  # e5m2, the fp32 heads and anything else a file may hold quantized: dequantized once here
                 dense_dtype[layer] = torch.float32 if layer.startswith(fp32_modules) else compute
         quantized = set()
         if mode in ("fp8-lossy", "fp8-weights-lossy"):

@@ -508,8 +508,9 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
         return dit, MemoryPlan(0, 0, False, 0, True), None
 
     config = TINY_DIT if source.tiny else (dit_source.config or infer_config(dit_source))
-    fp8 = settings.linears.startswith("fp8") or (dit_source is not None and any(  # int8 layers load dense
-        entry.dtype != torch.int8 for entry in dit_source.fp8_layers.values()))
+    # FP8 or int8 weights kept from an fp8_scaled / int8 file: a byte a weight (unless dequantized: "dense")
+    fp8 = settings.linears.startswith("fp8") or (dit_source is not None and settings.linears != "dense"
+                                                 and bool(dit_source.fp8_layers))
     plan = plan_for(config, largest_layout(conditioning), steps, device, settings.gpu_memory, fp8=fp8)
     if not plan.fits:
         raise RequestError(

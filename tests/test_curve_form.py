@@ -128,9 +128,9 @@ def spell_the_table_as_shipped(path) -> None:
     save_file(tensors, str(path))
 
 
-def test_a_pruned_int8_convrot_file_loads_dequantized(tmp_path):
-    """Comfy-Org's `*_pruned_int8_convrot`: the blocks' and the token refiner's linears int8 ConvRot (dequantized
-    at load), the curve form around them."""
+def test_a_pruned_int8_convrot_file_keeps_its_int8_linears(tmp_path):
+    """Comfy-Org's `*_pruned_int8_convrot`: the blocks' and the token refiner's linears int8 ConvRot (kept int8,
+    each weight rebuilt when used), the curve form around them."""
     from test_fp8 import write_int8_convrot
 
     curve = curve_model(tiny_random_dit())
@@ -142,7 +142,9 @@ def test_a_pruned_int8_convrot_file_loads_dequantized(tmp_path):
     loaded = load_dit(path, dtype=torch.float32)
     assert loaded.config.curve_form and torch.equal(loaded.time_embedder.table, curve.time_embedder.table)
     for layer in layers:
-        assert torch.allclose(loaded.get_submodule(layer).weight.double(), meant[layer], atol=1e-6)
+        module = loaded.get_submodule(layer)
+        assert isinstance(module, FP8Linear) and module.weight.dtype == torch.int8
+        assert torch.allclose(module.dequantized_weight().double(), meant[layer], atol=1e-6)
     video, _ = forward(loaded, times=(0.25, 0.5))
     assert F.cosine_similarity(video.flatten(), forward(curve, times=(0.25, 0.5))[0].flatten(), dim=0) > 0.999
 

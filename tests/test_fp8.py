@@ -306,8 +306,9 @@ def test_other_quantizations_and_broken_fp8_files_are_refused(tmp_path, bf16_mod
     int8["model.diffusion_model.blocks.0.mlp.fc1.weight_scale"] = torch.tensor(1.0)
     int8["model.diffusion_model.blocks.0.mlp.fc1.comfy_quant"] = torch.tensor(
         list(json.dumps({"format": "int8_tensorwise"}).encode()), dtype=torch.uint8)
-    save_file(int8, str(tmp_path / "int8.safetensors"))  # plain int8 (no ConvRot): dequantized at load
-    assert torch.equal(load_dit(tmp_path / "int8.safetensors").blocks[0].mlp.fc1.weight, torch.zeros(256, 64))
+    save_file(int8, str(tmp_path / "int8.safetensors"))  # plain int8 (no ConvRot) is read too
+    assert torch.equal(load_dit(tmp_path / "int8.safetensors").blocks[0].mlp.fc1.dequantized_weight(),
+                       torch.zeros(256, 64, dtype=torch.bfloat16))
     w4a4 = dict(int8)
     w4a4["model.diffusion_model.blocks.0.mlp.fc1.comfy_quant"] = torch.tensor(
         list(json.dumps({"format": "convrot_w4a4"}).encode()), dtype=torch.uint8)
@@ -445,14 +446,19 @@ def test_an_int8_convrot_file_is_turned_back_and_dequantized_at_load(tmp_path):
     path = tmp_path / "minimax_h3_fl2va_int8_convrot.safetensors"
     meant, original = write_int8_convrot(path, model, layers)
     assert {entry.rotation for entry in locate_dit(path).fp8_layers.values()} == {16}
-    loaded = load_dit(path, dtype=torch.float32)
+    kept = load_dit(path, dtype=torch.float32)  # int8 in memory, the weight rebuilt at each call
+    dense = load_dit(path, dtype=torch.float32, linears="dense")  # dequantized once at load
     for layer in layers:
-        weight = loaded.get_submodule(layer).weight
-        assert type(loaded.get_submodule(layer)) is nn.Linear and weight.dtype == torch.float32
+        module = kept.get_submodule(layer)
+        assert isinstance(module, FP8Linear) and module.weight.dtype == torch.int8 and module.rotation == 16
+        weight = dense.get_submodule(layer).weight
+        assert type(dense.get_submodule(layer)) is nn.Linear and weight.dtype == torch.float32
         assert torch.allclose(weight.double(), meant[layer], atol=1e-6)
+        assert torch.equal(module.dequantized_weight(), weight)
         error = (weight.double() - original[layer]).norm() / original[layer].norm()
         assert error < 0.02  # int8 rounding only: a weight left rotated would be ~1.4 away
-    assert cosine(forward(loaded)[0], forward(model)[0]) > 0.999
+    assert torch.equal(forward(kept)[0], forward(dense)[0])
+    assert cosine(forward(kept)[0], forward(model)[0]) > 0.999
 
 
 def test_int8_rotation_groups_must_be_powers_of_four(tmp_path):
