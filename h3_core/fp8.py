@@ -88,18 +88,24 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, ro
     return (unrotate(dense, rotation) if rotation else dense).to(dtype)
 
 
-@functools.lru_cache(maxsize=None)
 def hadamard(size: int, device: torch.device | None = None) -> torch.Tensor:
     """ComfyUI's ConvRot rotation: Kronecker powers of [[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]] scaled
     by 1/sqrt(size), size a power of 4. Symmetric and orthogonal, so it is its own inverse. Made once per
-    size and device (a kept int8 linear rebuilds its weight every call)."""
+    size and device (a kept int8 linear rebuilds its weight every call); a compiled graph builds it inside."""
     if size < 4 or 4 ** round(math.log(size, 4)) != size:
         raise ValueError(f"A ConvRot group is a power of 4 (4, 16, 64, 256, ...); got {size}.")
+    return _build_hadamard(size, device) if torch.compiler.is_compiling() else _cached_hadamard(size, device)
+
+
+def _build_hadamard(size: int, device) -> torch.Tensor:
     base = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=torch.float32, device=device)
     matrix = base
     while matrix.shape[0] < size:
         matrix = torch.kron(matrix, base)
     return matrix / size**0.5
+
+
+_cached_hadamard = functools.lru_cache(maxsize=None)(_build_hadamard)
 
 
 def unrotate(weight: torch.Tensor, group: int) -> torch.Tensor:

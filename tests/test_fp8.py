@@ -487,3 +487,12 @@ def test_our_convrot_dequantization_is_comfy_kitchens():
     for group in (16, 64, 256):
         theirs = kitchen.dequantize_int8_convrot_weight(q, scale, group)
         assert torch.allclose(fp8.dequantize(q, scale.view(-1), torch.float32, group), theirs, atol=1e-6)
+
+
+def test_compiled_blocks_rebuild_int8_weights_as_eager_ones_do(tmp_path):
+    """The rotation's matrix is built inside a compiled graph (its cache stays outside): same output."""
+    layers = [f"blocks.{i}.{leaf}" for i in range(2) for leaf in BLOCK_LINEARS]
+    write_int8_convrot(tmp_path / "int8.safetensors", tiny_random_dit(), layers)
+    expected = forward(load_dit(tmp_path / "int8.safetensors", dtype=torch.float32))[0]
+    compiled = load_dit(tmp_path / "int8.safetensors", dtype=torch.float32).compile_blocks()
+    assert torch.allclose(forward(compiled)[0], expected, atol=1e-5)
