@@ -312,8 +312,8 @@ def _used_tensors(files: tuple[Path, ...], layers: int, dtype: torch.dtype):
             quantized = _quantized_layers(handle, path)
             for key in handle.keys():
                 layer, _, leaf = key.rpartition(".")
-                if layer in quantized and leaf != "weight":
-                    continue  # the scale, the format record, the input scale: used with the weight
+                if layer in quantized and leaf in (*fp8.SCALE_LEAVES, *fp8.DROPPED_LEAVES):
+                    continue  # the scale (used with the weight), the format record, the input scale
                 name = model_name(key, layers)
                 if name is None:
                     continue

@@ -496,7 +496,9 @@ def test_an_int8_convrot_single_file_loads_dequantized(tiny, encoder, tmp_path):
 
     tensors = tiny_qwen.comfy_keys(tiny["model"].state_dict())
     rotation, meant = convrot_matrix(16), {}
-    for key in [k for k in tensors if re.match(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$", k)]:
+    decoder = r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$"
+    vision = "visual.blocks.0.mlp.linear_fc1.weight"  # a linear with a bias, which must load beside it
+    for key in [k for k in tensors if re.match(decoder, k)] + [vision]:
         weight = tensors[key].double()
         out_features, in_features = weight.shape
         rotated = (weight.reshape(out_features, -1, 16) @ rotation.T).reshape(out_features, in_features)
@@ -508,10 +510,13 @@ def test_an_int8_convrot_single_file_loads_dequantized(tiny, encoder, tmp_path):
         record = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 16}
         tensors.update({key: q, f"{layer}.weight_scale": scale.float(),
                         f"{layer}.comfy_quant": torch.tensor(list(json.dumps(record).encode()), dtype=torch.uint8)})
-    assert len(meant) == 7 * 50  # the 50 decoder layers a ComfyUI file keeps
+    assert len(meant) == 7 * 50 + 1  # the 50 decoder layers a ComfyUI file keeps, and the vision linear
     path = _write(tmp_path / "qwen3vl_int8_convrot.safetensors", tensors)
     loaded = load_text_encoder(path, torch.float32, tokenizer=tiny["partition"], config=tiny["config"])
     layers = loaded.model.language_model.layers
+    vision_fc1 = loaded.model.visual.blocks[0].mlp.linear_fc1
+    assert torch.allclose(vision_fc1.weight.double(), meant.pop(vision[: -len(".weight")]), atol=1e-6)
+    assert torch.equal(vision_fc1.bias, tiny["model"].state_dict()["model.visual.blocks.0.mlp.linear_fc1.bias"])
     for layer, weight in meant.items():
         index, kind, name = re.match(r"model\.layers\.(\d+)\.(\w+)\.(\w+)", layer).groups()
         got = getattr(getattr(layers[int(index)], kind), name).weight
