@@ -11,6 +11,8 @@ quantize; per tensor in ComfyUI's `fp8_scaled` files): W ~= weight * scale. It c
 Only the 200 token-wise block linears (qkv, out, fc1, fc2 of the 50 blocks) and, on request, the
 AdaLN projections are ever FP8: the fp32 patch projections, time embedder and output heads, the text
 projection and the token refiner stay as they are (they are < 1% of the work and the most sensitive).
+ComfyUI's int8 files (`*_int8_convrot`) are held the same weight-only way: int8 with a scale per row, each
+weight's ConvRot rotation (a Hadamard matrix over groups of input columns) turned back as it is rebuilt.
 """
 
 from __future__ import annotations
@@ -287,7 +289,7 @@ def apply_linear_mode(model: nn.Module, mode: str, device: torch.device | str | 
 # (our activations are scaled per row on the fly).
 
 FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-INT8_FORMAT = "int8_tensorwise"  # ComfyUI's int8 files (`*_int8_convrot`): dequantized at load, not kept
+INT8_FORMAT = "int8_tensorwise"  # ComfyUI's int8 files (`*_int8_convrot`): held weight-only, like FP8 ones
 HEADER_FP8 = {name: dtype for name, dtype in HEADER_DTYPES.items() if name.startswith("F8_")}
 DROPPED_LEAVES = ("comfy_quant", "input_scale", "scale_input")
 SCALE_LEAVES = ("weight_scale", "scale_weight")
@@ -295,8 +297,8 @@ SCALE_LEAVES = ("weight_scale", "scale_weight")
 
 @dataclass(frozen=True)
 class FP8Entry:
-    """One quantized layer of a checkpoint: its format (an FP8 dtype, or int8 for ComfyUI's int8 ConvRot,
-    which is dequantized at load) and the shape its scale is held in ([] or [out])."""
+    """One quantized layer of a checkpoint: its format (an FP8 dtype, or int8 for ComfyUI's int8 ConvRot
+    files) and the shape its scale is held in ([] or [out])."""
 
     dtype: torch.dtype
     scale_shape: tuple[int, ...]
@@ -355,7 +357,7 @@ def checkpoint_fp8_layers(files: Iterable[Path]) -> dict[str, FP8Entry]:
 
 def layer_formats(handle, keys: dict[str, str], path: Path) -> dict[str, tuple[torch.dtype, int]]:
     """(dtype, ConvRot group or 0) per layer, as `X.comfy_quant` tensors or the `_quantization_metadata` file
-    metadata name them: FP8, or int8 ("int8_tensorwise", optionally ConvRot-rotated), dequantized at load."""
+    metadata name them: FP8, or int8 ("int8_tensorwise", optionally ConvRot-rotated)."""
     named: dict[str, dict] = {}
     metadata = handle.metadata() or {}
     if "_quantization_metadata" in metadata:
@@ -384,8 +386,8 @@ def layer_formats(handle, keys: dict[str, str], path: Path) -> dict[str, tuple[t
         if fmt not in FP8_FORMATS:
             raise CheckpointError(
                 f"{path.name} quantizes '{layer}' as {fmt!r}; this loader reads FP8 (float8_e4m3fn / float8_e5m2, "
-                "the 'fp8_scaled' files), int8 ('int8_tensorwise', ConvRot or not, dequantized at load) and "
-                "unquantized H3 files only."
+                "the 'fp8_scaled' files), int8 ('int8_tensorwise', ConvRot-rotated or not) and unquantized H3 "
+                "files only."
             )
         formats[layer] = (FP8_FORMATS[fmt], 0)
     return formats
