@@ -294,7 +294,7 @@ def _kept(args, request: Request) -> tuple[Request, AVLatents | None]:
     if given.num_frames > MAX_FRAMES:
         raise ValueError(f"--from {args.given}: the clip lasts {given.num_frames / geometry.FPS:.1f} s; one request "
                          f"keeps 4-15 s. Add --long-video to make its sound window by window.")
-    height, width = (size * geometry.VAE_SPATIAL_FACTOR for size in given.video.shape[3:])
+    width, height = given.canvas
     return dataclasses.replace(request, width=width, height=height, duration=None,
                                num_frames=given.num_frames), given
 

@@ -203,7 +203,7 @@ def _locked(request: LongVideoRequest) -> str | None:
 
 def _on_canvas(request: Request, clip: AVLatents, what: str) -> Request:
     """`request` on the canvas of `clip`; a canvas the request names that is not the clip's is refused."""
-    height, width = (size * geometry.VAE_SPATIAL_FACTOR for size in clip.video.shape[3:])
+    width, height = clip.canvas
     if (request.width, request.height) not in ((None, None), (width, height)) or request.aspect_ratio not in (None, "auto"):
         named = request.aspect_ratio if request.aspect_ratio not in (None, "auto") else f"{request.width}x{request.height}"
         raise RequestError(f"{what} keeps its canvas, {width}x{height}; this request asks for {named}. "

@@ -33,6 +33,12 @@ class AVLatents:
         latent_frames = self.video.shape[2]
         return (latent_frames - 2) // geometry.LATENTS_PER_CHUNK * geometry.FRAMES_PER_CHUNK + geometry.LATENTS_PER_CHUNK
 
+    @property
+    def canvas(self) -> tuple[int, int]:
+        """(width, height) in pixels that these latents decode to."""
+        latent_height, latent_width = self.video.shape[3:]
+        return latent_width * geometry.VAE_SPATIAL_FACTOR, latent_height * geometry.VAE_SPATIAL_FACTOR
+
     def check(self, video_channels: int = 24, audio_channels: int = 32) -> "AVLatents":
         """Shapes and values a decode can take; a clear error otherwise."""
         v, a = self.video, self.audio

@@ -226,8 +226,7 @@ class H3SaveMP4(io.ComfyNode):
     def execute(cls, vae, latent, filename_prefix, tiling="release", devices="") -> io.NodeOutput:
         tiled, decode_devices = decode_options(tiling, devices)
         latents = unpack_latents(latent)
-        _, _, _, latent_height, latent_width = latents.video.shape
-        width, height = latent_width * geometry.VAE_SPATIAL_FACTOR, latent_height * geometry.VAE_SPATIAL_FACTOR
+        width, height = latents.canvas
         folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(
             filename_prefix, folder_paths.get_output_directory(), width, height)
         file = f"{filename}_{counter:05}_.mp4"
