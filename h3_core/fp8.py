@@ -94,9 +94,13 @@ def hadamard(size: int, device: torch.device | None = None) -> torch.Tensor:
     """ComfyUI's ConvRot rotation: Kronecker powers of [[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]] scaled
     by 1/sqrt(size), size a power of 4. Symmetric and orthogonal, so it is its own inverse. Made once per
     size and device (a kept int8 linear rebuilds its weight every call); a compiled graph builds it inside."""
+    check_rotation_group(size)
+    return _build_hadamard(size, device) if torch.compiler.is_compiling() else _cached_hadamard(size, device)
+
+
+def check_rotation_group(size: int) -> None:
     if size < 4 or 4 ** round(math.log(size, 4)) != size:
         raise ValueError(f"A ConvRot group is a power of 4 (4, 16, 64, 256, ...); got {size}.")
-    return _build_hadamard(size, device) if torch.compiler.is_compiling() else _cached_hadamard(size, device)
 
 
 def _build_hadamard(size: int, device) -> torch.Tensor:
@@ -378,9 +382,11 @@ def layer_formats(handle, keys: dict[str, str], path: Path) -> dict[str, tuple[t
         fmt = conf.get("format")
         if fmt == INT8_FORMAT:
             rotation = int(conf.get("convrot_groupsize", 256)) if conf.get("convrot") else 0
-            if rotation and (rotation < 4 or 4 ** round(math.log(rotation, 4)) != rotation):
+            try:
+                check_rotation_group(rotation) if rotation else None
+            except ValueError:
                 raise CheckpointError(f"{path.name} rotates '{layer}' in groups of {rotation}; ConvRot groups are "
-                                      "powers of 4.")
+                                      "powers of 4.") from None
             formats[layer] = (torch.int8, rotation)
             continue
         if fmt not in FP8_FORMATS:
@@ -415,9 +421,10 @@ class FP8Load:
         check_linear_mode(mode, device)
         compute = dtype or torch.bfloat16
         matmul = "scaled" if mode == "fp8-lossy" else "dequantize"
-        curve = getattr(getattr(model, "config", None), "curve_form", False)  # its fp32 AdaLN is never FP8
-        eligible = set(block_linear_names(model, adaln=not curve)) | {
-            f"token_refiner.blocks.{i}.{leaf}" for i in range(len(model.token_refiner.blocks)) for leaf in BLOCK_LINEARS
+        eligible = {  # an fp32 module (the curve form's AdaLN too) is never held in FP8
+            layer for layer in [*block_linear_names(model, adaln=True), *(
+                f"token_refiner.blocks.{i}.{leaf}" for i in range(len(model.token_refiner.blocks)) for leaf in BLOCK_LINEARS)]
+            if not layer.startswith(fp32_modules)
         }
         kept, dense_dtype = set(), {}
         for layer, entry in file_layers.items():

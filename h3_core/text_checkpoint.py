@@ -321,8 +321,7 @@ def _used_tensors(files: tuple[Path, ...], layers: int, dtype: torch.dtype):
                 if layer in quantized and leaf == "weight":
                     (format_dtype, rotation), scale = quantized[layer], handle.get_tensor(f"{layer}.weight_scale")
                     weight = tensor.view(format_dtype) if tensor.dtype == torch.uint8 else tensor
-                    tensor = fp8.dequantize(weight, scale.reshape(-1) if scale.numel() > 1 else scale.reshape(()),
-                                            dtype or torch.bfloat16, rotation)
+                    tensor = fp8.dequantize(weight, scale, dtype or torch.bfloat16, rotation)
                 yield name, tensor, path
 
 
