@@ -33,7 +33,7 @@ from .layout import build_request_layout
 from .long_video import LongVideoRequest
 from .media import MediaError
 from .output import AVLatents
-from .pipeline import GenerateSettings, encode_clip_file, generate, sample
+from .pipeline import GenerateSettings, ModelFiles, encode_clip_file, generate, sample
 from .references import REFERENCE_IMAGE_MODES, MediaReference
 from .runtime import return_freed_memory_to_os, use_expandable_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule
@@ -76,13 +76,36 @@ def add_dit_speed_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--linears", default="checkpoint", choices=list(LINEAR_MODES), help=LINEARS_HELP)
 
 
+def add_model_file_options(parser: argparse.ArgumentParser, text_encoder: bool = True) -> None:
+    """The models that are not under --model: ComfyUI's single files, or any file or folder the loaders take."""
+    if text_encoder:
+        parser.add_argument("--text-encoder", type=Path, metavar="PATH",
+                            help="the text encoder, when not under --model: e.g. ComfyUI's "
+                                 "models/text_encoders/qwen3vl_32b_minimax_h3_bf16.safetensors (or its int8 file)")
+        parser.add_argument("--tokenizer", type=Path, metavar="DIR",
+                            help="with a single --text-encoder file, which carries none: the release's FL2VA/tokenizer "
+                                 "folder or FL2VA/ (default: --model's folder, when it is one)")
+    parser.add_argument("--video-vae", type=Path, metavar="PATH",
+                        help="the video VAE, when not under --model: e.g. models/vae/minimax_h3_video_vae_fp16.safetensors")
+    parser.add_argument("--audio-vae", type=Path, metavar="PATH",
+                        help="the audio VAE, when not under --model: e.g. models/vae/minimax_h3_audio_vae_fp32.safetensors")
+
+
+def model_files(args) -> ModelFiles:
+    return ModelFiles(getattr(args, "text_encoder", None), getattr(args, "tokenizer", None), args.video_vae,
+                      args.audio_vae)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="h3", description="MiniMax-H3 engine (h3_core).")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="prompt (+ keyframes / references) to an MP4 with sound")
     gen.add_argument("--model", default=TINY_RANDOM,
-                     help=f"release root or partition folder, diffusers folder, Hub repo id, or '{TINY_RANDOM}' (default)")
+                     help=f"release root or partition folder, diffusers folder, Hub repo id, or '{TINY_RANDOM}' (default); "
+                          "or a single DiT file (e.g. ComfyUI's models/diffusion_models/...) with --text-encoder, "
+                          "--tokenizer, --video-vae and --audio-vae")
+    add_model_file_options(gen)
     gen.add_argument("--task", default="t2va", choices=["t2va", "fl2va", "ref2va"])
     gen.add_argument("--prompt", help="the prompt (required, except with --long-video and --window-prompt: then "
                                       "the windows' prompts are all there is)")
@@ -156,7 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "generate --long-video --continue-from")
     enc.add_argument("video", type=Path, help="any video PyAV reads (brought to 24 fps, cut to 17n+5 frames)")
     enc.add_argument("--out", type=Path, required=True, help="the latents, .safetensors")
-    enc.add_argument("--model", default=TINY_RANDOM, help=f"where the VAEs are: as generate's --model (default {TINY_RANDOM})")
+    enc.add_argument("--model", help=f"where the VAEs are: as generate's --model (default {TINY_RANDOM}, or none "
+                                      "with --video-vae and --audio-vae)")
+    add_model_file_options(enc, text_encoder=False)
     enc.add_argument("--audio", type=Path, help="a sound to use instead of the video's soundtrack (none: silence)")
     enc.add_argument("--width", type=int, help="canvas width (multiple of 32; with --height; default: the video's "
                                                 "aspect ratio on the model's canvas)")
@@ -325,9 +350,12 @@ class StageBars:
 def run_encode(args) -> int:
     progress = StageBars()
     try:
-        latents = encode_clip_file(args.video, args.model, args.out, audio=args.audio, width=args.width,
+        files = model_files(args)
+        model = args.model or (None if files.given() else TINY_RANDOM)
+        latents = encode_clip_file(args.video, model, args.out, audio=args.audio, width=args.width,
                                    height=args.height, device=args.device,
-                                   vae_dtype=DTYPES[args.vae_dtype] if args.vae_dtype else None, progress=progress)
+                                   vae_dtype=DTYPES[args.vae_dtype] if args.vae_dtype else None, progress=progress,
+                                   files=files)
     finally:
         progress.close()
     _, _, _, latent_height, latent_width = latents.video.shape
@@ -372,7 +400,7 @@ def run_generate(args) -> int:
     try:
         results = generate(request, args.model, settings, args.out, args.save_latents, progress,
                            notes=lambda line: print(f"h3: {line}", file=sys.stderr), given=given,
-                           keep=None if given is None else args.keep)
+                           keep=None if given is None else args.keep, files=model_files(args))
     finally:
         progress.close()
     for result in results:

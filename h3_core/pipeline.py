@@ -38,8 +38,8 @@ from .references import RELEASE_CANVAS, CanvasRules, DecodedAudio
 from .runtime import empty_caches, fixed_allocator_segments, host_memory_warning
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback
 from .sampler import denoise as denoise_loop
-from .text import load_text_encoder, spread_counts, text_encoder_sizes
-from .text_checkpoint import TEXT_ENCODER_LAYER, locate_text_encoder
+from .text import load_text_encoder, locate_text_encoder_files, spread_counts, text_encoder_sizes
+from .text_checkpoint import TEXT_ENCODER_LAYER
 from .tiny import TINY_RANDOM, tiny_model_dtype, tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
 from .tiny_text import tiny_random_text_encoder
 from .vae_audio_checkpoint import load_audio_vae, locate_audio_vae
@@ -180,36 +180,101 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 TINY_CANVAS = CanvasRules(short_edge=128, max_pixels=128 * 224, reference_image_short_edge=256)
 
 
+@dataclass(frozen=True)
+class ModelFiles:
+    """Where the text encoder (and its tokenizer) and the VAEs are when they are not under the DiT's path:
+    ComfyUI's single files (models/text_encoders, models/vae), or any file or folder each loader takes.
+    None: found with the DiT (a release root or partition folder holds all four)."""
+
+    text_encoder: str | Path | None = None
+    tokenizer: str | Path | None = None  # a single text-encoder file carries none: FL2VA/tokenizer (or FL2VA/)
+    video_vae: str | Path | None = None
+    audio_vae: str | Path | None = None
+
+    def given(self) -> dict[str, Path]:
+        return {name: Path(value).expanduser() for name, value in dataclasses.asdict(self).items() if value is not None}
+
+
 @dataclass
 class ModelSource:
-    """Where a request's four models come from: `tiny-random`, a local folder, or a Hub repo id."""
+    """Where a request's models come from: `tiny-random`, local paths, or a Hub repo id."""
 
     name: str
-    root: Path | None  # None for tiny-random
+    root: Path | None  # the DiT's path (a release root or folder holds the other models too); None: tiny or files
+    files: ModelFiles = ModelFiles()
 
     @property
     def tiny(self) -> bool:
-        return self.root is None
+        return self.name == TINY_RANDOM
 
     @property
     def canvas(self) -> CanvasRules:
         return TINY_CANVAS if self.tiny else RELEASE_CANVAS
 
+    @property
+    def text_encoder(self) -> Path:
+        return self.files.given().get("text_encoder", self.root)
 
-def resolve_model_source(model: str, partition: str) -> ModelSource:
+    @property
+    def tokenizer(self) -> Path | None:
+        """The given tokenizer; for a single text-encoder file with none given, the model's folder (a release
+        root or partition folder holds tokenizer/ and processor/); else None: found beside the encoder."""
+        given = self.files.given()
+        if "tokenizer" in given:
+            return given["tokenizer"]
+        if "text_encoder" in given and given["text_encoder"].is_file() and self.root and self.root.is_dir():
+            return self.root
+        return None
+
+    @property
+    def video_vae(self) -> Path:
+        return self.files.given().get("video_vae", self.root)
+
+    @property
+    def audio_vae(self) -> Path:
+        return self.files.given().get("audio_vae", self.root)
+
+
+FILE_OPTIONS = {"text_encoder": "--text-encoder", "tokenizer": "--tokenizer", "video_vae": "--video-vae",
+                "audio_vae": "--audio-vae"}
+
+
+def resolve_model_source(model: str | None, partition: str, files: ModelFiles = ModelFiles(),
+                         parts: Sequence[str] = tuple(FILE_OPTIONS)) -> ModelSource:
     """`tiny-random`, an existing local path, or (only then) a Hugging Face repo id downloaded with
-    huggingface_hub (just the partition that serves the task)."""
+    huggingface_hub (just the partition that serves the task). `files`: the other models' own paths, checked
+    to exist. A single DiT file holds the DiT alone, so then the other `parts` the caller needs must be
+    given; with no `model` at all, every one of them."""
+    given = files.given()
     if model == TINY_RANDOM:
+        if given:
+            raise CheckpointError(f"{', '.join(FILE_OPTIONS[n] for n in given)}: {TINY_RANDOM} makes its own text "
+                                  "encoder and VAEs; these name files of a real model.")
         return ModelSource(model, None)
-    path = Path(model).expanduser()
+    for name, path in given.items():
+        if not path.exists():
+            raise CheckpointError(f"{FILE_OPTIONS[name]} {path} does not exist.")
+    path = None if model is None else Path(model).expanduser()
+    if path is None or path.is_file():
+        text_folder = given.get("text_encoder", path)
+        missing = [FILE_OPTIONS[name] for name in parts if name not in given
+                   and not (name == "tokenizer" and text_folder is not None and text_folder.is_dir())]
+        where = "no --model was given" if path is None else f"--model {model} is a single DiT file"
+        if missing:
+            raise CheckpointError(
+                f"{where}: the other models are not in it. Give {', '.join(missing)} (ComfyUI: a file from "
+                "models/text_encoders, the release's FL2VA/tokenizer folder, files from models/vae), or --model a "
+                "release root holding them all.")
+        if path is None:
+            return ModelSource("the given files", None, files)
     if path.exists():
-        return ModelSource(model, path)
+        return ModelSource(model, path, files)
     if not REPO_ID.match(model):
         raise CheckpointError(f"--model {model!r} is not an existing path, 'tiny-random' or a Hub repo id (owner/name).")
     from huggingface_hub import snapshot_download
 
     folder = {"fl2va": "FL2VA", "ref2va": "Ref2VA"}[partition]
-    return ModelSource(model, Path(snapshot_download(model, allow_patterns=[f"{folder}/*"])))
+    return ModelSource(model, Path(snapshot_download(model, allow_patterns=[f"{folder}/*"])), files)
 
 
 @dataclass
@@ -269,6 +334,7 @@ def generate(
     notes: Callable[[str], None] | None = None,
     given: AVLatents | None = None,
     keep: str | None = None,
+    files: ModelFiles = ModelFiles(),
 ) -> list[GenerateResult]:
     """Prompt and references to MP4s. Validation runs first (no model is loaded for a bad request);
     then, one model at a time on the device: text encoder (released after encoding), VAEs for the
@@ -276,7 +342,8 @@ def generate(
     chunks on all of `settings.devices` when several are given). A `LongVideoRequest` runs
     window by window (long_video.py) and its whole clip is decoded once. `keep` ("video" or "audio") holds
     that part of the `given` clip's latents and generates the other (`sample`'s keep; one plain request
-    of the clip's size)."""
+    of the clip's size). `model` is the DiT's path (a release root holds the other models too); `files` names
+    the others where they are elsewhere (ComfyUI's single files)."""
     from .long_video import LongVideoRequest, encode_long_video, sample_long_video, validate_long_video  # uses sample
 
     long_video = isinstance(request, LongVideoRequest)
@@ -321,7 +388,7 @@ def generate(
             check_guide(request.task, plan.num_frames, media.frame_index, media.frames, media.waveform,
                         media.sample_rate)
         request = dataclasses.replace(request, guides=())
-    source = resolve_model_source(model, partition)
+    source = resolve_model_source(model, partition, files)
     resolve_backend(settings.attention, device, window=window > 0)
     check_linear_mode(settings.linears, device)
     loras = [(load_lora(path), float(strength)) for path, strength in settings.loras]
@@ -335,9 +402,9 @@ def generate(
           f"{schedule.audio_shift:g} ({schedule.source})" + "".join(f"; {n}" for n in schedule.notes))
     dit_source = None if source.tiny else locate_dit(source.root, partition)
     if not source.tiny:  # every checkpoint found and recognized before the first one loads
-        locate_text_encoder(source.root)
-        locate_video_vae(source.root)
-        locate_audio_vae(source.root)
+        locate_text_encoder_files(source.text_encoder, source.tokenizer)
+        locate_video_vae(source.video_vae)
+        locate_audio_vae(source.audio_vae)
 
     clock = time.perf_counter()
     progress("text encoder", 0, 1)
@@ -410,7 +477,7 @@ def load_text_encoder_for(source, settings: GenerateSettings, notes, on_tensor=N
     if source.tiny:
         return tiny_random_text_encoder(device=device)
     if device.type == "cuda":
-        rest, layer_bytes = text_encoder_sizes(source.root, settings.dtype)
+        rest, layer_bytes = text_encoder_sizes(source.text_encoder, settings.dtype)
         need = rest + TEXT_ENCODER_LAYER * layer_bytes + TEXT_WORKING_BYTES
         budget = _budget_bytes(settings, device)
         if need > usable_bytes(budget):
@@ -418,9 +485,11 @@ def load_text_encoder_for(source, settings: GenerateSettings, notes, on_tensor=N
             spread = ", ".join(f"{d} ({n})" for d, n in zip(settings.devices, counts or ()) if n)
             where = f"its layers are spread over {spread}" if counts else "its layers stream from CPU memory"
             notes(f"text encoder: {need / GIB:.1f} GiB does not fit in {budget / GIB:.1f} GiB; {where}")
-            loaded = load_text_encoder(source.root, settings.dtype, "cpu", on_tensor=on_tensor)
+            loaded = load_text_encoder(source.text_encoder, settings.dtype, "cpu", tokenizer=source.tokenizer,
+                                       on_tensor=on_tensor)
             return loaded.spread_layers(settings.devices, counts) if counts else loaded.stream_layers(device)
-    return load_text_encoder(source.root, settings.dtype, device, on_tensor=on_tensor)
+    return load_text_encoder(source.text_encoder, settings.dtype, device, tokenizer=source.tokenizer,
+                             on_tensor=on_tensor)
 
 
 def _text_encoder_spread(settings: GenerateSettings, rest: int, layer_bytes: int) -> list[int] | None:
@@ -443,23 +512,25 @@ def load_vaes(source, device: torch.device, dtype: torch.dtype):
     """(video VAE with its decoder linears in `dtype`, audio VAE) of a model source, on `device`."""
     if source.tiny:
         return tiny_random_video_vae(device).set_dtype(dtype), tiny_random_audio_vae(device)
-    return load_video_vae(source.root, dtype=dtype, device=device), load_audio_vae(source.root, device=device)
+    return load_video_vae(source.video_vae, dtype=dtype, device=device), load_audio_vae(source.audio_vae, device=device)
 
 
-def encode_clip_file(video: str | Path, model: str, out: str | Path, *, audio: str | Path | None = None,
+def encode_clip_file(video: str | Path, model: str | None, out: str | Path, *, audio: str | Path | None = None,
                      width: int | None = None, height: int | None = None, device: str = "cpu",
-                     vae_dtype: torch.dtype | None = None, progress: Progress | None = None) -> AVLatents:
+                     vae_dtype: torch.dtype | None = None, progress: Progress | None = None,
+                     files: ModelFiles = ModelFiles()) -> AVLatents:
     """A video file (its frames at 24 fps and its soundtrack, or `audio`'s) encoded by `model`'s VAEs and
     saved as latents for `generate --long-video --continue-from` (clip_latents.py). The canvas: width x
     height, or the video's own aspect ratio on the model's canvas. Everything is checked before a VAE loads.
-    `progress("encode", frames done, frames expected)` after each 17 frames."""
+    `progress("encode", frames done, frames expected)` after each 17 frames. The VAEs are `model`'s, or
+    `files`' (then `model` may be None)."""
     if Path(out).suffix != ".safetensors":
         raise ValueError(f"{out} must end in .safetensors.")
     if (width is None) != (height is None):
         raise RequestError(f"Give width and height together (or neither: from the video); got {width}x{height}.")
     if width is not None:
         geometry.check_canvas(width, height)
-    source = resolve_model_source(model, "fl2va")
+    source = resolve_model_source(model, "fl2va", files, parts=("video_vae", "audio_vae"))
     try:  # the first frames are read now: a bad or short file is refused before a VAE loads
         frames, width, height = stream_clip(video, source.canvas, width, height)
         sound = file_soundtrack(video) if audio is None else \
@@ -467,8 +538,8 @@ def encode_clip_file(video: str | Path, model: str, out: str | Path, *, audio: s
     except MediaError as error:
         raise RequestError(f"{video if audio is None else audio}: {error}") from None
     if not source.tiny:  # both found and recognized before either loads
-        locate_video_vae(source.root)
-        locate_audio_vae(source.root)
+        locate_video_vae(source.video_vae)
+        locate_audio_vae(source.audio_vae)
     device = torch.device(device)
     dtype = vae_dtype or (tiny_model_dtype(device, None) if source.tiny else torch.bfloat16)
     video_vae, audio_vae = load_vaes(source, device, dtype)

@@ -293,7 +293,8 @@ def locate_text_encoder_files(path: str | Path, tokenizer: str | Path | None = N
     if source.tokenizer_folder is None:
         hint = (
             " A single file carries none: give the release's FL2VA/tokenizer folder (or FL2VA/) as its tokenizer"
-            " (`tokenizer_folder` in the H3 Text Encoder Loader, `tokenizer=` in Python)."
+            " (`tokenizer_folder` in the H3 Text Encoder Loader, `--tokenizer` for `h3 generate`, `tokenizer=` in"
+            " Python)."
             if (source.origin == "single file")
             else ""
         )

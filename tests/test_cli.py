@@ -210,3 +210,28 @@ def test_generate_turns_on_expandable_segments(monkeypatch, capsys, configured, 
     argv = ["generate", "--prompt", "x", "--duration", "40", "--out", "o.mp4"] + (["--devices", devices] if devices else [])
     assert main(argv) == 2  # refused (40 s) after the setting, before any model
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == expected
+
+
+def readme_commands() -> list[str]:
+    """Every `h3 ...` command in the README's code blocks, continued lines joined, comments dropped."""
+    commands, inside = [], False
+    for line in README.read_text().replace("\\\n", " ").splitlines():
+        if line.startswith("```"):
+            inside = not inside
+        elif inside and line.startswith("h3 "):
+            commands.append(line.split("  #")[0])
+    return commands
+
+
+def test_every_readme_command_parses():
+    """The README's examples use options that exist, spelled as the parser wants them."""
+    from h3_core.cli import build_parser
+
+    commands = readme_commands()
+    assert len(commands) > 15 and any("--text-encoder" in c for c in commands)
+    parser = build_parser()
+    for command in commands:
+        try:
+            parser.parse_args(shlex.split(command)[1:])
+        except SystemExit:
+            pytest.fail(f"the README's `{command}` does not parse")

@@ -654,7 +654,7 @@ def test_h3_generate_notes_a_dit_bigger_than_the_available_cpu_memory(tmp_path, 
 
     path = write_four_blocks(tmp_path)
     monkeypatch.setattr(runtime, "host_memory_available", lambda: path.stat().st_size // 2)
-    source = pipeline.resolve_model_source(str(path), "fl2va")
+    source = pipeline.ModelSource(str(path), path)  # the DiT alone: what load_sampling_dit reads
     layout = _cond_layout()
     notes, read = [], []
     dit, _, streamer = pipeline.load_sampling_dit(

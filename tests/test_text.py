@@ -735,7 +735,8 @@ def encoder_loads(monkeypatch):
             return self
 
     monkeypatch.setattr(pipeline, "load_text_encoder",
-                        lambda root, dtype, device, on_tensor=None: calls.append(("load", str(device))) or Loaded())
+                        lambda root, dtype, device, tokenizer=None, on_tensor=None:
+                        calls.append(("load", str(device))) or Loaded())
     return calls
 
 

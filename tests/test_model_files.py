@@ -1,0 +1,151 @@
+"""`h3 generate` / `h3 encode` with each model from its own file (ComfyUI's single files): the same tiny
+weights laid out as a release root and as separate files give the same latents; a set with a part
+missing is refused, naming the options, before anything loads."""
+
+import re
+
+import pytest
+import torch
+from audio_vae_checkpoints import reference_audio_vae
+from audio_vae_checkpoints import write_comfy_single_file as write_audio_single
+from audio_vae_checkpoints import write_original_partition as write_audio_partition
+from reference_checkpoints import reference_dit
+from reference_checkpoints import write_comfy_single_file as write_dit_single
+from reference_checkpoints import write_original_partition as write_dit_partition
+from safetensors.torch import load_file
+from video_vae_checkpoints import reference_video_vae, tiny_config
+from video_vae_checkpoints import write_diffusers_folder as write_video_folder
+from video_vae_checkpoints import write_original_partition as write_video_partition
+
+import tiny_qwen
+from h3_core import pipeline, text_checkpoint
+from h3_core.cli import main
+from h3_core.config import TINY_DIT
+from h3_core.pipeline import ModelFiles, resolve_model_source
+from h3_core.weights import CheckpointError
+
+REQUEST = ["--prompt", "a fox on the beach", "--width", "224", "--height", "128", "--duration", "4", "--steps", "3",
+           "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def model_sets(tmp_path_factory):
+    """One tiny model twice: `release` (root with FL2VA/: DiT, text encoder, tokenizer, processor, both VAEs)
+    and `files` (a ComfyUI DiT file, a ComfyUI text-encoder file, a diffusers video VAE folder, a ComfyUI audio
+    VAE file), plus the text encoder's config (a single file carries none)."""
+    root = tmp_path_factory.mktemp("model_files")
+    tokenizer = tiny_qwen.write_tokenizer(root / "tokenizer")
+    text_config = tiny_qwen.config_dict(tokenizer, layers=50, hidden=TINY_DIT.text_dim)
+    text = tiny_qwen.random_model(text_config, seed=11)
+    release = root / "MiniMax-H3"
+    tiny_qwen.write_original_release(release, text, tokenizer)
+    video_config = tiny_config(seed=1)
+    video = reference_video_vae(video_config, seed=2)
+    write_video_partition(release, video.state_dict(), video_config)
+    audio = reference_audio_vae(seed=3)
+    write_audio_partition(release, audio)
+    dit_state = reference_dit(TINY_DIT, seed=4).state_dict()
+    write_dit_partition(release, dit_state, TINY_DIT)
+
+    files = root / "comfyui"
+    (files / "vae").mkdir(parents=True)
+    dit = write_dit_single(files / "minimax_h3_fl2va_bf16.safetensors", dit_state, TINY_DIT)
+    encoder = tiny_qwen.write_single_file(files / "qwen3vl_minimax_h3.safetensors", text,
+                                          prefix="text_encoders.qwen3vl_32b.transformer.")
+    video_folder = write_video_folder(files / "vae" / "video_vae", video)
+    audio_file = write_audio_single(files / "vae" / "minimax_h3_audio_vae_fp32.safetensors", audio)
+    return {"release": release, "dit": dit, "text_encoder": encoder, "tokenizer": release / "FL2VA",
+            "video_vae": video_folder, "audio_vae": audio_file, "text_config": text_config}
+
+
+def _file_options(sets, *leave_out: str) -> list[str]:
+    options = []
+    for name in ("text_encoder", "tokenizer", "video_vae", "audio_vae"):
+        if name not in leave_out:
+            options += ["--" + name.replace("_", "-"), str(sets[name])]
+    return options
+
+
+def test_separate_files_generate_what_the_release_root_does(model_sets, tmp_path, monkeypatch, capsys):
+    # a single text-encoder file is read with the built-in Qwen3-VL config: here the tiny one
+    monkeypatch.setattr(text_checkpoint, "QWEN3VL_32B_CONFIG", model_sets["text_config"])
+    release = tmp_path / "release.safetensors"
+    assert main(["generate", "--model", str(model_sets["release"]), *REQUEST, "--save-latents", str(release)]) == 0
+    out, latents = tmp_path / "files.mp4", tmp_path / "files.safetensors"
+    loaded = []
+    for name in ("load_text_encoder", "load_video_vae", "load_audio_vae"):
+        real = getattr(pipeline, name)
+        monkeypatch.setattr(pipeline, name, lambda path, *a, _real=real, _name=name, **k:
+                            loaded.append((_name, path, k.get("tokenizer"))) or _real(path, *a, **k))
+    argv = ["generate", "--model", str(model_sets["dit"]), *_file_options(model_sets), *REQUEST,
+            "--out", str(out), "--save-latents", str(latents)]
+    assert main(argv) == 0
+    assert [(name, path) for name, path, _ in loaded] == [
+        ("load_text_encoder", model_sets["text_encoder"]), ("load_video_vae", model_sets["video_vae"]),
+        ("load_audio_vae", model_sets["audio_vae"])]
+    assert loaded[0][2] == model_sets["tokenizer"]
+    ours, theirs = load_file(str(latents)), load_file(str(release))
+    assert set(ours) == {"video", "audio"}
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+    assert out.stat().st_size > 0
+    assert "files.mp4: t2va, seed 0, 107 frames" in capsys.readouterr().out
+
+
+def test_a_text_encoder_file_takes_its_tokenizer_from_the_release_root(model_sets, tmp_path, monkeypatch):
+    """--model a release root with --text-encoder a single file (say ComfyUI's int8 one): the tokenizer and
+    processor are the root's; the same latents as the root alone."""
+    monkeypatch.setattr(text_checkpoint, "QWEN3VL_32B_CONFIG", model_sets["text_config"])
+    release = str(model_sets["release"])
+    source = resolve_model_source(release, "fl2va", ModelFiles(text_encoder=model_sets["text_encoder"]))
+    assert source.tokenizer == model_sets["release"] and source.video_vae == model_sets["release"]
+    argv = ["generate", "--model", release, *REQUEST, "--steps", "2"]
+    assert main(argv + ["--save-latents", str(tmp_path / "a.safetensors")]) == 0
+    assert main(argv + ["--text-encoder", str(model_sets["text_encoder"]),
+                        "--save-latents", str(tmp_path / "b.safetensors")]) == 0
+    a, b = load_file(str(tmp_path / "a.safetensors")), load_file(str(tmp_path / "b.safetensors"))
+    assert torch.equal(a["video"], b["video"]) and torch.equal(a["audio"], b["audio"])
+
+
+def test_encode_reads_the_given_vae_files(model_sets, tmp_path):
+    """`h3 encode` with --video-vae and --audio-vae and no --model: the same latents as the release root's VAEs."""
+    import av
+    import numpy as np
+
+    clip = tmp_path / "clip.mp4"
+    with av.open(str(clip), "w") as container:
+        stream = container.add_stream("libx264", rate=24)
+        stream.width, stream.height, stream.pix_fmt = 224, 128, "yuv420p"
+        for index in range(30):
+            frame = np.full((128, 224, 3), index * 8, dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    canvas = ["--width", "224", "--height", "128", "--device", "cpu"]
+    assert main(["encode", str(clip), "--model", str(model_sets["release"]), *canvas, "--out", str(a)]) == 0
+    assert main(["encode", str(clip), "--video-vae", str(model_sets["video_vae"]), "--audio-vae",
+                 str(model_sets["audio_vae"]), *canvas, "--out", str(b)]) == 0
+    first, second = load_file(str(a)), load_file(str(b))
+    assert torch.equal(first["video"], second["video"]) and torch.equal(first["audio"], second["audio"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--model", "{dit}", "--text-encoder", "{text_encoder}", "--audio-vae", "{audio_vae}"],
+     r"single DiT file: the other models are not in it. Give --tokenizer, --video-vae \("),
+    (["generate", "--model", "{dit}"], "Give --text-encoder, --tokenizer, --video-vae, --audio-vae"),
+    (["generate", "--video-vae", "{video_vae}"], "--video-vae: tiny-random makes its own text encoder and VAEs"),
+    (["generate", "--model", "{release}", "--audio-vae", "{release}/nowhere.safetensors"],
+     "--audio-vae .*nowhere.safetensors does not exist"),
+    (["encode", "{dit}", "--video-vae", "{video_vae}"], "no --model was given: .* Give --audio-vae"),
+])
+def test_an_incomplete_set_is_refused_before_loading(model_sets, tmp_path, monkeypatch, capsys, argv, message):
+    for name in ("load_text_encoder", "load_video_vae", "load_audio_vae", "locate_dit"):
+        monkeypatch.setattr(pipeline, name, lambda *a, **k: pytest.fail("a model was looked at"))
+    argv = [part.format(**model_sets) for part in argv]
+    extra = ["--out", str(tmp_path / "x.safetensors")] if argv[0] == "encode" else [
+        "--prompt", "x", "--out", str(tmp_path / "x.mp4")]
+    assert main(argv + extra) == 2
+    error = capsys.readouterr().err
+    assert re.search(message, error), error
+    with pytest.raises(CheckpointError, match="single DiT file"):
+        resolve_model_source(str(model_sets["dit"]), "fl2va")
