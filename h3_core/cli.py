@@ -2,6 +2,7 @@
 
     h3 generate --prompt ... --out clip.mp4   prompt (+ keyframes / references) to an MP4
     h3 generate --long-video --duration 75 ... the same, window by window (latent-tail continuation)
+    h3 generate --batch JOBS.txt ...          many requests, each model loaded once (a request a line)
     h3 encode VIDEO --out LATENTS            a video of yours as latents, for generate --continue-from
     h3 info PATH                             what a DiT checkpoint is (layout, config, size), from headers
     h3 denoise --model M ...                 the DiT's denoise alone, from precomputed text states
@@ -13,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import resource
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -33,7 +35,7 @@ from .layout import build_request_layout
 from .long_video import LongVideoRequest
 from .media import MediaError
 from .output import AVLatents
-from .pipeline import GenerateSettings, ModelFiles, encode_clip_file, generate, sample
+from .pipeline import GenerateSettings, Job, ModelFiles, encode_clip_file, generate_batch, sample
 from .references import REFERENCE_IMAGE_MODES, MediaReference
 from .runtime import return_freed_memory_to_os, use_expandable_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule
@@ -96,11 +98,8 @@ def model_files(args) -> ModelFiles:
                       args.audio_vae)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="h3", description="MiniMax-H3 engine (h3_core).")
-    sub = parser.add_subparsers(required=True, metavar="COMMAND")
-
-    gen = sub.add_parser("generate", help="prompt (+ keyframes / references) to an MP4 with sound")
+def add_generate_options(gen: argparse.ArgumentParser) -> None:
+    """Everything `h3 generate` takes (a --batch line is parsed with the same options)."""
     gen.add_argument("--model", default=TINY_RANDOM,
                      help=f"release root or partition folder, diffusers folder, Hub repo id, or '{TINY_RANDOM}' (default); "
                           "or a single DiT file (e.g. ComfyUI's models/diffusion_models/...) with --text-encoder, "
@@ -170,9 +169,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--devices", metavar="DEV,DEV[,...]",
                      help="split the DiT over several devices, e.g. cuda:0,cuda:1 (one worker process each, sequence "
                           "parallel; 2, 4, 7 or 8 of them); the text encoder and VAEs run on the first (replaces --device)")
+    gen.add_argument("--batch", type=Path, metavar="FILE",
+                     help="many requests with each model loaded once: a job a line, written as this command's request "
+                          "options (--prompt, --task, --ref, --duration, --seed, --out, ...; # comments); a line's "
+                          "options override the command line's; the models, --steps and how the DiT runs are the "
+                          "command line's, one DiT partition a batch")
     gen.add_argument("--shard-weights", action="store_true",
                      help="with --devices: each device keeps 1/N of every block's weights and gathers a block just "
                           "before it runs (FSDP-style), so N smaller cards hold the model together")
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="h3", description="MiniMax-H3 engine (h3_core).")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="prompt (+ keyframes / references) to an MP4 with sound")
+    add_generate_options(gen)
     gen.set_defaults(run=run_generate)
 
     enc = sub.add_parser("encode", help="a video file (and its sound) to H3 latents: extend it with "
@@ -365,27 +376,15 @@ def run_encode(args) -> int:
 
 
 def run_generate(args) -> int:
-    if args.out is None and args.save_latents is None:
-        raise ValueError("Give --out FILE.mp4 (and/or --save-latents FILE.safetensors).")
     if args.outputs < 1:
         raise ValueError(f"--outputs must be at least 1, got {args.outputs}.")
+    jobs = _batch_jobs(args) if args.batch is not None else [_job(args)]
     return_freed_memory_to_os()
     devices = [d.strip() for d in (args.devices or "").split(",") if d.strip()]
     if args.shard_weights and len(devices) < 2:
         raise ValueError("--shard-weights splits weights over several devices; give them with --devices.")
     device = torch.device(devices[0] if devices else args.device)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    request = Request(
-        task=args.task, prompt=_prompt(args), first_image=args.first_image, last_image=args.last_image,
-        references=[_reference(spec) for spec in args.ref], aspect_ratio=args.aspect_ratio,
-        width=args.width, height=args.height, duration=args.duration, guides=[_guide(spec) for spec in args.guide],
-        reference_images=args.reference_images,
-    )
-    request, given = _kept(args, request)
-    if args.long_video:  # the long request holds the kept clip
-        request, given = _long_video(args, request, given), None
-    else:
-        request = _long_video(args, request)
     settings = GenerateSettings(args.seed, args.outputs, args.steps, args.video_shift, args.audio_shift,
                                 str(device), dtype, args.attention, [_lora(spec) for spec in args.lora],
                                 linears=args.linears, devices=devices, shard_weights=args.shard_weights,
@@ -398,16 +397,90 @@ def run_generate(args) -> int:
         torch.cuda.init()  # the memory statistics need CUDA's state, and nothing has touched the GPU yet
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        results = generate(request, args.model, settings, args.out, args.save_latents, progress,
-                           notes=lambda line: print(f"h3: {line}", file=sys.stderr), given=given,
-                           keep=None if given is None else args.keep, files=model_files(args))
+        results = generate_batch(jobs, args.model, settings, progress,
+                                 notes=lambda line: print(f"h3: {line}", file=sys.stderr), files=model_files(args))
     finally:
         progress.close()
     for result in results:
         written = result.video_path or result.latents_path
         stages = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in result.seconds.items())
-        print(f"{written}: {args.task}, seed {result.seed}, {result.latents.num_frames} frames; {stages}; {_peak(device)}")
+        print(f"{written}: {result.task}, seed {result.seed}, {result.latents.num_frames} frames; {stages}; "
+              f"{_peak(device)}")
     return 0
+
+
+def _job(args) -> Job:
+    """The request options of a generate command line (or of a --batch line over it) as one job."""
+    if args.out is None and args.save_latents is None:
+        raise ValueError("Give --out FILE.mp4 (and/or --save-latents FILE.safetensors).")
+    request = Request(
+        task=args.task, prompt=_prompt(args), first_image=args.first_image, last_image=args.last_image,
+        references=[_reference(spec) for spec in args.ref], aspect_ratio=args.aspect_ratio,
+        width=args.width, height=args.height, duration=args.duration, guides=[_guide(spec) for spec in args.guide],
+        reference_images=args.reference_images,
+    )
+    request, given = _kept(args, request)
+    if args.long_video:  # the long request holds the kept clip
+        request, given = _long_video(args, request, given), None
+    else:
+        request = _long_video(args, request)
+    return Job(request, args.out, args.save_latents, args.seed, args.outputs, given,
+               None if given is None else args.keep)
+
+
+# What one --batch line may set; everything else (the models, how the DiT runs, the sampler ladder) is one
+# for the whole batch and given on the command line.
+JOB_OPTIONS = ("task", "prompt", "first_image", "last_image", "ref", "reference_images", "guide", "aspect_ratio",
+               "width", "height", "duration", "long_video", "long_video_mode", "window_frames", "overlap_frames",
+               "window_prompt", "continue_from", "drive_audio", "keep", "given", "seed", "outputs", "out",
+               "save_latents")
+
+
+class _NotGiven(list):
+    """What an option holds before a --batch line gives it (a list, so repeatable options can append to it)."""
+
+
+def _options_given(parser: argparse.ArgumentParser, tokens: list[str]) -> dict:
+    """The generate options `tokens` give, by destination: parsed over a namespace in which every option is
+    not given, so an option spelled with its default value still counts as given."""
+    blank = argparse.Namespace(**{dest: _NotGiven() for dest in vars(parser.parse_args([]))})
+    parsed = vars(parser.parse_args(tokens, namespace=blank))
+    return {dest: value for dest, value in parsed.items() if not (isinstance(value, _NotGiven) and not value)}
+
+
+def _batch_jobs(args) -> list[Job]:
+    """--batch FILE: a job a line, written as the request options of an h3 generate command (blank lines and
+    lines starting with # skipped). A line's options override the command line's for that job."""
+    path = args.batch
+    if not path.is_file():
+        raise ValueError(f"--batch {path}: no such file.")
+    parser = argparse.ArgumentParser(prog="h3 generate --batch line", add_help=False)
+    add_generate_options(parser)
+    jobs = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        where = f"--batch {path}, line {number}"
+        try:
+            given = _options_given(parser, shlex.split(line))
+        except (ValueError, SystemExit):
+            raise ValueError(f"{where}: not the request options of an h3 generate command: {line.strip()}") from None
+        set_here = list(given)
+        shared = [dest for dest in set_here if dest not in JOB_OPTIONS]
+        if shared:
+            options = ", ".join("--" + dest.replace("_", "-") for dest in shared)
+            raise ValueError(f"{where}: {options} apply to the whole batch; give them on the command line (a line "
+                             f"takes {', '.join('--' + d.replace('_', '-') for d in JOB_OPTIONS if d != 'given')}, --from).")
+        merged = argparse.Namespace(**{**vars(args), **{dest: given[dest] for dest in set_here}})
+        if merged.outputs < 1:
+            raise ValueError(f"{where}: --outputs must be at least 1, got {merged.outputs}.")
+        try:
+            jobs.append(dataclasses.replace(_job(merged), name=where))
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
+    if not jobs:
+        raise ValueError(f"--batch {path} holds no jobs (a line each: --prompt ... --out FILE.mp4).")
+    return jobs
 
 
 def _peak(device: torch.device) -> str:

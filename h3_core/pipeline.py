@@ -5,6 +5,7 @@
     sample(dit, conditioning, seed, ...)                          -> AVLatents   (the dual-clock denoise)
     write_mp4(path, latents, video_vae, audio_vae)                -> Path        (streamed decode + mux)
     generate(...)                                                 -> everything above, with a progress callback
+    generate_batch(jobs, ...)                                     -> the same for many requests, each model loaded once
 """
 
 from __future__ import annotations
@@ -312,6 +313,7 @@ class GenerateResult:
     latents_path: Path | None
     latents: AVLatents
     seconds: dict[str, float] = field(default_factory=dict)
+    task: str = ""
 
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -322,6 +324,36 @@ def numbered(path: Path | None, index: int, count: int) -> Path | None:
     if path is None or count == 1:
         return path
     return path.with_name(f"{path.stem}_{index:05d}{path.suffix}")
+
+
+@dataclass
+class Job:
+    """One request of a batch and where its results go. `seed` / `outputs` None: the settings'. `keep`
+    ("video" or "audio") holds that part of the `given` clip's latents and generates the other."""
+
+    request: Request  # or a long_video.LongVideoRequest
+    out: Path | None = None
+    save_latents: Path | None = None
+    seed: int | None = None
+    outputs: int | None = None
+    given: AVLatents | None = None
+    keep: str | None = None
+    name: str = ""  # where the job came from, for messages (a batch file's line); default "job N"
+
+
+@dataclass
+class _Prepared:
+    """A job once validated: its request (guides read), the functions that encode and run it, its guides
+    still to add to the conditioning, and its partition."""
+
+    job: Job
+    request: Request
+    encode: Callable
+    run: Callable
+    guide_media: list
+    partition: str
+    seed: int
+    outputs: int
 
 
 def generate(
@@ -336,58 +368,50 @@ def generate(
     keep: str | None = None,
     files: ModelFiles = ModelFiles(),
 ) -> list[GenerateResult]:
-    """Prompt and references to MP4s. Validation runs first (no model is loaded for a bad request);
-    then, one model at a time on the device: text encoder (released after encoding), VAEs for the
-    conditioning, the DiT for sampling, the VAEs again for the streamed decode (the last output's video
-    chunks on all of `settings.devices` when several are given). A `LongVideoRequest` runs
-    window by window (long_video.py) and its whole clip is decoded once. `keep` ("video" or "audio") holds
+    """Prompt and references to MP4s: `generate_batch` with one job. `keep` ("video" or "audio") holds
     that part of the `given` clip's latents and generates the other (`sample`'s keep; one plain request
-    of the clip's size). `model` is the DiT's path (a release root holds the other models too); `files` names
-    the others where they are elsewhere (ComfyUI's single files)."""
-    from .long_video import LongVideoRequest, encode_long_video, sample_long_video, validate_long_video  # uses sample
+    of the clip's size)."""
+    return generate_batch([Job(request, out, save_latents, given=given, keep=keep)], model, settings, progress,
+                          notes, files)
 
-    long_video = isinstance(request, LongVideoRequest)
-    check, encode, run = (
-        (validate_long_video, encode_long_video, sample_long_video) if long_video else (validate, encode_request, sample)
-    )
+
+def generate_batch(
+    jobs: Sequence[Job],
+    model: str,
+    settings: GenerateSettings,
+    progress: Progress | None = None,
+    notes: Callable[[str], None] | None = None,
+    files: ModelFiles = ModelFiles(),
+) -> list[GenerateResult]:
+    """Requests to MP4s, each model loaded once for them all. Validation of every job runs first (no model
+    is loaded for a bad one); then, one model at a time on the device: text encoder (released after
+    encoding every job), VAEs for the conditionings, the DiT for sampling (planned for the largest job),
+    the VAEs again for the streamed decodes (the very last output's video chunks on all of
+    `settings.devices` when several are given). A `LongVideoRequest` runs window by window (long_video.py)
+    and its whole clip is decoded once. `model` is the DiT's path (a release root holds the other models
+    too); `files` names the others where they are elsewhere (ComfyUI's single files). Results in job order,
+    each job's outputs in seed order."""
+    if not jobs:
+        raise ValueError("Nothing to generate: no jobs.")
     progress = progress or (lambda stage, done, total: None)
     notes = notes or (lambda line: None)
-    partition = TASK_PARTITION.get(request.task)
-    if partition is None:
-        raise RequestError(f"Unknown task {request.task!r}; choose t2va, fl2va or ref2va.")
-    if out is None and save_latents is None:
-        raise ValueError("Nothing to write: give an output MP4 path and/or a latents path.")
-    for path, suffix in ((out, ".mp4"), (save_latents, ".safetensors")):
-        if path is not None and Path(path).suffix != suffix:
-            raise ValueError(f"{path} must end in {suffix}.")
     try:
         window, _ = check_window_setting(settings.attention_window, settings.attention_window_dense_steps)
     except ValueError as error:
         raise RequestError(str(error)) from None
     device, timings = torch.device(settings.device), {}
     rules = TINY_CANVAS if model == TINY_RANDOM else RELEASE_CANVAS
-    plan = check(request, rules)  # every limit, before any model
-    if keep is not None:
-        if long_video:
-            raise RequestError("keep holds part of a given clip in one plain request; a long video keeps a clip's "
-                               "video with LongVideoRequest(keep_video=...), its sound with drive_audio.")
+    names = [job.name or f"job {number}" for number, job in enumerate(jobs, 1)]
+    prepared = []
+    for job, name in zip(jobs, names):  # every limit of every job, before any model
         try:
-            kept_latents(given, keep, request_latent_shape(plan.num_frames, plan.width, plan.height))
-        except ValueError as error:
-            raise RequestError(str(error)) from None
-    guides = tuple(request.request.guides if long_video else request.guides)
-    clip_frames = max(w.frames for w in plan.windows) if long_video else None
-    guide_media = [GuideMedia(guide.frame_index, *read_guide(guide, plan.num_frames, clip_frames)) for guide in guides]
-    if long_video:  # the windows take them in memory (validated again, now with them)
-        request = dataclasses.replace(request, request=dataclasses.replace(request.request, guides=()),
-                                      guides=tuple(guide_media))
-        check(request, rules)
-        guide_media = []
-    elif guide_media:  # checked now, added to the conditioning once it is encoded
-        for media in guide_media:
-            check_guide(request.task, plan.num_frames, media.frame_index, media.frames, media.waveform,
-                        media.sample_rate)
-        request = dataclasses.replace(request, guides=())
+            prepared.append(_prepare(job, rules, settings))
+        except (ValueError, MediaError) as error:  # a RequestError is a ValueError
+            if len(jobs) > 1:
+                error.args = (f"{name}: {error}",)
+            raise
+    _check_batch(prepared, names)
+    partition = prepared[0].partition
     source = resolve_model_source(model, partition, files)
     resolve_backend(settings.attention, device, window=window > 0)
     check_linear_mode(settings.linears, device)
@@ -412,10 +436,13 @@ def generate(
                                          lambda done, total: progress("read text encoder", done, total))
     video_vae, audio_vae = load_vaes(source, device, settings.vae_dtype or model_dtype(source, settings))
     notes(f"video VAE: decoder linears in {str(video_vae.dtype).removeprefix('torch.')} (encoder and norms float32)")
-    conditioning = encode(request, text_encoder, video_vae, audio_vae, rules=source.canvas)
-    for media in guide_media:
-        conditioning = add_guide(conditioning, media.frame_index, video_vae, audio_vae, media.frames, media.waveform,
-                                 media.sample_rate)
+    conditionings = []
+    for item in prepared:
+        conditioning = item.encode(item.request, text_encoder, video_vae, audio_vae, rules=source.canvas)
+        for media in item.guide_media:
+            conditioning = add_guide(conditioning, media.frame_index, video_vae, audio_vae, media.frames,
+                                     media.waveform, media.sample_rate)
+        conditionings.append(conditioning)
     text_encoder.release()  # its ~51 GB leave before the DiT arrives
     del text_encoder
     video_vae.to("cpu"), audio_vae.to("cpu")  # back on the device only for the decode
@@ -423,46 +450,117 @@ def generate(
     timings["encode"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
-    dit, plan, streamer = load_sampling_dit(source, dit_source, partition, settings, loras, conditioning,
+    largest = max(conditionings, key=lambda c: largest_layout(c).sequence_length)
+    dit, plan, streamer = load_sampling_dit(source, dit_source, partition, settings, loras, largest,
                                             schedule.steps, notes, lambda done, total: progress("read DiT", done, total))
     timings["load"] = time.perf_counter() - clock
 
     results = []
-    for index in range(settings.outputs):
-        seed = settings.seed + index
-        clock = time.perf_counter()
-        latents = run(
-            dit, conditioning, seed, schedule.steps, schedule.video_shift, schedule.audio_shift,
-            schedule.video_sigmas, schedule.audio_sigmas,
-            callback=lambda state: progress(f"sample {index + 1}/{settings.outputs}", state.step, state.total),
-            offload_adaln=plan.offload_adaln, **({"init": given, "keep": keep} if keep is not None else {}),
-        )
-        seconds = {**timings, "sample": time.perf_counter() - clock}
-        if index == settings.outputs - 1:  # the DiT's device memory is free before the last decode
-            if streamer is not None:
-                streamer.remove()
-            if hasattr(dit, "close"):
-                dit.close()  # the parallel workers
-            dit = streamer = None  # the streamer holds the resident blocks too
-            empty_caches(device)
-        latents_path = numbered(save_latents, index, settings.outputs)
-        if latents_path is not None:
-            latents.save(latents_path, {"seed": str(seed), "task": request.task, "model": source.name})
-        video_path = numbered(out, index, settings.outputs)
-        if video_path is not None:
+    for number, (item, conditioning) in enumerate(zip(prepared, conditionings)):
+        job, request = item.job, item.request
+        label = f"job {number + 1}/{len(prepared)}, " if len(prepared) > 1 else ""
+        for index in range(item.outputs):
+            seed = item.seed + index
+            step_stage, decode_stage = (f"{what} {label}{index + 1}/{item.outputs}" for what in ("sample", "decode"))
             clock = time.perf_counter()
-            video_vae.to(device), audio_vae.to(device)
-            Path(video_path).parent.mkdir(parents=True, exist_ok=True)
-            write_mp4(
-                video_path, latents, video_vae, audio_vae,
-                metadata={"comment": f"MiniMax-H3 {request.task}, seed {seed}", "title": request.prompt[:200]},
-                on_frames=lambda done, total: progress(f"decode {index + 1}/{settings.outputs}", done, total),
-                # video chunks split over the devices once the DiT's workers have left them (the last output)
-                devices=settings.devices if len(settings.devices) > 1 and dit is None else None,
+            latents = item.run(
+                dit, conditioning, seed, schedule.steps, schedule.video_shift, schedule.audio_shift,
+                schedule.video_sigmas, schedule.audio_sigmas,
+                callback=lambda state: progress(step_stage, state.step, state.total),
+                offload_adaln=plan.offload_adaln,
+                **({"init": job.given, "keep": job.keep} if job.keep is not None else {}),
             )
-            seconds["decode"] = time.perf_counter() - clock
-        results.append(GenerateResult(seed, video_path, latents_path, latents, seconds))
+            seconds = {**timings, "sample": time.perf_counter() - clock}
+            if item is prepared[-1] and index == item.outputs - 1:  # the DiT's memory is free before the last decode
+                if streamer is not None:
+                    streamer.remove()
+                if hasattr(dit, "close"):
+                    dit.close()  # the parallel workers
+                dit = streamer = None  # the streamer holds the resident blocks too
+                empty_caches(device)
+            latents_path = numbered(job.save_latents, index, item.outputs)
+            if latents_path is not None:
+                Path(latents_path).parent.mkdir(parents=True, exist_ok=True)
+                latents.save(latents_path, {"seed": str(seed), "task": request.task, "model": source.name})
+            video_path = numbered(job.out, index, item.outputs)
+            if video_path is not None:
+                clock = time.perf_counter()
+                video_vae.to(device), audio_vae.to(device)
+                Path(video_path).parent.mkdir(parents=True, exist_ok=True)
+                write_mp4(
+                    video_path, latents, video_vae, audio_vae,
+                    metadata={"comment": f"MiniMax-H3 {request.task}, seed {seed}", "title": request.prompt[:200]},
+                    on_frames=lambda done, total: progress(decode_stage, done, total),
+                    # video chunks split over the devices once the DiT's workers have left them (the last output)
+                    devices=settings.devices if len(settings.devices) > 1 and dit is None else None,
+                )
+                seconds["decode"] = time.perf_counter() - clock
+            results.append(GenerateResult(seed, video_path, latents_path, latents, seconds, request.task))
     return results
+
+
+def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepared:
+    """One job checked against every limit (its guide files read and checked too), before any model loads."""
+    from .long_video import LongVideoRequest, encode_long_video, sample_long_video, validate_long_video  # uses sample
+
+    request, keep, given = job.request, job.keep, job.given
+    long_video = isinstance(request, LongVideoRequest)
+    check, encode, run = (
+        (validate_long_video, encode_long_video, sample_long_video) if long_video else (validate, encode_request, sample)
+    )
+    partition = TASK_PARTITION.get(request.task)
+    if partition is None:
+        raise RequestError(f"Unknown task {request.task!r}; choose t2va, fl2va or ref2va.")
+    if job.out is None and job.save_latents is None:
+        raise ValueError("Nothing to write: give an output MP4 path and/or a latents path.")
+    for path, suffix in ((job.out, ".mp4"), (job.save_latents, ".safetensors")):
+        if path is not None and Path(path).suffix != suffix:
+            raise ValueError(f"{path} must end in {suffix}.")
+    outputs = settings.outputs if job.outputs is None else job.outputs
+    if outputs < 1:
+        raise ValueError(f"outputs must be at least 1, got {outputs}.")
+    plan = check(request, rules)
+    if keep is not None:
+        if long_video:
+            raise RequestError("keep holds part of a given clip in one plain request; a long video keeps a clip's "
+                               "video with LongVideoRequest(keep_video=...), its sound with drive_audio.")
+        try:
+            kept_latents(given, keep, request_latent_shape(plan.num_frames, plan.width, plan.height))
+        except ValueError as error:
+            raise RequestError(str(error)) from None
+    guides = tuple(request.request.guides if long_video else request.guides)
+    clip_frames = max(w.frames for w in plan.windows) if long_video else None
+    guide_media = [GuideMedia(guide.frame_index, *read_guide(guide, plan.num_frames, clip_frames)) for guide in guides]
+    if long_video:  # the windows take them in memory (validated again, now with them)
+        request = dataclasses.replace(request, request=dataclasses.replace(request.request, guides=()),
+                                      guides=tuple(guide_media))
+        check(request, rules)
+        guide_media = []
+    elif guide_media:  # checked now, added to the conditioning once it is encoded
+        for media in guide_media:
+            check_guide(request.task, plan.num_frames, media.frame_index, media.frames, media.waveform,
+                        media.sample_rate)
+        request = dataclasses.replace(request, guides=())
+    seed = settings.seed if job.seed is None else job.seed
+    return _Prepared(job, request, encode, run, guide_media, partition, seed, outputs)
+
+
+def _check_batch(prepared: list[_Prepared], names: list[str]) -> None:
+    """One DiT partition for the whole batch, and no two outputs written to one file."""
+    partitions = sorted({item.partition for item in prepared})
+    if len(partitions) > 1:
+        raise RequestError("A batch runs one DiT: t2va and fl2va jobs use the FL2VA partition, ref2va jobs Ref2VA; "
+                           "put them in separate batches.")
+    written = {}
+    for item, name in zip(prepared, names):
+        for index in range(item.outputs):
+            for path in (numbered(item.job.out, index, item.outputs), numbered(item.job.save_latents, index, item.outputs)):
+                if path is None:
+                    continue
+                key = Path(path).expanduser().resolve()
+                if key in written:
+                    raise ValueError(f"{written[key]} and {name} both write {path}.")
+                written[key] = name
 
 
 TEXT_WORKING_BYTES = 2 * GIB  # the encoder's activations, thousands of rows with vision references

@@ -1,0 +1,91 @@
+"""`h3 generate --batch FILE`: many requests, each model loaded once; every job equals its own h3 generate run,
+and a bad batch is refused, naming the line, before any model loads."""
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from h3_core import pipeline
+from h3_core.cli import main
+
+SHARED = ["--steps", "3", "--device", "cpu"]
+
+
+def test_a_batch_equals_its_jobs_run_one_by_one_and_loads_each_model_once(tmp_path, monkeypatch, capsys):
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(
+        "# two requests and a pair of seeds\n"
+        f"--prompt 'a fox on the beach' --seed 3 --save-latents {tmp_path}/fox.safetensors --out {tmp_path}/fox.mp4\n"
+        "\n"
+        f"--prompt 'rain on a tin roof' --duration 4 --aspect-ratio 1:1 --outputs 2 --save-latents {tmp_path}/rain.safetensors\n"
+    )
+    loads = {"text encoder": 0, "DiT": 0}
+    for name, what in (("load_text_encoder_for", "text encoder"), ("load_sampling_dit", "DiT")):
+        real = getattr(pipeline, name)
+        monkeypatch.setattr(pipeline, name, lambda *a, _real=real, _what=what, **k:
+                            loads.__setitem__(_what, loads[_what] + 1) or _real(*a, **k))
+    assert main(["generate", "--batch", str(jobs), "--duration", "5", *SHARED]) == 0
+    assert loads == {"text encoder": 1, "DiT": 1}
+    printed = capsys.readouterr().out
+    assert re.search(r"fox.mp4: t2va, seed 3, 124 frames", printed)  # the command line's --duration 5
+    assert re.search(r"rain_00001.safetensors: t2va, seed 1, 107 frames", printed)
+
+    alone = tmp_path / "alone"
+    singles = [
+        (["--prompt", "a fox on the beach", "--seed", "3", "--duration", "5"], ["fox.safetensors"]),
+        (["--prompt", "rain on a tin roof", "--duration", "4", "--aspect-ratio", "1:1", "--outputs", "2"],
+         ["rain_00000.safetensors", "rain_00001.safetensors"]),
+    ]
+    for options, names in singles:
+        stem = names[0].split("_")[0].removesuffix(".safetensors")
+        assert main(["generate", *options, *SHARED, "--save-latents", str(alone / f"{stem}.safetensors")]) == 0
+        for name in names:
+            ours, theirs = load_file(str(tmp_path / name)), load_file(str(alone / name))
+            assert torch.equal(ours["video"], theirs["video"]) and torch.equal(ours["audio"], theirs["audio"]), name
+    assert (tmp_path / "fox.mp4").stat().st_size > 0
+
+
+@pytest.mark.parametrize("lines, message", [
+    (["--prompt x --model tiny-random --out {tmp}/a.mp4"], r"line 1: --model apply to the whole batch"),
+    (["--prompt x --out {tmp}/a.mp4", "--prompt y --steps 8 --lora a.safetensors --out {tmp}/b.mp4"],
+     r"line 2: --steps, --lora apply to the whole batch"),
+    (["--prompt x --out {tmp}/a.mp4", "--prompt y --out {tmp}/a.mp4"], r"line 1 and --batch .*, line 2 both write .*a.mp4"),
+    (["--prompt x --out {tmp}/a.mp4", "--task ref2va --ref image={tmp}/i.png --prompt y --out {tmp}/b.mp4"],
+     "A batch runs one DiT"),
+    (["--prompt x --out {tmp}/a.mp4", "--prompt 'unclosed --out {tmp}/b.mp4"], r"line 2: not the request options"),
+    (["--prompt x --out {tmp}/a.mp4", "--prompt x --duration 99 --out {tmp}/b.mp4"],
+     r"line 2: The duration must be between 4 and 15 seconds, got 99"),
+    (["--prompt x"], r"line 1: Give --out"),
+    (["# nothing", ""], "holds no jobs"),
+])
+def test_a_bad_batch_is_refused_before_any_model_loads(tmp_path, monkeypatch, capsys, lines, message):
+    from PIL import Image
+
+    Image.new("RGB", (64, 64)).save(tmp_path / "i.png")
+    for name in ("load_text_encoder_for", "load_vaes", "load_sampling_dit"):
+        monkeypatch.setattr(pipeline, name, lambda *a, **k: pytest.fail("a model was loaded"))
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text("\n".join(line.format(tmp=tmp_path) for line in lines) + "\n")
+    assert main(["generate", "--batch", str(jobs), *SHARED]) == 2
+    error = capsys.readouterr().err
+    assert re.search(message, error), error
+
+
+def test_the_readme_batch_file_reads_as_its_jobs(tmp_path):
+    """The README's jobs.txt: three jobs; a line's options override the command line's, the rest come from it."""
+    from pathlib import Path
+
+    from h3_core.cli import _batch_jobs, build_parser
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("```text\n# jobs.txt\n", 1)[1].split("```", 1)[0]
+    jobs_file = tmp_path / "jobs.txt"
+    jobs_file.write_text(block)
+    args = build_parser().parse_args(["generate", "--batch", str(jobs_file), "--duration", "5", "--seed", "7"])
+    fox, rain, door = _batch_jobs(args)
+    assert (fox.request.duration, fox.seed, fox.outputs, str(fox.out)) == (5.0, 1, 1, "out/fox.mp4")
+    assert (rain.request.duration, rain.seed, rain.outputs) == (8.0, 7, 2)
+    assert door.request.task == "fl2va" and door.request.first_image == Path("a.png") and door.request.duration == 5.0
+    assert fox.name.endswith("line 1") and door.name.endswith("line 3")
