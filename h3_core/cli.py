@@ -178,6 +178,7 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
                      help="with --devices: each device keeps 1/N of every block's weights and gathers a block just "
                           "before it runs (FSDP-style), so N smaller cards hold the model together")
 
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="h3", description="MiniMax-H3 engine (h3_core).")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
@@ -465,13 +466,12 @@ def _batch_jobs(args) -> list[Job]:
             given = _options_given(parser, shlex.split(line))
         except (ValueError, SystemExit):
             raise ValueError(f"{where}: not the request options of an h3 generate command: {line.strip()}") from None
-        set_here = list(given)
-        shared = [dest for dest in set_here if dest not in JOB_OPTIONS]
+        shared = [dest for dest in given if dest not in JOB_OPTIONS]
         if shared:
             options = ", ".join("--" + dest.replace("_", "-") for dest in shared)
             raise ValueError(f"{where}: {options} apply to the whole batch; give them on the command line (a line "
                              f"takes {', '.join('--' + d.replace('_', '-') for d in JOB_OPTIONS if d != 'given')}, --from).")
-        merged = argparse.Namespace(**{**vars(args), **{dest: given[dest] for dest in set_here}})
+        merged = argparse.Namespace(**{**vars(args), **given})
         if merged.outputs < 1:
             raise ValueError(f"{where}: --outputs must be at least 1, got {merged.outputs}.")
         try:

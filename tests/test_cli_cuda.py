@@ -60,3 +60,24 @@ def test_one_gpu_generate_uses_expandable_segments_unless_the_user_configured_th
     asks torch for expandable ones before CUDA starts; a user's own allocator setting is left alone."""
     assert _allocator_after_generate(tmp_path, None) == "RESULT 0 True"
     assert _allocator_after_generate(tmp_path, "expandable_segments:False") == "RESULT 0 False"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_batch_split_over_two_gpus_equals_its_jobs_alone(tmp_path, capsys):
+    """--batch with --devices: the workers hold the DiT for both jobs (the first decoded beside them) and
+    leave before the last decode; each job's latents equal its own run's."""
+    from safetensors.torch import load_file
+
+    split = ["--devices", "cuda:0,cuda:1", "--steps", "4"]
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"--prompt 'a fox' --seed 1 --out {tmp_path}/a.mp4 --save-latents {tmp_path}/a.safetensors\n"
+                    f"--prompt 'rain' --duration 4 --save-latents {tmp_path}/b.safetensors --out {tmp_path}/b.mp4\n")
+    assert main(["generate", "--batch", str(jobs), *split]) == 0
+    assert main(["generate", "--prompt", "rain", "--duration", "4", *split,
+                 "--save-latents", str(tmp_path / "alone.safetensors")]) == 0
+    capsys.readouterr()
+    batch, alone = load_file(str(tmp_path / "b.safetensors")), load_file(str(tmp_path / "alone.safetensors"))
+    assert torch.equal(batch["video"], alone["video"]) and torch.equal(batch["audio"], alone["audio"])
+    for name in ("a.mp4", "b.mp4"):
+        with av.open(str(tmp_path / name)) as container:
+            assert sum(1 for _ in container.decode(video=0)) > 0
