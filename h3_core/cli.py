@@ -86,7 +86,8 @@ def add_model_file_options(parser: argparse.ArgumentParser, text_encoder: bool =
                                  "models/text_encoders/qwen3vl_32b_minimax_h3_bf16.safetensors (or its int8 file)")
         parser.add_argument("--tokenizer", type=Path, metavar="DIR",
                             help="with a single --text-encoder file, which carries none: the release's FL2VA/tokenizer "
-                                 "folder or FL2VA/ (default: --model's folder, when it is one)")
+                                 "folder or FL2VA/ (default: --model's folder when it is one, else the release's tokenizer "
+                                 "and processor, fetched once from the Hugging Face Hub: about 7 MiB)")
     parser.add_argument("--video-vae", type=Path, metavar="PATH",
                         help="the video VAE, when not under --model: e.g. models/vae/minimax_h3_video_vae_fp16.safetensors")
     parser.add_argument("--audio-vae", type=Path, metavar="PATH",
@@ -103,7 +104,7 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--model", default=TINY_RANDOM,
                      help=f"release root or partition folder, diffusers folder, Hub repo id, or '{TINY_RANDOM}' (default); "
                           "or a single DiT file (e.g. ComfyUI's models/diffusion_models/...) with --text-encoder, "
-                          "--tokenizer, --video-vae and --audio-vae")
+                          "--video-vae and --audio-vae")
     add_model_file_options(gen)
     gen.add_argument("--task", default="t2va", choices=["t2va", "fl2va", "ref2va"])
     gen.add_argument("--prompt", help="the prompt (required, except with --long-video and --window-prompt: then "

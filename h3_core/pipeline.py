@@ -245,7 +245,7 @@ def resolve_model_source(model: str | None, partition: str, files: ModelFiles = 
     """`tiny-random`, an existing local path, or (only then) a Hugging Face repo id downloaded with
     huggingface_hub (just the partition that serves the task). `files`: the other models' own paths, checked
     to exist. A single DiT file holds the DiT alone, so then the other `parts` the caller needs must be
-    given; with no `model` at all, every one of them."""
+    given (but the tokenizer: the release's is fetched when none is); with no `model` at all, every one."""
     given = files.given()
     if model == TINY_RANDOM:
         if given:
@@ -257,15 +257,12 @@ def resolve_model_source(model: str | None, partition: str, files: ModelFiles = 
             raise CheckpointError(f"{FILE_OPTIONS[name]} {path} does not exist.")
     path = None if model is None else Path(model).expanduser()
     if path is None or path.is_file():
-        text_folder = given.get("text_encoder", path)
-        missing = [FILE_OPTIONS[name] for name in parts if name not in given
-                   and not (name == "tokenizer" and text_folder is not None and text_folder.is_dir())]
+        missing = [FILE_OPTIONS[name] for name in parts if name not in given and name != "tokenizer"]
         where = "no --model was given" if path is None else f"--model {model} is a single DiT file"
         if missing:
             raise CheckpointError(
                 f"{where}: the other models are not in it. Give {', '.join(missing)} (ComfyUI: a file from "
-                "models/text_encoders, the release's FL2VA/tokenizer folder, files from models/vae), or --model a "
-                "release root holding them all.")
+                "models/text_encoders, files from models/vae), or --model a release root holding them all.")
         if path is None:
             return ModelSource("the given files", None, files)
     if path.exists():
@@ -426,7 +423,10 @@ def generate_batch(
           f"{schedule.audio_shift:g} ({schedule.source})" + "".join(f"; {n}" for n in schedule.notes))
     dit_source = None if source.tiny else locate_dit(source.root, partition)
     if not source.tiny:  # every checkpoint found and recognized before the first one loads
-        locate_text_encoder_files(source.text_encoder, source.tokenizer)
+        text_files = locate_text_encoder_files(source.text_encoder, source.tokenizer)
+        if source.tokenizer is None and text_files.origin == "single file":  # the release's, from the Hub
+            source = dataclasses.replace(source, files=dataclasses.replace(
+                source.files, tokenizer=text_files.tokenizer_folder))
         locate_video_vae(source.video_vae)
         locate_audio_vae(source.audio_vae)
 

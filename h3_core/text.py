@@ -39,7 +39,14 @@ from .prompt import (
     load_tokenizer,
 )
 from .runtime import empty_caches
-from .text_checkpoint import TEXT_ENCODER_LAYER, CheckpointError, load_qwen3vl, locate_text_encoder, qwen3vl_config
+from .text_checkpoint import (
+    TEXT_ENCODER_LAYER,
+    CheckpointError,
+    load_qwen3vl,
+    locate_text_encoder,
+    qwen3vl_config,
+    release_tokenizer,
+)
 
 
 @dataclass(frozen=True)
@@ -267,8 +274,8 @@ def load_text_encoder(
     path       a release root, a partition folder (`FL2VA/`), its `text_encoder/`, an HF-layout
                Qwen3-VL folder, or the Comfy-Org single file `qwen3vl_32b_minimax_h3_bf16.safetensors`.
     tokenizer  the H3 tokenizer folder (`FL2VA/tokenizer`), or a folder holding `tokenizer/` and
-               `processor/` (the partition or the release root). Found beside folder layouts;
-               required for a single file, which carries none.
+               `processor/` (the partition or the release root). Found beside folder layouts; a
+               single file carries none: without one, the release's is fetched from the Hub (7 MiB).
     processor  the Qwen3-VL processor folder (`FL2VA/processor`); found beside the tokenizer if omitted.
     config     a Qwen3-VL config (dict, config.json or its folder) overriding the folder's; a single
                file defaults to the built-in Qwen3-VL-32B config.
@@ -288,17 +295,13 @@ def load_text_encoder(
 def locate_text_encoder_files(path: str | Path, tokenizer: str | Path | None = None,
                               processor: str | Path | None = None, layer: int = TEXT_ENCODER_LAYER):
     """`locate_text_encoder`, refusing a source without its tokenizer or processor: a host calls it before
-    it makes room on the GPU or reads any weight."""
+    it makes room on the GPU or reads any weight. A single file given no tokenizer gets the release's
+    (`release_tokenizer`: from the Hugging Face cache, or fetched)."""
     source = locate_text_encoder(path, tokenizer, processor, layer)
+    if source.tokenizer_folder is None and source.origin == "single file" and tokenizer is None:
+        source = locate_text_encoder(path, release_tokenizer(), processor, layer)
     if source.tokenizer_folder is None:
-        hint = (
-            " A single file carries none: give the release's FL2VA/tokenizer folder (or FL2VA/) as its tokenizer"
-            " (`tokenizer_folder` in the H3 Text Encoder Loader, `--tokenizer` for `h3 generate`, `tokenizer=` in"
-            " Python)."
-            if (source.origin == "single file")
-            else ""
-        )
-        raise CheckpointError(f"No tokenizer found for {path}.{hint}")
+        raise CheckpointError(f"No tokenizer found for {path}.")
     if source.processor_folder is None:
         raise CheckpointError(
             f"No Qwen3-VL processor config found for {path}; give the release's FL2VA/processor folder "

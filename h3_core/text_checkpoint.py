@@ -12,8 +12,9 @@ Layouts (h3-model.md I):
 - an HF-layout model folder (config.json, shards, tokenizer and processor files in one folder);
 - the Comfy-Org single file (`qwen3vl_32b_minimax_h3_bf16.safetensors`: 50 layers, no final norm,
   no LM head, keys optionally prefixed `text_encoders.qwen3vl_32b.transformer.`). It carries neither
-  config nor tokenizer: the tokenizer/processor folders are given separately and the config is the
-  built-in Qwen3-VL-32B one (or one given).
+  config nor tokenizer: the tokenizer/processor folders are given separately (or, when none is given,
+  the release's are fetched from the Hub: about 7 MiB) and the config is the built-in Qwen3-VL-32B one
+  (or one given).
 Tensor names may be spelled `model.language_model.*` / `model.visual.*` (transformers >= 4.57) or
 `model.*` / `visual.*` (older Qwen-VL naming, the single file). Only safetensors are read.
 """
@@ -21,6 +22,7 @@ Tensor names may be spelled `model.language_model.*` / `model.visual.*` (transfo
 from __future__ import annotations
 
 import copy
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,10 @@ from .weights import (
     tensor_names,
 )
 
+log = logging.getLogger("h3")
+
+RELEASE_REPO = "MiniMaxAI/MiniMax-H3"  # the original release on the Hugging Face Hub (h3-model.md I.1)
+RELEASE_TOKENIZER_FILES = ("FL2VA/tokenizer/*", "FL2VA/processor/*")
 TEXT_ENCODER_LAYER = 50  # H3 reads hidden_states[50]: the residual stream after decoder layer 50
 PARTITION_FOLDERS = ("FL2VA", "Ref2VA")  # both partitions ship the same text encoder
 INDEX_NAME = "model.safetensors.index.json"
@@ -144,6 +150,25 @@ def locate_text_encoder(
             "or in a processor/ folder inside it)."
         )
     return TextEncoderSource(tuple(files), config, tokenizer_folder, processor_folder, origin)
+
+
+def release_tokenizer(repo: str = RELEASE_REPO) -> Path:
+    """The release's `FL2VA/` holding only its tokenizer and processor folders (about 7 MiB), from the Hugging
+    Face cache or fetched into it. A single text-encoder file carries neither, and the release's tokenizer
+    has MiniMax's own tokens (`<d>` for dialogue) that a stock Qwen tokenizer splits into text."""
+    from huggingface_hub import snapshot_download
+
+    log.info("H3: fetching the release's tokenizer and processor from %s (about 7 MiB, cached after)", repo)
+    try:
+        root = snapshot_download(repo, allow_patterns=list(RELEASE_TOKENIZER_FILES))
+    except (OSError, ValueError) as error:  # offline, gated, moved: say how to get them by hand
+        raise CheckpointError(
+            f"A single text-encoder file carries no tokenizer, and fetching the release's from {repo} failed "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). Download them with "
+            f"`huggingface-cli download {repo} --include {' '.join(repr(f) for f in RELEASE_TOKENIZER_FILES)} "
+            "--local-dir DIR` and give DIR/FL2VA as the tokenizer (the H3 Text Encoder Loader's tokenizer_folder, "
+            "`--tokenizer` for h3 generate, `tokenizer=` in Python).") from None
+    return Path(root) / "FL2VA"
 
 
 def _weights_folder(path: Path) -> Path:

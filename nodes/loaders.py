@@ -183,7 +183,9 @@ class H3TextEncoderLoader(io.ComfyNode):
                                        "or tiny-random for tests and demos."),
                 io.String.Input("folder", default="", tooltip=FOLDER_TOOLTIP),
                 io.String.Input("tokenizer_folder", default="",
-                                tooltip="Needed with a single file: the release's FL2VA/tokenizer folder (or FL2VA/)."),
+                                tooltip="For a single file, which carries none: the release's FL2VA/tokenizer folder "
+                                        "(or FL2VA/). Empty: the release's, fetched once from the Hugging Face Hub "
+                                        "(MiniMaxAI/MiniMax-H3, about 7 MiB) into its cache."),
                 io.Combo.Input("weight_dtype", options=["bf16", "fp16", "fp32"], default="bf16",
                                tooltip="dtype the encoder runs in."),
                 io.Float.Input("gpu_memory_gb", default=0.0, min=0.0, max=4096.0, step=0.5, optional=True,
@@ -208,7 +210,8 @@ class H3TextEncoderLoader(io.ComfyNode):
         else:
             path = model_path("text_encoders", text_encoder, folder)
             tokenizer = tokenizer_folder.strip() or None
-            locate_text_encoder_files(path, tokenizer)  # a missing tokenizer is refused before room is made
+            # a missing tokenizer is refused before room is made (a single file's, if none is given, is fetched)
+            found = locate_text_encoder_files(path, tokenizer)
             dtype = DTYPES[weight_dtype]
             weight_bytes = text_encoder_bytes(path, dtype)
             stream = text_encoder_streams(weight_bytes + TEXT_WORKING_BYTES, target, budget)
@@ -216,7 +219,8 @@ class H3TextEncoderLoader(io.ComfyNode):
             if stream:  # our other models may let go of CPU memory for it (host_memory)
                 warn_unless_room(weight_bytes, "The text encoder")
             with freed_on_failure(target):
-                encoder = load_text_encoder(path, dtype, home, tokenizer=tokenizer, on_tensor=read_bar())
+                encoder = load_text_encoder(path, dtype, home, tokenizer=found.tokenizer_folder,
+                                            processor=found.processor_folder, on_tensor=read_bar())
             name, canvas = str(path), RELEASE_CANVAS
         patcher = manage_text_encoder(f"H3 text encoder ({Path(name).name})", encoder, target, stream,
                                       TEXT_WORKING_BYTES)

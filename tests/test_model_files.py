@@ -4,6 +4,7 @@ missing is refused, naming the options, before anything loads."""
 
 import re
 
+import huggingface_hub
 import pytest
 import torch
 from audio_vae_checkpoints import reference_audio_vae
@@ -67,6 +68,8 @@ def _file_options(sets, *leave_out: str) -> list[str]:
 
 
 def test_separate_files_generate_what_the_release_root_does(model_sets, tmp_path, monkeypatch, capsys):
+    """A ComfyUI DiT file, text-encoder file (its tokenizer fetched), video VAE folder and audio VAE file: the
+    same latents as the release root holding the same weights."""
     # a single text-encoder file is read with the built-in Qwen3-VL config: here the tiny one
     monkeypatch.setattr(text_checkpoint, "QWEN3VL_32B_CONFIG", model_sets["text_config"])
     release = tmp_path / "release.safetensors"
@@ -77,13 +80,17 @@ def test_separate_files_generate_what_the_release_root_does(model_sets, tmp_path
         real = getattr(pipeline, name)
         monkeypatch.setattr(pipeline, name, lambda path, *a, _real=real, _name=name, **k:
                             loaded.append((_name, path, k.get("tokenizer"))) or _real(path, *a, **k))
-    argv = ["generate", "--model", str(model_sets["dit"]), *_file_options(model_sets), *REQUEST,
+    fetched = []  # no --tokenizer: the release's, fetched once (here from the tiny release)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, **options: fetched.append(repo) or str(model_sets["release"]))
+    argv = ["generate", "--model", str(model_sets["dit"]), *_file_options(model_sets, "tokenizer"), *REQUEST,
             "--out", str(out), "--save-latents", str(latents)]
     assert main(argv) == 0
+    assert fetched == ["MiniMaxAI/MiniMax-H3"]
     assert [(name, path) for name, path, _ in loaded] == [
         ("load_text_encoder", model_sets["text_encoder"]), ("load_video_vae", model_sets["video_vae"]),
         ("load_audio_vae", model_sets["audio_vae"])]
-    assert loaded[0][2] == model_sets["tokenizer"]
+    assert loaded[0][2] == model_sets["release"] / "FL2VA" / "tokenizer"
     ours, theirs = load_file(str(latents)), load_file(str(release))
     assert set(ours) == {"video", "audio"}
     for key in ours:
@@ -131,8 +138,8 @@ def test_encode_reads_the_given_vae_files(model_sets, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--model", "{dit}", "--text-encoder", "{text_encoder}", "--audio-vae", "{audio_vae}"],
-     r"single DiT file: the other models are not in it. Give --tokenizer, --video-vae \("),
-    (["generate", "--model", "{dit}"], "Give --text-encoder, --tokenizer, --video-vae, --audio-vae"),
+     r"single DiT file: the other models are not in it. Give --video-vae \("),
+    (["generate", "--model", "{dit}"], "Give --text-encoder, --video-vae, --audio-vae"),
     (["generate", "--video-vae", "{video_vae}"], "--video-vae: tiny-random makes its own text encoder and VAEs"),
     (["generate", "--model", "{release}", "--audio-vae", "{release}/nowhere.safetensors"],
      "--audio-vae .*nowhere.safetensors does not exist"),

@@ -569,14 +569,22 @@ def test_vae_encode_reads_a_loaded_video_from_its_file(comfy):
     assert [done for done, _, _ in c.record.progress[-2:]] == [17, 34]
 
 
-def test_single_file_text_encoder_without_tokenizer_folder_is_refused_before_making_room(comfy):
+def test_single_file_text_encoder_without_tokenizer_folder_is_refused_before_making_room(comfy, monkeypatch):
+    """No tokenizer_folder: the release's is fetched from the Hub; offline that fails before any room is made."""
+    import huggingface_hub
     import tiny_qwen
+
+    def offline(repo, **options):
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
 
     tokenizer = tiny_qwen.write_tokenizer(comfy.tmp / "tok")
     name = "qwen3vl_32b_minimax_h3_bf16.safetensors"
     tiny_qwen.write_single_file(comfy.tmp / "text_encoders" / name,
                                 tiny_qwen.random_model(tiny_qwen.config_dict(tokenizer), seed=3))
-    with pytest.raises(ValueError, match="`tokenizer_folder` in the H3 Text Encoder Loader"):
+    with pytest.raises(ValueError, match="fetching the release's .* failed .*the H3 Text Encoder Loader's "
+                                         "tokenizer_folder"):
         comfy.loaders.H3TextEncoderLoader.execute(name, "", "", "bf16")
     assert comfy.record.freed == [] and comfy.record.loaded == []  # no other model was asked to leave
 

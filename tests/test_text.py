@@ -660,8 +660,6 @@ def test_loader_errors(tiny, tmp_path):
     with pytest.raises(CheckpointError, match="pickle"):
         load_text_encoder(pickled / "pytorch_model.bin", tokenizer=partition)
 
-    with pytest.raises(CheckpointError, match="tokenizer="):
-        load_text_encoder(tiny["single"], config=tiny["config"])
     with pytest.raises(CheckpointError, match="holds no tokenizer"):
         load_text_encoder(tiny["single"], tokenizer=tmp_path, config=tiny["config"])
 
@@ -795,3 +793,32 @@ def test_demo_text_encoder_leaves_no_temporary_folder(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("h3-tiny-text-*"))
     states = encoder.encode(encoder.present("t2va", "a fox trots along the beach")).prompt_embeds
     assert states.shape[-1] == 48 and torch.isfinite(states).all()
+
+
+def test_a_single_file_without_a_tokenizer_gets_the_releases_from_the_hub(tiny, monkeypatch):
+    """No tokenizer given for a single file: the release's tokenizer and processor folders alone are fetched
+    (huggingface_hub, cached) and used; offline, the error says how to download them by hand."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    calls = []
+
+    def offline(repo, **options):
+        calls.append((repo, options))
+        raise LocalEntryNotFoundError("Got: ConnectError: [Errno -2] Name or service not known\nmore")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(CheckpointError, match=r"fetching the release's from MiniMaxAI/MiniMax-H3 failed "
+                                              r"\(LocalEntryNotFoundError: Got: ConnectError.*\)\. Download them "
+                                              r"with `huggingface-cli download MiniMaxAI/MiniMax-H3 --include "
+                                              r"'FL2VA/tokenizer/\*' 'FL2VA/processor/\*'"):
+        load_text_encoder(tiny["single"], config=tiny["config"])
+    assert calls == [("MiniMaxAI/MiniMax-H3", {"allow_patterns": ["FL2VA/tokenizer/*", "FL2VA/processor/*"]})]
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **options: str(tiny["release"]))
+    fetched = load_text_encoder(tiny["single"], config=tiny["config"])
+    given = load_text_encoder(tiny["single"], tokenizer=tiny["partition"], config=tiny["config"])
+    presentation = given.present("t2va", "<d>[English] Hello there.</d> A fox on the beach.")
+    assert fetched.present("t2va", "<d>[English] Hello there.</d> A fox on the beach.").input_ids.tolist() == \
+        presentation.input_ids.tolist()
+    assert torch.equal(fetched.encode(presentation).prompt_embeds, given.encode(presentation).prompt_embeds)
