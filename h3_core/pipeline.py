@@ -427,6 +427,7 @@ def generate_batch(
         if source.tokenizer is None and text_files.origin == "single file":  # the release's, from the Hub
             source = dataclasses.replace(source, files=dataclasses.replace(
                 source.files, tokenizer=text_files.tokenizer_folder))
+            notes(f"tokenizer: the release's, from the Hugging Face cache ({text_files.tokenizer_folder})")
         locate_video_vae(source.video_vae)
         locate_audio_vae(source.audio_vae)
 
