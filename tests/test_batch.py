@@ -2,6 +2,7 @@
 and a bad batch is refused, naming the line, before any model loads."""
 
 import re
+import shlex
 
 import pytest
 import torch
@@ -89,3 +90,24 @@ def test_the_readme_batch_file_reads_as_its_jobs(tmp_path):
     assert (rain.request.duration, rain.seed, rain.outputs) == (8.0, 7, 2)
     assert door.request.task == "fl2va" and door.request.first_image == Path("a.png") and door.request.duration == 5.0
     assert fox.name.endswith("line 1") and door.name.endswith("line 3")
+
+
+def test_a_long_video_and_a_guided_job_in_one_batch_equal_their_own_runs(tmp_path):
+    """Jobs of other kinds share the loaded models too: a long video (windows) and a request with a guide
+    image give, in one batch, the latents each gives alone."""
+    from PIL import Image
+
+    Image.new("RGB", (96, 64), (200, 40, 10)).save(tmp_path / "red.png")
+    long_job = ["--prompt", "waves", "--long-video", "--duration", "9", "--window-frames", "107",
+                "--overlap-frames", "22", "--seed", "5"]
+    guided = ["--prompt", "a red card", "--guide", f"0:image={tmp_path}/red.png", "--duration", "4"]
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(shlex.join(long_job) + f" --save-latents {tmp_path}/long.safetensors\n"
+                    + shlex.join(guided) + f" --save-latents {tmp_path}/guided.safetensors\n")
+    assert main(["generate", "--batch", str(jobs), "--steps", "2", "--device", "cpu"]) == 0
+    for options, name in ((long_job, "long"), (guided, "guided")):
+        alone = tmp_path / f"{name}_alone.safetensors"
+        assert main(["generate", *options, "--steps", "2", "--device", "cpu", "--save-latents", str(alone)]) == 0
+        ours, theirs = load_file(str(tmp_path / f"{name}.safetensors")), load_file(str(alone))
+        assert torch.equal(ours["video"], theirs["video"]) and torch.equal(ours["audio"], theirs["audio"]), name
+    assert load_file(str(tmp_path / "long.safetensors"))["video"].shape[2] > 30  # 9 s: more than one window's
