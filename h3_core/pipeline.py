@@ -258,11 +258,12 @@ def resolve_model_source(model: str | None, partition: str, files: ModelFiles = 
     path = None if model is None else Path(model).expanduser()
     if path is None or path.is_file():
         missing = [FILE_OPTIONS[name] for name in parts if name not in given and name != "tokenizer"]
-        where = "no --model was given" if path is None else f"--model {model} is a single DiT file"
+        where = ("no --model was given to hold them" if path is None
+                 else f"--model {model} is a single DiT file: the other models are not in it")
         if missing:
             raise CheckpointError(
-                f"{where}: the other models are not in it. Give {', '.join(missing)} (ComfyUI: a file from "
-                "models/text_encoders, files from models/vae), or --model a release root holding them all.")
+                f"{where}. Give {', '.join(missing)} (ComfyUI: a file from models/text_encoders, files from "
+                "models/vae), or --model a release root holding them all.")
         if path is None:
             return ModelSource("the given files", None, files)
     if path.exists():
