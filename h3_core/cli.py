@@ -4,7 +4,7 @@
     h3 generate --long-video --duration 75 ... the same, window by window (latent-tail continuation)
     h3 generate --batch JOBS.txt ...          many requests, each model loaded once (a request a line)
     h3 encode VIDEO --out LATENTS            a video of yours as latents, for generate --continue-from
-    h3 info PATH                             what a DiT checkpoint is (layout, config, size), from headers
+    h3 info PATH                             the H3 models a path holds (layouts, DiT config, sizes), from headers
     h3 denoise --model M ...                 the DiT's denoise alone, from precomputed text states
 """
 
@@ -39,8 +39,11 @@ from .pipeline import GenerateSettings, Job, ModelFiles, encode_clip_file, gener
 from .references import REFERENCE_IMAGE_MODES, MediaReference
 from .runtime import return_freed_memory_to_os, use_expandable_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule
+from .text_checkpoint import checkpoint_layers, locate_text_encoder
 from .tiny import TINY_RANDOM, tiny_random_dit
-from .weights import HEADER_DTYPES, read_headers
+from .vae_audio_checkpoint import locate_audio_vae
+from .vae_video_checkpoint import locate_video_vae
+from .weights import HEADER_DTYPES, read_headers, tensor_names
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LINEARS_HELP = "; ".join(f"{name}: {what}" for name, what in LINEAR_MODES.items())
@@ -203,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument("--vae-dtype", default=None, choices=list(DTYPES), help="video VAE linears (default bf16 on GPU)")
     enc.set_defaults(run=run_encode)
 
-    info = sub.add_parser("info", help="describe a DiT checkpoint without loading it")
+    info = sub.add_parser("info", help="what H3 models a path holds (DiT, text encoder, VAEs), without loading them")
     info.add_argument("path", help="release root, partition folder, diffusers folder or single .safetensors file")
     info.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"])
     info.set_defaults(run=run_info)
@@ -491,21 +494,59 @@ def _peak(device: torch.device) -> str:
 
 
 def run_info(args) -> int:
-    source = locate_dit(args.path, args.partition)
-    config = source.config or infer_config(source)
-    names = {dtype: name for name, dtype in HEADER_DTYPES.items()}  # safetensors' spelling in the report
-    count, bytes_by_dtype = 0, {}
-    for _, tensor, _ in read_headers(source.files):
-        name = names[tensor.dtype]
-        bytes_by_dtype[name] = bytes_by_dtype.get(name, 0) + tensor.numel() * tensor.element_size()
-        count += 1
-    print(json.dumps({
-        "origin": source.origin, "naming": source.naming, "qkv_layout": source.qkv_layout,
-        "files": len(source.files), "tensors": count,
-        "gib_by_dtype": {k: round(v / 2**30, 3) for k, v in sorted(bytes_by_dtype.items())},
-        "config": config.to_dict(),
-    }, indent=2))
+    """Every H3 model at a path, from file headers only: the DiT (layout, config), the text encoder, the
+    video VAE and the audio VAE (a release root or partition folder holds all four; a single file one, or a
+    ComfyUI bundle both VAEs)."""
+    found, reasons = {}, []
+    for kind, describe in (("dit", _dit_info), ("text_encoder", _text_encoder_info),
+                           ("video_vae", _video_vae_info), ("audio_vae", _audio_vae_info)):
+        try:
+            found[kind] = describe(args.path, args.partition)
+        except CheckpointError as error:
+            reasons.append(f"{kind.replace('_', ' ')}: {error}")
+    if not found:
+        raise CheckpointError(f"{args.path} holds no H3 model. " + " ".join(reasons))
+    print(json.dumps(found, indent=2))
     return 0
+
+
+def _dit_info(path: str, partition: str) -> dict:
+    source = locate_dit(path, partition)
+    config = source.config or infer_config(source)
+    return {"origin": source.origin, "naming": source.naming, "qkv_layout": source.qkv_layout,
+            **_sizes(source.files), "config": config.to_dict()}
+
+
+def _text_encoder_info(path: str, partition: str) -> dict:
+    source = locate_text_encoder(path)
+    names = tensor_names(source.files)
+    if not any(name.endswith("embed_tokens.weight") for name in names):
+        raise CheckpointError(f"{path} holds no Qwen3-VL text encoder (no embed_tokens).")
+    return {"origin": source.origin, "decoder_layers": checkpoint_layers(names), **_sizes(source.files),
+            "tokenizer": None if source.tokenizer_folder is None else str(source.tokenizer_folder)}
+
+
+def _video_vae_info(path: str, partition: str) -> dict:
+    source = locate_video_vae(path)
+    return {"origin": source.origin, "naming": source.naming, **_sizes(source.files, source.prefix)}
+
+
+def _audio_vae_info(path: str, partition: str) -> dict:
+    source = locate_audio_vae(path)
+    return {"origin": source.origin, **_sizes((source.file,), source.prefix)}
+
+
+def _sizes(files, prefix: str = "") -> dict:
+    """Files, tensors and GiB by dtype (safetensors' spelling) of the tensors under `prefix`."""
+    names = {dtype: name for name, dtype in HEADER_DTYPES.items()}
+    count, bytes_by_dtype = 0, {}
+    for key, tensor, _ in read_headers(files):
+        if key.startswith(prefix):
+            name = names[tensor.dtype]
+            bytes_by_dtype[name] = bytes_by_dtype.get(name, 0) + tensor.numel() * tensor.element_size()
+            count += 1
+    return {"files": len(files), "tensors": count,
+            "gib_by_dtype": {k: round(v / 2**30, 3) for k, v in sorted(bytes_by_dtype.items())}}
 
 
 def _canvas(args) -> tuple[int, int]:

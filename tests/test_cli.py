@@ -81,8 +81,10 @@ def test_info_describes_a_checkpoint(tmp_path, tiny_config, capsys):
     write_diffusers_folder(tmp_path / "transformer", reference_dit(tiny_config))
     assert main(["info", str(tmp_path)]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["naming"] == "diffusers" and report["config"]["hidden_size"] == 64
-    assert report["files"] > 1 and "F32" in report["gib_by_dtype"]
+    assert list(report) == ["dit"]  # a transformer folder: the DiT alone
+    dit = report["dit"]
+    assert dit["naming"] == "diffusers" and dit["config"]["hidden_size"] == 64
+    assert dit["files"] > 1 and "F32" in dit["gib_by_dtype"]
 
 
 @pytest.mark.parametrize(

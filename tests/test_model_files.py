@@ -158,3 +158,25 @@ def test_an_incomplete_set_is_refused_before_loading(model_sets, tmp_path, monke
     assert re.search(message, error), error
     with pytest.raises(CheckpointError, match="single DiT file"):
         resolve_model_source(str(model_sets["dit"]), "fl2va")
+
+
+def test_info_names_every_model_a_path_holds(model_sets, capsys):
+    """`h3 info`: a release root holds all four; each separate file is the one model it is."""
+    import json
+
+    def info(path) -> dict:
+        assert main(["info", str(path)]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    root = info(model_sets["release"])
+    assert list(root) == ["dit", "text_encoder", "video_vae", "audio_vae"]
+    assert root["dit"]["config"]["hidden_size"] == TINY_DIT.hidden_size and root["text_encoder"]["decoder_layers"] == 50
+    assert root["text_encoder"]["tokenizer"].endswith("FL2VA/tokenizer")
+    dit = info(model_sets["dit"])
+    assert list(dit) == ["dit"] and dit["dit"]["tensors"] == root["dit"]["tensors"]
+    text = info(model_sets["text_encoder"])
+    assert list(text) == ["text_encoder"] and text["text_encoder"]["origin"] == "single file"
+    assert text["text_encoder"]["tokenizer"] is None
+    assert list(info(model_sets["video_vae"])) == ["video_vae"]
+    audio = info(model_sets["audio_vae"])
+    assert list(audio) == ["audio_vae"] and audio["audio_vae"]["tensors"] > 0
