@@ -381,8 +381,6 @@ def run_encode(args) -> int:
 
 
 def run_generate(args) -> int:
-    if args.outputs < 1:
-        raise ValueError(f"--outputs must be at least 1, got {args.outputs}.")
     jobs = _batch_jobs(args) if args.batch is not None else [_job(args)]
     return_freed_memory_to_os()
     devices = [d.strip() for d in (args.devices or "").split(",") if d.strip()]
@@ -476,8 +474,6 @@ def _batch_jobs(args) -> list[Job]:
             raise ValueError(f"{where}: {options} apply to the whole batch; give them on the command line (a line "
                              f"takes {', '.join('--' + d.replace('_', '-') for d in JOB_OPTIONS if d != 'given')}, --from).")
         merged = argparse.Namespace(**{**vars(args), **given})
-        if merged.outputs < 1:
-            raise ValueError(f"{where}: --outputs must be at least 1, got {merged.outputs}.")
         try:
             jobs.append(dataclasses.replace(_job(merged), name=where))
         except ValueError as error:

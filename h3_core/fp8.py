@@ -94,7 +94,6 @@ def hadamard(size: int, device: torch.device | None = None) -> torch.Tensor:
     """ComfyUI's ConvRot rotation: Kronecker powers of [[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]] scaled
     by 1/sqrt(size), size a power of 4. Symmetric and orthogonal, so it is its own inverse. Made once per
     size and device (a kept int8 linear rebuilds its weight every call); a compiled graph builds it inside."""
-    check_rotation_group(size)
     return _build_hadamard(size, device) if torch.compiler.is_compiling() else _cached_hadamard(size, device)
 
 
@@ -104,6 +103,7 @@ def check_rotation_group(size: int) -> None:
 
 
 def _build_hadamard(size: int, device) -> torch.Tensor:
+    check_rotation_group(size)  # here, not in `hadamard`: once per size, off the per-call path
     base = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=torch.float32, device=device)
     matrix = base
     while matrix.shape[0] < size:
@@ -382,11 +382,12 @@ def layer_formats(handle, keys: dict[str, str], path: Path) -> dict[str, tuple[t
         fmt = conf.get("format")
         if fmt == INT8_FORMAT:
             rotation = int(conf.get("convrot_groupsize", 256)) if conf.get("convrot") else 0
-            try:
-                check_rotation_group(rotation) if rotation else None
-            except ValueError:
-                raise CheckpointError(f"{path.name} rotates '{layer}' in groups of {rotation}; ConvRot groups are "
-                                      "powers of 4.") from None
+            if rotation:
+                try:
+                    check_rotation_group(rotation)
+                except ValueError:
+                    raise CheckpointError(f"{path.name} rotates '{layer}' in groups of {rotation}; ConvRot groups "
+                                          "are powers of 4.") from None
             formats[layer] = (torch.int8, rotation)
             continue
         if fmt not in FP8_FORMATS:
