@@ -185,7 +185,7 @@ def test_every_engine_api_name_the_pipeline_docstring_lists_is_importable_from_i
 
     listed = [re.findall(r"\w+", line.split("(")[0]) for line in pipeline.__doc__.splitlines() if line.startswith("    ")]
     names = [name for line in listed for name in line]
-    assert len(names) == 9 and "encode_request" in names and "generate_batch" in names
+    assert len(names) == 9 and "encode_request" in names and "load_dit" in names and "generate_batch" in names
     assert all(callable(getattr(pipeline, name, None)) for name in names), names
 
 
