@@ -22,7 +22,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -310,14 +310,16 @@ class FP8Entry:
     rotation: int = 0  # int8 ConvRot: the rotation's group size (input columns)
 
 
-def checkpoint_fp8_layers(files: Iterable[Path]) -> dict[str, FP8Entry]:
+def checkpoint_fp8_layers(files: Iterable[Path], rename: Callable[[str], str | None] = keymap.strip_prefix
+                          ) -> dict[str, FP8Entry]:
     """Our layer name -> FP8Entry for every FP8 layer of these safetensors files (headers, the tiny
-    comfy_quant tensors and the metadata only). Other quantized formats are a CheckpointError."""
+    comfy_quant tensors and the metadata only). Other quantized formats are a CheckpointError.
+    `rename`: a file's key or layer name -> ours (a prefix change), None for what the model does not use."""
     layers: dict[str, FP8Entry] = {}
     for path in files:
         with safe_open(path, "pt") as handle:
-            keys = {keymap.strip_prefix(k): k for k in handle.keys()}
-            formats = layer_formats(handle, keys, path)
+            keys = {name: k for k in handle.keys() if (name := rename(k)) is not None}
+            formats = layer_formats(handle, keys, path, rename)
             marker = next((k for name, k in keys.items() if name == "scaled_fp8"), None)
             if marker is not None:
                 dtype = handle.get_slice(marker).get_dtype()
@@ -359,15 +361,18 @@ def checkpoint_fp8_layers(files: Iterable[Path]) -> dict[str, FP8Entry]:
     return layers
 
 
-def layer_formats(handle, keys: dict[str, str], path: Path) -> dict[str, tuple[torch.dtype, int]]:
-    """(dtype, ConvRot group or 0) per layer, as `X.comfy_quant` tensors or the `_quantization_metadata` file
-    metadata name them: FP8, or int8 ("int8_tensorwise", optionally ConvRot-rotated)."""
+def layer_formats(handle, keys: dict[str, str], path: Path,
+                  rename: Callable[[str], str | None] = keymap.strip_prefix) -> dict[str, tuple[torch.dtype, int]]:
+    """(dtype, ConvRot group or 0) per layer (our names: `keys` maps them to the file's, `rename` the
+    metadata's layer names), as `X.comfy_quant` tensors or the `_quantization_metadata` file metadata name
+    them: FP8, or int8 ("int8_tensorwise", optionally ConvRot-rotated)."""
     named: dict[str, dict] = {}
     metadata = handle.metadata() or {}
     if "_quantization_metadata" in metadata:
         try:
             for layer, conf in json.loads(metadata["_quantization_metadata"]).get("layers", {}).items():
-                named[keymap.strip_prefix(layer)] = dict(conf)
+                if (name := rename(layer)) is not None:
+                    named[name] = dict(conf)
         except (json.JSONDecodeError, AttributeError):
             raise CheckpointError(f"{path.name} has unreadable '_quantization_metadata'.") from None
     for name, key in keys.items():
@@ -429,15 +434,10 @@ class FP8Load:
         }
         kept, dense_dtype = set(), {}
         for layer, entry in file_layers.items():
-            try:
-                module = model.get_submodule(layer)
-            except AttributeError:
-                raise CheckpointError(f"The checkpoint has FP8 weights for '{layer}', which this model does not have.") from None
-            if mode != "dense" and layer in eligible and entry.dtype in (FP8, torch.int8) and isinstance(module, nn.Linear):
+            module = _file_layer(model, layer)
+            if mode != "dense" and layer in eligible and _keepable(module, entry):
                 kept.add(layer)  # int8 (ComfyUI's int8 files) is kept weight-only, whatever `matmul` says
-                model.set_submodule(layer, FP8Linear(module.in_features, module.out_features, module.bias is not None,
-                                                     bool(entry.scale_shape), compute, matmul, weight_dtype=entry.dtype,
-                                                     device="meta", rotation=entry.rotation))
+                model.set_submodule(layer, _held_as_stored(module, entry, compute, matmul))
             else:  # e5m2, the fp32 heads and anything else a file may hold quantized: dequantized once here
                 dense_dtype[layer] = torch.float32 if layer.startswith(fp32_modules) else compute
         quantized = set()
@@ -449,6 +449,21 @@ class FP8Load:
                     model.set_submodule(layer, FP8Linear(module.in_features, module.out_features, module.bias is not None,
                                                          True, compute, matmul, device="meta"))
         return cls(file_layers, kept, quantized, dense_dtype)
+
+    @classmethod
+    def weight_only(cls, model: nn.Module, file_layers: dict[str, FP8Entry], dtype: torch.dtype) -> "FP8Load":
+        """For a model without FP8 modes (the text encoder): every e4m3 or int8 linear of the file kept as
+        stored (a weight-only FP8Linear computing in `dtype`: a byte a weight), anything else the file
+        quantizes dequantized into `dtype` at load."""
+        kept, dense_dtype = set(), {}
+        for layer, entry in file_layers.items():
+            module = _file_layer(model, layer)
+            if _keepable(module, entry):
+                kept.add(layer)
+                model.set_submodule(layer, _held_as_stored(module, entry, dtype, "dequantize"))
+            else:
+                dense_dtype[layer] = dtype
+        return cls(file_layers, kept, set(), dense_dtype)
 
     def stream(self, items: Iterable, device: torch.device | str) -> Iterator:
         """(name, tensor, where) items in our names -> the model's tensors: FP8 weights as e4m3 with fp32
@@ -487,3 +502,20 @@ class FP8Load:
         for layer, parts in pending.items():
             missing = "its scale" if "weight" in parts else "its weight"
             raise CheckpointError(f"FP8 layer '{layer}' lacks {missing} in the checkpoint.")
+
+
+def _file_layer(model: nn.Module, layer: str) -> nn.Module:
+    try:
+        return model.get_submodule(layer)
+    except AttributeError:
+        raise CheckpointError(f"The checkpoint has quantized weights for '{layer}', which this model does not have.") from None
+
+
+def _keepable(module: nn.Module, entry: FP8Entry) -> bool:
+    return entry.dtype in (FP8, torch.int8) and isinstance(module, nn.Linear)
+
+
+def _held_as_stored(module: nn.Linear, entry: FP8Entry, compute: torch.dtype, matmul: str) -> FP8Linear:
+    """A meta FP8Linear in place of `module` that holds the file's weight and scale as they are stored."""
+    return FP8Linear(module.in_features, module.out_features, module.bias is not None, bool(entry.scale_shape),
+                     compute, matmul, weight_dtype=entry.dtype, device="meta", rotation=entry.rotation)

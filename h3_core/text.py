@@ -44,6 +44,7 @@ from .text_checkpoint import (
     CheckpointError,
     load_qwen3vl,
     locate_text_encoder,
+    planned_model,
     qwen3vl_config,
     release_tokenizer,
 )
@@ -312,25 +313,27 @@ def locate_text_encoder_files(path: str | Path, tokenizer: str | Path | None = N
 
 def text_encoder_bytes(path: str | Path, dtype: torch.dtype = torch.bfloat16, layer: int = TEXT_ENCODER_LAYER) -> int:
     """Bytes of the weights `load_text_encoder` would place (embedding, `layer` decoder layers, vision
-    tower), from the config alone: a host decides before reading ~51 GB whether they fit on its GPU."""
+    tower), from the config and the files' headers: a host decides before reading ~51 GB (26 GB for an int8
+    file) whether they fit on its GPU."""
     rest, per_layer = text_encoder_sizes(path, dtype, layer)
     return rest + layer * per_layer
 
 
 def text_encoder_sizes(path: str | Path, dtype: torch.dtype = torch.bfloat16, layer: int = TEXT_ENCODER_LAYER
                        ) -> tuple[int, int]:
-    """(bytes outside the decoder layers, bytes of one decoder layer) of what `load_text_encoder` places,
-    from the config alone: what `spread_layers` must fit on each device."""
-    from transformers import Qwen3VLModel
+    """(bytes outside the decoder layers, bytes of the largest decoder layer) of what `load_text_encoder`
+    places, from the config and the files' headers (linears an int8 or FP8 file holds stay a byte a weight):
+    what `spread_layers` must fit on each device."""
+    source = locate_text_encoder(path, layers=layer)
+    model, quantized = planned_model(source, qwen3vl_config(source.config, layer), layer, dtype)
+    stored, size = quantized.fp8_parameters, torch.empty(0, dtype=dtype).element_size()
 
-    config = qwen3vl_config(locate_text_encoder(path, layers=layer).config, layer)
-    with torch.device("meta"):
-        model = Qwen3VLModel(config)
-    model.language_model.norm = torch.nn.Identity()  # as the loader builds it: H3 reads the pre-norm stream
-    size = torch.empty(0, dtype=dtype).element_size()
-    layers = model.language_model.layers
-    per_layer = sum(p.numel() for p in layers[0].parameters()) * size if len(layers) else 0
-    return sum(p.numel() for p in model.parameters()) * size - len(layers) * per_layer, per_layer
+    def placed(module, prefix: str) -> int:
+        return sum(p.numel() * (p.element_size() if prefix + name in stored else size)
+                   for name, p in module.named_parameters())
+
+    layers = [placed(block, f"language_model.layers.{i}.") for i, block in enumerate(model.language_model.layers)]
+    return placed(model, "") - sum(layers), max(layers, default=0)
 
 
 def _check_compatible(config, presenter: Presenter) -> None:

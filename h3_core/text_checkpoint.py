@@ -300,9 +300,8 @@ def load_qwen3vl(
     With the stack cut after decoder layer `layers` and no final norm, the model's
     `last_hidden_state` is the un-normalized residual stream after that layer, i.e. the full
     model's `hidden_states[layers]`. `config` (anything `qwen3vl_config` takes) overrides the
-    folder's config.json; a single file without one is read as Qwen3-VL-32B."""
-    from transformers import Qwen3VLModel
-
+    folder's config.json; a single file without one is read as Qwen3-VL-32B. Linears a file holds in int8 or
+    FP8 stay so (`planned_model`)."""
     names = tensor_names(source.files)
     _check_is_text_encoder(names, source)
     qwen_config = qwen3vl_config(config if config is not None else source.config, layers)
@@ -319,51 +318,37 @@ def load_qwen3vl(
             f"least {layers}."
         )
 
-    with torch.device("meta"):
-        model = Qwen3VLModel(qwen_config)
-    model.language_model.norm = torch.nn.Identity()  # H3 reads the stream before the final norm
-    assign_strictly(model, _used_tensors(source.files, layers, dtype), _origin(source), lambda name: dtype, device,
-                    on_tensor)
+    model, quantized = planned_model(source, qwen_config, layers, dtype)
+    stored = quantized.fp8_parameters  # kept as the file has them: int8 or e4m3 weights, fp32 scales
+    assign_strictly(model, quantized.stream(_used_tensors(source.files, layers), device), _origin(source),
+                    lambda name: None if name in stored else dtype, device, on_tensor)
     _rebuild_rotary_buffers(model, device)
     return model.eval().requires_grad_(False)
 
 
-def _used_tensors(files: tuple[Path, ...], layers: int, dtype: torch.dtype):
-    """(model name, tensor, file) for the tensors H3 uses; the others are never read from disk. Quantized
-    linears (ComfyUI's int8 ConvRot or FP8 files) come dequantized to `dtype`; their scales and records are
-    read with them."""
+def planned_model(source: TextEncoderSource, qwen_config, layers: int = TEXT_ENCODER_LAYER,
+                  dtype: torch.dtype | None = torch.bfloat16):
+    """(the meta-built model `load_qwen3vl` fills, its fp8.FP8Load): Qwen3-VL with `layers` decoder layers and
+    an identity final norm, each linear the files hold in int8 (ComfyUI's ConvRot files) or e4m3 an FP8Linear
+    that keeps it so, rebuilt in `dtype` as it is used (half the bytes of bf16; the same weights as
+    dequantizing at load). Read from the files' headers and quantization records only."""
+    from transformers import Qwen3VLModel
+
+    with torch.device("meta"):
+        model = Qwen3VLModel(qwen_config)
+    model.language_model.norm = torch.nn.Identity()  # H3 reads the stream before the final norm
+    file_layers = fp8.checkpoint_fp8_layers(source.files, rename=lambda key: model_name(key, layers))
+    return model, fp8.FP8Load.weight_only(model, file_layers, dtype or torch.bfloat16)
+
+
+def _used_tensors(files: tuple[Path, ...], layers: int):
+    """(model name, tensor, file) for the tensors H3 uses; the others are never read from disk."""
     for path in files:
         with safe_open(path, "pt") as handle:
-            quantized = _quantized_layers(handle, path)
             for key in handle.keys():
-                layer, _, leaf = key.rpartition(".")
-                if layer in quantized and leaf in (*fp8.SCALE_LEAVES, *fp8.DROPPED_LEAVES):
-                    continue  # the scale (used with the weight), the format record, the input scale
                 name = model_name(key, layers)
-                if name is None:
-                    continue
-                tensor = handle.get_tensor(key)
-                if layer in quantized and leaf == "weight":
-                    (format_dtype, rotation), scale = quantized[layer], handle.get_tensor(f"{layer}.weight_scale")
-                    weight = tensor.view(format_dtype) if tensor.dtype == torch.uint8 else tensor
-                    tensor = fp8.dequantize(weight, scale, dtype or torch.bfloat16, rotation)
-                yield name, tensor, path
-
-
-def _quantized_layers(handle, path: Path) -> dict[str, tuple[torch.dtype, int]]:
-    """The file's quantized layers (keys without `.weight`) -> (format dtype, ConvRot group or 0); formats
-    other than FP8 and int8 are a CheckpointError naming them."""
-    keys = set(handle.keys())
-    formats = fp8.layer_formats(handle, {key: key for key in keys}, path)
-    for layer in formats:
-        if f"{layer}.weight_scale" not in keys:
-            raise CheckpointError(f"'{layer}.weight' in {path.name} is quantized but has no weight_scale.")
-    for key in keys:
-        if key.endswith(".weight_scale") and key[: -len(".weight_scale")] not in formats:
-            raise CheckpointError(f"'{key}' in {path.name} scales a quantized weight, but the file names no format for "
-                                  "it (a comfy_quant record or _quantization_metadata); this loader reads bf16 text "
-                                  "encoders and ComfyUI's int8 (ConvRot) and FP8 ones.")
-    return formats
+                if name is not None:
+                    yield name, handle.get_tensor(key), path
 
 
 def _all_model_names(keys: list[str]) -> list[str]:

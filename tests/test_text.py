@@ -489,9 +489,10 @@ def test_every_layout_loads_the_same_encoder(tiny, encoder, tmp_path):
         assert torch.equal(other.encode(again).prompt_embeds, expected), path
 
 
-def test_an_int8_convrot_single_file_loads_dequantized(tiny, encoder, tmp_path):
-    """ComfyUI's `qwen3vl_32b_minimax_h3_int8_convrot`: every decoder linear int8, rotated in groups (here
-    16 columns), one scale per row; each weight turned back and dequantized at load, close to the original."""
+def _int8_convrot_file(tiny, path: Path):
+    """ComfyUI's `qwen3vl_32b_minimax_h3_int8_convrot` in miniature: every decoder linear int8, rotated in groups
+    (here 16 columns), one scale per row, and a vision linear with a bias. Returns (path, layer -> (q, scale,
+    the weight it stands for in float64))."""
     from test_fp8 import convrot_matrix
 
     tensors = tiny_qwen.comfy_keys(tiny["model"].state_dict())
@@ -505,25 +506,80 @@ def test_an_int8_convrot_single_file_loads_dequantized(tiny, encoder, tmp_path):
         scale = rotated.abs().amax(dim=1, keepdim=True) / 127.0
         q = (rotated / scale).round().clamp(-127, 127).to(torch.int8)
         layer = key[: -len(".weight")]
-        meant[layer] = ((q.double() * scale.float().double()).reshape(out_features, -1, 16) @ rotation).reshape(
-            out_features, in_features)
+        meant[layer] = (q, scale.float(), ((q.double() * scale.float().double()).reshape(out_features, -1, 16)
+                                           @ rotation).reshape(out_features, in_features))
         record = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 16}
         tensors.update({key: q, f"{layer}.weight_scale": scale.float(),
                         f"{layer}.comfy_quant": torch.tensor(list(json.dumps(record).encode()), dtype=torch.uint8)})
     assert len(meant) == 7 * 50 + 1  # the 50 decoder layers a ComfyUI file keeps, and the vision linear
-    path = _write(tmp_path / "qwen3vl_int8_convrot.safetensors", tensors)
+    return _write(path, tensors), meant
+
+
+def test_an_int8_convrot_single_file_stays_int8(tiny, encoder, tmp_path):
+    """Each int8 linear is held as the file stores it (a byte a weight, its scale per row) and rebuilt, turned
+    back from its rotation, as it is used: the prompt states equal those of the same weights dequantized into
+    a dense file, and are close to the original model's."""
+    from h3_core.fp8 import FP8Linear
+
+    path, meant = _int8_convrot_file(tiny, tmp_path / "qwen3vl_int8_convrot.safetensors")
     loaded = load_text_encoder(path, torch.float32, tokenizer=tiny["partition"], config=tiny["config"])
-    layers = loaded.model.language_model.layers
+    modules = dict(loaded.model.named_modules())
+    dense = tiny_qwen.comfy_keys(tiny["model"].state_dict())
+    for layer, (q, scale, weight) in meant.items():
+        name = layer.replace("model.layers.", "language_model.layers.")
+        module = modules[name]
+        assert isinstance(module, FP8Linear) and module.rotation == 16 and module.compute_dtype == torch.float32, name
+        assert torch.equal(module.weight, q) and torch.equal(module.weight_scale, scale.view(-1)), name
+        assert torch.allclose(module.dequantized_weight().double(), weight, atol=1e-6), name
+        dense[f"{layer}.weight"] = module.dequantized_weight()
     vision_fc1 = loaded.model.visual.blocks[0].mlp.linear_fc1
-    assert torch.allclose(vision_fc1.weight.double(), meant.pop(vision[: -len(".weight")]), atol=1e-6)
     assert torch.equal(vision_fc1.bias, tiny["model"].state_dict()["model.visual.blocks.0.mlp.linear_fc1.bias"])
-    for layer, weight in meant.items():
-        index, kind, name = re.match(r"model\.layers\.(\d+)\.(\w+)\.(\w+)", layer).groups()
-        got = getattr(getattr(layers[int(index)], kind), name).weight
-        assert torch.allclose(got.double(), weight, atol=1e-6), layer
-    presentation = encoder.presenter.t2va(PROMPT)
-    expected, got = encoder.encode(presentation).prompt_embeds, loaded.encode(presentation).prompt_embeds
+    assert sum(isinstance(m, FP8Linear) for m in modules.values()) == len(meant)
+
+    dequantized = load_text_encoder(_write(tmp_path / "dequantized.safetensors", dense), torch.float32,
+                                    tokenizer=tiny["partition"], config=tiny["config"])
+    assert not any(isinstance(m, FP8Linear) for m in dequantized.model.modules())
+    presentation = encoder.presenter.fl2va(PROMPT, [picture(64, 96, 21)])
+    got = loaded.encode(presentation).prompt_embeds
+    assert torch.equal(got, dequantized.encode(presentation).prompt_embeds)
+    expected = encoder.encode(presentation).prompt_embeds
     assert torch.nn.functional.cosine_similarity(got.flatten(), expected.flatten(), dim=0) > 0.999
+    assert torch.equal(loaded.stream_layers("cpu").encode(presentation).prompt_embeds, got)  # int8 layers visit too
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_int8_text_encoder_on_the_gpu_resident_and_streamed(tiny, tmp_path):
+    """Kept int8 on a GPU, resident or streamed from CPU memory: the CPU's prompt states (float32)."""
+    path, _ = _int8_convrot_file(tiny, tmp_path / "qwen3vl_int8_convrot.safetensors")
+    options = dict(tokenizer=tiny["partition"], config=tiny["config"])
+    on_cpu = load_text_encoder(path, torch.float32, **options)
+    presentation = on_cpu.presenter.fl2va(PROMPT, [picture(64, 96, 21)])
+    expected = on_cpu.encode(presentation).prompt_embeds
+    on_gpu = load_text_encoder(path, torch.float32, "cuda", **options)
+    weight = on_gpu.model.language_model.layers[0].mlp.down_proj.weight
+    assert weight.device.type == "cuda" and weight.dtype == torch.int8
+    assert torch.allclose(on_gpu.encode(presentation).prompt_embeds.cpu(), expected, atol=1e-3, rtol=1e-3)
+    streamed = on_cpu.stream_layers("cuda").encode(presentation).prompt_embeds.cpu()
+    assert torch.allclose(streamed, expected, atol=1e-3, rtol=1e-3)
+    assert on_cpu.model.language_model.layers[0].mlp.down_proj.weight.device.type == "cpu"  # the layers stay home
+
+
+def test_int8_text_encoder_sizes_count_a_byte_a_weight(tiny, tmp_path):
+    """The sizes a host plans with count what loading places: int8 weights and fp32 scales as stored, the
+    rest in the dtype asked for."""
+    from h3_core.text import text_encoder_bytes, text_encoder_sizes
+
+    path = tmp_path / "int8-hf"  # an HF-layout folder: its config.json sizes it (a single file is sized as the 32B)
+    _int8_convrot_file(tiny, path / "model.safetensors")
+    shutil.copy(tiny["hf"] / "config.json", path)
+    loaded = load_text_encoder(path, torch.bfloat16, tokenizer=tiny["partition"])
+    placed = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16, torch.int8, torch.float32}
+    sizes = text_encoder_sizes(path, torch.bfloat16)
+    layers = loaded.model.language_model.layers
+    assert sizes[1] == sum(p.numel() * p.element_size() for p in layers[0].parameters())
+    assert sizes[0] + len(layers) * sizes[1] == placed == text_encoder_bytes(path, torch.bfloat16)
+    assert placed < 0.75 * text_encoder_bytes(tiny["partition"], torch.bfloat16)
 
 
 def test_only_the_used_weights_are_loaded(tiny, encoder, tmp_path):
@@ -675,8 +731,8 @@ def test_loader_errors(tiny, tmp_path):
     quantized = _write(
         tmp_path / "int8.safetensors", dict(tensors, **{"model.layers.0.mlp.down_proj.weight_scale": torch.ones(1)})
     )
-    with pytest.raises(CheckpointError, match="down_proj.weight_scale' in int8.safetensors scales a quantized weight, "
-                                              "but the file names no format"):
+    with pytest.raises(CheckpointError, match="down_proj.weight' in int8.safetensors has a scale but is stored as F32 "
+                                              "with no FP8 format named"):
         load_text_encoder(quantized, tokenizer=partition, config=tiny["config"])
 
     # A single file with no config given is read as Qwen3-VL-32B: the tiny tokenizer's ids do not

@@ -1,0 +1,110 @@
+"""The text encoder from ComfyUI's int8 ConvRot file, kept int8 (as the loader now holds it) against bf16:
+seconds per prompt and GPU memory, resident and with its decoder layers streamed from CPU memory (a small
+GPU), at the real size (Qwen3-VL-32B cut after layer 50, random weights). One JSON line per case.
+
+    PYTHONPATH=.:bench python bench/text_encoder_int8.py --repeat-prompt 1 8
+
+The int8 weights are the bf16 model's own, rotated in groups of `--group` input columns and rounded to int8
+with a scale per row, as ComfyUI's files are made; the int8 encoder's prompt states are compared with the
+bf16 encoder's (cosine). The tokenizer is the embedded tiny one, so token counts are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from full_pipeline import PROMPT, text_encoder
+from h3_core.fp8 import FP8Linear, hadamard
+from h3_core.tiny_text import write_processor, write_tokenizer
+
+GIB = 2**30
+
+
+def to_int8_convrot(model: torch.nn.Module, group: int) -> int:
+    """Every decoder linear replaced by a kept-int8 FP8Linear holding its ConvRot-rotated, int8-rounded weight
+    (one scale per row); returns how many."""
+    layers = model.language_model.layers
+    names = [name for name, module in layers.named_modules() if isinstance(module, torch.nn.Linear)]
+    for name in names:
+        linear = layers.get_submodule(name)
+        out_features, in_features = linear.weight.shape
+        rotated = (linear.weight.float().reshape(out_features, -1, group) @ hadamard(group, linear.weight.device)
+                   ).reshape(out_features, in_features)
+        scale = rotated.abs().amax(dim=1) / 127.0
+        int8 = FP8Linear(in_features, out_features, linear.bias is not None, True, linear.weight.dtype,
+                         weight_dtype=torch.int8, device=linear.weight.device, rotation=group)
+        int8.weight.data = (rotated / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        int8.weight_scale.data = scale
+        if linear.bias is not None:
+            int8.bias.data = linear.bias.data
+        layers.set_submodule(name, int8)
+        del rotated, linear
+    torch.cuda.empty_cache()
+    return len(names)
+
+
+def timed_encode(encoder, presentation, repeats: int):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times, states = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        states = encoder.encode(presentation).prompt_embeds
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2], states, torch.cuda.max_memory_allocated() / GIB
+
+
+def weight_gib(model) -> float:
+    return sum(p.numel() * p.element_size() for p in model.parameters()) / GIB
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat-prompt", type=int, nargs="+", default=[1, 8], help="prompt lengths (x the fox prompt)")
+    parser.add_argument("--group", type=int, default=256, help="ConvRot group size (input columns)")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    folder = Path(tempfile.mkdtemp(prefix="h3-bench-tok-"))
+    write_tokenizer(folder)
+    write_processor(folder, nested=True)
+    encoder = text_encoder(folder, device, torch.bfloat16, tiny=False)
+    shutil.rmtree(folder, ignore_errors=True)
+    presentations = {n: encoder.present("t2va", " ".join([PROMPT] * n)) for n in args.repeat_prompt}
+    reference = {}
+
+    def run(case: str, streamed: bool):
+        model = encoder.model
+        if streamed:
+            encoder.to("cpu").stream_layers(device)
+        for n, presentation in presentations.items():
+            seconds, states, peak = timed_encode(encoder, presentation, args.repeats)
+            row = {"case": case, "streamed": streamed, "tokens": presentation.num_tokens, "s_per_prompt": round(seconds, 4),
+                   "peak_gib": round(peak, 2), "weights_gib": round(weight_gib(model), 2)}
+            if case == "bf16":
+                reference[n] = states.float()
+            else:
+                row["cosine_vs_bf16"] = round(torch.nn.functional.cosine_similarity(
+                    states.float().flatten(), reference[n].flatten(), dim=0).item(), 6)
+            print(json.dumps(row), flush=True)
+        if streamed:
+            encoder.to(device)
+
+    run("bf16", streamed=False)
+    run("bf16", streamed=True)
+    count = to_int8_convrot(encoder.model, args.group)
+    print(json.dumps({"int8_linears": count, "group": args.group}), flush=True)
+    run("int8 kept", streamed=False)
+    run("int8 kept", streamed=True)
+
+
+if __name__ == "__main__":
+    main()
