@@ -558,9 +558,10 @@ def test_an_int8_text_encoder_on_the_gpu_resident_and_streamed(tiny, tmp_path):
     on_gpu = load_text_encoder(path, torch.float32, "cuda", **options)
     weight = on_gpu.model.language_model.layers[0].mlp.down_proj.weight
     assert weight.device.type == "cuda" and weight.dtype == torch.int8
-    assert torch.allclose(on_gpu.encode(presentation).prompt_embeds.cpu(), expected, atol=1e-3, rtol=1e-3)
-    streamed = on_cpu.stream_layers("cuda").encode(presentation).prompt_embeds.cpu()
-    assert torch.allclose(streamed, expected, atol=1e-3, rtol=1e-3)
+    relative = lambda got: ((got.cpu() - expected).norm() / expected.norm()).item()  # noqa: E731
+    assert relative(on_gpu.encode(presentation).prompt_embeds) < 1e-3  # float32 through 50 layers, GPU kernels
+    streamed = on_cpu.stream_layers("cuda").encode(presentation).prompt_embeds
+    assert relative(streamed) < 1e-3
     assert on_cpu.model.language_model.layers[0].mlp.down_proj.weight.device.type == "cpu"  # the layers stay home
 
 
