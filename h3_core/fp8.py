@@ -144,7 +144,21 @@ def scaled_mm_supported(device_type: str, index: int | None = None) -> bool:
 # The module
 
 
-class FP8Linear(nn.Module):
+class StoredLinear(nn.Module):
+    """A linear that holds its weight as a file stores it (FP8, int8, NVFP4) and rebuilds it as it is used."""
+
+    def _apply(self, fn, recurse=True):
+        """Device moves only: `model.to(dtype)` / `set_dtype` must not upcast the stored weight or round its
+        scales, so a dtype change proposed by `fn` is dropped and only its device kept."""
+
+        def device_only(t):
+            moved = fn(t)
+            return moved if moved.dtype == t.dtype else t.to(moved.device)
+
+        return super()._apply(device_only, recurse)
+
+
+class FP8Linear(StoredLinear):
     """y = x W^T (+ bias) with W = weight (e4m3) * weight_scale (fp32, [] or [out]); see the module
     docstring for the two `matmul` ways. Outputs are in `compute_dtype`. The parameter names are the
     fp8_scaled files' (`.weight`, `.weight_scale`), so state dicts load and stream as they are.
@@ -207,16 +221,6 @@ class FP8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
-
-    def _apply(self, fn, recurse=True):
-        """Device moves only: `model.to(dtype)` / `set_dtype` must not upcast the e4m3 weight or round
-        the fp32 scale, so a dtype change proposed by `fn` is dropped and only its device kept."""
-
-        def device_only(t):
-            moved = fn(t)
-            return moved if moved.dtype == t.dtype else t.to(moved.device)
-
-        return super()._apply(device_only, recurse)
 
     def extra_repr(self) -> str:
         scale = "per channel" if self.weight_scale.ndim else "per tensor"
@@ -366,24 +370,8 @@ def layer_formats(handle, keys: dict[str, str], path: Path,
     """(dtype, ConvRot group or 0) per layer (our names: `keys` maps them to the file's, `rename` the
     metadata's layer names), as `X.comfy_quant` tensors or the `_quantization_metadata` file metadata name
     them: FP8, or int8 ("int8_tensorwise", optionally ConvRot-rotated)."""
-    named: dict[str, dict] = {}
-    metadata = handle.metadata() or {}
-    if "_quantization_metadata" in metadata:
-        try:
-            for layer, conf in json.loads(metadata["_quantization_metadata"]).get("layers", {}).items():
-                if (name := rename(layer)) is not None:
-                    named[name] = dict(conf)
-        except (json.JSONDecodeError, AttributeError):
-            raise CheckpointError(f"{path.name} has unreadable '_quantization_metadata'.") from None
-    for name, key in keys.items():
-        if name.endswith(".comfy_quant"):
-            try:
-                conf = json.loads(bytes(handle.get_tensor(key).tolist()).decode("utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
-                raise CheckpointError(f"'{key}' in {path.name} is not a JSON quantization record.") from None
-            named[name[: -len(".comfy_quant")]] = dict(conf)
     formats = {}
-    for layer, conf in named.items():
+    for layer, conf in quant_records(handle, keys, path, rename).items():
         fmt = conf.get("format")
         if fmt == INT8_FORMAT:
             rotation = int(conf.get("convrot_groupsize", 256)) if conf.get("convrot") else 0
@@ -403,6 +391,29 @@ def layer_formats(handle, keys: dict[str, str], path: Path,
             )
         formats[layer] = (FP8_FORMATS[fmt], 0)
     return formats
+
+
+def quant_records(handle, keys: dict[str, str], path: Path,
+                  rename: Callable[[str], str | None] = keymap.strip_prefix) -> dict[str, dict]:
+    """Each quantized layer's record (our name -> its JSON, e.g. {"format": "float8_e4m3fn"}), from the
+    `X.comfy_quant` tensors among `keys` (ours -> the file's) and the `_quantization_metadata` file metadata."""
+    named: dict[str, dict] = {}
+    metadata = handle.metadata() or {}
+    if "_quantization_metadata" in metadata:
+        try:
+            for layer, conf in json.loads(metadata["_quantization_metadata"]).get("layers", {}).items():
+                if (name := rename(layer)) is not None:
+                    named[name] = dict(conf)
+        except (json.JSONDecodeError, AttributeError):
+            raise CheckpointError(f"{path.name} has unreadable '_quantization_metadata'.") from None
+    for name, key in keys.items():
+        if name.endswith(".comfy_quant"):
+            try:
+                conf = json.loads(bytes(handle.get_tensor(key).tolist()).decode("utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+                raise CheckpointError(f"'{key}' in {path.name} is not a JSON quantization record.") from None
+            named[name[: -len(".comfy_quant")]] = dict(conf)
+    return named
 
 
 @dataclass

@@ -322,18 +322,18 @@ def text_encoder_bytes(path: str | Path, dtype: torch.dtype = torch.bfloat16, la
 def text_encoder_sizes(path: str | Path, dtype: torch.dtype = torch.bfloat16, layer: int = TEXT_ENCODER_LAYER
                        ) -> tuple[int, int]:
     """(bytes outside the decoder layers, bytes of the largest decoder layer) of what `load_text_encoder`
-    places, from the config and the files' headers (linears an int8 or FP8 file holds stay a byte a weight):
+    places, from the config and the files' headers (linears an int8, FP8 or NVFP4 file holds stay as stored):
     what `spread_layers` must fit on each device."""
     source = locate_text_encoder(path, layers=layer)
-    model, quantized = planned_model(source, qwen3vl_config(source.config, layer), layer, dtype)
-    stored, size = quantized.fp8_parameters, torch.empty(0, dtype=dtype).element_size()
+    plan = planned_model(source, qwen3vl_config(source.config, layer), layer, dtype)
 
     def placed(module, prefix: str) -> int:
-        return sum(p.numel() * (p.element_size() if prefix + name in stored else size)
+        return sum(p.numel() * (p.element_size() if (cast := plan.dtype_for(prefix + name)) is None else cast.itemsize)
                    for name, p in module.named_parameters())
 
-    layers = [placed(block, f"language_model.layers.{i}.") for i, block in enumerate(model.language_model.layers)]
-    return placed(model, "") - sum(layers), max(layers, default=0)
+    blocks = plan.model.language_model.layers
+    layers = [placed(block, f"language_model.layers.{i}.") for i, block in enumerate(blocks)]
+    return placed(plan.model, "") - sum(layers), max(layers, default=0)
 
 
 def _check_compatible(config, presenter: Presenter) -> None:

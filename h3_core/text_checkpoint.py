@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import fp8
+from . import fp8, nvfp4
 from .weights import (
     PICKLE_SUFFIXES,
     CheckpointError,
@@ -300,8 +300,8 @@ def load_qwen3vl(
     With the stack cut after decoder layer `layers` and no final norm, the model's
     `last_hidden_state` is the un-normalized residual stream after that layer, i.e. the full
     model's `hidden_states[layers]`. `config` (anything `qwen3vl_config` takes) overrides the
-    folder's config.json; a single file without one is read as Qwen3-VL-32B. Linears a file holds in int8 or
-    FP8 stay so (`planned_model`)."""
+    folder's config.json; a single file without one is read as Qwen3-VL-32B. Linears a file holds in int8,
+    FP8 or NVFP4 stay so (`planned_model`)."""
     names = tensor_names(source.files)
     _check_is_text_encoder(names, source)
     qwen_config = qwen3vl_config(config if config is not None else source.config, layers)
@@ -318,27 +318,67 @@ def load_qwen3vl(
             f"least {layers}."
         )
 
-    model, quantized = planned_model(source, qwen_config, layers, dtype)
-    stored = quantized.fp8_parameters  # kept as the file has them: int8 or e4m3 weights, fp32 scales
-    assign_strictly(model, quantized.stream(_used_tensors(source.files, layers), device), _origin(source),
-                    lambda name: None if name in stored else dtype, device, on_tensor)
-    _rebuild_rotary_buffers(model, device)
-    return model.eval().requires_grad_(False)
+    plan = planned_model(source, qwen_config, layers, dtype)
+    assign_strictly(plan.model, plan.tensors(_used_tensors(source.files, layers), device), _origin(source),
+                    plan.dtype_for, device, on_tensor)
+    _rebuild_rotary_buffers(plan.model, device)
+    return plan.model.eval().requires_grad_(False)
+
+
+@dataclass
+class TextEncoderPlan:
+    """The meta-built model `load_qwen3vl` fills, and how it holds the linears its files quantize: int8 and e4m3
+    ones as FP8Linear (`fp8`), NVFP4 ones as NVFP4Linear (`nvfp4`), each rebuilt in `dtype` as it is used."""
+
+    model: torch.nn.Module
+    dtype: torch.dtype | None
+    fp8: fp8.FP8Load
+    nvfp4: dict[str, nvfp4.NVFP4Entry]
+
+    def dtype_for(self, name: str) -> torch.dtype | None:
+        """The dtype a tensor is placed in: None (as the file stores it) for quantized weights and their block
+        scales, fp32 for NVFP4 tensor scales, else `dtype`."""
+        layer, _, leaf = name.rpartition(".")
+        if layer in self.nvfp4 and leaf in ("weight", "weight_scale", "weight_scale_2"):
+            return torch.float32 if leaf == "weight_scale_2" else None
+        return None if name in self.fp8.fp8_parameters else self.dtype
+
+    def tensors(self, items, device):
+        """The files' (model name, tensor, file) items as the model takes them (fp8.FP8Load.stream pairs int8 /
+        FP8 weights with their scales); NVFP4 records and input scales are dropped."""
+        kept = ((name, tensor, where) for name, tensor, where in items
+                if not (name.rpartition(".")[0] in self.nvfp4 and name.rpartition(".")[2] in nvfp4.DROPPED_LEAVES))
+        return self.fp8.stream(kept, device)
 
 
 def planned_model(source: TextEncoderSource, qwen_config, layers: int = TEXT_ENCODER_LAYER,
-                  dtype: torch.dtype | None = torch.bfloat16):
-    """(the meta-built model `load_qwen3vl` fills, its fp8.FP8Load): Qwen3-VL with `layers` decoder layers and
-    an identity final norm, each linear the files hold in int8 (ComfyUI's ConvRot files) or e4m3 an FP8Linear
-    that keeps it so, rebuilt in `dtype` as it is used (half the bytes of bf16; the same weights as
-    dequantizing at load). Read from the files' headers and quantization records only."""
+                  dtype: torch.dtype | None = torch.bfloat16) -> TextEncoderPlan:
+    """Qwen3-VL with `layers` decoder layers and an identity final norm, built on meta, each linear the files
+    hold in int8 (ComfyUI's ConvRot files), e4m3 or NVFP4 kept so (a byte or half a byte a weight; the same
+    weights as dequantizing at load). Read from the files' headers and quantization records only."""
     from transformers import Qwen3VLModel
 
     with torch.device("meta"):
         model = Qwen3VLModel(qwen_config)
     model.language_model.norm = torch.nn.Identity()  # H3 reads the stream before the final norm
-    file_layers = fp8.checkpoint_fp8_layers(source.files, rename=lambda key: model_name(key, layers))
-    return model, fp8.FP8Load.weight_only(model, file_layers, dtype or torch.bfloat16)
+    compute = dtype or torch.bfloat16
+
+    def rename(key: str) -> str | None:
+        return model_name(key, layers)
+
+    nvfp4_layers = nvfp4.checkpoint_nvfp4_layers(source.files, rename)
+    for layer, entry in nvfp4_layers.items():
+        linear = model.get_submodule(layer)
+        if not isinstance(linear, torch.nn.Linear):
+            raise CheckpointError(f"'{layer}' is NVFP4 in {_origin(source)} but is not a linear layer of Qwen3-VL.")
+        model.set_submodule(layer, nvfp4.NVFP4Linear.replacing(layer, linear, entry, compute))
+
+    def outside_nvfp4(key: str) -> str | None:
+        name = rename(key)
+        return None if name is None or name in nvfp4_layers or name.rpartition(".")[0] in nvfp4_layers else name
+
+    file_layers = fp8.checkpoint_fp8_layers(source.files, rename=outside_nvfp4)
+    return TextEncoderPlan(model, dtype, fp8.FP8Load.weight_only(model, file_layers, compute), nvfp4_layers)
 
 
 def _used_tensors(files: tuple[Path, ...], layers: int):

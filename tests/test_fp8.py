@@ -489,6 +489,32 @@ def test_our_convrot_dequantization_is_comfy_kitchens():
         assert torch.allclose(fp8.dequantize(q, scale.view(-1), torch.float32, group), theirs, atol=1e-6)
 
 
+def test_our_nvfp4_dequantization_is_comfy_kitchens():
+    """ComfyUI's kernels package, where installed: its NVFP4 quantizer's output (padded shapes too) comes back
+    as its own dequantizer gives it, and the tests' NVFP4 writer (tests/nvfp4_files.py) lays weights out as it
+    reads them."""
+    kitchen = pytest.importorskip("comfy_kitchen.backends.eager.quantization",
+                                  reason="comfy_kitchen (ComfyUI's kernels) is not installed here")
+    import nvfp4_files
+
+    from h3_core import nvfp4
+
+    g = torch.Generator().manual_seed(3)
+    for out_features, in_features in ((256, 128), (200, 72)):
+        weight = torch.randn(out_features, in_features, generator=g) * 0.02
+        tensor_scale = weight.abs().max() / (448.0 * 6.0)
+        packed, blocks = kitchen.quantize_nvfp4(weight, tensor_scale, pad_16x=(out_features, in_features) != (256, 128))
+        theirs = kitchen.dequantize_nvfp4(packed, tensor_scale, blocks, torch.float32)[:out_features, :in_features]
+        ours = nvfp4.dequantize(packed, blocks, tensor_scale, (out_features, in_features), torch.float32)
+        assert torch.allclose(ours, theirs, rtol=1e-6, atol=0)
+        assert ((ours - weight).norm() / weight.norm()).item() < 0.15
+
+        written, meant = nvfp4_files.quantize(weight)
+        theirs = kitchen.dequantize_nvfp4(written["weight"], written["weight_scale_2"], written["weight_scale"],
+                                          torch.float32)[:out_features, :in_features]
+        assert torch.allclose(theirs.double(), meant, rtol=1e-6, atol=0)
+
+
 def test_compiled_blocks_rebuild_int8_weights_as_eager_ones_do(tmp_path):
     """The rotation's matrix is built inside a compiled graph (its cache stays outside): same output."""
     layers = [f"blocks.{i}.{leaf}" for i in range(2) for leaf in BLOCK_LINEARS]

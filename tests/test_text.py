@@ -548,16 +548,18 @@ def test_an_int8_convrot_single_file_stays_int8(tiny, encoder, tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_an_int8_text_encoder_on_the_gpu_resident_and_streamed(tiny, tmp_path):
-    """Kept int8 on a GPU, resident or streamed from CPU memory: the CPU's prompt states (float32)."""
-    path, _ = _int8_convrot_file(tiny, tmp_path / "qwen3vl_int8_convrot.safetensors")
+@pytest.mark.parametrize("kind", ["int8_convrot", "nvfp4_awq"])
+def test_a_quantized_text_encoder_on_the_gpu_resident_and_streamed(tiny, tmp_path, kind):
+    """Kept quantized on a GPU, resident or streamed from CPU memory: the CPU's prompt states (float32)."""
+    write = _int8_convrot_file if kind == "int8_convrot" else _nvfp4_awq_file
+    path, _ = write(tiny, tmp_path / f"qwen3vl_{kind}.safetensors")
     options = dict(tokenizer=tiny["partition"], config=tiny["config"])
     on_cpu = load_text_encoder(path, torch.float32, **options)
     presentation = on_cpu.presenter.fl2va(PROMPT, [picture(64, 96, 21)])
     expected = on_cpu.encode(presentation).prompt_embeds
     on_gpu = load_text_encoder(path, torch.float32, "cuda", **options)
     weight = on_gpu.model.language_model.layers[0].mlp.down_proj.weight
-    assert weight.device.type == "cuda" and weight.dtype == torch.int8
+    assert weight.device.type == "cuda" and weight.dtype == (torch.int8 if kind == "int8_convrot" else torch.uint8)
     relative = lambda got: ((got.cpu() - expected).norm() / expected.norm()).item()  # noqa: E731
     assert relative(on_gpu.encode(presentation).prompt_embeds) < 1e-3  # float32 through 50 layers, GPU kernels
     streamed = on_cpu.stream_layers("cuda").encode(presentation).prompt_embeds
@@ -565,7 +567,75 @@ def test_an_int8_text_encoder_on_the_gpu_resident_and_streamed(tiny, tmp_path):
     assert on_cpu.model.language_model.layers[0].mlp.down_proj.weight.device.type == "cpu"  # the layers stay home
 
 
-def test_int8_text_encoder_sizes_count_a_byte_a_weight(tiny, tmp_path):
+def _nvfp4_awq_file(tiny, path: Path):
+    """ComfyUI's `qwen3vl_32b_minimax_h3_nvfp4_awq` in miniature: every decoder linear NVFP4 with an AWQ
+    pre_quant_scale. Returns (path, layer -> (the weight its NVFP4 tensors stand for, the pre_quant_scale))."""
+    import nvfp4_files
+
+    tensors = tiny_qwen.comfy_keys(tiny["model"].state_dict())
+    g, meant = torch.Generator().manual_seed(5), {}
+    for key in [k for k in tensors if re.match(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$", k)]:
+        layer = key[: -len(".weight")]
+        smoothing = torch.exp(0.3 * torch.randn(tensors[key].shape[1], generator=g))
+        stored, weight = nvfp4_files.quantize(tensors[key], smoothing)
+        tensors.update({f"{layer}.{leaf}": value for leaf, value in stored.items()})
+        tensors[f"{layer}.comfy_quant"] = nvfp4_files.record()
+        meant[layer] = (weight, smoothing)
+    assert len(meant) == 7 * 50
+    return _write(path, tensors), meant
+
+
+def test_an_nvfp4_awq_file_stays_nvfp4(tiny, encoder, tmp_path):
+    """Each NVFP4 linear is held as stored (half a byte a weight) and rebuilt as it is used: the weights the
+    file stands for (within FP4's rounding of the original), the input multiplied by the AWQ scale; the prompt
+    states equal a dense model's holding those weights with the scale folded in."""
+    from h3_core.nvfp4 import NVFP4Linear
+
+    path, meant = _nvfp4_awq_file(tiny, tmp_path / "qwen3vl_nvfp4_awq.safetensors")
+    loaded = load_text_encoder(path, torch.float32, tokenizer=tiny["partition"], config=tiny["config"])
+    modules = dict(loaded.model.named_modules())
+    dense = tiny_qwen.comfy_keys(tiny["model"].state_dict())
+    originals = dict(dense)
+    for layer, (weight, smoothing) in meant.items():
+        module = modules[layer.replace("model.layers.", "language_model.layers.")]
+        assert isinstance(module, NVFP4Linear) and module.weight.dtype == torch.uint8, layer
+        assert torch.allclose(module.dequantized_weight().double(), weight, rtol=1e-6, atol=0), layer
+        dense[f"{layer}.weight"] = (weight * smoothing.double()).float()
+        original = originals[f"{layer}.weight"].double()
+        assert ((weight * smoothing.double() - original).norm() / original.norm()).item() < 0.15, layer  # FP4's rounding
+    assert sum(isinstance(m, NVFP4Linear) for m in modules.values()) == len(meant)
+    folded = load_text_encoder(_write(tmp_path / "folded.safetensors", dense), torch.float32,
+                               tokenizer=tiny["partition"], config=tiny["config"])
+    presentation = encoder.presenter.fl2va(PROMPT, [picture(64, 96, 21)])
+    got = loaded.encode(presentation).prompt_embeds
+    want = folded.encode(presentation).prompt_embeds
+    assert ((got - want).norm() / want.norm()).item() < 1e-5  # float32: x * s then W, against x then W * s
+    assert torch.equal(loaded.stream_layers("cpu").encode(presentation).prompt_embeds, got)
+
+    bf16 = load_text_encoder(path, torch.bfloat16, tokenizer=tiny["partition"], config=tiny["config"])
+    down = bf16.model.language_model.layers[3].mlp.down_proj
+    assert down.dequantized_weight().dtype == torch.bfloat16 and down.weight_scale_2.dtype == torch.float32
+    assert torch.equal(down.dequantized_weight(), meant["model.layers.3.mlp.down_proj"][0].to(torch.bfloat16))
+
+
+def test_broken_nvfp4_layers_are_refused_before_reading(tiny, tmp_path):
+    path, _ = _nvfp4_awq_file(tiny, tmp_path / "nvfp4.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as handle:
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+    options = dict(tokenizer=tiny["partition"], config=tiny["config"])
+    short = dict(tensors, **{"model.layers.2.mlp.up_proj.weight_scale": torch.zeros(7, dtype=torch.uint8)})
+    with pytest.raises(CheckpointError, match=r"NVFP4 layer 'language_model.layers.2.mlp.up_proj' \(\d+x32\) has the "
+                                              r"wrong sizes: weight_scale 7 \(expected 512\)"):
+        load_text_encoder(_write(tmp_path / "short.safetensors", short), **options)
+    unscaled = {k: v for k, v in tensors.items() if k != "model.layers.0.self_attn.q_proj.weight_scale_2"}
+    with pytest.raises(CheckpointError, match="NVFP4 layer 'language_model.layers.0.self_attn.q_proj' in "
+                                              "unscaled.safetensors lacks weight_scale_2"):
+        load_text_encoder(_write(tmp_path / "unscaled.safetensors", unscaled), **options)
+
+
+def test_quantized_text_encoder_sizes_count_the_stored_bytes(tiny, tmp_path):
     """The sizes a host plans with count what loading places: int8 weights and fp32 scales as stored, the
     rest in the dtype asked for."""
     from h3_core.text import text_encoder_bytes, text_encoder_sizes
@@ -581,6 +651,16 @@ def test_int8_text_encoder_sizes_count_a_byte_a_weight(tiny, tmp_path):
     assert sizes[1] == sum(p.numel() * p.element_size() for p in layers[0].parameters())
     assert sizes[0] + len(layers) * sizes[1] == placed == text_encoder_bytes(path, torch.bfloat16)
     assert placed < 0.75 * text_encoder_bytes(tiny["partition"], torch.bfloat16)
+
+    nvfp4 = tmp_path / "nvfp4-hf"  # NVFP4: half a byte a weight, its block scales, fp32 tensor scales
+    _nvfp4_awq_file(tiny, nvfp4 / "model.safetensors")
+    shutil.copy(tiny["hf"] / "config.json", nvfp4)
+    loaded = load_text_encoder(nvfp4, torch.bfloat16, tokenizer=tiny["partition"])
+    placed = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    assert torch.uint8 in {p.dtype for p in loaded.model.parameters()}
+    rest, per_layer = text_encoder_sizes(nvfp4, torch.bfloat16)
+    assert per_layer == sum(p.numel() * p.element_size() for p in loaded.model.language_model.layers[0].parameters())
+    assert rest + len(loaded.model.language_model.layers) * per_layer == placed == text_encoder_bytes(nvfp4)
 
 
 def test_only_the_used_weights_are_loaded(tiny, encoder, tmp_path):

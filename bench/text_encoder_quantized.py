@@ -1,12 +1,14 @@
-"""The text encoder from ComfyUI's int8 ConvRot file, kept int8 (as the loader now holds it) against bf16:
-seconds per prompt and GPU memory, resident and with its decoder layers streamed from CPU memory (a small
-GPU), at the real size (Qwen3-VL-32B cut after layer 50, random weights). One JSON line per case.
+"""The text encoder from ComfyUI's int8 ConvRot and NVFP4 files, held as the loader holds them (int8 / NVFP4,
+rebuilt as used) against bf16: seconds per prompt and GPU memory, resident and with its decoder layers
+streamed from CPU memory (a small GPU), at the real size (Qwen3-VL-32B cut after layer 50, random weights).
+One JSON line per case.
 
-    PYTHONPATH=.:bench python bench/text_encoder_int8.py --repeat-prompt 1 8
+    PYTHONPATH=.:bench python bench/text_encoder_quantized.py --repeat-prompt 1 8
 
 The int8 weights are the bf16 model's own, rotated in groups of `--group` input columns and rounded to int8
 with a scale per row, as ComfyUI's files are made; the int8 encoder's prompt states are compared with the
-bf16 encoder's (cosine). The tokenizer is the embedded tiny one, so token counts are printed.
+bf16 encoder's (cosine). The NVFP4 weights are random codes and scales (timing only, no cosine). The
+tokenizer is the embedded tiny one, so token counts are printed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from full_pipeline import PROMPT, text_encoder
 from h3_core.fp8 import FP8Linear, hadamard
+from h3_core.nvfp4 import NVFP4Entry, NVFP4Linear, round_up
 from h3_core.tiny_text import write_processor, write_tokenizer
 
 GIB = 2**30
@@ -46,6 +49,26 @@ def to_int8_convrot(model: torch.nn.Module, group: int) -> int:
             int8.bias.data = linear.bias.data
         layers.set_submodule(name, int8)
         del rotated, linear
+    torch.cuda.empty_cache()
+    return len(names)
+
+
+def to_random_nvfp4(model: torch.nn.Module) -> int:
+    """Every decoder linear (bf16 or int8) replaced by an AWQ-smoothed NVFP4Linear with random codes and scales."""
+    layers = model.language_model.layers
+    names = [name for name, module in layers.named_modules() if isinstance(module, (torch.nn.Linear, FP8Linear))]
+    for name in names:
+        old = layers.get_submodule(name)
+        rows, columns, device = round_up(old.out_features, 16), round_up(old.in_features, 16), old.weight.device
+        entry = NVFP4Entry((rows, columns // 2), (round_up(rows, 128), round_up(columns // 16, 4)), (), True)
+        new = NVFP4Linear(old.in_features, old.out_features, entry, old.bias is not None, torch.bfloat16, device)
+        new.weight.data = torch.randint(0, 256, entry.weight, dtype=torch.uint8, device=device)
+        new.weight_scale.data = torch.rand(entry.weight_scale, device=device).add_(0.5).to(torch.float8_e4m3fn)
+        new.weight_scale_2.data = torch.tensor(0.002, device=device)
+        new.pre_quant_scale.data = torch.ones(old.in_features, dtype=torch.bfloat16, device=device)
+        if old.bias is not None:
+            new.bias.data = old.bias.data
+        layers.set_submodule(name, new)
     torch.cuda.empty_cache()
     return len(names)
 
@@ -91,7 +114,7 @@ def main():
                    "peak_gib": round(peak, 2), "weights_gib": round(weight_gib(model), 2)}
             if case == "bf16":
                 reference[n] = states.float()
-            else:
+            elif case.startswith("int8"):
                 row["cosine_vs_bf16"] = round(torch.nn.functional.cosine_similarity(
                     states.float().flatten(), reference[n].flatten(), dim=0).item(), 6)
             print(json.dumps(row), flush=True)
@@ -104,6 +127,10 @@ def main():
     print(json.dumps({"int8_linears": count, "group": args.group}), flush=True)
     run("int8 kept", streamed=False)
     run("int8 kept", streamed=True)
+    count = to_random_nvfp4(encoder.model)
+    print(json.dumps({"nvfp4_linears": count}), flush=True)
+    run("nvfp4 kept (random)", streamed=False)
+    run("nvfp4 kept (random)", streamed=True)
 
 
 if __name__ == "__main__":
