@@ -191,7 +191,8 @@ class H3TextEncoderLoader(io.ComfyNode):
                 io.Float.Input("gpu_memory_gb", default=0.0, min=0.0, max=4096.0, step=0.5, optional=True,
                                tooltip="GPU memory the text encoder may use, in GiB; 0 = automatic: what ComfyUI "
                                        "has free once other models have left. When the encoder does not fit (48 GiB "
-                                       "in bf16, 25 GiB from the int8 file, plus about 2 GiB while it encodes) its weights stay in CPU memory "
+                                       "in bf16, 25 GiB from the int8 file, 15 GiB from the nvfp4 one, plus about 2 GiB "
+                                       "while it encodes) its weights stay in CPU memory "
                                        "and each decoder layer visits the GPU only while it runs: same result, a "
                                        "few seconds slower per prompt. Set it to force that on a busy GPU."),
             ],
