@@ -86,7 +86,7 @@ def add_model_file_options(parser: argparse.ArgumentParser, text_encoder: bool =
     if text_encoder:
         parser.add_argument("--text-encoder", type=Path, metavar="PATH",
                             help="the text encoder, when not under --model: e.g. ComfyUI's "
-                                 "models/text_encoders/qwen3vl_32b_minimax_h3_bf16.safetensors (or its int8 file)")
+                                 "models/text_encoders/qwen3vl_32b_minimax_h3_bf16.safetensors (or its int8 or nvfp4 file)")
         parser.add_argument("--tokenizer", type=Path, metavar="DIR",
                             help="with a single --text-encoder file, which carries none: the release's FL2VA/tokenizer "
                                  "folder or FL2VA/ (default: --model's folder when it is one, else the release's tokenizer "

@@ -29,7 +29,7 @@ from .weights import CheckpointError
 NVFP4_FORMAT = "nvfp4"
 BLOCK = 16  # weights per block scale
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0-7; 8-15 are the same, negative
-STORED_LEAVES = ("weight", "weight_scale", "weight_scale_2", "pre_quant_scale")
+STORED_LEAVES = ("weight", "weight_scale", "weight_scale_2")  # every NVFP4 layer has these; pre_quant_scale if smoothed
 DROPPED_LEAVES = ("comfy_quant", "input_scale")
 
 
@@ -103,15 +103,15 @@ def checkpoint_nvfp4_layers(files: Iterable[Path], rename: Callable[[str], str |
             for layer, record in quant_records(handle, keys, path, rename).items():
                 if record.get("format") != NVFP4_FORMAT:
                     continue
-                missing = [leaf for leaf in STORED_LEAVES[:3] if f"{layer}.{leaf}" not in keys]
+                missing = [leaf for leaf in STORED_LEAVES if f"{layer}.{leaf}" not in keys]
                 if missing:
                     raise CheckpointError(f"NVFP4 layer '{layer}' in {path.name} lacks {', '.join(missing)}.")
-                piece = {leaf: handle.get_slice(keys[f"{layer}.{leaf}"]) for leaf in STORED_LEAVES[:3]}
+                piece = {leaf: handle.get_slice(keys[f"{layer}.{leaf}"]) for leaf in STORED_LEAVES}
                 if piece["weight"].get_dtype() != "U8" or piece["weight_scale"].get_dtype() not in ("F8_E4M3", "U8"):
                     raise CheckpointError(
                         f"NVFP4 layer '{layer}' in {path.name} stores its weight as {piece['weight'].get_dtype()} and "
                         f"its block scales as {piece['weight_scale'].get_dtype()}; expected U8 and F8_E4M3.")
-                layers[layer] = NVFP4Entry(*(tuple(piece[leaf].get_shape()) for leaf in STORED_LEAVES[:3]),
+                layers[layer] = NVFP4Entry(*(tuple(piece[leaf].get_shape()) for leaf in STORED_LEAVES),
                                            smoothed=f"{layer}.pre_quant_scale" in keys)
     return layers
 

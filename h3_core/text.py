@@ -313,8 +313,8 @@ def locate_text_encoder_files(path: str | Path, tokenizer: str | Path | None = N
 
 def text_encoder_bytes(path: str | Path, dtype: torch.dtype = torch.bfloat16, layer: int = TEXT_ENCODER_LAYER) -> int:
     """Bytes of the weights `load_text_encoder` would place (embedding, `layer` decoder layers, vision
-    tower), from the config and the files' headers: a host decides before reading ~51 GB (26 GB for an int8
-    file) whether they fit on its GPU."""
+    tower), from the config and the files' headers: a host decides before reading ~51 GB (27 GB for an int8
+    file, 16 GB for an NVFP4 one) whether they fit on its GPU."""
     rest, per_layer = text_encoder_sizes(path, dtype, layer)
     return rest + layer * per_layer
 

@@ -339,7 +339,7 @@ class TextEncoderPlan:
         """The dtype a tensor is placed in: None (as the file stores it) for quantized weights and their block
         scales, fp32 for NVFP4 tensor scales, else `dtype`."""
         layer, _, leaf = name.rpartition(".")
-        if layer in self.nvfp4 and leaf in ("weight", "weight_scale", "weight_scale_2"):
+        if layer in self.nvfp4 and leaf in nvfp4.STORED_LEAVES:
             return torch.float32 if leaf == "weight_scale_2" else None
         return None if name in self.fp8.fp8_parameters else self.dtype
 

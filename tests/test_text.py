@@ -547,6 +547,32 @@ def test_an_int8_convrot_single_file_stays_int8(tiny, encoder, tmp_path):
     assert torch.equal(loaded.stream_layers("cpu").encode(presentation).prompt_embeds, got)  # int8 layers visit too
 
 
+def test_an_fp8_scaled_text_encoder_stays_fp8(tiny, encoder, tmp_path):
+    """An FP8 file (e4m3 weights, a scale per tensor, formats named in the file's metadata): each linear held as
+    stored, the same prompt states as its weights dequantized into a dense file."""
+    from h3_core.fp8 import FP8Linear
+
+    tensors = tiny_qwen.comfy_keys(tiny["model"].state_dict())
+    dense, layers = dict(tensors), {}
+    for key in [k for k in tensors if re.match(r"model\.layers\.\d+\.mlp\.\w+_proj\.weight$", k)]:
+        scale = tensors[key].abs().max() / 448.0
+        stored = (tensors[key] / scale).to(torch.float8_e4m3fn)
+        layer = key[: -len(".weight")]
+        tensors.update({key: stored, f"{layer}.weight_scale": scale.float(), f"{layer}.input_scale": torch.ones(())})
+        dense[key] = stored.float() * scale.float()
+        layers[layer] = {"format": "float8_e4m3fn"}
+    path = tmp_path / "qwen3vl_fp8_scaled.safetensors"
+    save_file(tensors, str(path), metadata={"_quantization_metadata": json.dumps({"layers": layers})})
+    options = dict(tokenizer=tiny["partition"], config=tiny["config"])
+    loaded = load_text_encoder(path, torch.float32, **options)
+    held = [m for m in loaded.model.modules() if isinstance(m, FP8Linear)]
+    assert len(held) == 3 * 50 and {m.weight.dtype for m in held} == {torch.float8_e4m3fn}
+    assert {tuple(m.weight_scale.shape) for m in held} == {()}
+    presentation = encoder.presenter.t2va(PROMPT)
+    dequantized = load_text_encoder(_write(tmp_path / "dense.safetensors", dense), torch.float32, **options)
+    assert torch.equal(loaded.encode(presentation).prompt_embeds, dequantized.encode(presentation).prompt_embeds)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", ["int8_convrot", "nvfp4_awq"])
 def test_a_quantized_text_encoder_on_the_gpu_resident_and_streamed(tiny, tmp_path, kind):
