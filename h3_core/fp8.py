@@ -43,7 +43,8 @@ LINEAR_MODES = {
     "checkpoint": "as the checkpoint stores them (an fp8_scaled file's FP8 linears stay FP8, weight-only compute)",
     "dense": "an fp8_scaled file's FP8 weights dequantized into the model dtype at load",
     "fp8-weights-lossy": "block linears stored FP8 (quantized at load), weight-only compute: half the bytes",
-    "fp8-lossy": "block linears FP8 and their inputs FP8 per row: FP8 tensor-core matmuls (Hopper/Ada)",
+    "fp8-lossy": "block linears FP8 (an int8 file's requantized) and their inputs FP8 per row: FP8 tensor-core "
+                 "matmuls (Hopper/Ada)",
 }
 
 
@@ -443,10 +444,15 @@ class FP8Load:
                 f"token_refiner.blocks.{i}.{leaf}" for i in range(len(model.token_refiner.blocks)) for leaf in BLOCK_LINEARS)]
             if not layer.startswith(fp32_modules)
         }
+        # int8 has no FP8 matmul: under fp8-lossy an int8 (or e5m2) file's block linears are turned back to
+        # `compute` and quantized to e4m3 like a bf16 file's (int8 tensor cores are not used)
+        requantized = set(block_linear_names(model)) if mode == "fp8-lossy" else set()
         kept, dense_dtype = set(), {}
         for layer, entry in file_layers.items():
             module = _file_layer(model, layer)
-            if mode != "dense" and layer in eligible and _keepable(module, entry):
+            if layer in requantized and entry.dtype == torch.int8:
+                dense_dtype[layer] = compute
+            elif mode != "dense" and layer in eligible and _keepable(module, entry):
                 kept.add(layer)  # int8 (ComfyUI's int8 files) is kept weight-only, whatever `matmul` says
                 model.set_submodule(layer, _held_as_stored(module, entry, compute, matmul))
             else:  # e5m2, the fp32 heads and anything else a file may hold quantized: dequantized once here
@@ -454,7 +460,7 @@ class FP8Load:
         quantized = set()
         if mode in ("fp8-lossy", "fp8-weights-lossy"):
             for layer in block_linear_names(model):
-                if layer not in kept and layer not in file_layers:
+                if layer not in kept and (layer not in file_layers or layer in requantized):
                     module = model.get_submodule(layer)
                     quantized.add(layer)
                     model.set_submodule(layer, FP8Linear(module.in_features, module.out_features, module.bias is not None,
@@ -485,7 +491,7 @@ class FP8Load:
             layer, _, leaf = name.rpartition(".")
             if name == "scaled_fp8" or (layer in self.file_layers and leaf in DROPPED_LEAVES):
                 continue
-            if layer in self.quantized and leaf == "weight":
+            if layer in self.quantized and layer not in self.file_layers and leaf == "weight":
                 weight, scale = quantize_weight(tensor.to(device))
                 yield name, weight, where
                 yield f"{layer}.weight_scale", scale, where
@@ -508,8 +514,14 @@ class FP8Load:
                 yield f"{layer}.weight", parts["weight"], where
                 yield f"{layer}.weight_scale", parts["scale"], where
             else:
-                yield f"{layer}.weight", dequantize(parts["weight"].to(device), parts["scale"].to(device),
-                                                    self.dense_dtype[layer], entry.rotation), where
+                dense = dequantize(parts["weight"].to(device), parts["scale"].to(device), self.dense_dtype[layer],
+                                   entry.rotation)
+                if layer in self.quantized:  # an int8 (or e5m2) block linear under fp8-lossy
+                    weight, scale = quantize_weight(dense)
+                    yield f"{layer}.weight", weight, where
+                    yield f"{layer}.weight_scale", scale, where
+                else:
+                    yield f"{layer}.weight", dense, where
         for layer, parts in pending.items():
             missing = "its scale" if "weight" in parts else "its weight"
             raise CheckpointError(f"FP8 layer '{layer}' lacks {missing} in the checkpoint.")

@@ -461,6 +461,25 @@ def test_an_int8_convrot_file_is_turned_back_and_dequantized_at_load(tmp_path):
     assert cosine(forward(kept)[0], forward(model)[0]) > 0.999
 
 
+def test_an_int8_file_under_fp8_lossy_is_requantized_to_fp8(tmp_path):
+    """int8 has no FP8 matmul: under fp8-lossy the int8 block linears are turned back and quantized to e4m3 per
+    output channel, as a bf16 file's are (FP8 tensor-core matmuls); the other modes keep them int8."""
+    model = tiny_random_dit()
+    layers = [f"blocks.{i}.{leaf}" for i in range(2) for leaf in BLOCK_LINEARS]
+    path = tmp_path / "minimax_h3_fl2va_int8_convrot.safetensors"
+    write_int8_convrot(path, model, layers)
+    dense = load_dit(path, dtype=torch.float32, linears="dense")
+    lossy = load_dit(path, dtype=torch.float32, linears="fp8-lossy")
+    for layer in layers:
+        module = lossy.get_submodule(layer)
+        assert isinstance(module, FP8Linear) and module.weight.dtype == fp8.FP8 and module.matmul == "scaled", layer
+        weight, scale = fp8.quantize_weight(dense.get_submodule(layer).weight)
+        assert torch.equal(module.weight, weight) and torch.equal(module.weight_scale, scale), layer
+    assert cosine(forward(lossy)[0], forward(dense)[0]) > 0.99
+    weights_only = load_dit(path, dtype=torch.float32, linears="fp8-weights-lossy")
+    assert {weights_only.get_submodule(layer).weight.dtype for layer in layers} == {torch.int8}
+
+
 def test_int8_rotation_groups_must_be_powers_of_four(tmp_path):
     model = tiny_random_dit()
     path = tmp_path / "bad.safetensors"
