@@ -494,10 +494,10 @@ def run_info(args) -> int:
     video VAE and the audio VAE (a release root or partition folder holds all four; a single file one, or a
     ComfyUI bundle both VAEs)."""
     found, reasons = {}, []
-    for kind, describe in (("dit", _dit_info), ("text_encoder", _text_encoder_info),
+    for kind, describe in (("dit", lambda path: _dit_info(path, args.partition)), ("text_encoder", _text_encoder_info),
                            ("video_vae", _video_vae_info), ("audio_vae", _audio_vae_info)):
         try:
-            found[kind] = describe(args.path, args.partition)
+            found[kind] = describe(args.path)
         except CheckpointError as error:
             reasons.append(f"{kind.replace('_', ' ')}: {error}")
     if not found:
@@ -513,7 +513,7 @@ def _dit_info(path: str, partition: str) -> dict:
             **_sizes(source.files), "config": config.to_dict()}
 
 
-def _text_encoder_info(path: str, partition: str) -> dict:
+def _text_encoder_info(path: str) -> dict:
     source = locate_text_encoder(path)
     names = tensor_names(source.files)
     if not any(name.endswith("embed_tokens.weight") for name in names):
@@ -522,12 +522,12 @@ def _text_encoder_info(path: str, partition: str) -> dict:
             "tokenizer": None if source.tokenizer_folder is None else str(source.tokenizer_folder)}
 
 
-def _video_vae_info(path: str, partition: str) -> dict:
+def _video_vae_info(path: str) -> dict:
     source = locate_video_vae(path)
     return {"origin": source.origin, "naming": source.naming, **_sizes(source.files, source.prefix)}
 
 
-def _audio_vae_info(path: str, partition: str) -> dict:
+def _audio_vae_info(path: str) -> dict:
     source = locate_audio_vae(path)
     return {"origin": source.origin, **_sizes((source.file,), source.prefix)}
 
