@@ -112,6 +112,10 @@ def vsa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, t
     `kernel`: "dense" (masked reference), "flex" (FlexAttention, CUDA) or "auto" (flex on CUDA)."""
     if query.shape[1] != tiles.slots.numel():
         raise ValueError(f"VSA tiles were made for {tiles.slots.numel()} rows, got {query.shape[1]}.")
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"VSA sparsity is the share of video key tiles left out, 0 <= sparsity < 1; got {sparsity}.")
+    if kernel not in ("auto", "dense", "flex"):
+        raise ValueError(f"Unknown VSA kernel {kernel!r}; choose auto, dense or flex.")
     q, k, v = (to_tiles(x, tiles) for x in (query, key, value))
     scores = tile_means(q, tiles) @ tile_means(k, tiles).transpose(-2, -1) / query.shape[-1] ** 0.5
     chosen = select_tiles(scores, tiles, sparsity)

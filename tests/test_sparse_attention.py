@@ -70,6 +70,18 @@ def test_selection_keeps_prefix_and_the_best_video_tiles():
     assert torch.allclose(means[0, :, 3], first_video.mean(0).float(), atol=1e-6)
 
 
+def test_bad_settings_are_refused():
+    tiles = vsa_tiles((10, 0, 5), (4, 4, 4))
+    query = torch.zeros(1, 79, 2, 8)
+    for sparsity in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="0 <= sparsity < 1"):
+            vsa_attention(query, query, query, tiles, sparsity)
+    with pytest.raises(ValueError, match="made for 79 rows, got 78"):
+        vsa_attention(query[:, :78], query[:, :78], query[:, :78], tiles, 0.5)
+    with pytest.raises(ValueError, match="choose auto, dense or flex"):
+        vsa_attention(query, query, query, tiles, 0.5, kernel="triton")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flex_kernel_equals_the_dense_reference_on_cuda(dtype):
