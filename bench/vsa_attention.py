@@ -13,22 +13,15 @@ import json
 
 import torch
 
+from dit_forward import time_forward
 from h3_core.attention import attention, available_backends
 from h3_core.layout import build_request_layout
 from h3_core.sparse_attention import vsa_attention, vsa_tiles
 
 
 def timed(call, repeats: int) -> float:
-    call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
+    """Median seconds of `repeats` calls after a warm-up (dit_forward's timer)."""
+    times = time_forward(call, repeats)
     return sorted(times)[len(times) // 2]
 
 
