@@ -46,6 +46,9 @@ class DiTConfig:
     # Curve-form ("pruned") checkpoints: > 0 = rows of the `adaln_t_table` that replaces the time embedder
     # (h3-model.md I.2); `time_embed_dim` is then the curve's width (8 in the published files).
     adaln_curve_grid: int = 0
+    # FastVideo's VSA-trained checkpoints (FastH3 8-Step V2): each attention has a `to_gate_compress` linear
+    # gating Video Sparse Attention's compressed branch (sparse_attention.py).
+    vsa_gates: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
@@ -88,11 +91,14 @@ class DiTConfig:
         return cls(**values)
 
     def to_dict(self) -> dict:
-        """diffusers' config fields (and `adaln_curve_grid` for the curve form, which diffusers does not have)."""
+        """diffusers' config fields (and `adaln_curve_grid` for the curve form, `vsa_gates` for VSA-trained
+        checkpoints, which diffusers does not have)."""
         out = dataclasses.asdict(self)
         out["patch_size"] = list(self.patch_size)
         if not self.curve_form:
             del out["adaln_curve_grid"]
+        if not self.vsa_gates:
+            del out["vsa_gates"]
         return out
 
 

@@ -35,6 +35,7 @@ from . import qk_norm_rope
 from .attention import attention, query_rows, resolve_backend
 from .local_attention import VideoWindow, check_backend as check_window_backend, check_setting as check_window_setting
 from .rope import apply_rope
+from .sparse_attention import SparsePlan, VSATiles, vsa_attention
 from .config import DiTConfig
 from .fp8 import compute_dtype
 from .layout import RowClock
@@ -76,21 +77,26 @@ def rope_tables(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[tor
 class Attention(nn.Module):
     """Self-attention with a fused stacked qkv projection, per-head RMSNorm on q and k, optional RoPE."""
 
-    def __init__(self, config: DiTConfig):
+    def __init__(self, config: DiTConfig, gated: bool = False):
         super().__init__()
         self.heads, self.head_dim = config.num_attention_heads, config.attention_head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, 3 * config.inner_dim, bias=False)
         self.q_norm = nn.RMSNorm(config.attention_head_dim, eps=config.qk_norm_eps)
         self.k_norm = nn.RMSNorm(config.attention_head_dim, eps=config.qk_norm_eps)
         self.out_proj = nn.Linear(config.inner_dim, config.hidden_size, bias=False)
+        # VSA-trained checkpoints' blocks: the gate of the sparse attention's compressed branch, from the block's input
+        self.gate_compress = nn.Linear(config.hidden_size, config.inner_dim, bias=False) if gated else None
         self.backend = "sdpa"
         self.sequence_parallel = None  # set on the blocks' attention by parallel.sequence.enable
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                window: VideoWindow | None = None) -> torch.Tensor:
+                window: VideoWindow | SparsePlan | None = None) -> torch.Tensor:
+        """`window`: the lossy attention window, or Video Sparse Attention's plan for this forward."""
         batch, rows, _ = x.shape
         qkv = self.qkv_proj(x)
         q, k, v = qkv.view(batch, rows, 3, self.heads, self.head_dim).unbind(2)
+        if isinstance(window, SparsePlan):
+            return self._sparse(x, *self._norm_rope(q, k, rope), v, window)
         if rope is not None and torch.compiler.is_compiling() and qk_norm_rope.available(qkv, self.head_dim):
             # compiled on CUDA: one kernel instead of Inductor's three (equal up to bf16 rounding), writing
             # q with the padding rows the attention kernel wants (cut from its output below)
@@ -100,14 +106,24 @@ class Attention(nn.Module):
             q, k = torch.ops.h3.qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, *rope, self.heads,
                                              self.q_norm.eps, q_rows)
         else:
-            q, k = self.q_norm(q), self.k_norm(k)
-            if rope is not None:
-                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = self._norm_rope(q, k, rope)
         if self.sequence_parallel is None:
             out = attention(q, k, v, self.backend, window)[:, :rows]
         else:  # this rank holds a slice of the rows: trade rows for heads around the attention
             out = self.sequence_parallel.attention(q, k, v, self.backend, window)
         return self.out_proj(out.reshape(batch, rows, -1))
+
+    def _norm_rope(self, q: torch.Tensor, k: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = self.q_norm(q), self.k_norm(k)
+        return (q, k) if rope is None else (apply_rope(q, *rope), apply_rope(k, *rope))
+
+    def _sparse(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SparsePlan) -> torch.Tensor:
+        """Video Sparse Attention (one device), its compressed branch gated by `gate_compress(x)` if the model has it."""
+        if self.sequence_parallel is not None:
+            raise ValueError("Video Sparse Attention runs on one device; the sequence-parallel split does not tile it.")
+        batch, rows, _ = x.shape
+        gate = None if self.gate_compress is None else self.gate_compress(x).view(batch, rows, self.heads, self.head_dim)
+        return self.out_proj(vsa_attention(q, k, v, plan.tiles, plan.sparsity, gate).reshape(batch, rows, -1))
 
 
 class SwiGLU(nn.Module):
@@ -216,7 +232,7 @@ class Block(nn.Module):
     def __init__(self, config: DiTConfig):
         super().__init__()
         self.norm1 = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config, gated=config.vsa_gates)
         self.norm2 = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = SwiGLU(config)
         self.adaln_proj = AdaLNProjection(config.time_embed_dim, 6 * MODALITIES * config.hidden_size, MODALITIES,
@@ -318,6 +334,7 @@ class H3DiT(nn.Module):
         self.sequence_parallel = None  # parallel.sequence.SequenceParallel when split over ranks
         self.attention_window = 0  # latent frames; > 0: the lossy windowed video attention (set_attention_window)
         self.attention_window_dense_steps = 0  # leading forwards of each sampler run that keep full attention
+        self.sparse_attention: float | None = None  # Video Sparse Attention's sparsity (set_sparse_attention)
 
     @classmethod
     def build(cls, config: DiTConfig, dtype: torch.dtype = torch.bfloat16, device="cpu") -> "H3DiT":
@@ -361,6 +378,15 @@ class H3DiT(nn.Module):
         if check_window_setting(frames, dense_steps)[0]:
             check_window_backend(self.blocks[0].attn.backend if len(self.blocks) else "sdpa")
         self.attention_window, self.attention_window_dense_steps = frames, dense_steps
+        return self
+
+    def set_sparse_attention(self, sparsity: float | None) -> "H3DiT":
+        """Video Sparse Attention (sparse_attention.py) with `sparsity` (the share of video key tiles each video
+        query tile leaves out; what VSA-trained checkpoints were trained with, 0.8 for FastH3 8-Step V2), run
+        eagerly on one device; None restores full attention. Forwards use it when given their rows' tiling."""
+        if sparsity is not None and not 0.0 <= sparsity < 1.0:
+            raise ValueError(f"VSA sparsity is the share of video key tiles left out, 0 <= sparsity < 1; got {sparsity}.")
+        self.sparse_attention = sparsity
         return self
 
     def set_attention(self, backend: str = "auto", window: int = 0, dense_steps: int = 0) -> str:
@@ -443,10 +469,12 @@ class H3DiT(nn.Module):
         text_indices: torch.Tensor,
         modulation: Modulation | None = None,
         target_video: tuple[int, int] | None = None,
+        sparse_tiles: VSATiles | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`modulation`: this step's precomputed tables (from `modulation(timesteps)`); computed here if None.
         `target_video`: (its first row, rows per latent frame) when the target video is the sequence's
-        trailing run of rows (layout.PackedLayout.target_video_span); the attention window needs it."""
+        trailing run of rows (layout.PackedLayout.target_video_span); the attention window needs it.
+        `sparse_tiles`: the rows' tiling (layout.PackedLayout.vsa_tiles) when `set_sparse_attention` is on."""
         rows = position_ids.shape[0]
         if position_ids.shape != (rows, 3) or token_tags.shape != (rows,) or timestep_indices.shape != (rows,):
             raise ValueError(
@@ -472,6 +500,11 @@ class H3DiT(nn.Module):
         window = None
         if self.attention_window and target_video is not None:
             window = VideoWindow.for_frames(self.attention_window, rows, *target_video)
+        if self.sparse_attention is not None and sparse_tiles is not None:
+            if window is not None:
+                raise ValueError("The attention window and Video Sparse Attention are two ways to thin the attention; "
+                                 "set one of them.")
+            window = SparsePlan(sparse_tiles, self.sparse_attention)
         parallel = self.sequence_parallel
         if parallel is not None:  # each rank runs the blocks on its slice of the rows
             x, adaln_index, rope = parallel.split(x, adaln_index, rope)

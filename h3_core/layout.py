@@ -21,6 +21,7 @@ import torch
 from einops import rearrange
 
 from . import geometry
+from .sparse_attention import VSATiles, vsa_tiles
 
 VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2  # checkpoint contract
 
@@ -171,6 +172,22 @@ class PackedLayout:
         _, ph, pw = geometry.PATCH_SIZE
         rows_per_frame = (self.latent_height // ph) * (self.latent_width // pw)
         return self.sequence_length - self.latent_frames * rows_per_frame, rows_per_frame
+
+    def vsa_tiles(self, device: torch.device | str | None = None) -> VSATiles:
+        """Video Sparse Attention's tiling of these rows (sparse_attention.py). FastVideo's VSA takes rows packed
+        as [text | condition video | audio | target video], the target video frame-major at the end; other
+        packings (reference blocks) are refused."""
+        text, condition, audio = self.num_text_rows, self.num_condition_video_rows, self.audio_indices.numel()
+        start, _ = self.target_video_span
+        runs = ((self.text_indices, 0), (self.video_indices[:condition], text), (self.audio_indices, text + condition),
+                (self.target_video_indices, start))
+        if start != text + condition + audio or not all(
+                torch.equal(indices.cpu(), torch.arange(first, first + indices.numel())) for indices, first in runs):
+            raise ValueError("Video Sparse Attention needs rows packed as [text | condition video | audio | video] "
+                             "(as FastVideo packs them); this request's are not (a video reference, say).")
+        _, ph, pw = geometry.PATCH_SIZE
+        grid = (self.latent_frames, self.latent_height // ph, self.latent_width // pw)
+        return vsa_tiles((text, condition, audio), grid, device or self.position_ids.device)
 
     def row_timesteps(
         self, t_video: float, t_audio: float, visual_condition_floor: float = 0.999

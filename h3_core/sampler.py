@@ -155,6 +155,8 @@ def denoise(
         t_video, t_audio = schedule.timesteps(step)
         timesteps, indices = on_cpu.row_timesteps(float(t_video), float(t_audio))
         plan.append((t_video, t_audio, timesteps.to(device), indices.to(device)))
+    # Video Sparse Attention (a VSA-trained model): the rows' tiling, made once for the run
+    sparse = {"sparse_tiles": on_device.vsa_tiles()} if getattr(dit, "sparse_attention", None) is not None else {}
     offloaded = dit.adaln_offloaded() if (reuse_adaln and offload_adaln) else contextlib.nullcontext()
     with offloaded:
         # With the AdaLN weights offloaded (small GPUs) the schedule's tables wait on the CPU too.
@@ -175,6 +177,7 @@ def denoise(
                 modulation=modulations[step].to(device) if parked else modulations[step],
                 # without the target video's span the DiT attends fully: so it does in a window's dense steps
                 target_video=layout.target_video_span if step >= getattr(dit, "attention_window_dense_steps", 0) else None,
+                **sparse,
             )
             modulations[step] = None  # each step's tables are used once
             video_rows[:, n_video:] = euler_step(

@@ -48,6 +48,14 @@ class VSATiles:
         return self.prefix_tiles + self.video_tiles
 
 
+@dataclass(frozen=True, eq=False)
+class SparsePlan:
+    """One forward's Video Sparse Attention: its rows' tiling and the share of video key tiles left out."""
+
+    tiles: VSATiles
+    sparsity: float
+
+
 def vsa_tiles(prefix_segments: Sequence[int], video_grid: tuple[int, int, int],
               device: torch.device | str = "cpu") -> VSATiles:
     """The tiling of rows packed as [prefix segments in order | video (t, h, w) raster], see the module doc."""

@@ -92,3 +92,92 @@ def test_flex_kernel_equals_the_dense_reference_on_cuda(dtype):
     got = vsa_attention(query, key, value, tiles, 0.8, gate, kernel="flex")
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+
+
+# ---------------------------------------------------------------------------------------------
+# In the DiT (sampler -> layout tiling -> each block's attention), without FastVideo
+
+
+def _denoise(model, layout=None):
+    from h3_core.layout import build_request_layout
+    from h3_core.noise import request_generator, target_noise
+    from h3_core.sampler import DualClockSchedule, denoise
+
+    layout = layout or build_request_layout(128, 64, 124, torch.tensor([1, 1, 0, 0, 1, 1, 1]))
+    video, audio = target_noise(layout, request_generator(5))
+    text = torch.randn(1, 7, 48, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        return denoise(model, layout, text, video, audio, DualClockSchedule.build(3))
+
+
+def test_the_layout_tiles_its_rows_as_fastvideo_packs_them():
+    from h3_core.layout import ReferenceBlock, build_ref2va_layout, build_request_layout
+
+    layout = build_request_layout(128, 64, 124, torch.ones(7, dtype=torch.long))
+    tiles, grid = layout.vsa_tiles(), (layout.latent_frames, layout.latent_height // 2, layout.latent_width // 2)
+    want = vsa_tiles((7, 0, layout.audio_indices.numel()), grid)
+    assert torch.equal(tiles.slots, want.slots) and torch.equal(tiles.sizes, want.sizes)
+    assert tiles.prefix_tiles == 1 + 7  # 7 text rows; 414 audio rows in 7 tiles
+    references = build_ref2va_layout([1] * 5, [ReferenceBlock.image(4, 6), ReferenceBlock.video(2, 4, 6, 3),
+                                               ReferenceBlock.audio(5)], 4, 4, 6, 9)
+    with pytest.raises(ValueError, match=r"needs rows packed as \[text \| condition video \| audio \| video\]"):
+        references.vsa_tiles()
+
+
+def test_sparse_attention_in_the_dit(monkeypatch):
+    """Sparsity 0 attends every tile: the full-attention run. Sparsity 0.5 thins it (every block of every forward
+    calls VSA with the layout's tiling); zero gates leave it alone, and a model's gates are computed from each
+    block's attention input."""
+    from dataclasses import replace
+
+    from h3_core import dit as dit_module
+    from h3_core.config import TINY_DIT
+    from h3_core.dit import H3DiT
+    from h3_core.tiny import seeded_random_weights, tiny_random_dit
+
+    model = tiny_random_dit()
+    assert model.sparse_attention is None  # off by default
+    exact = _denoise(model)
+    for a, b in zip(exact, _denoise(model.set_sparse_attention(0.0))):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    calls = []
+    original = dit_module.vsa_attention
+    monkeypatch.setattr(dit_module, "vsa_attention", lambda *a: calls.append(a) or original(*a))
+    thinned = _denoise(model.set_sparse_attention(0.5))
+    assert len(calls) == 2 * len(model.blocks) and {c[4] for c in calls} == {0.5} and {c[5] for c in calls} == {None}
+    assert len({id(c[3]) for c in calls}) == 1  # one tiling for the run
+    assert all((a - b).abs().max() > 1e-4 for a, b in zip(exact, thinned))
+
+    gated = seeded_random_weights(H3DiT(replace(TINY_DIT, vsa_gates=True)), 11).eval().requires_grad_(False)
+    state = model.state_dict()
+    gates = {k: v.clone() for k, v in gated.state_dict().items() if "gate_compress" in k}
+    assert len(gates) == len(model.blocks)
+    gated.load_state_dict({**state, **{k: torch.zeros_like(v) for k, v in gates.items()}})
+    gated.set_sparse_attention(0.5)
+    calls.clear()
+    for a, b in zip(thinned, _denoise(gated)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert all(c[5] is not None and not c[5].any() for c in calls)
+    gated.load_state_dict({**state, **gates})
+    calls.clear()
+    opened = _denoise(gated)
+    assert all((a - b).abs().max() > 1e-4 for a, b in zip(thinned, opened))
+    inputs = []
+    hook = gated.blocks[0].attn.register_forward_hook(lambda module, args, out: inputs.append(args[0]))
+    calls.clear()
+    _denoise(gated)
+    hook.remove()
+    weight = gated.blocks[0].attn.gate_compress.weight
+    torch.testing.assert_close(calls[0][5].flatten(2), inputs[0] @ weight.T)
+
+
+def test_sparse_attention_setting_is_checked():
+    from h3_core.tiny import tiny_random_dit
+
+    model = tiny_random_dit()
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="0 <= sparsity < 1"):
+            model.set_sparse_attention(bad)
+    model.set_sparse_attention(0.5).set_attention_window(2)
+    with pytest.raises(ValueError, match="set one of them"):
+        _denoise(model)
