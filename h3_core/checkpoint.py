@@ -9,6 +9,8 @@ Checkpoint dtypes are kept unless a dtype is asked for. Pickle formats are refus
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -128,9 +130,12 @@ def _folder(folder: Path) -> DiTSource:
     files = shard_files(folder, INDEX_NAMES)
     naming = _naming(tensor_names(files), folder)
     _fp8_layers(files, supported=False)
+    # FastVideo's VSA students (FastH3 8-Step V2) carry a gate per attention; diffusers' config does not say so
+    config = dataclasses.replace(DiTConfig.from_dict(raw), vsa_gates=any(
+        name.endswith(SPARSE_ATTENTION_GATE) for name in tensor_names(files)))
     if naming == "diffusers":
-        return DiTSource(files, naming, "stacked", DiTConfig.from_dict(raw), "diffusers folder")
-    return DiTSource(files, naming, "interleaved", DiTConfig.from_dict(raw), "original partition folder")
+        return DiTSource(files, naming, "stacked", config, "diffusers folder")
+    return DiTSource(files, naming, "interleaved", config, "original partition folder")
 
 
 def _fp8_layers(files: tuple[Path, ...], supported: bool) -> dict:
@@ -152,6 +157,12 @@ def _naming(keys: list[str], path: Path) -> str:
     raise CheckpointError(
         f"{path.name} holds no H3 DiT tensors (expected keys 'blocks.N.*' or 'transformer_blocks.N.*')."
     )
+
+
+def vsa_student(source: DiTSource) -> bool:
+    """Whether the DiT carries FastVideo's VSA gates (FastH3 8-Step V2): it runs Video Sparse Attention on its
+    own ladder (lora.VSA_STUDENT_CONTRACT), eagerly on one device."""
+    return (source.config or infer_config(source)).vsa_gates
 
 
 def infer_config(source: DiTSource) -> DiTConfig:
@@ -197,6 +208,7 @@ def infer_config(source: DiTSource) -> DiTConfig:
         **time_embedder,
         # The release ships rope.inv_freq; without it, the release's ratio (16 frequencies per 128 channels).
         rope_freq_dim=int(inv_freq.numel()) if inv_freq is not None else head_dim // 8,
+        vsa_gates="blocks.0.attn.gate_compress.weight" in shapes,
     )
 
 
@@ -205,7 +217,7 @@ def iter_native_tensors(source: DiTSource, head_dim: int):
     return to_native(read_tensors(source.files), source.naming, source.qkv_layout, head_dim)
 
 
-SPARSE_ATTENTION_GATE = ".to_gate_compress.weight"  # FastVideo's VSA gate, one per attention (h3-model.md H)
+SPARSE_ATTENTION_GATE = ".to_gate_compress.weight"  # FastVideo's VSA gate, one per block's attention (h3-model.md H)
 CURVE_TABLE = "adaln_t_table"  # a curve-form ("pruned") file's sampled AdaLN input: our time_embedder.table
 
 
@@ -214,12 +226,6 @@ def to_native(items, naming: str, qkv_layout: str, head_dim: int):
     all three have been read, so at most a few attention weights wait in memory."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor, where in items:
-        if key.endswith(SPARSE_ATTENTION_GATE):
-            raise CheckpointError(
-                f"{where} holds Video Sparse Attention gates ('{key}'): a sparse-attention student such as "
-                "FastVideo's FastH3 8-Step V2, which only runs with a VSA attention kernel that h3_core does not "
-                "have. Use the H3 release (with a Turbo adapter, or the dense-datafree FastH3 4-step LoRA, for "
-                "few steps).")
         name = keymap.strip_prefix(key)
         if name == CURVE_TABLE:
             name = "time_embedder.table"

@@ -32,6 +32,7 @@ DIFFUSERS_INFIXES = (
     (".attn.to_out.0.", ".attn.out_proj."),
     (".ff.net.0.proj.", ".mlp.fc1."),
     (".ff.net.2.", ".mlp.fc2."),
+    (".attn.to_gate_compress.", ".attn.gate_compress."),  # FastVideo's VSA gate (FastH3 8-Step V2)
 )
 QKV_PART = re.compile(r"^(.*\.attn)\.to_([qkv])\.weight$")
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")

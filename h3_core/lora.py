@@ -541,6 +541,13 @@ class SamplerSettings:
         return DualClockSchedule.build(self.steps, self.video_shift, self.audio_shift, self.video_sigmas, self.audio_sigmas)
 
 
+# FastVideo's FastH3 8-Step V2, a full transformer with a VSA gate in every block (h3-model.md D, H.4): its
+# published unshifted ladder with shifts 10 / 3, guidance 1, trained on T2VA with sparsity 0.8
+VSA_STUDENT_CONTRACT = TurboContract("FastVideo FastH3 8-Step V2", "VSA gates", 9, video_shift=10.0, audio_shift=3.0,
+                                     base_sigmas=(0.999, 0.874, 0.749, 0.624, 0.5, 0.375, 0.25, 0.125, 0.0),
+                                     tasks=("t2va",))
+
+
 def sampler_settings(
     contracts: TurboContract | Sequence[TurboContract] | None = None,
     steps: int | None = None,

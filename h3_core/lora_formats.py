@@ -105,8 +105,9 @@ _SUFFIXES = (
     (".lora_B.default.bias", "lora_bias"),
 )
 _REFUSED_ROLES = {
-    "set_weight": "replaces a whole parameter (FastVideo VSA gate `to_gate_compress`), which needs a VSA attention "
-                  "backend h3_core does not have; use the dense (`dense-datafree`) variant of the adapter",
+    "set_weight": "replaces a whole parameter (a FastVideo VSA gate `to_gate_compress`, which the base model does "
+                  "not have: h3_core runs VSA gates only in a VSA-trained transformer such as FastH3 8-Step V2); use "
+                  "the dense (`dense-datafree`) variant of the adapter",
     "dora_scale": "is a DoRA magnitude vector; DoRA adapters are not supported, only plain LoRA",
     "lora_bias": "is a LoRA bias (peft `lora_bias=True`), which is not supported",
 }

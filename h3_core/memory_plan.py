@@ -41,21 +41,23 @@ class MemoryPlan:
         return f"{mode}, {adaln}; expected peak {self.expected_peak_bytes / GIB:.2f} GiB"
 
 
-def block_weight_bytes(config: DiTConfig, dtype_bytes: int, fp8: bool = False) -> int:
-    """Attention + FFN + norms of one block (what streams; its AdaLN projection does not). `fp8`: the four
-    linears held as FP8 (fp8.FP8Linear): 1 byte a weight plus an fp32 scale per output channel."""
+def block_weight_bytes(config: DiTConfig, dtype_bytes: int, fp8: bool = False, refiner: bool = False) -> int:
+    """Attention + FFN + norms of one block (what streams; its AdaLN projection does not), with its VSA gate
+    (`config.vsa_gates`, never FP8) unless it is a `refiner` block. `fp8`: the four linears held as FP8
+    (fp8.FP8Linear): 1 byte a weight plus an fp32 scale per output channel."""
     h, inner, ffn, d = config.hidden_size, config.inner_dim, config.ffn_dim, config.attention_head_dim
     linears = h * 3 * inner + inner * h + h * 2 * ffn + ffn * h
     norms = dtype_bytes * (2 * h + 2 * d)
+    gate = dtype_bytes * h * inner if config.vsa_gates and not refiner else 0
     if fp8:
-        return linears + 4 * (3 * inner + h + 2 * ffn + h) + norms
-    return dtype_bytes * linears + norms
+        return linears + 4 * (3 * inner + h + 2 * ffn + h) + norms + gate
+    return dtype_bytes * linears + norms + gate
 
 
 def shared_weight_bytes(config: DiTConfig, dtype_bytes: int) -> int:
     """Everything that stays on the GPU besides the blocks: refiner, input projections, final layer."""
     h = config.hidden_size
-    refiner = config.num_refiner_layers * block_weight_bytes(config, dtype_bytes) + dtype_bytes * h
+    refiner = config.num_refiner_layers * block_weight_bytes(config, dtype_bytes, refiner=True) + dtype_bytes * h
     projections = 4 * (config.video_patch_dim * h + config.audio_in_channels * h + 2 * h)  # fp32
     condition = dtype_bytes * (config.text_dim * h + h)
     final = dtype_bytes * h + 4 * (h * (config.video_patch_dim + config.audio_in_channels) + config.video_patch_dim + config.audio_in_channels)

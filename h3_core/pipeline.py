@@ -21,7 +21,7 @@ import torch
 
 from . import geometry, media_read
 from .attention import resolve_backend
-from .checkpoint import DiTReader, infer_config, load_dit, locate_dit  # noqa: F401 (load_dit: engine API, above)
+from .checkpoint import DiTReader, infer_config, load_dit, locate_dit, vsa_student  # noqa: F401 (load_dit: engine API, above)
 from .config import TINY_DIT
 from .memory_plan import GIB, MemoryPlan, free_bytes, plan_for, usable_bytes
 from .offload import load_device, place
@@ -31,7 +31,7 @@ from .layout import pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
 from .guides import GuideMedia, add_guide, check_guide, read_guide
-from .lora import apply_loras, load_lora, sampler_settings
+from .lora import VSA_STUDENT_CONTRACT, apply_loras, load_lora, sampler_settings
 from .noise import condition_rows, request_generator, target_noise
 from .media import SAMPLE_RATE, MediaError
 from .output import AVLatents, write_mp4
@@ -39,6 +39,7 @@ from .references import RELEASE_CANVAS, CanvasRules, DecodedAudio
 from .runtime import empty_caches, fixed_allocator_segments, host_memory_warning
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback
 from .sampler import denoise as denoise_loop
+from .sparse_attention import STUDENT_SPARSITY
 from .text import load_text_encoder, locate_text_encoder_files, spread_counts, text_encoder_sizes
 from .text_checkpoint import TEXT_ENCODER_LAYER
 from .tiny import TINY_RANDOM, tiny_model_dtype, tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
@@ -416,13 +417,16 @@ def generate_batch(
     loras = [(load_lora(path), float(strength)) for path, strength in settings.loras]
     for lora, _ in loras:
         lora.terms_for(partition)  # an adapter for the other partition is refused before loading
+    dit_source = None if source.tiny else locate_dit(source.root, partition)
+    student = dit_source is not None and vsa_student(dit_source)
+    if student:
+        _check_vsa_student(settings)
     schedule = sampler_settings(
-        [lora.contract for lora, _ in loras if lora.contract is not None],
+        [lora.contract for lora, _ in loras if lora.contract is not None] + ([VSA_STUDENT_CONTRACT] if student else []),
         settings.steps, settings.video_shift, settings.audio_shift,
     )
     notes(f"sampler: {schedule.steps} points, video shift {schedule.video_shift:g}, audio shift "
           f"{schedule.audio_shift:g} ({schedule.source})" + "".join(f"; {n}" for n in schedule.notes))
-    dit_source = None if source.tiny else locate_dit(source.root, partition)
     if not source.tiny:  # every checkpoint found and recognized before the first one loads
         text_files = locate_text_encoder_files(source.text_encoder, source.tokenizer)
         if source.tokenizer is None and text_files.origin == "single file":  # the release's, from the Hub
@@ -720,10 +724,24 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
         notes(f"attention window: {settings.attention_window} latent frames around each target video row (lossy)"
               + (f", full attention for the first {settings.attention_window_dense_steps} steps"
                  if settings.attention_window_dense_steps else ""))
+    if config.vsa_gates:
+        dit.set_sparse_attention(STUDENT_SPARSITY)
+        notes(f"attention: Video Sparse Attention, sparsity {STUDENT_SPARSITY:g} (the model's VSA gates: FastVideo's "
+              "FastH3 8-Step V2)")
     if settings.compile:  # streaming hooks stay outside the compiled block forward
         dit.compile_blocks()
         notes("blocks compiled (the first step pays the compile)")
     return dit, plan, streamer
+
+
+def _check_vsa_student(settings: GenerateSettings) -> None:
+    """A VSA-trained DiT runs its sparse attention eagerly on one device, with no other thinning of it."""
+    if len(settings.devices) > 1:
+        raise RequestError("This DiT carries Video Sparse Attention gates (FastH3 8-Step V2): it runs on one device; "
+                           "drop --devices.")
+    if settings.compile or settings.attention_window:
+        raise RequestError("This DiT carries Video Sparse Attention gates (FastH3 8-Step V2): its attention is sparse "
+                           "already; drop --compile and --attention-window-lossy.")
 
 
 def largest_layout(conditioning):

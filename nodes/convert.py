@@ -64,6 +64,11 @@ class ModelHandle:
         """True when the DiT runs split over several devices (worker processes hold it, not this process)."""
         return not isinstance(self.dit, torch.nn.Module)
 
+    @property
+    def vsa_student(self) -> bool:
+        """A DiT with VSA gates (FastH3 8-Step V2): it samples on its own ladder (lora.VSA_STUDENT_CONTRACT)."""
+        return not self.split and self.dit.config.vsa_gates
+
 
 @dataclass(frozen=True)
 class TextEncoderHandle:

@@ -9,13 +9,14 @@ import torch
 from comfy_api.latest import io
 
 from h3_core.attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
-from h3_core.checkpoint import DiTReader
+from h3_core.checkpoint import DiTReader, locate_dit, vsa_student
 from h3_core.fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
 from h3_core.local_attention import check_setting as check_window_setting
 from h3_core.parallel import ModelSpec
 from h3_core.placement import freed_on_failure
 from h3_core.pipeline import TEXT_WORKING_BYTES, TINY_CANVAS
 from h3_core.references import RELEASE_CANVAS
+from h3_core.sparse_attention import STUDENT_SPARSITY
 from h3_core.weights import file_bytes
 from h3_core.text import load_text_encoder, locate_text_encoder_files, text_encoder_bytes
 from h3_core.tiny import (
@@ -139,6 +140,10 @@ class H3ModelLoader(io.ComfyNode):
         label = f"H3 DiT ({partition}, {TINY_RANDOM if tiny else Path(path).name})"
         if tiny:
             dtype = tiny_model_dtype(target, dtype)
+        student = not tiny and vsa_student(locate_dit(path, partition))
+        if student and (split or compile or window):
+            raise ValueError("This DiT carries Video Sparse Attention gates (FastH3 8-Step V2): it runs its own sparse "
+                             "attention on one device; clear devices, compile and attention_window_lossy.")
         if split:
             spec = ModelSpec(TINY_RANDOM if tiny else str(path), partition, dtype, attention, linears=linears,
                              compile=bool(compile), attention_window=window, attention_window_dense_steps=dense_steps)
@@ -153,6 +158,8 @@ class H3ModelLoader(io.ComfyNode):
             reader = DiTReader(path, partition, dtype, linears=linears, device=target)
             dit = reader.model
         dit.set_attention(chosen, window, dense_steps)  # chosen for the compute device
+        if student:
+            dit.set_sparse_attention(STUDENT_SPARSITY)
         if compile:
             dit.compile_blocks()  # traced at the first run; streaming hooks run around the compiled forward
         patcher = manage_dit(label, dit, target, tiny, budget, reader)

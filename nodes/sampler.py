@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import folder_paths
 from comfy_api.latest import io
-from h3_core.lora import load_lora, sampler_settings
+from h3_core.lora import VSA_STUDENT_CONTRACT, load_lora, sampler_settings
 from h3_core.pipeline import TASK_PARTITION, sample
 from h3_core.placement import freed_on_failure
 from h3_core.sampler import DualClockSchedule, custom_ladder
@@ -99,7 +99,8 @@ class H3Sampler(io.ComfyNode):
                              "clip through H3 VAE Encode, or a sampled one); an empty latent has none.")
 
         dit = model.dit
-        contracts = [lora.contract for lora, _ in model.loras if lora.contract is not None]
+        contracts = [lora.contract for lora, _ in model.loras if lora.contract is not None] + (
+            [VSA_STUDENT_CONTRACT] if model.vsa_student else [])
         settings = sampler_settings(contracts, steps or None, video_shift or None, audio_shift or None,
                                     video_sigmas, audio_sigmas)
         # a bad combination (denoise with explicit ladders, a bad shift) fails here, before any model moves

@@ -180,3 +180,39 @@ def test_info_names_every_model_a_path_holds(model_sets, capsys):
     assert list(info(model_sets["video_vae"])) == ["video_vae"]
     audio = info(model_sets["audio_vae"])
     assert list(audio) == ["audio_vae"] and audio["audio_vae"]["tensors"] > 0
+
+
+def test_a_vsa_student_runs_on_its_ladder_with_sparse_attention(model_sets, tmp_path, monkeypatch, capsys):
+    """A DiT with VSA gates (FastH3 8-Step V2's layout: a diffusers transformer folder plus `to_gate_compress`
+    per block): its contract's 8 forwards, every block's attention through Video Sparse Attention at sparsity
+    0.8 with its gate; what it cannot run with (--compile, several devices) refused before anything loads."""
+    from reference_checkpoints import write_diffusers_folder
+    from safetensors.torch import save_file
+
+    from h3_core import dit as dit_module
+
+    monkeypatch.setattr(text_checkpoint, "QWEN3VL_32B_CONFIG", model_sets["text_config"])
+    folder = write_diffusers_folder(tmp_path / "fasth3_v2" / "transformer", reference_dit(TINY_DIT, seed=4),
+                                    max_shard_size="10GB")
+    (shard,) = folder.glob("*.safetensors")
+    tensors = load_file(str(shard))
+    g = torch.Generator().manual_seed(6)
+    for i in range(TINY_DIT.num_layers):
+        tensors[f"transformer_blocks.{i}.attn.to_gate_compress.weight"] = 0.1 * torch.randn(
+            TINY_DIT.inner_dim, TINY_DIT.hidden_size, generator=g)
+    save_file(tensors, str(shard))
+    calls = []
+    real = dit_module.vsa_attention
+    monkeypatch.setattr(dit_module, "vsa_attention", lambda *a: calls.append(a) or real(*a))
+    request = [arg for arg in REQUEST if arg not in ("--steps", "3")]
+    argv = ["generate", "--model", str(folder), *_file_options(model_sets), *request, "--out", str(tmp_path / "v2.mp4")]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "sampler: 9 points, video shift 10, audio shift 3" in err and "FastVideo FastH3 8-Step V2" in err
+    assert "Video Sparse Attention, sparsity 0.8" in err
+    assert len(calls) == 8 * TINY_DIT.num_layers and {call[4] for call in calls} == {0.8}
+    assert all(call[5] is not None for call in calls)  # the gates
+    for refused in (["--compile"], ["--devices", "cpu,cpu"]):
+        monkeypatch.setattr(pipeline, "load_text_encoder", lambda *a, **k: pytest.fail("loaded before the refusal"))
+        assert main(argv + refused) != 0
+        assert "Video Sparse Attention gates" in capsys.readouterr().err

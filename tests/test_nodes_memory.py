@@ -684,3 +684,27 @@ def test_a_streamed_text_encoder_read_into_too_little_cpu_memory_is_warned_about
     with caplog.at_level("WARNING", logger="h3"):  # a budget too small for it: its layers will stream
         comfy.loaders.H3TextEncoderLoader.execute("tiny-random", str(release), "", "bf16", gpu_memory_gb=0.001)
     assert any(r.message.startswith("H3: The text encoder needs about") for r in caplog.records), caplog.text
+
+
+def test_a_vsa_student_samples_on_its_ladder_with_sparse_attention(comfy, monkeypatch):
+    """A DiT file carrying VSA gates (FastH3 8-Step V2): the loader turns its Video Sparse Attention on and
+    refuses what it cannot run with (compile, several devices, the attention window); the sampler's automatic
+    steps are its contract's 8 forwards, every block through VSA with its gate."""
+    from h3_core import dit as dit_module
+
+    c = comfy
+    name = "h3_tiny_vsa_student.safetensors"
+    student = seeded_random_weights(H3DiT(dataclasses.replace(CONFIG, vsa_gates=True)), TINY_SEED)
+    save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in student.state_dict().items()},
+              str(c.tmp / "diffusion_models" / name))
+    for refused in ({"compile": True}, {"devices": "cpu,cpu"}, {"attention_window_lossy": 2}):
+        with pytest.raises(ValueError, match="Video Sparse Attention gates"):
+            _load(c, name, **refused)
+    model = _load(c, name)
+    assert model.vsa_student and model.dit.sparse_attention == 0.8 and not _load(c).vsa_student
+    calls = []
+    real = dit_module.vsa_attention
+    monkeypatch.setattr(dit_module, "vsa_attention", lambda *a: calls.append(a) or real(*a))
+    c.sampler.H3Sampler.execute(model, _cond(c), 5, 0, 0.0, 0.0)
+    assert len(calls) == 8 * CONFIG.num_layers and {call[4] for call in calls} == {0.8}
+    assert all(call[5] is not None for call in calls)

@@ -181,3 +181,15 @@ def test_sparse_attention_setting_is_checked():
     model.set_sparse_attention(0.5).set_attention_window(2)
     with pytest.raises(ValueError, match="set one of them"):
         _denoise(model)
+
+
+def test_the_vsa_students_ladder_is_the_published_one():
+    """FastH3 8-Step V2's unshifted ladder under shifts 10 / 3: the values h3-model.md D computes."""
+    from h3_core.lora import VSA_STUDENT_CONTRACT
+
+    video, audio = VSA_STUDENT_CONTRACT.sigmas()
+    assert VSA_STUDENT_CONTRACT.forwards == 8 and VSA_STUDENT_CONTRACT.tasks == ("t2va",)
+    want_video = (0.9999, 0.98579, 0.96758, 0.94317, 0.90909, 0.85714, 0.76923, 0.58824, 0.0)
+    want_audio = (0.99967, 0.95415, 0.89952, 0.83274, 0.75, 0.64286, 0.5, 0.3, 0.0)
+    assert torch.allclose(torch.tensor(video, dtype=torch.float64), torch.tensor(want_video, dtype=torch.float64), atol=1e-5)
+    assert torch.allclose(torch.tensor(audio, dtype=torch.float64), torch.tensor(want_audio, dtype=torch.float64), atol=1e-5)
