@@ -118,7 +118,8 @@ def bench(name, model, config, cases, text_rows, width, height, repeats, image_r
             audio_indices=layout.audio_indices, text_indices=layout.text_indices,
         )
         if name == "ours":
-            call = lambda: model(**inputs, **structure)  # noqa: E731
+            sparse = {"sparse_tiles": layout.vsa_tiles()} if model.sparse_attention is not None else {}
+            call = lambda: model(**inputs, **structure, **sparse)  # noqa: E731
         else:
             call = lambda: model(  # noqa: E731
                 hidden_states=inputs["video_rows"], audio_hidden_states=inputs["audio_rows"],
@@ -151,15 +152,20 @@ def main():
                         help="how the image references are sized; several: one run each")
     parser.add_argument("--curve-grid", type=int, default=0,
                         help="the curve form (pruned files) with this many table rows, 8 columns (0: the full model)")
+    parser.add_argument("--vsa", type=float, default=None, metavar="SPARSITY",
+                        help="FastH3 8-Step V2's model: a VSA gate in every block, Video Sparse Attention at SPARSITY")
     args = parser.parse_args()
     curve = {"adaln_curve_grid": args.curve_grid, "time_embed_dim": 8} if args.curve_grid else {}
-    config = DiTConfig(num_layers=args.layers, **curve)
+    config = DiTConfig(num_layers=args.layers, vsa_gates=args.vsa is not None, **curve)
     width, height = geometry.canvas_size(args.aspect_ratio)
     started = time.time()
     model = build_ours(config)
     print(json.dumps({"built": "ours", "seconds": round(time.time() - started, 1),
                       "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 2)}), flush=True)
     backend = model.set_attention_backend(args.attention)
+    if args.vsa is not None:
+        model.set_sparse_attention(args.vsa)
+        backend = f"vsa {args.vsa:g} (flex)"
     if args.compile:
         model.compile_blocks()
     for mode in args.reference_images:
