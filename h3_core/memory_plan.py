@@ -82,7 +82,11 @@ def activation_bytes(config: DiTConfig, rows: int, dtype_bytes: int, fp8: bool =
     FP8 linear holds besides (uncompiled): fc2's input quantized (an fp32 copy and the e4m3 result,
     5 bytes a value) or, weight-only, fc1's weight rebuilt (an fp32 product, then the compute dtype)."""
     h, rope_width = config.hidden_size, 6 * config.rope_freq_dim
-    per_row = dtype_bytes * (3 * h + max(9 * config.inner_dim + 2 * rope_width, 4 * config.ffn_dim))
+    # Video Sparse Attention (a VSA-trained model) also holds q, k, v, the gate and the output in padded tile
+    # buffers, and the gate itself: measured 5.2 values a row more at the real size on an H200 (2.65 GiB, 38,222
+    # rows), planned as 6
+    sparse = 6 * config.inner_dim if config.vsa_gates else 0
+    per_row = dtype_bytes * (3 * h + max(9 * config.inner_dim + 2 * rope_width + sparse, 4 * config.ffn_dim))
     rope = 2 * 4 * rope_width + 8  # cos and sin (fp32), and the int64 AdaLN row index
     if not fp8:
         return rows * (per_row + rope)
