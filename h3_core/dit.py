@@ -382,8 +382,9 @@ class H3DiT(nn.Module):
 
     def set_sparse_attention(self, sparsity: float | None) -> "H3DiT":
         """Video Sparse Attention (sparse_attention.py) with `sparsity` (the share of video key tiles each video
-        query tile leaves out; what VSA-trained checkpoints were trained with, 0.8 for FastH3 8-Step V2), run
-        eagerly on one device; None restores full attention. Forwards use it when given their rows' tiling."""
+        query tile leaves out; what VSA-trained checkpoints were trained with, 0.8 for FastH3 8-Step V2), on one
+        device (compiled blocks included); None restores full attention. Forwards use it when given their rows'
+        tiling."""
         if sparsity is not None and not 0.0 <= sparsity < 1.0:
             raise ValueError(f"VSA sparsity is the share of video key tiles left out, 0 <= sparsity < 1; got {sparsity}.")
         self.sparse_attention = sparsity

@@ -735,13 +735,13 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
 
 
 def _check_vsa_student(settings: GenerateSettings) -> None:
-    """A VSA-trained DiT runs its sparse attention eagerly on one device, with no other thinning of it."""
+    """A VSA-trained DiT runs its sparse attention on one device, with no other thinning of it."""
     if len(settings.devices) > 1:
         raise RequestError("This DiT carries Video Sparse Attention gates (FastH3 8-Step V2): it runs on one device; "
                            "drop --devices.")
-    if settings.compile or settings.attention_window:
+    if settings.attention_window:
         raise RequestError("This DiT carries Video Sparse Attention gates (FastH3 8-Step V2): its attention is sparse "
-                           "already; drop --compile and --attention-window-lossy.")
+                           "already; drop --attention-window-lossy.")
 
 
 def largest_layout(conditioning):

@@ -688,7 +688,7 @@ def test_a_streamed_text_encoder_read_into_too_little_cpu_memory_is_warned_about
 
 def test_a_vsa_student_samples_on_its_ladder_with_sparse_attention(comfy, monkeypatch):
     """A DiT file carrying VSA gates (FastH3 8-Step V2): the loader turns its Video Sparse Attention on and
-    refuses what it cannot run with (compile, several devices, the attention window); the sampler's automatic
+    refuses what it cannot run with (several devices, the attention window); the sampler's automatic
     steps are its contract's 8 forwards, every block through VSA with its gate."""
     from h3_core import dit as dit_module
 
@@ -697,7 +697,7 @@ def test_a_vsa_student_samples_on_its_ladder_with_sparse_attention(comfy, monkey
     student = seeded_random_weights(H3DiT(dataclasses.replace(CONFIG, vsa_gates=True)), TINY_SEED)
     save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in student.state_dict().items()},
               str(c.tmp / "diffusion_models" / name))
-    for refused in ({"compile": True}, {"devices": "cpu,cpu"}, {"attention_window_lossy": 2}):
+    for refused in ({"devices": "cpu,cpu"}, {"attention_window_lossy": 2}):
         with pytest.raises(ValueError, match="Video Sparse Attention gates"):
             _load(c, name, **refused)
     model = _load(c, name)

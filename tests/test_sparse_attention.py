@@ -104,8 +104,9 @@ def _denoise(model, layout=None):
     from h3_core.sampler import DualClockSchedule, denoise
 
     layout = layout or build_request_layout(128, 64, 124, torch.tensor([1, 1, 0, 0, 1, 1, 1]))
-    video, audio = target_noise(layout, request_generator(5))
-    text = torch.randn(1, 7, 48, generator=torch.Generator().manual_seed(5))
+    device = model.condition_proj.weight.device
+    video, audio = (x.to(device) for x in target_noise(layout, request_generator(5)))
+    text = torch.randn(1, 7, 48, generator=torch.Generator().manual_seed(5)).to(device)
     with torch.inference_mode():
         return denoise(model, layout, text, video, audio, DualClockSchedule.build(3))
 
@@ -193,3 +194,21 @@ def test_the_vsa_students_ladder_is_the_published_one():
     want_audio = (0.99967, 0.95415, 0.89952, 0.83274, 0.75, 0.64286, 0.5, 0.3, 0.0)
     assert torch.allclose(torch.tensor(video, dtype=torch.float64), torch.tensor(want_video, dtype=torch.float64), atol=1e-5)
     assert torch.allclose(torch.tensor(audio, dtype=torch.float64), torch.tensor(want_audio, dtype=torch.float64), atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_blocks_run_sparse_attention_as_eager_ones_do():
+    """Compiled blocks trace Video Sparse Attention (FlexAttention inside the block's graph): the eager run's
+    latents, up to the compiled kernels' rounding."""
+    from dataclasses import replace
+
+    from h3_core.config import TINY_DIT
+    from h3_core.dit import H3DiT
+    from h3_core.tiny import TINY_SEED, seeded_random_weights
+
+    model = seeded_random_weights(H3DiT(replace(TINY_DIT, vsa_gates=True)), TINY_SEED).cuda().eval()
+    model.requires_grad_(False).set_sparse_attention(0.5)
+    eager = [x.cpu() for x in _denoise(model)]
+    compiled = [x.cpu() for x in _denoise(model.compile_blocks())]
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
