@@ -128,11 +128,12 @@ def _single_file(path: Path) -> DiTSource:
 def _folder(folder: Path) -> DiTSource:
     raw = read_json(folder / "config.json")
     files = shard_files(folder, INDEX_NAMES)
-    naming = _naming(tensor_names(files), folder)
+    names = tensor_names(files)
+    naming = _naming(names, folder)
     _fp8_layers(files, supported=False)
     # FastVideo's VSA students (FastH3 8-Step V2) carry a gate per attention; diffusers' config does not say so
-    config = dataclasses.replace(DiTConfig.from_dict(raw), vsa_gates=any(
-        name.endswith(SPARSE_ATTENTION_GATE) for name in tensor_names(files)))
+    config = dataclasses.replace(DiTConfig.from_dict(raw), vsa_gates=any(name.endswith(SPARSE_ATTENTION_GATE)
+                                                                        for name in names))
     if naming == "diffusers":
         return DiTSource(files, naming, "stacked", config, "diffusers folder")
     return DiTSource(files, naming, "interleaved", config, "original partition folder")

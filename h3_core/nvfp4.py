@@ -14,6 +14,7 @@ A layer's tensors, as ComfyUI and its comfy_kitchen kernels lay them out:
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -78,19 +79,12 @@ class NVFP4Entry:
         rows, columns = round_up(out_features, BLOCK), round_up(in_features, BLOCK)
         expected = {"weight": (rows, columns // 2),
                     "weight_scale": round_up(rows, 128) * round_up(columns // BLOCK, 4), "weight_scale_2": 1}
-        got = {"weight": self.weight, "weight_scale": _numel(self.weight_scale),
-               "weight_scale_2": _numel(self.weight_scale_2)}
+        got = {"weight": self.weight, "weight_scale": math.prod(self.weight_scale),
+               "weight_scale_2": math.prod(self.weight_scale_2)}
         wrong = [f"{leaf} {got[leaf]} (expected {want})" for leaf, want in expected.items() if got[leaf] != want]
         if wrong:
             raise CheckpointError(f"NVFP4 layer '{layer}' ({out_features}x{in_features}) has the wrong sizes: "
                                   f"{'; '.join(wrong)}.")
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def checkpoint_nvfp4_layers(files: Iterable[Path], rename: Callable[[str], str | None]) -> dict[str, NVFP4Entry]:
