@@ -35,7 +35,7 @@ from . import qk_norm_rope
 from .attention import attention, query_rows, resolve_backend
 from .local_attention import VideoWindow, check_backend as check_window_backend, check_setting as check_window_setting
 from .rope import apply_rope
-from .sparse_attention import SparsePlan, VSATiles, vsa_attention
+from .sparse_attention import SparsePlan, VSATiles, check_sparsity, vsa_attention
 from .config import DiTConfig
 from .fp8 import compute_dtype
 from .layout import RowClock
@@ -385,9 +385,7 @@ class H3DiT(nn.Module):
         query tile leaves out; what VSA-trained checkpoints were trained with, 0.8 for FastH3 8-Step V2), on one
         device (compiled blocks included); None restores full attention. Forwards use it when given their rows'
         tiling."""
-        if sparsity is not None and not 0.0 <= sparsity < 1.0:
-            raise ValueError(f"VSA sparsity is the share of video key tiles left out, 0 <= sparsity < 1; got {sparsity}.")
-        self.sparse_attention = sparsity
+        self.sparse_attention = None if sparsity is None else check_sparsity(sparsity)
         return self
 
     def set_attention(self, backend: str = "auto", window: int = 0, dense_steps: int = 0) -> str:

@@ -84,6 +84,12 @@ def vsa_tiles(prefix_segments: Sequence[int], video_grid: tuple[int, int, int],
     return VSATiles(slots.to(device), counts.to(device), prefix_tiles, len(sizes) - prefix_tiles)
 
 
+def check_sparsity(sparsity: float) -> float:
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"VSA sparsity is the share of video key tiles left out, 0 <= sparsity < 1; got {sparsity}.")
+    return sparsity
+
+
 def topk_tiles(sparsity: float, video_tiles: int) -> int:
     return max(1, min(math.ceil((1 - sparsity) * video_tiles), video_tiles))
 
@@ -121,8 +127,7 @@ def vsa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, t
     `kernel`: "dense" (masked reference), "flex" (FlexAttention, CUDA) or "auto" (flex on CUDA)."""
     if query.shape[1] != tiles.slots.numel():
         raise ValueError(f"VSA tiles were made for {tiles.slots.numel()} rows, got {query.shape[1]}.")
-    if not 0.0 <= sparsity < 1.0:
-        raise ValueError(f"VSA sparsity is the share of video key tiles left out, 0 <= sparsity < 1; got {sparsity}.")
+    check_sparsity(sparsity)
     if kernel not in ("auto", "dense", "flex"):
         raise ValueError(f"Unknown VSA kernel {kernel!r}; choose auto, dense or flex.")
     q, k, v = (to_tiles(x, tiles) for x in (query, key, value))
