@@ -30,8 +30,10 @@ TILE_BOX = (4, 4, 4)  # (t, h, w) patches of a video tile
 TILE_ROWS = math.prod(TILE_BOX)
 STUDENT_SPARSITY = 0.8  # what FastH3 8-Step V2 was trained with (h3-model.md H.4)
 # FlexAttention's tiles are ours (64 x 64); 4 warps, 3 stages: 34 ms for one call at the real size and
-# sparsity 0.8 on an H200 against 54 ms with its defaults for 64-row blocks (bench/RESULTS.md)
-FLEX_OPTIONS = {"BLOCK_M": TILE_ROWS, "BLOCK_N": TILE_ROWS, "num_warps": 4, "num_stages": 3}
+# sparsity 0.8 on an H200 against 54 ms with its defaults for 64-row blocks; 30 ms with full key tiles left
+# unmasked and no check for query rows without keys (every row attends the prefix) (bench/RESULTS.md)
+FLEX_OPTIONS = {"BLOCK_M": TILE_ROWS, "BLOCK_N": TILE_ROWS, "num_warps": 4, "num_stages": 3,
+                "ROWS_GUARANTEED_SAFE": True}
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity: a kernel's compiled mask is kept per tiling
@@ -156,15 +158,22 @@ def _dense_tiles(q, k, v, chosen: torch.Tensor, tiles: VSATiles) -> torch.Tensor
 
 
 def _flex_tiles(q, k, v, chosen: torch.Tensor, tiles: VSATiles) -> torch.Tensor:
-    """FlexAttention with a block mask at 64-row blocks (one block a tile); pad key slots masked per row."""
+    """FlexAttention with a block mask at 64-row blocks (one block a tile): key tiles with pad slots are masked
+    per row, full ones are "full blocks", which the kernel takes without evaluating a mask."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    counts = chosen.sum(dim=-1, dtype=torch.int32)
-    order = chosen.to(torch.int8).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
-    mask = BlockMask.from_kv_blocks(counts, order, BLOCK_SIZE=TILE_ROWS, mask_mod=_pad_mask(tiles))
+    full = tiles.sizes == TILE_ROWS
+    mask = BlockMask.from_kv_blocks(*_block_lists(chosen & ~full), *_block_lists(chosen & full),
+                                    BLOCK_SIZE=TILE_ROWS, mask_mod=_pad_mask(tiles))
     out = _compiled_flex()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
                            kernel_options=FLEX_OPTIONS)
     return out.transpose(1, 2)
+
+
+def _block_lists(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selected key tiles [B, H, tiles, tiles] (bool) -> FlexAttention's per-query-tile count and key tile list."""
+    counts = chosen.sum(dim=-1, dtype=torch.int32)
+    return counts, chosen.to(torch.int8).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
 
 
 @functools.lru_cache(maxsize=8)

@@ -82,12 +82,17 @@ def test_bad_settings_are_refused():
         vsa_attention(query, query, query, tiles, 0.5, kernel="triton")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_flex_kernel_equals_the_dense_reference_on_cuda(dtype):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.float32), pytest.param("cuda", torch.float32, marks=CUDA),
+                                           pytest.param("cuda", torch.bfloat16, marks=CUDA)])
+def test_flex_kernel_equals_the_dense_reference(device, dtype):
+    """Full and partly padded key tiles (FlexAttention's full and masked blocks) in one selection."""
     prefix, grid = (130, 64, 17), (9, 8, 12)
-    tiles = vsa_tiles(prefix, grid, "cuda")
-    query, key, value, gate = (x.to("cuda", dtype) for x in _inputs(tiles.slots.numel(), heads=4, dim=64))
+    tiles = vsa_tiles(prefix, grid, device)
+    assert 0 < int((tiles.sizes == 64).sum()) < tiles.tiles
+    query, key, value, gate = (x.to(device, dtype) for x in _inputs(tiles.slots.numel(), heads=4, dim=64))
     want = vsa_attention(query, key, value, tiles, 0.8, gate, kernel="dense")
     got = vsa_attention(query, key, value, tiles, 0.8, gate, kernel="flex")
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
