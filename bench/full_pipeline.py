@@ -201,8 +201,8 @@ def main():
 
     rows.append(stage("release text encoder, park VAEs", device, release)[1])
     config = TINY_DIT if args.tiny else DiTConfig()
-    fp8 = args.linears.startswith("fp8")
-    plan = plan_for(config, conditioning.layout, args.steps, device, args.gpu_memory, fp8=fp8) if capped else None
+    held = "fp8" if args.linears.startswith("fp8") else "dense"
+    plan = plan_for(config, conditioning.layout, args.steps, device, args.gpu_memory, held=held) if capped else None
     if plan is not None:
         print(json.dumps({"memory_plan": plan.describe(config.num_layers), "fits": plan.fits,
                           "planned_peak_gib": round(plan.expected_peak_bytes / GIB, 2)}), flush=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import fp8, keymap
+from . import fp8, keymap, nvfp4
 from .config import DiTConfig
 from .dit import H3DiT, fp32_modules, rope_inverse_frequencies
 from .weights import (
@@ -47,6 +47,20 @@ class DiTSource:
     config: DiTConfig | None  # None: infer from tensor shapes (single files carry no config)
     origin: str  # a short description for messages: "original partition", "diffusers folder", ...
     fp8_layers: dict = field(default_factory=dict, compare=False)  # layer -> fp8.FP8Entry (fp8_scaled files)
+    nvfp4_layers: dict = field(default_factory=dict, compare=False)  # layer -> nvfp4.NVFP4Entry (nvfp4 files)
+
+
+def held_linears(source: DiTSource | None, mode: str) -> str:
+    """How a load of `source` (None: a model made here, dense) in linears `mode` (fp8.LINEAR_MODES) holds the
+    block linears (memory_plan.HELD_FORMATS): as the file stores them unless dequantized ("dense") or
+    requantized to FP8 ("fp8-lossy"); a dense file's as the mode makes them."""
+    if mode == "fp8-lossy":
+        return "fp8"
+    if source is not None and mode != "dense" and source.nvfp4_layers:
+        return "nvfp4"
+    if source is not None and mode != "dense" and source.fp8_layers:
+        return "fp8"
+    return "fp8" if mode == "fp8-weights-lossy" else "dense"
 
 
 def locate_dit(path: str | Path, partition: str = "fl2va") -> DiTSource:
@@ -121,8 +135,16 @@ def _has_safetensors(folder: Path) -> bool:
 def _single_file(path: Path) -> DiTSource:
     check_safetensors_file(path, "H3 DiT single")
     naming = _naming(tensor_names([path]), path)
-    layers = _fp8_layers((path,), naming == "native")
-    return DiTSource((path,), naming, "stacked", None, "single file (FP8)" if layers else "single file", layers)
+    nvfp4_layers = _nvfp4_layers((path,), naming == "native")
+
+    def outside_nvfp4(key: str) -> str | None:
+        name = keymap.strip_prefix(key)
+        return None if name in nvfp4_layers or name.rpartition(".")[0] in nvfp4_layers else name
+
+    layers = _fp8_layers((path,), naming == "native", outside_nvfp4)
+    held = "NVFP4" if nvfp4_layers else "FP8" if layers else None
+    return DiTSource((path,), naming, "stacked", None, f"single file ({held})" if held else "single file", layers,
+                     nvfp4_layers)
 
 
 def _folder(folder: Path) -> DiTSource:
@@ -130,6 +152,7 @@ def _folder(folder: Path) -> DiTSource:
     files = shard_files(folder, INDEX_NAMES)
     names = tensor_names(files)
     naming = _naming(names, folder)
+    _nvfp4_layers(files, supported=False)
     _fp8_layers(files, supported=False)
     # FastVideo's VSA students (FastH3 8-Step V2) carry a gate per attention; diffusers' config does not say so
     config = dataclasses.replace(DiTConfig.from_dict(raw), vsa_gates=any(name.endswith(SPARSE_ATTENTION_GATE)
@@ -139,13 +162,23 @@ def _folder(folder: Path) -> DiTSource:
     return DiTSource(files, naming, "interleaved", config, "original partition folder")
 
 
-def _fp8_layers(files: tuple[Path, ...], supported: bool) -> dict:
-    """The FP8 layers of a ComfyUI fp8_scaled single file (native names, qkv stacked); FP8 anywhere
-    else, and any other quantization, is refused."""
-    layers = fp8.checkpoint_fp8_layers(files)
+def _fp8_layers(files: tuple[Path, ...], supported: bool, rename=keymap.strip_prefix) -> dict:
+    """The FP8 (and int8) layers of a ComfyUI fp8_scaled / int8 single file (native names, qkv stacked); FP8
+    anywhere else, and any quantization other than these and NVFP4 (`rename` leaves NVFP4 layers out), is
+    refused."""
+    layers = fp8.checkpoint_fp8_layers(files, rename)
     if layers and not supported:
         raise CheckpointError(f"{files[0]} holds FP8 weights; FP8 is read from ComfyUI-style single files "
                               "(release names, fp8_scaled) only.")
+    return layers
+
+
+def _nvfp4_layers(files: tuple[Path, ...], supported: bool) -> dict:
+    """The NVFP4 layers of a ComfyUI nvfp4 single file (native names, qkv stacked); refused anywhere else."""
+    layers = nvfp4.checkpoint_nvfp4_layers(files, keymap.strip_prefix)
+    if layers and not supported:
+        raise CheckpointError(f"{files[0]} holds NVFP4 weights; NVFP4 is read from ComfyUI-style single files "
+                              "(release names) only.")
     return layers
 
 
@@ -177,6 +210,8 @@ def infer_config(source: DiTSource) -> DiTConfig:
                 if source.naming == "diffusers":
                     name = keymap.diffusers_to_native_name(name)[0]
                 shapes[name] = tuple(handle.get_slice(key).get_shape())
+                if name.removesuffix(".weight") in source.nvfp4_layers and len(shapes[name]) == 2:
+                    shapes[name] = (shapes[name][0], 2 * shapes[name][1])  # two 4-bit weights a byte
                 if name == "rope.inv_freq":
                     inv_freq = handle.get_tensor(key)
 
@@ -293,6 +328,7 @@ class DiTReader:
         config = config or self.source.config or infer_config(self.source)
         with torch.device("meta"):
             self.model = H3DiT(config)
+        self._nvfp4 = _plan_nvfp4(self.model, self.source.nvfp4_layers, linears, dtype)
         self._fp8 = fp8.FP8Load.plan(self.model, self.source.fp8_layers, linears, dtype, fp32_modules(config), device)
         self._fill(read_headers(self.source.files), "meta")
 
@@ -351,10 +387,24 @@ class DiTReader:
                 return None
             if name.startswith(in_fp32) and (dtype is not None or model.config.curve_form):
                 return torch.float32  # the curve form's AdaLN is fp32 even when the file stores bf16 / fp16
-            return dtype
+            return self._nvfp4.dtype_for(name, dtype)
 
         origin = f"{source.files[0].parent if len(source.files) > 1 else source.files[0]} ({source.origin})"
-        assign_strictly(model, self._fp8.stream(without_inv_freq(), device), origin, release_policy, device, on_tensor)
+        tensors = self._fp8.stream(self._nvfp4.stream(without_inv_freq(), device), device)
+        assign_strictly(model, tensors, origin, release_policy, device, on_tensor)
+
+
+def _plan_nvfp4(model: H3DiT, layers: dict, linears: str, dtype: torch.dtype | None) -> nvfp4.NVFP4Load:
+    """NVFP4 linears stay NVFP4 where the DiT may hold stored linears (fp8.storable_linears), except under
+    "dense" and, for the block linears, under "fp8-lossy" (dequantized here, then requantized to e4m3 for FP8
+    matmuls); everything else NVFP4 is dequantized at load (fp32 modules in fp32)."""
+    compute = dtype or torch.bfloat16
+    in_fp32 = fp32_modules(model.config)
+    storable = fp8.storable_linears(model, in_fp32)
+    requantized = set(fp8.block_linear_names(model)) if linears == "fp8-lossy" else set()
+    return nvfp4.NVFP4Load.plan(
+        model, layers, keep=lambda layer: linears != "dense" and layer in storable and layer not in requantized,
+        compute=compute, dense_dtype=lambda layer: torch.float32 if layer.startswith(in_fp32) else compute)
 
 
 def _check_inv_freq(tensor: torch.Tensor, model: H3DiT, file: Path) -> None:

@@ -177,7 +177,8 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
                      help="many requests with each model loaded once: a job a line, written as this command's request "
                           "options (--prompt, --task, --ref, --duration, --seed, --out, ...; # comments); a line's "
                           "options override the command line's; the models, --steps and how the DiT runs are the "
-                          "command line's, one DiT partition a batch")
+                          "command line's, one DiT partition a batch; a job that fails while the batch runs is "
+                          "skipped (the others still run; the command then exits 1)")
     gen.add_argument("--shard-weights", action="store_true",
                      help="with --devices: each device keeps 1/N of every block's weights and gathers a block just "
                           "before it runs (FSDP-style), so N smaller cards hold the model together")
@@ -399,9 +400,15 @@ def run_generate(args) -> int:
     if device.type == "cuda":
         torch.cuda.init()  # the memory statistics need CUDA's state, and nothing has touched the GPU yet
         torch.cuda.reset_peak_memory_stats(device)
+    failed = []  # --batch jobs that failed while the batch ran: said and skipped, the others still run
+
+    def job_failed(name: str, job: Job, error: Exception) -> None:
+        failed.append(f"{name} ({job.out or job.save_latents}): {type(error).__name__}: {error}")
+
     try:
         results = generate_batch(jobs, args.model, settings, progress,
-                                 notes=lambda line: print(f"h3: {line}", file=sys.stderr), files=model_files(args))
+                                 notes=lambda line: print(f"h3: {line}", file=sys.stderr), files=model_files(args),
+                                 on_failure=job_failed if args.batch is not None else None)
     finally:
         progress.close()
     for result in results:
@@ -409,6 +416,11 @@ def run_generate(args) -> int:
         stages = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in result.seconds.items())
         print(f"{written}: {result.task}, seed {result.seed}, {result.latents.num_frames} frames; {stages}; "
               f"{_peak(device)}")
+    if failed:
+        print(f"h3: {len(jobs) - len(failed)} of {len(jobs)} jobs done, {len(failed)} failed:", file=sys.stderr)
+        for line in failed:
+            print(f"h3:   {line}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -146,7 +146,10 @@ def scaled_mm_supported(device_type: str, index: int | None = None) -> bool:
 
 
 class StoredLinear(nn.Module):
-    """A linear that holds its weight as a file stores it (FP8, int8, NVFP4) and rebuilds it as it is used."""
+    """A linear that holds its weight as a file stores it (FP8, int8, NVFP4) and rebuilds it as it is used.
+    `held` names the format for memory plans (memory_plan.HELD_FORMATS)."""
+
+    held = "dense"
 
     def _apply(self, fn, recurse=True):
         """Device moves only: `model.to(dtype)` / `set_dtype` must not upcast the stored weight or round its
@@ -165,6 +168,8 @@ class FP8Linear(StoredLinear):
     fp8_scaled files' (`.weight`, `.weight_scale`), so state dicts load and stream as they are.
     A ComfyUI int8 file's linears are held the same way (`weight_dtype` int8, weight-only), their ConvRot
     rotation (`rotation`: its group size) turned back each time the weight is rebuilt."""
+
+    held = "fp8"  # a byte a weight, e4m3 or int8
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, per_channel: bool = True,
                  compute_dtype: torch.dtype = torch.bfloat16, matmul: str = "dequantize",
@@ -244,7 +249,8 @@ def block_linear_names(model: nn.Module, adaln: bool = False) -> list[str]:
 def quantize_blocks(model: nn.Module, matmul: str = "scaled", activations: str = "row", adaln: bool = False,
                     device: torch.device | str | None = None) -> list[str]:
     """Swap the block linears (and, with `adaln`, the AdaLN projections) of an H3DiT for FP8Linear,
-    quantized per output channel where they sit. Already-FP8 linears only get the new `matmul`.
+    quantized per output channel where they sit. Already-FP8 linears only get the new `matmul`; NVFP4 ones
+    stay NVFP4 weight-only, or are rebuilt and quantized for "scaled".
     `device` (default: where the weights are) is where the model will compute: "scaled" there needs
     FP8 matmul support. Lossy: returns the names swapped, so a caller can say what changed."""
     if matmul not in MATMULS:
@@ -257,14 +263,17 @@ def quantize_blocks(model: nn.Module, matmul: str = "scaled", activations: str =
         module = model.get_submodule(name)
         if isinstance(module, FP8Linear):
             module.set_matmul(matmul, activations)
+        elif isinstance(module, StoredLinear):  # NVFP4: already smaller weight-only; rebuilt for FP8 matmuls
+            if matmul == "scaled":
+                model.set_submodule(name, FP8Linear.from_linear(module.as_dense(), matmul, activations))
         else:
             model.set_submodule(name, FP8Linear.from_linear(module, matmul, activations))
     return names
 
 
-def has_fp8_blocks(model: nn.Module) -> bool:
-    """Whether the blocks' linears are FP8 (for `memory_plan.plan_memory(..., fp8=...)`)."""
-    return isinstance(model.get_submodule("blocks.0.mlp.fc1"), FP8Linear)
+def held_format(model: nn.Module) -> str:
+    """How the blocks' linears are held: "dense", "fp8" (e4m3 or int8) or "nvfp4" (for `memory_plan`)."""
+    return getattr(model.get_submodule("blocks.0.mlp.fc1"), "held", "dense")
 
 
 def check_scaled_device(device: torch.device) -> None:
@@ -439,11 +448,7 @@ class FP8Load:
         check_linear_mode(mode, device)
         compute = dtype or torch.bfloat16
         matmul = "scaled" if mode == "fp8-lossy" else "dequantize"
-        eligible = {  # an fp32 module (the curve form's AdaLN too) is never held in FP8
-            layer for layer in [*block_linear_names(model, adaln=True), *(
-                f"token_refiner.blocks.{i}.{leaf}" for i in range(len(model.token_refiner.blocks)) for leaf in BLOCK_LINEARS)]
-            if not layer.startswith(fp32_modules)
-        }
+        eligible = storable_linears(model, fp32_modules)
         # int8 has no FP8 matmul: under fp8-lossy an int8 (or e5m2) file's block linears are turned back to
         # `compute` and quantized to e4m3 like a bf16 file's (int8 tensor cores are not used)
         requantized = set(block_linear_names(model)) if mode == "fp8-lossy" else set()
@@ -460,8 +465,10 @@ class FP8Load:
         quantized = set()
         if mode in ("fp8-lossy", "fp8-weights-lossy"):
             for layer in block_linear_names(model):
+                module = model.get_submodule(layer)
+                if isinstance(module, StoredLinear):  # kept NVFP4 (nvfp4.NVFP4Load), already smaller
+                    continue
                 if layer not in kept and (layer not in file_layers or layer in requantized):
-                    module = model.get_submodule(layer)
                     quantized.add(layer)
                     model.set_submodule(layer, FP8Linear(module.in_features, module.out_features, module.bias is not None,
                                                          True, compute, matmul, device="meta"))
@@ -525,6 +532,13 @@ class FP8Load:
         for layer, parts in pending.items():
             missing = "its scale" if "weight" in parts else "its weight"
             raise CheckpointError(f"FP8 layer '{layer}' lacks {missing} in the checkpoint.")
+
+
+def storable_linears(model: nn.Module, fp32_modules: tuple[str, ...]) -> set[str]:
+    """The linears a DiT may hold as a file stores them (FP8, int8, NVFP4): the blocks' four, the AdaLN
+    projections and the refiner's; never an fp32 module (the curve form's AdaLN too)."""
+    refiner = [f"token_refiner.blocks.{i}.{leaf}" for i in range(len(model.token_refiner.blocks)) for leaf in BLOCK_LINEARS]
+    return {layer for layer in [*block_linear_names(model, adaln=True), *refiner] if not layer.startswith(fp32_modules)}
 
 
 def _file_layer(model: nn.Module, layer: str) -> nn.Module:

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fp8 import FP8Linear, compute_dtype
+from .fp8 import StoredLinear, compute_dtype
 from .keymap import deinterleave_qkv
 from .lora_formats import (
     LIGHTX2V_NAME,
@@ -66,7 +66,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-LINEARS = (nn.Linear, FP8Linear)  # what a LoRA term may target besides RMSNorm
+LINEARS = (nn.Linear, StoredLinear)  # what a LoRA term may target besides RMSNorm (FP8, int8, NVFP4 too)
 DEFAULT_STEPS = 50
 _STATE = "_h3_lora_stack"  # attribute on the model: the applications, newest last
 
@@ -412,6 +412,12 @@ class LoRAReport:
         return out
 
 
+def run_mode(model: nn.Module) -> str:
+    """How a run applies LoRAs to a freshly loaded `model`: merged into its weights, unless it holds linears as a
+    file stores them (FP8, int8, NVFP4), which a merge would have to quantize again: then hooked ("dynamic")."""
+    return "dynamic" if any(isinstance(module, StoredLinear) for module in model.modules()) else "merge"
+
+
 def apply_loras(
     model: nn.Module,
     loras: Sequence[tuple[LoRA, float] | LoRA],
@@ -478,10 +484,10 @@ def _summed_delta(param: torch.Tensor, resolved: list[_Resolved]) -> torch.Tenso
 def _merge(by_module: dict, backup: bool) -> _Application:
     """One parameter at a time, so at most one fp32 delta is alive. Without a backup the terms are kept
     (they are small) and the delta is recomputed at removal."""
-    fp8 = [target for (target, _), resolved in by_module.items() if isinstance(resolved[0].module, FP8Linear)]
-    if fp8:  # refused before any weight changes
-        raise LoRAError(f"'{fp8[0]}' holds FP8 weights, which a LoRA cannot be merged into without quantizing "
-                        "again; apply it dynamically (as ComfyUI's LoRA node does), or load with linears 'dense'.")
+    stored = [target for (target, _), resolved in by_module.items() if isinstance(resolved[0].module, StoredLinear)]
+    if stored:  # refused before any weight changes
+        raise LoRAError(f"'{stored[0]}' holds FP8 / int8 / NVFP4 weights, which a LoRA cannot be merged into "
+                        "without quantizing again; apply it dynamically (as ComfyUI's LoRA node does), or load with linears 'dense'.")
     entries = []
     for (_, param_name), resolved in by_module.items():
         param = getattr(resolved[0].module, param_name)

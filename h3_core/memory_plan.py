@@ -41,16 +41,29 @@ class MemoryPlan:
         return f"{mode}, {adaln}; expected peak {self.expected_peak_bytes / GIB:.2f} GiB"
 
 
-def block_weight_bytes(config: DiTConfig, dtype_bytes: int, fp8: bool = False, refiner: bool = False) -> int:
+HELD_FORMATS = ("dense", "fp8", "nvfp4")  # how the block linears are held (fp8.held_format)
+
+
+def check_held(held: str) -> str:
+    if held not in HELD_FORMATS:
+        raise ValueError(f"Block linears are held as one of {', '.join(HELD_FORMATS)}, not {held!r}.")
+    return held
+
+
+def block_weight_bytes(config: DiTConfig, dtype_bytes: int, held: str = "dense", refiner: bool = False) -> int:
     """Attention + FFN + norms of one block (what streams; its AdaLN projection does not), with its VSA gate
-    (`config.vsa_gates`, never FP8) unless it is a `refiner` block. `fp8`: the four linears held as FP8
-    (fp8.FP8Linear): 1 byte a weight plus an fp32 scale per output channel."""
+    (`config.vsa_gates`, never quantized) unless it is a `refiner` block. `held` (HELD_FORMATS): the four
+    linears in the model dtype; as FP8 or int8 (fp8.FP8Linear: a byte a weight plus an fp32 scale per output
+    channel); or as NVFP4 (nvfp4.NVFP4Linear: half a byte a weight, an e4m3 scale per 16, an fp32 tensor scale,
+    and room for an AWQ input scale)."""
     h, inner, ffn, d = config.hidden_size, config.inner_dim, config.ffn_dim, config.attention_head_dim
     linears = h * 3 * inner + inner * h + h * 2 * ffn + ffn * h
     norms = dtype_bytes * (2 * h + 2 * d)
     gate = dtype_bytes * h * inner if config.vsa_gates and not refiner else 0
-    if fp8:
+    if check_held(held) == "fp8":
         return linears + 4 * (3 * inner + h + 2 * ffn + h) + norms + gate
+    if held == "nvfp4":
+        return linears * 9 // 16 + 4 * 4 + dtype_bytes * (h + inner + h + ffn) + norms + gate
     return dtype_bytes * linears + norms + gate
 
 
@@ -77,10 +90,11 @@ def adaln_weight_bytes(config: DiTConfig, dtype_bytes: int) -> int:
     return embedder + dtype_bytes * projections
 
 
-def activation_bytes(config: DiTConfig, rows: int, dtype_bytes: int, fp8: bool = False) -> int:
-    """Peak live activations of one block forward over `rows` packed rows (batch 1). `fp8` adds what an
-    FP8 linear holds besides (uncompiled): fc2's input quantized (an fp32 copy and the e4m3 result,
-    5 bytes a value) or, weight-only, fc1's weight rebuilt (an fp32 product, then the compute dtype)."""
+def activation_bytes(config: DiTConfig, rows: int, dtype_bytes: int, held: str = "dense") -> int:
+    """Peak live activations of one block forward over `rows` packed rows (batch 1). Stored linears (`held`)
+    add what they hold besides (uncompiled): FP8, fc2's input quantized (an fp32 copy and the e4m3 result,
+    5 bytes a value) or, weight-only, fc1's weight rebuilt (an fp32 product, then the compute dtype); NVFP4,
+    fc1's weight rebuilt (its values in the compute dtype, an fp32 product, then the compute dtype)."""
     h, rope_width = config.hidden_size, 6 * config.rope_freq_dim
     # Video Sparse Attention (a VSA-trained model) also holds q, k, v, the gate and the output in padded tile
     # buffers, and the gate itself: measured 5.2 values a row more at the real size on an H200 (2.65 GiB, 38,222
@@ -88,11 +102,13 @@ def activation_bytes(config: DiTConfig, rows: int, dtype_bytes: int, fp8: bool =
     sparse = 6 * config.inner_dim if config.vsa_gates else 0
     per_row = dtype_bytes * (3 * h + max(9 * config.inner_dim + 2 * rope_width + sparse, 4 * config.ffn_dim))
     rope = 2 * 4 * rope_width + 8  # cos and sin (fp32), and the int64 AdaLN row index
-    if not fp8:
+    fc1_weights = 2 * config.ffn_dim * config.hidden_size
+    if check_held(held) == "nvfp4":
+        return rows * (per_row + rope) + (4 + 2 * dtype_bytes) * fc1_weights
+    if held == "dense":
         return rows * (per_row + rope)
     quantized_input = rows * 5 * config.ffn_dim
-    rebuilt_weight = (4 + dtype_bytes) * 2 * config.ffn_dim * config.hidden_size
-    return rows * (per_row + rope) + max(quantized_input, rebuilt_weight)
+    return rows * (per_row + rope) + max(quantized_input, (4 + dtype_bytes) * fc1_weights)
 
 
 def modulation_bytes(config: DiTConfig, steps: int, timesteps_per_step: int, dtype_bytes: int) -> int:
@@ -110,14 +126,15 @@ def expected_peak(
     steps: int = 49,
     timesteps_per_step: int = 4,
     dtype_bytes: int = 2,
-    fp8: bool = False,
+    held: str = "dense",
 ) -> int:
-    """Peak GPU bytes of a denoise with this placement (prefetch 0 = no streaming); `fp8`: FP8 block linears."""
-    block = block_weight_bytes(config, dtype_bytes, fp8)
+    """Peak GPU bytes of a denoise with this placement (prefetch 0 = no streaming); `held`: how the block
+    linears are held (HELD_FORMATS)."""
+    block = block_weight_bytes(config, dtype_bytes, held)
     in_flight = (prefetch + 2) * block if prefetch else 0  # BlockStreamer's bound on streamed blocks on the GPU
     return (
         shared_weight_bytes(config, dtype_bytes)
-        + activation_bytes(config, rows, dtype_bytes, fp8)
+        + activation_bytes(config, rows, dtype_bytes, held)
         # with the AdaLN weights offloaded the schedule's tables wait on the CPU: one step's on the device
         + modulation_bytes(config, 1 if offload_adaln else steps, timesteps_per_step, dtype_bytes)
         + resident_blocks * block
@@ -134,7 +151,7 @@ def plan_memory(
     timesteps_per_step: int = 4,
     dtype_bytes: int = 2,
     prefetch: int = 1,
-    fp8: bool = False,
+    held: str = "dense",
     fixed_segments: bool = False,
 ) -> MemoryPlan:
     """The most resident blocks that fit in `budget_bytes` (free GPU memory for this run) less the
@@ -146,15 +163,15 @@ def plan_memory(
     blocks = config.num_layers
     budget_bytes = usable_bytes(budget_bytes)
     if fixed_segments:
-        budget_bytes -= activation_bytes(config, rows, dtype_bytes, fp8)
+        budget_bytes -= activation_bytes(config, rows, dtype_bytes, held)
 
     def peak(resident: int, streaming: int, offload_adaln: bool) -> int:
-        return expected_peak(config, rows, resident, streaming, offload_adaln, steps, timesteps_per_step, dtype_bytes, fp8)
+        return expected_peak(config, rows, resident, streaming, offload_adaln, steps, timesteps_per_step, dtype_bytes, held)
 
     for offload_adaln in (False, True):
         if peak(blocks, 0, offload_adaln) <= budget_bytes:
             return MemoryPlan(blocks, 0, offload_adaln, peak(blocks, 0, offload_adaln), True)
-    block = block_weight_bytes(config, dtype_bytes, fp8)
+    block = block_weight_bytes(config, dtype_bytes, held)
     spare = budget_bytes - peak(0, prefetch, True)
     resident = max(0, min(blocks - 1, spare // block))
     return MemoryPlan(int(resident), prefetch, True, peak(resident, prefetch, True), peak(resident, prefetch, True) <= budget_bytes)
@@ -184,7 +201,7 @@ def free_bytes(device) -> int:
 
 
 def plan_for(config: DiTConfig, layout, steps: int, device, budget_gib: float | None = None,
-             dtype_bytes: int = 2, fp8: bool = False) -> MemoryPlan:
+             dtype_bytes: int = 2, held: str = "dense") -> MemoryPlan:
     """The plan for sampling `layout` (a PackedLayout; for a long video its largest window's) with a
     `steps`-point ladder on `device`. `budget_gib`: memory to plan for (None: what the device has free;
     the CPU is not limited). Hosts call it before loading, so a request that cannot fit is refused
@@ -200,4 +217,4 @@ def plan_for(config: DiTConfig, layout, steps: int, device, budget_gib: float | 
         budget = free_bytes(device) if device.type == "cuda" else 1 << 62
     timesteps, _ = layout.to("cpu").row_timesteps(0.5, 0.25)  # distinct timesteps of one step (clocks apart)
     return plan_memory(config, layout.sequence_length, budget, max(steps - 1, 1), int(timesteps.numel()),
-                       dtype_bytes, fp8=fp8, fixed_segments=device.type == "cuda" and fixed_allocator_segments())
+                       dtype_bytes, held=held, fixed_segments=device.type == "cuda" and fixed_allocator_segments())

@@ -9,6 +9,9 @@ A layer's tensors, as ComfyUI and its comfy_kitchen kernels lay them out:
 - `X.weight_scale_2` fp32, one per tensor. W = E2M1 value x block scale x tensor scale, cut to [out, in];
 - `X.pre_quant_scale` [in], when the file is AWQ-smoothed: the input is multiplied by it before the matmul;
 - `X.input_scale` (for FP4 activations) is not used.
+
+The text encoder keeps every NVFP4 linear; the DiT (Comfy-Org's `*_nvfp4` DiT files) keeps its block, AdaLN and
+refiner linears NVFP4 unless its linears mode asks otherwise, and dequantizes the rest once at load (`NVFP4Load`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +41,18 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-@functools.lru_cache(maxsize=None)
-def _e2m1_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=dtype, device=device)
+def _build_byte_table(device, dtype: torch.dtype) -> torch.Tensor:
+    values = E2M1_VALUES + tuple(-v for v in E2M1_VALUES)
+    return torch.tensor([(values[byte >> 4], values[byte & 0x0F]) for byte in range(256)], dtype=dtype, device=device)
+
+
+_cached_byte_table = functools.lru_cache(maxsize=None)(_build_byte_table)
+
+
+def byte_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 2]: the two E2M1 values a stored byte holds (high nibble first), so a weight is rebuilt with one
+    lookup per byte. Made once per device and dtype; a compiled graph builds it inside (its cache stays outside)."""
+    return _build_byte_table(device, dtype) if torch.compiler.is_compiling() else _cached_byte_table(device, dtype)
 
 
 def unswizzle_block_scales(scales: torch.Tensor, rows: int, blocks: int) -> torch.Tensor:
@@ -56,13 +68,12 @@ def dequantize(weight: torch.Tensor, block_scales: torch.Tensor, tensor_scale: t
     """The dense weight [out, in] = `shape` in `dtype`. Each E2M1 value times its e4m3 block scale is exact in
     bf16, fp16 and fp32; that times the fp32 tensor scale is rounded once in fp32, then to `dtype`."""
     rows, columns = weight.shape[0], weight.shape[1] * 2
-    codes = torch.stack((weight >> 4, weight & 0x0F), dim=-1).reshape(rows, columns)
-    values = _e2m1_table(weight.device, dtype)[codes.int()]
+    values = byte_table(weight.device, dtype)[weight.int()]  # [rows, columns / 2, 2]
     if block_scales.dtype == torch.uint8:
         block_scales = block_scales.view(torch.float8_e4m3fn)
     scales = unswizzle_block_scales(block_scales, rows, columns // BLOCK).to(dtype)
     dense = (values.view(rows, columns // BLOCK, BLOCK) * scales[..., None]).view(rows, columns)
-    return (dense[: shape[0], : shape[1]].float() * tensor_scale.float().reshape(())).to(dtype)
+    return dense[: shape[0], : shape[1]].float().mul_(tensor_scale.float().reshape(())).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,8 @@ class NVFP4Linear(StoredLinear):
     """y = (x * pre_quant_scale) W^T (+ bias), W rebuilt from the stored NVFP4 tensors at each call, in
     `compute_dtype`. Parameter names are the file's, so its tensors load as they are."""
 
+    held = "nvfp4"
+
     def __init__(self, in_features: int, out_features: int, entry: NVFP4Entry, bias: bool = False,
                  compute_dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
@@ -128,15 +141,19 @@ class NVFP4Linear(StoredLinear):
         self.pre_quant_scale = stored((in_features,), compute_dtype) if entry.smoothed else None
         self.bias = stored((out_features,), compute_dtype) if bias else None
 
-    @classmethod
-    def replacing(cls, layer: str, linear: nn.Linear, entry: NVFP4Entry, compute_dtype: torch.dtype) -> "NVFP4Linear":
-        """A meta NVFP4Linear in place of `linear`, checked against the file's shapes."""
-        entry.check(layer, linear.in_features, linear.out_features)
-        return cls(linear.in_features, linear.out_features, entry, linear.bias is not None, compute_dtype, "meta")
-
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize(self.weight, self.weight_scale, self.weight_scale_2, (self.out_features, self.in_features),
                           self.compute_dtype)
+
+    def as_dense(self) -> nn.Linear:
+        """A dense linear computing the same (the AWQ scale folded into its columns), in `compute_dtype`."""
+        linear = nn.Linear(self.in_features, self.out_features, self.bias is not None, device="meta")
+        weight = smoothed_weight(self.weight, self.weight_scale, self.weight_scale_2, self.pre_quant_scale,
+                                 (self.out_features, self.in_features))
+        linear.weight = nn.Parameter(weight.to(self.compute_dtype), requires_grad=False)
+        if self.bias is not None:
+            linear.bias = nn.Parameter(self.bias.detach(), requires_grad=False)
+        return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.compute_dtype)
@@ -147,3 +164,85 @@ class NVFP4Linear(StoredLinear):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"nvfp4{' AWQ-smoothed' if self.pre_quant_scale is not None else ''}, compute={self.compute_dtype}")
+
+
+@dataclass
+class NVFP4Load:
+    """How one load treats a file's NVFP4 layers: the `kept` ones are NVFP4Linear in the model (their tensors
+    load as stored); the others are rebuilt into one dense weight in `dense_dtype[layer]` as they stream in."""
+
+    layers: dict[str, NVFP4Entry]
+    kept: set[str]
+    dense_dtype: dict[str, torch.dtype]
+    shapes: dict[str, tuple[int, int]]  # [out, in] of each layer (the stored tensors are padded to 16)
+
+    @classmethod
+    def plan(cls, model: nn.Module, layers: dict[str, NVFP4Entry], keep: Callable[[str], bool],
+             compute: torch.dtype, dense_dtype: Callable[[str], torch.dtype]) -> "NVFP4Load":
+        """Swap NVFP4Linear into the meta-built `model` for the layers `keep` accepts, computing in `compute`;
+        every NVFP4 layer must be a linear of the model with the file's shapes."""
+        kept, dense, shapes = set(), {}, {}
+        for layer, entry in layers.items():
+            try:
+                linear = model.get_submodule(layer)
+            except AttributeError:
+                linear = None
+            if not isinstance(linear, nn.Linear):
+                raise CheckpointError(f"The checkpoint holds '{layer}' as NVFP4, but it is not a linear layer of this "
+                                      "model.")
+            entry.check(layer, linear.in_features, linear.out_features)
+            shapes[layer] = (linear.out_features, linear.in_features)
+            if keep(layer):
+                kept.add(layer)
+                model.set_submodule(layer, NVFP4Linear(linear.in_features, linear.out_features, entry,
+                                                       linear.bias is not None, compute, "meta"))
+            else:
+                dense[layer] = dense_dtype(layer)
+        return cls(layers, kept, dense, shapes)
+
+    def dtype_for(self, name: str, otherwise: torch.dtype | None) -> torch.dtype | None:
+        """The dtype the model holds `name` in: a kept layer's codes and block scales as stored (None), its
+        tensor scale in fp32; anything else `otherwise`."""
+        layer, _, leaf = name.rpartition(".")
+        if layer in self.kept and leaf in STORED_LEAVES:
+            return torch.float32 if leaf == "weight_scale_2" else None
+        return otherwise
+
+    def stream(self, items: Iterable, device: torch.device | str) -> Iterator:
+        """(name, tensor, where) items in our names -> the model's tensors: a kept layer's as stored, a dequantized
+        layer's gathered into its dense weight (on `device`; an AWQ pre_quant_scale folded into its columns).
+        Quantization records and input scales are dropped."""
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor, where in items:
+            layer, _, leaf = name.rpartition(".")
+            entry = self.layers.get(layer)
+            if entry is None or layer in self.kept or leaf == "bias":
+                if entry is None or leaf not in DROPPED_LEAVES:
+                    yield name, tensor, where
+                continue
+            if leaf in DROPPED_LEAVES:
+                continue
+            parts = pending.setdefault(layer, {})
+            parts[leaf] = tensor
+            if all(needed in parts for needed in STORED_LEAVES + (("pre_quant_scale",) if entry.smoothed else ())):
+                del pending[layer]
+                yield f"{layer}.weight", self._dense(layer, parts, device), where
+        for layer, parts in pending.items():
+            missing = [leaf for leaf in STORED_LEAVES if leaf not in parts] or ["pre_quant_scale"]
+            raise CheckpointError(f"NVFP4 layer '{layer}' lacks {', '.join(missing)} in the checkpoint.")
+
+    def _dense(self, layer: str, parts: dict[str, torch.Tensor], device) -> torch.Tensor:
+        dtype, shape = self.dense_dtype[layer], self.shapes[layer]
+        if parts["weight"].is_meta:
+            return torch.empty(shape, dtype=dtype, device="meta")
+        stored = (parts[leaf].to(device) for leaf in STORED_LEAVES)
+        smoothing = parts.get("pre_quant_scale")
+        return smoothed_weight(*stored, None if smoothing is None else smoothing.to(device), shape).to(dtype)
+
+
+def smoothed_weight(weight: torch.Tensor, block_scales: torch.Tensor, tensor_scale: torch.Tensor,
+                    pre_quant_scale: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
+    """The fp32 weight a dense linear needs to compute what an NVFP4 one does: W diag(pre_quant_scale)
+    ((x * s) W^T = x (W diag(s))^T), or W where the layer is not smoothed."""
+    dense = dequantize(weight, block_scales, tensor_scale, shape, torch.float32)
+    return dense if pre_quant_scale is None else dense.mul_(pre_quant_scale.float())

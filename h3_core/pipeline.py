@@ -21,7 +21,7 @@ import torch
 
 from . import geometry, media_read
 from .attention import resolve_backend
-from .checkpoint import DiTReader, infer_config, load_dit, locate_dit, vsa_student  # noqa: F401 (load_dit: engine API, above)
+from .checkpoint import DiTReader, held_linears, infer_config, load_dit, locate_dit, vsa_student  # noqa: F401 (load_dit: engine API, above)
 from .config import TINY_DIT
 from .memory_plan import GIB, MemoryPlan, free_bytes, plan_for, usable_bytes
 from .offload import load_device, place
@@ -31,7 +31,7 @@ from .layout import pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
 from .guides import GuideMedia, add_guide, check_guide, read_guide
-from .lora import VSA_STUDENT_CONTRACT, apply_loras, load_lora, sampler_settings
+from .lora import VSA_STUDENT_CONTRACT, apply_loras, load_lora, run_mode, sampler_settings
 from .noise import condition_rows, request_generator, target_noise
 from .media import SAMPLE_RATE, MediaError
 from .output import AVLatents, write_mp4
@@ -381,6 +381,7 @@ def generate_batch(
     progress: Progress | None = None,
     notes: Callable[[str], None] | None = None,
     files: ModelFiles = ModelFiles(),
+    on_failure: Callable[[str, Job, Exception], None] | None = None,
 ) -> list[GenerateResult]:
     """Requests to MP4s, each model loaded once for them all. Validation of every job runs first (no model
     is loaded for a bad one); then, one model at a time on the device: text encoder (released after
@@ -389,7 +390,15 @@ def generate_batch(
     `settings.devices` when several are given). A `LongVideoRequest` runs window by window (long_video.py)
     and its whole clip is decoded once. `model` is the DiT's path (a release root holds the other models
     too); `files` names the others where they are elsewhere (ComfyUI's single files). Results in job order,
-    each job's outputs in seed order."""
+    each job's outputs in seed order.
+
+    A job that fails once the batch runs (an Exception from its encode, sampling, decode or writing) ends the
+    batch, raised as a single `generate`'s would be, unless `on_failure` is given: so that an overnight batch
+    loses only that job, its memory is then handed back, the failure goes to `notes` and to
+    `on_failure(name, job, error)` (name: `job.name`, else "job N"), its remaining outputs are skipped (those
+    it wrote stay in the results) and the batch goes on. `on_failure` may re-raise the error to stop (a host
+    interrupt that is an Exception, as ComfyUI's is). KeyboardInterrupt (no Exception) always stops the batch,
+    and a job that fails the checks still refuses the whole batch before any model loads."""
     if not jobs:
         raise ValueError("Nothing to generate: no jobs.")
     progress = progress or (lambda stage, done, total: None)
@@ -442,67 +451,105 @@ def generate_batch(
                                          lambda done, total: progress("read text encoder", done, total))
     video_vae, audio_vae = load_vaes(source, device, settings.vae_dtype or model_dtype(source, settings))
     notes(f"video VAE: decoder linears in {str(video_vae.dtype).removeprefix('torch.')} (encoder and norms float32)")
-    conditionings = []
-    for item in prepared:
-        conditioning = item.encode(item.request, text_encoder, video_vae, audio_vae, rules=source.canvas)
-        for media in item.guide_media:
-            conditioning = add_guide(conditioning, media.frame_index, video_vae, audio_vae, media.frames,
-                                     media.waveform, media.sample_rate)
-        conditionings.append(conditioning)
+    conditionings = [None] * len(prepared)  # None: the job failed
+    for number, item in enumerate(prepared):
+        try:
+            conditioning = item.encode(item.request, text_encoder, video_vae, audio_vae, rules=source.canvas)
+            for media in item.guide_media:
+                conditioning = add_guide(conditioning, media.frame_index, video_vae, audio_vae, media.frames,
+                                         media.waveform, media.sample_rate)
+            conditionings[number] = conditioning
+        except Exception as error:
+            if on_failure is None:
+                raise
+            _job_failed(names[number], item.job, error, device, on_failure, notes)
     text_encoder.release()  # its ~51 GB leave before the DiT arrives
     del text_encoder
     video_vae.to("cpu"), audio_vae.to("cpu")  # back on the device only for the decode
     empty_caches(device)
     timings["encode"] = time.perf_counter() - clock
 
+    running = [number for number, conditioning in enumerate(conditionings) if conditioning is not None]
+    if not running:
+        return []  # every job failed, each reported
     clock = time.perf_counter()
-    largest = max(conditionings, key=lambda c: largest_layout(c).sequence_length)
+    largest = max((conditionings[n] for n in running), key=lambda c: largest_layout(c).sequence_length)
     dit, plan, streamer = load_sampling_dit(source, dit_source, partition, settings, loras, largest,
                                             schedule.steps, notes, lambda done, total: progress("read DiT", done, total))
     timings["load"] = time.perf_counter() - clock
 
     results = []
-    for number, (item, conditioning) in enumerate(zip(prepared, conditionings)):
+    for number in running:
+        item, conditioning = prepared[number], conditionings[number]
         job, request = item.job, item.request
         label = f"job {number + 1}/{len(prepared)}, " if len(prepared) > 1 else ""
-        for index in range(item.outputs):
-            seed = item.seed + index
-            step_stage, decode_stage = (f"{what} {label}{index + 1}/{item.outputs}" for what in ("sample", "decode"))
-            clock = time.perf_counter()
-            latents = item.run(
-                dit, conditioning, seed, schedule.steps, schedule.video_shift, schedule.audio_shift,
-                schedule.video_sigmas, schedule.audio_sigmas,
-                callback=lambda state: progress(step_stage, state.step, state.total),
-                offload_adaln=plan.offload_adaln,
-                **({"init": job.given, "keep": job.keep} if job.keep is not None else {}),
-            )
-            seconds = {**timings, "sample": time.perf_counter() - clock}
-            if item is prepared[-1] and index == item.outputs - 1:  # the DiT's memory is free before the last decode
-                if streamer is not None:
-                    streamer.remove()
-                if hasattr(dit, "close"):
-                    dit.close()  # the parallel workers
-                dit = streamer = None  # the streamer holds the resident blocks too
-                empty_caches(device)
-            latents_path = numbered(job.save_latents, index, item.outputs)
-            if latents_path is not None:
-                Path(latents_path).parent.mkdir(parents=True, exist_ok=True)
-                latents.save(latents_path, {"seed": str(seed), "task": request.task, "model": source.name})
-            video_path = numbered(job.out, index, item.outputs)
-            if video_path is not None:
+        try:
+            for index in range(item.outputs):
+                seed = item.seed + index
+                step_stage, decode_stage = (f"{what} {label}{index + 1}/{item.outputs}"
+                                            for what in ("sample", "decode"))
                 clock = time.perf_counter()
-                video_vae.to(device), audio_vae.to(device)
-                Path(video_path).parent.mkdir(parents=True, exist_ok=True)
-                write_mp4(
-                    video_path, latents, video_vae, audio_vae,
-                    metadata={"comment": f"MiniMax-H3 {request.task}, seed {seed}", "title": request.prompt[:200]},
-                    on_frames=lambda done, total: progress(decode_stage, done, total),
-                    # video chunks split over the devices once the DiT's workers have left them (the last output)
-                    devices=settings.devices if len(settings.devices) > 1 and dit is None else None,
+                latents = item.run(
+                    dit, conditioning, seed, schedule.steps, schedule.video_shift, schedule.audio_shift,
+                    schedule.video_sigmas, schedule.audio_sigmas,
+                    callback=lambda state: progress(step_stage, state.step, state.total),
+                    offload_adaln=plan.offload_adaln,
+                    **({"init": job.given, "keep": job.keep} if job.keep is not None else {}),
                 )
-                seconds["decode"] = time.perf_counter() - clock
-            results.append(GenerateResult(seed, video_path, latents_path, latents, seconds, request.task))
+                seconds = {**timings, "sample": time.perf_counter() - clock}
+                if number == running[-1] and index == item.outputs - 1:  # DiT's memory free before the last decode
+                    _release_dit(dit, streamer, device)
+                    dit = streamer = None  # the streamer holds the resident blocks too
+                latents_path = numbered(job.save_latents, index, item.outputs)
+                if latents_path is not None:
+                    Path(latents_path).parent.mkdir(parents=True, exist_ok=True)
+                    latents.save(latents_path, {"seed": str(seed), "task": request.task, "model": source.name})
+                video_path = numbered(job.out, index, item.outputs)
+                if video_path is not None:
+                    clock = time.perf_counter()
+                    video_vae.to(device), audio_vae.to(device)
+                    Path(video_path).parent.mkdir(parents=True, exist_ok=True)
+                    write_mp4(
+                        video_path, latents, video_vae, audio_vae,
+                        metadata={"comment": f"MiniMax-H3 {request.task}, seed {seed}",
+                                  "title": request.prompt[:200]},
+                        on_frames=lambda done, total: progress(decode_stage, done, total),
+                        # video chunks split over the devices once the DiT's workers have left them (the last output)
+                        devices=settings.devices if len(settings.devices) > 1 and dit is None else None,
+                    )
+                    seconds["decode"] = time.perf_counter() - clock
+                results.append(GenerateResult(seed, video_path, latents_path, latents, seconds, request.task))
+        except Exception as error:
+            if on_failure is None:
+                raise
+            latents = conditioning = conditionings[number] = None
+            _job_failed(names[number], job, error, device, on_failure, notes)
+    if dit is not None:  # the last job failed before its DiT was let go
+        _release_dit(dit, streamer, device)
     return results
+
+
+def _release_dit(dit, streamer, device: torch.device) -> None:
+    """The DiT's memory handed back: its streaming hooks removed, parallel workers stopped, caches emptied."""
+    if streamer is not None:
+        streamer.remove()
+    if hasattr(dit, "close"):
+        dit.close()  # the parallel workers
+    del dit, streamer
+    empty_caches(device)
+
+
+def _job_failed(name: str, job: Job, error: Exception, device: torch.device, on_failure, notes) -> None:
+    """A job that failed while its batch runs: its memory handed back (the tensors its finished frames hold,
+    as placement.freed_on_failure does), then said (which job, what it writes, why) and handed to the host."""
+    import traceback
+
+    traceback.clear_frames(error.__traceback__)
+    empty_caches(device)
+    written = job.out or job.save_latents
+    notes(f"{name}{f' ({written})' if written else ''} failed: {type(error).__name__}: {error}; "
+          "the batch goes on with the next job")
+    on_failure(name, job, error)
 
 
 def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepared:
@@ -662,6 +709,11 @@ def model_dtype(source, settings: GenerateSettings) -> torch.dtype:
     return tiny_model_dtype(settings.device, settings.dtype) if source.tiny else settings.dtype
 
 
+def _note_lines(notes, report) -> None:
+    for line in report.lines():
+        notes(line)
+
+
 def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSettings, loras, conditioning, steps: int,
                       notes, on_tensor=None):
     """The DiT where the request's memory plan puts it: resident, or its leading blocks resident and the
@@ -683,10 +735,8 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
         return dit, MemoryPlan(0, 0, False, 0, True), None
 
     config = TINY_DIT if source.tiny else (dit_source.config or infer_config(dit_source))
-    # FP8 or int8 weights kept from an fp8_scaled / int8 file: a byte a weight (unless dequantized: "dense")
-    fp8 = settings.linears.startswith("fp8") or (dit_source is not None and settings.linears != "dense"
-                                                 and bool(dit_source.fp8_layers))
-    plan = plan_for(config, largest_layout(conditioning), steps, device, settings.gpu_memory, fp8=fp8)
+    plan = plan_for(config, largest_layout(conditioning), steps, device, settings.gpu_memory,
+                    held=held_linears(dit_source, settings.linears))
     if not plan.fits:
         raise RequestError(
             f"This request needs about {plan.expected_peak_bytes / GIB:.1f} GiB on {device} even with every DiT "
@@ -709,12 +759,13 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
         if warning:
             notes(f"memory: {warning}")
         dit = reader.read(home, on_tensor)
-    if loras:
-        report = apply_loras(dit, loras, partition=partition, mode="merge", backup=False)
-        for line in report.lines():
-            notes(line)
+    lora_mode = run_mode(dit)  # merged, or hooked after the linears are made where the DiT holds stored ones
+    if loras and lora_mode == "merge":
+        _note_lines(notes, apply_loras(dit, loras, partition=partition, mode="merge", backup=False))
     if quantize_later:
         apply_linear_mode(dit, settings.linears, home)
+    if loras and lora_mode == "dynamic":
+        _note_lines(notes, apply_loras(dit, loras, partition=partition, mode="dynamic"))
     if settings.linears != "checkpoint":
         notes(f"linears: {settings.linears} ({LINEAR_MODES[settings.linears]})")
     streamer = place(dit, device, plan)

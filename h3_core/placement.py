@@ -265,15 +265,14 @@ class DiTPlacement(Placement):
         this model already holds there (None: what torch reports; the CPU is not limited). A request that
         does not fit even with every block streamed is refused here, before anything moves."""
         from .conditioning import RequestError
-        from .fp8 import FP8Linear
+        from .fp8 import held_format
         from .memory_plan import plan_for
 
         budget = self.budget_gib
         if budget is None and free_bytes is not None:
             budget = max(free_bytes + self.loaded_bytes, 1) / GIB
-        fp8 = any(isinstance(module, FP8Linear) for module in self.dit.modules())
         plan = plan_for(self.dit.config, layout, steps, self.load_device, budget,
-                        torch.empty(0, dtype=self.dit.dtype).element_size(), fp8=fp8)
+                        torch.empty(0, dtype=self.dit.dtype).element_size(), held=held_format(self.dit))
         if not plan.fits:
             given = "the budget set" if self.budget_gib is not None else "what is free"
             raise RequestError(
@@ -422,8 +421,7 @@ class RunnerPlacement(Placement):
         from .memory_plan import adaln_weight_bytes, block_weight_bytes, shared_weight_bytes
 
         dtype_bytes = 2 if self.spec.dtype is None else torch.empty(0, dtype=self.spec.dtype).element_size()
-        fp8 = self.spec.linears.startswith("fp8")
-        blocks = self.config.num_layers * block_weight_bytes(self.config, dtype_bytes, fp8)
+        blocks = self.config.num_layers * block_weight_bytes(self.config, dtype_bytes, self.spec.held_linears())
         if self.shard_weights:
             blocks //= len(self.devices)
         return shared_weight_bytes(self.config, dtype_bytes) + adaln_weight_bytes(self.config, dtype_bytes) + blocks

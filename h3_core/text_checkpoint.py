@@ -333,22 +333,17 @@ class TextEncoderPlan:
     model: torch.nn.Module
     dtype: torch.dtype | None
     fp8: fp8.FP8Load
-    nvfp4: dict[str, nvfp4.NVFP4Entry]
+    nvfp4: nvfp4.NVFP4Load
 
     def dtype_for(self, name: str) -> torch.dtype | None:
         """The dtype a tensor is placed in: None (as the file stores it) for quantized weights and their block
         scales, fp32 for NVFP4 tensor scales, else `dtype`."""
-        layer, _, leaf = name.rpartition(".")
-        if layer in self.nvfp4 and leaf in nvfp4.STORED_LEAVES:
-            return torch.float32 if leaf == "weight_scale_2" else None
-        return None if name in self.fp8.fp8_parameters else self.dtype
+        return self.nvfp4.dtype_for(name, None if name in self.fp8.fp8_parameters else self.dtype)
 
     def tensors(self, items, device):
         """The files' (model name, tensor, file) items as the model takes them (fp8.FP8Load.stream pairs int8 /
         FP8 weights with their scales); NVFP4 records and input scales are dropped."""
-        kept = ((name, tensor, where) for name, tensor, where in items
-                if not (name.rpartition(".")[0] in self.nvfp4 and name.rpartition(".")[2] in nvfp4.DROPPED_LEAVES))
-        return self.fp8.stream(kept, device)
+        return self.fp8.stream(self.nvfp4.stream(items, device), device)
 
 
 def planned_model(source: TextEncoderSource, qwen_config, layers: int = TEXT_ENCODER_LAYER,
@@ -367,18 +362,15 @@ def planned_model(source: TextEncoderSource, qwen_config, layers: int = TEXT_ENC
         return model_name(key, layers)
 
     nvfp4_layers = nvfp4.checkpoint_nvfp4_layers(source.files, rename)
-    for layer, entry in nvfp4_layers.items():
-        linear = model.get_submodule(layer)
-        if not isinstance(linear, torch.nn.Linear):
-            raise CheckpointError(f"'{layer}' is NVFP4 in {_origin(source)} but is not a linear layer of Qwen3-VL.")
-        model.set_submodule(layer, nvfp4.NVFP4Linear.replacing(layer, linear, entry, compute))
+    held = nvfp4.NVFP4Load.plan(model, nvfp4_layers, keep=lambda layer: True, compute=compute,
+                                dense_dtype=lambda layer: compute)
 
     def outside_nvfp4(key: str) -> str | None:
         name = rename(key)
         return None if name is None or name in nvfp4_layers or name.rpartition(".")[0] in nvfp4_layers else name
 
     file_layers = fp8.checkpoint_fp8_layers(source.files, rename=outside_nvfp4)
-    return TextEncoderPlan(model, dtype, fp8.FP8Load.weight_only(model, file_layers, compute), nvfp4_layers)
+    return TextEncoderPlan(model, dtype, fp8.FP8Load.weight_only(model, file_layers, compute), held)
 
 
 def _used_tensors(files: tuple[Path, ...], layers: int):

@@ -61,3 +61,20 @@ def quantize(weight: torch.Tensor, pre_quant_scale: torch.Tensor | None = None):
 
 def record() -> torch.Tensor:
     return torch.tensor(list(json.dumps({"format": "nvfp4"}).encode()), dtype=torch.uint8)
+
+
+def quantize_layers(tensors: dict, layers, prefix: str = "", smoothed: bool = False, seed: int = 0) -> dict:
+    """ComfyUI's nvfp4 file in miniature: each of `layers` in the state dict `tensors` (keys `prefix` + name)
+    replaced in place by its NVFP4 tensors and comfy_quant record, AWQ-smoothed with a random positive
+    pre_quant_scale when asked. Returns layer -> (the weight meant, float64, pre_quant_scale or None)."""
+    g = torch.Generator().manual_seed(seed)
+    meant = {}
+    for layer in layers:
+        weight = tensors.pop(f"{prefix}{layer}.weight").float()
+        smoothing = 0.5 + torch.rand(weight.shape[1], generator=g) if smoothed else None
+        stored, values = quantize(weight, smoothing)
+        for leaf, tensor in stored.items():
+            tensors[f"{prefix}{layer}.{leaf}"] = tensor.contiguous()
+        tensors[f"{prefix}{layer}.comfy_quant"] = record()
+        meant[layer] = (values, smoothing)
+    return meant

@@ -362,19 +362,19 @@ def test_streamed_fp8_equals_resident_fp8(matmul):
 
 def test_memory_plan_counts_one_byte_per_fp8_weight():
     real = DiTConfig()
-    dense, quantized = block_weight_bytes(real, 2), block_weight_bytes(real, 2, fp8=True)
+    dense, quantized = block_weight_bytes(real, 2), block_weight_bytes(real, 2, "fp8")
     scales = 4 * (3 * 7168 + 5376 + 2 * 14336 + 5376)
     norms = 2 * (2 * 5376 + 2 * 128)
     assert quantized == 385_351_680 + scales + norms
     assert dense == 2 * 385_351_680 + norms
     budget = 40 * 2**30
-    assert plan_memory(real, 38_222, budget, fp8=True).resident_blocks > plan_memory(real, 38_222, budget).resident_blocks
+    assert plan_memory(real, 38_222, budget, held="fp8").resident_blocks > plan_memory(real, 38_222, budget).resident_blocks
     # the streamed slot of a real block is what the planner counts (checked on the meta device)
     with torch.device("meta"):
         block_model = H3DiT(replace(real, num_layers=1)).set_dtype(torch.bfloat16)
-    assert not fp8.has_fp8_blocks(block_model)
+    assert fp8.held_format(block_model) == "dense"
     quantize_blocks(block_model, "dequantize")
-    assert fp8.has_fp8_blocks(block_model)
+    assert fp8.held_format(block_model) == "fp8"
     streamed = [p for n, p in block_model.blocks[0].named_parameters() if not n.startswith("adaln_proj.")]
     assert sum(p.numel() * p.element_size() for p in streamed) == quantized
 

@@ -217,3 +217,41 @@ def test_a_vsa_student_runs_on_its_ladder_with_sparse_attention(model_sets, tmp_
         monkeypatch.setattr(pipeline, "load_text_encoder", lambda *a, **k: pytest.fail("loaded before the refusal"))
         assert main(argv + refused) != 0
         assert "Video Sparse Attention gates" in capsys.readouterr().err
+
+
+def test_an_nvfp4_dit_file_generates_with_its_lora_hooked(model_sets, tmp_path, monkeypatch, capsys):
+    """ComfyUI's NVFP4 DiT file with a LoRA: its block linears stay NVFP4 and the LoRA is hooked (merging would
+    quantize again); the latents are those of a dense file holding the weights the NVFP4 ones stand for, with
+    the LoRA merged."""
+    import nvfp4_files
+    from lora_files import random_spec, write_peft
+    from safetensors.torch import save_file
+
+    from h3_core.nvfp4 import NVFP4Linear
+
+    monkeypatch.setattr(text_checkpoint, "QWEN3VL_32B_CONFIG", model_sets["text_config"])
+    tensors = load_file(str(model_sets["dit"]))
+    dense = dict(tensors)
+    prefix = "model.diffusion_model."
+    layers = [f"blocks.{i}.{leaf}" for i in range(TINY_DIT.num_layers)
+              for leaf in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")]
+    for layer, (values, _) in nvfp4_files.quantize_layers(tensors, layers, prefix).items():
+        dense[f"{prefix}{layer}.weight"] = values.to(dense[f"{prefix}{layer}.weight"].dtype)
+    save_file(tensors, str(tmp_path / "minimax_h3_fl2va_nvfp4.safetensors"))
+    save_file(dense, str(tmp_path / "dense.safetensors"))
+    lora = write_peft(tmp_path / "lora.safetensors", random_spec(TINY_DIT, seed=9))
+    held = []
+    real = pipeline.place
+    monkeypatch.setattr(pipeline, "place", lambda dit, *a, **k: held.append(
+        {type(dit.get_submodule(layer)) for layer in layers}) or real(dit, *a, **k))
+    latents = {}
+    for name in ("minimax_h3_fl2va_nvfp4", "dense"):
+        latents[name] = tmp_path / f"{name}-latents.safetensors"
+        assert main(["generate", "--model", str(tmp_path / f"{name}.safetensors"), *_file_options(model_sets), *REQUEST,
+                     "--lora", f"{lora}:0.8", "--save-latents", str(latents[name])]) == 0
+        err = capsys.readouterr().err
+        assert ("LoRA on fl2va (dynamic):" if "nvfp4" in name else "LoRA on fl2va (merge):") in err
+    assert held[0] == {NVFP4Linear} and held[1] == {torch.nn.Linear}
+    ours, theirs = (load_file(str(path)) for path in latents.values())
+    for key in ("video", "audio"):
+        assert torch.allclose(ours[key], theirs[key], rtol=1e-3, atol=1e-4), key

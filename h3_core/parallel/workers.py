@@ -72,9 +72,16 @@ class ModelSpec:
         located = locate_dit(self.source, self.partition)
         return self.config or located.config or infer_config(located)
 
+    def held_linears(self) -> str:
+        """How the workers will hold the block linears (memory_plan.HELD_FORMATS), from the headers."""
+        from ..checkpoint import held_linears, locate_dit
+
+        return held_linears(None if self.source == TINY_RANDOM else locate_dit(self.source, self.partition), self.linears)
+
     def load(self, device: torch.device | str):
         """As `pipeline.generate` loads its DiT: weights, then LoRAs merged, then lossy FP8 linears made
-        (after the merge when there are LoRAs, since those merge into dense weights)."""
+        (after the merge when there are LoRAs, since those merge into dense weights); a DiT holding linears as
+        its file stores them (FP8, int8, NVFP4) gets its LoRAs hooked after that instead."""
         device = torch.device(device)
         tiny = self.source == TINY_RANDOM
         quantize_later = tiny or (bool(self.loras) and self.linears.startswith("fp8"))
@@ -87,15 +94,18 @@ class ModelSpec:
             linears = "checkpoint" if quantize_later else self.linears
             model = load_dit(self.source, self.partition, dtype=self.dtype, device=device, config=self.config,
                              linears=linears)
-        if self.loras:
-            from ..lora import apply_loras, load_lora
+        from ..lora import apply_loras, load_lora, run_mode
 
-            adapters = [(load_lora(path), float(strength)) for path, strength in self.loras]
+        adapters = [(load_lora(path), float(strength)) for path, strength in self.loras]
+        lora_mode = run_mode(model)  # as pipeline.load_sampling_dit: stored linears get the LoRAs hooked
+        if adapters and lora_mode == "merge":
             apply_loras(model, adapters, partition=self.partition, mode="merge", backup=False)
         if quantize_later and self.linears != "checkpoint":
             from ..fp8 import apply_linear_mode
 
             apply_linear_mode(model, self.linears, device)
+        if adapters and lora_mode == "dynamic":
+            apply_loras(model, adapters, partition=self.partition, mode="dynamic")
         model.set_attention(self.attention, self.attention_window, self.attention_window_dense_steps)
         if self.compile:
             model.compile_blocks()

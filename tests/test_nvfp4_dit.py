@@ -1,0 +1,197 @@
+"""ComfyUI's NVFP4 DiT files (the `nvfp4` format in a single file, release names, qkv stacked): block, AdaLN
+and refiner linears held NVFP4 (half a byte a weight) and rebuilt as they are used; everything else NVFP4 is
+dequantized at load (fp32 modules in fp32). The weights meant are those the tests' own writer
+(tests/nvfp4_files.py, checked against ComfyUI's kernels in test_fp8) quantized."""
+
+from dataclasses import replace
+
+import nvfp4_files
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_fp8 import BLOCK_LINEARS, cosine, forward, native_tensors
+from torch import nn
+
+from h3_core import fp8, nvfp4
+from h3_core.checkpoint import CheckpointError, held_linears, infer_config, load_dit, locate_dit
+from h3_core.config import DiTConfig, TINY_DIT
+from h3_core.dit import H3DiT
+from h3_core.lora import apply_loras, load_lora, run_mode
+from h3_core.memory_plan import block_weight_bytes, plan_memory
+from h3_core.nvfp4 import NVFP4Linear
+from h3_core.offload import stream_blocks
+from h3_core.tiny import tiny_random_dit
+
+PREFIX = "model.diffusion_model."
+BLOCKS = [f"blocks.{i}.{leaf}" for i in range(2) for leaf in BLOCK_LINEARS]
+KEPT_OTHERS = ["blocks.1.adaln_proj.linear", "token_refiner.blocks.0.attn.qkv_proj"]
+DEQUANTIZED = {"condition_proj": torch.float32, "final_layer.video_out": torch.float32}  # not storable; fp32 head
+
+
+def write_nvfp4(path, model=None, layers=BLOCKS + KEPT_OTHERS + list(DEQUANTIZED), smoothed=False):
+    tensors = {PREFIX + k: v for k, v in native_tensors(model or tiny_random_dit()).items()}
+    meant = nvfp4_files.quantize_layers(tensors, layers, PREFIX, smoothed=smoothed)
+    save_file(tensors, str(path))
+    return meant
+
+
+def effective(meant) -> torch.Tensor:
+    """The weight a dense linear needs to compute what the NVFP4 one does: W diag(pre_quant_scale)."""
+    values, smoothing = meant
+    return values if smoothing is None else values * smoothing.double()
+
+
+@pytest.mark.parametrize("smoothed", [False, True])
+def test_an_nvfp4_file_keeps_its_linears_nvfp4(tmp_path, smoothed):
+    path = tmp_path / "minimax_h3_fl2va_nvfp4.safetensors"
+    meant = write_nvfp4(path, smoothed=smoothed)
+    source = locate_dit(path)
+    assert set(source.nvfp4_layers) == set(meant) and source.fp8_layers == {} and "NVFP4" in source.origin
+    assert infer_config(source) == TINY_DIT  # packed shapes read as the linears' own
+    kept = load_dit(path, dtype=torch.float32)
+    dense = load_dit(path, dtype=torch.float32, linears="dense")
+    for layer in BLOCKS + KEPT_OTHERS:
+        module = kept.get_submodule(layer)
+        assert isinstance(module, NVFP4Linear) and module.weight.dtype == torch.uint8, layer
+        assert (module.pre_quant_scale is not None) == smoothed
+        weight = dense.get_submodule(layer).weight
+        assert type(dense.get_submodule(layer)) is nn.Linear and weight.dtype == torch.float32
+        assert torch.allclose(weight.double(), effective(meant[layer]), rtol=1e-6, atol=1e-9), layer
+        assert torch.equal(module.as_dense().weight, weight)
+    for layer, dtype in DEQUANTIZED.items():
+        module = kept.get_submodule(layer)
+        assert type(module) is nn.Linear and module.weight.dtype == dtype, layer
+        assert torch.allclose(module.weight.double(), effective(meant[layer]), rtol=1e-6, atol=1e-9), layer
+    bf16 = load_dit(path, dtype=torch.bfloat16)
+    assert bf16.condition_proj.weight.dtype == torch.bfloat16 and bf16.final_layer.video_out.weight.dtype == torch.float32
+    assert bf16.blocks[0].mlp.fc1.compute_dtype == torch.bfloat16
+    out, want = forward(kept), forward(dense)
+    if smoothed:  # x * s, then W: rounded apart from x (W diag(s)) in fp32
+        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(out, want))
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(out, want))
+    assert cosine(forward(kept)[0], forward(tiny_random_dit())[0]) > 0.99  # 4-bit rounding only
+    def fc1_bytes(model):
+        return sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if n.startswith("blocks.0.mlp.fc1."))
+
+    assert fc1_bytes(kept) < fc1_bytes(dense) / 6  # half a byte a weight (and its scales) against four
+
+
+def test_nvfp4_under_the_lossy_fp8_modes(tmp_path):
+    """fp8-weights-lossy keeps NVFP4 (already smaller); fp8-lossy rebuilds the block linears and quantizes them
+    to e4m3 per output channel for FP8 matmuls, as after loading (quantize_blocks); others stay NVFP4."""
+    path = tmp_path / "nvfp4.safetensors"
+    write_nvfp4(path, smoothed=True)
+    weights_only = load_dit(path, dtype=torch.float32, linears="fp8-weights-lossy")
+    assert all(isinstance(weights_only.get_submodule(layer), NVFP4Linear) for layer in BLOCKS + KEPT_OTHERS)
+    assert fp8.held_format(weights_only) == "nvfp4" == held_linears(locate_dit(path), "fp8-weights-lossy")
+    dense = load_dit(path, dtype=torch.float32, linears="dense")
+    lossy = load_dit(path, dtype=torch.float32, linears="fp8-lossy")
+    after = load_dit(path, dtype=torch.float32)
+    fp8.quantize_blocks(after, "scaled")
+    for layer in BLOCKS:
+        module = lossy.get_submodule(layer)
+        assert isinstance(module, fp8.FP8Linear) and module.weight.dtype == fp8.FP8 and module.matmul == "scaled"
+        weight, scale = fp8.quantize_weight(dense.get_submodule(layer).weight)
+        assert torch.equal(module.weight, weight) and torch.equal(module.weight_scale, scale), layer
+        assert torch.equal(after.get_submodule(layer).weight, weight), layer
+    assert all(isinstance(lossy.get_submodule(layer), NVFP4Linear) for layer in KEPT_OTHERS)
+    assert held_linears(locate_dit(path), "fp8-lossy") == "fp8" and held_linears(locate_dit(path), "dense") == "dense"
+    assert cosine(forward(lossy)[0], forward(dense)[0]) > 0.99
+
+
+def test_broken_nvfp4_files_are_refused_before_reading(tmp_path):
+    model = tiny_random_dit()
+    tensors = {PREFIX + k: v for k, v in native_tensors(model).items()}
+    nvfp4_files.quantize_layers(tensors, ["blocks.0.mlp.fc1"], PREFIX)
+    cut = dict(tensors)
+    cut[PREFIX + "blocks.0.mlp.fc1.weight"] = cut[PREFIX + "blocks.0.mlp.fc1.weight"][:, :16].contiguous()
+    save_file(cut, str(tmp_path / "cut.safetensors"))
+    with pytest.raises(CheckpointError, match=r"NVFP4 layer 'blocks.0.mlp.fc1' \(256x64\) has the wrong sizes"):
+        load_dit(tmp_path / "cut.safetensors")
+    lacking = {k: v for k, v in tensors.items() if not k.endswith("fc1.weight_scale_2")}
+    save_file(lacking, str(tmp_path / "lacking.safetensors"))
+    with pytest.raises(CheckpointError, match="NVFP4 layer 'blocks.0.mlp.fc1' in lacking.safetensors lacks weight_scale_2"):
+        locate_dit(tmp_path / "lacking.safetensors")
+    norm = {PREFIX + k: v for k, v in native_tensors(model).items()}
+    norm[PREFIX + "blocks.0.attn.k_norm.weight"] = torch.zeros(16, dtype=torch.uint8)
+    for leaf, value in (("weight_scale", torch.zeros(128, 4)), ("weight_scale_2", torch.ones(()))):
+        norm[PREFIX + f"blocks.0.attn.k_norm.{leaf}"] = value.to(torch.float8_e4m3fn if leaf == "weight_scale" else torch.float32)
+    norm[PREFIX + "blocks.0.attn.k_norm.comfy_quant"] = nvfp4_files.record()
+    save_file(norm, str(tmp_path / "norm.safetensors"))
+    with pytest.raises(CheckpointError, match="holds 'blocks.0.attn.k_norm' as NVFP4, but it is not a linear layer"):
+        load_dit(tmp_path / "norm.safetensors")
+
+
+def test_memory_plan_counts_what_nvfp4_blocks_hold():
+    """A real block's NVFP4 linears (smoothed: the plan's upper bound) stream exactly the bytes the plan counts,
+    and a 24 GiB budget keeps more of them resident than of FP8 blocks."""
+    real = DiTConfig()
+    with torch.device("meta"):
+        block_model = H3DiT(replace(real, num_layers=1)).set_dtype(torch.bfloat16)
+    layers = {}
+    for layer in fp8.block_linear_names(block_model):
+        linear = block_model.get_submodule(layer)
+        rows, columns = linear.out_features, linear.in_features
+        layers[layer] = nvfp4.NVFP4Entry((rows, columns // 2), (rows, columns // 16), (), smoothed=True)
+    nvfp4.NVFP4Load.plan(block_model, layers, keep=lambda layer: True, compute=torch.bfloat16,
+                         dense_dtype=lambda layer: torch.bfloat16)
+    assert fp8.held_format(block_model) == "nvfp4"
+    streamed = [p for n, p in block_model.blocks[0].named_parameters() if not n.startswith("adaln_proj.")]
+    assert sum(p.numel() * p.element_size() for p in streamed) == block_weight_bytes(real, 2, "nvfp4")
+    assert block_weight_bytes(real, 2, "nvfp4") < 0.6 * block_weight_bytes(real, 2, "fp8")
+    budget = 24 * 2**30
+    assert (plan_memory(real, 38_222, budget, held="nvfp4").resident_blocks
+            > plan_memory(real, 38_222, budget, held="fp8").resident_blocks)
+    with pytest.raises(ValueError, match="held as one of dense, fp8, nvfp4"):
+        block_weight_bytes(real, 2, "int4")
+
+
+def test_streamed_nvfp4_blocks_equal_resident_ones(tmp_path):
+    path = tmp_path / "nvfp4.safetensors"
+    write_nvfp4(path, smoothed=True)
+    want = forward(load_dit(path, dtype=torch.float32))
+    streamed = load_dit(path, dtype=torch.float32)
+    streamer = stream_blocks(streamed, "cpu", resident=1)
+    assert all(torch.equal(a, b) for a, b in zip(forward(streamed), want))
+    streamer.remove()
+
+
+def test_a_lora_on_an_nvfp4_model_is_hooked(tmp_path):
+    """Merging into NVFP4 weights would quantize again: runs hook LoRAs there (lora.run_mode), and the hook adds
+    the adapter as a merge into the dequantized weights does."""
+    from lora_files import random_spec, write_peft
+
+    path = tmp_path / "nvfp4.safetensors"
+    write_nvfp4(path, smoothed=True)
+    kept, dense = load_dit(path, dtype=torch.float32), load_dit(path, dtype=torch.float32, linears="dense")
+    assert run_mode(kept) == "dynamic" and run_mode(dense) == "merge"
+    lora = load_lora(write_peft(tmp_path / "lora.safetensors", random_spec(TINY_DIT, seed=9)))
+    plain = forward(kept)
+    apply_loras(kept, [(lora, 0.8)], partition="fl2va", mode="dynamic")
+    apply_loras(dense, [(lora, 0.8)], partition="fl2va", mode="merge")
+    adapted, merged = forward(kept), forward(dense)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(adapted, merged))
+    assert (adapted[0] - plain[0]).abs().max() > 1e-3  # the adapter really changes the output
+
+
+def test_compiled_blocks_rebuild_nvfp4_weights_as_eager_ones_do(tmp_path):
+    """The byte table is built inside a compiled graph (its cache stays outside): same output."""
+    path = tmp_path / "nvfp4.safetensors"
+    write_nvfp4(path, smoothed=True)
+    expected = forward(load_dit(path, dtype=torch.float32))[0]
+    compiled = load_dit(path, dtype=torch.float32).compile_blocks()
+    assert torch.allclose(forward(compiled)[0], expected, atol=1e-5)
+
+
+def test_nvfp4_is_read_from_single_files_only(tmp_path):
+    from reference_checkpoints import reference_dit, write_diffusers_folder
+    from safetensors.torch import load_file
+
+    folder = write_diffusers_folder(tmp_path / "transformer", reference_dit(TINY_DIT, seed=4), max_shard_size="10GB")
+    (shard,) = folder.glob("*.safetensors")
+    tensors = load_file(str(shard))
+    nvfp4_files.quantize_layers(tensors, ["transformer_blocks.0.ff.net.2"])
+    save_file(tensors, str(shard))
+    with pytest.raises(CheckpointError, match="holds NVFP4 weights; NVFP4 is read from ComfyUI-style single files"):
+        locate_dit(folder)
