@@ -9,6 +9,9 @@ same inputs in the same process (needs diffusers installed), one model on the GP
 `--curve-grid 1025` times the curve form of the pruned files (Comfy-Org's `*_pruned_*`: an 8-column AdaLN
 table instead of the time embedder and the 26 GB of AdaLN weights).
 
+`--nvfp4` holds the 200 block linears as an NVFP4 DiT file's are (random codes and scales; weight-only, each
+weight rebuilt in bf16 as it is used).
+
 `--image-references N` makes it a ref2va forward with N 1920x1080 image references, sized by
 `--reference-images` (the release's 2048 short edge, or canvas-lossy: the output's area).
 
@@ -49,6 +52,28 @@ def build_ours(config: DiTConfig) -> H3DiT:
     randomize_(model)
     model.rope_inv_freq = rope_inverse_frequencies(config).cuda()
     return model.eval().requires_grad_(False)
+
+
+def nvfp4_blocks(model: H3DiT) -> H3DiT:
+    """The block linears as NVFP4Linear with random codes and scales (weights of about the same spread)."""
+    from h3_core import fp8, nvfp4
+
+    layers = {}
+    for layer in fp8.block_linear_names(model):
+        linear = model.get_submodule(layer)
+        rows, columns = linear.out_features, linear.in_features
+        layers[layer] = nvfp4.NVFP4Entry((rows, columns // 2), (rows, columns // 16), (), smoothed=False)
+    nvfp4.NVFP4Load.plan(model, layers, keep=lambda layer: True, compute=torch.bfloat16,
+                         dense_dtype=lambda layer: torch.bfloat16)
+    g = torch.Generator("cuda").manual_seed(1)
+    for layer in layers:
+        module = model.get_submodule(layer)
+        module.to_empty(device="cuda")
+        module.weight.copy_(torch.randint(0, 256, module.weight.shape, device="cuda", generator=g, dtype=torch.uint8))
+        scales = torch.rand(module.weight_scale.shape, device="cuda", generator=g) * 0.5 + 0.5
+        module.weight_scale.copy_(scales.to(torch.float8_e4m3fn))
+        module.weight_scale_2.fill_(0.01)
+    return model
 
 
 def build_reference(config: DiTConfig):
@@ -152,6 +177,7 @@ def main():
                         help="how the image references are sized; several: one run each")
     parser.add_argument("--curve-grid", type=int, default=0,
                         help="the curve form (pruned files) with this many table rows, 8 columns (0: the full model)")
+    parser.add_argument("--nvfp4", action="store_true", help="block linears held NVFP4 (an nvfp4 DiT file's)")
     parser.add_argument("--vsa", type=float, default=None, metavar="SPARSITY",
                         help="FastH3 8-Step V2's model: a VSA gate in every block, Video Sparse Attention at SPARSITY")
     args = parser.parse_args()
@@ -160,6 +186,10 @@ def main():
     width, height = geometry.canvas_size(args.aspect_ratio)
     started = time.time()
     model = build_ours(config)
+    if args.nvfp4:
+        with torch.no_grad():
+            nvfp4_blocks(model)
+        torch.cuda.empty_cache()
     print(json.dumps({"built": "ours", "seconds": round(time.time() - started, 1),
                       "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 2)}), flush=True)
     backend = model.set_attention_backend(args.attention)
@@ -170,7 +200,8 @@ def main():
         model.compile_blocks()
     for mode in args.reference_images:
         bench("ours", model, config, args.frames, args.text_rows, width, height, args.repeats, args.image_references,
-              mode, attention=backend, compiled=args.compile, **({"curve_grid": args.curve_grid} if curve else {}))
+              mode, attention=backend, compiled=args.compile, **({"curve_grid": args.curve_grid} if curve else {}),
+              **({"linears": "nvfp4"} if args.nvfp4 else {}))
     del model
     torch.cuda.empty_cache()
     if args.reference:

@@ -9,7 +9,7 @@ import nvfp4_files
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_fp8 import BLOCK_LINEARS, cosine, forward, native_tensors
+from test_fp8 import BLOCK_LINEARS, CPU_SCALED, cosine, forward, native_tensors
 from torch import nn
 
 from h3_core import fp8, nvfp4
@@ -77,6 +77,7 @@ def test_an_nvfp4_file_keeps_its_linears_nvfp4(tmp_path, smoothed):
     assert fc1_bytes(kept) < fc1_bytes(dense) / 6  # half a byte a weight (and its scales) against four
 
 
+@CPU_SCALED
 def test_nvfp4_under_the_lossy_fp8_modes(tmp_path):
     """fp8-weights-lossy keeps NVFP4 (already smaller); fp8-lossy rebuilds the block linears and quantizes them
     to e4m3 per output channel for FP8 matmuls, as after loading (quantize_blocks); others stay NVFP4."""
@@ -185,6 +186,7 @@ def test_compiled_blocks_rebuild_nvfp4_weights_as_eager_ones_do(tmp_path):
 
 
 def test_nvfp4_is_read_from_single_files_only(tmp_path):
+    pytest.importorskip("diffusers", reason="the diffusers folder is written by diffusers (the test extra)")
     from reference_checkpoints import reference_dit, write_diffusers_folder
     from safetensors.torch import load_file
 
@@ -195,3 +197,20 @@ def test_nvfp4_is_read_from_single_files_only(tmp_path):
     save_file(tensors, str(shard))
     with pytest.raises(CheckpointError, match="holds NVFP4 weights; NVFP4 is read from ComfyUI-style single files"):
         locate_dit(folder)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nvfp4_linears_on_cuda_eager_and_compiled_equal_the_cpus(tmp_path):
+    path = tmp_path / "nvfp4.safetensors"
+    write_nvfp4(path, smoothed=True)
+    cpu, gpu = load_dit(path, dtype=torch.float32), load_dit(path, dtype=torch.float32, device="cuda")
+    g = torch.Generator().manual_seed(5)
+    for layer in BLOCKS + KEPT_OTHERS:
+        module = gpu.get_submodule(layer)
+        assert module.weight.is_cuda and isinstance(module, NVFP4Linear)
+        x = torch.randn(7, module.in_features, generator=g)
+        want = cpu.get_submodule(layer)(x)
+        with torch.no_grad():
+            eager, compiled = module(x.cuda()), torch.compile(module)(x.cuda())
+        assert torch.allclose(eager.cpu(), want, rtol=1e-5, atol=1e-5), layer
+        assert torch.allclose(compiled, eager, rtol=1e-5, atol=1e-5), layer
