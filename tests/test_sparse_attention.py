@@ -217,3 +217,14 @@ def test_compiled_blocks_run_sparse_attention_as_eager_ones_do():
     compiled = [x.cpu() for x in _denoise(model.compile_blocks())]
     for a, b in zip(eager, compiled):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+def test_block_lists_hold_each_query_tiles_selected_key_tiles_in_order():
+    from h3_core.sparse_attention import _block_lists
+
+    chosen = torch.rand(2, 3, 40, 40, generator=torch.Generator().manual_seed(4)) < 0.3
+    counts, lists = _block_lists(chosen)
+    assert torch.equal(counts, chosen.sum(dim=-1).int())
+    for b, h, row in zip(*(index.flatten() for index in torch.meshgrid(
+            torch.arange(2), torch.arange(3), torch.arange(40), indexing="ij"))):
+        assert lists[b, h, row, :counts[b, h, row]].tolist() == chosen[b, h, row].nonzero().flatten().tolist()
