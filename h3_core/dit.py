@@ -118,12 +118,15 @@ class Attention(nn.Module):
         return (q, k) if rope is None else (apply_rope(q, *rope), apply_rope(k, *rope))
 
     def _sparse(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SparsePlan) -> torch.Tensor:
-        """Video Sparse Attention (one device), its compressed branch gated by `gate_compress(x)` if the model has it."""
-        if self.sequence_parallel is not None:
-            raise ValueError("Video Sparse Attention runs on one device; the sequence-parallel split does not tile it.")
+        """Video Sparse Attention, its compressed branch gated by `gate_compress(x)` if the model has it (under the
+        sequence-parallel split, over this rank's heads and every row)."""
         batch, rows, _ = x.shape
         gate = None if self.gate_compress is None else self.gate_compress(x).view(batch, rows, self.heads, self.head_dim)
-        return self.out_proj(vsa_attention(q, k, v, plan.tiles, plan.sparsity, gate).reshape(batch, rows, -1))
+        if self.sequence_parallel is None:
+            out = vsa_attention(q, k, v, plan.tiles, plan.sparsity, gate)
+        else:
+            out = self.sequence_parallel.sparse_attention(q, k, v, gate, plan)
+        return self.out_proj(out.reshape(batch, rows, -1))
 
 
 class SwiGLU(nn.Module):

@@ -709,6 +709,10 @@ def model_dtype(source, settings: GenerateSettings) -> torch.dtype:
     return tiny_model_dtype(settings.device, settings.dtype) if source.tiny else settings.dtype
 
 
+VSA_NOTE = (f"attention: Video Sparse Attention, sparsity {STUDENT_SPARSITY:g} (the model's VSA gates: FastVideo's "
+            "FastH3 8-Step V2)")
+
+
 def _note_lines(notes, report) -> None:
     for line in report.lines():
         notes(line)
@@ -732,6 +736,8 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
         ), settings.devices, settings.shard_weights)
         notes(f"DiT split over {', '.join(map(str, settings.devices))} (sequence parallel"
               + (", sharded weights)" if settings.shard_weights else ")"))
+        if dit.config.vsa_gates:
+            notes(VSA_NOTE)
         return dit, MemoryPlan(0, 0, False, 0, True), None
 
     config = TINY_DIT if source.tiny else (dit_source.config or infer_config(dit_source))
@@ -777,8 +783,7 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
                  if settings.attention_window_dense_steps else ""))
     if config.vsa_gates:
         dit.set_sparse_attention(STUDENT_SPARSITY)
-        notes(f"attention: Video Sparse Attention, sparsity {STUDENT_SPARSITY:g} (the model's VSA gates: FastVideo's "
-              "FastH3 8-Step V2)")
+        notes(VSA_NOTE)
     if settings.compile:  # streaming hooks stay outside the compiled block forward
         dit.compile_blocks()
         notes("blocks compiled (the first step pays the compile)")
@@ -786,10 +791,7 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
 
 
 def _check_vsa_student(settings: GenerateSettings) -> None:
-    """A VSA-trained DiT runs its sparse attention on one device, with no other thinning of it."""
-    if len(settings.devices) > 1:
-        raise RequestError("This DiT carries Video Sparse Attention gates (FastH3 8-Step V2): it runs on one device; "
-                           "drop --devices.")
+    """A VSA-trained DiT runs its sparse attention with no other thinning of it."""
     if settings.attention_window:
         raise RequestError("This DiT carries Video Sparse Attention gates (FastH3 8-Step V2): its attention is sparse "
                            "already; drop --attention-window-lossy.")

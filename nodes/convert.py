@@ -66,8 +66,9 @@ class ModelHandle:
 
     @property
     def vsa_student(self) -> bool:
-        """A DiT with VSA gates (FastH3 8-Step V2): it samples on its own ladder (lora.VSA_STUDENT_CONTRACT)."""
-        return not self.split and self.dit.config.vsa_gates
+        """A DiT with VSA gates (FastH3 8-Step V2): it samples on its own ladder (lora.VSA_STUDENT_CONTRACT). A split
+        DiT's placement knows its config from the headers."""
+        return self.dit.config.vsa_gates
 
 
 @dataclass(frozen=True)

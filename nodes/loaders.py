@@ -141,9 +141,9 @@ class H3ModelLoader(io.ComfyNode):
         if tiny:
             dtype = tiny_model_dtype(target, dtype)
         student = not tiny and vsa_student(locate_dit(path, partition))
-        if student and (split or window):
-            raise ValueError("This DiT carries Video Sparse Attention gates (FastH3 8-Step V2): it runs its own sparse "
-                             "attention on one device; clear devices and attention_window_lossy.")
+        if student and window:
+            raise ValueError("This DiT carries Video Sparse Attention gates (FastH3 8-Step V2): its attention is sparse "
+                             "already; clear attention_window_lossy.")
         if split:
             spec = ModelSpec(TINY_RANDOM if tiny else str(path), partition, dtype, attention, linears=linears,
                              compile=bool(compile), attention_window=window, attention_window_dense_steps=dense_steps)

@@ -185,8 +185,7 @@ def test_info_names_every_model_a_path_holds(model_sets, capsys):
 def test_a_vsa_student_runs_on_its_ladder_with_sparse_attention(model_sets, tmp_path, monkeypatch, capsys):
     """A DiT with VSA gates (FastH3 8-Step V2's layout: a diffusers transformer folder plus `to_gate_compress`
     per block): its contract's 8 forwards, every block's attention through Video Sparse Attention at sparsity
-    0.8 with its gate; what it cannot run with (the attention window, several devices) refused before anything
-    loads."""
+    0.8 with its gate, on one device or split over two; the attention window refused before anything loads."""
     from reference_checkpoints import write_diffusers_folder
     from safetensors.torch import save_file
 
@@ -213,10 +212,16 @@ def test_a_vsa_student_runs_on_its_ladder_with_sparse_attention(model_sets, tmp_
     assert "Video Sparse Attention, sparsity 0.8" in err
     assert len(calls) == 8 * TINY_DIT.num_layers and {call[4] for call in calls} == {0.8}
     assert all(call[5] is not None for call in calls)  # the gates
-    for refused in (["--attention-window-lossy", "2"], ["--devices", "cpu,cpu"]):
-        monkeypatch.setattr(pipeline, "load_text_encoder", lambda *a, **k: pytest.fail("loaded before the refusal"))
-        assert main(argv + refused) != 0
-        assert "Video Sparse Attention gates" in capsys.readouterr().err
+    # split over two devices (sequence parallel: each rank's heads over every row's tiles): the same latents
+    one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
+    assert main(argv + ["--save-latents", str(one)]) == 0
+    assert main(argv + ["--devices", "cpu,cpu", "--save-latents", str(two)]) == 0
+    assert "Video Sparse Attention, sparsity 0.8" in capsys.readouterr().err
+    for key, value in load_file(str(one)).items():
+        assert torch.allclose(load_file(str(two))[key], value, rtol=1e-4, atol=1e-5), key
+    monkeypatch.setattr(pipeline, "load_text_encoder", lambda *a, **k: pytest.fail("loaded before the refusal"))
+    assert main(argv + ["--attention-window-lossy", "2"]) != 0
+    assert "Video Sparse Attention gates" in capsys.readouterr().err
 
 
 def test_an_nvfp4_dit_file_generates_with_its_lora_hooked(model_sets, tmp_path, monkeypatch, capsys):

@@ -688,8 +688,8 @@ def test_a_streamed_text_encoder_read_into_too_little_cpu_memory_is_warned_about
 
 def test_a_vsa_student_samples_on_its_ladder_with_sparse_attention(comfy, monkeypatch):
     """A DiT file carrying VSA gates (FastH3 8-Step V2): the loader turns its Video Sparse Attention on and
-    refuses what it cannot run with (several devices, the attention window); the sampler's automatic
-    steps are its contract's 8 forwards, every block through VSA with its gate."""
+    refuses the attention window; the sampler's automatic steps are its contract's 8 forwards, every block through
+    VSA with its gate; split over two devices it samples the same."""
     from h3_core import dit as dit_module
 
     c = comfy
@@ -697,14 +697,18 @@ def test_a_vsa_student_samples_on_its_ladder_with_sparse_attention(comfy, monkey
     student = seeded_random_weights(H3DiT(dataclasses.replace(CONFIG, vsa_gates=True)), TINY_SEED)
     save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in student.state_dict().items()},
               str(c.tmp / "diffusion_models" / name))
-    for refused in ({"devices": "cpu,cpu"}, {"attention_window_lossy": 2}):
-        with pytest.raises(ValueError, match="Video Sparse Attention gates"):
-            _load(c, name, **refused)
+    with pytest.raises(ValueError, match="Video Sparse Attention gates"):
+        _load(c, name, attention_window_lossy=2)
     model = _load(c, name)
     assert model.vsa_student and model.dit.sparse_attention == 0.8 and not _load(c).vsa_student
     calls = []
     real = dit_module.vsa_attention
     monkeypatch.setattr(dit_module, "vsa_attention", lambda *a: calls.append(a) or real(*a))
-    c.sampler.H3Sampler.execute(model, _cond(c), 5, 0, 0.0, 0.0)
+    cond = _cond(c)
+    one = c.sampler.H3Sampler.execute(model, cond, 5, 0, 0.0, 0.0).values[0][0]
     assert len(calls) == 8 * CONFIG.num_layers and {call[4] for call in calls} == {0.8}
     assert all(call[5] is not None for call in calls)
+    split = _load(c, name, devices="cpu,cpu")
+    assert split.split and split.vsa_student
+    two = c.sampler.H3Sampler.execute(split, cond, 5, 0, 0.0, 0.0).values[0][0]
+    assert all(torch.allclose(two[key], one[key], rtol=1e-4, atol=1e-5) for key in ("video", "audio"))

@@ -5,7 +5,8 @@ modulation, RoPE, the projections and the FFN are per-row work, so they run on t
 Attention needs every row, so q, k, v trade rows for heads with one all-to-all
 ([B, S/P, H, D] -> [B, S, H/P, D]), each rank attends with its H/P heads over the whole sequence
 (exact: a head's attention is independent of the others), and a second all-to-all trades back.
-H must divide by P (56 heads: P = 1, 2, 4, 7, 8).
+H must divide by P (56 heads: P = 1, 2, 4, 7, 8). Video Sparse Attention splits the same way: its tiles cover
+every row and each head selects its own.
 
 Padding: S is padded up to a multiple of P so every rank holds the same number of rows. The pad rows
 are zeros; they are dropped before attention (they never enter a softmax) and again when the slices
@@ -19,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..attention import attention
+from ..sparse_attention import SparsePlan, vsa_attention
 
 # torch 2.13 renamed all_gather_into_tensor (and warns on the old name); 2.11 has only the old one.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -63,6 +65,13 @@ class SequenceParallel:
         """q, k, v [B, S/P, H, D] (this rank's rows, all heads) -> attention output, same shape. Attention
         sees every row, so a `window` (sequence positions) applies unchanged."""
         out = attention(self._to_heads(q), self._to_heads(k), self._to_heads(v), backend, window)  # pad rows never attend
+        return self._to_rows(out)
+
+    def sparse_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None,
+                         plan: SparsePlan) -> torch.Tensor:
+        """Video Sparse Attention of this rank's rows (q, k, v and the gate [B, S/P, H, D]), as `attention`."""
+        heads = [self._to_heads(t) for t in (q, k, v)]
+        out = vsa_attention(*heads, plan.tiles, plan.sparsity, None if gate is None else self._to_heads(gate))
         return self._to_rows(out)
 
     def _to_heads(self, t: torch.Tensor) -> torch.Tensor:
