@@ -195,7 +195,7 @@ def _naming(keys: list[str], path: Path) -> str:
 
 def vsa_student(source: DiTSource) -> bool:
     """Whether the DiT carries FastVideo's VSA gates (FastH3 8-Step V2): it runs Video Sparse Attention on its
-    own ladder (lora.VSA_STUDENT_CONTRACT), eagerly on one device."""
+    own ladder (lora.VSA_STUDENT_CONTRACT)."""
     return (source.config or infer_config(source)).vsa_gates
 
 
