@@ -40,8 +40,8 @@ BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 
 # How the DiT's linears are held (`load_dit(linears=...)`, `h3 ... --linears`). Lossy ones say so.
 LINEAR_MODES = {
-    "checkpoint": "as the checkpoint stores them (an fp8_scaled file's FP8 linears stay FP8, weight-only compute)",
-    "dense": "an fp8_scaled file's FP8 weights dequantized into the model dtype at load",
+    "checkpoint": "as the checkpoint stores them (a file's FP8, int8 or NVFP4 linears stay so, weight-only compute)",
+    "dense": "a quantized file's FP8, int8 or NVFP4 weights dequantized into the model dtype at load",
     "fp8-weights-lossy": "block linears stored FP8 (quantized at load), weight-only compute: half the bytes",
     "fp8-lossy": "block linears FP8 (an int8 file's requantized) and their inputs FP8 per row: FP8 tensor-core "
                  "matmuls (Hopper/Ada)",

@@ -712,3 +712,28 @@ def test_a_vsa_student_samples_on_its_ladder_with_sparse_attention(comfy, monkey
     assert split.split and split.vsa_student
     two = c.sampler.H3Sampler.execute(split, cond, 5, 0, 0.0, 0.0).values[0][0]
     assert all(torch.allclose(two[key], one[key], rtol=1e-4, atol=1e-5) for key in ("video", "audio"))
+
+
+def test_an_nvfp4_dit_file_stays_nvfp4_and_samples_as_its_dense_weights(comfy):
+    """Comfy-Org's nvfp4 DiT files through the Model Loader: the block linears are held NVFP4 (the memory plan
+    counts them so) and the sampler's latents are those of a dense file holding the weights they stand for."""
+    import nvfp4_files
+
+    from h3_core.fp8 import held_format
+    from h3_core.nvfp4 import NVFP4Linear
+
+    c = comfy
+    tensors = {k: v.contiguous() for k, v in seeded_random_weights(H3DiT(CONFIG), TINY_SEED).state_dict().items()}
+    dense = dict(tensors)
+    layers = [f"blocks.{i}.{leaf}" for i in range(CONFIG.num_layers)
+              for leaf in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")]
+    for layer, (values, _) in nvfp4_files.quantize_layers(tensors, layers).items():
+        dense[f"{layer}.weight"] = values.float()
+    for name, state in (("h3_tiny_nvfp4.safetensors", tensors), ("h3_tiny_dense.safetensors", dense)):
+        save_file({f"model.diffusion_model.{k}": v for k, v in state.items()}, str(c.tmp / "diffusion_models" / name))
+    quantized, plain = _load(c, "h3_tiny_nvfp4.safetensors"), _load(c, "h3_tiny_dense.safetensors")
+    assert all(isinstance(quantized.dit.get_submodule(layer), NVFP4Linear) for layer in layers)
+    assert held_format(quantized.dit) == "nvfp4" and held_format(plain.dit) == "dense"
+    cond = _cond(c)
+    a, b = _sample(c, quantized, cond), _sample(c, plain, cond)
+    assert all(torch.allclose(a[key], b[key], rtol=1e-5, atol=1e-6) for key in ("video", "audio"))
