@@ -212,10 +212,11 @@ def test_a_vsa_student_runs_on_its_ladder_with_sparse_attention(model_sets, tmp_
     assert "Video Sparse Attention, sparsity 0.8" in err
     assert len(calls) == 8 * TINY_DIT.num_layers and {call[4] for call in calls} == {0.8}
     assert all(call[5] is not None for call in calls)  # the gates
-    # split over two devices (sequence parallel: each rank's heads over every row's tiles): the same latents
+    # split over two devices (sequence parallel: each rank's heads over every row's tiles), blocks compiled there:
+    # the same latents
     one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
     assert main(argv + ["--save-latents", str(one)]) == 0
-    assert main(argv + ["--devices", "cpu,cpu", "--save-latents", str(two)]) == 0
+    assert main(argv + ["--devices", "cpu,cpu", "--compile", "--save-latents", str(two)]) == 0
     assert "Video Sparse Attention, sparsity 0.8" in capsys.readouterr().err
     for key, value in load_file(str(one)).items():
         assert torch.allclose(load_file(str(two))[key], value, rtol=1e-4, atol=1e-5), key
