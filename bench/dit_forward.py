@@ -58,11 +58,9 @@ def nvfp4_blocks(model: H3DiT) -> H3DiT:
     """The block linears as NVFP4Linear with random codes and scales (weights of about the same spread)."""
     from h3_core import fp8, nvfp4
 
-    layers = {}
-    for layer in fp8.block_linear_names(model):
-        linear = model.get_submodule(layer)
-        rows, columns = linear.out_features, linear.in_features
-        layers[layer] = nvfp4.NVFP4Entry((rows, columns // 2), (rows, columns // 16), (), smoothed=False)
+    layers = {layer: nvfp4.NVFP4Entry.for_linear(model.get_submodule(layer).out_features,
+                                                 model.get_submodule(layer).in_features)
+              for layer in fp8.block_linear_names(model)}
     nvfp4.NVFP4Load.plan(model, layers, keep=lambda layer: True, compute=torch.bfloat16,
                          dense_dtype=lambda layer: torch.bfloat16)
     g = torch.Generator("cuda").manual_seed(1)

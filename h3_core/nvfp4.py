@@ -85,11 +85,16 @@ class NVFP4Entry:
     weight_scale_2: tuple[int, ...]
     smoothed: bool
 
+    @classmethod
+    def for_linear(cls, out_features: int, in_features: int, smoothed: bool = False) -> "NVFP4Entry":
+        """What an [out, in] linear's NVFP4 tensors are (sizes padded to 16, block scales in the blocked layout)."""
+        rows, columns = round_up(out_features, BLOCK), round_up(in_features, BLOCK)
+        return cls((rows, columns // 2), (round_up(rows, 128), round_up(columns // BLOCK, 4)), (), smoothed)
+
     def check(self, layer: str, in_features: int, out_features: int) -> None:
         """The shapes an [out, in] linear's NVFP4 tensors must have; a CheckpointError naming the layer."""
-        rows, columns = round_up(out_features, BLOCK), round_up(in_features, BLOCK)
-        expected = {"weight": (rows, columns // 2),
-                    "weight_scale": round_up(rows, 128) * round_up(columns // BLOCK, 4), "weight_scale_2": 1}
+        want = NVFP4Entry.for_linear(out_features, in_features)
+        expected = {"weight": want.weight, "weight_scale": math.prod(want.weight_scale), "weight_scale_2": 1}
         got = {"weight": self.weight, "weight_scale": math.prod(self.weight_scale),
                "weight_scale_2": math.prod(self.weight_scale_2)}
         wrong = [f"{leaf} {got[leaf]} (expected {want})" for leaf, want in expected.items() if got[leaf] != want]

@@ -130,11 +130,9 @@ def test_memory_plan_counts_what_nvfp4_blocks_hold():
     real = DiTConfig()
     with torch.device("meta"):
         block_model = H3DiT(replace(real, num_layers=1)).set_dtype(torch.bfloat16)
-    layers = {}
-    for layer in fp8.block_linear_names(block_model):
-        linear = block_model.get_submodule(layer)
-        rows, columns = linear.out_features, linear.in_features
-        layers[layer] = nvfp4.NVFP4Entry((rows, columns // 2), (rows, columns // 16), (), smoothed=True)
+    layers = {layer: nvfp4.NVFP4Entry.for_linear(block_model.get_submodule(layer).out_features,
+                                                 block_model.get_submodule(layer).in_features, smoothed=True)
+              for layer in fp8.block_linear_names(block_model)}
     nvfp4.NVFP4Load.plan(block_model, layers, keep=lambda layer: True, compute=torch.bfloat16,
                          dense_dtype=lambda layer: torch.bfloat16)
     assert fp8.held_format(block_model) == "nvfp4"
