@@ -193,6 +193,12 @@ def _naming(keys: list[str], path: Path) -> str:
     )
 
 
+def with_config(source: DiTSource) -> DiTSource:
+    """`source` with its config (a single file's read off its headers here), so the checks and the reader that
+    follow do not read the headers again."""
+    return source if source.config is not None else dataclasses.replace(source, config=infer_config(source))
+
+
 def vsa_student(source: DiTSource) -> bool:
     """Whether the DiT carries FastVideo's VSA gates (FastH3 8-Step V2): it runs Video Sparse Attention on its
     own ladder (lora.VSA_STUDENT_CONTRACT)."""

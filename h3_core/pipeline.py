@@ -21,7 +21,7 @@ import torch
 
 from . import geometry, media_read
 from .attention import resolve_backend
-from .checkpoint import DiTReader, held_linears, infer_config, load_dit, locate_dit, vsa_student  # noqa: F401 (load_dit: engine API, above)
+from .checkpoint import DiTReader, held_linears, load_dit, locate_dit, vsa_student, with_config  # noqa: F401 (load_dit: engine API, above)
 from .config import TINY_DIT
 from .memory_plan import GIB, MemoryPlan, free_bytes, plan_for, usable_bytes
 from .offload import load_device, place
@@ -426,7 +426,7 @@ def generate_batch(
     loras = [(load_lora(path), float(strength)) for path, strength in settings.loras]
     for lora, _ in loras:
         lora.terms_for(partition)  # an adapter for the other partition is refused before loading
-    dit_source = None if source.tiny else locate_dit(source.root, partition)
+    dit_source = None if source.tiny else with_config(locate_dit(source.root, partition))
     student = dit_source is not None and vsa_student(dit_source)
     if student:
         _check_vsa_student(settings)
@@ -740,7 +740,7 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
             notes(VSA_NOTE)
         return dit, MemoryPlan(0, 0, False, 0, True), None
 
-    config = TINY_DIT if source.tiny else (dit_source.config or infer_config(dit_source))
+    config = TINY_DIT if source.tiny else with_config(dit_source).config
     plan = plan_for(config, largest_layout(conditioning), steps, device, settings.gpu_memory,
                     held=held_linears(dit_source, settings.linears))
     if not plan.fits:

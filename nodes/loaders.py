@@ -9,7 +9,7 @@ import torch
 from comfy_api.latest import io
 
 from h3_core.attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
-from h3_core.checkpoint import DiTReader, locate_dit, vsa_student
+from h3_core.checkpoint import DiTReader, locate_dit, vsa_student, with_config
 from h3_core.fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
 from h3_core.local_attention import check_setting as check_window_setting
 from h3_core.parallel import ModelSpec
@@ -141,7 +141,8 @@ class H3ModelLoader(io.ComfyNode):
         label = f"H3 DiT ({partition}, {TINY_RANDOM if tiny else Path(path).name})"
         if tiny:
             dtype = tiny_model_dtype(target, dtype)
-        student = not tiny and vsa_student(locate_dit(path, partition))
+        source = None if tiny else with_config(locate_dit(path, partition))  # headers read once, here
+        student = not tiny and vsa_student(source)
         if student and window:
             raise ValueError("This DiT carries Video Sparse Attention gates (FastH3 8-Step V2): its attention is sparse "
                              "already; clear attention_window_lossy.")
@@ -156,7 +157,7 @@ class H3ModelLoader(io.ComfyNode):
             dit = tiny_random_dit(dtype, target)
             apply_linear_mode(dit, linears, target)
         else:  # headers only: the weights are read at the first run, once the prompt is encoded
-            reader = DiTReader(path, partition, dtype, linears=linears, device=target)
+            reader = DiTReader(source, partition, dtype, linears=linears, device=target)
             dit = reader.model
         dit.set_attention(chosen, window, dense_steps)  # chosen for the compute device
         if student:
