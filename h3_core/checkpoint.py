@@ -59,7 +59,7 @@ def held_linears(source: DiTSource | None, mode: str) -> str:
     if source is not None and mode != "dense" and source.nvfp4_layers:
         return "nvfp4"
     if source is not None and mode != "dense" and source.fp8_layers:
-        return "fp8"
+        return "int4" if any(entry.packed for entry in source.fp8_layers.values()) else "fp8"
     return "fp8" if mode == "fp8-weights-lossy" else "dense"
 
 
@@ -142,7 +142,7 @@ def _single_file(path: Path) -> DiTSource:
         return None if name in nvfp4_layers or name.rpartition(".")[0] in nvfp4_layers else name
 
     layers = _fp8_layers((path,), naming == "native", outside_nvfp4)
-    held = "NVFP4" if nvfp4_layers else "FP8" if layers else None
+    held = "NVFP4" if nvfp4_layers else "int4" if any(e.packed for e in layers.values()) else "FP8" if layers else None
     return DiTSource((path,), naming, "stacked", None, f"single file ({held})" if held else "single file", layers,
                      nvfp4_layers)
 
@@ -209,6 +209,7 @@ def infer_config(source: DiTSource) -> DiTConfig:
     """Read a config off the tensor shapes (single files ship none)."""
     shapes: dict[str, tuple[int, ...]] = {}
     inv_freq = None
+    packed = set(source.nvfp4_layers) | {layer for layer, entry in source.fp8_layers.items() if entry.packed}
     for path in source.files:
         with safe_open(path, "pt") as handle:
             for key in handle.keys():
@@ -216,7 +217,7 @@ def infer_config(source: DiTSource) -> DiTConfig:
                 if source.naming == "diffusers":
                     name = keymap.diffusers_to_native_name(name)[0]
                 shapes[name] = tuple(handle.get_slice(key).get_shape())
-                if name.removesuffix(".weight") in source.nvfp4_layers and len(shapes[name]) == 2:
+                if name.removesuffix(".weight") in packed and len(shapes[name]) == 2:
                     shapes[name] = (shapes[name][0], 2 * shapes[name][1])  # two 4-bit weights a byte
                 if name == "rope.inv_freq":
                     inv_freq = handle.get_tensor(key)

@@ -12,7 +12,10 @@ Only the 200 token-wise block linears (qkv, out, fc1, fc2 of the 50 blocks) and,
 AdaLN projections are ever FP8: the fp32 patch projections, time embedder and output heads, the text
 projection and the token refiner stay as they are (they are < 1% of the work and the most sensitive).
 ComfyUI's int8 files (`*_int8_convrot`) are held the same weight-only way: int8 with a scale per row, each
-weight's ConvRot rotation (a Hadamard matrix over groups of input columns) turned back as it is rebuilt.
+weight's ConvRot rotation (a Hadamard matrix over groups of input columns) turned back as it is rebuilt. Its
+int4 files (format `convrot_w4a4`: two signed 4-bit values a byte, the even column in the low nibble, a scale
+per row, ConvRot-rotated) too, weight-only: the activations stay in the compute dtype (ComfyUI's own kernels
+also round them to int4).
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 
 # How the DiT's linears are held (`load_dit(linears=...)`, `h3 ... --linears`). Lossy ones say so.
 LINEAR_MODES = {
-    "checkpoint": "as the checkpoint stores them (a file's FP8, int8 or NVFP4 linears stay so, weight-only compute)",
-    "dense": "a quantized file's FP8, int8 or NVFP4 weights dequantized into the model dtype at load",
+    "checkpoint": "as the checkpoint stores them (a file's FP8, int8, int4 or NVFP4 linears stay so, weight-only "
+                  "compute)",
+    "dense": "a quantized file's FP8, int8, int4 or NVFP4 weights dequantized into the model dtype at load",
     "fp8-weights-lossy": "block linears stored FP8 (quantized at load), weight-only compute: half the bytes",
     "fp8-lossy": "block linears FP8 (an int8 file's requantized) and their inputs FP8 per row: FP8 tensor-core "
                  "matmuls (Hopper/Ada)",
@@ -83,12 +87,22 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.view(-1)
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rotation: int = 0) -> torch.Tensor:
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rotation: int = 0,
+               packed: bool = False) -> torch.Tensor:
     """weight * scale in fp32, then rounded once to `dtype`; scale [] or [out]. `rotation` > 0: the weight was
-    stored ConvRot-rotated in groups of that many input columns, which are turned back first."""
+    stored ConvRot-rotated in groups of that many input columns, which are turned back first. `packed`: int4
+    values two a byte (`unpack_int4`)."""
     scale = scale.float()
-    dense = weight.float() * (scale.view(-1, 1) if scale.ndim else scale)
+    dense = (unpack_int4(weight) if packed else weight).float() * (scale.view(-1, 1) if scale.ndim else scale)
     return (unrotate(dense, rotation) if rotation else dense).to(dtype)
+
+
+def unpack_int4(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in / 2] int8, two signed 4-bit values a byte (the even column in the low nibble) -> [out, in] int8."""
+    low = weight & 0x0F
+    low = low - ((low & 0x08) << 1)  # sign of the low nibble
+    high = weight >> 4  # arithmetic: the high nibble with its sign
+    return torch.stack((low, high), dim=-1).view(weight.shape[0], weight.shape[1] * 2)
 
 
 def hadamard(size: int, device: torch.device | None = None) -> torch.Tensor:
@@ -167,18 +181,19 @@ class FP8Linear(StoredLinear):
     docstring for the two `matmul` ways. Outputs are in `compute_dtype`. The parameter names are the
     fp8_scaled files' (`.weight`, `.weight_scale`), so state dicts load and stream as they are.
     A ComfyUI int8 file's linears are held the same way (`weight_dtype` int8, weight-only), their ConvRot
-    rotation (`rotation`: its group size) turned back each time the weight is rebuilt."""
-
-    held = "fp8"  # a byte a weight, e4m3 or int8
+    rotation (`rotation`: its group size) turned back each time the weight is rebuilt; an int4 file's too,
+    `packed` two values a byte."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, per_channel: bool = True,
                  compute_dtype: torch.dtype = torch.bfloat16, matmul: str = "dequantize",
-                 activations: str = "row", weight_dtype: torch.dtype = FP8, device=None, rotation: int = 0):
+                 activations: str = "row", weight_dtype: torch.dtype = FP8, device=None, rotation: int = 0,
+                 packed: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.compute_dtype = compute_dtype
-        self.rotation = rotation
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=weight_dtype, device=device), requires_grad=False)
+        self.rotation, self.packed = rotation, packed
+        stored = (out_features, in_features // 2 if packed else in_features)
+        self.weight = nn.Parameter(torch.empty(stored, dtype=weight_dtype, device=device), requires_grad=False)
         scale_shape = (out_features,) if per_channel else ()
         self.weight_scale = nn.Parameter(torch.ones(scale_shape, dtype=torch.float32, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=compute_dtype, device=device), requires_grad=False) if bias else None
@@ -208,8 +223,13 @@ class FP8Linear(StoredLinear):
         self.activations = activations
         return self
 
+    @property
+    def held(self) -> str:
+        """memory_plan.HELD_FORMATS: a byte a weight (e4m3 or int8), or half a byte (int4)."""
+        return "int4" if self.packed else "fp8"
+
     def dequantized_weight(self) -> torch.Tensor:
-        return dequantize(self.weight, self.weight_scale, self.compute_dtype, self.rotation)
+        return dequantize(self.weight, self.weight_scale, self.compute_dtype, self.rotation, self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.matmul == "scaled":
@@ -308,6 +328,7 @@ def apply_linear_mode(model: nn.Module, mode: str, device: torch.device | str | 
 
 FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 INT8_FORMAT = "int8_tensorwise"  # ComfyUI's int8 files (`*_int8_convrot`): held weight-only, like FP8 ones
+INT4_FORMAT = "convrot_w4a4"  # ComfyUI's int4 ConvRot files: held weight-only too, two values a byte
 HEADER_FP8 = {name: dtype for name, dtype in HEADER_DTYPES.items() if name.startswith("F8_")}
 DROPPED_LEAVES = ("comfy_quant", "input_scale", "scale_input")
 SCALE_LEAVES = ("weight_scale", "scale_weight")
@@ -321,7 +342,8 @@ class FP8Entry:
     dtype: torch.dtype
     scale_shape: tuple[int, ...]
     scaled: bool  # False: FP8 weight without a scale (scale 1)
-    rotation: int = 0  # int8 ConvRot: the rotation's group size (input columns)
+    rotation: int = 0  # int8 / int4 ConvRot: the rotation's group size (input columns)
+    packed: bool = False  # int4: two values a byte
 
 
 def checkpoint_fp8_layers(files: Iterable[Path], rename: Callable[[str], str | None] = keymap.strip_prefix
@@ -340,13 +362,13 @@ def checkpoint_fp8_layers(files: Iterable[Path], rename: Callable[[str], str | N
                 old = FP8_FORMATS["float8_e5m2"] if dtype == "F8_E5M2" else FP8_FORMATS["float8_e4m3fn"]
                 for name in keys:
                     if name.endswith(".scale_weight"):
-                        formats.setdefault(name[: -len(".scale_weight")], (old, 0))
+                        formats.setdefault(name[: -len(".scale_weight")], (old, 0, False))
             for name, key in keys.items():
                 if not name.endswith(".weight"):
                     continue
                 layer = name[: -len(".weight")]
                 header = handle.get_slice(key).get_dtype()
-                dtype, rotation = formats.get(layer, (HEADER_FP8.get(header), 0))
+                dtype, rotation, packed = formats.get(layer, (HEADER_FP8.get(header), 0, False))
                 scale_key = next((keys[f"{layer}.{leaf}"] for leaf in SCALE_LEAVES if f"{layer}.{leaf}" in keys), None)
                 if dtype is None:
                     if scale_key is not None:
@@ -371,35 +393,41 @@ def checkpoint_fp8_layers(files: Iterable[Path], rename: Callable[[str], str | N
                         f"The scale of '{key}' in {path.name} has shape {list(scale_shape)}; expected one value "
                         f"or one per output channel ({shape[0]})."
                     )
-                layers[layer] = FP8Entry(dtype, () if numel == 1 else (shape[0],), scale_key is not None, rotation)
+                if packed and numel != shape[0]:
+                    raise CheckpointError(f"int4 layer '{key}' in {path.name} needs a scale per row ({shape[0]}), "
+                                          f"has {numel}.")
+                layers[layer] = FP8Entry(dtype, () if numel == 1 else (shape[0],), scale_key is not None, rotation,
+                                         packed)
     return layers
 
 
-def layer_formats(handle, keys: dict[str, str], path: Path,
-                  rename: Callable[[str], str | None] = keymap.strip_prefix) -> dict[str, tuple[torch.dtype, int]]:
-    """(dtype, ConvRot group or 0) per layer (our names: `keys` maps them to the file's, `rename` the
+def layer_formats(handle, keys: dict[str, str], path: Path, rename: Callable[[str], str | None] = keymap.strip_prefix
+                  ) -> dict[str, tuple[torch.dtype, int, bool]]:
+    """(dtype, ConvRot group or 0, packed int4) per layer (our names: `keys` maps them to the file's, `rename` the
     metadata's layer names), as `X.comfy_quant` tensors or the `_quantization_metadata` file metadata name
-    them: FP8, or int8 ("int8_tensorwise", optionally ConvRot-rotated)."""
+    them: FP8; int8 ("int8_tensorwise", optionally ConvRot-rotated); int4 ("convrot_w4a4", ConvRot-rotated)."""
     formats = {}
     for layer, conf in quant_records(handle, keys, path, rename).items():
         fmt = conf.get("format")
-        if fmt == INT8_FORMAT:
-            rotation = int(conf.get("convrot_groupsize", 256)) if conf.get("convrot") else 0
+        params = conf.get("params") if isinstance(conf.get("params"), dict) else {}  # ComfyUI reads either place
+        if fmt in (INT8_FORMAT, INT4_FORMAT):
+            rotated = fmt == INT4_FORMAT or conf.get("convrot", params.get("convrot", False))
+            rotation = int(conf.get("convrot_groupsize", params.get("convrot_groupsize", 256))) if rotated else 0
             if rotation:
                 try:
                     check_rotation_group(rotation)
                 except ValueError:
                     raise CheckpointError(f"{path.name} rotates '{layer}' in groups of {rotation}; ConvRot groups "
                                           "are powers of 4.") from None
-            formats[layer] = (torch.int8, rotation)
+            formats[layer] = (torch.int8, rotation, fmt == INT4_FORMAT)
             continue
         if fmt not in FP8_FORMATS:
             raise CheckpointError(
                 f"{path.name} quantizes '{layer}' as {fmt!r}; this loader reads FP8 (float8_e4m3fn / float8_e5m2, "
-                "the 'fp8_scaled' files), int8 ('int8_tensorwise', ConvRot-rotated or not) and unquantized H3 "
-                "files only."
+                "the 'fp8_scaled' files), int8 ('int8_tensorwise', ConvRot-rotated or not), int4 ('convrot_w4a4'), "
+                "NVFP4 ('nvfp4') and unquantized H3 files only."
             )
-        formats[layer] = (FP8_FORMATS[fmt], 0)
+        formats[layer] = (FP8_FORMATS[fmt], 0, False)
     return formats
 
 
@@ -522,7 +550,7 @@ class FP8Load:
                 yield f"{layer}.weight_scale", parts["scale"], where
             else:
                 dense = dequantize(parts["weight"].to(device), parts["scale"].to(device), self.dense_dtype[layer],
-                                   entry.rotation)
+                                   entry.rotation, entry.packed)
                 if layer in self.quantized:  # an int8 (or e5m2) block linear under fp8-lossy
                     weight, scale = quantize_weight(dense)
                     yield f"{layer}.weight", weight, where
@@ -555,4 +583,5 @@ def _keepable(module: nn.Module, entry: FP8Entry) -> bool:
 def _held_as_stored(module: nn.Linear, entry: FP8Entry, compute: torch.dtype, matmul: str) -> FP8Linear:
     """A meta FP8Linear in place of `module` that holds the file's weight and scale as they are stored."""
     return FP8Linear(module.in_features, module.out_features, module.bias is not None, bool(entry.scale_shape),
-                     compute, matmul, weight_dtype=entry.dtype, device="meta", rotation=entry.rotation)
+                     compute, matmul, weight_dtype=entry.dtype, device="meta", rotation=entry.rotation,
+                     packed=entry.packed)

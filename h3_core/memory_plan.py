@@ -41,7 +41,7 @@ class MemoryPlan:
         return f"{mode}, {adaln}; expected peak {self.expected_peak_bytes / GIB:.2f} GiB"
 
 
-HELD_FORMATS = ("dense", "fp8", "nvfp4")  # how the block linears are held (fp8.held_format)
+HELD_FORMATS = ("dense", "fp8", "int4", "nvfp4")  # how the block linears are held (fp8.held_format)
 
 
 def check_held(held: str) -> str:
@@ -54,14 +54,15 @@ def block_weight_bytes(config: DiTConfig, dtype_bytes: int, held: str = "dense",
     """Attention + FFN + norms of one block (what streams; its AdaLN projection does not), with its VSA gate
     (`config.vsa_gates`, never quantized) unless it is a `refiner` block. `held` (HELD_FORMATS): the four
     linears in the model dtype; as FP8 or int8 (fp8.FP8Linear: a byte a weight plus an fp32 scale per output
-    channel); or as NVFP4 (nvfp4.NVFP4Linear: half a byte a weight, an e4m3 scale per 16, an fp32 tensor scale,
-    and room for an AWQ input scale)."""
+    channel); as int4 (the same, half a byte a weight); or as NVFP4 (nvfp4.NVFP4Linear: half a byte a weight, an
+    e4m3 scale per 16, an fp32 tensor scale, and room for an AWQ input scale)."""
     h, inner, ffn, d = config.hidden_size, config.inner_dim, config.ffn_dim, config.attention_head_dim
     linears = h * 3 * inner + inner * h + h * 2 * ffn + ffn * h
     norms = dtype_bytes * (2 * h + 2 * d)
     gate = dtype_bytes * h * inner if config.vsa_gates and not refiner else 0
-    if check_held(held) == "fp8":
-        return linears + 4 * (3 * inner + h + 2 * ffn + h) + norms + gate
+    if check_held(held) in ("fp8", "int4"):
+        weights = linears // 2 if held == "int4" else linears
+        return weights + 4 * (3 * inner + h + 2 * ffn + h) + norms + gate
     if held == "nvfp4":
         return linears * 9 // 16 + 4 * 4 + dtype_bytes * (h + inner + h + ffn) + norms + gate
     return dtype_bytes * linears + norms + gate
@@ -92,9 +93,10 @@ def adaln_weight_bytes(config: DiTConfig, dtype_bytes: int) -> int:
 
 def activation_bytes(config: DiTConfig, rows: int, dtype_bytes: int, held: str = "dense") -> int:
     """Peak live activations of one block forward over `rows` packed rows (batch 1). Stored linears (`held`)
-    add what they hold besides (uncompiled): FP8, fc2's input quantized (an fp32 copy and the e4m3 result,
-    5 bytes a value) or, weight-only, fc1's weight rebuilt (an fp32 product, then the compute dtype); NVFP4,
-    fc1's weight rebuilt (its values in the compute dtype, an fp32 product, then the compute dtype)."""
+    add what they hold besides (uncompiled): FP8 (int8 and int4 weight-only), fc2's input quantized (an fp32
+    copy and the e4m3 result, 5 bytes a value) or, weight-only, fc1's weight rebuilt (an fp32 product, then the
+    compute dtype); NVFP4, fc1's weight rebuilt (its values in the compute dtype, an fp32 product, then the
+    compute dtype)."""
     h, rope_width = config.hidden_size, 6 * config.rope_freq_dim
     # Video Sparse Attention (a VSA-trained model) also holds q, k, v, the gate and the output in padded tile
     # buffers, and the gate itself: measured 5.2 values a row more at the real size on an H200 (2.65 GiB, 38,222

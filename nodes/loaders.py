@@ -111,12 +111,12 @@ class H3ModelLoader(io.ComfyNode):
                                      "video models commonly keep ~20% of the steps dense). 0: windowed from the start."),
                 io.Combo.Input("linears", options=list(LINEAR_MODES), default="checkpoint", optional=True,
                                tooltip="How the blocks' linear weights are held. checkpoint: as stored (an fp8_scaled "
-                                       "file's stay FP8, an int8 file's int8, an nvfp4 file's NVFP4). dense: such a "
+                                       "file's stay FP8, an int8 / int4 / nvfp4 file's so). dense: such a "
                                        "file dequantized at load. fp8-weights-lossy: quantized to FP8 at load (per "
                                        "output channel), computed in the model dtype: the bf16 DiT's block weights go "
-                                       "from 38 to 19 GB, so fewer stream on a small GPU (an int8 or nvfp4 file's stay "
-                                       "as they are). fp8-lossy: FP8 matmuls too (Ada / Hopper; an int8 or nvfp4 "
-                                       "file's block weights are requantized to FP8), "
+                                       "from 38 to 19 GB, so fewer stream on a small GPU (an int8, int4 or nvfp4 "
+                                       "file's stay as they are). fp8-lossy: FP8 matmuls too (Ada / Hopper; an int8, int4 or "
+                                       "nvfp4 file's block weights are requantized to FP8), "
                                        "about 10% faster per step on an H200. The two *-lossy modes change the "
                                        "output slightly (fp8-lossy: video cosine 0.9976 against bf16 on random weights)."),
             ],

@@ -131,13 +131,13 @@ def spell_the_table_as_shipped(path) -> None:
 def test_a_pruned_int8_convrot_file_keeps_its_int8_linears(tmp_path):
     """Comfy-Org's `*_pruned_int8_convrot`: the blocks' and the token refiner's linears int8 ConvRot (kept int8,
     each weight rebuilt when used), the curve form around them."""
-    from test_fp8 import write_int8_convrot
+    from test_fp8 import write_convrot
 
     curve = curve_model(tiny_random_dit())
     leaves = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
     layers = [f"{stack}.{i}.{leaf}" for stack in ("blocks", "token_refiner.blocks") for i in range(2) for leaf in leaves]
     path = tmp_path / "minimax_h3_fl2va_pruned_int8_convrot.safetensors"
-    meant, _ = write_int8_convrot(path, curve, layers)
+    meant, _ = write_convrot(path, curve, layers)
     spell_the_table_as_shipped(path)
     loaded = load_dit(path, dtype=torch.float32)
     assert loaded.config.curve_form and torch.equal(loaded.time_embedder.table, curve.time_embedder.table)

@@ -309,12 +309,12 @@ def test_other_quantizations_and_broken_fp8_files_are_refused(tmp_path, bf16_mod
     save_file(int8, str(tmp_path / "int8.safetensors"))  # plain int8 (no ConvRot) is read too
     assert torch.equal(load_dit(tmp_path / "int8.safetensors").blocks[0].mlp.fc1.dequantized_weight(),
                        torch.zeros(256, 64, dtype=torch.bfloat16))
-    w4a4 = dict(int8)
-    w4a4["model.diffusion_model.blocks.0.mlp.fc1.comfy_quant"] = torch.tensor(
-        list(json.dumps({"format": "convrot_w4a4"}).encode()), dtype=torch.uint8)
-    save_file(w4a4, str(tmp_path / "w4a4.safetensors"))
-    with pytest.raises(CheckpointError, match="'convrot_w4a4'; this loader reads FP8"):
-        load_dit(tmp_path / "w4a4.safetensors")
+    w4a8 = dict(int8)
+    w4a8["model.diffusion_model.blocks.0.mlp.fc1.comfy_quant"] = torch.tensor(
+        list(json.dumps({"format": "asym_w4a8_int8"}).encode()), dtype=torch.uint8)
+    save_file(w4a8, str(tmp_path / "w4a8.safetensors"))
+    with pytest.raises(CheckpointError, match="'asym_w4a8_int8'; this loader reads FP8"):
+        load_dit(tmp_path / "w4a8.safetensors")
 
     no_scale = dict(tensors)
     no_scale["model.diffusion_model.blocks.0.mlp.fc1.weight"] = torch.zeros(256, 64, dtype=torch.uint8)
@@ -416,25 +416,32 @@ def convrot_matrix(group: int) -> torch.Tensor:
     return matrix / group**0.5
 
 
-def write_int8_convrot(path, model, layers, group=16, prefix="model.diffusion_model."):
-    """An `*_int8_convrot` file: each layer's weight rotated in groups of `group` input columns (x @ H^T),
-    then int8 with one fp32 scale per row, and its comfy_quant record. Returns (the weights the file means,
-    the original weights), float64."""
+def write_convrot(path, model, layers, group=16, prefix="model.diffusion_model.", bits=8):
+    """An `*_int8_convrot` file (`bits` 8) or an int4 ConvRot one (`bits` 4, format `convrot_w4a4`): each layer's
+    weight rotated in groups of `group` input columns (x @ H^T), then rounded to +-127 (+-7) steps of one fp32
+    scale per row, int4 values packed two a byte (the even column in the low nibble), and its comfy_quant record.
+    Returns (the weights the file means, the original weights), float64."""
     tensors = native_tensors(model)
     rotation = convrot_matrix(group)
+    levels = 127 if bits == 8 else 7
     meant, original = {}, {}
     for layer in layers:
         weight = tensors.pop(f"{layer}.weight").double()
         out_features, in_features = weight.shape
         rotated = (weight.reshape(out_features, -1, group) @ rotation.T).reshape(out_features, in_features)
-        scale = rotated.abs().amax(dim=1, keepdim=True) / 127.0
-        q = (rotated / scale).round().clamp(-127, 127).to(torch.int8)
+        scale = rotated.abs().amax(dim=1, keepdim=True) / levels
+        q = (rotated / scale).round().clamp(-levels, levels).to(torch.int8)
         stored = q.double() * scale.float().double()
         meant[layer] = (stored.reshape(out_features, -1, group) @ rotation).reshape(out_features, in_features)
         original[layer] = weight
+        if bits == 4:
+            nibbles = q.to(torch.int32) & 0x0F
+            q = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+            record = {"format": "convrot_w4a4", "convrot_groupsize": group}
+        else:
+            record = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": group}
         tensors[f"{layer}.weight"] = q
-        tensors[f"{layer}.weight_scale"] = scale.float()
-        record = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": group}
+        tensors[f"{layer}.weight_scale"] = scale.float().view(-1) if bits == 4 else scale.float()
         tensors[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps(record).encode()), dtype=torch.uint8)
     save_file({prefix + k: v.contiguous() for k, v in tensors.items()}, str(path))
     return meant, original
@@ -444,7 +451,7 @@ def test_an_int8_convrot_file_is_turned_back_and_dequantized_at_load(tmp_path):
     model = tiny_random_dit()
     layers = [f"blocks.{i}.{leaf}" for i in range(2) for leaf in BLOCK_LINEARS]
     path = tmp_path / "minimax_h3_fl2va_int8_convrot.safetensors"
-    meant, original = write_int8_convrot(path, model, layers)
+    meant, original = write_convrot(path, model, layers)
     assert {entry.rotation for entry in locate_dit(path).fp8_layers.values()} == {16}
     kept = load_dit(path, dtype=torch.float32)  # int8 in memory, the weight rebuilt at each call
     dense = load_dit(path, dtype=torch.float32, linears="dense")  # dequantized once at load
@@ -467,7 +474,7 @@ def test_an_int8_file_under_fp8_lossy_is_requantized_to_fp8(tmp_path):
     model = tiny_random_dit()
     layers = [f"blocks.{i}.{leaf}" for i in range(2) for leaf in BLOCK_LINEARS]
     path = tmp_path / "minimax_h3_fl2va_int8_convrot.safetensors"
-    write_int8_convrot(path, model, layers)
+    write_convrot(path, model, layers)
     dense = load_dit(path, dtype=torch.float32, linears="dense")
     lossy = load_dit(path, dtype=torch.float32, linears="fp8-lossy")
     for layer in layers:
@@ -480,10 +487,60 @@ def test_an_int8_file_under_fp8_lossy_is_requantized_to_fp8(tmp_path):
     assert {weights_only.get_submodule(layer).weight.dtype for layer in layers} == {torch.int8}
 
 
+def test_an_int4_convrot_file_stays_int4(tmp_path):
+    """ComfyUI's int4 ConvRot files (`convrot_w4a4`): the linears stay int4 (half a byte a weight) and each weight
+    is rebuilt, turned back from its rotation, as it is used (weight-only: the activations stay in the model
+    dtype); the same weights as dequantizing at load; fp8-lossy requantizes the block linears to e4m3,
+    fp8-weights-lossy keeps them int4."""
+    from h3_core.checkpoint import held_linears
+
+    model = tiny_random_dit()
+    layers = [f"blocks.{i}.{leaf}" for i in range(2) for leaf in BLOCK_LINEARS] + ["token_refiner.blocks.0.mlp.fc2"]
+    path = tmp_path / "minimax_h3_fl2va_int4_convrot.safetensors"
+    meant, original = write_convrot(path, model, layers, bits=4)
+    source = locate_dit(path)
+    assert {entry.packed for entry in source.fp8_layers.values()} == {True} and "int4" in source.origin
+    assert held_linears(source, "checkpoint") == "int4" == held_linears(source, "fp8-weights-lossy")
+    kept = load_dit(path, dtype=torch.float32)
+    dense = load_dit(path, dtype=torch.float32, linears="dense")
+    for layer in layers:
+        module = kept.get_submodule(layer)
+        assert isinstance(module, FP8Linear) and module.packed and module.held == "int4", layer
+        assert module.weight.dtype == torch.int8 and module.weight.shape[1] * 2 == module.in_features
+        weight = dense.get_submodule(layer).weight
+        assert type(dense.get_submodule(layer)) is nn.Linear
+        assert torch.allclose(weight.double(), meant[layer], atol=1e-6)
+        assert torch.equal(module.dequantized_weight(), weight)
+        assert (weight.double() - original[layer]).norm() / original[layer].norm() < 0.2  # 4-bit rounding only
+    assert fp8.held_format(kept) == "int4"
+    assert torch.equal(forward(kept)[0], forward(dense)[0])
+    weights_only = load_dit(path, dtype=torch.float32, linears="fp8-weights-lossy")
+    assert all(weights_only.get_submodule(layer).packed for layer in layers)
+    if fp8.scaled_mm_supported("cpu"):
+        lossy = load_dit(path, dtype=torch.float32, linears="fp8-lossy")
+        for layer in layers[:8]:
+            weight, scale = fp8.quantize_weight(dense.get_submodule(layer).weight)
+            assert torch.equal(lossy.get_submodule(layer).weight, weight), layer
+        assert lossy.get_submodule(layers[-1]).packed  # not a block linear: stays int4
+
+
+def test_memory_plan_counts_half_a_byte_per_int4_weight():
+    real = DiTConfig()
+    with torch.device("meta"):
+        block_model = H3DiT(replace(real, num_layers=1)).set_dtype(torch.bfloat16)
+    for layer in fp8.block_linear_names(block_model):
+        linear = block_model.get_submodule(layer)
+        block_model.set_submodule(layer, FP8Linear(linear.in_features, linear.out_features, weight_dtype=torch.int8,
+                                                   device="meta", rotation=256, packed=True))
+    streamed = [p for n, p in block_model.blocks[0].named_parameters() if not n.startswith("adaln_proj.")]
+    assert sum(p.numel() * p.element_size() for p in streamed) == block_weight_bytes(real, 2, "int4")
+    assert block_weight_bytes(real, 2, "int4") < 0.6 * block_weight_bytes(real, 2, "fp8")
+
+
 def test_int8_rotation_groups_must_be_powers_of_four(tmp_path):
     model = tiny_random_dit()
     path = tmp_path / "bad.safetensors"
-    write_int8_convrot(path, model, ["blocks.0.mlp.fc1"], group=16)
+    write_convrot(path, model, ["blocks.0.mlp.fc1"], group=16)
     from safetensors import safe_open
 
     with safe_open(path, "pt") as handle:
@@ -534,10 +591,27 @@ def test_our_nvfp4_dequantization_is_comfy_kitchens():
         assert torch.allclose(theirs.double(), meant, rtol=1e-6, atol=0)
 
 
-def test_compiled_blocks_rebuild_int8_weights_as_eager_ones_do(tmp_path):
-    """The rotation's matrix is built inside a compiled graph (its cache stays outside): same output."""
+def test_our_int4_convrot_dequantization_is_comfy_kitchens():
+    """ComfyUI's kernels package, where installed: its int4 ConvRot quantizer's output comes back as its own
+    dequantizer gives it."""
+    kitchen = pytest.importorskip("comfy_kitchen.backends.eager.convrot_w4a4",
+                                  reason="comfy_kitchen (ComfyUI's kernels) is not installed here")
+    g = torch.Generator().manual_seed(4)
+    for group in (16, 64, 256):
+        weight = torch.randn(96, 512, generator=g) * 0.02
+        packed, scales = kitchen.quantize_convrot_w4a4_weight(weight, group)
+        theirs = kitchen.dequantize_convrot_w4a4_weight(packed, scales, group)
+        ours = fp8.dequantize(packed, scales, torch.float32, group, packed=True)
+        assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-7)
+        assert ((ours - weight).norm() / weight.norm()).item() < 0.2
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_compiled_blocks_rebuild_int8_and_int4_weights_as_eager_ones_do(tmp_path, bits):
+    """The rotation's matrix is built inside a compiled graph (its cache stays outside), int4 values unpacked
+    there: same output."""
     layers = [f"blocks.{i}.{leaf}" for i in range(2) for leaf in BLOCK_LINEARS]
-    write_int8_convrot(tmp_path / "int8.safetensors", tiny_random_dit(), layers)
+    write_convrot(tmp_path / "int8.safetensors", tiny_random_dit(), layers, bits=bits)
     expected = forward(load_dit(tmp_path / "int8.safetensors", dtype=torch.float32))[0]
     compiled = load_dit(tmp_path / "int8.safetensors", dtype=torch.float32).compile_blocks()
     assert torch.allclose(forward(compiled)[0], expected, atol=1e-5)

@@ -142,8 +142,8 @@ def test_memory_plan_counts_what_nvfp4_blocks_hold():
     budget = 24 * 2**30
     assert (plan_memory(real, 38_222, budget, held="nvfp4").resident_blocks
             > plan_memory(real, 38_222, budget, held="fp8").resident_blocks)
-    with pytest.raises(ValueError, match="held as one of dense, fp8, nvfp4"):
-        block_weight_bytes(real, 2, "int4")
+    with pytest.raises(ValueError, match="held as one of dense, fp8, int4, nvfp4"):
+        block_weight_bytes(real, 2, "mxfp8")
 
 
 def test_streamed_nvfp4_blocks_equal_resident_ones(tmp_path):
