@@ -9,8 +9,8 @@ same inputs in the same process (needs diffusers installed), one model on the GP
 `--curve-grid 1025` times the curve form of the pruned files (Comfy-Org's `*_pruned_*`: an 8-column AdaLN
 table instead of the time embedder and the 26 GB of AdaLN weights).
 
-`--nvfp4` holds the 200 block linears as an NVFP4 DiT file's are (random codes and scales; weight-only, each
-weight rebuilt in bf16 as it is used).
+`--held nvfp4` (or `int4`) holds the 200 block linears as an NVFP4 (or int4 ConvRot) DiT file's are (random
+codes and scales; weight-only, each weight rebuilt in bf16 as it is used).
 
 `--image-references N` makes it a ref2va forward with N 1920x1080 image references, sized by
 `--reference-images` (the release's 2048 short edge, or canvas-lossy: the output's area).
@@ -54,23 +54,34 @@ def build_ours(config: DiTConfig) -> H3DiT:
     return model.eval().requires_grad_(False)
 
 
-def nvfp4_blocks(model: H3DiT) -> H3DiT:
-    """The block linears as NVFP4Linear with random codes and scales (weights of about the same spread)."""
+def stored_blocks(model: H3DiT, held: str) -> H3DiT:
+    """The block linears as an NVFP4 or int4 ConvRot file's (groups of 256), random codes and scales (weights
+    of about the same spread)."""
     from h3_core import fp8, nvfp4
 
-    layers = {layer: nvfp4.NVFP4Entry.for_linear(model.get_submodule(layer).out_features,
-                                                 model.get_submodule(layer).in_features)
-              for layer in fp8.block_linear_names(model)}
-    nvfp4.NVFP4Load.plan(model, layers, keep=lambda layer: True, compute=torch.bfloat16,
-                         dense_dtype=lambda layer: torch.bfloat16)
+    names = fp8.block_linear_names(model)
+    if held == "nvfp4":
+        layers = {layer: nvfp4.NVFP4Entry.for_linear(model.get_submodule(layer).out_features,
+                                                     model.get_submodule(layer).in_features) for layer in names}
+        nvfp4.NVFP4Load.plan(model, layers, keep=lambda layer: True, compute=torch.bfloat16,
+                             dense_dtype=lambda layer: torch.bfloat16)
+    else:
+        for layer in names:
+            linear = model.get_submodule(layer)
+            model.set_submodule(layer, fp8.FP8Linear(linear.in_features, linear.out_features, weight_dtype=torch.int8,
+                                                     device="meta", rotation=256, packed=True))
     g = torch.Generator("cuda").manual_seed(1)
-    for layer in layers:
+    for layer in names:
         module = model.get_submodule(layer)
         module.to_empty(device="cuda")
-        module.weight.copy_(torch.randint(0, 256, module.weight.shape, device="cuda", generator=g, dtype=torch.uint8))
+        codes = torch.randint(0, 256, module.weight.shape, device="cuda", generator=g, dtype=torch.uint8)
+        module.weight.copy_(codes.view(module.weight.dtype))
         scales = torch.rand(module.weight_scale.shape, device="cuda", generator=g) * 0.5 + 0.5
-        module.weight_scale.copy_(scales.to(torch.float8_e4m3fn))
-        module.weight_scale_2.fill_(0.01)
+        if held == "nvfp4":
+            module.weight_scale.copy_(scales.to(torch.float8_e4m3fn))
+            module.weight_scale_2.fill_(0.01)
+        else:
+            module.weight_scale.copy_(scales * 0.005)
     return model
 
 
@@ -175,7 +186,8 @@ def main():
                         help="how the image references are sized; several: one run each")
     parser.add_argument("--curve-grid", type=int, default=0,
                         help="the curve form (pruned files) with this many table rows, 8 columns (0: the full model)")
-    parser.add_argument("--nvfp4", action="store_true", help="block linears held NVFP4 (an nvfp4 DiT file's)")
+    parser.add_argument("--held", choices=["nvfp4", "int4"], default=None,
+                        help="block linears held as an nvfp4 or int4 ConvRot DiT file's")
     parser.add_argument("--vsa", type=float, default=None, metavar="SPARSITY",
                         help="FastH3 8-Step V2's model: a VSA gate in every block, Video Sparse Attention at SPARSITY")
     args = parser.parse_args()
@@ -184,9 +196,9 @@ def main():
     width, height = geometry.canvas_size(args.aspect_ratio)
     started = time.time()
     model = build_ours(config)
-    if args.nvfp4:
+    if args.held:
         with torch.no_grad():
-            nvfp4_blocks(model)
+            stored_blocks(model, args.held)
         torch.cuda.empty_cache()
     print(json.dumps({"built": "ours", "seconds": round(time.time() - started, 1),
                       "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 2)}), flush=True)
@@ -199,7 +211,7 @@ def main():
     for mode in args.reference_images:
         bench("ours", model, config, args.frames, args.text_rows, width, height, args.repeats, args.image_references,
               mode, attention=backend, compiled=args.compile, **({"curve_grid": args.curve_grid} if curve else {}),
-              **({"linears": "nvfp4"} if args.nvfp4 else {}))
+              **({"linears": args.held} if args.held else {}))
     del model
     torch.cuda.empty_cache()
     if args.reference:

@@ -89,12 +89,14 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rotation: int = 0,
                packed: bool = False) -> torch.Tensor:
-    """weight * scale in fp32, then rounded once to `dtype`; scale [] or [out]. `rotation` > 0: the weight was
-    stored ConvRot-rotated in groups of that many input columns, which are turned back first. `packed`: int4
-    values two a byte (`unpack_int4`)."""
-    scale = scale.float()
-    dense = (unpack_int4(weight) if packed else weight).float() * (scale.view(-1, 1) if scale.ndim else scale)
-    return (unrotate(dense, rotation) if rotation else dense).to(dtype)
+    """weight * scale in fp32, then rounded once to `dtype`; scale [] or [out]. `rotation` > 0: the integer
+    weight was stored ConvRot-rotated in groups of that many input columns, turned back first (exactly, in
+    integers: `rotate_integers`; the rotation's 1/sqrt(group), a power of two, goes with the scale). `packed`:
+    int4 values two a byte (`unpack_int4`)."""
+    values, scale = unpack_int4(weight) if packed else weight, scale.float()
+    if rotation:
+        values, scale = rotate_integers(values, rotation), scale / math.sqrt(rotation)
+    return (values.float() * (scale.view(-1, 1) if scale.ndim else scale)).to(dtype)
 
 
 def unpack_int4(weight: torch.Tensor) -> torch.Tensor:
@@ -106,10 +108,16 @@ def unpack_int4(weight: torch.Tensor) -> torch.Tensor:
 
 
 def hadamard(size: int, device: torch.device | None = None) -> torch.Tensor:
-    """ComfyUI's ConvRot rotation: Kronecker powers of [[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]] scaled
-    by 1/sqrt(size), size a power of 4. Symmetric and orthogonal, so it is its own inverse. Made once per
-    size and device (a kept int8 linear rebuilds its weight every call); a compiled graph builds it inside."""
-    return _build_hadamard(size, device) if torch.compiler.is_compiling() else _cached_hadamard(size, device)
+    """ComfyUI's ConvRot rotation: `hadamard_signs` scaled by 1/sqrt(size), fp32. Symmetric and orthogonal, so
+    it is its own inverse."""
+    return hadamard_signs(size, device).float() / size**0.5
+
+
+def hadamard_signs(size: int, device: torch.device | None = None) -> torch.Tensor:
+    """The rotation's signs (int8): Kronecker powers of [[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]], size a
+    power of 4. Made once per size and device (a kept int8 linear rebuilds its weight every call); a compiled
+    graph builds them inside."""
+    return _build_signs(size, device) if torch.compiler.is_compiling() else _cached_signs(size, device)
 
 
 def check_rotation_group(size: int) -> None:
@@ -117,26 +125,31 @@ def check_rotation_group(size: int) -> None:
         raise ValueError(f"A ConvRot group is a power of 4 (4, 16, 64, 256, ...); got {size}.")
 
 
-def _build_hadamard(size: int, device) -> torch.Tensor:
-    check_rotation_group(size)  # here, not in `hadamard`: once per size, off the per-call path
-    base = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=torch.float32, device=device)
+def _build_signs(size: int, device) -> torch.Tensor:
+    check_rotation_group(size)  # here, not in `hadamard_signs`: once per size, off the per-call path
+    base = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=torch.int8, device=device)
     matrix = base
     while matrix.shape[0] < size:
         matrix = torch.kron(matrix, base)
-    return matrix / size**0.5
+    return matrix
 
 
-_cached_hadamard = functools.lru_cache(maxsize=None)(_build_hadamard)
+_cached_signs = functools.lru_cache(maxsize=None)(_build_signs)
 
 
-def unrotate(weight: torch.Tensor, group: int) -> torch.Tensor:
-    """A ConvRot-rotated weight [out, in] back in the model's basis: each group of `group` input columns
-    times the rotation again (fp32)."""
-    out_features, in_features = weight.shape
+def rotate_integers(values: torch.Tensor, group: int) -> torch.Tensor:
+    """Integer weights [out, in] (int8) times the rotation's signs over each group of `group` input columns: the
+    ConvRot rotation turned back, times sqrt(group). Exact either way: int32 sums on CUDA's int8 tensor cores
+    (where its sizes suit them), else fp32 (integer sums far below 2^24)."""
+    out_features, in_features = values.shape
     if in_features % group:
         raise ValueError(f"A ConvRot weight with {in_features} input columns does not split into groups of {group}.")
-    grouped = weight.float().reshape(out_features, in_features // group, group)
-    return (grouped @ hadamard(group, weight.device)).reshape(out_features, in_features)
+    grouped, signs = values.reshape(-1, group), hadamard_signs(group, values.device)
+    if values.is_cuda and grouped.shape[0] > 16 and group % 8 == 0:
+        rotated = torch._int_mm(grouped, signs)
+    else:
+        rotated = grouped.float() @ signs.float()
+    return rotated.view(out_features, in_features)
 
 
 @functools.lru_cache(maxsize=None)

@@ -468,6 +468,7 @@ def test_an_int8_convrot_file_is_turned_back_and_dequantized_at_load(tmp_path):
     assert cosine(forward(kept)[0], forward(model)[0]) > 0.999
 
 
+@CPU_SCALED
 def test_an_int8_file_under_fp8_lossy_is_requantized_to_fp8(tmp_path):
     """int8 has no FP8 matmul: under fp8-lossy the int8 block linears are turned back and quantized to e4m3 per
     output channel, as a bf16 file's are (FP8 tensor-core matmuls); the other modes keep them int8."""
@@ -589,6 +590,19 @@ def test_our_nvfp4_dequantization_is_comfy_kitchens():
         theirs = kitchen.dequantize_nvfp4(written["weight"], written["weight_scale_2"], written["weight_scale"],
                                           torch.float32)[:out_features, :in_features]
         assert torch.allclose(theirs.double(), meant, rtol=1e-6, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("packed", [False, True])
+def test_rotated_integer_weights_rebuild_on_cuda_as_on_the_cpu(packed):
+    """CUDA turns the rotation back with int8 tensor cores (int32 sums), the CPU in fp32: both exact, so equal."""
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randint(-128, 128, (384, 512 // (2 if packed else 1)), generator=g).to(torch.int8)
+    scale = torch.rand(384, generator=g) * 0.01
+    for group in (4, 16, 256):
+        want = fp8.dequantize(weight, scale, torch.float32, group, packed)
+        got = fp8.dequantize(weight.cuda(), scale.cuda(), torch.float32, group, packed)
+        assert torch.equal(got.cpu(), want), group
 
 
 def test_our_int4_convrot_dequantization_is_comfy_kitchens():
