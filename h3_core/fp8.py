@@ -173,7 +173,7 @@ def scaled_mm_supported(device_type: str, index: int | None = None) -> bool:
 
 
 class StoredLinear(nn.Module):
-    """A linear that holds its weight as a file stores it (FP8, int8, NVFP4) and rebuilds it as it is used.
+    """A linear that holds its weight as a file stores it (FP8, int8, int4, NVFP4) and rebuilds it as it is used.
     `held` names the format for memory plans (memory_plan.HELD_FORMATS)."""
 
     held = "dense"
@@ -576,7 +576,7 @@ class FP8Load:
 
 
 def storable_linears(model: nn.Module, fp32_modules: tuple[str, ...]) -> set[str]:
-    """The linears a DiT may hold as a file stores them (FP8, int8, NVFP4): the blocks' four, the AdaLN
+    """The linears a DiT may hold as a file stores them (FP8, int8, int4, NVFP4): the blocks' four, the AdaLN
     projections and the refiner's; never an fp32 module (the curve form's AdaLN too)."""
     refiner = [f"token_refiner.blocks.{i}.{leaf}" for i in range(len(model.token_refiner.blocks)) for leaf in BLOCK_LINEARS]
     return {layer for layer in [*block_linear_names(model, adaln=True), *refiner] if not layer.startswith(fp32_modules)}

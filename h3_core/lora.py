@@ -66,7 +66,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-LINEARS = (nn.Linear, StoredLinear)  # what a LoRA term may target besides RMSNorm (FP8, int8, NVFP4 too)
+LINEARS = (nn.Linear, StoredLinear)  # what a LoRA term may target besides RMSNorm (FP8, int8, int4, NVFP4 too)
 DEFAULT_STEPS = 50
 _STATE = "_h3_lora_stack"  # attribute on the model: the applications, newest last
 
@@ -414,7 +414,7 @@ class LoRAReport:
 
 def run_mode(model: nn.Module) -> str:
     """How a run applies LoRAs to a freshly loaded `model`: merged into its weights, unless it holds linears as a
-    file stores them (FP8, int8, NVFP4), which a merge would have to quantize again: then hooked ("dynamic")."""
+    file stores them (FP8, int8, int4, NVFP4), which a merge would have to quantize again: then hooked ("dynamic")."""
     return "dynamic" if any(isinstance(module, StoredLinear) for module in model.modules()) else "merge"
 
 
@@ -486,8 +486,9 @@ def _merge(by_module: dict, backup: bool) -> _Application:
     (they are small) and the delta is recomputed at removal."""
     stored = [target for (target, _), resolved in by_module.items() if isinstance(resolved[0].module, StoredLinear)]
     if stored:  # refused before any weight changes
-        raise LoRAError(f"'{stored[0]}' holds FP8 / int8 / NVFP4 weights, which a LoRA cannot be merged into "
-                        "without quantizing again; apply it dynamically (as ComfyUI's LoRA node does), or load with linears 'dense'.")
+        raise LoRAError(f"'{stored[0]}' holds FP8 / int8 / int4 / NVFP4 weights, which a LoRA cannot be merged into "
+                        "without quantizing again; apply it dynamically (as ComfyUI's LoRA node does), or load with "
+                        "linears 'dense'.")
     entries = []
     for (_, param_name), resolved in by_module.items():
         param = getattr(resolved[0].module, param_name)

@@ -115,8 +115,8 @@ class H3ModelLoader(io.ComfyNode):
                                        "file dequantized at load. fp8-weights-lossy: quantized to FP8 at load (per "
                                        "output channel), computed in the model dtype: the bf16 DiT's block weights go "
                                        "from 38 to 19 GB, so fewer stream on a small GPU (an int8, int4 or nvfp4 "
-                                       "file's stay as they are). fp8-lossy: FP8 matmuls too (Ada / Hopper; an int8, int4 or "
-                                       "nvfp4 file's block weights are requantized to FP8), "
+                                       "file's stay as they are). fp8-lossy: FP8 matmuls too (Ada / Hopper; an "
+                                       "int8, int4 or nvfp4 file's block weights are requantized to FP8), "
                                        "about 10% faster per step on an H200. The two *-lossy modes change the "
                                        "output slightly (fp8-lossy: video cosine 0.9976 against bf16 on random weights)."),
             ],

@@ -282,7 +282,7 @@ def test_dynamic_lora_on_fp8_linears(tmp_path):
     plain = run_ours(quantized, inputs)
     assert dit_outputs_close(plain, run_ours(dense, inputs))
     stored = {k: v.clone() for k, v in quantized.state_dict().items()}
-    with pytest.raises(LoRAError, match="holds FP8 / int8 / NVFP4 weights.*apply it dynamically"):
+    with pytest.raises(LoRAError, match="holds FP8 / int8 / int4 / NVFP4 weights.*apply it dynamically"):
         apply_loras(quantized, [(lora, 0.9)], partition="fl2va", mode="merge")
     assert all(torch.equal(v, stored[k]) for k, v in quantized.state_dict().items())
     for model in (quantized, dense):

@@ -81,7 +81,7 @@ class ModelSpec:
     def load(self, device: torch.device | str):
         """As `pipeline.generate` loads its DiT: weights, then LoRAs merged, then lossy FP8 linears made
         (after the merge when there are LoRAs, since those merge into dense weights); a DiT holding linears as
-        its file stores them (FP8, int8, NVFP4) gets its LoRAs hooked after that instead."""
+        its file stores them (FP8, int8, int4, NVFP4) gets its LoRAs hooked after that instead."""
         device = torch.device(device)
         tiny = self.source == TINY_RANDOM
         quantize_later = tiny or (bool(self.loras) and self.linears.startswith("fp8"))
