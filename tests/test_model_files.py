@@ -182,16 +182,11 @@ def test_info_names_every_model_a_path_holds(model_sets, capsys):
     assert list(audio) == ["audio_vae"] and audio["audio_vae"]["tensors"] > 0
 
 
-def test_a_vsa_student_runs_on_its_ladder_with_sparse_attention(model_sets, tmp_path, monkeypatch, capsys):
-    """A DiT with VSA gates (FastH3 8-Step V2's layout: a diffusers transformer folder plus `to_gate_compress`
-    per block): its contract's 8 forwards, every block's attention through Video Sparse Attention at sparsity
-    0.8 with its gate, on one device or split over two; the attention window refused before anything loads."""
+def _vsa_student_folder(tmp_path):
+    """FastH3 8-Step V2's layout in miniature: a diffusers transformer folder plus `to_gate_compress` per block."""
     from reference_checkpoints import write_diffusers_folder
     from safetensors.torch import save_file
 
-    from h3_core import dit as dit_module
-
-    monkeypatch.setattr(text_checkpoint, "QWEN3VL_32B_CONFIG", model_sets["text_config"])
     folder = write_diffusers_folder(tmp_path / "fasth3_v2" / "transformer", reference_dit(TINY_DIT, seed=4),
                                     max_shard_size="10GB")
     (shard,) = folder.glob("*.safetensors")
@@ -201,6 +196,17 @@ def test_a_vsa_student_runs_on_its_ladder_with_sparse_attention(model_sets, tmp_
         tensors[f"transformer_blocks.{i}.attn.to_gate_compress.weight"] = 0.1 * torch.randn(
             TINY_DIT.inner_dim, TINY_DIT.hidden_size, generator=g)
     save_file(tensors, str(shard))
+    return folder
+
+
+def test_a_vsa_student_runs_on_its_ladder_with_sparse_attention(model_sets, tmp_path, monkeypatch, capsys):
+    """A DiT with VSA gates (FastH3 8-Step V2's layout: a diffusers transformer folder plus `to_gate_compress`
+    per block): its contract's 8 forwards, every block's attention through Video Sparse Attention at sparsity
+    0.8 with its gate, on one device or split over two; the attention window refused before anything loads."""
+    from h3_core import dit as dit_module
+
+    monkeypatch.setattr(text_checkpoint, "QWEN3VL_32B_CONFIG", model_sets["text_config"])
+    folder = _vsa_student_folder(tmp_path)
     calls = []
     real = dit_module.vsa_attention
     monkeypatch.setattr(dit_module, "vsa_attention", lambda *a: calls.append(a) or real(*a))
@@ -261,3 +267,24 @@ def test_an_nvfp4_dit_file_generates_with_its_lora_hooked(model_sets, tmp_path, 
     ours, theirs = (load_file(str(path)) for path in latents.values())
     for key in ("video", "audio"):
         assert torch.allclose(ours[key], theirs[key], rtol=1e-3, atol=1e-4), key
+
+
+def test_a_vsa_student_makes_a_long_video(model_sets, tmp_path, monkeypatch):
+    """Continuation windows pack the previous window's tail as condition video rows, which VSA's tiling takes as a
+    prefix segment: a 12 s clip in two windows of the student's 8 forwards, every block through VSA."""
+    from h3_core import dit as dit_module
+    from h3_core.layout import PackedLayout
+
+    monkeypatch.setattr(text_checkpoint, "QWEN3VL_32B_CONFIG", model_sets["text_config"])
+    calls, condition_rows = [], []
+    real, tiling = dit_module.vsa_attention, PackedLayout.vsa_tiles
+    monkeypatch.setattr(dit_module, "vsa_attention", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(PackedLayout, "vsa_tiles", lambda layout, *a: condition_rows.append(
+        layout.num_condition_video_rows) or tiling(layout, *a))
+    request = [arg for arg in REQUEST if arg not in ("--steps", "3", "--duration", "4")]
+    out = tmp_path / "long.mp4"
+    assert main(["generate", "--model", str(_vsa_student_folder(tmp_path)), *_file_options(model_sets), *request,
+                 "--long-video", "--duration", "12", "--out", str(out)]) == 0
+    assert out.stat().st_size > 0
+    assert len(calls) == 2 * 8 * TINY_DIT.num_layers
+    assert condition_rows[0] == 0 and condition_rows[-1] > 0 and len(condition_rows) == 2  # a tiling a window
