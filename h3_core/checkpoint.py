@@ -136,12 +136,7 @@ def _single_file(path: Path) -> DiTSource:
     check_safetensors_file(path, "H3 DiT single")
     naming = _naming(tensor_names([path]), path)
     nvfp4_layers = _nvfp4_layers((path,), naming == "native")
-
-    def outside_nvfp4(key: str) -> str | None:
-        name = keymap.strip_prefix(key)
-        return None if name in nvfp4_layers or name.rpartition(".")[0] in nvfp4_layers else name
-
-    layers = _fp8_layers((path,), naming == "native", outside_nvfp4)
+    layers = _fp8_layers((path,), naming == "native", nvfp4.outside(nvfp4_layers, keymap.strip_prefix))
     held = "NVFP4" if nvfp4_layers else "int4" if any(e.packed for e in layers.values()) else "FP8" if layers else None
     return DiTSource((path,), naming, "stacked", None, f"single file ({held})" if held else "single file", layers,
                      nvfp4_layers)

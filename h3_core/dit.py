@@ -35,7 +35,7 @@ from . import qk_norm_rope
 from .attention import attention, query_rows, resolve_backend
 from .local_attention import VideoWindow, check_backend as check_window_backend, check_setting as check_window_setting
 from .rope import apply_rope
-from .sparse_attention import SparsePlan, VSATiles, check_sparsity, vsa_attention
+from .sparse_attention import STUDENT_SPARSITY, SparsePlan, VSATiles, check_sparsity, vsa_attention
 from .config import DiTConfig
 from .fp8 import compute_dtype
 from .layout import RowClock
@@ -337,7 +337,8 @@ class H3DiT(nn.Module):
         self.sequence_parallel = None  # parallel.sequence.SequenceParallel when split over ranks
         self.attention_window = 0  # latent frames; > 0: the lossy windowed video attention (set_attention_window)
         self.attention_window_dense_steps = 0  # leading forwards of each sampler run that keep full attention
-        self.sparse_attention: float | None = None  # Video Sparse Attention's sparsity (set_sparse_attention)
+        # Video Sparse Attention's sparsity (set_sparse_attention): a VSA-trained model (its gates) runs as trained
+        self.sparse_attention: float | None = STUDENT_SPARSITY if config.vsa_gates else None
 
     @classmethod
     def build(cls, config: DiTConfig, dtype: torch.dtype = torch.bfloat16, device="cpu") -> "H3DiT":
@@ -385,9 +386,8 @@ class H3DiT(nn.Module):
 
     def set_sparse_attention(self, sparsity: float | None) -> "H3DiT":
         """Video Sparse Attention (sparse_attention.py) with `sparsity` (the share of video key tiles each video
-        query tile leaves out; what VSA-trained checkpoints were trained with, 0.8 for FastH3 8-Step V2), on one
-        device (compiled blocks included); None restores full attention. Forwards use it when given their rows'
-        tiling."""
+        query tile leaves out; a model built with VSA gates starts at what it was trained with, 0.8 for FastH3
+        8-Step V2); None restores full attention. Forwards use it when given their rows' tiling."""
         self.sparse_attention = None if sparsity is None else check_sparsity(sparsity)
         return self
 

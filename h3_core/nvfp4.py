@@ -126,6 +126,17 @@ def checkpoint_nvfp4_layers(files: Iterable[Path], rename: Callable[[str], str |
     return layers
 
 
+def outside(layers: dict, rename: Callable[[str], str | None]) -> Callable[[str], str | None]:
+    """`rename` that also drops these NVFP4 `layers`' tensors and records, so the FP8 / int8 reader passes over
+    them."""
+
+    def renamed(key: str) -> str | None:
+        name = rename(key)
+        return None if name is None or name in layers or name.rpartition(".")[0] in layers else name
+
+    return renamed
+
+
 class NVFP4Linear(StoredLinear):
     """y = (x * pre_quant_scale) W^T (+ bias), W rebuilt from the stored NVFP4 tensors at each call, in
     `compute_dtype`. Parameter names are the file's, so its tensors load as they are."""

@@ -781,8 +781,7 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
         notes(f"attention window: {settings.attention_window} latent frames around each target video row (lossy)"
               + (f", full attention for the first {settings.attention_window_dense_steps} steps"
                  if settings.attention_window_dense_steps else ""))
-    if config.vsa_gates:
-        dit.set_sparse_attention(STUDENT_SPARSITY)
+    if config.vsa_gates:  # the DiT turns its Video Sparse Attention on itself
         notes(VSA_NOTE)
     if settings.compile:  # streaming hooks stay outside the compiled block forward
         dit.compile_blocks()

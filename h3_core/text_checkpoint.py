@@ -364,12 +364,7 @@ def planned_model(source: TextEncoderSource, qwen_config, layers: int = TEXT_ENC
     nvfp4_layers = nvfp4.checkpoint_nvfp4_layers(source.files, rename)
     held = nvfp4.NVFP4Load.plan(model, nvfp4_layers, keep=lambda layer: True, compute=compute,
                                 dense_dtype=lambda layer: compute)
-
-    def outside_nvfp4(key: str) -> str | None:
-        name = rename(key)
-        return None if name is None or name in nvfp4_layers or name.rpartition(".")[0] in nvfp4_layers else name
-
-    file_layers = fp8.checkpoint_fp8_layers(source.files, rename=outside_nvfp4)
+    file_layers = fp8.checkpoint_fp8_layers(source.files, rename=nvfp4.outside(nvfp4_layers, rename))
     return TextEncoderPlan(model, dtype, fp8.FP8Load.weight_only(model, file_layers, compute), held)
 
 

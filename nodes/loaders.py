@@ -16,7 +16,6 @@ from h3_core.parallel import ModelSpec
 from h3_core.placement import freed_on_failure
 from h3_core.pipeline import TEXT_WORKING_BYTES, TINY_CANVAS
 from h3_core.references import RELEASE_CANVAS
-from h3_core.sparse_attention import STUDENT_SPARSITY
 from h3_core.weights import file_bytes
 from h3_core.text import load_text_encoder, locate_text_encoder_files, text_encoder_bytes
 from h3_core.tiny import (
@@ -159,9 +158,7 @@ class H3ModelLoader(io.ComfyNode):
         else:  # headers only: the weights are read at the first run, once the prompt is encoded
             reader = DiTReader(source, partition, dtype, linears=linears, device=target)
             dit = reader.model
-        dit.set_attention(chosen, window, dense_steps)  # chosen for the compute device
-        if student:
-            dit.set_sparse_attention(STUDENT_SPARSITY)
+        dit.set_attention(chosen, window, dense_steps)  # chosen for the compute device; a student's VSA is on
         if compile:
             dit.compile_blocks()  # traced at the first run; streaming hooks run around the compiled forward
         patcher = manage_dit(label, dit, target, tiny, budget, reader)

@@ -107,10 +107,6 @@ class ModelSpec:
         if adapters and lora_mode == "dynamic":
             apply_loras(model, adapters, partition=self.partition, mode="dynamic")
         model.set_attention(self.attention, self.attention_window, self.attention_window_dense_steps)
-        if model.config.vsa_gates:  # FastH3 8-Step V2: the sparse attention it was trained with
-            from ..sparse_attention import STUDENT_SPARSITY
-
-            model.set_sparse_attention(STUDENT_SPARSITY)
         if self.compile:
             model.compile_blocks()
         return model
