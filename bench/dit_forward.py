@@ -9,8 +9,9 @@ same inputs in the same process (needs diffusers installed), one model on the GP
 `--curve-grid 1025` times the curve form of the pruned files (Comfy-Org's `*_pruned_*`: an 8-column AdaLN
 table instead of the time embedder and the 26 GB of AdaLN weights).
 
-`--held nvfp4` (or `int4`) holds the 200 block linears as an NVFP4 (or int4 ConvRot) DiT file's are (random
-codes and scales; weight-only, each weight rebuilt in bf16 as it is used).
+`--held nvfp4` (or `int4`, or `gguf-Q8_0`, `gguf-Q4_K`, ... for a GGML type) holds the 200 block linears as an
+NVFP4 (int4 ConvRot, GGUF) DiT file's are (random codes and scales; weight-only, each weight rebuilt in bf16 as it
+is used).
 
 `--image-references N` makes it a ref2va forward with N 1920x1080 image references, sized by
 `--reference-images` (the release's 2048 short edge, or canvas-lossy: the output's area).
@@ -54,11 +55,41 @@ def build_ours(config: DiTConfig) -> H3DiT:
     return model.eval().requires_grad_(False)
 
 
+# byte offsets of the fp16 scale fields in each GGML block (gguf_quants), set to sane values in random blocks
+GGML_SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
+                     "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def gguf_blocks(model: H3DiT, qtype: str) -> H3DiT:
+    """The block linears as a GGUF file's in `qtype`: random blocks, their fp16 scales ~1e-3."""
+    from h3_core import fp8, gguf_quants
+    from h3_core.gguf_file import GGUFEntry, GGUFLoad
+
+    names = fp8.block_linear_names(model)
+    entries = {f"{layer}.weight": GGUFEntry(qtype, shape, shape) for layer in names
+               if (shape := tuple(model.get_submodule(layer).weight.shape))}
+    GGUFLoad.plan(model, entries, keep=lambda layer: True, compute=torch.bfloat16,
+                  dense_dtype=lambda name: torch.bfloat16)
+    g = torch.Generator("cuda").manual_seed(1)
+    _, size = gguf_quants.BLOCKS[qtype]
+    for layer in names:
+        module = model.get_submodule(layer)
+        module.to_empty(device="cuda")
+        blocks = module.weight.view(-1, size)
+        blocks.copy_(torch.randint(0, 256, blocks.shape, device="cuda", generator=g, dtype=torch.uint8))
+        for offset in GGML_SCALE_FIELDS[qtype]:
+            scales = (torch.rand(blocks.shape[0], 1, device="cuda", generator=g) * 1e-3 + 5e-4).half()
+            blocks[:, offset:offset + 2] = scales.view(torch.uint8)
+    return model
+
+
 def stored_blocks(model: H3DiT, held: str) -> H3DiT:
-    """The block linears as an NVFP4 or int4 ConvRot file's (groups of 256), random codes and scales (weights
-    of about the same spread)."""
+    """The block linears as an NVFP4, int4 ConvRot (groups of 256) or GGUF file's, random codes and scales
+    (weights of about the same spread)."""
     from h3_core import fp8, nvfp4
 
+    if held.startswith("gguf-"):
+        return gguf_blocks(model, held.removeprefix("gguf-"))
     names = fp8.block_linear_names(model)
     if held == "nvfp4":
         layers = {layer: nvfp4.NVFP4Entry.for_linear(model.get_submodule(layer).out_features,
@@ -186,8 +217,8 @@ def main():
                         help="how the image references are sized; several: one run each")
     parser.add_argument("--curve-grid", type=int, default=0,
                         help="the curve form (pruned files) with this many table rows, 8 columns (0: the full model)")
-    parser.add_argument("--held", choices=["nvfp4", "int4"], default=None,
-                        help="block linears held as an nvfp4 or int4 ConvRot DiT file's")
+    parser.add_argument("--held", choices=["nvfp4", "int4", *(f"gguf-{t}" for t in GGML_SCALE_FIELDS)], default=None,
+                        help="block linears held as an nvfp4, int4 ConvRot or GGUF DiT file's")
     parser.add_argument("--vsa", type=float, default=None, metavar="SPARSITY",
                         help="FastH3 8-Step V2's model: a VSA gate in every block, Video Sparse Attention at SPARSITY")
     args = parser.parse_args()

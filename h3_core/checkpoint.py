@@ -2,15 +2,16 @@
 
 Accepted: an original release root or partition folder (`FL2VA/transformer`, `Ref2VA/transformer`:
 sharded safetensors + index, qkv interleaved per head), a diffusers folder (`transformer/` or
-`transformer_ref/`), or a ComfyUI single file (qkv stacked). Tensors are read one at a time from
-safetensors and assigned into a model built on the meta device, so the model is never held twice.
-Checkpoint dtypes are kept unless a dtype is asked for. Pickle formats are refused.
+`transformer_ref/`), a ComfyUI single file (qkv stacked), or a GGUF file of one (`gguf_file`). Tensors are read
+one at a time and assigned into a model built on the meta device, so the model is never held twice.
+Checkpoint dtypes are kept unless a dtype is asked for (a GGUF file's DiT computes in bf16 unless told).
+Pickle formats are refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import fp8, keymap, nvfp4
+from . import fp8, gguf_file, keymap, nvfp4
 from .config import DiTConfig
 from .dit import H3DiT, fp32_modules, rope_inverse_frequencies
 from .weights import (
@@ -48,6 +49,11 @@ class DiTSource:
     origin: str  # a short description for messages: "original partition", "diffusers folder", ...
     fp8_layers: dict = field(default_factory=dict, compare=False)  # layer -> fp8.FP8Entry (fp8_scaled files)
     nvfp4_layers: dict = field(default_factory=dict, compare=False)  # layer -> nvfp4.NVFP4Entry (nvfp4 files)
+    gguf_tensors: dict = field(default_factory=dict, compare=False)  # name -> gguf_file.GGUFEntry (GGUF files)
+
+    @property
+    def is_gguf(self) -> bool:
+        return gguf_file.is_gguf(self.files[0])
 
 
 def held_linears(source: DiTSource | None, mode: str) -> str:
@@ -58,6 +64,8 @@ def held_linears(source: DiTSource | None, mode: str) -> str:
         return "fp8"
     if source is not None and mode != "dense" and source.nvfp4_layers:
         return "nvfp4"
+    if source is not None and mode != "dense" and any(entry.quantized for entry in source.gguf_tensors.values()):
+        return _gguf_held(source.gguf_tensors)
     if source is not None and mode != "dense" and source.fp8_layers:
         return "int4" if any(entry.packed for entry in source.fp8_layers.values()) else "fp8"
     return "fp8" if mode == "fp8-weights-lossy" else "dense"
@@ -72,7 +80,7 @@ def locate_dit(path: str | Path, partition: str = "fl2va") -> DiTSource:
         raise CheckpointError(f"{path} does not exist.")
     if path.is_file():
         _check_partition(partition, _partition_of_file(path), path)
-        return _single_file(path)
+        return _gguf_file(path) if gguf_file.is_gguf(path) else _single_file(path)
     original_partition, diffusers_folder = PARTITIONS[partition]
     # the partition's own folders first: a repository root holds both `transformer/` and `transformer_ref/`
     for candidate in (path, path / diffusers_folder, path / original_partition / "transformer", path / "transformer"):
@@ -82,7 +90,7 @@ def locate_dit(path: str | Path, partition: str = "fl2va") -> DiTSource:
     raise CheckpointError(
         f"{path} is not an H3 DiT checkpoint for partition {partition!r}: expected a folder with config.json and "
         f"*.safetensors shards (an original '{original_partition}/transformer' folder, a diffusers "
-        f"'{diffusers_folder}' folder, or either of their parents), or a single .safetensors file."
+        f"'{diffusers_folder}' folder, or either of their parents), or a single .safetensors or .gguf file."
     )
 
 
@@ -140,6 +148,32 @@ def _single_file(path: Path) -> DiTSource:
     held = "NVFP4" if nvfp4_layers else "int4" if any(e.packed for e in layers.values()) else "FP8" if layers else None
     return DiTSource((path,), naming, "stacked", None, f"single file ({held})" if held else "single file", layers,
                      nvfp4_layers)
+
+
+def _gguf_file(path: Path) -> DiTSource:
+    entries = gguf_file.gguf_entries(path)
+    if _naming(list(entries), path) != "native":
+        raise CheckpointError(f"{path.name} is a GGUF file with diffusers names; GGUF DiT files are read in the "
+                              "ComfyUI single file's layout (release names, qkv stacked), as ComfyUI-GGUF makes them.")
+    tensors = {native_name(key): entry for key, entry in entries.items()}
+    kinds = sorted({entry.qtype for entry in tensors.values()})
+    return DiTSource((path,), "native", "stacked", None, f"GGUF file ({', '.join(kinds)})", gguf_tensors=tensors)
+
+
+def _gguf_held(tensors: dict) -> str:
+    """memory_plan's held format for a GGUF file's block linears: the costliest block's bytes a weight (plain
+    ones counted as bf16)."""
+    from .memory_plan import gguf_held
+
+    blocks: dict[str, list[float]] = {}
+    for name, entry in tensors.items():
+        match = re.match(r"(blocks\.\d+)\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)\.weight$", name)
+        if match:
+            weights = math.prod(entry.shape)
+            size = weights * (entry.bytes_per_weight if entry.quantized else 2)
+            totals = blocks.setdefault(match.group(1), [0.0, 0.0])
+            totals[0], totals[1] = totals[0] + size, totals[1] + weights
+    return gguf_held(max(size / weights for size, weights in blocks.values()))
 
 
 def _folder(folder: Path) -> DiTSource:
@@ -202,20 +236,7 @@ def vsa_student(source: DiTSource) -> bool:
 
 def infer_config(source: DiTSource) -> DiTConfig:
     """Read a config off the tensor shapes (single files ship none)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    inv_freq = None
-    packed = set(source.nvfp4_layers) | {layer for layer, entry in source.fp8_layers.items() if entry.packed}
-    for path in source.files:
-        with safe_open(path, "pt") as handle:
-            for key in handle.keys():
-                name = keymap.strip_prefix(key)
-                if source.naming == "diffusers":
-                    name = keymap.diffusers_to_native_name(name)[0]
-                shapes[name] = tuple(handle.get_slice(key).get_shape())
-                if name.removesuffix(".weight") in packed and len(shapes[name]) == 2:
-                    shapes[name] = (shapes[name][0], 2 * shapes[name][1])  # two 4-bit weights a byte
-                if name == "rope.inv_freq":
-                    inv_freq = handle.get_tensor(key)
+    shapes, inv_freq = _gguf_shapes(source) if source.is_gguf else _safetensors_shapes(source)
 
     def shape(name):
         if name not in shapes:
@@ -250,6 +271,42 @@ def infer_config(source: DiTSource) -> DiTConfig:
     )
 
 
+def _safetensors_shapes(source: DiTSource) -> tuple[dict[str, tuple[int, ...]], torch.Tensor | None]:
+    """Every tensor's shape in our names (packed 4-bit weights unpacked), and the shipped rope.inv_freq."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    inv_freq = None
+    packed = set(source.nvfp4_layers) | {layer for layer, entry in source.fp8_layers.items() if entry.packed}
+    for path in source.files:
+        with safe_open(path, "pt") as handle:
+            for key in handle.keys():
+                name = keymap.strip_prefix(key)
+                if source.naming == "diffusers":
+                    name = keymap.diffusers_to_native_name(name)[0]
+                shapes[name] = tuple(handle.get_slice(key).get_shape())
+                if name.removesuffix(".weight") in packed and len(shapes[name]) == 2:
+                    shapes[name] = (shapes[name][0], 2 * shapes[name][1])  # two 4-bit weights a byte
+                if name == "rope.inv_freq":
+                    inv_freq = handle.get_tensor(key)
+    return shapes, inv_freq
+
+
+def _gguf_shapes(source: DiTSource) -> tuple[dict[str, tuple[int, ...]], torch.Tensor | None]:
+    # keyed as `_safetensors_shapes` keys them: the curve form's table by its file name
+    shapes = {CURVE_TABLE if name == "time_embedder.table" else name: entry.shape
+              for name, entry in source.gguf_tensors.items()}
+    if "rope.inv_freq" not in shapes:
+        return shapes, None
+    _, inv_freq, _ = next(gguf_file.read_gguf(source.files[0], only=lambda key: native_name(key) == "rope.inv_freq"))
+    return shapes, inv_freq
+
+
+def native_name(key: str) -> str:
+    """Our name for a key of a file in release names (a ComfyUI single file's prefix stripped, the curve form's
+    table renamed)."""
+    name = keymap.strip_prefix(key)
+    return "time_embedder.table" if name == CURVE_TABLE else name
+
+
 def iter_native_tensors(source: DiTSource, head_dim: int):
     """Yield (our name, tensor, file) one tensor at a time, read shard by shard."""
     return to_native(read_tensors(source.files), source.naming, source.qkv_layout, head_dim)
@@ -264,9 +321,7 @@ def to_native(items, naming: str, qkv_layout: str, head_dim: int):
     all three have been read, so at most a few attention weights wait in memory."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor, where in items:
-        name = keymap.strip_prefix(key)
-        if name == CURVE_TABLE:
-            name = "time_embedder.table"
+        name = native_name(key)
         if naming == "diffusers":
             name, part = keymap.diffusers_to_native_name(name)
             if name.endswith(".mlp.fc1.weight"):
@@ -326,13 +381,15 @@ class DiTReader:
                  config: DiTConfig | None = None, linears: str = "checkpoint",
                  device: str | torch.device = "cpu"):
         self.source = path if isinstance(path, DiTSource) else locate_dit(path, partition)
-        self.dtype = dtype
+        # a GGUF file's plain tensors are F32 / F16 / BF16 by size, not by what the model computes in
+        self.dtype = dtype = torch.bfloat16 if dtype is None and self.source.is_gguf else dtype
         config = config or self.source.config or infer_config(self.source)
         with torch.device("meta"):
             self.model = H3DiT(config)
         self._nvfp4 = _plan_nvfp4(self.model, self.source.nvfp4_layers, linears, dtype)
+        self._gguf = _plan_gguf(self.model, self.source.gguf_tensors, linears, dtype)
         self._fp8 = fp8.FP8Load.plan(self.model, self.source.fp8_layers, linears, dtype, fp32_modules(config), device)
-        self._fill(read_headers(self.source.files), "meta")
+        self._fill(self._items(data=False), "meta")
 
     @property
     def nbytes(self) -> int:
@@ -352,7 +409,7 @@ class DiTReader:
             if not file.exists():
                 raise CheckpointError(f"{file} is gone: the DiT cannot be read from it.")
         try:
-            self._fill(read_tensors(self.source.files), device, on_tensor)
+            self._fill(self._items(data=True), device, on_tensor)
         except BaseException:
             self.drop()  # nothing half-read stays behind
             raise
@@ -369,6 +426,12 @@ class DiTReader:
             for name, tensor in module._buffers.items():
                 if tensor is not None and not tensor.is_meta:
                     module._buffers[name] = tensor.to("meta")
+
+    def _items(self, data: bool):
+        """The files' (key, tensor, file) items: their tensors, or (`data=False`) meta tensors from the headers."""
+        if self.source.is_gguf:
+            return gguf_file.read_gguf(self.source.files[0], data)
+        return read_tensors(self.source.files) if data else read_headers(self.source.files)
 
     def _fill(self, items, device, on_tensor=None) -> None:
         """Assign the file's (key, tensor, file) `items` strictly, in our names, the release dtype policy
@@ -389,10 +452,10 @@ class DiTReader:
                 return None
             if name.startswith(in_fp32) and (dtype is not None or model.config.curve_form):
                 return torch.float32  # the curve form's AdaLN is fp32 even when the file stores bf16 / fp16
-            return self._nvfp4.dtype_for(name, dtype)
+            return self._nvfp4.dtype_for(name, self._gguf.dtype_for(name, dtype))
 
         origin = f"{source.files[0].parent if len(source.files) > 1 else source.files[0]} ({source.origin})"
-        tensors = self._fp8.stream(self._nvfp4.stream(without_inv_freq(), device), device)
+        tensors = self._fp8.stream(self._nvfp4.stream(self._gguf.stream(without_inv_freq(), device), device), device)
         assign_strictly(model, tensors, origin, release_policy, device, on_tensor)
 
 
@@ -407,6 +470,19 @@ def _plan_nvfp4(model: H3DiT, layers: dict, linears: str, dtype: torch.dtype | N
     return nvfp4.NVFP4Load.plan(
         model, layers, keep=lambda layer: linears != "dense" and layer in storable and layer not in requantized,
         compute=compute, dense_dtype=lambda layer: torch.float32 if layer.startswith(in_fp32) else compute)
+
+
+def _plan_gguf(model: H3DiT, tensors: dict, linears: str, dtype: torch.dtype | None) -> gguf_file.GGUFLoad:
+    """Quantized GGUF linears stay quantized where NVFP4 ones would (`_plan_nvfp4`); every other quantized tensor
+    is dequantized at load (fp32 modules in fp32)."""
+    compute = dtype or torch.bfloat16
+    in_fp32 = fp32_modules(model.config)
+    storable = fp8.storable_linears(model, in_fp32)
+    requantized = set(fp8.block_linear_names(model)) if linears == "fp8-lossy" else set()
+    quantized = {name: entry for name, entry in tensors.items() if entry.quantized}
+    return gguf_file.GGUFLoad.plan(
+        model, quantized, keep=lambda layer: linears != "dense" and layer in storable and layer not in requantized,
+        compute=compute, dense_dtype=lambda name: torch.float32 if name.startswith(in_fp32) else compute)
 
 
 def _check_inv_freq(tensor: torch.Tensor, model: H3DiT, file: Path) -> None:

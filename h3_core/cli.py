@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import resource
 import shlex
 import sys
@@ -208,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     enc.set_defaults(run=run_encode)
 
     info = sub.add_parser("info", help="what H3 models a path holds (DiT, text encoder, VAEs), without loading them")
-    info.add_argument("path", help="release root, partition folder, diffusers folder or single .safetensors file")
+    info.add_argument("path", help="release root, partition folder, diffusers folder or single .safetensors (or "
+                                   "DiT .gguf) file")
     info.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"])
     info.set_defaults(run=run_info)
 
@@ -521,8 +523,18 @@ def run_info(args) -> int:
 def _dit_info(path: str, partition: str) -> dict:
     source = locate_dit(path, partition)
     config = source.config or infer_config(source)
-    return {"origin": source.origin, "naming": source.naming, "qkv_layout": source.qkv_layout,
-            **_sizes(source.files), "config": config.to_dict()}
+    sizes = _gguf_sizes(source.gguf_tensors) if source.is_gguf else _sizes(source.files)
+    return {"origin": source.origin, "naming": source.naming, "qkv_layout": source.qkv_layout, **sizes,
+            "config": config.to_dict()}
+
+
+def _gguf_sizes(entries: dict) -> dict:
+    """Files, tensors and GiB by GGML type of a GGUF file's tensors."""
+    bytes_by_type: dict[str, int] = {}
+    for entry in entries.values():
+        bytes_by_type[entry.qtype] = bytes_by_type.get(entry.qtype, 0) + math.prod(entry.raw_shape)
+    return {"files": 1, "tensors": len(entries),
+            "gib_by_type": {k: round(v / 2**30, 3) for k, v in sorted(bytes_by_type.items())}}
 
 
 def _text_encoder_info(path: str) -> dict:

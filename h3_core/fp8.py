@@ -305,8 +305,19 @@ def quantize_blocks(model: nn.Module, matmul: str = "scaled", activations: str =
 
 
 def held_format(model: nn.Module) -> str:
-    """How the blocks' linears are held: "dense", "fp8" (e4m3 or int8) or "nvfp4" (for `memory_plan`)."""
-    return getattr(model.get_submodule("blocks.0.mlp.fc1"), "held", "dense")
+    """How the blocks' linears are held (memory_plan.HELD_FORMATS): "dense", "fp8" (e4m3 or int8), "int4",
+    "nvfp4", or GGUF's "gguf:<bytes a weight>" of the costliest block (its GGML types may differ by block)."""
+    held = getattr(model.get_submodule("blocks.0.mlp.fc1"), "held", "dense")
+    if held != "gguf":
+        return held
+    from .memory_plan import gguf_held
+
+    return gguf_held(max(_bytes_per_weight([block.get_submodule(leaf) for leaf in BLOCK_LINEARS]) for block in model.blocks))
+
+
+def _bytes_per_weight(linears: list[nn.Module]) -> float:
+    stored = sum(linear.weight.numel() * linear.weight.element_size() for linear in linears)
+    return stored / sum(linear.in_features * linear.out_features for linear in linears)
 
 
 def check_scaled_device(device: torch.device) -> None:

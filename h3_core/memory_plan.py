@@ -11,6 +11,7 @@ real config attention is the larger: 80,832 values a row, exactly what one block
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .config import DiTConfig
@@ -21,6 +22,9 @@ GIB = 2**30
 # Kept free inside every budget: the caching allocator's block rounding and fragmentation, and library
 # workspaces (a 24 GiB cap ran out with 23.5 GiB allocated when the plan used the whole budget).
 HEADROOM_FRACTION, HEADROOM_BYTES = 0.05, 256 * 2**20
+# bytes a weight a GGUF linear holds besides the rebuilt weight while rebuilding it, uncompiled (the fp32 values
+# and byte-wide codes; measured at fc1's size on an H200: 4-5 for every GGML type, the bf16 result aside)
+GGUF_REBUILD_BYTES = 5
 
 
 @dataclass(frozen=True)
@@ -41,26 +45,41 @@ class MemoryPlan:
         return f"{mode}, {adaln}; expected peak {self.expected_peak_bytes / GIB:.2f} GiB"
 
 
-HELD_FORMATS = ("dense", "fp8", "int4", "nvfp4")  # how the block linears are held (fp8.held_format)
+HELD_FORMATS = ("dense", "fp8", "int4", "nvfp4", "gguf")  # how the block linears are held (fp8.held_format)
+
+
+def gguf_held(bytes_per_weight: float) -> str:
+    """The held format of GGUF linears (gguf_file.GGUFLinear), which mix GGML types: "gguf:<bytes a weight>"
+    of the costliest block."""
+    return f"gguf:{bytes_per_weight:.6g}"
 
 
 def check_held(held: str) -> str:
-    if held not in HELD_FORMATS:
-        raise ValueError(f"Block linears are held as one of {', '.join(HELD_FORMATS)}, not {held!r}.")
-    return held
+    kind, _, size = held.partition(":")
+    if kind not in HELD_FORMATS or (kind == "gguf") != bool(size):
+        raise ValueError(f"Block linears are held as one of {', '.join(HELD_FORMATS)} (gguf as 'gguf:<bytes a "
+                         f"weight>'), not {held!r}.")
+    return kind
+
+
+def _gguf_bytes_per_weight(held: str) -> float:
+    return float(held.partition(":")[2])
 
 
 def block_weight_bytes(config: DiTConfig, dtype_bytes: int, held: str = "dense", refiner: bool = False) -> int:
     """Attention + FFN + norms of one block (what streams; its AdaLN projection does not), with its VSA gate
     (`config.vsa_gates`, never quantized) unless it is a `refiner` block. `held` (HELD_FORMATS): the four
     linears in the model dtype; as FP8 or int8 (fp8.FP8Linear: a byte a weight plus an fp32 scale per output
-    channel); as int4 (the same, half a byte a weight); or as NVFP4 (nvfp4.NVFP4Linear: half a byte a weight, an
-    e4m3 scale per 16, an fp32 tensor scale, and room for an AWQ input scale)."""
+    channel); as int4 (the same, half a byte a weight); as NVFP4 (nvfp4.NVFP4Linear: half a byte a weight, an
+    e4m3 scale per 16, an fp32 tensor scale, and room for an AWQ input scale); or as GGML blocks ("gguf:<bytes a
+    weight>", scales included)."""
     h, inner, ffn, d = config.hidden_size, config.inner_dim, config.ffn_dim, config.attention_head_dim
     linears = h * 3 * inner + inner * h + h * 2 * ffn + ffn * h
     norms = dtype_bytes * (2 * h + 2 * d)
     gate = dtype_bytes * h * inner if config.vsa_gates and not refiner else 0
-    if check_held(held) in ("fp8", "int4"):
+    if check_held(held) == "gguf":
+        return math.ceil(linears * _gguf_bytes_per_weight(held)) + norms + gate
+    if held in ("fp8", "int4"):
         weights = linears // 2 if held == "int4" else linears
         return weights + 4 * (3 * inner + h + 2 * ffn + h) + norms + gate
     if held == "nvfp4":
@@ -96,7 +115,7 @@ def activation_bytes(config: DiTConfig, rows: int, dtype_bytes: int, held: str =
     add what they hold besides (uncompiled): FP8 (int8 and int4 weight-only), fc2's input quantized (an fp32
     copy and the e4m3 result, 5 bytes a value) or, weight-only, fc1's weight rebuilt (an fp32 product, then the
     compute dtype); NVFP4, fc1's weight rebuilt (its values in the compute dtype, an fp32 product, then the
-    compute dtype)."""
+    compute dtype); GGUF, fc1's weight rebuilt (fp32 codes and values, then the compute dtype)."""
     h, rope_width = config.hidden_size, 6 * config.rope_freq_dim
     # Video Sparse Attention (a VSA-trained model) also holds q, k, v, the gate and the output in padded tile
     # buffers, and the gate itself: measured 5.2 values a row more at the real size on an H200 (2.65 GiB, 38,222
@@ -105,9 +124,12 @@ def activation_bytes(config: DiTConfig, rows: int, dtype_bytes: int, held: str =
     per_row = dtype_bytes * (3 * h + max(9 * config.inner_dim + 2 * rope_width + sparse, 4 * config.ffn_dim))
     rope = 2 * 4 * rope_width + 8  # cos and sin (fp32), and the int64 AdaLN row index
     fc1_weights = 2 * config.ffn_dim * config.hidden_size
-    if check_held(held) == "nvfp4":
+    kind = check_held(held)
+    if kind == "nvfp4":
         return rows * (per_row + rope) + (4 + 2 * dtype_bytes) * fc1_weights
-    if held == "dense":
+    if kind == "gguf":
+        return rows * (per_row + rope) + (GGUF_REBUILD_BYTES + dtype_bytes) * fc1_weights
+    if kind == "dense":
         return rows * (per_row + rope)
     quantized_input = rows * 5 * config.ffn_dim
     return rows * (per_row + rope) + max(quantized_input, (4 + dtype_bytes) * fc1_weights)

@@ -39,13 +39,19 @@ def progress_bar(total: int):
     return comfy.utils.ProgressBar(total)
 
 
-def model_choices(kind: str) -> list[str]:
-    """'tiny-random' first, then the files ComfyUI lists for `kind` (diffusion_models, text_encoders, ...)."""
+def model_choices(kind: str, also: tuple[str, ...] = ()) -> list[str]:
+    """'tiny-random' first, then the files ComfyUI lists for `kind` (diffusion_models, text_encoders, ...) and
+    those of its folders ending in `also` (ComfyUI lists its own weight suffixes only: GGUF files are not)."""
     import folder_paths
 
     from h3_core.tiny import TINY_RANDOM
 
-    return [TINY_RANDOM] + list(folder_paths.get_filename_list(kind))
+    names = set(folder_paths.get_filename_list(kind))
+    if also:
+        for folder in folder_paths.get_folder_paths(kind):
+            found, _ = folder_paths.recursive_search(folder, excluded_dir_names=[".git"])
+            names.update(folder_paths.filter_files_extensions(found, also))
+    return [TINY_RANDOM] + sorted(names)
 
 
 def model_path(kind: str, name: str, folder: str):

@@ -11,6 +11,7 @@ from comfy_api.latest import io
 from h3_core.attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
 from h3_core.checkpoint import DiTReader, locate_dit, vsa_student, with_config
 from h3_core.fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
+from h3_core.gguf_file import GGUF_SUFFIX
 from h3_core.local_attention import check_setting as check_window_setting
 from h3_core.parallel import ModelSpec
 from h3_core.placement import freed_on_failure
@@ -67,15 +68,17 @@ class H3ModelLoader(io.ComfyNode):
             description="Loads the MiniMax-H3 diffusion transformer (one partition) with the H3 engine. The file is "
                         "checked now; its weights are read at the first run, once the prompt is encoded.",
             inputs=[
-                io.Combo.Input("checkpoint", options=model_choices("diffusion_models"), default=TINY_RANDOM,
-                               tooltip="A file from models/diffusion_models (Comfy-Org names work), or tiny-random: "
-                                       "a small random model for tests and demos."),
+                io.Combo.Input("checkpoint", options=model_choices("diffusion_models", also=(GGUF_SUFFIX,)),
+                               default=TINY_RANDOM,
+                               tooltip="A file from models/diffusion_models (Comfy-Org names work; GGUF files too, "
+                                       "their quantized linears kept so), or tiny-random: a small random model for "
+                                       "tests and demos."),
                 io.String.Input("folder", default="", tooltip=FOLDER_TOOLTIP),
                 io.Combo.Input("partition", options=["fl2va", "ref2va"], default="fl2va",
                                tooltip="fl2va serves t2va and fl2va (first/last frame); ref2va serves references."),
                 io.Combo.Input("weight_dtype", options=list(DTYPES), default="bf16",
                                tooltip="Weight dtype (the release policy keeps projections and heads in fp32); "
-                                       "'checkpoint' keeps each tensor's stored dtype."),
+                                       "'checkpoint' keeps each tensor's stored dtype (a GGUF file's DiT: bf16)."),
                 io.Combo.Input("attention", options=["auto", *EXACT_BACKENDS, *LOSSY_BACKENDS], default="auto",
                                tooltip="Attention kernel: auto picks the fastest exact one installed (FlashAttention 3 or 4 on "
                                        "Hopper/Blackwell, else torch's SDPA); sage and the *-lossy ones trade "
@@ -110,12 +113,12 @@ class H3ModelLoader(io.ComfyNode):
                                      "video models commonly keep ~20% of the steps dense). 0: windowed from the start."),
                 io.Combo.Input("linears", options=list(LINEAR_MODES), default="checkpoint", optional=True,
                                tooltip="How the blocks' linear weights are held. checkpoint: as stored (an fp8_scaled "
-                                       "file's stay FP8, an int8 / int4 / nvfp4 file's so). dense: such a "
+                                       "file's stay FP8, an int8 / int4 / nvfp4 / GGUF file's so). dense: such a "
                                        "file dequantized at load. fp8-weights-lossy: quantized to FP8 at load (per "
                                        "output channel), computed in the model dtype: the bf16 DiT's block weights go "
-                                       "from 38 to 19 GB, so fewer stream on a small GPU (an int8, int4 or nvfp4 "
-                                       "file's stay as they are). fp8-lossy: FP8 matmuls too (Ada / Hopper; an "
-                                       "int8, int4 or nvfp4 file's block weights are requantized to FP8), "
+                                       "from 38 to 19 GB, so fewer stream on a small GPU (an int8, int4, nvfp4 or "
+                                       "GGUF file's stay as they are). fp8-lossy: FP8 matmuls too (Ada / Hopper; an "
+                                       "int8, int4, nvfp4 or GGUF file's block weights are requantized to FP8), "
                                        "about 10% faster per step on an H200. The two *-lossy modes change the "
                                        "output slightly (fp8-lossy: video cosine 0.9976 against bf16 on random weights)."),
             ],

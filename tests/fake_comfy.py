@@ -245,6 +245,15 @@ def install(tmp_path: Path, loras: list[str] = (), previews: bool = True) -> Rec
     folder_paths = types.ModuleType("folder_paths")
     folders = {"loras": loras_dir}
     folder_paths.get_filename_list = lambda kind: sorted(os.listdir(folders[kind])) if kind in folders else []
+    folder_paths.get_folder_paths = lambda kind: [str(folders.get(kind, tmp_path / kind))]
+
+    def recursive_search(folder, excluded_dir_names=None):
+        found = [str(p.relative_to(folder)) for p in Path(folder).rglob("*") if p.is_file()]
+        return found, {}
+
+    folder_paths.recursive_search = recursive_search
+    folder_paths.filter_files_extensions = lambda files, suffixes: sorted(
+        f for f in files if os.path.splitext(f)[1].lower() in suffixes)
 
     def full_path(kind, name):
         path = folders.get(kind, tmp_path / kind) / name

@@ -288,3 +288,34 @@ def test_a_vsa_student_makes_a_long_video(model_sets, tmp_path, monkeypatch):
     assert out.stat().st_size > 0
     assert len(calls) == 2 * 8 * TINY_DIT.num_layers
     assert condition_rows[0] == 0 and condition_rows[-1] > 0 and len(condition_rows) == 2  # a tiling a window
+
+
+def test_a_gguf_dit_file_generates_what_its_weights_do(model_sets, tmp_path, monkeypatch, capsys):
+    """`h3 generate --model dit.gguf` with the other models' files: the latents of the same DiT written densely with
+    the weights gguf's own dequantizer makes of the file; `h3 info` names its GGML types."""
+    import json
+
+    import gguf_files
+    from safetensors.torch import save_file
+
+    from h3_core.keymap import strip_prefix
+
+    monkeypatch.setattr(text_checkpoint, "QWEN3VL_32B_CONFIG", model_sets["text_config"])
+    tensors = {strip_prefix(k): v for k, v in load_file(str(model_sets["dit"])).items()}
+    quantized = {name: "Q8_0" for name, v in tensors.items() if name.startswith("blocks.") and v.ndim == 2}
+    gguf = tmp_path / "minimax_h3_fl2va-Q8_0.gguf"
+    meant = gguf_files.write_gguf(gguf, tensors, quantized, prefix="model.diffusion_model.")
+    save_file({f"model.diffusion_model.{k}": v for k, v in meant.items()}, str(tmp_path / "dense.safetensors"))
+    runs = {}
+    for name, dit in (("gguf", gguf), ("dense", tmp_path / "dense.safetensors")):
+        runs[name] = tmp_path / f"{name}.safetensors"
+        argv = ["generate", "--model", str(dit), *_file_options(model_sets), *REQUEST, "--dtype", "fp32",
+                "--save-latents", str(runs[name])]
+        assert main(argv) == 0
+    ours, theirs = load_file(str(runs["gguf"])), load_file(str(runs["dense"]))
+    assert torch.equal(ours["video"], theirs["video"]) and torch.equal(ours["audio"], theirs["audio"])
+    capsys.readouterr()
+    assert main(["info", str(gguf)]) == 0
+    info = json.loads(capsys.readouterr().out)["dit"]
+    assert info["origin"] == "GGUF file (F16, F32, Q8_0)" and set(info["gib_by_type"]) == {"F16", "F32", "Q8_0"}
+    assert info["config"]["hidden_size"] == TINY_DIT.hidden_size

@@ -737,3 +737,25 @@ def test_an_nvfp4_dit_file_stays_nvfp4_and_samples_as_its_dense_weights(comfy):
     cond = _cond(c)
     a, b = _sample(c, quantized, cond), _sample(c, plain, cond)
     assert all(torch.allclose(a[key], b[key], rtol=1e-5, atol=1e-6) for key in ("video", "audio"))
+
+
+def test_a_gguf_file_is_listed_and_samples_as_the_engine_does(comfy):
+    """ComfyUI lists only its own weight suffixes; the Model Loader also offers the .gguf files of
+    models/diffusion_models, and samples them as the engine does."""
+    import gguf_files
+
+    from h3_core.checkpoint import load_dit
+    from h3_core.pipeline import sample
+
+    c = comfy
+    path = c.tmp / "diffusion_models" / "h3_tiny_4_blocks-Q8_0.gguf"
+    model = seeded_random_weights(H3DiT(CONFIG), TINY_SEED)
+    linears = {f"blocks.{i}.{leaf}.weight": "Q8_0" for i in range(4)
+               for leaf in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")}
+    gguf_files.write_gguf(path, model.state_dict(), linears, prefix="model.diffusion_model.")
+    assert path.name in c.loaders.H3ModelLoader.define_schema().inputs[0].options["options"]
+    loaded = _load(c, path.name)
+    assert loaded.dit.blocks[3].mlp.fc1.held == "gguf"
+    cond = _cond(c)
+    expected = sample(load_dit(path, dtype=torch.float32), cond, 5, STEPS)
+    assert _same(_sample(c, loaded, cond), {"video": expected.video, "audio": expected.audio})

@@ -128,6 +128,31 @@ def test_a_pruned_file_splits_with_sharded_weights_like_one_process(tmp_path):
         runner.close()
 
 
+def test_a_gguf_file_splits_with_sharded_weights_like_one_process(tmp_path):
+    """A GGUF file (Q4_K block linears, held as their GGML blocks) read by each worker, its bytes sharded."""
+    pytest.importorskip("gguf", reason="GGUF files are written with the gguf package (a dependency)")
+    import gguf_files
+
+    from h3_core.dit import H3DiT
+    from h3_core.tiny import seeded_random_weights
+
+    config = dataclasses.replace(HEADS4, attention_head_dim=64, hidden_size=256, ffn_dim=256, rope_freq_dim=8)
+    model = seeded_random_weights(H3DiT(config), 1)
+    linears = {f"blocks.{i}.{leaf}.weight": "Q4_K" for i in range(config.num_layers)
+               for leaf in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")}
+    path = tmp_path / "h3_fl2va-Q4_K.gguf"
+    gguf_files.write_gguf(path, model.state_dict(), linears)
+    spec = dataclasses.replace(SPEC, source=str(path), config=None)
+    loaded = spec.load("cpu")
+    assert loaded.blocks[1].mlp.fc2.held == "gguf"
+    expected = sample(loaded, conditioning(False), 3, STEPS)
+    runner = ParallelRunner(spec, ["cpu", "cpu"], shard_weights=True, threads=1)
+    try:
+        assert_close(runner.sample(conditioning(False), 3, STEPS), expected)
+    finally:
+        runner.close()
+
+
 def test_four_ranks_with_sharded_weights_match_one_process(references):
     runner = ParallelRunner(SPEC, ["cpu"] * 4, shard_weights=True, threads=1)
     for keyframe in (False, True):

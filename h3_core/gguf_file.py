@@ -1,0 +1,208 @@
+"""GGUF DiT files (city96's ComfyUI-GGUF layout), their quantized linears held as stored.
+
+A GGUF DiT file holds the ComfyUI single file's tensors (release names, qkv stacked; a `model.diffusion_model.`
+prefix or not), each in one GGML type: F32, F16, BF16, or a block quantization (Q8_0 ... Q6_K, `gguf_quants`).
+GGUF lists a tensor's dimensions fastest first, so its torch shape is their reverse, unless a
+`comfy.gguf.orig_shape.<name>` field gives the shape the tensor had before it was flattened into rows of 256.
+GGUF files are no pickles: a header, key-value fields and raw tensor bytes, read here through the `gguf`
+package (llama.cpp's reader, memory-mapped).
+
+The quantized linears the DiT may hold as stored (the blocks', AdaLN and refiner linears) stay quantized as
+GGUFLinear and are rebuilt in the compute dtype at each call (weight-only: any GPU, or the CPU); every other
+quantized tensor is dequantized once at load (`GGUFLoad`).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import gguf_quants
+from .fp8 import StoredLinear
+from .weights import CheckpointError, Item
+
+GGUF_SUFFIX = ".gguf"
+ORIGINAL_SHAPE_FIELD = "comfy.gguf.orig_shape."
+PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # stored as the dtype itself
+
+
+@dataclass(frozen=True)
+class GGUFEntry:
+    """One tensor of a GGUF file: its GGML type, its torch shape and the shape it is stored in (the same, or
+    rows of 256 where the file flattened it)."""
+
+    qtype: str
+    shape: tuple[int, ...]
+    stored: tuple[int, ...]
+
+    @property
+    def quantized(self) -> bool:
+        return self.qtype not in PLAIN
+
+    @property
+    def raw_shape(self) -> tuple[int, ...]:
+        """The uint8 shape of its stored bytes (a row of GGML blocks per stored row)."""
+        return gguf_quants.byte_shape(self.stored, self.qtype)
+
+    @property
+    def bytes_per_weight(self) -> float:
+        weights, size = gguf_quants.BLOCKS[self.qtype]
+        return size / weights
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix.lower() == GGUF_SUFFIX
+
+
+def open_gguf(path: Path):
+    """llama.cpp's reader over `path` (memory-mapped); a CheckpointError for anything that is not GGUF."""
+    try:
+        import gguf
+    except ImportError:
+        raise CheckpointError(f"Reading {path.name} needs the 'gguf' package (pip install gguf).") from None
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, IndexError, OSError) as error:
+        raise CheckpointError(f"{path} is not a readable GGUF file ({error}).") from None
+
+
+def _original_shape(reader, name: str) -> tuple[int, ...] | None:
+    field = reader.get_field(ORIGINAL_SHAPE_FIELD + name)
+    if field is None:
+        return None
+    return tuple(int(field.parts[part][0]) for part in field.data)
+
+
+def _entry(reader, tensor, path: Path) -> GGUFEntry:
+    qtype = getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
+    if qtype not in gguf_quants.SUPPORTED:
+        raise CheckpointError(
+            f"'{tensor.name}' in {path.name} is stored as GGML type {qtype}, which H3 does not read; GGUF DiT files "
+            f"may use {', '.join(gguf_quants.SUPPORTED)}.")
+    stored = tuple(int(size) for size in reversed(tensor.shape))
+    shape = _original_shape(reader, tensor.name) or stored
+    if math.prod(shape) != math.prod(stored):
+        raise CheckpointError(f"'{tensor.name}' in {path.name} is stored as {list(stored)} but its original shape "
+                              f"field says {list(shape)}: the element counts differ.")
+    return GGUFEntry(qtype, shape, stored)
+
+
+def gguf_entries(path: Path) -> dict[str, GGUFEntry]:
+    """Each tensor's entry, by its key in the file (headers only)."""
+    reader = open_gguf(path)
+    return {tensor.name: _entry(reader, tensor, path) for tensor in reader.tensors}
+
+
+def read_gguf(path: Path, data: bool = True, only: Callable[[str], bool] | None = None) -> Iterator[Item]:
+    """(key, tensor, path) for each tensor of the file (whose key `only` accepts), one at a time: F32 / F16 /
+    BF16 tensors as themselves in their torch shape, quantized ones as their stored bytes (uint8
+    `GGUFEntry.raw_shape`). `data=False`: meta tensors of those shapes and dtypes, to check a file against a
+    model before anything is read."""
+    reader = open_gguf(path)
+    for tensor in reader.tensors:
+        if only is not None and not only(tensor.name):
+            continue
+        entry = _entry(reader, tensor, path)
+        dtype = PLAIN.get(entry.qtype, torch.uint8)
+        shape = entry.shape if not entry.quantized else entry.raw_shape
+        if not data:
+            yield tensor.name, torch.empty(shape, dtype=dtype, device="meta"), path
+            continue
+        with warnings.catch_warnings():  # a copy out of the read-only map, so the file can close
+            warnings.simplefilter("ignore")
+            raw = torch.from_numpy(np.array(tensor.data, copy=True).reshape(-1).view(np.uint8))
+        yield tensor.name, raw.view(dtype).reshape(shape), path
+
+
+class GGUFLinear(StoredLinear):
+    """y = x W^T (+ bias), W rebuilt from the file's GGML blocks at each call, in `compute_dtype`. The weight
+    parameter holds the stored bytes, so the file's tensor loads as it is."""
+
+    held = "gguf"
+
+    def __init__(self, in_features: int, out_features: int, entry: GGUFEntry, bias: bool = False,
+                 compute_dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.compute_dtype = in_features, out_features, compute_dtype
+        self.qtype, self.stored = entry.qtype, entry.stored
+        self.weight = nn.Parameter(torch.empty(entry.raw_shape, dtype=torch.uint8, device=device), requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=compute_dtype, device=device), requires_grad=False)
+                     if bias else None)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        dense = gguf_quants.dequantize(self.weight, self.qtype, self.stored, self.compute_dtype)
+        return dense.reshape(self.out_features, self.in_features)
+
+    def as_dense(self) -> nn.Linear:
+        """A dense linear computing the same, in `compute_dtype`."""
+        linear = nn.Linear(self.in_features, self.out_features, self.bias is not None, device="meta")
+        linear.weight = nn.Parameter(self.dequantized_weight(), requires_grad=False)
+        if self.bias is not None:
+            linear.bias = nn.Parameter(self.bias.detach(), requires_grad=False)
+        return linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.compute_dtype), self.dequantized_weight(), self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"gguf {self.qtype}, compute={self.compute_dtype}")
+
+
+@dataclass
+class GGUFLoad:
+    """How one load treats a file's quantized tensors (our names): the `kept` linears' weights stay as stored
+    (GGUFLinear); every other quantized tensor is rebuilt in `dense_dtype(name)` as it streams in."""
+
+    tensors: dict[str, GGUFEntry]  # the quantized ones
+    kept: set[str]  # layer names
+    dense_dtype: Callable[[str], torch.dtype]
+
+    @classmethod
+    def plan(cls, model: nn.Module, tensors: dict[str, GGUFEntry], keep: Callable[[str], bool],
+             compute: torch.dtype, dense_dtype: Callable[[str], torch.dtype]) -> "GGUFLoad":
+        """Swap GGUFLinear into the meta-built `model` for the quantized linear weights `keep` accepts (by
+        layer name), computing in `compute`."""
+        kept = set()
+        for name, entry in tensors.items():
+            layer, _, leaf = name.rpartition(".")
+            try:
+                module = model.get_submodule(layer)
+            except AttributeError:
+                continue  # not part of this model: the strict load names it
+            if leaf != "weight" or not isinstance(module, nn.Linear) or not keep(layer):
+                continue
+            if entry.shape != (module.out_features, module.in_features):
+                raise CheckpointError(f"'{name}' has shape {list(entry.shape)}, expected "
+                                      f"{[module.out_features, module.in_features]} for this config.")
+            kept.add(layer)
+            model.set_submodule(layer, GGUFLinear(module.in_features, module.out_features, entry,
+                                                  module.bias is not None, compute, "meta"))
+        return cls(tensors, kept, dense_dtype)
+
+    def dtype_for(self, name: str, otherwise: torch.dtype | None) -> torch.dtype | None:
+        """The dtype the model holds `name` in: a kept weight's bytes as stored (None); anything else
+        `otherwise`."""
+        layer, _, leaf = name.rpartition(".")
+        return None if layer in self.kept and leaf == "weight" else otherwise
+
+    def stream(self, items: Iterable[Item], device: torch.device | str) -> Iterator[Item]:
+        """(name, tensor, where) items in our names -> the model's: kept weights as stored, other quantized
+        tensors dequantized (on `device`) into their torch shape."""
+        for name, tensor, where in items:
+            entry = self.tensors.get(name)
+            if entry is None or name.rpartition(".")[0] in self.kept:
+                yield name, tensor, where
+            elif tensor.is_meta:
+                yield name, torch.empty(entry.shape, dtype=self.dense_dtype(name), device="meta"), where
+            else:
+                dense = gguf_quants.dequantize(tensor.to(device), entry.qtype, entry.stored, self.dense_dtype(name))
+                yield name, dense.reshape(entry.shape), where

@@ -1,0 +1,276 @@
+"""GGUF DiT files (ComfyUI-GGUF's layout: the ComfyUI single file's tensors in GGML types): block, AdaLN and
+refiner linears held as their GGML blocks and rebuilt as they are used; every other quantized tensor
+dequantized at load. What each weight must be is what gguf's own dequantizer makes of the file (gguf_files)."""
+
+from dataclasses import replace
+
+import gguf_files
+import pytest
+import torch
+from test_fp8 import BLOCK_LINEARS, CPU_SCALED, cosine, forward, native_tensors
+from torch import nn
+
+from h3_core import fp8
+from h3_core.checkpoint import CheckpointError, DiTReader, held_linears, infer_config, load_dit, locate_dit
+from h3_core.config import DiTConfig, TINY_DIT
+from h3_core.dit import H3DiT, rope_inverse_frequencies
+from h3_core.gguf_file import GGUFEntry, GGUFLinear, GGUFLoad
+from h3_core.lora import apply_loras, load_lora, run_mode
+from h3_core.memory_plan import block_weight_bytes, check_held, plan_memory
+from h3_core.offload import stream_blocks
+from h3_core.tiny import TINY_SEED, seeded_random_weights, tiny_random_dit
+
+pytest.importorskip("gguf", reason="GGUF files are read and written with the gguf package (a dependency)")
+
+PREFIX = "model.diffusion_model."
+BLOCKS = [f"blocks.{i}.{leaf}" for i in range(2) for leaf in BLOCK_LINEARS]
+KEPT_OTHERS = {"blocks.1.adaln_proj.linear": "Q4_0", "token_refiner.blocks.0.attn.qkv_proj": "Q5_1"}
+# not storable: fp32 modules, and condition_proj (48 wide: stored flattened into rows of 256, as ComfyUI-GGUF may)
+DEQUANTIZED = {"video_patch_proj": "Q4_1", "final_layer.video_out": "Q5_0", "condition_proj": "Q8_0"}
+K_CONFIG = replace(TINY_DIT, attention_head_dim=128, hidden_size=256, ffn_dim=512, text_dim=256, rope_freq_dim=16)
+
+
+def qtypes(blocks="Q8_0", others=True):
+    chosen = {f"{layer}.weight": blocks for layer in BLOCKS}
+    if others:
+        chosen.update({f"{layer}.weight": qtype for layer, qtype in {**KEPT_OTHERS, **DEQUANTIZED}.items()})
+    return chosen
+
+
+def write(path, model=None, blocks="Q8_0", others=True, **options):
+    flattened = ("condition_proj.weight",) if others else ()
+    return gguf_files.write_gguf(path, native_tensors(model or tiny_random_dit()), qtypes(blocks, others),
+                                 flattened=flattened, **options)
+
+
+def dense_model(meant, config=TINY_DIT):
+    """The oracle: a dense fp32 model holding exactly what gguf's dequantizer makes of the file."""
+    with torch.device("meta"):
+        model = H3DiT(config)
+    model.load_state_dict({k: v for k, v in meant.items() if k != "rope.inv_freq"}, assign=True)
+    model.rope_inv_freq = rope_inverse_frequencies(config)
+    return model.eval().requires_grad_(False)
+
+
+def test_a_gguf_file_keeps_its_quantized_linears(tmp_path):
+    path = tmp_path / "minimax_h3_fl2va-Q8_0.gguf"
+    meant = write(path, prefix=PREFIX)
+    source = locate_dit(path)
+    assert source.is_gguf and "GGUF file" in source.origin and "Q8_0" in source.origin
+    assert infer_config(source) == TINY_DIT
+    kept = load_dit(path, dtype=torch.float32)
+    dense = load_dit(path, dtype=torch.float32, linears="dense")
+    for layer in BLOCKS + list(KEPT_OTHERS):
+        module = kept.get_submodule(layer)
+        assert isinstance(module, GGUFLinear) and module.weight.dtype == torch.uint8, layer
+        assert type(dense.get_submodule(layer)) is nn.Linear, layer
+        assert torch.equal(module.dequantized_weight(), meant[f"{layer}.weight"]), layer
+        assert torch.equal(dense.get_submodule(layer).weight, meant[f"{layer}.weight"]), layer
+    for layer in DEQUANTIZED:
+        module = kept.get_submodule(layer)
+        assert type(module) is nn.Linear and module.weight.dtype == torch.float32, layer
+        assert module.weight.shape == tiny_random_dit().get_submodule(layer).weight.shape
+        assert torch.equal(module.weight, meant[f"{layer}.weight"]), layer
+    oracle = dense_model(meant)
+    for a, b, c in zip(forward(kept), forward(dense), forward(oracle)):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert cosine(forward(kept)[0], forward(tiny_random_dit())[0]) > 0.99  # 4- and 8-bit rounding only
+
+    def fc1_bytes(model):
+        return sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if n.startswith("blocks.0.mlp.fc1."))
+
+    assert fc1_bytes(kept) == fc1_bytes(dense) * 34 // (32 * 4)  # Q8_0: 34 bytes a 32 weights, against fp32
+
+
+def test_a_gguf_dit_computes_in_bf16_unless_told(tmp_path):
+    """GGUF files store small tensors in F32 and the rest in whatever type: the DiT follows the release's dtype
+    policy (bf16, fp32 heads) instead of the file's types."""
+    path = tmp_path / "dit.gguf"
+    write(path)
+    model = load_dit(path)
+    assert model.blocks[0].mlp.fc1.compute_dtype == torch.bfloat16 and model.blocks[0].attn.q_norm.weight.dtype == torch.bfloat16
+    assert model.condition_proj.weight.dtype == torch.bfloat16 and model.final_layer.video_out.weight.dtype == torch.float32
+    assert model.video_patch_proj.weight.dtype == torch.float32
+    assert cosine(forward(model)[0], forward(load_dit(path, dtype=torch.float32))[0]) > 0.999
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_linears_equal_gguf_s_own_dequantizer(tmp_path, qtype):
+    """K-quants (256-weight super-blocks) on a model whose linears are 256 wide: the blocks stay quantized and
+    compute what the dequantized weights do."""
+    model = seeded_random_weights(H3DiT(K_CONFIG), TINY_SEED)
+    path = tmp_path / f"dit-{qtype}.gguf"
+    meant = write(path, model, blocks=qtype, others=False)
+    kept = load_dit(path, dtype=torch.float32)
+    assert infer_config(locate_dit(path)) == K_CONFIG
+    for layer in BLOCKS:
+        module = kept.get_submodule(layer)
+        assert isinstance(module, GGUFLinear) and module.qtype == qtype, layer
+        assert torch.equal(module.dequantized_weight(), meant[f"{layer}.weight"]), layer
+    for a, b in zip(forward(kept), forward(dense_model(meant, K_CONFIG))):
+        assert torch.equal(a, b)
+
+
+def test_flattened_tensors_take_their_original_shape(tmp_path):
+    """ComfyUI-GGUF may store a tensor as rows of 256 with a `comfy.gguf.orig_shape.<key>` field."""
+    model = seeded_random_weights(H3DiT(K_CONFIG), TINY_SEED)
+    path = tmp_path / "flat.gguf"
+    # audio_patch_proj [256, 32] (8,192 weights) stored as [32, 256]
+    meant = gguf_files.write_gguf(path, native_tensors(model), {"audio_patch_proj.weight": "Q8_0",
+                                                                "condition_proj.weight": "Q8_0"},
+                                  prefix=PREFIX, flattened=("audio_patch_proj.weight", "condition_proj.weight"))
+    loaded = load_dit(path, dtype=torch.float32)
+    assert loaded.audio_patch_proj.weight.shape == model.audio_patch_proj.weight.shape
+    assert torch.equal(loaded.audio_patch_proj.weight, meant["audio_patch_proj.weight"])
+    assert torch.equal(loaded.condition_proj.weight, meant["condition_proj.weight"])
+
+
+def test_broken_gguf_files_are_refused_before_reading(tmp_path):
+    import gguf
+    import numpy as np
+
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file" * 8)
+    with pytest.raises(CheckpointError, match="junk.gguf is not a readable GGUF file"):
+        locate_dit(tmp_path / "junk.gguf")
+
+    tensors = native_tensors(tiny_random_dit())
+    odd = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(str(odd), arch="minimax_h3")
+    for name, tensor in tensors.items():
+        if name == "blocks.0.mlp.fc1.weight":  # IQ4_NL: 32 weights in 18 bytes, a type we do not read
+            writer.add_tensor(name, np.zeros((256, 36), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+        else:
+            writer.add_tensor(name, tensor.float().numpy())
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    with pytest.raises(CheckpointError, match=r"'blocks.0.mlp.fc1.weight' in odd.gguf is stored as GGML type IQ4_NL.*"
+                                              r"may use F32, F16, BF16, Q8_0"):
+        locate_dit(odd)
+
+    lacking = {k: v for k, v in tensors.items() if k != "blocks.1.mlp.fc2.weight"}
+    gguf_files.write_gguf(tmp_path / "lacking.gguf", lacking, qtypes(others=False))
+    with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\): blocks.1.mlp.fc2.weight"):
+        DiTReader(tmp_path / "lacking.gguf")  # the headers alone
+
+    renamed = {k.replace("blocks.", "transformer_blocks."): v for k, v in tensors.items()}
+    gguf_files.write_gguf(tmp_path / "diffusers.gguf", renamed)
+    with pytest.raises(CheckpointError, match="diffusers.gguf is a GGUF file with diffusers names"):
+        locate_dit(tmp_path / "diffusers.gguf")
+
+    write(tmp_path / "minimax_h3_ref2va-Q8_0.gguf")
+    with pytest.raises(CheckpointError, match="holds H3's Ref2VA DiT"):
+        locate_dit(tmp_path / "minimax_h3_ref2va-Q8_0.gguf", "fl2va")
+
+
+def test_memory_plan_counts_what_gguf_blocks_hold(tmp_path):
+    """A real block's Q4_K linears stream exactly the bytes the plan counts; a file mixing types is planned by its
+    costliest block; a 24 GiB budget keeps more Q4_K blocks resident than FP8 ones."""
+    real = DiTConfig()
+    with torch.device("meta"):
+        block_model = H3DiT(replace(real, num_layers=1)).set_dtype(torch.bfloat16)
+    entries = {f"{layer}.weight": GGUFEntry("Q4_K", shape, shape)
+               for layer in fp8.block_linear_names(block_model)
+               if (shape := tuple(block_model.get_submodule(layer).weight.shape))}
+    GGUFLoad.plan(block_model, entries, keep=lambda layer: True, compute=torch.bfloat16,
+                  dense_dtype=lambda name: torch.bfloat16)
+    held = fp8.held_format(block_model)
+    assert held == "gguf:0.5625" and check_held(held) == "gguf"
+    streamed = [p for n, p in block_model.blocks[0].named_parameters() if not n.startswith("adaln_proj.")]
+    assert sum(p.numel() * p.element_size() for p in streamed) == block_weight_bytes(real, 2, held)
+    budget = 24 * 2**30
+    assert (plan_memory(real, 38_222, budget, held=held).resident_blocks
+            > plan_memory(real, 38_222, budget, held="fp8").resident_blocks)
+    with pytest.raises(ValueError, match="gguf as 'gguf:<bytes a weight>'"):
+        block_weight_bytes(real, 2, "gguf")
+
+    path = tmp_path / "mixed.gguf"  # block 1's fc2 in Q8_0 (34/32 bytes a weight), the rest Q4_0 (18/32)
+    gguf_files.write_gguf(path, native_tensors(tiny_random_dit()),
+                          {**qtypes("Q4_0", others=False), "blocks.1.mlp.fc2.weight": "Q8_0"})
+    weights = {leaf: 64 * 192 if leaf == "attn.qkv_proj" else 64 * 64 if leaf == "attn.out_proj"
+               else 64 * 256 if leaf == "mlp.fc1" else 128 * 64 for leaf in BLOCK_LINEARS}
+    costliest = (sum(weights.values()) - weights["mlp.fc2"]) * 18 / 32 + weights["mlp.fc2"] * 34 / 32
+    expected = f"gguf:{costliest / sum(weights.values()):.6g}"
+    assert held_linears(locate_dit(path), "checkpoint") == expected == fp8.held_format(load_dit(path))
+    assert held_linears(locate_dit(path), "dense") == "dense"
+
+
+def test_streamed_gguf_blocks_equal_resident_ones(tmp_path):
+    path = tmp_path / "dit.gguf"
+    write(path)
+    want = forward(load_dit(path, dtype=torch.float32))
+    streamed = load_dit(path, dtype=torch.float32)
+    streamer = stream_blocks(streamed, "cpu", resident=1)
+    assert all(torch.equal(a, b) for a, b in zip(forward(streamed), want))
+    streamer.remove()
+
+
+def test_a_lora_on_a_gguf_model_is_hooked(tmp_path):
+    from lora_files import random_spec, write_peft
+
+    path = tmp_path / "dit.gguf"
+    write(path)
+    kept, dense = load_dit(path, dtype=torch.float32), load_dit(path, dtype=torch.float32, linears="dense")
+    assert run_mode(kept) == "dynamic" and run_mode(dense) == "merge"
+    lora = load_lora(write_peft(tmp_path / "lora.safetensors", random_spec(TINY_DIT, seed=9)))
+    plain = forward(kept)
+    apply_loras(kept, [(lora, 0.8)], partition="fl2va", mode="dynamic")
+    apply_loras(dense, [(lora, 0.8)], partition="fl2va", mode="merge")
+    adapted, merged = forward(kept), forward(dense)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(adapted, merged))
+    assert (adapted[0] - plain[0]).abs().max() > 1e-3
+
+
+@CPU_SCALED
+def test_gguf_under_the_lossy_fp8_modes(tmp_path):
+    """fp8-weights-lossy keeps GGUF blocks (smaller already); fp8-lossy rebuilds the block linears and quantizes
+    them to e4m3 for FP8 matmuls; the other kept linears stay GGUF."""
+    path = tmp_path / "dit.gguf"
+    write(path)
+    weights_only = load_dit(path, dtype=torch.float32, linears="fp8-weights-lossy")
+    assert all(isinstance(weights_only.get_submodule(layer), GGUFLinear) for layer in BLOCKS + list(KEPT_OTHERS))
+    dense = load_dit(path, dtype=torch.float32, linears="dense")
+    lossy = load_dit(path, dtype=torch.float32, linears="fp8-lossy")
+    for layer in BLOCKS:
+        module = lossy.get_submodule(layer)
+        assert isinstance(module, fp8.FP8Linear) and module.matmul == "scaled", layer
+        weight, scale = fp8.quantize_weight(dense.get_submodule(layer).weight)
+        assert torch.equal(module.weight, weight) and torch.equal(module.weight_scale, scale), layer
+    assert all(isinstance(lossy.get_submodule(layer), GGUFLinear) for layer in KEPT_OTHERS)
+    assert held_linears(locate_dit(path), "fp8-lossy") == "fp8"
+    assert cosine(forward(lossy)[0], forward(dense)[0]) > 0.99
+
+
+def test_compiled_blocks_rebuild_gguf_weights_as_eager_ones_do(tmp_path):
+    path = tmp_path / "dit.gguf"
+    write(path)
+    expected = forward(load_dit(path, dtype=torch.float32))[0]
+    compiled = load_dit(path, dtype=torch.float32).compile_blocks()
+    assert torch.allclose(forward(compiled)[0], expected, atol=1e-5)
+
+
+def test_a_read_gguf_dit_can_be_dropped_and_read_again(tmp_path):
+    path = tmp_path / "dit.gguf"
+    write(path)
+    reader = DiTReader(path, dtype=torch.float32)
+    first = forward(reader.read())
+    reader.drop()
+    assert not reader.is_read and reader.model.blocks[0].mlp.fc1.weight.is_meta
+    assert all(torch.equal(a, b) for a, b in zip(forward(reader.read()), first))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("blocks", ["Q8_0", "Q4_K"])
+def test_gguf_linears_on_cuda_eager_and_compiled_equal_the_cpus(tmp_path, blocks):
+    model = seeded_random_weights(H3DiT(K_CONFIG), TINY_SEED) if blocks.endswith("_K") else None
+    path = tmp_path / "dit.gguf"
+    write(path, model, blocks=blocks, others=model is None)
+    cpu, gpu = load_dit(path, dtype=torch.float32), load_dit(path, dtype=torch.float32, device="cuda")
+    g = torch.Generator().manual_seed(5)
+    for layer in BLOCKS + ([] if model is not None else list(KEPT_OTHERS)):
+        module = gpu.get_submodule(layer)
+        assert module.weight.is_cuda and isinstance(module, GGUFLinear)
+        x = torch.randn(7, module.in_features, generator=g)
+        want = cpu.get_submodule(layer)(x)
+        with torch.no_grad():
+            eager, compiled = module(x.cuda()), torch.compile(module)(x.cuda())
+        assert torch.allclose(eager.cpu(), want, rtol=1e-5, atol=1e-5), layer
+        assert torch.allclose(compiled, eager, rtol=1e-5, atol=1e-5), layer
