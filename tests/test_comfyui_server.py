@@ -106,6 +106,23 @@ class Socket:
         self._thread.join(5)
 
 
+FOUR_BLOCKS_GGUF = "h3_tiny_4_blocks-Q8_0.gguf"
+
+
+def _write_four_blocks_gguf(folder: Path) -> None:
+    """The 4-block tiny DiT as ComfyUI-GGUF stores it: its block linears Q8_0, the rest F16 / F32."""
+    import gguf_files
+    from safetensors.torch import load_file
+    from test_nodes_memory import FOUR_BLOCKS
+
+    from h3_core.keymap import strip_prefix
+
+    tensors = load_file(str(folder / FOUR_BLOCKS))
+    linears = {key: "Q8_0" for key, value in tensors.items() if strip_prefix(key).startswith("blocks.")
+               and value.ndim == 2 and not key.endswith("adaln_proj.linear.weight")}
+    gguf_files.write_gguf(folder / FOUR_BLOCKS_GGUF, tensors, linears)
+
+
 @pytest.fixture(scope="module")
 def server():
     root = Path(COMFYUI)
@@ -120,6 +137,7 @@ def server():
     from test_nodes_memory import write_four_blocks
 
     write_four_blocks(work / "diffusion_models")
+    _write_four_blocks_gguf(work / "diffusion_models")
     (nodes_dir / "comfyui-h3").symlink_to(PACK, target_is_directory=True)
     config = work / "extra_model_paths.yaml"
     config.write_text(f"h3test:\n  base_path: {work}\n  custom_nodes: custom_nodes\n  loras: loras\n"
@@ -359,6 +377,20 @@ def test_a_small_gpu_memory_budget_streams_blocks_and_free_unloads_them(server):
     log = _wait_for_log(work, "block streaming removed")
     assert any(FOUR_BLOCKS in line and "unloaded from cpu" in line and "block streaming removed" in line
                for line in log.splitlines()), log[-4000:]
+
+
+def test_a_gguf_file_is_offered_and_makes_a_clip(server):
+    """ComfyUI lists only its own weight suffixes; the Model Loader also offers models/diffusion_models' .gguf
+    files, and a workflow runs on one with its quantized linears kept."""
+    base, work = server
+    options = _get(f"{base}/object_info/H3ModelLoader")["H3ModelLoader"]["input"]["required"]["checkpoint"]
+    assert FOUR_BLOCKS_GGUF in json.dumps(options), options
+    graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
+    graph[_node(graph, "H3ModelLoader")]["inputs"].update(checkpoint=FOUR_BLOCKS_GGUF, weight_dtype="checkpoint")
+    history = _wait(base, _queue(base, graph, "x"))
+    assert history["status"]["status_str"] == "success", json.dumps(history["status"]["messages"])[-4000:]
+    assert len(_mp4s(history)) == 1
+    assert f"{FOUR_BLOCKS_GGUF}): reading its weights" in _log(work), _log(work)[-4000:]
 
 
 def test_a_small_text_encoder_budget_streams_its_layers_and_free_unloads_them(server):
