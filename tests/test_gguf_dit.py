@@ -274,3 +274,23 @@ def test_gguf_linears_on_cuda_eager_and_compiled_equal_the_cpus(tmp_path, blocks
             eager, compiled = module(x.cuda()), torch.compile(module)(x.cuda())
         assert torch.allclose(eager.cpu(), want, rtol=1e-5, atol=1e-5), layer
         assert torch.allclose(compiled, eager, rtol=1e-5, atol=1e-5), layer
+
+
+def test_a_pruned_gguf_file_loads_as_its_safetensors_form(tmp_path):
+    """ComfyUI-GGUF made from a pruned (curve-form) file: `adaln_t_table` in F32, the rest as any GGUF file's; the
+    same curve-form DiT as the safetensors file holding the values gguf's dequantizer makes."""
+    from safetensors.torch import save_file
+    from test_curve_form import curve_model
+
+    curve = curve_model(tiny_random_dit())
+    tensors = native_tensors(curve)
+    tensors["adaln_t_table"] = tensors.pop("time_embedder.table")
+    path = tmp_path / "minimax_h3_fl2va_pruned-Q8_0.gguf"
+    meant = gguf_files.write_gguf(path, tensors, qtypes(others=False), prefix=PREFIX)
+    save_file({PREFIX + k: v for k, v in meant.items()}, str(tmp_path / "pruned.safetensors"))
+    config = infer_config(locate_dit(path))
+    assert config == infer_config(locate_dit(tmp_path / "pruned.safetensors")) and config.adaln_curve_grid > 0
+    got = load_dit(path, dtype=torch.float32)
+    assert isinstance(got.blocks[0].mlp.fc1, GGUFLinear) and got.config.curve_form
+    want = load_dit(tmp_path / "pruned.safetensors", dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(forward(got), forward(want)))
