@@ -9,6 +9,7 @@ one GPU, the peak memory of every rank, and the largest difference from the sing
 
     python bench/multi_gpu.py --gpus 2 [--sharded] [--compile] [--frames 124] [--text-rows 512] [--attention flash3]
     python bench/multi_gpu.py --gpus 4 --compile --attention flash3-fp8-lossy --linears fp8-lossy   # lossy
+    python bench/multi_gpu.py --gpus 2 --compile --vsa 0.8   # FastH3 8-Step V2's model: Video Sparse Attention
     python bench/multi_gpu.py --tiny      # CPU, gloo, a tiny model: the plumbing and exactness
 """
 
@@ -72,6 +73,8 @@ def make_inputs(model: H3DiT, width: int, height: int, frames: int, text_rows: i
         audio_indices=layout.audio_indices, text_indices=layout.text_indices,
     )
     inputs = {name: tensor.to(device) for name, tensor in inputs.items()}
+    if model.sparse_attention is not None:
+        inputs["sparse_tiles"] = layout.vsa_tiles(device)
     with torch.inference_mode():
         inputs["modulation"] = model.modulation(inputs["timesteps"])
     return inputs, layout.sequence_length
@@ -117,11 +120,11 @@ def rank_main(rank: int, args, init_method: str) -> None:
     if args.tiny:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-        config = dataclasses.replace(TINY_DIT, num_attention_heads=4)
+        config = dataclasses.replace(TINY_DIT, num_attention_heads=4, vsa_gates=args.vsa is not None)
     else:
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-        config = DiTConfig(num_layers=args.layers)
+        config = DiTConfig(num_layers=args.layers, vsa_gates=args.vsa is not None)
     dist.init_process_group("gloo" if args.tiny else "nccl", init_method=init_method, rank=rank, world_size=world)
     cpu = dist.new_group(backend="gloo")  # waits and small exchanges that must not spin a GPU
     started = time.perf_counter()
@@ -129,6 +132,9 @@ def rank_main(rank: int, args, init_method: str) -> None:
     if args.linears != "checkpoint":
         apply_linear_mode(model, args.linears, device)
     backend = model.set_attention_backend(args.attention)
+    if args.vsa is not None:
+        model.set_sparse_attention(args.vsa)
+        backend = f"vsa {args.vsa:g} (flex)"
     if args.compile:
         model.compile_blocks()  # the one-GPU and the sequence-parallel forward each compile once, in the warm-up
     width, height = (args.width, args.height) if args.tiny else geometry.canvas_size(args.aspect_ratio)
@@ -186,6 +192,8 @@ def main() -> None:
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--linears", default="checkpoint", help="block linears, as h3 generate's (fp8-lossy: e4m3)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the repeated block")
+    parser.add_argument("--vsa", type=float, default=None, metavar="SPARSITY",
+                        help="FastH3 8-Step V2's model: a VSA gate in every block, Video Sparse Attention at SPARSITY")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="CPU + gloo with a tiny 4-head model (no GPU needed)")
