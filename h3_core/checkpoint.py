@@ -151,13 +151,14 @@ def _single_file(path: Path) -> DiTSource:
 
 
 def _gguf_file(path: Path) -> DiTSource:
-    entries = gguf_file.gguf_entries(path)
+    entries, arch = gguf_file.gguf_entries(path)
     if _naming(list(entries), path) != "native":
         raise CheckpointError(f"{path.name} is a GGUF file with diffusers names; GGUF DiT files are read in the "
                               "ComfyUI single file's layout (release names, qkv stacked), as ComfyUI-GGUF makes them.")
     tensors = {native_name(key): entry for key, entry in entries.items()}
     kinds = sorted({entry.qtype for entry in tensors.values()})
-    return DiTSource((path,), "native", "stacked", None, f"GGUF file ({', '.join(kinds)})", gguf_tensors=tensors)
+    named = f"architecture '{arch}'; " if arch else ""  # ComfyUI-GGUF names the model: a wrong file shows here
+    return DiTSource((path,), "native", "stacked", None, f"GGUF file ({named}{', '.join(kinds)})", gguf_tensors=tensors)
 
 
 def _gguf_held(tensors: dict) -> str:

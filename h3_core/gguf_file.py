@@ -95,10 +95,12 @@ def _entry(reader, tensor, path: Path) -> GGUFEntry:
     return GGUFEntry(qtype, shape, stored)
 
 
-def gguf_entries(path: Path) -> dict[str, GGUFEntry]:
-    """Each tensor's entry, by its key in the file (headers only)."""
+def gguf_entries(path: Path) -> tuple[dict[str, GGUFEntry], str | None]:
+    """Each tensor's entry, by its key in the file (headers only), and the architecture the file names."""
     reader = open_gguf(path)
-    return {tensor.name: _entry(reader, tensor, path) for tensor in reader.tensors}
+    field = reader.get_field("general.architecture")
+    arch = None if field is None else bytes(field.parts[field.data[-1]]).decode("utf-8", "replace")
+    return {tensor.name: _entry(reader, tensor, path) for tensor in reader.tensors}, arch
 
 
 def read_gguf(path: Path, data: bool = True, only: Callable[[str], bool] | None = None) -> Iterator[Item]:

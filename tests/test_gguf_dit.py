@@ -30,10 +30,13 @@ DEQUANTIZED = {"video_patch_proj": "Q4_1", "final_layer.video_out": "Q5_0", "con
 K_CONFIG = replace(TINY_DIT, attention_head_dim=128, hidden_size=256, ffn_dim=512, text_dim=256, rope_freq_dim=16)
 
 
+PLAIN = {"token_refiner.blocks.1.mlp.fc1": "BF16"}  # stored unquantized: read as it is
+
+
 def qtypes(blocks="Q8_0", others=True):
     chosen = {f"{layer}.weight": blocks for layer in BLOCKS}
     if others:
-        chosen.update({f"{layer}.weight": qtype for layer, qtype in {**KEPT_OTHERS, **DEQUANTIZED}.items()})
+        chosen.update({f"{layer}.weight": qtype for layer, qtype in {**KEPT_OTHERS, **DEQUANTIZED, **PLAIN}.items()})
     return chosen
 
 
@@ -56,7 +59,7 @@ def test_a_gguf_file_keeps_its_quantized_linears(tmp_path):
     path = tmp_path / "minimax_h3_fl2va-Q8_0.gguf"
     meant = write(path, prefix=PREFIX)
     source = locate_dit(path)
-    assert source.is_gguf and "GGUF file" in source.origin and "Q8_0" in source.origin
+    assert source.is_gguf and source.origin == "GGUF file (architecture 'minimax_h3'; BF16, F16, F32, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)"
     assert infer_config(source) == TINY_DIT
     kept = load_dit(path, dtype=torch.float32)
     dense = load_dit(path, dtype=torch.float32, linears="dense")
@@ -70,6 +73,9 @@ def test_a_gguf_file_keeps_its_quantized_linears(tmp_path):
         module = kept.get_submodule(layer)
         assert type(module) is nn.Linear and module.weight.dtype == torch.float32, layer
         assert module.weight.shape == tiny_random_dit().get_submodule(layer).weight.shape
+    for layer in PLAIN:
+        module = kept.get_submodule(layer)
+        assert type(module) is nn.Linear and torch.equal(module.weight, meant[f"{layer}.weight"]), layer
         assert torch.equal(module.weight, meant[f"{layer}.weight"]), layer
     oracle = dense_model(meant)
     for a, b, c in zip(forward(kept), forward(dense), forward(oracle)):
@@ -150,6 +156,11 @@ def test_broken_gguf_files_are_refused_before_reading(tmp_path):
     gguf_files.write_gguf(tmp_path / "lacking.gguf", lacking, qtypes(others=False))
     with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\): blocks.1.mlp.fc2.weight"):
         DiTReader(tmp_path / "lacking.gguf")  # the headers alone
+
+    wan = {"blocks.0.self_attn.q.weight": torch.zeros(64, 64), **tensors}  # another model's file (Wan's names)
+    gguf_files.write_gguf(tmp_path / "wan.gguf", wan, arch="wan")
+    with pytest.raises(CheckpointError, match=r"Unexpected tensor 'blocks.0.self_attn.q.weight' .*architecture 'wan'"):
+        DiTReader(tmp_path / "wan.gguf")
 
     renamed = {k.replace("blocks.", "transformer_blocks."): v for k, v in tensors.items()}
     gguf_files.write_gguf(tmp_path / "diffusers.gguf", renamed)

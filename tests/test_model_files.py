@@ -317,5 +317,5 @@ def test_a_gguf_dit_file_generates_what_its_weights_do(model_sets, tmp_path, mon
     capsys.readouterr()
     assert main(["info", str(gguf)]) == 0
     info = json.loads(capsys.readouterr().out)["dit"]
-    assert info["origin"] == "GGUF file (F16, F32, Q8_0)" and set(info["gib_by_type"]) == {"F16", "F32", "Q8_0"}
+    assert info["origin"] == "GGUF file (architecture 'minimax_h3'; F16, F32, Q8_0)" and set(info["gib_by_type"]) == {"F16", "F32", "Q8_0"}
     assert info["config"]["hidden_size"] == TINY_DIT.hidden_size
