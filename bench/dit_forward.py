@@ -57,7 +57,7 @@ def build_ours(config: DiTConfig) -> H3DiT:
 
 # byte offsets of the fp16 scale fields in each GGML block (gguf_quants), set to sane values in random blocks
 GGML_SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
-                     "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+                     "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 def gguf_blocks(model: H3DiT, qtype: str) -> H3DiT:

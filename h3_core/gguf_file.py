@@ -1,7 +1,8 @@
 """GGUF DiT files (city96's ComfyUI-GGUF layout), their quantized linears held as stored.
 
 A GGUF DiT file holds the ComfyUI single file's tensors (release names, qkv stacked; a `model.diffusion_model.`
-prefix or not), each in one GGML type: F32, F16, BF16, or a block quantization (Q8_0 ... Q6_K, `gguf_quants`).
+prefix or not), each in one GGML type: F32, F16, BF16, or a block quantization (Q8_0 ... Q6_K, IQ4_NL, IQ4_XS:
+`gguf_quants`).
 GGUF lists a tensor's dimensions fastest first, so its torch shape is their reverse, unless a
 `comfy.gguf.orig_shape.<name>` field gives the shape the tensor had before it was flattened into rows of 256.
 GGUF files are no pickles: a header, key-value fields and raw tensor bytes, read here through the `gguf`

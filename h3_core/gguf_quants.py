@@ -19,6 +19,7 @@ import math
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 QK_K = 256  # weights per K-quant super-block
 
@@ -36,7 +37,11 @@ BLOCKS: dict[str, tuple[int, int]] = {
     "Q4_K": (QK_K, 2 + 2 + 12 + QK_K // 2),
     "Q5_K": (QK_K, 2 + 2 + 12 + QK_K // 8 + QK_K // 2),
     "Q6_K": (QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),
+    "IQ4_NL": (32, 2 + 16),
+    "IQ4_XS": (QK_K, 2 + 2 + QK_K // 64 + QK_K // 2),
 }
+# IQ4_NL / IQ4_XS: what each 4-bit code stands for (a fixed non-linear grid, times the block's scale)
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 SUPPORTED: tuple[str, ...] = tuple(BLOCKS)
 
 
@@ -186,9 +191,33 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return q.mul_((_f16(blocks, 208) * scales).unsqueeze(-1)).reshape(n, QK_K)
 
 
+def _iq4_grid(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes -> their IQ4 grid values, float32. An embedding lookup takes int32 codes as they are (indexing
+    would widen them to int64: 8 more bytes a weight while a weight is rebuilt)."""
+    grid = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=codes.device).unsqueeze(-1)
+    return F.embedding(codes.int(), grid).squeeze(-1)
+
+
+def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ4_NL: fp16 d, 16 bytes of nibbles laid out as Q4_0; w = d * grid[q]."""
+    return _iq4_grid(_unpack(blocks[:, 2:], 4, 16).reshape(-1, 32)).mul_(_f16(blocks, 0))
+
+
+def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS: fp16 d, a little-endian uint16 of the 8 sub-block scales' top 2 bits (sub-block i at bit 2i), 4 bytes
+    of their low 4 bits (sub-block i: byte i // 2, low nibble first), 128 bytes of nibbles (each 32-weight
+    sub-block 16 bytes, laid out as Q4_0); w = (d * (scale - 32)) * grid[q]."""
+    n = blocks.shape[0]
+    high = _unpack(blocks[:, 2:4], 2, 1).reshape(n, 8)
+    low = _unpack(blocks[:, 4:8], 4, 1).reshape(n, 8)
+    scales = ((low | (high << 4)).to(torch.int8) - 32).float()
+    q = _iq4_grid(_unpack(blocks[:, 8:], 4, 16).reshape(n, 8, 32))
+    return q.mul_((_f16(blocks, 0) * scales).unsqueeze(-1)).reshape(n, QK_K)
+
+
 _QUANTIZED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
-    "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
+    "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
 }
 _PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 

@@ -23,8 +23,9 @@ GIB = 2**30
 # workspaces (a 24 GiB cap ran out with 23.5 GiB allocated when the plan used the whole budget).
 HEADROOM_FRACTION, HEADROOM_BYTES = 0.05, 256 * 2**20
 # bytes a weight a GGUF linear holds besides the rebuilt weight while rebuilding it, uncompiled (the fp32 values
-# and byte-wide codes; measured at fc1's size on an H200: 4-5 for every GGML type, the bf16 result aside)
-GGUF_REBUILD_BYTES = 5
+# and the codes; measured at fc1's size on an H200, the bf16 result aside: 4-5 for the Q and K types, 7.2 for
+# IQ4_XS, whose codes are looked up as int32)
+GGUF_REBUILD_BYTES = 8
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ the `gguf` package (llama.cpp's writer): the ComfyUI single file's tensors (rele
 tensors in F32, the others in the GGML type asked for (F16 by default), dimensions listed fastest first.
 
 Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights are quantized from the model's by gguf's own quantizer; the package has
-no quantizer for the K-quants, so their blocks are random bytes with sane fp16 scales. Either way what a tensor
+no quantizer for the K-quants and IQ4 types, so their blocks are random bytes with sane fp16 scales. Either way what a tensor
 stands for is what gguf's own dequantizer (numpy) makes of the stored bytes: the oracle the loader must match.
 """
 
@@ -13,12 +13,13 @@ import numpy as np
 import torch
 
 QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16")  # gguf.quants.quantize handles these
-# byte offsets of the fp16 scale fields (d, and dmin where there is one) in a K-quant super-block
-K_SCALE_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# byte offsets of the fp16 scale fields (d, and dmin where there is one) in a K-quant or IQ4 block
+K_SCALE_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
+                  "IQ4_XS": (0,)}
 
 
 def random_blocks(qtype: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
-    """Random stored bytes [rows, bytes a row] for a K-quant tensor of `shape`, its scales ~1e-3 (so the weights
+    """Random stored bytes [rows, bytes a row] for a K-quant or IQ4 tensor of `shape`, its scales ~1e-3 (so the weights
     are of order 0.01-0.1 and a tiny model's outputs stay finite)."""
     import gguf
 

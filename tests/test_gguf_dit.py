@@ -100,10 +100,10 @@ def test_a_gguf_dit_computes_in_bf16_unless_told(tmp_path):
     assert cosine(forward(model)[0], forward(load_dit(path, dtype=torch.float32))[0]) > 0.999
 
 
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
 def test_k_quant_linears_equal_gguf_s_own_dequantizer(tmp_path, qtype):
-    """K-quants (256-weight super-blocks) on a model whose linears are 256 wide: the blocks stay quantized and
-    compute what the dequantized weights do."""
+    """K-quants and IQ4 types (random blocks: gguf has no quantizer for them) on a model whose linears are 256
+    wide: the blocks stay quantized and compute what the dequantized weights do."""
     model = seeded_random_weights(H3DiT(K_CONFIG), TINY_SEED)
     path = tmp_path / f"dit-{qtype}.gguf"
     meant = write(path, model, blocks=qtype, others=False)
@@ -143,12 +143,12 @@ def test_broken_gguf_files_are_refused_before_reading(tmp_path):
     odd = tmp_path / "odd.gguf"
     writer = gguf.GGUFWriter(str(odd), arch="minimax_h3")
     for name, tensor in tensors.items():
-        if name == "blocks.0.mlp.fc1.weight":  # IQ4_NL: 32 weights in 18 bytes, a type we do not read
-            writer.add_tensor(name, np.zeros((256, 36), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+        if name == "blocks.0.mlp.fc1.weight":  # IQ2_XXS: 256 weights in 66 bytes, a type we do not read
+            writer.add_tensor(name, np.zeros((256, 66), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
         else:
             writer.add_tensor(name, tensor.float().numpy())
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
-    with pytest.raises(CheckpointError, match=r"'blocks.0.mlp.fc1.weight' in odd.gguf is stored as GGML type IQ4_NL.*"
+    with pytest.raises(CheckpointError, match=r"'blocks.0.mlp.fc1.weight' in odd.gguf is stored as GGML type IQ2_XXS.*"
                                               r"may use F32, F16, BF16, Q8_0"):
         locate_dit(odd)
 

@@ -14,12 +14,12 @@ from gguf import quants as reference
 from h3_core import gguf_quants
 from h3_core.gguf_quants import BLOCKS, SUPPORTED, byte_shape, dequantize
 
-QUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+QUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 LEGACY = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the types gguf-py can also quantize
 # byte offsets of each block's fp16 fields (d, and m / dmin where the type has one), from gguf-py's block layouts
 F16_FIELDS = {
     "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
-    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
 }
 
 
@@ -46,7 +46,7 @@ def reference_values(raw: np.ndarray, qtype: str) -> torch.Tensor:
 
 
 def test_block_sizes_match_ggml():
-    assert set(SUPPORTED) == set(BLOCKS) and len(SUPPORTED) == 13
+    assert set(SUPPORTED) == set(BLOCKS) and len(SUPPORTED) == 15
     assert set(SUPPORTED) == set(QUANTIZED) | {"F32", "F16", "BF16"}
     for qtype, sizes in BLOCKS.items():
         assert sizes == GGML_QUANT_SIZES[GGMLQuantizationType[qtype]], qtype
@@ -146,7 +146,7 @@ def test_byte_shape():
         byte_shape((3, 100), "Q4_K")
     with pytest.raises(ValueError, match=r"Q8_0.*32.*\(4, 48\)"):
         byte_shape((4, 48), "Q8_0")
-    with pytest.raises(ValueError, match=r"IQ2_XS.*supported: F32, F16, BF16, Q8_0.*Q6_K"):
+    with pytest.raises(ValueError, match=r"IQ2_XS.*supported: F32, F16, BF16, Q8_0.*Q6_K, IQ4_NL, IQ4_XS"):
         byte_shape((4, 256), "IQ2_XS")
 
 
