@@ -107,8 +107,8 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
     """Everything `h3 generate` takes (a --batch line is parsed with the same options)."""
     gen.add_argument("--model", default=TINY_RANDOM,
                      help=f"release root or partition folder, diffusers folder, Hub repo id, or '{TINY_RANDOM}' (default); "
-                          "or a single DiT file (e.g. ComfyUI's models/diffusion_models/...) with --text-encoder, "
-                          "--video-vae and --audio-vae")
+                          "or a single DiT file (.safetensors or .gguf, e.g. ComfyUI's models/diffusion_models/...) with "
+                          "--text-encoder, --video-vae and --audio-vae")
     add_model_file_options(gen)
     gen.add_argument("--task", default="t2va", choices=["t2va", "fl2va", "ref2va"])
     gen.add_argument("--prompt", help="the prompt (required, except with --long-video and --window-prompt: then "
