@@ -23,6 +23,7 @@ from safetensors import safe_open
 from . import fp8, gguf_file, keymap, nvfp4
 from .config import DiTConfig
 from .dit import H3DiT, fp32_modules, rope_inverse_frequencies
+from .memory_plan import gguf_held
 from .weights import (
     CheckpointError,
     assign_strictly,
@@ -164,16 +165,14 @@ def _gguf_file(path: Path) -> DiTSource:
 def _gguf_held(tensors: dict) -> str:
     """memory_plan's held format for a GGUF file's block linears: the costliest block's bytes a weight (plain
     ones counted as bf16)."""
-    from .memory_plan import gguf_held
-
     blocks: dict[str, list[float]] = {}
     for name, entry in tensors.items():
-        match = re.match(r"(blocks\.\d+)\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)\.weight$", name)
-        if match:
+        parts = name.split(".")
+        if parts[0] == "blocks" and parts[-1] == "weight" and ".".join(parts[2:-1]) in fp8.BLOCK_LINEARS:
             weights = math.prod(entry.shape)
-            size = weights * (entry.bytes_per_weight if entry.quantized else 2)
-            totals = blocks.setdefault(match.group(1), [0.0, 0.0])
-            totals[0], totals[1] = totals[0] + size, totals[1] + weights
+            totals = blocks.setdefault(parts[1], [0.0, 0.0])
+            totals[0] += weights * (entry.bytes_per_weight if entry.quantized else 2)
+            totals[1] += weights
     return gguf_held(max(size / weights for size, weights in blocks.values()))
 
 
