@@ -16,7 +16,6 @@ quantized tensor is dequantized once at load (`GGUFLoad`).
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -119,9 +118,7 @@ def read_gguf(path: Path, data: bool = True, only: Callable[[str], bool] | None 
         if not data:
             yield tensor.name, torch.empty(shape, dtype=dtype, device="meta"), path
             continue
-        with warnings.catch_warnings():  # a copy out of the read-only map, so the file can close
-            warnings.simplefilter("ignore")
-            raw = torch.from_numpy(np.array(tensor.data, copy=True).reshape(-1).view(np.uint8))
+        raw = torch.from_numpy(np.array(tensor.data, copy=True).reshape(-1).view(np.uint8))  # out of the map
         yield tensor.name, raw.view(dtype).reshape(shape), path
 
 
