@@ -47,6 +47,33 @@ def cosine(a, b):
     return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
 
 
+def check_streamed_blocks_equal_resident(path) -> None:
+    """A file's DiT with its blocks streamed from the CPU (one resident) gives the resident one's outputs."""
+    want = forward(load_dit(path, dtype=torch.float32))
+    streamed = load_dit(path, dtype=torch.float32)
+    streamer = stream_blocks(streamed, "cpu", resident=1)
+    assert all(torch.equal(a, b) for a, b in zip(forward(streamed), want))
+    streamer.remove()
+
+
+def check_lora_hook_equals_merge(path, lora_path) -> None:
+    """Merging into a file's stored (quantized) weights would quantize again: runs hook LoRAs there
+    (lora.run_mode), and the hook adds the adapter as a merge into the dequantized weights does."""
+    from lora_files import random_spec, write_peft
+
+    from h3_core.lora import apply_loras, load_lora, run_mode
+
+    kept, dense = load_dit(path, dtype=torch.float32), load_dit(path, dtype=torch.float32, linears="dense")
+    assert run_mode(kept) == "dynamic" and run_mode(dense) == "merge"
+    lora = load_lora(write_peft(lora_path, random_spec(TINY_DIT, seed=9)))
+    plain = forward(kept)
+    apply_loras(kept, [(lora, 0.8)], partition="fl2va", mode="dynamic")
+    apply_loras(dense, [(lora, 0.8)], partition="fl2va", mode="merge")
+    adapted, merged = forward(kept), forward(dense)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(adapted, merged))
+    assert (adapted[0] - plain[0]).abs().max() > 1e-3  # the adapter really changes the output
+
+
 def reference_quantize(x, per_row):
     """Independent per-row / per-tensor absmax quantization to e4m3 (float64 scale arithmetic)."""
     x64 = x.double()

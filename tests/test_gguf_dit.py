@@ -7,7 +7,8 @@ from dataclasses import replace
 import gguf_files
 import pytest
 import torch
-from test_fp8 import BLOCK_LINEARS, CPU_SCALED, cosine, forward, native_tensors
+from test_fp8 import (BLOCK_LINEARS, CPU_SCALED, check_lora_hook_equals_merge, check_streamed_blocks_equal_resident,
+                      cosine, forward, native_tensors)
 from torch import nn
 
 from h3_core import fp8
@@ -15,9 +16,7 @@ from h3_core.checkpoint import CheckpointError, DiTReader, held_linears, infer_c
 from h3_core.config import DiTConfig, TINY_DIT
 from h3_core.dit import H3DiT, rope_inverse_frequencies
 from h3_core.gguf_file import GGUFEntry, GGUFLinear, GGUFLoad
-from h3_core.lora import apply_loras, load_lora, run_mode
 from h3_core.memory_plan import block_weight_bytes, check_held, plan_memory
-from h3_core.offload import stream_blocks
 from h3_core.tiny import TINY_SEED, seeded_random_weights, tiny_random_dit
 
 pytest.importorskip("gguf", reason="GGUF files are read and written with the gguf package (a dependency)")
@@ -207,27 +206,13 @@ def test_memory_plan_counts_what_gguf_blocks_hold(tmp_path):
 def test_streamed_gguf_blocks_equal_resident_ones(tmp_path):
     path = tmp_path / "dit.gguf"
     write(path)
-    want = forward(load_dit(path, dtype=torch.float32))
-    streamed = load_dit(path, dtype=torch.float32)
-    streamer = stream_blocks(streamed, "cpu", resident=1)
-    assert all(torch.equal(a, b) for a, b in zip(forward(streamed), want))
-    streamer.remove()
+    check_streamed_blocks_equal_resident(path)
 
 
 def test_a_lora_on_a_gguf_model_is_hooked(tmp_path):
-    from lora_files import random_spec, write_peft
-
     path = tmp_path / "dit.gguf"
     write(path)
-    kept, dense = load_dit(path, dtype=torch.float32), load_dit(path, dtype=torch.float32, linears="dense")
-    assert run_mode(kept) == "dynamic" and run_mode(dense) == "merge"
-    lora = load_lora(write_peft(tmp_path / "lora.safetensors", random_spec(TINY_DIT, seed=9)))
-    plain = forward(kept)
-    apply_loras(kept, [(lora, 0.8)], partition="fl2va", mode="dynamic")
-    apply_loras(dense, [(lora, 0.8)], partition="fl2va", mode="merge")
-    adapted, merged = forward(kept), forward(dense)
-    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(adapted, merged))
-    assert (adapted[0] - plain[0]).abs().max() > 1e-3
+    check_lora_hook_equals_merge(path, tmp_path / "lora.safetensors")
 
 
 @CPU_SCALED

@@ -9,17 +9,16 @@ import nvfp4_files
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_fp8 import BLOCK_LINEARS, CPU_SCALED, cosine, forward, native_tensors
+from test_fp8 import (BLOCK_LINEARS, CPU_SCALED, check_lora_hook_equals_merge, check_streamed_blocks_equal_resident,
+                      cosine, forward, native_tensors)
 from torch import nn
 
 from h3_core import fp8, nvfp4
 from h3_core.checkpoint import CheckpointError, held_linears, infer_config, load_dit, locate_dit
 from h3_core.config import DiTConfig, TINY_DIT
 from h3_core.dit import H3DiT
-from h3_core.lora import apply_loras, load_lora, run_mode
 from h3_core.memory_plan import block_weight_bytes, plan_memory
 from h3_core.nvfp4 import NVFP4Linear
-from h3_core.offload import stream_blocks
 from h3_core.tiny import tiny_random_dit
 
 PREFIX = "model.diffusion_model."
@@ -149,29 +148,13 @@ def test_memory_plan_counts_what_nvfp4_blocks_hold():
 def test_streamed_nvfp4_blocks_equal_resident_ones(tmp_path):
     path = tmp_path / "nvfp4.safetensors"
     write_nvfp4(path, smoothed=True)
-    want = forward(load_dit(path, dtype=torch.float32))
-    streamed = load_dit(path, dtype=torch.float32)
-    streamer = stream_blocks(streamed, "cpu", resident=1)
-    assert all(torch.equal(a, b) for a, b in zip(forward(streamed), want))
-    streamer.remove()
+    check_streamed_blocks_equal_resident(path)
 
 
 def test_a_lora_on_an_nvfp4_model_is_hooked(tmp_path):
-    """Merging into NVFP4 weights would quantize again: runs hook LoRAs there (lora.run_mode), and the hook adds
-    the adapter as a merge into the dequantized weights does."""
-    from lora_files import random_spec, write_peft
-
     path = tmp_path / "nvfp4.safetensors"
     write_nvfp4(path, smoothed=True)
-    kept, dense = load_dit(path, dtype=torch.float32), load_dit(path, dtype=torch.float32, linears="dense")
-    assert run_mode(kept) == "dynamic" and run_mode(dense) == "merge"
-    lora = load_lora(write_peft(tmp_path / "lora.safetensors", random_spec(TINY_DIT, seed=9)))
-    plain = forward(kept)
-    apply_loras(kept, [(lora, 0.8)], partition="fl2va", mode="dynamic")
-    apply_loras(dense, [(lora, 0.8)], partition="fl2va", mode="merge")
-    adapted, merged = forward(kept), forward(dense)
-    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(adapted, merged))
-    assert (adapted[0] - plain[0]).abs().max() > 1e-3  # the adapter really changes the output
+    check_lora_hook_equals_merge(path, tmp_path / "lora.safetensors")
 
 
 def test_compiled_blocks_rebuild_nvfp4_weights_as_eager_ones_do(tmp_path):
