@@ -3,8 +3,9 @@ the `gguf` package (llama.cpp's writer): the ComfyUI single file's tensors (rele
 tensors in F32, the others in the GGML type asked for (F16 by default), dimensions listed fastest first.
 
 Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights are quantized from the model's by gguf's own quantizer; the package has
-no quantizer for the K-quants and IQ4 types, so their blocks are random bytes with sane fp16 scales. Either way what a tensor
-stands for is what gguf's own dequantizer (numpy) makes of the stored bytes: the oracle the loader must match.
+no quantizer for the K-quants and IQ4 types, so their blocks are random bytes with sane fp16 scales. Either way
+what a tensor stands for is what gguf's own dequantizer (numpy) makes of the stored bytes: the oracle the loader
+must match.
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ def test_a_gguf_file_keeps_its_quantized_linears(tmp_path):
     path = tmp_path / "minimax_h3_fl2va-Q8_0.gguf"
     meant = write(path, prefix=PREFIX)
     source = locate_dit(path)
-    assert source.is_gguf and source.origin == "GGUF file (architecture 'minimax_h3'; BF16, F16, F32, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)"
+    assert source.is_gguf
+    assert source.origin == "GGUF file (architecture 'minimax_h3'; BF16, F16, F32, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)"
     assert infer_config(source) == TINY_DIT
     kept = load_dit(path, dtype=torch.float32)
     dense = load_dit(path, dtype=torch.float32, linears="dense")
@@ -82,7 +83,8 @@ def test_a_gguf_file_keeps_its_quantized_linears(tmp_path):
     assert cosine(forward(kept)[0], forward(tiny_random_dit())[0]) > 0.99  # 4- and 8-bit rounding only
 
     def fc1_bytes(model):
-        return sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if n.startswith("blocks.0.mlp.fc1."))
+        return sum(t.numel() * t.element_size() for n, t in model.state_dict().items()
+                   if n.startswith("blocks.0.mlp.fc1."))
 
     assert fc1_bytes(kept) == fc1_bytes(dense) * 34 // (32 * 4)  # Q8_0: 34 bytes a 32 weights, against fp32
 
@@ -93,8 +95,9 @@ def test_a_gguf_dit_computes_in_bf16_unless_told(tmp_path):
     path = tmp_path / "dit.gguf"
     write(path)
     model = load_dit(path)
-    assert model.blocks[0].mlp.fc1.compute_dtype == torch.bfloat16 and model.blocks[0].attn.q_norm.weight.dtype == torch.bfloat16
-    assert model.condition_proj.weight.dtype == torch.bfloat16 and model.final_layer.video_out.weight.dtype == torch.float32
+    assert model.blocks[0].mlp.fc1.compute_dtype == torch.bfloat16
+    assert model.blocks[0].attn.q_norm.weight.dtype == model.condition_proj.weight.dtype == torch.bfloat16
+    assert model.final_layer.video_out.weight.dtype == torch.float32
     assert model.video_patch_proj.weight.dtype == torch.float32
     assert cosine(forward(model)[0], forward(load_dit(path, dtype=torch.float32))[0]) > 0.999
 
