@@ -173,7 +173,7 @@ def _gguf_held(tensors: dict) -> str:
             totals = blocks.setdefault(parts[1], [0.0, 0.0])
             totals[0] += weights * (entry.bytes_per_weight if entry.quantized else 2)
             totals[1] += weights
-    return gguf_held(max(size / weights for size, weights in blocks.values()))
+    return gguf_held(blocks.values())
 
 
 def _folder(folder: Path) -> DiTSource:
@@ -247,8 +247,8 @@ def infer_config(source: DiTSource) -> DiTConfig:
     patch_volume = 4
     num_layers = 1 + max(int(m.group(1)) for k in shapes if (m := re.match(r"blocks\.(\d+)\.", k)))
     refiner = {int(m.group(1)) for k in shapes if (m := re.match(r"token_refiner\.blocks\.(\d+)\.", k))}
-    if CURVE_TABLE in shapes:  # curve form: the table's rows and width instead of a time embedder
-        grid, width = shape(CURVE_TABLE)
+    if CURVE_FORM_TABLE in shapes:  # curve form: the table's rows and width instead of a time embedder
+        grid, width = shape(CURVE_FORM_TABLE)
         time_embedder = {"adaln_curve_grid": grid, "time_embed_dim": width}
     else:
         time_embedder = {"freq_dim": shape("time_embedder.proj_in.weight")[1],
@@ -279,7 +279,7 @@ def _safetensors_shapes(source: DiTSource) -> tuple[dict[str, tuple[int, ...]], 
     for path in source.files:
         with safe_open(path, "pt") as handle:
             for key in handle.keys():
-                name = keymap.strip_prefix(key)
+                name = native_name(key)
                 if source.naming == "diffusers":
                     name = keymap.diffusers_to_native_name(name)[0]
                 shapes[name] = tuple(handle.get_slice(key).get_shape())
@@ -291,9 +291,7 @@ def _safetensors_shapes(source: DiTSource) -> tuple[dict[str, tuple[int, ...]], 
 
 
 def _gguf_shapes(source: DiTSource) -> tuple[dict[str, tuple[int, ...]], torch.Tensor | None]:
-    # keyed as `_safetensors_shapes` keys them: the curve form's table by its file name
-    shapes = {CURVE_TABLE if name == "time_embedder.table" else name: entry.shape
-              for name, entry in source.gguf_tensors.items()}
+    shapes = {name: entry.shape for name, entry in source.gguf_tensors.items()}
     if "rope.inv_freq" not in shapes:
         return shapes, None
     _, inv_freq, _ = next(gguf_file.read_gguf(source.files[0], only=lambda key: native_name(key) == "rope.inv_freq"))
@@ -304,7 +302,7 @@ def native_name(key: str) -> str:
     """Our name for a key of a file in release names (a ComfyUI single file's prefix stripped, the curve form's
     table renamed)."""
     name = keymap.strip_prefix(key)
-    return "time_embedder.table" if name == CURVE_TABLE else name
+    return CURVE_FORM_TABLE if name == CURVE_TABLE else name
 
 
 def iter_native_tensors(source: DiTSource, head_dim: int):
@@ -314,6 +312,7 @@ def iter_native_tensors(source: DiTSource, head_dim: int):
 
 SPARSE_ATTENTION_GATE = ".to_gate_compress.weight"  # FastVideo's VSA gate, one per block's attention (h3-model.md H)
 CURVE_TABLE = "adaln_t_table"  # a curve-form ("pruned") file's sampled AdaLN input: our time_embedder.table
+CURVE_FORM_TABLE = "time_embedder.table"
 
 
 def to_native(items, naming: str, qkv_layout: str, head_dim: int):
@@ -429,8 +428,10 @@ class DiTReader:
 
     def _items(self, data: bool):
         """The files' (key, tensor, file) items: their tensors, or (`data=False`) meta tensors from the headers."""
-        if self.source.is_gguf:
-            return gguf_file.read_gguf(self.source.files[0], data)
+        if self.source.is_gguf:  # its headers were read when it was located
+            if data:
+                return gguf_file.read_gguf(self.source.files[0])
+            return ((name, entry.read_as(), self.source.files[0]) for name, entry in self.source.gguf_tensors.items())
         return read_tensors(self.source.files) if data else read_headers(self.source.files)
 
     def _fill(self, items, device, on_tensor=None) -> None:

@@ -312,12 +312,13 @@ def held_format(model: nn.Module) -> str:
         return held
     from .memory_plan import gguf_held
 
-    return gguf_held(max(_bytes_per_weight([block.get_submodule(leaf) for leaf in BLOCK_LINEARS]) for block in model.blocks))
+    return gguf_held(_block_sizes([block.get_submodule(leaf) for leaf in BLOCK_LINEARS]) for block in model.blocks)
 
 
-def _bytes_per_weight(linears: list[nn.Module]) -> float:
-    stored = sum(linear.weight.numel() * linear.weight.element_size() for linear in linears)
-    return stored / sum(linear.in_features * linear.out_features for linear in linears)
+def _block_sizes(linears: list[nn.Module]) -> tuple[int, int]:
+    """(stored bytes, weights) of a block's linears."""
+    return (sum(linear.weight.numel() * linear.weight.element_size() for linear in linears),
+            sum(linear.in_features * linear.out_features for linear in linears))
 
 
 def check_scaled_device(device: torch.device) -> None:

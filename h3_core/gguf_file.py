@@ -31,7 +31,6 @@ from .weights import CheckpointError, Item
 
 GGUF_SUFFIX = ".gguf"
 ORIGINAL_SHAPE_FIELD = "comfy.gguf.orig_shape."
-PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # stored as the dtype itself
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,7 @@ class GGUFEntry:
 
     @property
     def quantized(self) -> bool:
-        return self.qtype not in PLAIN
+        return self.qtype not in gguf_quants.PLAIN
 
     @property
     def raw_shape(self) -> tuple[int, ...]:
@@ -56,6 +55,12 @@ class GGUFEntry:
     def bytes_per_weight(self) -> float:
         weights, size = gguf_quants.BLOCKS[self.qtype]
         return size / weights
+
+    def read_as(self) -> torch.Tensor:
+        """An empty (meta) tensor as `read_gguf` gives this one: itself in its torch shape, or its stored bytes."""
+        if self.quantized:
+            return torch.empty(self.raw_shape, dtype=torch.uint8, device="meta")
+        return torch.empty(self.shape, dtype=gguf_quants.PLAIN[self.qtype], device="meta")
 
 
 def is_gguf(path: Path) -> bool:
@@ -103,23 +108,17 @@ def gguf_entries(path: Path) -> tuple[dict[str, GGUFEntry], str | None]:
     return {tensor.name: _entry(reader, tensor, path) for tensor in reader.tensors}, arch
 
 
-def read_gguf(path: Path, data: bool = True, only: Callable[[str], bool] | None = None) -> Iterator[Item]:
-    """(key, tensor, path) for each tensor of the file (whose key `only` accepts), one at a time: F32 / F16 /
-    BF16 tensors as themselves in their torch shape, quantized ones as their stored bytes (uint8
-    `GGUFEntry.raw_shape`). `data=False`: meta tensors of those shapes and dtypes, to check a file against a
-    model before anything is read."""
+def read_gguf(path: Path, only: Callable[[str], bool] | None = None) -> Iterator[Item]:
+    """(key, tensor, path) for each tensor of the file (whose key `only` accepts), one at a time, as
+    `GGUFEntry.read_as` describes it: F32 / F16 / BF16 tensors as themselves, quantized ones as their stored
+    bytes."""
     reader = open_gguf(path)
     for tensor in reader.tensors:
         if only is not None and not only(tensor.name):
             continue
-        entry = _entry(reader, tensor, path)
-        dtype = PLAIN.get(entry.qtype, torch.uint8)
-        shape = entry.shape if not entry.quantized else entry.raw_shape
-        if not data:
-            yield tensor.name, torch.empty(shape, dtype=dtype, device="meta"), path
-            continue
+        like = _entry(reader, tensor, path).read_as()
         raw = torch.from_numpy(np.array(tensor.data, copy=True).reshape(-1).view(np.uint8))  # out of the map
-        yield tensor.name, raw.view(dtype).reshape(shape), path
+        yield tensor.name, raw.view(like.dtype).reshape(like.shape), path
 
 
 class GGUFLinear(StoredLinear):

@@ -219,7 +219,7 @@ _QUANTIZED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
     "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
 }
-_PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # stored as the dtype itself
 
 
 def dequantize(raw: torch.Tensor, qtype: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -234,6 +234,6 @@ def dequantize(raw: torch.Tensor, qtype: str, shape: tuple[int, ...], dtype: tor
         raise ValueError(f"a {qtype} tensor of shape {shape} is stored in {stored} bytes "
                          f"{byte_shape(shape, qtype)}, got {raw.numel()} bytes {tuple(raw.shape)}")
     blocks = raw.contiguous().reshape(-1, size)
-    if qtype in _PLAIN:
-        return blocks.view(_PLAIN[qtype]).reshape(shape).to(dtype)
+    if qtype in PLAIN:
+        return blocks.view(PLAIN[qtype]).reshape(shape).to(dtype)
     return _QUANTIZED[qtype](blocks).reshape(shape).to(dtype)

@@ -49,10 +49,10 @@ class MemoryPlan:
 HELD_FORMATS = ("dense", "fp8", "int4", "nvfp4", "gguf")  # how the block linears are held (fp8.held_format)
 
 
-def gguf_held(bytes_per_weight: float) -> str:
-    """The held format of GGUF linears (gguf_file.GGUFLinear), which mix GGML types: "gguf:<bytes a weight>"
-    of the costliest block."""
-    return f"gguf:{bytes_per_weight:.6g}"
+def gguf_held(blocks) -> str:
+    """The held format of GGUF linears (gguf_file.GGUFLinear), whose GGML types may differ by block: "gguf:<bytes
+    a weight>" of the costliest block. `blocks`: (stored bytes, weights) of each block's linears."""
+    return f"gguf:{max(size / weights for size, weights in blocks):.6g}"
 
 
 def check_held(held: str) -> str:
