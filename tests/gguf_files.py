@@ -14,24 +14,39 @@ import numpy as np
 import torch
 
 QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16")  # gguf.quants.quantize handles these
-# byte offsets of the fp16 scale fields (d, and dmin where there is one) in a K-quant or IQ4 block
-K_SCALE_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
-                  "IQ4_XS": (0,)}
+# byte offsets of each block's fp16 fields (d, and m / dmin where the type has one), from gguf-py's block layouts
+SCALE_FIELDS = {
+    "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
+}
+RANDOM_ONLY = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")  # no quantizer in gguf: random blocks
 
 
-def random_blocks(qtype: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
-    """Random stored bytes [rows, bytes a row] for a K-quant or IQ4 tensor of `shape`, its scales ~1e-3 (so the weights
-    are of order 0.01-0.1 and a tiny model's outputs stay finite)."""
+def set_scales(raw: np.ndarray, qtype: str, rng: np.random.Generator, low: float = 2e-4, high: float = 2e-3,
+               signed: bool = False) -> np.ndarray:
+    """Set each fp16 field of `raw`'s blocks to uniform(low, high) (a random sign if `signed`), so nothing is inf
+    or NaN (in place)."""
+    import gguf
+
+    blocks = raw.reshape(-1, gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][1])
+    for offset in SCALE_FIELDS[qtype]:
+        values = rng.uniform(low, high, size=blocks.shape[0])
+        if signed:
+            values *= rng.choice([-1.0, 1.0], size=blocks.shape[0])
+        blocks[:, offset:offset + 2] = values.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+def random_blocks(qtype: str, shape: tuple[int, ...], seed: int = 0, **scales) -> np.ndarray:
+    """Valid random stored bytes (uint8 [..., bytes a row]) for a `qtype` tensor of `shape`: random bytes for every
+    quant and scale bit, finite fp16 scales (`set_scales`; by default ~1e-3, so the weights are of order 0.01-0.1
+    and a tiny model's outputs stay finite)."""
     import gguf
 
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
     rng = np.random.default_rng(seed)
-    rows, columns = int(np.prod(shape[:-1])), shape[-1]
-    raw = rng.integers(0, 256, size=(rows * columns // block, size), dtype=np.uint8)
-    for offset in K_SCALE_FIELDS[qtype]:
-        scales = rng.uniform(2e-4, 2e-3, size=len(raw)).astype(np.float16)
-        raw[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
-    return raw.reshape(rows, columns // block * size)
+    raw = rng.integers(0, 256, size=(*shape[:-1], shape[-1] // block * size), dtype=np.uint8)
+    return set_scales(raw, qtype, rng, **scales)
 
 
 def write_gguf(path, tensors: dict[str, torch.Tensor], qtypes: dict[str, str] | None = None, prefix: str = "",
@@ -51,7 +66,7 @@ def write_gguf(path, tensors: dict[str, torch.Tensor], qtypes: dict[str, str] | 
         if name in flattened:
             writer.add_array(f"comfy.gguf.orig_shape.{prefix + name}", list(values.shape))
             values = values.reshape(-1, 256)
-        if qtype in K_SCALE_FIELDS:
+        if qtype in RANDOM_ONLY:
             data = random_blocks(qtype, values.shape, seed=len(meant))
         elif qtype in QUANTIZABLE:
             data = gguf.quants.quantize(values, Types[qtype])

@@ -56,6 +56,21 @@ def check_streamed_blocks_equal_resident(path) -> None:
     streamer.remove()
 
 
+def check_cuda_linears_equal_the_cpus(path, layers, kind: type) -> None:
+    """A file's stored `layers` (of type `kind`) on CUDA, eager and compiled, compute what the CPU's do."""
+    cpu, gpu = load_dit(path, dtype=torch.float32), load_dit(path, dtype=torch.float32, device="cuda")
+    g = torch.Generator().manual_seed(5)
+    for layer in layers:
+        module = gpu.get_submodule(layer)
+        assert module.weight.is_cuda and isinstance(module, kind)
+        x = torch.randn(7, module.in_features, generator=g)
+        want = cpu.get_submodule(layer)(x)
+        with torch.no_grad():
+            eager, compiled = module(x.cuda()), torch.compile(module)(x.cuda())
+        assert torch.allclose(eager.cpu(), want, rtol=1e-5, atol=1e-5), layer
+        assert torch.allclose(compiled, eager, rtol=1e-5, atol=1e-5), layer
+
+
 def check_lora_hook_equals_merge(path, lora_path) -> None:
     """Merging into a file's stored (quantized) weights would quantize again: runs hook LoRAs there
     (lora.run_mode), and the hook adds the adapter as a merge into the dequantized weights does."""

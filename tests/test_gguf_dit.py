@@ -7,8 +7,8 @@ from dataclasses import replace
 import gguf_files
 import pytest
 import torch
-from test_fp8 import (BLOCK_LINEARS, CPU_SCALED, check_lora_hook_equals_merge, check_streamed_blocks_equal_resident,
-                      cosine, forward, native_tensors)
+from test_fp8 import (BLOCK_LINEARS, CPU_SCALED, check_cuda_linears_equal_the_cpus, check_lora_hook_equals_merge,
+                      check_streamed_blocks_equal_resident, cosine, forward, native_tensors)
 from torch import nn
 
 from h3_core import fp8
@@ -264,17 +264,7 @@ def test_gguf_linears_on_cuda_eager_and_compiled_equal_the_cpus(tmp_path, blocks
     model = seeded_random_weights(H3DiT(K_CONFIG), TINY_SEED) if blocks.endswith("_K") else None
     path = tmp_path / "dit.gguf"
     write(path, model, blocks=blocks, others=model is None)
-    cpu, gpu = load_dit(path, dtype=torch.float32), load_dit(path, dtype=torch.float32, device="cuda")
-    g = torch.Generator().manual_seed(5)
-    for layer in BLOCKS + ([] if model is not None else list(KEPT_OTHERS)):
-        module = gpu.get_submodule(layer)
-        assert module.weight.is_cuda and isinstance(module, GGUFLinear)
-        x = torch.randn(7, module.in_features, generator=g)
-        want = cpu.get_submodule(layer)(x)
-        with torch.no_grad():
-            eager, compiled = module(x.cuda()), torch.compile(module)(x.cuda())
-        assert torch.allclose(eager.cpu(), want, rtol=1e-5, atol=1e-5), layer
-        assert torch.allclose(compiled, eager, rtol=1e-5, atol=1e-5), layer
+    check_cuda_linears_equal_the_cpus(path, BLOCKS + ([] if model is not None else list(KEPT_OTHERS)), GGUFLinear)
 
 
 def test_a_pruned_gguf_file_loads_as_its_safetensors_form(tmp_path):

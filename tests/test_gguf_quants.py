@@ -10,6 +10,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as reference
+from gguf_files import random_blocks, set_scales
 
 from h3_core import gguf_quants
 from h3_core.gguf_quants import BLOCKS, SUPPORTED, byte_shape, dequantize
@@ -17,26 +18,12 @@ from h3_core.gguf_quants import BLOCKS, SUPPORTED, byte_shape, dequantize
 QUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 LEGACY = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the types gguf-py can also quantize
 # byte offsets of each block's fp16 fields (d, and m / dmin where the type has one), from gguf-py's block layouts
-F16_FIELDS = {
-    "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
-    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
-}
-
-
-def set_scales(raw: np.ndarray, qtype: str, rng: np.random.Generator) -> np.ndarray:
-    """Set each fp16 field of `raw`'s blocks to +-uniform(1e-3, 1e-1), so nothing is inf or NaN (in place)."""
-    blocks = raw.reshape(-1, BLOCKS[qtype][1])
-    for offset in F16_FIELDS[qtype]:
-        values = rng.uniform(1e-3, 1e-1, size=blocks.shape[0]) * rng.choice([-1.0, 1.0], size=blocks.shape[0])
-        blocks[:, offset:offset + 2] = values.astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return raw
+WIDE_SCALES = {"low": 1e-3, "high": 1e-1, "signed": True}  # +-uniform(1e-3, 1e-1): every exponent path
 
 
 def random_bytes(qtype: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
-    """Valid random storage for a `qtype` tensor of `shape`, uint8 [rows..., bytes per row]: random bytes
-    for every quant and scale bit, random finite fp16 scales."""
-    rng = np.random.default_rng(seed)
-    return set_scales(rng.integers(0, 256, size=byte_shape(shape, qtype), dtype=np.uint8), qtype, rng)
+    """Valid random storage for a `qtype` tensor of `shape`, uint8 [rows..., bytes per row]."""
+    return random_blocks(qtype, shape, seed, **WIDE_SCALES)
 
 
 def reference_values(raw: np.ndarray, qtype: str) -> torch.Tensor:
@@ -71,7 +58,7 @@ def test_whole_byte_range(qtype):
     so every bit of every quant and sub-block scale byte is seen both set and clear."""
     block, size = BLOCKS[qtype]
     raw = ((np.arange(256)[:, None] + 7 * np.arange(size)[None, :]) % 256).astype(np.uint8)
-    raw = set_scales(raw, qtype, np.random.default_rng(1))
+    raw = set_scales(raw, qtype, np.random.default_rng(1), **WIDE_SCALES)
     expected = reference_values(raw, qtype)
     assert torch.equal(dequantize(torch.from_numpy(raw), qtype, (256, block), torch.float32), expected)
 

@@ -9,8 +9,8 @@ import nvfp4_files
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_fp8 import (BLOCK_LINEARS, CPU_SCALED, check_lora_hook_equals_merge, check_streamed_blocks_equal_resident,
-                      cosine, forward, native_tensors)
+from test_fp8 import (BLOCK_LINEARS, CPU_SCALED, check_cuda_linears_equal_the_cpus, check_lora_hook_equals_merge,
+                      check_streamed_blocks_equal_resident, cosine, forward, native_tensors)
 from torch import nn
 
 from h3_core import fp8, nvfp4
@@ -184,14 +184,4 @@ def test_nvfp4_is_read_from_single_files_only(tmp_path):
 def test_nvfp4_linears_on_cuda_eager_and_compiled_equal_the_cpus(tmp_path):
     path = tmp_path / "nvfp4.safetensors"
     write_nvfp4(path, smoothed=True)
-    cpu, gpu = load_dit(path, dtype=torch.float32), load_dit(path, dtype=torch.float32, device="cuda")
-    g = torch.Generator().manual_seed(5)
-    for layer in BLOCKS + KEPT_OTHERS:
-        module = gpu.get_submodule(layer)
-        assert module.weight.is_cuda and isinstance(module, NVFP4Linear)
-        x = torch.randn(7, module.in_features, generator=g)
-        want = cpu.get_submodule(layer)(x)
-        with torch.no_grad():
-            eager, compiled = module(x.cuda()), torch.compile(module)(x.cuda())
-        assert torch.allclose(eager.cpu(), want, rtol=1e-5, atol=1e-5), layer
-        assert torch.allclose(compiled, eager, rtol=1e-5, atol=1e-5), layer
+    check_cuda_linears_equal_the_cpus(path, BLOCKS + KEPT_OTHERS, NVFP4Linear)
