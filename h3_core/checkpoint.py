@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from . import fp8, gguf_file, keymap, nvfp4
 from .config import DiTConfig
@@ -28,6 +27,7 @@ from .weights import (
     CheckpointError,
     assign_strictly,
     check_safetensors_file,
+    open_safetensors,
     read_headers,
     read_json,
     read_tensors,
@@ -142,7 +142,7 @@ def _has_safetensors(folder: Path) -> bool:
 
 
 def _single_file(path: Path) -> DiTSource:
-    check_safetensors_file(path, "H3 DiT single")
+    check_safetensors_file(path, "H3 DiT single", " (or GGUF, .gguf)")
     naming = _naming(tensor_names([path]), path)
     nvfp4_layers = _nvfp4_layers((path,), naming == "native")
     layers = _fp8_layers((path,), naming == "native", nvfp4.outside(nvfp4_layers, keymap.strip_prefix))
@@ -277,7 +277,7 @@ def _safetensors_shapes(source: DiTSource) -> tuple[dict[str, tuple[int, ...]], 
     inv_freq = None
     packed = set(source.nvfp4_layers) | {layer for layer, entry in source.fp8_layers.items() if entry.packed}
     for path in source.files:
-        with safe_open(path, "pt") as handle:
+        with open_safetensors(path) as handle:
             for key in handle.keys():
                 name = native_name(key)
                 if source.naming == "diffusers":

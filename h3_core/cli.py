@@ -16,7 +16,9 @@ import json
 import math
 import resource
 import shlex
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from . import geometry
 from .attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
 from .local_attention import check_setting as check_window_setting
 from .checkpoint import CheckpointError, infer_config, load_dit, locate_dit
+from .config import TINY_DIT
 from .conditioning import MAX_FRAMES, Conditioning, Request, resolve_num_frames
 from .continuation import DEFAULT_OVERLAP_FRAMES, DEFAULT_WINDOW_FRAMES
 from .fp8 import LINEAR_MODES, apply_linear_mode
@@ -36,6 +39,7 @@ from .layout import build_request_layout
 from .long_video import LongVideoRequest
 from .media import MediaError
 from .output import AVLatents
+from .placement import check_devices
 from .pipeline import GenerateSettings, Job, ModelFiles, encode_clip_file, generate_batch, sample
 from .references import REFERENCE_IMAGE_MODES, MediaReference
 from .runtime import return_freed_memory_to_os, use_expandable_segments
@@ -56,6 +60,9 @@ WINDOW_HELP = ("lossy speed-up, 0 = off: each target video row attends only the 
                "(8 frames: a compiled 5 s forward 3.8 s instead of 5.6 s on an H200), correct but slower on sdpa")
 DENSE_HELP = ("with --attention-window-lossy: the first N steps keep full attention (the noisiest steps set the "
               "layout; training-free sparse attention for video DiTs commonly keeps ~20%% of them dense); default 0")
+DEFAULT_DURATION = 5.0  # seconds, as the release's pipelines
+DEFAULT_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE_HELP = f"where the models run: cpu, cuda or cuda:N (default here: {DEFAULT_DEVICE})"
 COMPILE_HELP = ("torch.compile the repeated block: ~10%% faster per step on an H200, the first step pays the compile; "
                 "not bitwise exact")
 
@@ -65,11 +72,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if "," not in (getattr(args, "devices", None) or ""):  # one device (worker processes keep torch's default)
         use_expandable_segments()
-    try:
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _stop) if main_thread else None  # a kill unwinds like Ctrl-C: no
+    try:                                                                    # half-written file is left behind
         return args.run(args)
-    except (CheckpointError, ValueError, FileNotFoundError, MediaError) as error:  # LoRAError is a ValueError
+    except (CheckpointError, ValueError, OSError, MediaError) as error:  # LoRAError is a ValueError
         print(f"h3: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("h3: stopped; nothing more was written.", file=sys.stderr)
+        return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, before)
+
+
+def _stop(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def add_dit_speed_options(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +129,9 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
                           "or a single DiT file (.safetensors or .gguf, e.g. ComfyUI's models/diffusion_models/...) with "
                           "--text-encoder, --video-vae and --audio-vae")
     add_model_file_options(gen)
-    gen.add_argument("--task", default="t2va", choices=["t2va", "fl2va", "ref2va"])
+    gen.add_argument("--task", default="t2va", choices=["t2va", "fl2va", "ref2va"],
+                     help="t2va (default): text to video with sound; fl2va: from a first and/or last keyframe "
+                          "(--first-image, --last-image); ref2va: from references (--ref)")
     gen.add_argument("--prompt", help="the prompt (required, except with --long-video and --window-prompt: then "
                                       "the windows' prompts are all there is)")
     gen.add_argument("--first-image", type=Path, help="fl2va: the first keyframe")
@@ -128,8 +149,9 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--aspect-ratio", help=f"one of {', '.join(geometry.ASPECT_RATIOS)} (default 16:9; fl2va: the first image's)")
     gen.add_argument("--width", type=int, help="explicit width (multiple of 32; with --height)")
     gen.add_argument("--height", type=int, help="explicit height (multiple of 32; with --width)")
-    gen.add_argument("--duration", type=float, default=5.0,
-                     help="seconds, 4-15 (snapped up to 17n+5 frames at 24 fps); with --long-video up to 300 (30 in full mode)")
+    gen.add_argument("--duration", type=float,
+                     help="seconds, 4-15, default 5 (snapped up to 17n+5 frames at 24 fps); with --long-video up to "
+                          "300 (30 in full mode)")
     gen.add_argument("--long-video", action="store_true",
                      help="long video (t2va / ref2va): windows that each continue the previous one's latent tail")
     gen.add_argument("--long-video-mode", choices=["continuation", "full"],
@@ -158,11 +180,12 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--audio-shift", type=float, help=f"default {AUDIO_SHIFT:g} (or the Turbo adapter's)")
     gen.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                      help="LoRA / Turbo adapter (any published layout), repeatable; merged in order; strength default 1")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="noise seed, 0 to 2^64-1 (default 0): the same seed gives "
+                                                         "the same clip on any device")
     gen.add_argument("--outputs", type=int, default=1, help="number of results, seeds seed, seed+1, ...")
     gen.add_argument("--out", type=Path, help="output .mp4 (several outputs: name_00000.mp4, ...)")
     gen.add_argument("--save-latents", type=Path, help="also save the final latents ('video', 'audio') as .safetensors")
-    gen.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    gen.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
     gen.add_argument("--dtype", default=None, choices=list(DTYPES), help="model dtype (default: bf16 on GPU, fp32 on CPU)")
     gen.add_argument("--vae-dtype", default=None, choices=list(DTYPES),
                      help="video VAE dtype (default: --dtype's, as the reference pipeline: decoder linears in it, encoder "
@@ -187,6 +210,7 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="h3", description="MiniMax-H3 engine (h3_core).")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="prompt (+ keyframes / references) to an MP4 with sound")
@@ -204,14 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument("--width", type=int, help="canvas width (multiple of 32; with --height; default: the video's "
                                                 "aspect ratio on the model's canvas)")
     enc.add_argument("--height", type=int, help="canvas height (multiple of 32; with --width)")
-    enc.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    enc.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
     enc.add_argument("--vae-dtype", default=None, choices=list(DTYPES), help="video VAE linears (default bf16 on GPU)")
     enc.set_defaults(run=run_encode)
 
     info = sub.add_parser("info", help="what H3 models a path holds (DiT, text encoder, VAEs), without loading them")
     info.add_argument("path", help="release root, partition folder, diffusers folder or single .safetensors (or "
                                    "DiT .gguf) file")
-    info.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"])
+    info.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"],
+                      help="which DiT of a release to describe: fl2va (default; t2va and fl2va) or ref2va")
     info.set_defaults(run=run_info)
 
     den = sub.add_parser("denoise", help="run the dual-clock denoise of a T2VA request and save the latents")
@@ -228,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     den.add_argument("--audio-shift", type=float, default=AUDIO_SHIFT)
     den.add_argument("--seed", type=int, default=0)
     den.add_argument("--save-latents", type=Path, required=True, help="output .safetensors: 'video' and 'audio'")
-    den.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    den.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
     den.add_argument("--dtype", default=None, choices=list(DTYPES),
                      help="model dtype (default: bf16 on GPU, fp32 on CPU; fp32 heads stay fp32)")
     add_dit_speed_options(den)
@@ -236,16 +261,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("comfyui-h3")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        return "(not installed)"
+
+
 def _reference(spec: str) -> MediaReference:
     kind, sep, rest = spec.partition("=")
     if not sep or kind not in ("image", "video", "audio") or not rest:
         raise ValueError(f"--ref takes KIND=PATH with KIND image, video or audio; got {spec!r}.")
-    path, at, start = rest.rpartition("@") if "@" in rest else (rest, "", "")
+    path, at, start = rest.rpartition("@")
+    if not at or Path(rest).exists():  # a file whose name holds '@' is that file
+        return MediaReference(kind, Path(rest), 0.0)
     try:
-        start_seconds = float(start) if at else 0.0
+        return MediaReference(kind, Path(path), float(start))
     except ValueError:
-        raise ValueError(f"--ref {spec!r}: the part after '@' must be a start time in seconds.") from None
-    return MediaReference(kind, Path(path), start_seconds)
+        raise ValueError(f"--ref {spec!r}: no such file, and the part after '@' is not a start time in "
+                         "seconds.") from None
 
 
 def _guide(spec: str) -> GuideFile:
@@ -263,12 +299,14 @@ def _guide(spec: str) -> GuideFile:
 
 def _lora(spec: str) -> tuple[Path, float]:
     path, sep, strength = spec.rpartition(":")
-    if sep:
-        try:
-            return Path(path), float(strength)
-        except ValueError:
-            pass
-    return Path(spec), 1.0
+    if not sep or Path(spec).exists():
+        return Path(spec), 1.0
+    try:
+        return Path(path), float(strength)
+    except ValueError:
+        if path.endswith(".safetensors"):
+            raise ValueError(f"--lora {spec!r}: the strength after ':' must be a number.") from None
+        return Path(spec), 1.0
 
 
 def _prompt(args) -> str:
@@ -293,7 +331,7 @@ def _long_video(args, request: Request, kept: AVLatents | None = None) -> Reques
             raise ValueError(f"{', '.join(given)}: only with --long-video.")
         if args.drive_audio is None:
             return request
-        resolve_num_frames(args.duration)  # a plain request keeps its 4-15 s range
+        resolve_num_frames(request.duration)  # a plain request keeps its 4-15 s range
         return LongVideoRequest(request, mode="full", drive_audio=args.drive_audio)
     mode = args.long_video_mode or "continuation"
     if mode == "full" and (args.window_frames is not None or args.overlap_frames is not None):
@@ -329,7 +367,8 @@ def _kept(args, request: Request) -> tuple[Request, AVLatents | None]:
         raise ValueError("--long-video --keep audio: a long video is made to a sound of yours with --drive-audio "
                          "FILE (the sound file itself) instead.")
     clashes = [name for name, value in (("--drive-audio", args.drive_audio), ("--continue-from", args.continue_from),
-                                        ("--aspect-ratio", args.aspect_ratio), ("--width", args.width)) if value]
+                                        ("--aspect-ratio", args.aspect_ratio), ("--width", args.width),
+                                        ("--height", args.height), ("--duration", args.duration)) if value is not None]
     if clashes:
         raise ValueError(f"--keep takes the given clip's canvas and length: drop {', '.join(clashes)}.")
     given = _saved_latents(args.given, "--from")
@@ -384,12 +423,15 @@ def run_encode(args) -> int:
 
 
 def run_generate(args) -> int:
+    if args.attention_window_dense_steps and not args.attention_window_lossy:
+        raise ValueError("--attention-window-dense-steps counts the steps before --attention-window-lossy's window "
+                         "starts; give the window too (or drop it).")
     jobs = _batch_jobs(args) if args.batch is not None else [_job(args)]
     return_freed_memory_to_os()
     devices = [d.strip() for d in (args.devices or "").split(",") if d.strip()]
     if args.shard_weights and len(devices) < 2:
         raise ValueError("--shard-weights splits weights over several devices; give them with --devices.")
-    device = torch.device(devices[0] if devices else args.device)
+    device = check_devices([devices[0] if devices else args.device])[0]  # a bad name or a missing GPU: said now
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     settings = GenerateSettings(args.seed, args.outputs, args.steps, args.video_shift, args.audio_shift,
                                 str(device), dtype, args.attention, [_lora(spec) for spec in args.lora],
@@ -409,7 +451,7 @@ def run_generate(args) -> int:
 
     try:
         results = generate_batch(jobs, args.model, settings, progress,
-                                 notes=lambda line: print(f"h3: {line}", file=sys.stderr), files=model_files(args),
+                                 notes=_note, files=model_files(args),
                                  on_failure=job_failed if args.batch is not None else None)
     finally:
         progress.close()
@@ -426,6 +468,13 @@ def run_generate(args) -> int:
     return 0
 
 
+def _note(line: str) -> None:
+    """A status line on stderr above the progress bars, not through them."""
+    from tqdm import tqdm
+
+    tqdm.write(f"h3: {line}", file=sys.stderr)
+
+
 def _job(args) -> Job:
     """The request options of a generate command line (or of a --batch line over it) as one job."""
     if args.out is None and args.save_latents is None:
@@ -433,7 +482,8 @@ def _job(args) -> Job:
     request = Request(
         task=args.task, prompt=_prompt(args), first_image=args.first_image, last_image=args.last_image,
         references=[_reference(spec) for spec in args.ref], aspect_ratio=args.aspect_ratio,
-        width=args.width, height=args.height, duration=args.duration, guides=[_guide(spec) for spec in args.guide],
+        width=args.width, height=args.height, duration=DEFAULT_DURATION if args.duration is None else args.duration,
+        guides=[_guide(spec) for spec in args.guide],
         reference_images=args.reference_images,
     )
     request, given = _kept(args, request)
@@ -465,13 +515,20 @@ def _options_given(parser: argparse.ArgumentParser, tokens: list[str]) -> dict:
     return {dest: value for dest, value in parsed.items() if not (isinstance(value, _NotGiven) and not value)}
 
 
+class _QuietParser(argparse.ArgumentParser):
+    """A --batch line's parser: a bad line is the caller's error to word, without the whole usage text."""
+
+    def error(self, message):
+        raise ValueError(message)
+
+
 def _batch_jobs(args) -> list[Job]:
     """--batch FILE: a job a line, written as the request options of an h3 generate command (blank lines and
     lines starting with # skipped). A line's options override the command line's for that job."""
     path = args.batch
     if not path.is_file():
         raise ValueError(f"--batch {path}: no such file.")
-    parser = argparse.ArgumentParser(prog="h3 generate --batch line", add_help=False)
+    parser = _QuietParser(prog="h3 generate --batch line", add_help=False)
     add_generate_options(parser)
     jobs = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
@@ -480,8 +537,9 @@ def _batch_jobs(args) -> list[Job]:
         where = f"--batch {path}, line {number}"
         try:
             given = _options_given(parser, shlex.split(line))
-        except (ValueError, SystemExit):
-            raise ValueError(f"{where}: not the request options of an h3 generate command: {line.strip()}") from None
+        except (ValueError, SystemExit) as error:
+            raise ValueError(f"{where}: not the request options of an h3 generate command ({error}): "
+                             f"{line.strip()}") from None
         shared = [dest for dest in given if dest not in JOB_OPTIONS]
         if shared:
             options = ", ".join("--" + dest.replace("_", "-") for dest in shared)
@@ -507,6 +565,10 @@ def run_info(args) -> int:
     """Every H3 model at a path, from file headers only: the DiT (layout, config), the text encoder, the
     video VAE and the audio VAE (a release root or partition folder holds all four; a single file one, or a
     ComfyUI bundle both VAEs)."""
+    if args.path == TINY_RANDOM:
+        print(json.dumps({"dit": {"origin": f"{TINY_RANDOM}: made on the fly from a fixed seed (no files), the real "
+                                            "structure at tiny sizes", "config": TINY_DIT.to_dict()}}, indent=2))
+        return 0
     found, reasons = {}, []
     for kind, describe in (("dit", lambda path: _dit_info(path, args.partition)), ("text_encoder", _text_encoder_info),
                            ("video_vae", _video_vae_info), ("audio_vae", _audio_vae_info)):
@@ -597,7 +659,7 @@ def run_denoise(args) -> int:
     random) text states, the latents saved as `h3 generate --save-latents` saves them."""
     from tqdm import tqdm
 
-    device = torch.device(args.device)
+    device = check_devices([args.device])[0]
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     width, height = _canvas(args)
     frames = geometry.frames_for_duration(args.duration)

@@ -75,6 +75,10 @@ CLIP_SECONDS_SLACK = 0.01
 KEYFRAME_FIELDS = (("first", "first_image"), ("last", "last_image"))
 
 
+# What a request needing a VAE it was not given says (the engine's argument, and ComfyUI's socket).
+NO_VAE = ", and none was given (in ComfyUI: connect H3 VAE Loader's vae)."
+
+
 class RequestError(ValueError):
     """A request H3 cannot run: says what was wrong and what is allowed."""
 
@@ -243,6 +247,8 @@ def _check_ratio(width: int, height: int, what: str) -> None:
 
 
 def _check_clip(seconds: float, start: float, what: str) -> None:
+    if seconds <= 0 and start:
+        raise RequestError(f"{what} starts at {start:g} s, past its end ({start + seconds:.3f} s long).")
     if not MIN_CLIP_SECONDS - CLIP_SECONDS_SLACK <= seconds <= MAX_CLIP_SECONDS + CLIP_SECONDS_SLACK:
         where = f" from start_seconds={start:g}" if start else ""
         raise RequestError(
@@ -429,7 +435,7 @@ def encode_request(
     if not precomputed and text_encoder is None:
         raise RequestError("encode_request needs a text_encoder (or precomputed text_states and text_tags).")
     if (plan.keyframes or any(r.kind != "audio" for r in plan.references)) and video_vae is None:
-        raise RequestError(f"This {plan.task} request has keyframes or visual references: pass a video_vae.")
+        raise RequestError(f"This {plan.task} request has keyframes or visual references: they are encoded by the video VAE{NO_VAE}")
 
     # Decode and normalize every piece of media (no model yet).
     try:
@@ -444,7 +450,7 @@ def encode_request(
     except MediaInputError as error:
         raise RequestError(str(error)) from None
     if any(reference.has_audio for reference in prepared) and audio_vae is None:
-        raise RequestError("This request has audio references or video soundtracks: pass an audio_vae.")
+        raise RequestError(f"This request has audio references or video soundtracks: they are encoded by the audio VAE{NO_VAE}")
 
     visual_count = len(keyframes) + sum(reference.kind != "audio" for reference in prepared)
     stages = (not precomputed) + visual_count + sum(reference.has_audio for reference in prepared)

@@ -29,11 +29,10 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from . import keymap
-from .weights import HEADER_DTYPES, CheckpointError
+from .weights import CheckpointError, HEADER_DTYPES, open_safetensors
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -378,7 +377,7 @@ def checkpoint_fp8_layers(files: Iterable[Path], rename: Callable[[str], str | N
     `rename`: a file's key or layer name -> ours (a prefix change), None for what the model does not use."""
     layers: dict[str, FP8Entry] = {}
     for path in files:
-        with safe_open(path, "pt") as handle:
+        with open_safetensors(path) as handle:
             keys = {name: k for k in handle.keys() if (name := rename(k)) is not None}
             formats = layer_formats(handle, keys, path, rename)
             marker = next((k for name, k in keys.items() if name == "scaled_fp8"), None)

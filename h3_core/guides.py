@@ -35,7 +35,7 @@ import torch
 from PIL import Image
 
 from . import geometry, media_read
-from .conditioning import TASKS, Conditioning, RequestError
+from .conditioning import NO_VAE, TASKS, Conditioning, RequestError
 from .layout import FRAME_TIME, GuideBlock, build_ref2va_layout, build_t2va_layout, pack_audio, unpack_audio
 from .media import SAMPLE_RATE, MediaError
 from .references import (
@@ -156,9 +156,9 @@ def encode_guide(pixels: np.ndarray | None, waveform, sample_rate: int | None, w
     """A checked guide's media (`check_guide`'s frames) on a `width` x `height` canvas of a `num_frames`-frame
     video -> (video latents [1, C, L, h, w] or None, sound latents [2, Ca, A] or None), normalized, CPU."""
     if pixels is not None and video_vae is None:
-        raise RequestError("Guide frames are encoded with the video VAE: pass a video_vae.")
+        raise RequestError(f"Guide frames are encoded with the video VAE{NO_VAE}")
     if waveform is not None and audio_vae is None:
-        raise RequestError("A guide sound is encoded with the audio VAE: pass an audio_vae.")
+        raise RequestError(f"A guide sound is encoded with the audio VAE{NO_VAE}")
     latents, sound = None, None
     if pixels is not None:
         count = guide_frame_count(pixels.shape[0])

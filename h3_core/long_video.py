@@ -38,6 +38,7 @@ from . import geometry
 from .conditioning import (
     MAX_FRAMES,
     MIN_FRAMES,
+    NO_VAE,
     Conditioning,
     Request,
     RequestError,
@@ -132,6 +133,10 @@ def _total_frames(request: Request, mode: str, kept_frames: int = 0) -> int:
     """The whole clip's frames from the request's duration; with a kept clip of `kept_frames`, all of it when
     no duration is given, else its first seconds."""
     if kept_frames and request.num_frames is None and request.duration is None:
+        if kept_frames < MIN_FRAMES:
+            raise RequestError(f"The kept clip lasts {kept_frames} frames ({kept_frames / geometry.FPS:.2f} s, as "
+                               f"encoded: cut to 17n + 5 frames); H3 makes the sound for at least {MIN_FRAMES} "
+                               f"frames ({MIN_FRAMES / geometry.FPS:.2f} s).")
         request = dataclasses.replace(request, duration=kept_frames / geometry.FPS)
     if request.num_frames is not None or request.duration is None:
         raise RequestError(
@@ -340,7 +345,7 @@ def encode_long_video(
     stop (an interrupt)."""
     plan = validate_long_video(request, rules)
     if request.drive_audio is not None and audio_vae is None:
-        raise RequestError("A driving audio track is encoded by the audio VAE: pass an audio_vae.")
+        raise RequestError(f"A driving audio track is encoded by the audio VAE{NO_VAE}")
     on_stage = None if between_calls is None else (lambda done, total: between_calls())
     first = encode_request(plan.first, text_encoder, video_vae, audio_vae, rules=rules, on_stage=on_stage)
     texts = {plan.prompts[0]: (first.text_states, first.text_tags)}

@@ -605,7 +605,7 @@ def sampler_settings(
                 defaults["audio_sigmas"] = shifted(contract.base_sigmas, audio_shift or contract.audio_shift)
     else:
         defaults = dict(steps=DEFAULT_STEPS, video_shift=VIDEO_SHIFT, audio_shift=AUDIO_SHIFT, video_sigmas=None, audio_sigmas=None)
-        source = "base model defaults (no Turbo contract)"
+        source = "base model defaults: no Turbo contract"
     chosen = {name: (user[name] if user[name] is not None else defaults[name]) for name in defaults}
     if chosen["steps"] is None:  # explicit ladders only: their length is the point count
         chosen["steps"] = len(chosen["video_sigmas"])

@@ -51,10 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from . import keymap
-from .weights import CheckpointError, check_safetensors_file
+from .weights import CheckpointError, check_safetensors_file, open_safetensors
 
 PARTITIONS = ("fl2va", "ref2va")
 TASKS_OF_PARTITION = {"fl2va": ("t2va", "fl2va"), "ref2va": ("ref2va",)}
@@ -177,7 +176,7 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[st
         raise LoRAError(str(error)) from None
     if not path.is_file():
         raise LoRAError(f"LoRA file {path} does not exist.")
-    with safe_open(path, "pt") as handle:
+    with open_safetensors(path) as handle:
         metadata = dict(handle.metadata() or {})
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}
     return tensors, metadata

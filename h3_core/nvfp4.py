@@ -24,11 +24,10 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from .fp8 import StoredLinear, quant_records
-from .weights import CheckpointError
+from .weights import CheckpointError, open_safetensors
 
 NVFP4_FORMAT = "nvfp4"
 BLOCK = 16  # weights per block scale
@@ -108,7 +107,7 @@ def checkpoint_nvfp4_layers(files: Iterable[Path], rename: Callable[[str], str |
     `rename`: a file's key or layer name -> ours, None for what the model does not use."""
     layers: dict[str, NVFP4Entry] = {}
     for path in files:
-        with safe_open(path, "pt") as handle:
+        with open_safetensors(path) as handle:
             keys = {name: key for key in handle.keys() if (name := rename(key)) is not None}
             for layer, record in quant_records(handle, keys, path, rename).items():
                 if record.get("format") != NVFP4_FORMAT:

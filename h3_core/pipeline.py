@@ -10,8 +10,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import re
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +28,7 @@ from .checkpoint import DiTReader, held_linears, load_dit, locate_dit, vsa_stude
 from .config import TINY_DIT
 from .memory_plan import GIB, MemoryPlan, free_bytes, plan_for, usable_bytes
 from .offload import load_device, place
+from .placement import check_devices
 from .conditioning import Request, RequestError, encode_request, validate
 from .clip_latents import MAX_CLIP_FRAMES, encode_clip_frames, expected_clip_frames, file_soundtrack, stream_clip
 from .layout import pack_audio, patchify, unpack_audio, unpatchify
@@ -32,12 +36,13 @@ from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
 from .guides import GuideMedia, add_guide, check_guide, read_guide
 from .lora import VSA_STUDENT_CONTRACT, apply_loras, load_lora, run_mode, sampler_settings
-from .noise import condition_rows, request_generator, target_noise
+from .noise import check_seeds, condition_rows, request_generator, target_noise
 from .media import SAMPLE_RATE, MediaError
 from .output import AVLatents, write_mp4
+from .prompt import label_warnings
 from .references import RELEASE_CANVAS, CanvasRules, DecodedAudio
 from .runtime import empty_caches, fixed_allocator_segments, host_memory_warning
-from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback
+from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback, check_shift, check_steps
 from .sampler import denoise as denoise_loop
 from .sparse_attention import STUDENT_SPARSITY
 from .text import load_text_encoder, locate_text_encoder_files, spread_counts, text_encoder_sizes
@@ -46,7 +51,7 @@ from .tiny import TINY_RANDOM, tiny_model_dtype, tiny_random_audio_vae, tiny_ran
 from .tiny_text import tiny_random_text_encoder
 from .vae_audio_checkpoint import load_audio_vae, locate_audio_vae
 from .vae_video_checkpoint import load_video_vae, locate_video_vae
-from .weights import CheckpointError
+from .weights import CheckpointError, check_safetensors_file
 
 
 def sample(
@@ -239,6 +244,8 @@ class ModelSource:
 
 FILE_OPTIONS = {"text_encoder": "--text-encoder", "tokenizer": "--tokenizer", "video_vae": "--video-vae",
                 "audio_vae": "--audio-vae"}
+COMFYUI_FOLDERS = {"text_encoder": "a file from models/text_encoders", "video_vae": "one from models/vae",
+                   "audio_vae": "one from models/vae"}
 
 
 def resolve_model_source(model: str | None, partition: str, files: ModelFiles = ModelFiles(),
@@ -257,14 +264,16 @@ def resolve_model_source(model: str | None, partition: str, files: ModelFiles = 
         if not path.exists():
             raise CheckpointError(f"{FILE_OPTIONS[name]} {path} does not exist.")
     path = None if model is None else Path(model).expanduser()
+    if path is not None and path.is_file() and path.suffix.lower() != ".gguf":
+        check_safetensors_file(path, "DiT", " (or GGUF, .gguf)")  # a pickle is refused first, whatever else is missing
     if path is None or path.is_file():
-        missing = [FILE_OPTIONS[name] for name in parts if name not in given and name != "tokenizer"]
+        missing = [name for name in parts if name not in given and name != "tokenizer"]
         where = ("no --model was given to hold them" if path is None
                  else f"--model {model} is a single DiT file: the other models are not in it")
         if missing:
             raise CheckpointError(
-                f"{where}. Give {', '.join(missing)} (ComfyUI: a file from models/text_encoders, files from "
-                "models/vae), or --model a release root holding them all.")
+                f"{where}. Give {', '.join(FILE_OPTIONS[name] for name in missing)} (ComfyUI: "
+                f"{', '.join(COMFYUI_FOLDERS[name] for name in missing)}), or --model a release root holding them all.")
         if path is None:
             return ModelSource("the given files", None, files)
     if path.exists():
@@ -274,7 +283,11 @@ def resolve_model_source(model: str | None, partition: str, files: ModelFiles = 
     from huggingface_hub import snapshot_download
 
     folder = {"fl2va": "FL2VA", "ref2va": "Ref2VA"}[partition]
-    return ModelSource(model, Path(snapshot_download(model, allow_patterns=[f"{folder}/*"])), files)
+    try:
+        return ModelSource(model, Path(snapshot_download(model, allow_patterns=[f"{folder}/*"])), files)
+    except Exception as error:  # offline, no such repo, no access: said with the path it also is not
+        raise CheckpointError(f"--model {model}: no such local path, and fetching it as a Hugging Face Hub repo "
+                              f"failed ({type(error).__name__}: {error}).") from None
 
 
 @dataclass
@@ -403,10 +416,7 @@ def generate_batch(
         raise ValueError("Nothing to generate: no jobs.")
     progress = progress or (lambda stage, done, total: None)
     notes = notes or (lambda line: None)
-    try:
-        window, _ = check_window_setting(settings.attention_window, settings.attention_window_dense_steps)
-    except ValueError as error:
-        raise RequestError(str(error)) from None
+    window = check_settings(settings)
     device, timings = torch.device(settings.device), {}
     rules = TINY_CANVAS if model == TINY_RANDOM else RELEASE_CANVAS
     names = [job.name or f"job {number}" for number, job in enumerate(jobs, 1)]
@@ -419,6 +429,9 @@ def generate_batch(
                 error.args = (f"{name}: {error}",)
             raise
     _check_batch(prepared, names)
+    for item, name in zip(prepared, names):
+        for warning in label_warnings(*_prompt_and_kinds(item.request)):
+            notes(f"warning: {name + ': ' if len(prepared) > 1 else ''}{warning}")
     partition = prepared[0].partition
     source = resolve_model_source(model, partition, files)
     resolve_backend(settings.attention, device, window=window > 0)
@@ -427,6 +440,10 @@ def generate_batch(
     for lora, _ in loras:
         lora.terms_for(partition)  # an adapter for the other partition is refused before loading
     dit_source = None if source.tiny else with_config(locate_dit(source.root, partition))
+    if len(settings.devices) > 1:
+        from .parallel.workers import check_degree
+
+        check_degree(TINY_DIT if source.tiny else dit_source.config, len(settings.devices))
     student = dit_source is not None and vsa_student(dit_source)
     if student:
         _check_vsa_student(settings)
@@ -434,16 +451,20 @@ def generate_batch(
         [lora.contract for lora, _ in loras if lora.contract is not None] + ([VSA_STUDENT_CONTRACT] if student else []),
         settings.steps, settings.video_shift, settings.audio_shift,
     )
-    notes(f"sampler: {schedule.steps} points, video shift {schedule.video_shift:g}, audio shift "
-          f"{schedule.audio_shift:g} ({schedule.source})" + "".join(f"; {n}" for n in schedule.notes))
+    notes(f"sampler: {schedule.steps} sigma points ({schedule.steps - 1} model calls), video shift "
+          f"{schedule.video_shift:g}, audio shift {schedule.audio_shift:g}; from the {schedule.source}"
+          + "".join(f"; {n}" for n in schedule.notes))
     if not source.tiny:  # every checkpoint found and recognized before the first one loads
-        text_files = locate_text_encoder_files(source.text_encoder, source.tokenizer)
+        with _part_of(source, "text_encoder"):
+            text_files = locate_text_encoder_files(source.text_encoder, source.tokenizer)
         if source.tokenizer is None and text_files.origin == "single file":  # the release's, from the Hub
             source = dataclasses.replace(source, files=dataclasses.replace(
                 source.files, tokenizer=text_files.tokenizer_folder))
             notes(f"tokenizer: the release's, from the Hugging Face cache ({text_files.tokenizer_folder})")
-        locate_video_vae(source.video_vae)
-        locate_audio_vae(source.audio_vae)
+        with _part_of(source, "video_vae"):
+            locate_video_vae(source.video_vae)
+        with _part_of(source, "audio_vae"):
+            locate_audio_vae(source.audio_vae)
 
     clock = time.perf_counter()
     progress("text encoder", 0, 1)
@@ -507,6 +528,7 @@ def generate_batch(
                 video_path = numbered(job.out, index, item.outputs)
                 if video_path is not None:
                     clock = time.perf_counter()
+                    progress(decode_stage, 0, latents.num_frames)  # the sound decodes before the first frame
                     video_vae.to(device), audio_vae.to(device)
                     Path(video_path).parent.mkdir(parents=True, exist_ok=True)
                     write_mp4(
@@ -552,6 +574,50 @@ def _job_failed(name: str, job: Job, error: Exception, device: torch.device, on_
     on_failure(name, job, error)
 
 
+@contextlib.contextmanager
+def _part_of(source: ModelSource, part: str):
+    """A model looked for under --model that is not there: the error says which option names it elsewhere."""
+    try:
+        yield
+    except CheckpointError as error:
+        if part in source.files.given():
+            raise
+        raise CheckpointError(f"{error} (looked for under --model {source.name}; give {FILE_OPTIONS[part]} "
+                              "where it is elsewhere)") from None
+
+
+def check_settings(settings: GenerateSettings) -> int:
+    """How a run is told to go (steps, shifts, devices, memory budget, attention window), checked before
+    any job is read or model loaded; returns the window."""
+    try:
+        window, _ = check_window_setting(settings.attention_window, settings.attention_window_dense_steps)
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+    if settings.steps is not None:
+        check_steps(settings.steps)
+    for name, shift in (("video_shift", settings.video_shift), ("audio_shift", settings.audio_shift)):
+        if shift is not None:
+            check_shift(shift, name)
+    check_devices([settings.device, *settings.devices])
+    if settings.gpu_memory is not None and not (math.isfinite(settings.gpu_memory) and settings.gpu_memory > 0):
+        raise ValueError(f"The GPU memory budget must be a positive number of GiB, got {settings.gpu_memory}.")
+    return window
+
+
+def check_writable(path: Path) -> None:
+    """An output file can be written where it is asked for: its folder made now (as the run would), not a
+    folder itself, and a file can be created there. Found out before the models run, not after."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; give the output file's name.")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".check"):
+            pass
+    except OSError as error:
+        raise ValueError(f"Cannot write {path}: {error.strerror or error}.") from None
+
+
 def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepared:
     """One job checked against every limit (its guide files read and checked too), before any model loads."""
     from .long_video import LongVideoRequest, encode_long_video, sample_long_video, validate_long_video  # uses sample
@@ -572,6 +638,11 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
     outputs = settings.outputs if job.outputs is None else job.outputs
     if outputs < 1:
         raise ValueError(f"outputs must be at least 1, got {outputs}.")
+    seed = settings.seed if job.seed is None else job.seed
+    check_seeds(seed, outputs)
+    for path in (job.out, job.save_latents):
+        if path is not None:
+            check_writable(path)
     plan = check(request, rules)
     if keep is not None:
         if long_video:
@@ -594,8 +665,15 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
             check_guide(request.task, plan.num_frames, media.frame_index, media.frames, media.waveform,
                         media.sample_rate)
         request = dataclasses.replace(request, guides=())
-    seed = settings.seed if job.seed is None else job.seed
     return _Prepared(job, request, encode, run, guide_media, partition, seed, outputs)
+
+
+def _prompt_and_kinds(request) -> tuple[str, list[str]]:
+    """A request's prompt and the kinds of what the model labels: fl2va keyframes are pictures."""
+    request = getattr(request, "request", request)  # a long video's first window's request
+    if request.task == "fl2va":
+        return request.prompt, ["image" for image in (request.first_image, request.last_image) if image is not None]
+    return request.prompt, [getattr(item, "kind", None) or item[0] for item in request.references]
 
 
 def _check_batch(prepared: list[_Prepared], names: list[str]) -> None:
@@ -681,13 +759,15 @@ def encode_clip_file(video: str | Path, model: str | None, out: str | Path, *, a
         raise RequestError(f"Give width and height together (or neither: from the video); got {width}x{height}.")
     if width is not None:
         geometry.check_canvas(width, height)
+    check_devices([device])
+    check_writable(out)
     source = resolve_model_source(model, "fl2va", files, parts=("video_vae", "audio_vae"))
     try:  # the first frames are read now: a bad or short file is refused before a VAE loads
         frames, width, height = stream_clip(video, source.canvas, width, height)
         sound = file_soundtrack(video) if audio is None else \
             DecodedAudio(media_read.read_audio(audio, 0.0, MAX_CLIP_FRAMES / geometry.FPS), SAMPLE_RATE)
     except MediaError as error:
-        raise RequestError(f"{video if audio is None else audio}: {error}") from None
+        raise RequestError(_about(video if audio is None else audio, error)) from None
     if not source.tiny:  # both found and recognized before either loads
         locate_video_vae(source.video_vae)
         locate_audio_vae(source.audio_vae)
@@ -699,9 +779,14 @@ def encode_clip_file(video: str | Path, model: str | None, out: str | Path, *, a
     try:  # the rest of the frames are decoded as the video VAE takes them, 17 at a time
         latents = encode_clip_frames(video_vae, audio_vae, frames, sound, on_clip)
     except MediaError as error:
-        raise RequestError(f"{video}: {error}") from None
+        raise RequestError(_about(video, error)) from None
     latents.save(out, {"source": str(video), "model": source.name, "width": str(width), "height": str(height)})
     return latents
+
+
+def _about(path, error: Exception) -> str:
+    """An error's message that names `path` (once)."""
+    return str(error) if str(path) in str(error) else f"{path}: {error}"
 
 
 def model_dtype(source, settings: GenerateSettings) -> torch.dtype:

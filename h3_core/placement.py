@@ -389,7 +389,10 @@ def _host_main_hidden():
 
 def check_devices(devices) -> list[torch.device]:
     """`devices` as torch devices, each one that exists here (a missing GPU is named before anything runs)."""
-    devices = [torch.device(d) for d in devices]
+    try:
+        devices = [torch.device(d) for d in devices]
+    except RuntimeError:
+        raise ValueError(f"{', '.join(map(str, devices))}: not device names such as cpu, cuda or cuda:1.") from None
     for device in devices:
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"{device} does not exist here: this machine has {torch.cuda.device_count()} CUDA "

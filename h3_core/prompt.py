@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -590,3 +591,23 @@ def load_tokenizer(folder: str | Path):
             "tokenizer/ folder."
         )
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+
+
+PROMPT_LABEL = re.compile(r"<(Picture|Image|Video|Audio) (\d+)>")
+
+
+def label_warnings(prompt: str, kinds: Sequence[str]) -> list[str]:
+    """Labels a prompt names that no keyframe or reference of the request carries (the model reads them as
+    plain words), and `<Image N>`, which the model never sees (its pictures are `<Picture N>`). `kinds`: the
+    references' kinds in order, or "image" for each fl2va keyframe. A video may carry an `<Audio j>` too (when
+    it has sound), so audio labels up to the audio and video references' count pass."""
+    have = {"Picture": list(kinds).count("image"), "Video": list(kinds).count("video"),
+            "Audio": list(kinds).count("audio") + list(kinds).count("video")}
+    warnings = []
+    for kind, number in sorted({(kind, int(number)) for kind, number in PROMPT_LABEL.findall(prompt)}):
+        if kind == "Image":
+            warnings.append(f"the prompt names <Image {number}>: the model's label for a picture is <Picture {number}>.")
+        elif not 1 <= number <= have[kind]:
+            warnings.append(f"the prompt names <{kind} {number}>, but the request carries "
+                            f"{have[kind] or 'no'} {kind.lower()} label{'' if have[kind] == 1 else 's'}.")
+    return warnings

@@ -9,6 +9,7 @@ conditioning rows are never written (their timesteps come from the layout's row 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -26,12 +27,20 @@ def sigma_ladder(points: int, shift: float) -> torch.Tensor:
 
     The grid is built in fp32 on the CPU so the schedule never depends on the device.
     """
-    if int(points) != points or points < 2:
-        raise ValueError(f"steps counts sigma points including the final 0, so it must be an integer >= 2; got {points}.")
-    if shift <= 0:
-        raise ValueError(f"shift must be positive, got {shift}.")
+    check_steps(points)
+    check_shift(shift)
     base = torch.linspace(1.0, 0.0, int(points), dtype=torch.float32)
     return torch.unique_consecutive(shift * base / (1 + (shift - 1) * base))
+
+
+def check_steps(points: int) -> None:
+    if int(points) != points or points < 2:
+        raise ValueError(f"steps counts sigma points including the final 0, so it must be an integer >= 2; got {points}.")
+
+
+def check_shift(shift: float, name: str = "shift") -> None:
+    if not (math.isfinite(shift) and shift > 0):
+        raise ValueError(f"{name} must be a positive number, got {shift}.")
 
 
 def custom_ladder(sigmas: Sequence[float] | torch.Tensor) -> torch.Tensor:

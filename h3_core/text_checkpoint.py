@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from . import fp8, nvfp4
 from .weights import (
@@ -36,6 +35,7 @@ from .weights import (
     CheckpointError,
     assign_strictly,
     check_safetensors_file,
+    open_safetensors,
     read_json,
     read_weight_map,
     tensor_names,
@@ -371,7 +371,7 @@ def planned_model(source: TextEncoderSource, qwen_config, layers: int = TEXT_ENC
 def _used_tensors(files: tuple[Path, ...], layers: int):
     """(model name, tensor, file) for the tensors H3 uses; the others are never read from disk."""
     for path in files:
-        with safe_open(path, "pt") as handle:
+        with open_safetensors(path) as handle:
             for key in handle.keys():
                 name = model_name(key, layers)
                 if name is not None:

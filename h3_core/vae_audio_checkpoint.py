@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from .vae_audio import AudioVAE, AudioVAEConfig
 from .weights import (
@@ -35,6 +34,7 @@ from .weights import (
     Item,
     assign_strictly,
     check_safetensors_file,
+    open_safetensors,
     read_json,
     read_tensors,
     tensor_names,
@@ -188,7 +188,7 @@ def infer_config(source: AudioVAESource) -> AudioVAEConfig:
     (without them, the released statistics). The attention head count is not visible in any shape; it is the
     original's fixed 8, and the dilations of an AMP block with n convolutions are the release's first n."""
     shapes, statistics = {}, {}
-    with safe_open(source.file, "pt") as handle:
+    with open_safetensors(source.file) as handle:
         for key in handle.keys():
             if not key.startswith(source.prefix):
                 continue

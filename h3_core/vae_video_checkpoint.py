@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from . import keymap
 from .vae_video import VideoVAE, VideoVAEConfig, keeps_fp32
@@ -39,6 +38,7 @@ from .weights import (
     Item,
     assign_strictly,
     check_safetensors_file,
+    open_safetensors,
     read_json,
     shard_files,
     tensor_names,
@@ -294,7 +294,7 @@ def convert_state_dict(state_dict: dict, naming: str, config: VideoVAEConfig) ->
 def _read_under_prefix(files: Iterable[Path], prefix: str) -> Iterator[Item]:
     """(key without prefix, tensor, file), reading only the tensors under `prefix` (a bundle holds others)."""
     for path in files:
-        with safe_open(path, "pt") as handle:
+        with open_safetensors(path) as handle:
             for key in handle.keys():
                 if key.startswith(prefix):
                     yield key[len(prefix) :], handle.get_tensor(key), path
@@ -303,7 +303,7 @@ def _read_under_prefix(files: Iterable[Path], prefix: str) -> Iterator[Item]:
 def _single_file_stats(source: VideoVAESource, config: VideoVAEConfig) -> VideoVAEConfig:
     """A single file's own latents_mean / latents_std tensors replace the config's, when present."""
     (path,) = source.files
-    with safe_open(path, "pt") as handle:
+    with open_safetensors(path) as handle:
         present = [name for name in SINGLE_FILE_STATS if source.prefix + name in handle.keys()]
         if not present:
             return config

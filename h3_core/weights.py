@@ -6,12 +6,13 @@ held twice. Every mismatch is an error naming the tensor and the file. Pickle fo
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
 
@@ -22,8 +23,9 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, malformed or not what was asked for; the message names file and tensor."""
 
 
-def check_safetensors_file(path: Path, what: str) -> None:
-    """Refuse pickles (they can run code on load) and anything that is not .safetensors."""
+def check_safetensors_file(path: Path, what: str, also: str = "") -> None:
+    """Refuse pickles (they can run code on load) and anything that is not .safetensors (`also`: the other
+    format a caller takes, for the message)."""
     suffix = path.suffix.lower()
     if suffix in PICKLE_SUFFIXES:
         raise CheckpointError(
@@ -31,7 +33,20 @@ def check_safetensors_file(path: Path, what: str) -> None:
             "code on load. Convert it to safetensors first."
         )
     if suffix != ".safetensors":
-        raise CheckpointError(f"{path.name} is not a .safetensors file; {what} files must be safetensors.")
+        raise CheckpointError(f"{path.name} is not a .safetensors file; {what} files must be safetensors{also}.")
+
+
+@contextlib.contextmanager
+def open_safetensors(path: Path | str):
+    """`safe_open` for torch, a file that is not readable safetensors (truncated, random bytes, another
+    format under the name) refused as a CheckpointError that names it, not the library's bare header error."""
+    try:
+        with safe_open(path, "pt") as handle:
+            yield handle
+    except SafetensorError as error:
+        size = Path(path).stat().st_size
+        raise CheckpointError(f"{path} is not a readable safetensors file ({error}; {size:,} bytes: an interrupted "
+                              "download, or another format under this name?).") from None
 
 
 def file_bytes(paths: Iterable[Path | str]) -> int:
@@ -85,7 +100,7 @@ def tensor_names(files: Iterable[Path]) -> list[str]:
     """All tensor names of some safetensors files, from their headers only."""
     names = []
     for path in files:
-        with safe_open(path, "pt") as handle:
+        with open_safetensors(path) as handle:
             names.extend(handle.keys())
     return names
 
@@ -93,7 +108,7 @@ def tensor_names(files: Iterable[Path]) -> list[str]:
 def read_tensors(files: Iterable[Path]) -> Iterator[Item]:
     """Yield (name, tensor, file) one tensor at a time, file by file."""
     for path in files:
-        with safe_open(path, "pt") as handle:
+        with open_safetensors(path) as handle:
             for key in handle.keys():
                 yield key, handle.get_tensor(key), path
 
@@ -110,7 +125,7 @@ def read_headers(files: Iterable[Path]) -> Iterator[Item]:
     """`read_tensors` without the data: each tensor on the meta device with the shape and dtype its file's
     header gives, to check a checkpoint against a model before anything is read."""
     for path in files:
-        with safe_open(path, "pt") as handle:
+        with open_safetensors(path) as handle:
             for key in handle.keys():
                 piece = handle.get_slice(key)
                 dtype = HEADER_DTYPES.get(piece.get_dtype())

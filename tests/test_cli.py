@@ -160,7 +160,7 @@ def test_generate_with_a_turbo_lora_takes_its_schedule(tmp_path, capsys):
     argv = ["generate", "--prompt", "A fox.", "--lora", f"{turbo}:0.8", "--save-latents", str(out)]
     assert main(argv) == 0
     err = capsys.readouterr().err
-    assert "sampler: 5 points, video shift 6, audio shift 3" in err  # the 4-step 768p contract (h3-model.md H.3)
+    assert "sampler: 5 sigma points (4 model calls), video shift 6, audio shift 3" in err  # the 4-step 768p contract (h3-model.md H.3)
     assert "strength 0.8" in err
     plain = tmp_path / "plain.safetensors"
     assert main(["generate", "--prompt", "A fox.", "--steps", "5", "--video-shift", "6", "--save-latents", str(plain)]) == 0

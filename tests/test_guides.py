@@ -158,9 +158,9 @@ def test_guide_inputs_are_checked_before_any_model_runs(models):
         add_guide(plain, 90, video_vae, frames=picture(1, frames=22))
     with pytest.raises(RequestError, match="needs frames .*, a sound, or both"):
         add_guide(plain, 0, video_vae)
-    with pytest.raises(RequestError, match="pass a video_vae"):
+    with pytest.raises(RequestError, match="encoded (by|with) the video VAE, and none was given"):
         add_guide(plain, 0, frames=picture(1)[0])
-    with pytest.raises(RequestError, match="pass an audio_vae"):
+    with pytest.raises(RequestError, match="encoded (by|with) the audio VAE, and none was given"):
         add_guide(plain, 0, waveform=np.zeros((2, 3200), np.float32), sample_rate=32000)
     with pytest.raises(RequestError, match="must be uint8 RGB"):
         add_guide(plain, 0, video_vae, frames=np.zeros((HEIGHT, WIDTH), np.uint8))

@@ -149,6 +149,8 @@ def test_cli_makes_the_sound_for_an_encoded_clip(tmp_path, capsys):
         (["--keep", "video"], "--keep video|audio and --from LATENTS go together"),
         (["--keep", "audio", "--from", str(clip), "--long-video"], "--long-video --keep audio: .* --drive-audio FILE"),
         (["--keep", "video", "--from", str(clip), "--continue-from", str(clip)], "drop --continue-from"),
+        (["--keep", "video", "--from", str(clip), "--duration", "8"], "canvas and length: drop --duration"),
+        (["--keep", "audio", "--from", str(clip), "--height", "128"], "canvas and length: drop --height"),
         (["--keep", "audio", "--from", str(tmp_path / "none.safetensors")], "--from .*none.safetensors: no such file"),
     ):
         assert main(["generate", "--prompt", PROMPT, "--out", str(tmp_path / "x.mp4"), *argv]) == 2
@@ -240,10 +242,12 @@ def test_cli_makes_the_sound_for_a_long_clip_window_by_window(tmp_path, capsys):
     (25.0, {}, r"The kept clip lasts 481 frames \(20.04 s\); 25 s would need 600 frames"),
     (None, {"drive_audio": "song.wav"}, "cannot go with drive_audio"),
     (None, {"mode": "full"}, "A full long video lasts 4 s up to 30 s"),
+    (None, {"frames": 56}, r"The kept clip lasts 56 frames \(2.33 s, as encoded: .*at least 107 frames \(4.46 s\)"),
     (None, {"guides": (GuideMedia(0, np.zeros((1, 128, 224, 3), np.uint8)),)}, "Guide 1 holds a picture, but the kept"),
 ])
 def test_bad_kept_clips_fail_before_any_model(seconds, options, message):
-    clip = kept_clip(481) if "mode" not in options else AVLatents(torch.zeros(1, 24, 5 * 44 + 2, 8, 14),
+    frames = options.pop("frames", 481)
+    clip = kept_clip(frames) if "mode" not in options else AVLatents(torch.zeros(1, 24, 5 * 44 + 2, 8, 14),
                                                                    torch.zeros(2, 32, geometry.audio_latents(753)))
     request = LongVideoRequest(Request("t2va", PROMPT, duration=seconds), keep_video=clip, **options)
     with pytest.raises(RequestError, match=message):

@@ -214,7 +214,7 @@ def test_a_vsa_student_runs_on_its_ladder_with_sparse_attention(model_sets, tmp_
     argv = ["generate", "--model", str(folder), *_file_options(model_sets), *request, "--out", str(tmp_path / "v2.mp4")]
     assert main(argv) == 0
     err = capsys.readouterr().err
-    assert "sampler: 9 points, video shift 10, audio shift 3" in err and "FastVideo FastH3 8-Step V2" in err
+    assert "sampler: 9 sigma points (8 model calls), video shift 10, audio shift 3" in err and "FastVideo FastH3 8-Step V2" in err
     assert "Video Sparse Attention, sparsity 0.8" in err
     assert len(calls) == 8 * TINY_DIT.num_layers and {call[4] for call in calls} == {0.8}
     assert all(call[5] is not None for call in calls)  # the gates

@@ -362,6 +362,16 @@ class _Pool:
             shutil.rmtree(self.tempdir, ignore_errors=True)
 
 
+def check_degree(config: DiTConfig, world: int) -> None:
+    """Sequence parallel trades rows for attention heads: the ranks must divide the model's heads."""
+    heads = config.num_attention_heads
+    if heads % world:
+        raise ValueError(
+            f"{world} ranks cannot split the model's {heads} attention heads; use one of "
+            f"{', '.join(str(p) for p in range(1, heads + 1) if heads % p == 0)} devices."
+        )
+
+
 class ParallelRunner:
     """The DiT over several devices (sequence parallel, optionally sharded weights), one worker each.
 
@@ -390,12 +400,7 @@ class ParallelRunner:
         world = world_size or len(self.devices)
         if world < len(self.devices):
             raise ValueError(f"world_size {world} is smaller than the {len(self.devices)} local devices.")
-        heads = spec.dit_config().num_attention_heads  # a bad degree fails before any process starts
-        if heads % world:
-            raise ValueError(
-                f"{world} ranks cannot split the model's {heads} attention heads; use one of "
-                f"{', '.join(str(p) for p in range(1, heads + 1) if heads % p == 0)} devices."
-            )
+        check_degree(spec.dit_config(), world)  # a bad degree fails before any process starts
         if threads is None and kinds == {"cpu"}:
             threads = max(1, (os.cpu_count() or 1) // len(self.devices))
         tempdir = None

@@ -1,0 +1,176 @@
+"""`h3 generate` refuses bad settings and unusable paths before any model loads, in one line naming the
+option, and warns of prompt labels nothing in the request carries; an interrupt (Ctrl-C or SIGTERM) stops it
+with a short message and no half-written file."""
+
+import os
+import re
+import signal
+
+import pytest
+import torch
+from reference_checkpoints import reference_dit, write_diffusers_folder
+
+from h3_core import cli, pipeline
+from h3_core.cli import _reference, main
+from h3_core.noise import MAX_SEED
+from h3_core.prompt import label_warnings
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    for name in ("load_text_encoder_for", "load_vaes", "load_sampling_dit"):
+        monkeypatch.setattr(pipeline, name, lambda *a, **k: pytest.fail("a model was loaded"))
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "taken.mp4").mkdir()
+    (tmp_path / "model.ckpt").write_bytes(b"\x80\x02}q\x00.")  # a pickle's first bytes
+    (tmp_path / "junk.safetensors").write_bytes(os.urandom(64))
+    (tmp_path / "lora.safetensors").write_bytes(b"")
+    return tmp_path
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--steps", "0"], "steps counts sigma points .* integer >= 2; got 0"),
+    (["--video-shift", "0"], "video_shift must be a positive number, got 0"),
+    (["--audio-shift", "nan"], "audio_shift must be a positive number, got nan"),
+    (["--seed", str(MAX_SEED + 1)], f"seed must be an integer from 0 to {MAX_SEED}; got {MAX_SEED + 1}"),
+    (["--seed", "-1"], "seed must be an integer from 0"),
+    (["--seed", str(MAX_SEED), "--outputs", "2"], r"\(and seed \+ 1 for 2 outputs\)"),
+    (["--device", "bogus"], "bogus: not device names such as cpu, cuda or cuda:1"),
+    (["--device", f"cuda:{torch.cuda.device_count()}"], "does not exist here: this machine has"),
+    (["--devices", "cpu,cpu,cpu"], "3 ranks cannot split the model's 2 attention heads"),
+    (["--gpu-memory", "-5"], "GPU memory budget must be a positive number of GiB, got -5"),
+    (["--attention-window-dense-steps", "3"], "give the window too"),
+    (["--out", "{tmp}/file.txt/clip.mp4"], "Cannot write .*file.txt/clip.mp4"),
+    (["--out", "{tmp}/taken.mp4"], "taken.mp4 is a folder; give the output file's name"),
+    (["--save-latents", "{tmp}/file.txt/l.safetensors"], "Cannot write .*l.safetensors"),
+    (["--lora", "{tmp}/lora.safetensors:strong"], "the strength after ':' must be a number"),
+    (["--model", "{tmp}/model.ckpt"], r"model.ckpt is a pickle checkpoint \(.ckpt\); H3 loads only .safetensors"),
+    (["--model", "{tmp}/junk.safetensors", "--text-encoder", "{tmp}/junk.safetensors", "--video-vae",
+      "{tmp}/junk.safetensors", "--audio-vae", "{tmp}/junk.safetensors"],
+     "junk.safetensors is not a readable safetensors file"),
+    (["--model", "{tmp}/junk.safetensors", "--video-vae", "{tmp}/junk.safetensors"],
+     r"Give --text-encoder, --audio-vae \(ComfyUI: a file from models/text_encoders, one from models/vae\)"),
+])
+def test_a_bad_setting_is_refused_before_any_model_loads(files, no_model_loads, capsys, options, message):
+    argv = ["generate", "--prompt", "a fox", "--out", str(files / "o.mp4"), "--steps", "3"]
+    assert main(argv + [option.format(tmp=files) for option in options]) == 2
+    error = capsys.readouterr().err
+    assert re.search(message, error), error
+    assert error.startswith("h3: error: ") and "Traceback" not in error
+    assert not (files / "o.mp4").exists()
+
+
+def test_a_release_missing_a_part_names_the_option(tmp_path, tiny_config, no_model_loads, capsys):
+    write_diffusers_folder(tmp_path / "release" / "transformer", reference_dit(tiny_config))
+    argv = ["generate", "--prompt", "a fox", "--model", str(tmp_path / "release"), "--out", str(tmp_path / "o.mp4")]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert re.search(r"looked for under --model .*release; give --text-encoder where it is elsewhere", error), error
+
+
+def test_a_hub_id_that_cannot_be_fetched_says_it_is_no_local_path_either(tmp_path, monkeypatch, capsys):
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "--prompt", "x", "--model", "models/MiniMax-H3", "--out", "o.mp4"]) == 2
+    error = capsys.readouterr().err
+    assert "--model models/MiniMax-H3: no such local path, and fetching it as a Hugging Face Hub repo failed " \
+           "(ConnectionError: Name or service not known)" in error
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_an_interrupt_stops_with_one_line(tmp_path, monkeypatch, capsys, stop):
+    def interrupted(*args, **kwargs):
+        if stop == "ctrl-c":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)  # main's handler turns it into the same unwinding
+        pytest.fail("SIGTERM did not stop the run")
+
+    monkeypatch.setattr(cli, "generate_batch", interrupted)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["generate", "--prompt", "x", "--out", str(tmp_path / "o.mp4")]) == 130
+    assert signal.getsignal(signal.SIGTERM) is before  # the process's own handling comes back
+    error = capsys.readouterr().err
+    assert error == "h3: stopped; nothing more was written.\n"
+
+
+def test_a_reference_file_may_hold_an_at_sign(tmp_path):
+    photo = tmp_path / "photo@2x.png"
+    photo.write_bytes(b"")
+    assert _reference(f"image={photo}").source == photo and _reference(f"image={photo}").start_seconds == 0.0
+    voice = _reference(f"audio={tmp_path}/take@1.wav@2.5")
+    assert str(voice.source) == f"{tmp_path}/take@1.wav" and voice.start_seconds == 2.5
+    with pytest.raises(ValueError, match="no such file, and the part after '@' is not a start time"):
+        _reference(f"audio={tmp_path}/take@one.wav")
+
+
+def test_a_bad_batch_line_is_said_without_the_usage_text(tmp_path, no_model_loads, capsys):
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"--prompt x --colour red --out {tmp_path}/a.mp4\n")
+    assert main(["generate", "--batch", str(jobs)]) == 2
+    error = capsys.readouterr().err
+    assert "line 1: not the request options of an h3 generate command (unrecognized arguments: --colour red)" in error
+    assert "usage:" not in error
+
+
+def test_info_and_version_say_what_they_are(capsys):
+    assert main(["info", "tiny-random"]) == 0
+    assert '"origin": "tiny-random: made on the fly' in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and re.fullmatch(r"h3 \S+\n", capsys.readouterr().out)
+
+
+def test_a_reference_started_past_its_end_says_so(tmp_path, no_model_loads, capsys):
+    from PIL import Image
+    from wav_files import write_wav
+
+    Image.new("RGB", (96, 64)).save(tmp_path / "cat.png")
+    write_wav(tmp_path / "voice.wav", 5.0)
+    argv = ["generate", "--task", "ref2va", "--ref", f"image={tmp_path}/cat.png", "--ref",
+            f"audio={tmp_path}/voice.wav@100", "--prompt", "x", "--out", str(tmp_path / "o.mp4")]
+    assert main(argv) == 2
+    assert "references[1] (audio) starts at 100 s, past its end (5.000 s long)" in capsys.readouterr().err
+
+
+def test_prompt_labels_no_reference_carries_are_warned_of(tmp_path, monkeypatch, capsys):
+    assert label_warnings("<Picture 1> waves at <Video 1>; <Audio 1> hums.", ["image", "video"]) == []
+    assert label_warnings("<Picture 2> and <Image 1> sing <Audio 1>.", ["image"]) == [
+        "the prompt names <Audio 1>, but the request carries no audio labels.",
+        "the prompt names <Image 1>: the model's label for a picture is <Picture 1>.",
+        "the prompt names <Picture 2>, but the request carries 1 picture label.",
+    ]
+    def stop(*args, **kwargs):
+        raise ValueError("stopped before the text encoder")
+
+    monkeypatch.setattr(pipeline, "load_text_encoder_for", stop)
+    assert main(["generate", "--prompt", "<Picture 1> smiles.", "--out", str(tmp_path / "o.mp4")]) == 2
+    error = capsys.readouterr().err
+    assert "h3: warning: the prompt names <Picture 1>, but the request carries no picture labels." in error
+    assert error.index("warning") < error.index("stopped before the text encoder")
+
+
+def test_an_empty_weight_file_is_named_wherever_it_is_read(tmp_path):
+    """What an interrupted download leaves: every reader says which file and what it holds."""
+    from h3_core.checkpoint import locate_dit
+    from h3_core.lora import load_lora
+    from h3_core.vae_video_checkpoint import locate_video_vae
+    from h3_core.weights import CheckpointError
+
+    empty = tmp_path / "minimax_h3_fl2va_bf16.safetensors"
+    empty.write_bytes(b"")
+    for read in (lambda: locate_dit(empty, "fl2va"), lambda: load_lora(empty), lambda: locate_video_vae(empty)):
+        with pytest.raises(CheckpointError, match=r"minimax_h3_fl2va_bf16.safetensors is not a readable safetensors "
+                                                  r"file \(.*; 0 bytes: an interrupted download"):
+            read()
+    (tmp_path / "dit.png").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"H3 DiT single files must be safetensors \(or GGUF, .gguf\)"):
+        locate_dit(tmp_path / "dit.png", "fl2va")
