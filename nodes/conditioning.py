@@ -39,7 +39,10 @@ REFERENCE_TOOLTIP = (f"ref2va references, read in slot order (images, videos and
                      "the last one is connected.")
 
 
-LINKED_TYPES = {"text_encoder": "H3_TEXT_ENCODER", "vae": "H3_VAE", "first_image": "IMAGE", "last_image": "IMAGE"}
+# What each input takes when it is linked: validate_inputs asks for input_types, which turns ComfyUI's own
+# link type check off for the whole node, so it is done here (combos excepted: a linked combo's type varies).
+LINKED_TYPES = {"text_encoder": "H3_TEXT_ENCODER", "vae": "H3_VAE", "first_image": "IMAGE", "last_image": "IMAGE",
+                "prompt": "STRING", "width": "INT", "height": "INT", "duration": "FLOAT"}
 
 
 def reference_images_input():
@@ -92,8 +95,10 @@ class H3Conditioning(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, input_types=None, task=None, **_) -> bool | str:
-        """Which media are wired is known before anything runs: a wrong mix is a node error at queue time."""
+    def validate_inputs(cls, input_types=None, task=None, references=None) -> bool | str:
+        """Which media are wired is known before anything runs: a wrong mix is a node error at queue time. It
+        names only `input_types`, `task` and `references` (ComfyUI hands the grown reference list to it anyway),
+        so ComfyUI still checks every other input's range and options."""
         types = (input_types or {}) if isinstance(input_types, dict) else {}
         kinds = [SOCKET_KINDS.get(kind, kind) for name, kind in sorted(types.items(), key=lambda item: _slot(item[0]))
                  if name.startswith("references.")]
@@ -106,7 +111,12 @@ class H3Conditioning(io.ComfyNode):
         keyframes = sum(name in types for name in ("first_image", "last_image"))
         if task is None:  # the task comes from a link: checked when the node runs
             return True
-        return media_problem(task, kinds, keyframes) or True
+        if task not in TASKS:  # naming task here turns ComfyUI's own options check off for it
+            return f"task must be one of {', '.join(TASKS)}; got {task!r}."
+        problem = media_problem(task, kinds, keyframes)
+        if not problem and (kinds or keyframes) and "vae" not in types:
+            problem = "Keyframes and references are encoded by the VAEs: connect H3 VAE Loader's vae."
+        return problem or True
 
     @classmethod
     def execute(cls, text_encoder, prompt, task, aspect_ratio, width, height, duration, vae=None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import folder_paths
 from comfy_api.latest import io
 from h3_core.lora import VSA_STUDENT_CONTRACT, load_lora, sampler_settings
+from h3_core.noise import check_seeds
 from h3_core.pipeline import TASK_PARTITION, sample
 from h3_core.placement import freed_on_failure
 from h3_core.sampler import DualClockSchedule, custom_ladder
@@ -79,6 +80,7 @@ class H3Sampler(io.ComfyNode):
         if wanted != model.partition:
             raise ValueError(f"{conditioning.task} runs on the {wanted} partition, but this model was loaded as "
                              f"{model.partition}; set the loader's partition to {wanted}.")
+        check_seeds(seed, outputs)  # seed + i for every output, said before any model moves
         video_sigmas = checked_sigmas(video_sigmas, "video_sigmas")
         audio_sigmas = checked_sigmas(audio_sigmas, "audio_sigmas")
         if (video_sigmas is None) != (audio_sigmas is None):  # the automatic ladder walks as many points

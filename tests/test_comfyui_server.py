@@ -305,6 +305,15 @@ def test_bad_prompt_is_a_node_error_and_server_goes_on(server):
     assert status == 400 and cond in body.get("node_errors", {}), body
     assert "at most 9 image references" in json.dumps(body["node_errors"][cond]), body
 
+    # the conditioning node's own check leaves ComfyUI's range checks and link types to the other inputs
+    graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
+    cond = _node(graph, "H3Conditioning")
+    graph[cond]["inputs"]["duration"] = 1000.0
+    graph[cond]["inputs"]["prompt"] = [_node(graph, "H3VAELoader"), 0]
+    status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
+    errors = json.dumps(body.get("node_errors", {}).get(cond))
+    assert status == 400 and "bigger than max" in errors and "prompt takes STRING, got H3_VAE" in errors, body
+
     graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
     history = _wait(base, _queue(base, graph, "x"))
     assert history["status"]["status_str"] == "success"

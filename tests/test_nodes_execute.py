@@ -102,9 +102,13 @@ def test_conditioning_media_checks(comfy):
     assert "at most 9 image references" in check(input_types=ten, task="ref2va")
     assert "needs an image or video" in check(input_types={"references.ref0": "AUDIO"}, task="ref2va")
     assert "t2va takes a prompt only" in check(input_types={"first_image": "IMAGE"}, task="t2va")
-    assert check(input_types={"references.ref0": "IMAGE", "references.ref1": "AUDIO"}, task="ref2va") is True
+    assert check(input_types={"references.ref0": "IMAGE", "references.ref1": "AUDIO", "vae": "H3_VAE"},
+                 task="ref2va") is True
+    assert "connect H3 VAE Loader's vae" in check(input_types={"first_image": "IMAGE"}, task="fl2va")
     assert check(input_types={"first_image": "IMAGE"}, task=None) is True  # a linked task is checked at run time
     assert "vae takes H3_VAE, got VAE" in check(input_types={"vae": "VAE"}, task="t2va")
+    assert "prompt takes STRING, got H3_VAE" in check(input_types={"prompt": "H3_VAE"}, task="t2va")
+    assert "task must be one of t2va, fl2va, ref2va; got 't3va'" in check(input_types={}, task="t3va")
     with pytest.raises(ValueError, match="ref2va takes references, not first_image"):
         _cond(c, text, vae, "ref2va", first_image=image, references={"ref0": image})
     with pytest.raises(ValueError, match="IMAGE, VIDEO or AUDIO"):
@@ -120,6 +124,8 @@ def test_sampler_sigmas_denoise_and_latent_checks(comfy):
         run(model, cond, 0, 2, 0.0, 0.0, video_sigmas=torch.tensor([1.0, 0.5]))
     with pytest.raises(ValueError, match="audio_sigmas: .*strictly decreasing"):
         run(model, cond, 0, 2, 0.0, 0.0, audio_sigmas=torch.tensor([1.0, 0.6, 0.7, 0.0]))
+    with pytest.raises(ValueError, match=r"seed must be .* \(and seed \+ 2 for 3 outputs\)"):
+        run(model, cond, 2**64 - 2, 2, 0.0, 0.0, 1.0, 3)
     loaded = len(c.record.loaded)
     assert len(c.record.loaded) == loaded  # bad input fails before any model moves
     out = run(model, cond, 0, 0, 0.0, 0.0, video_sigmas=torch.tensor([1.0, 0.5, 0.0])).values[0][0]

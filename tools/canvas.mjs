@@ -21,8 +21,13 @@ const NOTE = `## MiniMax-H3 (video + audio)
 Models (Comfy-Org/MiniMax-H3): **diffusion_models/** minimax_h3_fl2va_bf16 or minimax_h3_ref2va_bf16,
 **text_encoders/** qwen3vl_32b_minimax_h3_bf16 (*tokenizer_folder*: the release's FL2VA/tokenizer, or empty to fetch it, 7 MiB),
 **vae/** minimax_h3_video_vae_fp16 and minimax_h3_audio_vae_fp32; Turbo: **loras/**
-minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16. Or pick *tiny-random* everywhere to try the graph without weights.
-The line under H3 Conditioning shows the canvas, frames and real duration before you queue.`;
+minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16. Or pick *tiny-random* everywhere to try the graph without weights.`;
+// only for graphs that have the node it speaks of
+const CONDITIONING_LINE = "\nThe line under H3 Conditioning shows the canvas, frames and real duration before you queue.";
+
+function hasConditioning(api) {
+  return Object.values(api).some((node) => node.class_type === "H3Conditioning");
+}
 
 async function openApp(browser) {
   const page = await browser.newPage({ viewport: { width: 1600, height: 1000 } });
@@ -51,7 +56,7 @@ async function build(browser) {
       memo.widgets[0].value = note;
       graph.add(memo);
       return graph.serialize();
-    }, { api, name: file, note: NOTE });
+    }, { api, name: file, note: NOTE + (hasConditioning(api) ? CONDITIONING_LINE : "") });
     fs.writeFileSync(path.join(out, file), JSON.stringify(canvas, null, 2) + "\n");
     console.log(`example_workflows/${file}: ${canvas.nodes.length} nodes, ${canvas.links.length} links`);
   }
