@@ -113,9 +113,12 @@ def resolve_frame_index(frame_index: int, num_frames: int, frames: int = 1) -> i
         raise RequestError(f"A {frames}-frame guide clip is longer than the video's {num_frames} frames; give "
                            f"at most {num_frames} frames.")
     resolved = frame_index if frame_index >= 0 else num_frames + frame_index
+    if 0 <= resolved < num_frames and resolved + frames > num_frames:
+        raise RequestError(f"A {frames}-frame guide clip from frame_index {frame_index} runs past the video's "
+                           f"{num_frames} frames (to frame {resolved + frames - 1}); start it at 0..{num_frames - frames} "
+                           f"or -{num_frames}..-{frames}.")
     if resolved < 0 or resolved + frames > num_frames:
-        fit = "" if frames == 1 else f" for a {frames}-frame clip (it must fit from there to the end)"
-        raise RequestError(f"frame_index {frame_index} is outside the video's {num_frames} frames{fit}; use "
+        raise RequestError(f"frame_index {frame_index} is outside the video's {num_frames} frames; use "
                            f"0..{num_frames - frames} or -{num_frames}..-{frames}.")
     return resolved
 

@@ -154,7 +154,8 @@ def test_guide_inputs_are_checked_before_any_model_runs(models):
         add_guide(plain, FRAMES, video_vae, frames=picture(1)[0])
     with pytest.raises(RequestError, match="A 124-frame guide clip is longer than the video's 107 frames"):
         add_guide(plain, 0, video_vae, frames=picture(1, frames=124))
-    with pytest.raises(RequestError, match="for a 22-frame clip"):
+    past = r"A 22-frame guide clip from frame_index 90 runs past the video's 107 frames \(to frame 111\); start it at 0\.\.85"
+    with pytest.raises(RequestError, match=past):
         add_guide(plain, 90, video_vae, frames=picture(1, frames=22))
     with pytest.raises(RequestError, match="needs frames .*, a sound, or both"):
         add_guide(plain, 0, video_vae)
