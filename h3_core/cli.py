@@ -575,9 +575,11 @@ def run_info(args) -> int:
         try:
             found[kind] = describe(args.path)
         except CheckpointError as error:
-            reasons.append(f"{kind.replace('_', ' ')}: {error}")
+            reasons.append((kind.replace("_", " "), str(error)))
     if not found:
-        raise CheckpointError(f"{args.path} holds no H3 model. " + " ".join(reasons))
+        if len({reason for _, reason in reasons}) == 1:  # e.g. a pickle: every reader says the same
+            raise CheckpointError(f"{args.path} holds no H3 model: {reasons[0][1]}")
+        raise CheckpointError(f"{args.path} holds no H3 model. " + " ".join(f"{k}: {r}" for k, r in reasons))
     print(json.dumps(found, indent=2))
     return 0
 

@@ -176,3 +176,10 @@ def test_an_empty_weight_file_is_named_wherever_it_is_read(tmp_path):
     (tmp_path / "dit.png").write_bytes(b"")
     with pytest.raises(CheckpointError, match=r"H3 DiT single files must be safetensors \(or GGUF, .gguf\)"):
         locate_dit(tmp_path / "dit.png", "fl2va")
+
+
+def test_info_on_a_pickle_says_it_once(tmp_path, capsys):
+    (tmp_path / "model.ckpt").write_bytes(b"\x80\x02}q\x00.")
+    assert main(["info", str(tmp_path / "model.ckpt")]) == 2
+    error = capsys.readouterr().err
+    assert "holds no H3 model: model.ckpt is a pickle checkpoint" in error and error.count("pickle") == 1
