@@ -182,4 +182,4 @@ def test_info_on_a_pickle_says_it_once(tmp_path, capsys):
     (tmp_path / "model.ckpt").write_bytes(b"\x80\x02}q\x00.")
     assert main(["info", str(tmp_path / "model.ckpt")]) == 2
     error = capsys.readouterr().err
-    assert "holds no H3 model: model.ckpt is a pickle checkpoint" in error and error.count("pickle") == 1
+    assert "holds no H3 model: model.ckpt is a pickle checkpoint" in error and error.count("is a pickle checkpoint") == 1
