@@ -40,7 +40,7 @@ from .long_video import LongVideoRequest
 from .media import MediaError
 from .output import AVLatents
 from .placement import check_devices
-from .pipeline import GenerateSettings, Job, ModelFiles, encode_clip_file, generate_batch, sample
+from .pipeline import TINY_CANVAS, GenerateSettings, Job, ModelFiles, encode_clip_file, generate_batch, sample
 from .references import REFERENCE_IMAGE_MODES, MediaReference
 from .runtime import return_freed_memory_to_os, use_expandable_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule
@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     den.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"])
     den.add_argument("--text-states", type=Path,
                      help="safetensors with 'prompt_embeds' [1, T, text_dim] (and optional 'text_token_tags' [T])")
-    den.add_argument("--aspect-ratio", default="16:9", help=f"one of {', '.join(geometry.ASPECT_RATIOS)}")
+    den.add_argument("--aspect-ratio", default="16:9", help=f"one of {', '.join(geometry.ASPECT_RATIOS)} (default 16:9; on tiny-random, generate's small canvas)")
     den.add_argument("--width", type=int, help="explicit width (multiple of 32; with --height)")
     den.add_argument("--height", type=int, help="explicit height (multiple of 32; with --width)")
     den.add_argument("--duration", type=float, default=5.0, help="seconds (snapped up to 17n+5 frames at 24 fps)")
@@ -639,6 +639,8 @@ def _canvas(args) -> tuple[int, int]:
     if args.width is not None:
         geometry.check_canvas(args.width, args.height)
         return args.width, args.height
+    if args.model == TINY_RANDOM:  # the small canvas generate gives it
+        return geometry.canvas_size(args.aspect_ratio, TINY_CANVAS.short_edge, TINY_CANVAS.max_pixels)
     return geometry.canvas_size(args.aspect_ratio)
 
 

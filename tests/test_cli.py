@@ -57,6 +57,11 @@ def test_denoise_runs_from_text_states_alone(tmp_path, capsys):
     assert re.search(r"256x160, 124 frames; load .*denoise .*peak", capsys.readouterr().out)
 
 
+def test_denoise_on_tiny_random_takes_generates_small_canvas(tmp_path, capsys):
+    assert main(["denoise", "--steps", "2", "--save-latents", str(tmp_path / "l.safetensors")]) == 0
+    assert "224x128, 124 frames" in capsys.readouterr().out
+
+
 def test_seed_decides_the_result(tmp_path):
     base = ["denoise", "--width", "128", "--height", "64", "--duration", "5", "--steps", "3"]
     for name, seed in (("a", 1), ("b", 1), ("c", 2)):
