@@ -244,7 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     den.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"])
     den.add_argument("--text-states", type=Path,
                      help="safetensors with 'prompt_embeds' [1, T, text_dim] (and optional 'text_token_tags' [T])")
-    den.add_argument("--aspect-ratio", default="16:9", help=f"one of {', '.join(geometry.ASPECT_RATIOS)} (default 16:9; on tiny-random, generate's small canvas)")
+    den.add_argument("--aspect-ratio", default="16:9",
+                     help=f"one of {', '.join(geometry.ASPECT_RATIOS)} (default 16:9; on tiny-random, generate's "
+                          "small canvas)")
     den.add_argument("--width", type=int, help="explicit width (multiple of 32; with --height)")
     den.add_argument("--height", type=int, help="explicit height (multiple of 32; with --width)")
     den.add_argument("--duration", type=float, default=5.0, help="seconds (snapped up to 17n+5 frames at 24 fps)")
