@@ -180,6 +180,9 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--audio-shift", type=float, help=f"default {AUDIO_SHIFT:g} (or the Turbo adapter's)")
     gen.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                      help="LoRA / Turbo adapter (any published layout), repeatable; merged in order; strength default 1")
+    gen.add_argument("--lora-unknown-keys", choices=["error", "warn"], default="error",
+                     help="a LoRA holding keys that name no H3 module: refused (error, default) or loaded without "
+                          "them, each said (warn)")
     gen.add_argument("--seed", type=int, default=0, help="noise seed, 0 to 2^64-1 (default 0): the same seed gives "
                                                          "the same clip on any device")
     gen.add_argument("--outputs", type=int, default=1, help="number of results, seeds seed, seed+1, ...")
@@ -437,6 +440,7 @@ def run_generate(args) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     settings = GenerateSettings(args.seed, args.outputs, args.steps, args.video_shift, args.audio_shift,
                                 str(device), dtype, args.attention, [_lora(spec) for spec in args.lora],
+                                lora_unknown_keys=args.lora_unknown_keys,
                                 linears=args.linears, devices=devices, shard_weights=args.shard_weights,
                                 gpu_memory=args.gpu_memory, compile=args.compile,
                                 attention_window=args.attention_window_lossy,

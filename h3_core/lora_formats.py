@@ -220,7 +220,8 @@ def parse_lora(
                        "H3 LoRAs target our attention/FFN/AdaLN/projection modules in the native, diffusers, "
                        "kohya (lora_unet_) or DiffSynth spelling (h3-model.md H.2).")
             if unknown == "error":
-                raise LoRAError(message + " Pass unknown='warn' to load the rest and report these.")
+                raise LoRAError(message + " To load the rest and report these: unknown='warn' (h3 generate "
+                                "--lora-unknown-keys warn).")
             notes.append("NOT LOADED: " + message)
         formats.add(fmt)
         rows = qkv_layout or ("interleaved" if fmt == "diffsynth" else QKV_ROWS.get(declared, "stacked"))

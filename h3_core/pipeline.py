@@ -303,6 +303,7 @@ class GenerateSettings:
     dtype: torch.dtype = torch.bfloat16
     attention: str = "auto"
     loras: Sequence[tuple[str | Path, float]] = ()  # (file, strength), applied in order, merged
+    lora_unknown_keys: str = "error"  # "warn": a LoRA's keys that name no H3 module are reported, the rest loaded
     linears: str = "checkpoint"  # fp8.LINEAR_MODES; "fp8-lossy" / "fp8-weights-lossy" are opt-in, lossy
     devices: Sequence[str] = ()  # two or more: the DiT runs split over them (parallel/); the rest on `device`
     shard_weights: bool = False  # with devices: each holds 1/P of every block (FSDP-style)
@@ -436,7 +437,7 @@ def generate_batch(
     source = resolve_model_source(model, partition, files)
     resolve_backend(settings.attention, device, window=window > 0)
     check_linear_mode(settings.linears, device)
-    loras = [(load_lora(path), float(strength)) for path, strength in settings.loras]
+    loras = [(load_lora(path, unknown=settings.lora_unknown_keys), float(strength)) for path, strength in settings.loras]
     for lora, _ in loras:
         lora.terms_for(partition)  # an adapter for the other partition is refused before loading
     dit_source = None if source.tiny else with_config(locate_dit(source.root, partition))

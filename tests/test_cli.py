@@ -173,6 +173,24 @@ def test_generate_with_a_turbo_lora_takes_its_schedule(tmp_path, capsys):
     assert not torch.equal(load_file(str(out))["video"], load_file(str(plain))["video"])
 
 
+def test_a_lora_with_stray_keys_is_refused_unless_told_to_warn(tmp_path, capsys):
+    from lora_files import random_spec, write_peft
+
+    from h3_core.config import TINY_DIT
+
+    lora = write_peft(tmp_path / "style.safetensors", random_spec(TINY_DIT, rank=4))
+    tensors = load_file(str(lora))
+    tensors["transformer_blocks.0.attn.to_qq.lora_A.default.weight"] = torch.zeros(4, 64)
+    save_file(tensors, str(lora))
+    argv = ["generate", "--prompt", "A fox.", "--steps", "3", "--lora", str(lora), "--save-latents",
+            str(tmp_path / "out.safetensors")]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert "to_qq" in error and "(h3 generate --lora-unknown-keys warn)" in error
+    assert main(argv[:1] + ["--lora-unknown-keys", "warn"] + argv[1:]) == 0
+    assert "NOT LOADED" in capsys.readouterr().err
+
+
 def test_generate_refuses_a_ref2va_turbo_on_t2va_before_loading(tmp_path, capsys):
     from lora_files import random_spec, write_peft
 
