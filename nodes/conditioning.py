@@ -87,10 +87,18 @@ class H3Conditioning(io.ComfyNode):
                 reference_images_input(),
             ],
             outputs=[
-                H3Cond.Output(display_name="conditioning"),
-                io.Int.Output(display_name="width"),
-                io.Int.Output(display_name="height"),
-                io.Int.Output(display_name="num_frames"),
+                H3Cond.Output(display_name="conditioning",
+                              tooltip="The encoded request: connect to H3 Dual-Clock Sampler's conditioning (directly "
+                                      "or through H3 Add Guide); H3 Empty AV Latent takes its size from it."),
+                io.Int.Output(display_name="width",
+                              tooltip="The canvas width in pixels the request resolved (a multiple of 32): the "
+                                      "width of the video made."),
+                io.Int.Output(display_name="height",
+                              tooltip="The canvas height in pixels the request resolved (a multiple of 32): the "
+                                      "height of the video made."),
+                io.Int.Output(display_name="num_frames",
+                              tooltip="The frame count the duration resolved to, at 24 fps (17n + 5: 5 s -> 124 "
+                                      "frames)."),
             ],
         )
 
@@ -171,7 +179,9 @@ class H3AddGuide(io.ComfyNode):
                                      "from there."),
                 *guide_media_inputs(),
             ],
-            outputs=[H3Cond.Output(display_name="conditioning")],
+            outputs=[H3Cond.Output(display_name="conditioning",
+                                   tooltip="The request with this guide added: connect to H3 Dual-Clock Sampler's "
+                                           "conditioning, or to another H3 Add Guide.")],
         )
 
     @classmethod

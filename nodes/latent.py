@@ -45,7 +45,9 @@ class H3EmptyAVLatent(io.ComfyNode):
                              tooltip="Optional: take the size H3 Conditioning resolved (recommended: the sampler "
                                      "requires the latent and the conditioning to agree)."),
             ],
-            outputs=[H3Latent.Output(display_name="latent")],
+            outputs=[H3Latent.Output(display_name="latent",
+                                     tooltip="An all-zero H3 latent that only fixes the size (canvas and frames): "
+                                             "connect to H3 Dual-Clock Sampler's latent, which fills it with noise.")],
         )
 
     @classmethod
@@ -85,8 +87,18 @@ class H3VAEEncode(io.ComfyNode):
                 io.Int.Input("height", default=0, min=0, max=4096, step=32, optional=True,
                              tooltip="Canvas height (multiple of 32); 0 with width 0: from the clip."),
             ],
-            outputs=[H3Latent.Output(display_name="latent"), io.Int.Output(display_name="width"),
-                     io.Int.Output(display_name="height"), io.Int.Output(display_name="num_frames")],
+            outputs=[
+                H3Latent.Output(display_name="latent",
+                                tooltip="Your clip's video and sound as an H3 latent: connect to H3 Continuation's "
+                                        "continue_from or keep_video, or H3 Dual-Clock Sampler's latent."),
+                io.Int.Output(display_name="width",
+                              tooltip="The canvas width in pixels the clip was encoded on (a multiple of 32)."),
+                io.Int.Output(display_name="height",
+                              tooltip="The canvas height in pixels the clip was encoded on (a multiple of 32)."),
+                io.Int.Output(display_name="num_frames",
+                              tooltip="The clip's frame count as encoded, at 24 fps: cut down to 17n + 5 (its last "
+                                      "few frames may be dropped)."),
+            ],
         )
 
     @classmethod
@@ -149,7 +161,9 @@ class H3LatentToLatent(io.ComfyNode):
                         "[1, 32, 2, 40 per second]), for the core nodes: Separate AV Latent, then VAE Decode and "
                         "VAE Decode Audio with the MiniMax H3 VAEs (or a TAEH3 preview decoder). Same values.",
             inputs=[H3Latent.Input("latent", tooltip="From an H3 sampler, H3 Continuation or H3 VAE Encode.")],
-            outputs=[io.Latent.Output(display_name="LATENT")],
+            outputs=[io.Latent.Output(display_name="LATENT",
+                                      tooltip="The same latent as ComfyUI's own MiniMax H3 AV LATENT: connect to "
+                                              "Separate AV Latent, then VAE Decode and VAE Decode Audio.")],
         )
 
     @classmethod
@@ -176,7 +190,9 @@ class H3LatentFromLatent(io.ComfyNode):
                         "all-zero latent only fixes the size).",
             inputs=[io.Latent.Input("latent", tooltip="A joint video + audio LATENT of MiniMax H3 (join separate "
                                                       "video and audio latents with Concat AV Latent first).")],
-            outputs=[H3Latent.Output(display_name="latent", is_output_list=True)],
+            outputs=[H3Latent.Output(display_name="latent", is_output_list=True,
+                                     tooltip="One H3 latent per batch item, as a list: to H3 VAE Decode, H3 Save MP4, "
+                                             "H3 Continuation's continue_from or the H3 sampler's latent.")],
         )
 
     @classmethod

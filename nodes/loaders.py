@@ -122,7 +122,9 @@ class H3ModelLoader(io.ComfyNode):
                                        "about 10% faster per step on an H200. The two *-lossy modes change the "
                                        "output slightly (fp8-lossy: video cosine 0.9976 against bf16 on random weights)."),
             ],
-            outputs=[H3Model.Output(display_name="model")],
+            outputs=[H3Model.Output(display_name="model",
+                                    tooltip="The H3 DiT of the chosen partition: connect to H3 Dual-Clock Sampler, "
+                                            "H3 Continuation, or H3 LoRA / Turbo Apply first.")],
         )
 
     @classmethod
@@ -206,7 +208,9 @@ class H3TextEncoderLoader(io.ComfyNode):
                                        "and each decoder layer visits the GPU only while it runs: same result, a "
                                        "few seconds slower per prompt. Set it to force that on a busy GPU."),
             ],
-            outputs=[H3TextEncoder.Output(display_name="text_encoder")],
+            outputs=[H3TextEncoder.Output(display_name="text_encoder",
+                                          tooltip="The loaded Qwen3-VL text encoder: connect to H3 Conditioning's or H3 "
+                                                  "Continuation's text_encoder.")],
         )
 
     @classmethod
@@ -264,7 +268,9 @@ class H3VAELoader(io.ComfyNode):
                                        "than fp32 on an H200; fp32 is the release's full precision; 'checkpoint' keeps "
                                        "each stored dtype. The audio VAE always stays as stored (fp32)."),
             ],
-            outputs=[H3VAE.Output(display_name="vae")],
+            outputs=[H3VAE.Output(display_name="vae",
+                                  tooltip="The video and audio VAEs together: connect to the vae of H3 Conditioning, "
+                                          "H3 Add Guide, H3 VAE Encode / Decode, H3 Continuation or H3 Save MP4.")],
         )
 
     @classmethod

@@ -106,7 +106,13 @@ class H3Continuation(io.ComfyNode):
                                        "longer). Not one of the release's pipelines: judge it on real clips."),
                 reference_images_input(),
             ],
-            outputs=[H3Latent.Output(display_name="latent"), io.Int.Output(display_name="num_frames")],
+            outputs=[
+                H3Latent.Output(display_name="latent",
+                                tooltip="The whole clip as one H3 latent (continue_from included): connect to H3 "
+                                        "Save MP4 (streamed), or another H3 Continuation's continue_from."),
+                io.Int.Output(display_name="num_frames",
+                              tooltip="The whole clip's frame count at 24 fps (continue_from included)."),
+            ],
         )
 
     @classmethod
@@ -192,7 +198,9 @@ class H3ContinuationGuide(io.ComfyNode):
                 *guide_media_inputs(),
                 H3Guides.Input("guides", optional=True, tooltip="Guides so far, from another H3 Continuation Guide."),
             ],
-            outputs=[H3Guides.Output(display_name="guides")],
+            outputs=[H3Guides.Output(display_name="guides",
+                                     tooltip="The guides so far with this one added: connect to H3 Continuation's "
+                                             "guides, or to another H3 Continuation Guide.")],
         )
 
     @classmethod
@@ -217,7 +225,9 @@ class H3SaveMP4(io.ComfyNode):
                                 tooltip="File name prefix inside the output folder; a subfolder may be given."),
                 *decode_inputs(),
             ],
-            outputs=[io.Video.Output(display_name="video")],
+            outputs=[io.Video.Output(display_name="video",
+                                     tooltip="The MP4 just saved, as a ComfyUI VIDEO read from its file, for nodes "
+                                             "that take a VIDEO (e.g. Get Video Components).")],
             hidden=SAVE_HIDDEN,
             is_output_node=True,
         )

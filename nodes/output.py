@@ -41,7 +41,14 @@ class H3VAEDecode(io.ComfyNode):
                 H3Latent.Input("latent", tooltip="From H3 Dual-Clock Sampler (one output of its list at a time)."),
                 *decode_inputs(),
             ],
-            outputs=[io.Image.Output(display_name="images"), io.Audio.Output(display_name="audio")],
+            outputs=[
+                io.Image.Output(display_name="images",
+                                tooltip="The decoded frames, an IMAGE batch (one image per frame, 24 fps): connect "
+                                        "to H3 AV Save's images or any image node."),
+                io.Audio.Output(display_name="audio",
+                                tooltip="The decoded soundtrack, 32 kHz stereo, as long as the frames: connect to "
+                                        "H3 AV Save's audio."),
+            ],
         )
 
     @classmethod
@@ -81,7 +88,9 @@ class H3AVSave(io.ComfyNode):
                 io.Video.Input("video", optional=True,
                                tooltip="Instead of images: a ComfyUI VIDEO at 24 fps, with its soundtrack."),
             ],
-            outputs=[io.Video.Output(display_name="video")],
+            outputs=[io.Video.Output(display_name="video",
+                                     tooltip="The MP4 just saved, as a ComfyUI VIDEO read from its file, for nodes "
+                                             "that take a VIDEO (e.g. Get Video Components).")],
             hidden=SAVE_HIDDEN,
             is_output_node=True,
         )

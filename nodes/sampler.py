@@ -70,7 +70,9 @@ class H3Sampler(io.ComfyNode):
                                        "comes back unchanged (decoding shows the VAE's reconstruction); not in "
                                        "the release's pipelines. none = generate both."),
             ],
-            outputs=[H3Latent.Output(display_name="latent", is_output_list=True)],
+            outputs=[H3Latent.Output(display_name="latent", is_output_list=True,
+                                     tooltip="The sampled video + audio latents, one per output, as a list: to H3 "
+                                             "VAE Decode, H3 Save MP4 or H3 Continuation's continue_from.")],
         )
 
     @classmethod
@@ -153,7 +155,9 @@ class H3LoRAApply(io.ComfyNode):
                 io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.05,
                                tooltip="Scale of the adapter's delta; Turbo adapters are distilled for 1.0."),
             ],
-            outputs=[H3Model.Output(display_name="model")],
+            outputs=[H3Model.Output(display_name="model",
+                                    tooltip="The model with this adapter added (hooked in while sampling): connect "
+                                            "to H3 Dual-Clock Sampler, H3 Continuation or another LoRA node.")],
         )
 
     @classmethod

@@ -41,7 +41,7 @@ def test_the_generated_part_lists_each_input_with_its_tooltip_and_each_output(sc
     assert [item.split("`")[1] for item in items] == [p.id for p in sampler.inputs] + ["latent"]
     seed = next(item for item in items if item.startswith("- **`seed`**"))
     assert "integer 0..18446744073709551615, default `0`." in seed and "same seed gives the same" in seed
-    assert items[-1] == "- **`latent`**: H3_LATENT, a list: the nodes after it run once per item."
+    assert items[-1].startswith("- **`latent`**: H3_LATENT, a list: the nodes after it run once per item. The sampled")
     loader = node_docs.render(next(schema for schema in schemas if schema.node_id == "H3ModelLoader"))
     assert "- **`checkpoint`**: a file name, default `tiny-random`. A file from" in loader  # folder lists: run time
     assert "one of `fl2va`, `ref2va`" in loader
@@ -51,3 +51,9 @@ def test_the_generated_part_lists_each_input_with_its_tooltip_and_each_output(sc
 def test_a_page_without_markers_is_refused(schemas):
     with pytest.raises(ValueError, match="needs the two marker lines"):
         node_docs.updated("# H3 Sampler\nprose only\n", schemas[0])
+
+
+def test_every_output_says_what_it_is_and_where_it_goes(schemas):
+    missing = [f"{schema.node_id}.{port.options.get('display_name', port.id)}" for schema in schemas
+               for port in schema.outputs if not (port.options.get("tooltip") or "").strip()]
+    assert not missing, missing

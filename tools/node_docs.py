@@ -73,7 +73,8 @@ def render(schema) -> str:
     lines += ["", "## Outputs", ""]
     for port in schema.outputs:
         listed = ", a list: the nodes after it run once per item" if port.options.get("is_output_list") else ""
-        lines.append(f"- **`{port.options.get('display_name', port.id)}`**: {port.type}{listed}.")
+        lines.append(f"- **`{port.options.get('display_name', port.id)}`**: {port.type}{listed}. "
+                     f"{port.options.get('tooltip', '')}".rstrip())
     return "\n".join(lines + ["", END])
 
 
