@@ -221,7 +221,7 @@ def parse_lora(
                        "kohya (lora_unet_) or DiffSynth spelling (h3-model.md H.2).")
             if unknown == "error":
                 raise LoRAError(message + " To load the rest and report these: unknown='warn' (h3 generate "
-                                "--lora-unknown-keys warn).")
+                                "--lora-unknown-keys warn; H3 LoRA / Turbo Apply's unknown_keys).")
             notes.append("NOT LOADED: " + message)
         formats.add(fmt)
         rows = qkv_layout or ("interleaved" if fmt == "diffsynth" else QKV_ROWS.get(declared, "stacked"))

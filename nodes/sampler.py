@@ -154,6 +154,9 @@ class H3LoRAApply(io.ComfyNode):
                                tooltip="A file from models/loras (any H3 LoRA layout, Comfy-Org Turbo exports too)."),
                 io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.05,
                                tooltip="Scale of the adapter's delta; Turbo adapters are distilled for 1.0."),
+                io.Combo.Input("unknown_keys", options=["error", "warn"], default="error", optional=True,
+                               tooltip="A file holding keys that name no H3 module (a LoRA for another model, or "
+                                       "extra parts): error refuses it; warn loads the rest and says each in the log."),
             ],
             outputs=[H3Model.Output(display_name="model",
                                     tooltip="The model with this adapter added (hooked in while sampling): connect "
@@ -161,8 +164,8 @@ class H3LoRAApply(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, lora_name, strength) -> io.NodeOutput:
-        lora = load_lora(folder_paths.get_full_path_or_raise("loras", lora_name))
+    def execute(cls, model, lora_name, strength, unknown_keys="error") -> io.NodeOutput:
+        lora = load_lora(folder_paths.get_full_path_or_raise("loras", lora_name), unknown=unknown_keys)
         lora.terms_for(model.partition)  # an adapter for the other partition is refused here
         return io.NodeOutput(model.with_lora(lora, strength))
 

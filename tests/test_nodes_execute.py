@@ -223,6 +223,15 @@ def test_lora_apply_keeps_the_cached_model_clean(comfy):
     assert c.record.progress[-1][:2] == (8, 8)  # the Turbo contract: 8 distilled steps
     assert all(torch.equal(before[k], v) for k, v in model.dit.state_dict().items())
 
+    from safetensors.torch import load_file, save_file
+
+    stray = load_file(str(c.tmp / "loras" / TURBO)) | {"diffusion_model.blocks.0.attn.nothing.lora_A.weight":
+                                                        torch.zeros(4, 64)}
+    save_file(stray, str(c.tmp / "loras" / "stray.safetensors"))
+    with pytest.raises(ValueError, match="H3 LoRA / Turbo Apply's unknown_keys"):
+        c.sampler.H3LoRAApply.execute(model, "stray.safetensors", 1.0)
+    assert len(c.sampler.H3LoRAApply.execute(model, "stray.safetensors", 1.0, "warn").values[0].loras) == 1
+
 
 def test_memory_wrapper_moves_and_reports(comfy, caplog):
     c = comfy
