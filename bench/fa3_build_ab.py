@@ -34,13 +34,12 @@ def time_call(call, repeats: int = 8) -> float:
 
 
 def main() -> None:
-    import flash_attn_interface
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("name", help="the build's name, echoed in the output")
     parser.add_argument("--sm-margins", default="0", help="comma-separated sm_margin values")
     parser.add_argument("--rows", type=int, nargs="+", default=[38222, 38400, 63704])
     args = parser.parse_args()
+    import flash_attn_interface  # the build under test (after --help, which needs none)
     margins = [int(m) for m in args.sm_margins.split(",")]
     torch.manual_seed(0)
     for rows in args.rows:

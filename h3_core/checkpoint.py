@@ -385,6 +385,7 @@ class DiTReader:
         config = config or self.source.config or infer_config(self.source)
         with torch.device("meta"):
             self.model = H3DiT(config)
+        self.model.partition = partition  # which tasks it serves: sample() refuses the other partition's
         self._nvfp4 = _plan_nvfp4(self.model, self.source.nvfp4_layers, linears, dtype)
         self._gguf = _plan_gguf(self.model, self.source.gguf_tensors, linears, dtype)
         self._fp8 = fp8.FP8Load.plan(self.model, self.source.fp8_layers, linears, dtype, fp32_modules(config), device)

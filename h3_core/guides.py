@@ -88,8 +88,8 @@ def read_guide(guide: GuideFile, num_frames: int, clip_frames: int | None = None
             clip = media_read.read_video(guide.path, 0.0, max_frames=min(room, clip_frames or room))
             return clip.frames, clip.audio, None if clip.audio is None else SAMPLE_RATE
         return None, media_read.read_audio(guide.path, 0.0, num_frames / geometry.FPS), SAMPLE_RATE
-    except (MediaError, MediaInputError) as error:
-        raise RequestError(f"{what}: {error}") from None
+    except (MediaError, MediaInputError) as error:  # the readers' messages may name the guide already
+        raise RequestError(str(error) if str(error).startswith(what) else f"{what}: {error}") from None
 
 
 def clip_room(frame_index: int, num_frames: int) -> int:

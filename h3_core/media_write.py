@@ -138,6 +138,8 @@ class Mp4Writer:
                     f"got {key!r}: {type(value).__name__}."
                 )
         self.path = Path(path)
+        if self.path.is_dir():
+            raise ValueError(f"Cannot write {self.path}: it is a folder; give the MP4 file's name.")
         if not self.path.parent.is_dir():
             raise FileNotFoundError(f"Cannot write {self.path}: the folder {self.path.parent} does not exist.")
         self._temp_path = self.path.with_name(f".{self.path.name}.{secrets.token_hex(4)}.part")

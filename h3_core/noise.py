@@ -20,7 +20,7 @@ def check_seeds(seed: int, count: int = 1) -> None:
     """Seeds seed .. seed + count - 1 must all be generator seeds: checked before any model runs."""
     if int(seed) != seed or not 0 <= seed <= MAX_SEED - (count - 1):
         last = f" (and seed + {count - 1} for {count} outputs)" if count > 1 else ""
-        raise ValueError(f"seed must be an integer from 0 to {MAX_SEED}{last}; got {seed}.")
+        raise ValueError(f"seed must be an integer from 0 to {MAX_SEED}{last}; got {seed!r}.")
 
 
 def request_generator(seed: int) -> torch.Generator:

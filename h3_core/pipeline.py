@@ -87,6 +87,10 @@ def sample(
     if not isinstance(dit, torch.nn.Module):
         return dit.sample(conditioning, seed, steps, video_shift, audio_shift, video_sigmas, audio_sigmas,
                           callback=callback, offload_adaln=offload_adaln, init=init, denoise=denoise, keep=keep)
+    made_for, task = getattr(dit, "partition", None), getattr(conditioning, "task", None)
+    if made_for is not None and TASK_PARTITION.get(task, made_for) != made_for:  # same shapes: it would just run
+        raise RequestError(f"A {task} conditioning runs on the {TASK_PARTITION[task]} DiT; this one was loaded as "
+                           f"the {made_for} partition.")
     schedule = DualClockSchedule.build(steps, video_shift, audio_shift, video_sigmas, audio_sigmas, denoise)
     layout = conditioning.layout
     kept = kept_latents(init, keep, latent_shape(layout))
@@ -255,6 +259,7 @@ def resolve_model_source(model: str | None, partition: str, files: ModelFiles = 
     to exist. A single DiT file holds the DiT alone, so then the other `parts` the caller needs must be
     given (but the tokenizer: the release's is fetched when none is); with no `model` at all, every one."""
     given = files.given()
+    model = None if model is None else str(model)  # a Path is welcome; the source's name is a str
     if model == TINY_RANDOM:
         if given:
             raise CheckpointError(f"{', '.join(FILE_OPTIONS[n] for n in given)}: {TINY_RANDOM} makes its own text "
@@ -371,10 +376,10 @@ class _Prepared:
 
 def generate(
     request: Request,
-    model: str,
+    model: str | Path,
     settings: GenerateSettings,
-    out: Path | None = None,
-    save_latents: Path | None = None,
+    out: str | Path | None = None,
+    save_latents: str | Path | None = None,
     progress: Progress | None = None,
     notes: Callable[[str], None] | None = None,
     given: AVLatents | None = None,
@@ -575,6 +580,9 @@ def _job_failed(name: str, job: Job, error: Exception, device: torch.device, on_
     on_failure(name, job, error)
 
 
+MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 @contextlib.contextmanager
 def _part_of(source: ModelSource, part: str):
     """A model looked for under --model that is not there: the error says which option names it elsewhere."""
@@ -600,6 +608,9 @@ def check_settings(settings: GenerateSettings) -> int:
         if shift is not None:
             check_shift(shift, name)
     check_devices([settings.device, *settings.devices])
+    for name, dtype in (("dtype", settings.dtype), ("vae_dtype", settings.vae_dtype)):
+        if dtype is not None and dtype not in MODEL_DTYPES:
+            raise ValueError(f"{name} must be one of torch.bfloat16, torch.float16, torch.float32; got {dtype!r}.")
     if settings.gpu_memory is not None and not (math.isfinite(settings.gpu_memory) and settings.gpu_memory > 0):
         raise ValueError(f"The GPU memory budget must be a positive number of GiB, got {settings.gpu_memory}.")
     return window
@@ -623,6 +634,7 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
     """One job checked against every limit (its guide files read and checked too), before any model loads."""
     from .long_video import LongVideoRequest, encode_long_video, sample_long_video, validate_long_video  # uses sample
 
+    job = dataclasses.replace(job, out=_as_path(job.out), save_latents=_as_path(job.save_latents))
     request, keep, given = job.request, job.keep, job.given
     long_video = isinstance(request, LongVideoRequest)
     check, encode, run = (
@@ -641,10 +653,10 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
         raise ValueError(f"outputs must be at least 1, got {outputs}.")
     seed = settings.seed if job.seed is None else job.seed
     check_seeds(seed, outputs)
-    for path in (job.out, job.save_latents):
+    plan = check(request, rules)
+    for path in (job.out, job.save_latents):  # its folder is made: only for a request that passed its checks
         if path is not None:
             check_writable(path)
-    plan = check(request, rules)
     if keep is not None:
         if long_video:
             raise RequestError("keep holds part of a given clip in one plain request; a long video keeps a clip's "
@@ -667,6 +679,10 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
                         media.sample_rate)
         request = dataclasses.replace(request, guides=())
     return _Prepared(job, request, encode, run, guide_media, partition, seed, outputs)
+
+
+def _as_path(path: str | Path | None) -> Path | None:
+    return None if path is None else Path(path)
 
 
 def _prompt_and_kinds(request) -> tuple[str, list[str]]:

@@ -35,7 +35,7 @@ def sigma_ladder(points: int, shift: float) -> torch.Tensor:
 
 def check_steps(points: int) -> None:
     if int(points) != points or points < 2:
-        raise ValueError(f"steps counts sigma points including the final 0, so it must be an integer >= 2; got {points}.")
+        raise ValueError(f"steps counts sigma points including the final 0, so it must be an integer >= 2; got {points!r}.")
 
 
 def check_shift(shift: float, name: str = "shift") -> None:
@@ -77,6 +77,12 @@ class DualClockSchedule:
         if denoise < 1.0 and (video_sigmas is not None or audio_sigmas is not None):
             raise ValueError("denoise < 1 cuts the automatic ladders; with explicit sigmas (custom ones, or a Turbo "
                              "adapter's own ladder) start the ladder lower instead and keep denoise at 1.")
+        given = [torch.as_tensor(ladder).numel() for ladder in (video_sigmas, audio_sigmas) if ladder is not None]
+        if len(given) == 2 and given[0] != given[1]:
+            raise ValueError(f"video_sigmas has {given[0]} points and audio_sigmas {given[1]}: the two ladders are "
+                             "walked together, so the longer one would stop before 0; give both the same count.")
+        if len(given) == 1:  # the automatic ladder walks as many points as the given one
+            steps = given[0]
         points = steps if denoise == 1.0 else round((steps - 1) / denoise) + 1
         video = custom_ladder(video_sigmas) if video_sigmas is not None else sigma_ladder(points, video_shift)[-steps:]
         audio = custom_ladder(audio_sigmas) if audio_sigmas is not None else sigma_ladder(points, audio_shift)[-steps:]

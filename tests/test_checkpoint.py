@@ -56,6 +56,21 @@ def test_ref2va_partition_is_chosen_by_name(tmp_path, reference, expected, tiny_
         assert_same_weights(load_dit(tmp_path, partition="fl2va"), expected)
 
 
+def test_a_loaded_dit_refuses_the_other_partitions_conditioning(tmp_path, reference, tiny_config):
+    """Both partitions have the same shapes, so a ref2va request on the FL2VA weights would just run."""
+    from types import SimpleNamespace
+
+    from h3_core.conditioning import RequestError
+    from h3_core.pipeline import sample
+
+    write_original_partition(tmp_path, reference.state_dict(), tiny_config, partition="Ref2VA")
+    dit = load_dit(tmp_path, partition="ref2va")
+    assert dit.partition == "ref2va"
+    with pytest.raises(RequestError, match="A t2va conditioning runs on the fl2va DiT; this one was loaded as the "
+                                           "ref2va partition"):
+        sample(dit, SimpleNamespace(task="t2va"), 0)
+
+
 def test_repository_root_gives_each_partition_its_own_folder(tmp_path, reference, expected, tiny_config):
     """The Hub repository's root holds the FL2VA DiT in transformer/ and the Ref2VA one in transformer_ref/."""
     write_diffusers_folder(tmp_path / "transformer", reference_dit(tiny_config, seed=99))

@@ -186,7 +186,7 @@ def test_a_lora_with_stray_keys_is_refused_unless_told_to_warn(tmp_path, capsys)
             str(tmp_path / "out.safetensors")]
     assert main(argv) == 2
     error = capsys.readouterr().err
-    assert "to_qq" in error and "(h3 generate --lora-unknown-keys warn)" in error
+    assert "to_qq" in error and "(h3 generate --lora-unknown-keys warn;" in error
     assert main(argv[:1] + ["--lora-unknown-keys", "warn"] + argv[1:]) == 0
     assert "NOT LOADED" in capsys.readouterr().err
 

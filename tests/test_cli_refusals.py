@@ -183,3 +183,16 @@ def test_info_on_a_pickle_says_it_once(tmp_path, capsys):
     assert main(["info", str(tmp_path / "model.ckpt")]) == 2
     error = capsys.readouterr().err
     assert "holds no H3 model: model.ckpt is a pickle checkpoint" in error and error.count("is a pickle checkpoint") == 1
+
+
+def test_the_engine_takes_paths_and_strings_alike(tmp_path):
+    """generate() with the model as a Path and the outputs as str, several of them (numbered files)."""
+    from pathlib import Path
+
+    from h3_core.conditioning import Request
+    from h3_core.pipeline import GenerateSettings, generate
+
+    results = generate(Request("t2va", "a fox", duration=4), Path("tiny-random"), GenerateSettings(steps=2, outputs=2),
+                       save_latents=str(tmp_path / "deep" / "fox.safetensors"))
+    assert [r.latents_path for r in results] == [tmp_path / "deep" / f"fox_0000{i}.safetensors" for i in (0, 1)]
+    assert all(path.is_file() for path in (r.latents_path for r in results))

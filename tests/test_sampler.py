@@ -106,3 +106,12 @@ def test_refining_starts_each_modality_at_its_first_sigma():
     narrow = AVLatents(init.video[..., :-1], init.audio)
     with pytest.raises(ValueError, match="same size and duration"):
         start_rows(narrow, layout, schedule, video_noise, audio_noise)
+
+
+def test_custom_ladders_reach_zero_together():
+    """One explicit ladder: the automatic other walks as many points (whatever steps says); two of different
+    lengths are refused (walked together, the longer would stop short of 0)."""
+    schedule = DualClockSchedule.build(50, video_sigmas=[1.0, 0.5, 0.0])
+    assert schedule.num_calls == 2 and schedule.audio[-1].item() == 0.0 and schedule.audio.numel() == 3
+    with pytest.raises(ValueError, match="video_sigmas has 3 points and audio_sigmas 4"):
+        DualClockSchedule.build(video_sigmas=[1.0, 0.5, 0.0], audio_sigmas=[1.0, 0.7, 0.3, 0.0])
