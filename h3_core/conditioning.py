@@ -35,6 +35,7 @@ Choices where the sources leave room (each is a named constant below):
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -155,7 +156,13 @@ def resolve_num_frames(duration: float | None = None, num_frames: int | None = N
             )
         return aligned
     seconds = DEFAULT_SECONDS if duration is None else duration
-    if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or not MIN_SECONDS <= seconds <= MAX_SECONDS:
+    if isinstance(seconds, numbers.Real) and not isinstance(seconds, bool):  # numpy's and torch's scalars too
+        seconds = float(seconds)
+    elif isinstance(seconds, torch.Tensor) and seconds.numel() == 1 and seconds.is_floating_point():
+        seconds = seconds.item()
+    else:
+        raise RequestError(f"The duration is a number of seconds, got {seconds!r}.")
+    if not math.isfinite(seconds) or not MIN_SECONDS <= seconds <= MAX_SECONDS:
         raise RequestError(
             f"The duration must be between {MIN_SECONDS:g} and {MAX_SECONDS:g} seconds, got {seconds!r}."
         )

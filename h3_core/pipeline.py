@@ -608,6 +608,8 @@ def check_settings(settings: GenerateSettings) -> int:
         if shift is not None:
             check_shift(shift, name)
     check_devices([settings.device, *settings.devices])
+    if settings.shard_weights and len(settings.devices) < 2:
+        raise ValueError("shard_weights splits the DiT's weights over several devices: give two or more devices.")
     for name, dtype in (("dtype", settings.dtype), ("vae_dtype", settings.vae_dtype)):
         if dtype is not None and dtype not in MODEL_DTYPES:
             raise ValueError(f"{name} must be one of torch.bfloat16, torch.float16, torch.float32; got {dtype!r}.")
@@ -653,6 +655,9 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
         raise ValueError(f"outputs must be at least 1, got {outputs}.")
     seed = settings.seed if job.seed is None else job.seed
     check_seeds(seed, outputs)
+    if (keep is None) != (given is None):
+        raise RequestError("keep ('video' or 'audio') and given (a clip's AVLatents) go together: which part of "
+                           "which clip to keep.")
     plan = check(request, rules)
     for path in (job.out, job.save_latents):  # its folder is made: only for a request that passed its checks
         if path is not None:

@@ -196,3 +196,21 @@ def test_the_engine_takes_paths_and_strings_alike(tmp_path):
                        save_latents=str(tmp_path / "deep" / "fox.safetensors"))
     assert [r.latents_path for r in results] == [tmp_path / "deep" / f"fox_0000{i}.safetensors" for i in (0, 1)]
     assert all(path.is_file() for path in (r.latents_path for r in results))
+
+
+def test_the_engine_refuses_what_it_would_ignore(tmp_path):
+    import numpy as np
+
+    from h3_core.conditioning import Request, RequestError, resolve_num_frames
+    from h3_core.output import AVLatents
+    from h3_core.pipeline import GenerateSettings, generate
+
+    assert resolve_num_frames(np.float32(5)) == resolve_num_frames(torch.tensor(5.0)) == 124
+    with pytest.raises(RequestError, match="The duration is a number of seconds, got '5'"):
+        resolve_num_frames("5")
+    request = Request("t2va", "a fox", duration=4)
+    with pytest.raises(ValueError, match="shard_weights splits the DiT's weights over several devices"):
+        generate(request, "tiny-random", GenerateSettings(shard_weights=True), save_latents=tmp_path / "a.safetensors")
+    clip = AVLatents(torch.zeros(1, 24, 27, 8, 14), torch.zeros(2, 32, 160))
+    with pytest.raises(RequestError, match="keep .* and given .* go together"):
+        generate(request, "tiny-random", GenerateSettings(steps=2), save_latents=tmp_path / "b.safetensors", given=clip)
