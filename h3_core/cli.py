@@ -434,8 +434,6 @@ def run_generate(args) -> int:
     jobs = _batch_jobs(args) if args.batch is not None else [_job(args)]
     return_freed_memory_to_os()
     devices = [d.strip() for d in (args.devices or "").split(",") if d.strip()]
-    if args.shard_weights and len(devices) < 2:
-        raise ValueError("--shard-weights splits weights over several devices; give them with --devices.")
     device = check_devices([devices[0] if devices else args.device])[0]  # a bad name or a missing GPU: said now
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     settings = GenerateSettings(args.seed, args.outputs, args.steps, args.video_shift, args.audio_shift,

@@ -45,7 +45,7 @@ import torch
 
 from . import geometry
 from .layout import REFERENCE_KINDS, GuideBlock, PackedLayout, ReferenceBlock, build_ref2va_layout, build_t2va_layout
-from .prompt import MAX_KEYFRAMES, reference_mix_problem
+from .prompt import MAX_KEYFRAMES, label_warnings, reference_mix_problem
 from .references import (
     RELEASE_CANVAS,
     CanvasRules,
@@ -199,6 +199,15 @@ def _named_canvas(request: Request, rules: CanvasRules) -> tuple[int, int] | Non
             f"{' / '.join(AUTO_ASPECT_RATIOS)}, or width and height."
         )
     return rules.canvas(*geometry.ASPECT_RATIOS[name])
+
+
+def prompt_label_warnings(request: Request) -> list[str]:
+    """`prompt.label_warnings` for a request: fl2va keyframes are its pictures, references what they are."""
+    if request.task == "fl2va":
+        kinds = ["image" for image in (request.first_image, request.last_image) if image is not None]
+    else:
+        kinds = [_as_reference(item, index).kind for index, item in enumerate(request.references)]
+    return label_warnings(request.prompt, kinds)
 
 
 def _as_reference(item, index: int) -> MediaReference:

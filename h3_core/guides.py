@@ -37,7 +37,7 @@ from PIL import Image
 from . import geometry, media_read
 from .conditioning import NO_VAE, TASKS, Conditioning, RequestError
 from .layout import FRAME_TIME, GuideBlock, build_ref2va_layout, build_t2va_layout, pack_audio, unpack_audio
-from .media import SAMPLE_RATE, MediaError
+from .media import SAMPLE_RATE, MediaError, naming
 from .references import (
     MediaInputError, encode_audio, encode_image, encode_video, frames_on_canvas, load_image, prepare_audio,
 )
@@ -88,8 +88,8 @@ def read_guide(guide: GuideFile, num_frames: int, clip_frames: int | None = None
             clip = media_read.read_video(guide.path, 0.0, max_frames=min(room, clip_frames or room))
             return clip.frames, clip.audio, None if clip.audio is None else SAMPLE_RATE
         return None, media_read.read_audio(guide.path, 0.0, num_frames / geometry.FPS), SAMPLE_RATE
-    except (MediaError, MediaInputError) as error:  # the readers' messages may name the guide already
-        raise RequestError(str(error) if str(error).startswith(what) else f"{what}: {error}") from None
+    except (MediaError, MediaInputError) as error:
+        raise RequestError(naming(what, error)) from None
 
 
 def clip_room(frame_index: int, num_frames: int) -> int:

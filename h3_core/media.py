@@ -39,6 +39,11 @@ class EncoderUnavailableError(MediaError):
     """This PyAV/FFmpeg build has no usable encoder for a codec the MP4 needs."""
 
 
+def naming(what, error: Exception) -> str:
+    """`error`'s message naming `what` once (the readers' own messages often name the file already)."""
+    return str(error) if str(what) in str(error) else f"{what}: {error}"
+
+
 def audio_samples_for_frames(num_frames: int) -> int:
     """Samples per channel at 32 kHz that last as long as `num_frames` video frames at 24 fps."""
     return round(num_frames * SAMPLE_RATE / FPS)

@@ -225,6 +225,11 @@ def free_bytes(device) -> int:
     return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
+def check_budget(budget_gib: float | None) -> None:
+    if budget_gib is not None and not (math.isfinite(budget_gib) and budget_gib > 0):
+        raise ValueError(f"The GPU memory budget must be a positive number of GiB, got {budget_gib}.")
+
+
 def plan_for(config: DiTConfig, layout, steps: int, device, budget_gib: float | None = None,
              dtype_bytes: int = 2, held: str = "dense") -> MemoryPlan:
     """The plan for sampling `layout` (a PackedLayout; for a long video its largest window's) with a
@@ -234,8 +239,7 @@ def plan_for(config: DiTConfig, layout, steps: int, device, budget_gib: float | 
     import torch
 
     device = torch.device(device)
-    if budget_gib is not None and not budget_gib > 0:
-        raise ValueError(f"The GPU memory budget must be a positive number of GiB, got {budget_gib}.")
+    check_budget(budget_gib)
     if budget_gib is not None:
         budget = int(budget_gib * GIB)
     else:

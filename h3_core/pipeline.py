@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import re
 import tempfile
 import time
@@ -26,10 +25,10 @@ from . import geometry, media_read
 from .attention import resolve_backend
 from .checkpoint import DiTReader, held_linears, load_dit, locate_dit, vsa_student, with_config  # noqa: F401 (load_dit: engine API, above)
 from .config import TINY_DIT
-from .memory_plan import GIB, MemoryPlan, free_bytes, plan_for, usable_bytes
+from .memory_plan import GIB, MemoryPlan, check_budget, free_bytes, plan_for, usable_bytes
 from .offload import load_device, place
 from .placement import check_devices
-from .conditioning import Request, RequestError, encode_request, validate
+from .conditioning import Request, RequestError, encode_request, prompt_label_warnings, validate
 from .clip_latents import MAX_CLIP_FRAMES, encode_clip_frames, expected_clip_frames, file_soundtrack, stream_clip
 from .layout import pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
@@ -37,9 +36,8 @@ from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
 from .guides import GuideMedia, add_guide, check_guide, read_guide
 from .lora import VSA_STUDENT_CONTRACT, apply_loras, load_lora, run_mode, sampler_settings
 from .noise import check_seeds, condition_rows, request_generator, target_noise
-from .media import SAMPLE_RATE, MediaError
+from .media import SAMPLE_RATE, MediaError, naming
 from .output import AVLatents, write_mp4
-from .prompt import label_warnings
 from .references import RELEASE_CANVAS, CanvasRules, DecodedAudio
 from .runtime import empty_caches, fixed_allocator_segments, host_memory_warning
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback, check_shift, check_steps
@@ -436,7 +434,7 @@ def generate_batch(
             raise
     _check_batch(prepared, names)
     for item, name in zip(prepared, names):
-        for warning in label_warnings(*_prompt_and_kinds(item.request)):
+        for warning in prompt_label_warnings(getattr(item.request, "request", item.request)):  # a long video's
             notes(f"warning: {name + ': ' if len(prepared) > 1 else ''}{warning}")
     partition = prepared[0].partition
     source = resolve_model_source(model, partition, files)
@@ -609,12 +607,12 @@ def check_settings(settings: GenerateSettings) -> int:
             check_shift(shift, name)
     check_devices([settings.device, *settings.devices])
     if settings.shard_weights and len(settings.devices) < 2:
-        raise ValueError("shard_weights splits the DiT's weights over several devices: give two or more devices.")
+        raise ValueError("shard_weights splits the DiT's weights over several devices; give them with --devices "
+                         "(GenerateSettings.devices), two or more.")
     for name, dtype in (("dtype", settings.dtype), ("vae_dtype", settings.vae_dtype)):
         if dtype is not None and dtype not in MODEL_DTYPES:
             raise ValueError(f"{name} must be one of torch.bfloat16, torch.float16, torch.float32; got {dtype!r}.")
-    if settings.gpu_memory is not None and not (math.isfinite(settings.gpu_memory) and settings.gpu_memory > 0):
-        raise ValueError(f"The GPU memory budget must be a positive number of GiB, got {settings.gpu_memory}.")
+    check_budget(settings.gpu_memory)
     return window
 
 
@@ -688,14 +686,6 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
 
 def _as_path(path: str | Path | None) -> Path | None:
     return None if path is None else Path(path)
-
-
-def _prompt_and_kinds(request) -> tuple[str, list[str]]:
-    """A request's prompt and the kinds of what the model labels: fl2va keyframes are pictures."""
-    request = getattr(request, "request", request)  # a long video's first window's request
-    if request.task == "fl2va":
-        return request.prompt, ["image" for image in (request.first_image, request.last_image) if image is not None]
-    return request.prompt, [getattr(item, "kind", None) or item[0] for item in request.references]
 
 
 def _check_batch(prepared: list[_Prepared], names: list[str]) -> None:
@@ -789,7 +779,7 @@ def encode_clip_file(video: str | Path, model: str | None, out: str | Path, *, a
         sound = file_soundtrack(video) if audio is None else \
             DecodedAudio(media_read.read_audio(audio, 0.0, MAX_CLIP_FRAMES / geometry.FPS), SAMPLE_RATE)
     except MediaError as error:
-        raise RequestError(_about(video if audio is None else audio, error)) from None
+        raise RequestError(naming(video if audio is None else audio, error)) from None
     if not source.tiny:  # both found and recognized before either loads
         locate_video_vae(source.video_vae)
         locate_audio_vae(source.audio_vae)
@@ -801,14 +791,9 @@ def encode_clip_file(video: str | Path, model: str | None, out: str | Path, *, a
     try:  # the rest of the frames are decoded as the video VAE takes them, 17 at a time
         latents = encode_clip_frames(video_vae, audio_vae, frames, sound, on_clip)
     except MediaError as error:
-        raise RequestError(_about(video, error)) from None
+        raise RequestError(naming(video, error)) from None
     latents.save(out, {"source": str(video), "model": source.name, "width": str(width), "height": str(height)})
     return latents
-
-
-def _about(path, error: Exception) -> str:
-    """An error's message that names `path` (once)."""
-    return str(error) if str(path) in str(error) else f"{path}: {error}"
 
 
 def model_dtype(source, settings: GenerateSettings) -> torch.dtype:

@@ -37,6 +37,7 @@ same patch order (bit-identical to transformers + torchvision 0.29, tested where
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import re
@@ -601,8 +602,8 @@ def label_warnings(prompt: str, kinds: Sequence[str]) -> list[str]:
     plain words), and `<Image N>`, which the model never sees (its pictures are `<Picture N>`). `kinds`: the
     references' kinds in order, or "image" for each fl2va keyframe. A video may carry an `<Audio j>` too (when
     it has sound), so audio labels up to the audio and video references' count pass."""
-    have = {"Picture": list(kinds).count("image"), "Video": list(kinds).count("video"),
-            "Audio": list(kinds).count("audio") + list(kinds).count("video")}
+    count = collections.Counter(kinds)
+    have = {"Picture": count["image"], "Video": count["video"], "Audio": count["audio"] + count["video"]}
     warnings = []
     for kind, number in sorted({(kind, int(number)) for kind, number in PROMPT_LABEL.findall(prompt)}):
         if kind == "Image":
