@@ -12,10 +12,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_comfy  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import node_interface  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 API = sorted((ROOT / "workflows" / "api").glob("*.json")) + sorted((ROOT / "workflows" / "templates").glob("*.json"))
 CANVAS = sorted((ROOT / "example_workflows").glob("*.json"))
-WIDGETS = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 # The core nodes our graphs use (ComfyUI 0.33): input names and output types. The real-server test
 # checks them against a live /object_info.
 CORE = {
@@ -116,16 +118,7 @@ def test_api_prompt_matches_the_schemas(schemas, path):
 
 
 def _widget_names(schema: dict) -> list[str]:
-    """Widgets in the frontend's order (required, then optional, each in schema order), with the extra
-    control value after a seed."""
-    ports = [schema["inputs"][n] for n in schema["order"]]
-    names = []
-    for port in [p for p in ports if not p.optional] + [p for p in ports if p.optional]:
-        if port.type in WIDGETS and not port.options.get("force_input"):
-            names.append(port.id)
-            if port.options.get("control_after_generate"):
-                names.append(f"{port.id}:control")
-    return names
+    return node_interface.widget_order([schema["inputs"][n] for n in schema["order"]])
 
 
 @pytest.mark.parametrize("path", CANVAS, ids=[p.stem for p in CANVAS])
