@@ -305,11 +305,6 @@ def native_name(key: str) -> str:
     return CURVE_FORM_TABLE if name == CURVE_TABLE else name
 
 
-def iter_native_tensors(source: DiTSource, head_dim: int):
-    """Yield (our name, tensor, file) one tensor at a time, read shard by shard."""
-    return to_native(read_tensors(source.files), source.naming, source.qkv_layout, head_dim)
-
-
 SPARSE_ATTENTION_GATE = ".to_gate_compress.weight"  # FastVideo's VSA gate, one per block's attention (h3-model.md H)
 CURVE_TABLE = "adaln_t_table"  # a curve-form ("pruned") file's sampled AdaLN input: our time_embedder.table
 CURVE_FORM_TABLE = "time_embedder.table"

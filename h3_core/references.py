@@ -60,7 +60,6 @@ REFERENCE_IMAGE_SHORT_EDGE = 2048
 # How image references are sized: the release's 2048 short edge (up or down), or scaled down (never up) to
 # the output's pixel area as ComfyUI's native nodes do by default ("match"): fewer DiT rows, less detail.
 REFERENCE_IMAGE_MODES = ("release", "canvas-lossy")
-MIN_VIDEO_REFERENCE_FRAMES = 22  # one 17-frame chunk plus the VAE's leading 5: the smallest 17n+5 it encodes
 # Published file limits (h3-model.md F): images JPG/PNG/WEBP/HEIC/HEIF up to 30 MiB, audio WAV/MP3 up
 # to 15 MiB. Videos have no published file limit; any container PyAV decodes is taken.
 IMAGE_FILE_FORMATS = ("JPEG", "PNG", "WEBP", "HEIF")  # Pillow's names; HEIC files report HEIF

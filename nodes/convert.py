@@ -414,7 +414,3 @@ def from_core_av(video, audio) -> list[dict]:
         empty = not (latents.video.any() or latents.audio.any())
         items.append(pack_latents(latents, width=width, height=height, empty=empty))
     return items
-
-
-def seconds_of(num_frames: int) -> float:
-    return num_frames / geometry.FPS
