@@ -146,7 +146,7 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
                      help="repeatable: an image, video (clip of 17n+5 frames, with its sound) or "
                           "audio file anchored at video frame FRAME (negative: from the end, written --guide=-1:image=b.png), "
                           "e.g. 60:image=a.png; with --long-video FRAME counts frames of the whole clip")
-    gen.add_argument("--aspect-ratio", help=f"one of {', '.join(geometry.ASPECT_RATIOS)} (default 16:9; fl2va: the first image's)")
+    gen.add_argument("--aspect-ratio", help=f"one of {', '.join(geometry.ASPECT_RATIOS)} (default 16:9; fl2va: the keyframe's)")
     gen.add_argument("--width", type=int, help="explicit width (multiple of 32; with --height)")
     gen.add_argument("--height", type=int, help="explicit height (multiple of 32; with --width)")
     gen.add_argument("--duration", type=float,
@@ -179,7 +179,7 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--video-shift", type=float, help=f"default {VIDEO_SHIFT:g} (or the Turbo adapter's)")
     gen.add_argument("--audio-shift", type=float, help=f"default {AUDIO_SHIFT:g} (or the Turbo adapter's)")
     gen.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
-                     help="LoRA / Turbo adapter (any published layout), repeatable; merged in order; strength default 1")
+                     help="LoRA / Turbo adapter (any published layout), repeatable; applied in order (merged; hooked on a quantized checkpoint); strength default 1")
     gen.add_argument("--lora-unknown-keys", choices=["error", "warn"], default="error",
                      help="a LoRA holding keys that name no H3 module: refused (error, default) or loaded without "
                           "them, each said (warn)")
@@ -202,7 +202,7 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
                           "parallel; 2, 4, 7 or 8 of them); the text encoder and VAEs run on the first (replaces --device)")
     gen.add_argument("--batch", type=Path, metavar="FILE",
                      help="many requests with each model loaded once: a job a line, written as this command's request "
-                          "options (--prompt, --task, --ref, --duration, --seed, --out, ...; # comments); a line's "
+                          "options (--prompt, --task, --ref, --duration, --seed, --out, ...; # starts a comment); a line's "
                           "options override the command line's; the models, --steps and how the DiT runs are the "
                           "command line's, one DiT partition a batch; a job that fails while the batch runs is "
                           "skipped (the others still run; the command then exits 1)")
@@ -227,12 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument("--model", help=f"where the VAEs are: as generate's --model (default {TINY_RANDOM}, or none "
                                       "with --video-vae and --audio-vae)")
     add_model_file_options(enc, text_encoder=False)
-    enc.add_argument("--audio", type=Path, help="a sound to use instead of the video's soundtrack (none: silence)")
+    enc.add_argument("--audio", type=Path, help="a sound to use instead of the video's soundtrack (default: the video's own; silence if it has none)")
     enc.add_argument("--width", type=int, help="canvas width (multiple of 32; with --height; default: the video's "
                                                 "aspect ratio on the model's canvas)")
     enc.add_argument("--height", type=int, help="canvas height (multiple of 32; with --width)")
     enc.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
-    enc.add_argument("--vae-dtype", default=None, choices=list(DTYPES), help="video VAE linears (default bf16 on GPU)")
+    enc.add_argument("--vae-dtype", default=None, choices=list(DTYPES), help="video VAE linears (default bf16; tiny-random on the CPU: fp32)")
     enc.set_defaults(run=run_encode)
 
     info = sub.add_parser("info", help="what H3 models a path holds (DiT, text encoder, VAEs), without loading them")
@@ -526,9 +526,29 @@ class _QuietParser(argparse.ArgumentParser):
         raise ValueError(message)
 
 
+def _without_comment(line: str) -> str:
+    """A batch line without its comment: from a '#' that starts a word outside quotes, as in a shell
+    (`--out take#2.mp4` and `--prompt "shot #2"` keep theirs)."""
+    quote, escaped, word_start = None, False, True
+    for index, char in enumerate(line):
+        literal = escaped
+        if escaped:
+            escaped = False
+        elif char == "\\" and quote != "'":
+            escaped = True
+        elif quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and word_start:
+            return line[:index]
+        word_start = char.isspace() and not (quote or literal)
+    return line
+
+
 def _batch_jobs(args) -> list[Job]:
     """--batch FILE: a job a line, written as the request options of an h3 generate command (blank lines and
-    lines starting with # skipped). A line's options override the command line's for that job."""
+    comments from #, as in a shell, skipped). A line's options override the command line's for that job."""
     path = args.batch
     if not path.is_file():
         raise ValueError(f"--batch {path}: no such file.")
@@ -536,7 +556,8 @@ def _batch_jobs(args) -> list[Job]:
     add_generate_options(parser)
     jobs = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip() or line.lstrip().startswith("#"):
+        line = _without_comment(line)
+        if not line.strip():
             continue
         where = f"--batch {path}, line {number}"
         try:

@@ -1,4 +1,4 @@
-"""Streaming DiT blocks from CPU memory so the 62 GB model runs on a small GPU.
+"""Streaming DiT blocks from CPU memory so the 66 GB (62 GiB) model runs on a small GPU.
 
 The first `resident` blocks live on the GPU; every other block lives in (pinned) CPU memory and is
 copied, ahead of use and on a side stream, into one of `prefetch + 2` fixed GPU slots. A slot is

@@ -165,7 +165,7 @@ def release_tokenizer(repo: str = RELEASE_REPO) -> Path:
         raise CheckpointError(
             f"A single text-encoder file carries no tokenizer, and fetching the release's from {repo} failed "
             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). Download them with "
-            f"`huggingface-cli download {repo} --include {' '.join(repr(f) for f in RELEASE_TOKENIZER_FILES)} "
+            f"`hf download {repo} {' '.join('--include ' + repr(f) for f in RELEASE_TOKENIZER_FILES)} "
             "--local-dir DIR` and give DIR/FL2VA as the tokenizer (the H3 Text Encoder Loader's tokenizer_folder, "
             "`--tokenizer` for h3 generate, `tokenizer=` in Python).") from None
     return Path(root) / "FL2VA"

@@ -34,9 +34,9 @@ from .memory import place, place_for_encoding
 
 REFERENCE_TOOLTIP = (f"ref2va references, read in slot order (images, videos and audio in any order the prompt "
                      f"refers to them): up to {MAX_IMAGE_REFERENCES} images, {MAX_VIDEO_REFERENCES} videos "
-                     f"(2-15 s each; their soundtracks count as video) and {MAX_AUDIO_REFERENCES} audio clips "
-                     f"(2-15 s; only beside an image or video), {MAX_REFERENCES} in all. A new slot appears when "
-                     "the last one is connected.")
+                     f"(2-15 s each, at most 15 s together; their soundtracks count as video) and "
+                     f"{MAX_AUDIO_REFERENCES} audio clips (2-15 s each, at most 15 s together; only beside an image "
+                     f"or video), {MAX_REFERENCES} in all. A new slot appears when the last one is connected.")
 
 
 # What each input takes when it is linked: validate_inputs asks for input_types, which turns ComfyUI's own

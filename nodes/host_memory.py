@@ -1,6 +1,6 @@
 """CPU memory shared by our large models inside ComfyUI.
 
-The bf16 DiT (~62 GB) and the text encoder (~51 GB) cannot both wait in the CPU memory of a typical
+The bf16 DiT (~66 GB) and the text encoder (~51 GB) cannot both wait in the CPU memory of a typical
 machine with a 24 GB card, and ComfyUI keeps every loader's output between runs. So before one of our
 models reads weights into CPU memory, room is made: first ComfyUI is asked to drop cached outputs of
 earlier workflows (its RAM-pressure cache, where it has one), then our other models that can be read

@@ -85,7 +85,7 @@ class H3ModelLoader(io.ComfyNode):
                                        "accuracy for speed and are only used when picked."),
                 io.Float.Input("gpu_memory_gb", default=0.0, min=0.0, max=4096.0, step=0.5, optional=True,
                                tooltip="GPU memory the DiT may use, in GiB; 0 = automatic: what ComfyUI has free once "
-                                       "other models have left. What does not fit (the bf16 DiT is 62 GB) streams "
+                                       "other models have left. What does not fit (the bf16 DiT is 62 GiB) streams "
                                        "from pinned CPU memory block by block each step: slower, same result. Set "
                                        "it to leave room for other work or to force streaming."),
                 io.String.Input("devices", default="", optional=True,

@@ -127,7 +127,7 @@ def place(patchers, working_bytes: int = 0) -> None:
 
 def read_bar():
     """An `on_tensor(done, total)` for reading weights from files inside a node: a progress bar over the
-    tensors, and the node's cancel checked after each (the 62 GB DiT takes from seconds to a minute)."""
+    tensors, and the node's cancel checked after each (the 66 GB DiT takes from seconds to a minute)."""
     from .common import check_interrupt, progress_bar
 
     bar = None

@@ -111,3 +111,16 @@ def test_a_long_video_and_a_guided_job_in_one_batch_equal_their_own_runs(tmp_pat
         ours, theirs = load_file(str(tmp_path / f"{name}.safetensors")), load_file(str(alone))
         assert torch.equal(ours["video"], theirs["video"]) and torch.equal(ours["audio"], theirs["audio"]), name
     assert load_file(str(tmp_path / "long.safetensors"))["video"].shape[2] > 30  # 9 s: more than one window's
+
+
+def test_a_batch_comment_runs_from_a_hash_that_starts_a_word_as_in_a_shell(tmp_path):
+    from h3_core.cli import _batch_jobs, build_parser
+
+    jobs_file = tmp_path / "jobs.txt"
+    jobs_file.write_text('--prompt "shot #2" --out take#2.mp4 --seed 4  # the second take\n'
+                         "  # only a comment\n"
+                         r"--prompt a\ #b --out b.mp4 --seed 5 #--seed 6" "\n")
+    args = build_parser().parse_args(["generate", "--batch", str(jobs_file)])
+    shot, escaped = _batch_jobs(args)
+    assert (shot.request.prompt, str(shot.out), shot.seed) == ("shot #2", "take#2.mp4", 4)
+    assert (escaped.request.prompt, escaped.seed) == ("a #b", 5)

@@ -981,8 +981,8 @@ def test_a_single_file_without_a_tokenizer_gets_the_releases_from_the_hub(tiny, 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(CheckpointError, match=r"fetching the release's from MiniMaxAI/MiniMax-H3 failed "
                                               r"\(LocalEntryNotFoundError: Got: ConnectError.*\)\. Download them "
-                                              r"with `huggingface-cli download MiniMaxAI/MiniMax-H3 --include "
-                                              r"'FL2VA/tokenizer/\*' 'FL2VA/processor/\*'"):
+                                              r"with `hf download MiniMaxAI/MiniMax-H3 --include 'FL2VA/tokenizer/\*' "
+                                              r"--include 'FL2VA/processor/\*' --local-dir DIR`"):
         load_text_encoder(tiny["single"], config=tiny["config"])
     assert calls == [("MiniMaxAI/MiniMax-H3", {"allow_patterns": ["FL2VA/tokenizer/*", "FL2VA/processor/*"]})]
 
