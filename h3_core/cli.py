@@ -44,11 +44,11 @@ from .pipeline import TINY_CANVAS, GenerateSettings, Job, ModelFiles, encode_cli
 from .references import REFERENCE_IMAGE_MODES, MediaReference
 from .runtime import return_freed_memory_to_os, use_expandable_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule
-from .text_checkpoint import checkpoint_layers, locate_text_encoder
+from .text_checkpoint import checkpoint_layers, locate_text_encoder, model_name, source_tensor_names
 from .tiny import TINY_RANDOM, tiny_random_dit
 from .vae_audio_checkpoint import locate_audio_vae
 from .vae_video_checkpoint import locate_video_vae
-from .weights import HEADER_DTYPES, read_headers, tensor_names
+from .weights import HEADER_DTYPES, read_headers
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LINEARS_HELP = "; ".join(f"{name}: {what}" for name, what in LINEAR_MODES.items())
@@ -106,7 +106,8 @@ def add_model_file_options(parser: argparse.ArgumentParser, text_encoder: bool =
     if text_encoder:
         parser.add_argument("--text-encoder", type=Path, metavar="PATH",
                             help="the text encoder, when not under --model: e.g. ComfyUI's "
-                                 "models/text_encoders/qwen3vl_32b_minimax_h3_bf16.safetensors (or its int8 or nvfp4 file)")
+                                 "models/text_encoders/qwen3vl_32b_minimax_h3_bf16.safetensors (or its int8 or nvfp4 file, or a "
+                                 "llama.cpp GGUF of its language model: prompts only, no keyframes or references)")
         parser.add_argument("--tokenizer", type=Path, metavar="DIR",
                             help="with a single --text-encoder file, which carries none: the release's FL2VA/tokenizer "
                                  "folder or FL2VA/ (default: --model's folder when it is one, else the release's tokenizer "
@@ -628,10 +629,12 @@ def _gguf_sizes(entries: dict) -> dict:
 
 def _text_encoder_info(path: str) -> dict:
     source = locate_text_encoder(path)
-    names = tensor_names(source.files)
-    if not any(name.endswith("embed_tokens.weight") for name in names):
+    names = [name for name in map(model_name, source_tensor_names(source)) if name is not None]
+    if "language_model.embed_tokens.weight" not in names:
         raise CheckpointError(f"{path} holds no Qwen3-VL text encoder (no embed_tokens).")
-    return {"origin": source.origin, "decoder_layers": checkpoint_layers(names), **_sizes(source.files),
+    sizes = _gguf_sizes(source.gguf_tensors) if source.gguf_tensors else _sizes(source.files)
+    return {"origin": source.origin, "decoder_layers": checkpoint_layers(names), **sizes,
+            "vision_tower": source.vision_tower,
             "tokenizer": None if source.tokenizer_folder is None else str(source.tokenizer_folder)}
 
 

@@ -210,6 +210,14 @@ def prompt_label_warnings(request: Request) -> list[str]:
     return label_warnings(request.prompt, kinds)
 
 
+def shows_pictures(request: Request) -> bool:
+    """Whether the text encoder's vision tower reads part of the request: fl2va keyframes, image or video
+    references."""
+    if request.task == "fl2va":
+        return request.first_image is not None or request.last_image is not None
+    return any(_as_reference(item, index).kind != "audio" for index, item in enumerate(request.references))
+
+
 def _as_reference(item, index: int) -> MediaReference:
     if isinstance(item, MediaReference):
         reference = item

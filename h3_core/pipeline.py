@@ -28,7 +28,7 @@ from .config import TINY_DIT
 from .memory_plan import GIB, MemoryPlan, check_budget, free_bytes, plan_for, usable_bytes
 from .offload import load_device, place
 from .placement import check_devices
-from .conditioning import Request, RequestError, encode_request, prompt_label_warnings, validate
+from .conditioning import Request, RequestError, encode_request, prompt_label_warnings, shows_pictures, validate
 from .clip_latents import MAX_CLIP_FRAMES, encode_clip_frames, expected_clip_frames, file_soundtrack, stream_clip
 from .layout import pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
@@ -44,7 +44,7 @@ from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback, 
 from .sampler import denoise as denoise_loop
 from .sparse_attention import STUDENT_SPARSITY
 from .text import load_text_encoder, locate_text_encoder_files, spread_counts, text_encoder_sizes
-from .text_checkpoint import TEXT_ENCODER_LAYER
+from .text_checkpoint import GGUF_NO_VISION, TEXT_ENCODER_LAYER
 from .tiny import TINY_RANDOM, tiny_model_dtype, tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
 from .tiny_text import tiny_random_text_encoder
 from .vae_audio_checkpoint import load_audio_vae, locate_audio_vae
@@ -461,7 +461,14 @@ def generate_batch(
     if not source.tiny:  # every checkpoint found and recognized before the first one loads
         with _part_of(source, "text_encoder"):
             text_files = locate_text_encoder_files(source.text_encoder, source.tokenizer)
-        if source.tokenizer is None and text_files.origin == "single file":  # the release's, from the Hub
+        if not text_files.vision_tower:
+            showing = [name for item, name in zip(prepared, names) if shows_pictures(getattr(item.request, "request",
+                                                                                              item.request))]
+            if showing:
+                which = "This request shows" if len(prepared) == 1 else f"{', '.join(showing)} show"
+                raise CheckpointError(f"{which} the text encoder pictures (keyframes or image / video references), "
+                                      f"but {text_files.files[0].name} {GGUF_NO_VISION}.")
+        if source.tokenizer is None and text_files.one_file:  # the release's, from the Hub
             source = dataclasses.replace(source, files=dataclasses.replace(
                 source.files, tokenizer=text_files.tokenizer_folder))
             notes(f"tokenizer: the release's, from the Hugging Face cache ({text_files.tokenizer_folder})")

@@ -40,8 +40,10 @@ from .prompt import (
 )
 from .runtime import empty_caches
 from .text_checkpoint import (
+    GGUF_NO_VISION,
     TEXT_ENCODER_LAYER,
     CheckpointError,
+    MissingVisionTower,
     load_qwen3vl,
     locate_text_encoder,
     planned_model,
@@ -113,6 +115,9 @@ class TextEncoder:
                 f"{presentation.image_token_id}/{presentation.video_token_id}, the encoder's "
                 f"{config.image_token_id}/{config.video_token_id}); build it with this encoder's presenter."
             )
+        if presentation.vision_inputs and isinstance(model.visual, MissingVisionTower):
+            raise CheckpointError(f"This request shows the text encoder pictures, but {model.visual.file_name} "
+                                  f"{GGUF_NO_VISION}.")
         vocab = model.language_model.embed_tokens.num_embeddings
         if presentation.num_tokens == 0 or int(presentation.input_ids.max()) >= vocab:
             raise ValueError(
@@ -299,7 +304,7 @@ def locate_text_encoder_files(path: str | Path, tokenizer: str | Path | None = N
     it makes room on the GPU or reads any weight. A single file given no tokenizer gets the release's
     (`release_tokenizer`: from the Hugging Face cache, or fetched)."""
     source = locate_text_encoder(path, tokenizer, processor, layer)
-    if source.tokenizer_folder is None and source.origin == "single file" and tokenizer is None:
+    if source.tokenizer_folder is None and source.one_file and tokenizer is None:
         source = locate_text_encoder(path, release_tokenizer(), processor, layer)
     if source.tokenizer_folder is None:
         raise CheckpointError(f"No tokenizer found for {path}.")

@@ -14,7 +14,12 @@ Layouts (h3-model.md I):
   no LM head, keys optionally prefixed `text_encoders.qwen3vl_32b.transformer.`). It carries neither
   config nor tokenizer: the tokenizer/processor folders are given separately (or, when none is given,
   the release's are fetched from the Hub: about 7 MiB) and the config is the built-in Qwen3-VL-32B one
-  (or one given).
+  (or one given);
+- a GGUF file of Qwen3-VL-32B's language model, as llama.cpp's converter writes it (architecture `qwen3vl`,
+  names `token_embd.*`, `blk.N.attn_q.*`, ...; no weight is permuted for Qwen models): its quantized block
+  linears stay in their GGML blocks (`gguf_file.GGUFLinear`), the embedding is dequantized at load. llama.cpp
+  keeps the vision tower in a separate mmproj file, which is not read: a GGUF text encoder encodes prompts
+  only, not keyframes or image / video references.
 Tensor names may be spelled `model.language_model.*` / `model.visual.*` (transformers >= 4.57) or
 `model.*` / `visual.*` (older Qwen-VL naming, the single file). Only safetensors are read.
 """
@@ -24,12 +29,12 @@ from __future__ import annotations
 import copy
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from . import fp8, nvfp4
+from . import fp8, gguf_file, nvfp4
 from .weights import (
     PICKLE_SUFFIXES,
     CheckpointError,
@@ -51,6 +56,19 @@ INDEX_NAME = "model.safetensors.index.json"
 KEY_PREFIXES = ("text_encoders.qwen3vl_32b.transformer.", "qwen3vl_32b.transformer.")
 TOKENIZER_MARKERS = ("tokenizer.json", "vocab.json")
 PROCESSOR_MARKERS = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+GGUF_ARCHITECTURE = "qwen3vl"  # llama.cpp's name for Qwen3-VL's language model
+# llama.cpp's tensor names (gguf-py's TensorNameMap for qwen3vl) -> the older Qwen-VL names model_name reads
+GGUF_LAYER_PARTS = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+GGUF_NO_VISION = ("holds no vision tower (llama.cpp keeps it in a separate mmproj file, which H3 does not read), so "
+                  "it encodes prompts only; keyframes and image or video references need the safetensors text "
+                  "encoder (bf16, int8_convrot or nvfp4)")
 
 # Qwen3-VL-32B (the config the release's text_encoder/config.json carries), for the single file.
 QWEN3VL_32B_CONFIG = {
@@ -104,7 +122,18 @@ class TextEncoderSource:
     config: dict | None
     tokenizer_folder: Path | None
     processor_folder: Path | None
-    origin: str  # "original partition", "HF-layout folder" or "single file", for messages
+    origin: str  # "original partition", "HF-layout folder", "single file" or "GGUF file", for messages
+    gguf_tensors: dict = field(default_factory=dict, compare=False)  # file key -> gguf_file.GGUFEntry (GGUF files)
+
+    @property
+    def one_file(self) -> bool:
+        """A single file (safetensors or GGUF): it carries no config, tokenizer or processor."""
+        return self.origin in ("single file", "GGUF file")
+
+    @property
+    def vision_tower(self) -> bool:
+        """Whether the files hold the vision tower that reads keyframes and image / video references."""
+        return not self.gguf_tensors
 
 
 def locate_text_encoder(
@@ -116,15 +145,19 @@ def locate_text_encoder(
     """Resolve a user path to the text encoder's weights, config, tokenizer and processor folders.
 
     `path`: a release root, a partition folder (`FL2VA/`), a `text_encoder/` folder, an HF-layout
-    model folder, or a single .safetensors file. `tokenizer` / `processor`: folders overriding the
+    model folder, a single .safetensors file, or a GGUF file of the language model. `tokenizer` / `processor`: folders overriding the
     ones found beside the weights; each may also be a folder holding `tokenizer/` and `processor/`
     (a partition folder or the release root), which is how a single file is paired with them.
     `layers`: how many decoder layers will be loaded (decides which shards are needed)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(f"{path} does not exist.")
-    if path.is_file():
-        check_safetensors_file(path, "Text encoder single")
+    gguf_tensors = {}
+    if path.is_file() and gguf_file.is_gguf(path):
+        gguf_tensors = _gguf_text_encoder(path)
+        files, config, roots, origin = (path,), None, [], "GGUF file"
+    elif path.is_file():
+        check_safetensors_file(path, "Text encoder single", " (or GGUF, .gguf)")
         files, config, roots, origin = (path,), None, [], "single file"
     else:
         folder = _weights_folder(path)
@@ -149,7 +182,18 @@ def locate_text_encoder(
             f"{processor} holds no Qwen3-VL processor config (expected one of {', '.join(PROCESSOR_MARKERS)} in it "
             "or in a processor/ folder inside it)."
         )
-    return TextEncoderSource(tuple(files), config, tokenizer_folder, processor_folder, origin)
+    return TextEncoderSource(tuple(files), config, tokenizer_folder, processor_folder, origin, gguf_tensors)
+
+
+def _gguf_text_encoder(path: Path) -> dict:
+    """A GGUF file's tensor entries, refused unless it is a Qwen3-VL language model (headers only)."""
+    entries, arch = gguf_file.gguf_entries(path)
+    if arch != GGUF_ARCHITECTURE:
+        what = ("a vision projector (mmproj) file" if arch == "clip" else
+                f"a GGUF file of the '{arch}' architecture" if arch else "a GGUF file naming no architecture")
+        raise CheckpointError(f"{path.name} is {what}; a GGUF text encoder for H3 is Qwen3-VL-32B's language model "
+                              f"(architecture '{GGUF_ARCHITECTURE}', e.g. Qwen3-VL-32B-Instruct-Q8_0.gguf).")
+    return entries
 
 
 def release_tokenizer(repo: str = RELEASE_REPO) -> Path:
@@ -225,6 +269,9 @@ def model_name(key: str, layers: int = TEXT_ENCODER_LAYER) -> str | None:
     """A checkpoint key -> the `Qwen3VLModel` parameter it fills, or None when H3 does not use it
     (the LM head, the final norm, decoder layers >= `layers`). Unknown keys are returned as they
     are, so the strict loader names them."""
+    key = _from_gguf_name(key)
+    if key is None:
+        return None
     for prefix in KEY_PREFIXES:
         if key.startswith(prefix):
             key = key[len(prefix) :]
@@ -247,6 +294,24 @@ def model_name(key: str, layers: int = TEXT_ENCODER_LAYER) -> str | None:
     if match and int(match.group(1)) >= layers:
         return None
     return name
+
+
+def _from_gguf_name(key: str) -> str | None:
+    """A llama.cpp tensor name as the older Qwen-VL name (None: rope_freqs, which transformers computes); any
+    other key as it is."""
+    if key in GGUF_NAMES:
+        return GGUF_NAMES[key]
+    if key.startswith("rope_freqs."):
+        return None
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", key)
+    if match and match.group(2) in GGUF_LAYER_PARTS:
+        return f"model.layers.{match.group(1)}.{GGUF_LAYER_PARTS[match.group(2)]}.{match.group(3)}"
+    return key
+
+
+def source_tensor_names(source: TextEncoderSource) -> list[str]:
+    """Every tensor key of the source's files (headers only)."""
+    return list(source.gguf_tensors) if source.gguf_tensors else tensor_names(source.files)
 
 
 def checkpoint_layers(keys: list[str]) -> int:
@@ -301,8 +366,8 @@ def load_qwen3vl(
     `last_hidden_state` is the un-normalized residual stream after that layer, i.e. the full
     model's `hidden_states[layers]`. `config` (anything `qwen3vl_config` takes) overrides the
     folder's config.json; a single file without one is read as Qwen3-VL-32B. Linears a file holds in int8,
-    FP8 or NVFP4 stay so (`planned_model`)."""
-    names = tensor_names(source.files)
+    FP8 or NVFP4 stay so, and so do a GGUF file's quantized decoder-layer linears (`planned_model`)."""
+    names = source_tensor_names(source)
     _check_is_text_encoder(names, source)
     qwen_config = qwen3vl_config(config if config is not None else source.config, layers)
     deepstack = len(qwen_config.vision_config.deepstack_visual_indexes)
@@ -319,7 +384,7 @@ def load_qwen3vl(
         )
 
     plan = planned_model(source, qwen_config, layers, dtype)
-    assign_strictly(plan.model, plan.tensors(_used_tensors(source.files, layers), device), _origin(source),
+    assign_strictly(plan.model, plan.tensors(_used_tensors(source, layers), device), _origin(source),
                     plan.dtype_for, device, on_tensor)
     _rebuild_rotary_buffers(plan.model, device)
     return plan.model.eval().requires_grad_(False)
@@ -328,29 +393,35 @@ def load_qwen3vl(
 @dataclass
 class TextEncoderPlan:
     """The meta-built model `load_qwen3vl` fills, and how it holds the linears its files quantize: int8 and e4m3
-    ones as FP8Linear (`fp8`), NVFP4 ones as NVFP4Linear (`nvfp4`), each rebuilt in `dtype` as it is used."""
+    ones as FP8Linear (`fp8`), NVFP4 ones as NVFP4Linear (`nvfp4`), GGUF blocks as GGUFLinear (`gguf`), each
+    rebuilt in `dtype` as it is used."""
 
     model: torch.nn.Module
     dtype: torch.dtype | None
     fp8: fp8.FP8Load
     nvfp4: nvfp4.NVFP4Load
+    gguf: gguf_file.GGUFLoad
 
     def dtype_for(self, name: str) -> torch.dtype | None:
         """The dtype a tensor is placed in: None (as the file stores it) for quantized weights and their block
         scales, fp32 for NVFP4 tensor scales, else `dtype`."""
-        return self.nvfp4.dtype_for(name, None if name in self.fp8.fp8_parameters else self.dtype)
+        dtype = None if name in self.fp8.fp8_parameters else self.dtype
+        return self.gguf.dtype_for(name, self.nvfp4.dtype_for(name, dtype))
 
     def tensors(self, items, device):
         """The files' (model name, tensor, file) items as the model takes them (fp8.FP8Load.stream pairs int8 /
-        FP8 weights with their scales); NVFP4 records and input scales are dropped."""
-        return self.fp8.stream(self.nvfp4.stream(items, device), device)
+        FP8 weights with their scales; GGUF tensors other than kept linears are dequantized); NVFP4 records and
+        input scales are dropped."""
+        return self.fp8.stream(self.nvfp4.stream(self.gguf.stream(items, device), device), device)
 
 
 def planned_model(source: TextEncoderSource, qwen_config, layers: int = TEXT_ENCODER_LAYER,
                   dtype: torch.dtype | None = torch.bfloat16) -> TextEncoderPlan:
     """Qwen3-VL with `layers` decoder layers and an identity final norm, built on meta, each linear the files
     hold in int8 (ComfyUI's ConvRot files), e4m3 or NVFP4 kept so (a byte or half a byte a weight; the same
-    weights as dequantizing at load). Read from the files' headers and quantization records only."""
+    weights as dequantizing at load), and a GGUF file's quantized decoder-layer linears kept in their GGML blocks
+    (its other quantized tensors, the embedding, dequantized as they load). A GGUF file has no vision tower:
+    the model gets `MissingVisionTower`. Read from the files' headers and quantization records only."""
     from transformers import Qwen3VLModel
 
     with torch.device("meta"):
@@ -361,16 +432,46 @@ def planned_model(source: TextEncoderSource, qwen_config, layers: int = TEXT_ENC
     def rename(key: str) -> str | None:
         return model_name(key, layers)
 
+    if source.gguf_tensors:
+        model.visual = MissingVisionTower(source.files[0].name)
+        quantized = {name: entry for key, entry in source.gguf_tensors.items()
+                     if entry.quantized and (name := rename(key)) is not None}
+        kept = gguf_file.GGUFLoad.plan(model, quantized, keep=lambda layer: layer.startswith("language_model.layers."),
+                                       compute=compute, dense_dtype=lambda name: compute)
+        return TextEncoderPlan(model, dtype, fp8.FP8Load.weight_only(model, {}, compute),
+                               nvfp4.NVFP4Load.plan(model, {}, keep=lambda layer: True, compute=compute,
+                                                    dense_dtype=lambda layer: compute), kept)
     nvfp4_layers = nvfp4.checkpoint_nvfp4_layers(source.files, rename)
     held = nvfp4.NVFP4Load.plan(model, nvfp4_layers, keep=lambda layer: True, compute=compute,
                                 dense_dtype=lambda layer: compute)
     file_layers = fp8.checkpoint_fp8_layers(source.files, rename=nvfp4.outside(nvfp4_layers, rename))
-    return TextEncoderPlan(model, dtype, fp8.FP8Load.weight_only(model, file_layers, compute), held)
+    return TextEncoderPlan(model, dtype, fp8.FP8Load.weight_only(model, file_layers, compute), held,
+                           gguf_file.GGUFLoad({}, set(), lambda name: compute))
 
 
-def _used_tensors(files: tuple[Path, ...], layers: int):
+class MissingVisionTower(torch.nn.Module):
+    """Stands in for the vision tower a GGUF text encoder file does not hold: using it says so."""
+
+    def __init__(self, file_name: str):
+        super().__init__()
+        self.file_name = file_name
+
+    @property
+    def dtype(self):  # transformers reads it first when pictures come
+        raise CheckpointError(f"{self.file_name} {GGUF_NO_VISION}.")
+
+    def forward(self, *args, **kwargs):
+        raise CheckpointError(f"{self.file_name} {GGUF_NO_VISION}.")
+
+
+def _used_tensors(source: TextEncoderSource, layers: int):
     """(model name, tensor, file) for the tensors H3 uses; the others are never read from disk."""
-    for path in files:
+    if source.gguf_tensors:
+        path = source.files[0]
+        for key, tensor, where in gguf_file.read_gguf(path, only=lambda key: model_name(key, layers) is not None):
+            yield model_name(key, layers), tensor, where
+        return
+    for path in source.files:
         with open_safetensors(path) as handle:
             for key in handle.keys():
                 name = model_name(key, layers)

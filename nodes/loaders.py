@@ -190,9 +190,11 @@ class H3TextEncoderLoader(io.ComfyNode):
             category=CATEGORY,
             description="Loads H3's Qwen3-VL text conditioner (layer 50 hidden states).",
             inputs=[
-                io.Combo.Input("text_encoder", options=model_choices("text_encoders"), default=TINY_RANDOM,
-                               tooltip="A file from models/text_encoders (e.g. qwen3vl_32b_minimax_h3_bf16), "
-                                       "or tiny-random for tests and demos."),
+                io.Combo.Input("text_encoder", options=model_choices("text_encoders", also=(GGUF_SUFFIX,)),
+                               default=TINY_RANDOM,
+                               tooltip="A file from models/text_encoders (e.g. qwen3vl_32b_minimax_h3_bf16, or a GGUF "
+                                       "of Qwen3-VL-32B's language model: prompts only, it has no vision tower for "
+                                       "keyframes and references), or tiny-random for tests and demos."),
                 io.String.Input("folder", default="", tooltip=FOLDER_TOOLTIP),
                 io.String.Input("tokenizer_folder", default="",
                                 tooltip="For a single file, which carries none: the release's FL2VA/tokenizer folder "

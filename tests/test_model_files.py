@@ -319,3 +319,49 @@ def test_a_gguf_dit_file_generates_what_its_weights_do(model_sets, tmp_path, mon
     info = json.loads(capsys.readouterr().out)["dit"]
     assert info["origin"] == "GGUF file (architecture 'minimax_h3'; F16, F32, Q8_0)" and set(info["gib_by_type"]) == {"F16", "F32", "Q8_0"}
     assert info["config"]["hidden_size"] == TINY_DIT.hidden_size
+
+
+def test_a_gguf_text_encoder_generates_what_its_weights_do(model_sets, tmp_path, monkeypatch, capsys):
+    """`--text-encoder Qwen3-VL.gguf` (llama.cpp's language model, no vision tower): the latents of the same
+    weights (gguf's dequantizer) in a safetensors file; a request with keyframes is refused before any model
+    loads, saying why; `h3 info` says it has no vision tower."""
+    import json
+
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(text_checkpoint, "QWEN3VL_32B_CONFIG", model_sets["text_config"])
+    text = tiny_qwen.random_model(model_sets["text_config"], seed=11)  # the weights model_sets wrote
+    keys = tiny_qwen.llama_cpp_keys(text.state_dict())
+    gguf = tmp_path / "Qwen3-VL-32B-Instruct-Q8_0.gguf"
+    meant = tiny_qwen.write_gguf_file(gguf, text, {k: "Q8_0" for k in keys if k.endswith("ffn_down.weight")})
+    dense = load_file(str(model_sets["text_encoder"]))
+    by_name = {text_checkpoint.model_name(k): v for k, v in meant.items()}
+    dense.update({k: by_name[text_checkpoint.model_name(k)] for k in dense
+                  if text_checkpoint.model_name(k).startswith("language_model.")})
+    save_file(dense, str(tmp_path / "dense.safetensors"))
+    runs = {}
+    for name, encoder in (("gguf", gguf), ("dense", tmp_path / "dense.safetensors")):
+        runs[name] = tmp_path / f"{name}.safetensors"
+        argv = ["generate", "--model", str(model_sets["dit"]), *_file_options(model_sets, "text_encoder"),
+                "--text-encoder", str(encoder), *REQUEST, "--dtype", "fp32", "--save-latents", str(runs[name])]
+        assert main(argv) == 0
+    ours, theirs = load_file(str(runs["gguf"])), load_file(str(runs["dense"]))
+    assert torch.equal(ours["video"], theirs["video"]) and torch.equal(ours["audio"], theirs["audio"])
+
+    from PIL import Image
+
+    Image.new("RGB", (224, 128), (10, 120, 200)).save(tmp_path / "first.png")
+    for name in ("load_text_encoder", "load_video_vae", "load_audio_vae"):
+        monkeypatch.setattr(pipeline, name, lambda *a, **k: pytest.fail("a model was loaded"))
+    capsys.readouterr()
+    argv = ["generate", "--model", str(model_sets["dit"]), *_file_options(model_sets, "text_encoder"),
+            "--text-encoder", str(gguf), *REQUEST, "--task", "fl2va", "--first-image", str(tmp_path / "first.png"),
+            "--out", str(tmp_path / "fl2va.mp4")]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert re.search(r"This request shows the text encoder pictures \(keyframes or image / video references\), but "
+                     r"Qwen3-VL-32B-Instruct-Q8_0.gguf holds no vision tower", error), error
+    assert main(["info", str(gguf)]) == 0
+    info = json.loads(capsys.readouterr().out)["text_encoder"]
+    assert info["origin"] == "GGUF file" and info["decoder_layers"] == 50 and info["vision_tower"] is False
+    assert set(info["gib_by_type"]) == {"F16", "F32", "Q8_0"}

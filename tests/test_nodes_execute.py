@@ -719,3 +719,34 @@ def test_decode_nodes_share_the_clips_over_devices(comfy):
         with av.open(str(path)) as container:
             frames.append(np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)]))
     assert frames[0].shape[0] == 107 and np.array_equal(*frames)
+
+
+def test_a_gguf_text_encoder_is_offered_and_encodes_prompts_only(comfy, monkeypatch):
+    """A llama.cpp GGUF of the encoder's language model in models/text_encoders: listed (ComfyUI lists its own
+    suffixes only), loaded with its linears in GGML blocks; a keyframe is refused, saying the file has no vision
+    tower."""
+    import tiny_qwen
+    from PIL import Image
+
+    from h3_core import text_checkpoint
+    from h3_core.gguf_file import GGUFLinear
+
+    tokenizer = tiny_qwen.write_tokenizer(comfy.tmp / "tok")
+    config = tiny_qwen.config_dict(tokenizer)
+    model = tiny_qwen.random_model(config, seed=3)
+    release = tiny_qwen.write_original_release(comfy.tmp / "release", model, tokenizer)
+    keys = tiny_qwen.llama_cpp_keys(model.state_dict())
+    name = "Qwen3-VL-32B-Instruct-Q8_0.gguf"
+    tiny_qwen.write_gguf_file(comfy.tmp / "text_encoders" / name, model, {k: "Q8_0" for k, v in keys.items() if v.ndim == 2})
+    monkeypatch.setattr(text_checkpoint, "QWEN3VL_32B_CONFIG", config)  # a one-file encoder's config: the tiny one
+    schema = comfy.loaders.H3TextEncoderLoader.define_schema()
+    assert name in next(p for p in schema.inputs if p.id == "text_encoder").options["options"]
+    text = comfy.loaders.H3TextEncoderLoader.execute(name, "", str(release / "FL2VA"), "bf16").values[0]
+    assert any(isinstance(m, GGUFLinear) for m in text.encoder.model.modules())
+    conditioning = comfy.conditioning.H3Conditioning.execute(text, "a fox on a beach", "t2va", "auto", 0, 0, 4.0)
+    assert conditioning.values[0] is not None
+    keyframe = torch.from_numpy(np.asarray(Image.new("RGB", (96, 64), (200, 30, 30)), dtype=np.float32) / 255)[None]
+    _, _, vae = _models(comfy)
+    with pytest.raises(Exception, match=f"{name} holds no vision tower .*keyframes and image or video references"):
+        comfy.conditioning.H3Conditioning.execute(text, "a fox", "fl2va", "auto", 0, 0, 4.0, vae=vae,
+                                                  first_image=keyframe)

@@ -12,10 +12,9 @@ Everything is written as safetensors / JSON only.
 from __future__ import annotations
 
 import json
-import math
+import re
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
 from h3_core.tiny_text import (  # noqa: F401  (re-exported for the tests)
@@ -52,6 +51,43 @@ def comfy_keys(state: dict, layers: int = 50, prefix: str = "") -> dict:
         elif key.startswith("model.visual."):
             out[prefix + "visual." + key[len("model.visual.") :]] = tensor.contiguous()
     return out
+
+
+# transformers' decoder-layer names -> llama.cpp's (gguf-py's tensor name map for the qwen3vl architecture)
+LLAMA_CPP_LAYER_PARTS = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def llama_cpp_keys(state: dict) -> dict:
+    """The language model as llama.cpp's converter writes a Qwen3-VL GGUF: token_embd, blk.N.* (every layer),
+    output_norm, output (the LM head); the vision tower goes to a separate mmproj file, so it is left out."""
+    out = {}
+    for key, tensor in state.items():
+        if key == "lm_head.weight":
+            out["output.weight"] = tensor
+        elif key.startswith("model.language_model."):
+            rest = key[len("model.language_model."):]
+            if rest == "embed_tokens.weight":
+                out["token_embd.weight"] = tensor
+            elif rest.startswith("norm."):
+                out["output_norm." + rest[len("norm."):]] = tensor
+            else:
+                number, part, leaf = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", rest).groups()
+                out[f"blk.{number}.{LLAMA_CPP_LAYER_PARTS[part]}.{leaf}"] = tensor
+    return {key: tensor.contiguous() for key, tensor in out.items()}
+
+
+def write_gguf_file(path: Path, model, qtypes: dict[str, str]) -> dict:
+    """`llama_cpp_keys` of the model as a GGUF file (architecture qwen3vl), each tensor in `qtypes[key]` (1-D:
+    F32, else F16 unless named). Returns the float32 tensor each key stands for, per gguf's dequantizer."""
+    from gguf_files import write_gguf
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_gguf(path, llama_cpp_keys(model.state_dict()), qtypes, arch="qwen3vl")
 
 
 def write_sharded(folder: Path, tensors: dict, shard_of) -> None:

@@ -1,0 +1,127 @@
+"""GGUF text encoders: Qwen3-VL's language model as llama.cpp's converter writes it (architecture qwen3vl,
+llama.cpp's tensor names, every layer, no vision tower). Its quantized decoder-layer linears stay in their GGML
+blocks; the prompt states equal those of the same weights (gguf's own dequantizer) in a safetensors file.
+Pictures need the vision tower it does not hold: refused, saying so."""
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import tiny_qwen
+from h3_core.gguf_file import GGUFLinear
+from h3_core.text import load_text_encoder, text_encoder_sizes
+from h3_core.text_checkpoint import locate_text_encoder, model_name
+from h3_core.weights import CheckpointError
+
+gguf = pytest.importorskip("gguf")
+
+PROMPT = "A red fox runs along the beach at dawn."
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_qwen_gguf")
+    tokenizer = tiny_qwen.write_tokenizer(root / "tokenizer")
+    config = tiny_qwen.config_dict(tokenizer)  # text width 32: rows of whole Q8_0 / Q4_0 blocks
+    model = tiny_qwen.random_model(config, seed=11)
+    release = tiny_qwen.write_original_release(root / "MiniMax-H3", model, tokenizer)
+    keys = tiny_qwen.llama_cpp_keys(model.state_dict())
+    qtypes = {key: ("Q4_0" if ".ffn_" in key else "Q8_0") for key, tensor in keys.items() if tensor.dim() == 2}
+    path = root / "Qwen3-VL-tiny-Q8_0.gguf"
+    meant = tiny_qwen.write_gguf_file(path, model, qtypes)
+    return {"model": model, "config": config, "partition": release / "FL2VA", "gguf": path, "meant": meant,
+            "qtypes": qtypes, "root": root}
+
+
+def _load(tiny, path):
+    return load_text_encoder(path, torch.float32, tokenizer=tiny["partition"], config=tiny["config"])
+
+
+def _dense_file(tiny, path):
+    """The GGUF file's weights as they stand (dequantized) beside the model's vision tower, in the Comfy-Org
+    single file's names."""
+    tensors = tiny_qwen.comfy_keys(tiny["model"].state_dict())
+    ours = {model_name(key): value for key, value in tiny["meant"].items() if model_name(key) is not None}
+    for key in tensors:
+        name = model_name(key)
+        if name.startswith("language_model."):
+            tensors[key] = ours[name]
+    save_file(tensors, str(path))
+    return path
+
+
+def test_llama_cpp_names_are_read_as_gguf_py_names_them():
+    """Our reading of llama.cpp's names against gguf-py's own table for qwen3vl (transformers' names -> GGUF)."""
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3VL, 64)
+    for hf, part in tiny_qwen.LLAMA_CPP_LAYER_PARTS.items():
+        assert table.get_name(f"model.layers.7.{hf}") == f"blk.7.{part}"
+        assert model_name(f"blk.7.{part}.weight") == f"language_model.layers.7.{hf}.weight"
+    assert table.get_name("model.embed_tokens") == "token_embd"
+    assert model_name("token_embd.weight") == "language_model.embed_tokens.weight"
+    for unused in ("output.weight", "output_norm.weight", "rope_freqs.weight", "blk.50.attn_q.weight"):
+        assert model_name(unused) is None, unused
+
+
+def test_a_gguf_text_encoder_equals_its_weights_dequantized(tiny, tmp_path):
+    loaded = _load(tiny, tiny["gguf"])
+    modules = dict(loaded.model.named_modules())
+    held = {name: module for name, module in modules.items() if isinstance(module, GGUFLinear)}
+    assert len(held) == 7 * 50 and {m.qtype for m in held.values()} == {"Q8_0", "Q4_0"}
+    assert held["language_model.layers.3.mlp.down_proj"].qtype == "Q4_0"
+    assert held["language_model.layers.49.self_attn.o_proj"].qtype == "Q8_0"
+    embedding = loaded.model.language_model.embed_tokens.weight
+    assert embedding.dtype == torch.float32 and torch.equal(embedding, tiny["meant"]["token_embd.weight"])
+    assert len(loaded.model.language_model.layers) == 50  # the file's layers 50, 51 are never read
+
+    dense = _load(tiny, _dense_file(tiny, tmp_path / "dense.safetensors"))
+    presentation = loaded.presenter.t2va(PROMPT)
+    got = loaded.encode(presentation).prompt_embeds
+    assert torch.equal(got, dense.encode(presentation).prompt_embeds)
+    assert torch.equal(loaded.stream_layers("cpu").encode(presentation).prompt_embeds, got)  # GGUF layers visit too
+    original = _load(tiny, tiny["partition"]).encode(presentation).prompt_embeds
+    # 4-bit MLPs through 50 random layers: near the unquantized model (a misread tensor would be unrelated to it)
+    assert torch.nn.functional.cosine_similarity(got.flatten(), original.flatten(), dim=0) > 0.95
+
+
+def test_pictures_need_the_vision_tower_a_gguf_file_lacks(tiny):
+    from PIL import Image
+
+    loaded = _load(tiny, tiny["gguf"])
+    presentation = loaded.presenter.fl2va(PROMPT, [Image.new("RGB", (96, 64), (200, 30, 30))])
+    with pytest.raises(CheckpointError, match=r"Qwen3-VL-tiny-Q8_0.gguf holds no vision tower \(llama.cpp keeps it "
+                                              r"in a separate mmproj file.*keyframes and image or video references"):
+        loaded.encode(presentation)
+    assert not locate_text_encoder(tiny["gguf"], tokenizer=tiny["partition"]).vision_tower
+
+
+def test_sizes_count_the_blocks_as_stored(tiny, monkeypatch):
+    from h3_core import text_checkpoint
+
+    monkeypatch.setattr(text_checkpoint, "QWEN3VL_32B_CONFIG", tiny["config"])  # a one-file encoder's config
+    rest, layer = text_encoder_sizes(tiny["gguf"], torch.float32)
+    meant = tiny["meant"]
+    block = {"Q8_0": 34 / 32, "Q4_0": 18 / 32}  # bytes a weight: GGML blocks of 32 with an fp16 scale
+    expected = sum(meant[k].numel() * (block[tiny["qtypes"][k]] if k in tiny["qtypes"] else 4)
+                   for k in meant if k.startswith("blk.0."))
+    assert layer == expected
+    assert rest == meant["token_embd.weight"].numel() * 4  # dequantized to float32; no vision tower
+
+
+def test_a_gguf_file_of_another_model_is_refused(tiny, tmp_path):
+    from gguf_files import write_gguf
+
+    cases = {"llama": "a GGUF file of the 'llama' architecture", "clip": "a vision projector \\(mmproj\\) file"}
+    for arch, said in cases.items():
+        path = tmp_path / f"{arch}.gguf"
+        write_gguf(path, {"token_embd.weight": torch.zeros(64, 32)}, arch=arch)
+        with pytest.raises(CheckpointError, match=f"{arch}.gguf is {said}; a GGUF text encoder for H3 is "
+                                                  r"Qwen3-VL-32B's language model \(architecture 'qwen3vl'"):
+            locate_text_encoder(path)
+    short = tmp_path / "short.gguf"
+    keys = {k: v for k, v in tiny_qwen.llama_cpp_keys(tiny["model"].state_dict()).items()
+            if not re.match(r"blk\.(4\d|5\d)\.", k)}
+    write_gguf(short, keys, arch="qwen3vl")
+    with pytest.raises(CheckpointError, match="holds 40 decoder layers; H3 reads the state after layer 50"):
+        _load(tiny, short)
