@@ -125,3 +125,17 @@ def test_a_gguf_file_of_another_model_is_refused(tiny, tmp_path):
     write_gguf(short, keys, arch="qwen3vl")
     with pytest.raises(CheckpointError, match="holds 40 decoder layers; H3 reads the state after layer 50"):
         _load(tiny, short)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gguf_text_encoder_on_the_gpu_resident_and_streamed(tiny):
+    """Kept in GGML blocks on a GPU, resident or streamed from CPU memory: the CPU's prompt states (float32)."""
+    on_cpu = _load(tiny, tiny["gguf"])
+    presentation = on_cpu.presenter.t2va(PROMPT)
+    expected = on_cpu.encode(presentation).prompt_embeds
+    on_gpu = load_text_encoder(tiny["gguf"], torch.float32, "cuda", tokenizer=tiny["partition"], config=tiny["config"])
+    weight = on_gpu.model.language_model.layers[0].mlp.down_proj.weight
+    assert weight.device.type == "cuda" and weight.dtype == torch.uint8
+    relative = lambda got: ((got.cpu() - expected).norm() / expected.norm()).item()  # noqa: E731
+    assert relative(on_gpu.encode(presentation).prompt_embeds) < 1e-3
+    assert relative(on_cpu.stream_layers("cuda").encode(presentation).prompt_embeds) < 1e-3
