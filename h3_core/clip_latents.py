@@ -69,9 +69,10 @@ def file_soundtrack(path, start_seconds: float = 0.0) -> Callable[[int], np.ndar
 
 
 def encode_clip(video_vae, audio_vae, frames: np.ndarray, fps: float, width: int, height: int, waveform=None,
-                sample_rate: int | None = None) -> AVLatents:
+                sample_rate: int | None = None, on_clip: Callable[[int, int], None] | None = None) -> AVLatents:
     """uint8 frames [N, H, W, 3] at `fps` (and a sound [C, M] at `sample_rate`) -> AVLatents of their first
-    17n + 5 frames at 24 fps on a `width` x `height` canvas (checked before either VAE runs)."""
+    17n + 5 frames at 24 fps on a `width` x `height` canvas (checked before either VAE runs). `on_clip(done,
+    total)` after each 17 frames encoded: progress, and a host may raise there to stop."""
     frames = np.asarray(frames)
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
         raise RequestError(f"Clip frames must be uint8 RGB [N, H, W, 3], got {frames.dtype} {list(frames.shape)}.")
@@ -84,7 +85,8 @@ def encode_clip(video_vae, audio_vae, frames: np.ndarray, fps: float, width: int
     count = clip_frame_count(frames.shape[0], fps)
     sound = None if waveform is None else DecodedAudio(waveform, sample_rate)
     on_canvas = (frame_on_canvas(frame, width, height) for frame in frames_at_24fps(frames, fps)[:count])
-    return encode_clip_frames(video_vae, audio_vae, on_canvas, sound)
+    return encode_clip_frames(video_vae, audio_vae, on_canvas, sound,
+                              None if on_clip is None else lambda done: on_clip(done, count))
 
 
 def expected_clip_frames(path, start_seconds: float = 0.0, max_frames: int = MAX_CLIP_FRAMES) -> int:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from . import geometry
 from .media_write import Mp4Writer
-from .vae_audio import AudioVAE
+from .vae_audio import DECODE_WINDOW_LATENTS, AudioVAE
 from .vae_video import VideoVAE, model_space_to_frames
 
 
@@ -86,11 +86,17 @@ def decode_video(vae: VideoVAE, latents: torch.Tensor, devices: Sequence[str | t
             yield frames.to(torch.uint8).permute(1, 2, 3, 0).cpu()
 
 
-def decode_audio(vae: AudioVAE, latents: torch.Tensor) -> Iterator[torch.Tensor]:
-    """Normalized audio latents [2, C, A] -> float32 waveform pieces [2, n] at 32 kHz, window by window."""
+def decode_audio(vae: AudioVAE, latents: torch.Tensor, on_window=None) -> Iterator[torch.Tensor]:
+    """Normalized audio latents [2, C, A] -> float32 waveform pieces [2, n] at 32 kHz, window by window;
+    `on_window(done, total)` after each (a progress bar; a host may raise there to stop): a long clip's
+    soundtrack is many windows."""
+    total = -(-latents.shape[-1] // DECODE_WINDOW_LATENTS)
     with torch.inference_mode():
-        for piece in vae.decode_windows(latents.to(vae.device)):
-            yield piece.float().cpu()
+        for done, piece in enumerate(vae.decode_windows(latents.to(vae.device)), 1):
+            piece = piece.float().cpu()
+            if on_window is not None:
+                on_window(done, total)
+            yield piece
 
 
 def write_mp4(
@@ -102,14 +108,16 @@ def write_mp4(
     on_frames=None,
     devices: Sequence[str | torch.device] | None = None,
     tiled: bool | None = None,
+    on_sound=None,
 ) -> Path:
     """Decode and mux in one pass. The soundtrack is decoded first (it is small: 15 MB a minute);
-    the writer interleaves it as the video chunks arrive. `on_frames(done, total)` reports progress;
-    `devices` (two or more) share the video decode and `tiled` picks its spatial tiles (`decode_video`)."""
+    the writer interleaves it as the video chunks arrive. `on_sound(done, total)` reports the soundtrack's
+    windows, then `on_frames(done, total)` the frames; `devices` (two or more) share the video decode and
+    `tiled` picks its spatial tiles (`decode_video`)."""
     latents.check(video_vae.config.latent_channels)
     total = latents.num_frames
     with Mp4Writer(path, metadata=metadata) as writer:
-        for piece in decode_audio(audio_vae, latents.audio):
+        for piece in decode_audio(audio_vae, latents.audio, on_sound):
             writer.write_audio(piece)
         done = 0
         for frames in decode_video(video_vae, latents.video, devices, tiled):

@@ -518,8 +518,8 @@ def generate_batch(
         try:
             for index in range(item.outputs):
                 seed = item.seed + index
-                step_stage, decode_stage = (f"{what} {label}{index + 1}/{item.outputs}"
-                                            for what in ("sample", "decode"))
+                step_stage, sound_stage, decode_stage = (f"{what} {label}{index + 1}/{item.outputs}"
+                                                         for what in ("sample", "decode sound", "decode"))
                 clock = time.perf_counter()
                 latents = item.run(
                     dit, conditioning, seed, schedule.steps, schedule.video_shift, schedule.audio_shift,
@@ -539,7 +539,6 @@ def generate_batch(
                 video_path = numbered(job.out, index, item.outputs)
                 if video_path is not None:
                     clock = time.perf_counter()
-                    progress(decode_stage, 0, latents.num_frames)  # the sound decodes before the first frame
                     video_vae.to(device), audio_vae.to(device)
                     Path(video_path).parent.mkdir(parents=True, exist_ok=True)
                     write_mp4(
@@ -547,6 +546,7 @@ def generate_batch(
                         metadata={"comment": f"MiniMax-H3 {request.task}, seed {seed}",
                                   "title": request.prompt[:200]},
                         on_frames=lambda done, total: progress(decode_stage, done, total),
+                        on_sound=lambda done, total: progress(sound_stage, done, total),  # before the first frame
                         # video chunks split over the devices once the DiT's workers have left them (the last output)
                         devices=settings.devices if len(settings.devices) > 1 and dit is None else None,
                     )

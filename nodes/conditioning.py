@@ -28,6 +28,7 @@ from .convert import (
     image_to_uint8,
     media_problem,
     ordered_references,
+    refuse_extra_inputs,
     video_at_24fps,
 )
 from .memory import place, place_for_encoding
@@ -40,9 +41,11 @@ REFERENCE_TOOLTIP = (f"ref2va references, read in slot order (images, videos and
 
 
 # What each input takes when it is linked: validate_inputs asks for input_types, which turns ComfyUI's own
-# link type check off for the whole node, so it is done here (combos excepted: a linked combo's type varies).
+# link type check off for the whole node, so it is done here, by ComfyUI's rule (the same type or "*"; a choice
+# list takes a COMBO output, or an output declared as its list of choices).
 LINKED_TYPES = {"text_encoder": "H3_TEXT_ENCODER", "vae": "H3_VAE", "first_image": "IMAGE", "last_image": "IMAGE",
-                "prompt": "STRING", "width": "INT", "height": "INT", "duration": "FLOAT"}
+                "prompt": "STRING", "width": "INT", "height": "INT", "duration": "FLOAT", "task": "COMBO",
+                "aspect_ratio": "COMBO", "reference_images": "COMBO"}
 
 
 def reference_images_input():
@@ -114,8 +117,9 @@ class H3Conditioning(io.ComfyNode):
         if wrong:
             return f"References must be IMAGE, VIDEO or AUDIO; got {', '.join(wrong)}."
         for name, kind in types.items():  # asking for input_types turns ComfyUI's own link type check off
-            if name in LINKED_TYPES and kind not in (LINKED_TYPES[name], "*"):
-                return f"{name} takes {LINKED_TYPES[name]}, got {kind}."
+            wanted = LINKED_TYPES.get(name)
+            if wanted and kind not in (wanted, "*") and not (wanted == "COMBO" and isinstance(kind, (list, tuple))):
+                return f"{name} takes {wanted}, got {kind}."
         keyframes = sum(name in types for name in ("first_image", "last_image"))
         if task is None:  # the task comes from a link: checked when the node runs
             return True
@@ -128,7 +132,9 @@ class H3Conditioning(io.ComfyNode):
 
     @classmethod
     def execute(cls, text_encoder, prompt, task, aspect_ratio, width, height, duration, vae=None,
-                first_image=None, last_image=None, references=None, reference_images="release") -> io.NodeOutput:
+                first_image=None, last_image=None, references=None, reference_images="release",
+                **extra) -> io.NodeOutput:
+        refuse_extra_inputs(extra)
         references = ordered_references(references)
         keyframes = (first_image is not None) + (last_image is not None)
         problem = media_problem(task, [kind for kind, _ in references], keyframes)

@@ -282,6 +282,23 @@ def ordered_references(values: dict | None) -> list[tuple[str, Any]]:
     return [(reference_kind(value), value) for _, value in sorted(items, key=lambda item: item[0])]
 
 
+def refuse_empty_latent(latent: dict) -> None:
+    """Decoding an empty latent (zeros that only fix the size) makes a clip of nothing: refused."""
+    if latent.get("empty"):
+        raise ValueError("latent holds an empty latent (H3 Empty AV Latent, or zeros): connect a sampled one, from "
+                         "H3 Dual-Clock Sampler or H3 Continuation (or your clip's, from H3 VAE Encode).")
+
+
+def refuse_extra_inputs(extra: dict) -> None:
+    """ComfyUI hands execute the slots of a growing list past its maximum (references.ref12, ...) as inputs of
+    their own, after its checks: refused by name, before anything runs."""
+    if extra:
+        from h3_core.prompt import MAX_REFERENCES
+
+        raise ValueError(f"{', '.join(sorted(extra))}: no such input; references go from ref0 to "
+                         f"ref{MAX_REFERENCES - 1} (H3 takes at most {MAX_REFERENCES}).")
+
+
 def media_problem(task: str, reference_kinds: list[str], keyframes: int) -> str | None:
     """What is wrong with the media wired to a request of `task` (checked before anything runs), or None."""
     if task == "t2va" and (reference_kinds or keyframes):
@@ -319,7 +336,7 @@ def build_request(
     for kind, value in references:
         if value is not None:
             refs.append(media_reference(kind, value, f"{kind} reference {len(refs) + 1}"))
-    explicit = bool(width) or bool(height)
+    explicit = bool(width) or bool(height)  # 0 = not given: one of them alone is refused, naming it
     return Request(
         task=task,
         prompt=prompt,
@@ -327,8 +344,8 @@ def build_request(
         last_image=None if last_image is None else image_to_pil(last_image, "last_image"),
         references=refs,
         aspect_ratio=None if explicit or aspect_ratio in (None, "", "auto") else aspect_ratio,
-        width=int(width) if explicit else None,
-        height=int(height) if explicit else None,
+        width=int(width) if width else None,
+        height=int(height) if height else None,
         duration=duration,
         reference_images=reference_images,
     )

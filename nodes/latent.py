@@ -143,9 +143,16 @@ class H3VAEEncode(io.ComfyNode):
             if not width:
                 width, height = vae.canvas.canvas(frames.shape[2], frames.shape[1])
             clip_frame_count(frames.shape[0], fps)  # too short a clip is refused before the VAEs move
+            bar = progress_bar(1)
+
+            def on_frames(done: int, total: int) -> None:
+                bar.update_absolute(done, total)
+                check_interrupt()
+
             place([vae.patcher])
             with freed_on_failure(device()):
-                latents = encode_clip(vae.video, vae.audio, frames, fps, int(width), int(height), waveform, rate)
+                latents = encode_clip(vae.video, vae.audio, frames, fps, int(width), int(height), waveform, rate,
+                                      on_frames)
         latent = pack_latents(latents, width=int(width), height=int(height))
         return io.NodeOutput(latent, int(width), int(height), latents.num_frames)
 

@@ -13,6 +13,7 @@ from h3_core.checkpoint import DiTReader, locate_dit, vsa_student, with_config
 from h3_core.fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
 from h3_core.gguf_file import GGUF_SUFFIX
 from h3_core.local_attention import check_setting as check_window_setting
+from h3_core.memory_plan import check_budget
 from h3_core.parallel import ModelSpec
 from h3_core.placement import freed_on_failure
 from h3_core.pipeline import TEXT_WORKING_BYTES, TINY_CANVAS
@@ -131,6 +132,7 @@ class H3ModelLoader(io.ComfyNode):
     def execute(cls, checkpoint, folder, partition, weight_dtype, attention, gpu_memory_gb=0.0, devices="",
                 shard_weights=False, compile=False, attention_window_lossy=0,
                 attention_window_dense_steps=0, linears="checkpoint") -> io.NodeOutput:
+        check_budget(float(gpu_memory_gb) or None)  # NaN passes ComfyUI's range check
         split = split_devices(devices, shard_weights, gpu_memory_gb)
         target = split[0] if split else device()
         window, dense_steps = check_window_setting(int(attention_window_lossy or 0),
@@ -219,6 +221,7 @@ class H3TextEncoderLoader(io.ComfyNode):
     def execute(cls, text_encoder, folder, tokenizer_folder, weight_dtype, gpu_memory_gb=0.0) -> io.NodeOutput:
         target = device()
         budget = float(gpu_memory_gb) or None
+        check_budget(budget)  # NaN passes ComfyUI's range check
         if text_encoder == TINY_RANDOM and not folder.strip():  # tiny: fits anywhere unless a budget says not
             encoder, name, canvas = tiny_random_text_encoder(device="cpu"), TINY_RANDOM, TINY_CANVAS
             stream = bool(budget) and text_encoder_streams(_weight_bytes(encoder) + TEXT_WORKING_BYTES, target, budget)

@@ -41,7 +41,8 @@ from .common import (
     decode_options, device, preview_settings, progress_bar, saved_file_metadata, shift_inputs, step_preview,
 )
 from .conditioning import guide_media, guide_media_inputs, reference_images_input, reference_input
-from .convert import audio_to_decoded, build_request, media_problem, ordered_references, pack_latents, unpack_latents
+from .convert import (audio_to_decoded, build_request, media_problem, ordered_references, pack_latents,
+                      refuse_empty_latent, refuse_extra_inputs, unpack_latents)
 from .memory import decode_working_bytes, dit_for_run, drop_loras, place, place_for_encoding, use_loras
 
 STEP = geometry.FRAMES_PER_CHUNK  # window and overlap stay on the 17n + 5 grid
@@ -119,7 +120,8 @@ class H3Continuation(io.ComfyNode):
     def execute(cls, model, text_encoder, prompt, task, duration, mode, window_frames, overlap_frames, seed, steps,
                 video_shift, audio_shift, aspect_ratio, width, height, window_prompts="", vae=None, drive_audio=None,
                 references=None, guides=None, continue_from=None, reference_images="release",
-                keep_video=None) -> io.NodeOutput:
+                keep_video=None, **extra) -> io.NodeOutput:
+        refuse_extra_inputs(extra)
         wanted = TASK_PARTITION[task]
         if wanted != model.partition:
             raise ValueError(f"{task} runs on the {wanted} partition, but this model was loaded as "
@@ -234,6 +236,7 @@ class H3SaveMP4(io.ComfyNode):
 
     @classmethod
     def execute(cls, vae, latent, filename_prefix, tiling="release", devices="") -> io.NodeOutput:
+        refuse_empty_latent(latent)
         tiled, decode_devices = decode_options(tiling, devices)
         latents = unpack_latents(latent)
         width, height = latents.canvas
@@ -243,14 +246,14 @@ class H3SaveMP4(io.ComfyNode):
         path = os.path.join(folder, file)
         bar = progress_bar(latents.num_frames)
 
-        def on_frames(done, total):
+        def on_frames(done, total):  # the soundtrack's windows first (total: their count), then the frames
             bar.update_absolute(done, total)
             check_interrupt()
 
         place([vae.patcher], decode_working_bytes(vae, latents.video, tiled))
         with freed_on_failure(vae.device):
             write_mp4(path, latents, vae.video, vae.audio, on_frames=on_frames, devices=decode_devices, tiled=tiled,
-                      metadata=saved_file_metadata(cls.hidden, latents.num_frames))
+                      metadata=saved_file_metadata(cls.hidden, latents.num_frames), on_sound=on_frames)
         preview = ui.PreviewVideo([ui.SavedResult(file, subfolder, io.FolderType.output)])
         return io.NodeOutput(InputImpl.VideoFromFile(path), ui=preview)
 

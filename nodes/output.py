@@ -21,6 +21,7 @@ from .convert import (
     audio_to_stereo_32k,
     frames_to_image,
     image_to_uint8,
+    refuse_empty_latent,
     unpack_latents,
     video_to_decoded,
     waveform_to_audio,
@@ -53,13 +54,18 @@ class H3VAEDecode(io.ComfyNode):
 
     @classmethod
     def execute(cls, vae, latent, tiling="release", devices="") -> io.NodeOutput:
+        refuse_empty_latent(latent)
         tiled, decode_devices = decode_options(tiling, devices)
         latents = unpack_latents(latent)
         total = latents.num_frames
         bar = progress_bar(total)
         place([vae.patcher], decode_working_bytes(vae, latents.video, tiled))
         with freed_on_failure(vae.device):
-            audio = waveform_to_audio(list(decode_audio(vae.audio, latents.audio)), total)
+            def on_window(done, windows):  # the soundtrack's windows, before the frames
+                bar.update_absolute(done, windows)
+                check_interrupt()
+
+            audio = waveform_to_audio(list(decode_audio(vae.audio, latents.audio, on_window)), total)
             blocks, done = [], 0
             for block in decode_video(vae.video, latents.video, decode_devices, tiled):
                 blocks.append(block)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import folder_paths
 from comfy_api.latest import io
 from h3_core.lora import VSA_STUDENT_CONTRACT, load_lora, sampler_settings
@@ -165,6 +167,8 @@ class H3LoRAApply(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, lora_name, strength, unknown_keys="error") -> io.NodeOutput:
+        if not math.isfinite(float(strength)):  # NaN passes ComfyUI's range check
+            raise ValueError(f"strength must be a finite number, got {strength!r}.")
         lora = load_lora(folder_paths.get_full_path_or_raise("loras", lora_name), unknown=unknown_keys)
         lora.terms_for(model.partition)  # an adapter for the other partition is refused here
         return io.NodeOutput(model.with_lora(lora, strength))

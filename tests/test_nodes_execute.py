@@ -109,6 +109,13 @@ def test_conditioning_media_checks(comfy):
     assert "vae takes H3_VAE, got VAE" in check(input_types={"vae": "VAE"}, task="t2va")
     assert "prompt takes STRING, got H3_VAE" in check(input_types={"prompt": "H3_VAE"}, task="t2va")
     assert "task must be one of t2va, fl2va, ref2va; got 't3va'" in check(input_types={}, task="t3va")
+    assert "aspect_ratio takes COMBO, got IMAGE" in check(input_types={"aspect_ratio": "IMAGE"}, task="t2va")
+    assert check(input_types={"aspect_ratio": "COMBO", "reference_images": ["release", "canvas-lossy"]},
+                 task="t2va") is True
+    with pytest.raises(ValueError, match=r"references.ref12: no such input; references go from ref0 to ref11"):
+        _cond(c, text, vae, "ref2va", references={"ref0": image}, **{"references.ref12": image})
+    with pytest.raises(ValueError, match=r"Give width and height together, or neither \(got width=320"):
+        c.conditioning.H3Conditioning.execute(text, "a fox", "t2va", "auto", 320, 0, 4.0)
     with pytest.raises(ValueError, match="ref2va takes references, not first_image"):
         _cond(c, text, vae, "ref2va", first_image=image, references={"ref0": image})
     with pytest.raises(ValueError, match="IMAGE, VIDEO or AUDIO"):
@@ -179,6 +186,9 @@ def test_sampler_keeps_a_clips_video_and_makes_its_sound(comfy):
     clip, width, height, frames = c.latent.H3VAEEncode.execute(
         vae, images=torch.rand(110, 128, 224, 3), frame_rate=24.0, width=224, height=128).values
     assert (width, height, frames) == (224, 128, 107)
+    # frames held in memory report each 17 encoded, as a streamed file's do (and may be interrupted there)
+    encoded = [done for done, total, _ in c.record.progress if total == 107]
+    assert len(encoded) >= 6 and encoded == sorted(encoded) and encoded[-1] == 107
     run = c.sampler.H3Sampler.execute
     out = run(model, cond, 3, 3, 0.0, 0.0, latent=clip, keep="video").values[0][0]
     assert torch.equal(out["video"], clip["video"]) and not torch.equal(out["audio"], clip["audio"])
@@ -750,3 +760,23 @@ def test_a_gguf_text_encoder_is_offered_and_encodes_prompts_only(comfy, monkeypa
     with pytest.raises(Exception, match=f"{name} holds no vision tower .*keyframes and image or video references"):
         comfy.conditioning.H3Conditioning.execute(text, "a fox", "fl2va", "auto", 0, 0, 4.0, vae=vae,
                                                   first_image=keyframe)
+
+
+def test_values_comfyui_lets_through_are_refused_at_their_node(comfy):
+    """An empty latent is not decoded into a clip of nothing; NaN passes ComfyUI's range checks, so the node
+    holding it refuses it before any model loads."""
+    c = comfy
+    _, _, vae = _models(c)
+    empty = c.latent.H3EmptyAVLatent.execute(1344, 768, 124).values[0]
+    with pytest.raises(ValueError, match="latent holds an empty latent"):
+        c.output.H3VAEDecode.execute(vae, empty)
+    with pytest.raises(ValueError, match="latent holds an empty latent"):
+        importlib.import_module("nodes.long_video").H3SaveMP4.execute(vae, empty, "H3/empty")
+    loaded = len(c.record.loaded)
+    with pytest.raises(ValueError, match="GPU memory budget must be a positive number of GiB, got nan"):
+        c.loaders.H3ModelLoader.execute("tiny-random", "", "fl2va", "bf16", "auto", gpu_memory_gb=float("nan"))
+    with pytest.raises(ValueError, match="GPU memory budget must be a positive number of GiB, got nan"):
+        c.loaders.H3TextEncoderLoader.execute("tiny-random", "", "", "bf16", gpu_memory_gb=float("nan"))
+    with pytest.raises(ValueError, match="strength must be a finite number, got nan"):
+        c.sampler.H3LoRAApply.execute(None, "any.safetensors", float("nan"))
+    assert len(c.record.loaded) == loaded

@@ -62,6 +62,27 @@ def test_streamed_audio_equals_the_whole_decode(vaes):
     assert torch.allclose(torch.cat(pieces, dim=-1), audio_vae.decode(latents, window=10_000), atol=1e-5)
 
 
+def test_progress_counts_the_soundtrack_windows_then_the_frames_and_can_stop_between(tmp_path, vaes):
+    """A long clip's soundtrack is many windows decoded before the first frame: each reports, and a host may stop
+    there (an interrupt) without waiting for the rest."""
+    calls = []
+    write_mp4(tmp_path / "clip.mp4", random_latents(243), *vaes, on_sound=lambda *a: calls.append(("sound", *a)),
+              on_frames=lambda *a: calls.append(("frames", *a)))
+    assert calls[:3] == [("sound", 1, 3), ("sound", 2, 3), ("sound", 3, 3)]
+    assert calls[3][:2] == ("frames", 17) and calls[-1] == ("frames", 243, 243)
+
+    class Stop(Exception):
+        pass
+
+    def stop(done, total):
+        raise Stop
+
+    with pytest.raises(Stop):
+        write_mp4(tmp_path / "stopped.mp4", random_latents(243), *vaes, on_sound=stop,
+                  on_frames=lambda *a: pytest.fail("a frame was decoded"))
+    assert not (tmp_path / "stopped.mp4").exists()
+
+
 def test_latents_round_trip_through_safetensors(tmp_path):
     latents = random_latents(124)
     loaded = AVLatents.load(latents.save(tmp_path / "l.safetensors", {"seed": "0"}))
