@@ -1,5 +1,5 @@
-"""The text encoder from ComfyUI's int8 ConvRot and NVFP4 files, held as the loader holds them (int8 / NVFP4,
-rebuilt as used) against bf16: seconds per prompt and GPU memory, resident and with its decoder layers
+"""The text encoder from ComfyUI's int8 ConvRot and NVFP4 files and from llama.cpp GGUF files, held as the loader
+holds them (int8 / NVFP4 / GGML blocks, rebuilt as used) against bf16: seconds per prompt and GPU memory, resident and with its decoder layers
 streamed from CPU memory (a small GPU), at the real size (Qwen3-VL-32B cut after layer 50, random weights).
 One JSON line per case.
 
@@ -7,7 +7,7 @@ One JSON line per case.
 
 The int8 weights are the bf16 model's own, rotated in groups of `--group` input columns and rounded to int8
 with a scale per row, as ComfyUI's files are made; the int8 encoder's prompt states are compared with the
-bf16 encoder's (cosine). The NVFP4 weights are random codes and scales (timing only, no cosine). The
+bf16 encoder's (cosine). The NVFP4 and GGUF weights are random codes and scales (timing only, no cosine). The
 tokenizer is the embedded tiny one, so token counts are printed.
 """
 
@@ -24,6 +24,8 @@ import torch
 
 from full_pipeline import PROMPT, text_encoder
 from h3_core.fp8 import FP8Linear, hadamard
+from h3_core.gguf_file import GGUFEntry, GGUFLinear
+from h3_core.gguf_quants import BLOCKS
 from h3_core.nvfp4 import NVFP4Entry, NVFP4Linear, round_up
 from h3_core.tiny_text import write_processor, write_tokenizer
 
@@ -73,6 +75,32 @@ def to_random_nvfp4(model: torch.nn.Module) -> int:
     return len(names)
 
 
+GGUF_SCALE_OFFSETS = {"Q8_0": (0,), "Q4_K": (0, 2)}  # byte offsets of each block's fp16 scales (gguf-py's layouts)
+
+
+def to_random_gguf(model: torch.nn.Module, qtype: str) -> int:
+    """Every decoder linear replaced by a GGUFLinear of random `qtype` blocks whose fp16 scales are ~1e-3."""
+    layers = model.language_model.layers
+    kinds = (torch.nn.Linear, FP8Linear, NVFP4Linear, GGUFLinear)
+    names = [name for name, module in layers.named_modules() if isinstance(module, kinds)]
+    block, size = BLOCKS[qtype]
+    for name in names:
+        old = layers.get_submodule(name)
+        entry = GGUFEntry(qtype, (old.out_features, old.in_features), (old.out_features, old.in_features))
+        new = GGUFLinear(old.in_features, old.out_features, entry, old.bias is not None, torch.bfloat16,
+                         old.weight.device)
+        blocks = torch.randint(0, 256, entry.raw_shape, dtype=torch.uint8, device=old.weight.device).view(-1, size)
+        for offset in GGUF_SCALE_OFFSETS[qtype]:
+            scales = torch.empty(blocks.shape[0], dtype=torch.float16, device=blocks.device).uniform_(2e-4, 2e-3)
+            blocks[:, offset:offset + 2] = scales.view(torch.uint8).view(-1, 2)
+        new.weight.data = blocks.view(entry.raw_shape)
+        if old.bias is not None:
+            new.bias.data = old.bias.data
+        layers.set_submodule(name, new)
+    torch.cuda.empty_cache()
+    return len(names)
+
+
 def timed_encode(encoder, presentation, repeats: int):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -94,6 +122,9 @@ def main():
     parser.add_argument("--repeat-prompt", type=int, nargs="+", default=[1, 8], help="prompt lengths (x the fox prompt)")
     parser.add_argument("--group", type=int, default=256, help="ConvRot group size (input columns)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gguf-types", nargs="*", default=["Q8_0", "Q4_K"], choices=sorted(GGUF_SCALE_OFFSETS),
+                        help="GGML block types to time after the ComfyUI files' cases")
+    parser.add_argument("--only-gguf", action="store_true", help="skip the int8 and NVFP4 cases")
     args = parser.parse_args()
     device = torch.device("cuda")
     folder = Path(tempfile.mkdtemp(prefix="h3-bench-tok-"))
@@ -123,14 +154,20 @@ def main():
 
     run("bf16", streamed=False)
     run("bf16", streamed=True)
-    count = to_int8_convrot(encoder.model, args.group)
-    print(json.dumps({"int8_linears": count, "group": args.group}), flush=True)
-    run("int8 kept", streamed=False)
-    run("int8 kept", streamed=True)
-    count = to_random_nvfp4(encoder.model)
-    print(json.dumps({"nvfp4_linears": count}), flush=True)
-    run("nvfp4 kept (random)", streamed=False)
-    run("nvfp4 kept (random)", streamed=True)
+    if not args.only_gguf:
+        count = to_int8_convrot(encoder.model, args.group)
+        print(json.dumps({"int8_linears": count, "group": args.group}), flush=True)
+        run("int8 kept", streamed=False)
+        run("int8 kept", streamed=True)
+        count = to_random_nvfp4(encoder.model)
+        print(json.dumps({"nvfp4_linears": count}), flush=True)
+        run("nvfp4 kept (random)", streamed=False)
+        run("nvfp4 kept (random)", streamed=True)
+    for qtype in args.gguf_types:
+        count = to_random_gguf(encoder.model, qtype)
+        print(json.dumps({"gguf_linears": count, "type": qtype}), flush=True)
+        run(f"gguf {qtype} kept (random)", streamed=False)
+        run(f"gguf {qtype} kept (random)", streamed=True)
 
 
 if __name__ == "__main__":

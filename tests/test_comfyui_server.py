@@ -314,6 +314,22 @@ def test_bad_prompt_is_a_node_error_and_server_goes_on(server):
     errors = json.dumps(body.get("node_errors", {}).get(cond))
     assert status == 400 and "bigger than max" in errors and "prompt takes STRING, got H3_VAE" in errors, body
 
+    # a link into a choice list must bring a COMBO (an image into aspect_ratio ran, then failed printing a tensor)
+    graph = json.loads((PACK / "workflows" / "api" / "t2va_guides.json").read_text())
+    cond = _node(graph, "H3Conditioning")
+    graph[cond]["inputs"]["aspect_ratio"] = [_node(graph, "EmptyImage"), 0]
+    status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
+    assert status == 400 and "aspect_ratio takes COMBO, got IMAGE" in json.dumps(body.get("node_errors")), body
+
+    # a slot past ref11: ComfyUI drops it from its checks and hands it to the node, which names it
+    graph = json.loads((PACK / "workflows" / "api" / "ref2va_images.json").read_text())
+    cond = _node(graph, "H3Conditioning")
+    graph[cond]["inputs"]["references.ref12"] = graph[cond]["inputs"]["references.ref0"]
+    history = _wait(base, _queue(base, graph, "x"))
+    assert history["status"]["status_str"] == "error"
+    assert "references.ref12: no such input; references go from ref0 to ref11" in json.dumps(
+        history["status"]["messages"]), history["status"]
+
     graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
     history = _wait(base, _queue(base, graph, "x"))
     assert history["status"]["status_str"] == "success"
