@@ -167,3 +167,14 @@ def canvas_inputs(auto: str) -> list:
         io.Int.Input("height", default=0, min=0, max=4096, step=32,
                      tooltip="Canvas height in pixels (multiple of 32); 0 = from the aspect ratio."),
     ]
+
+
+def wrong_link(input_types, takes: dict[str, str]) -> str | None:
+    """A node whose validate_inputs asks for `input_types` turns ComfyUI's own link-type check off for all its
+    inputs: the same check for the linked inputs named in `takes` (input -> type), by ComfyUI's rule: the same
+    type or "*"; a choice list takes a COMBO output, or one declared as its list of choices."""
+    for name, kind in (input_types if isinstance(input_types, dict) else {}).items():
+        wanted = takes.get(name)
+        if wanted and kind not in (wanted, "*") and not (wanted == "COMBO" and isinstance(kind, (list, tuple))):
+            return f"{name} takes {wanted}, got {kind}."
+    return None

@@ -20,7 +20,17 @@ from h3_core.placement import freed_on_failure
 from h3_core.prompt import MAX_AUDIO_REFERENCES, MAX_IMAGE_REFERENCES, MAX_REFERENCES, MAX_VIDEO_REFERENCES
 from h3_core.references import REFERENCE_IMAGE_MODES, frame_on_canvas
 
-from .common import CATEGORY, H3VAE, H3Cond, H3TextEncoder, canvas_inputs, check_interrupt, device, progress_bar
+from .common import (
+    CATEGORY,
+    H3VAE,
+    H3Cond,
+    H3TextEncoder,
+    canvas_inputs,
+    check_interrupt,
+    device,
+    progress_bar,
+    wrong_link,
+)
 from .convert import (
     SOCKET_KINDS,
     audio_to_decoded,
@@ -40,9 +50,7 @@ REFERENCE_TOOLTIP = (f"ref2va references, read in slot order (images, videos and
                      f"or video), {MAX_REFERENCES} in all. A new slot appears when the last one is connected.")
 
 
-# What each input takes when it is linked: validate_inputs asks for input_types, which turns ComfyUI's own
-# link type check off for the whole node, so it is done here, by ComfyUI's rule (the same type or "*"; a choice
-# list takes a COMBO output, or an output declared as its list of choices).
+# What each input takes when it is linked (validate_inputs asks for input_types, so `wrong_link` checks them)
 LINKED_TYPES = {"text_encoder": "H3_TEXT_ENCODER", "vae": "H3_VAE", "first_image": "IMAGE", "last_image": "IMAGE",
                 "prompt": "STRING", "width": "INT", "height": "INT", "duration": "FLOAT", "task": "COMBO",
                 "aspect_ratio": "COMBO", "reference_images": "COMBO"}
@@ -116,10 +124,9 @@ class H3Conditioning(io.ComfyNode):
         wrong = [kind for kind in kinds if kind not in SOCKET_KINDS.values()]
         if wrong:
             return f"References must be IMAGE, VIDEO or AUDIO; got {', '.join(wrong)}."
-        for name, kind in types.items():  # asking for input_types turns ComfyUI's own link type check off
-            wanted = LINKED_TYPES.get(name)
-            if wanted and kind not in (wanted, "*") and not (wanted == "COMBO" and isinstance(kind, (list, tuple))):
-                return f"{name} takes {wanted}, got {kind}."
+        problem = wrong_link(types, LINKED_TYPES)
+        if problem:
+            return problem
         keyframes = sum(name in types for name in ("first_image", "last_image"))
         if task is None:  # the task comes from a link: checked when the node runs
             return True

@@ -15,7 +15,7 @@ from h3_core.placement import freed_on_failure
 
 from .common import (
     CATEGORY, SAVE_HIDDEN, H3VAE, H3Latent, check_interrupt, decode_inputs, decode_options, progress_bar,
-    saved_file_metadata,
+    saved_file_metadata, wrong_link,
 )
 from .convert import (
     audio_to_stereo_32k,
@@ -102,6 +102,14 @@ class H3AVSave(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, input_types=None) -> bool | str:
+        """Images or a video, one of them: known at queue time, so a wrong wiring is refused before the sampling
+        and decoding above it run (asking for input_types, it checks the links' types itself)."""
+        types = input_types if isinstance(input_types, dict) else {}
+        return (wrong_link(types, {"images": "IMAGE", "audio": "AUDIO", "video": "VIDEO", "filename_prefix": "STRING"})
+                or _source_problem("images" in types, "video" in types) or True)
+
+    @classmethod
     def execute(cls, images=None, filename_prefix="H3/h3", audio=None, video=None) -> io.NodeOutput:
         frames, waveform = _frames_and_soundtrack(images, audio, video)
         count, height, width = frames.shape[:3]
@@ -114,12 +122,19 @@ class H3AVSave(io.ComfyNode):
         return io.NodeOutput(InputImpl.VideoFromFile(path), ui=preview)
 
 
+def _source_problem(images: bool, video: bool) -> str | None:
+    if images == video:
+        return ("H3 AV Save: connect either images (frames at 24 fps) or a video, "
+                + ("not both." if video else "got neither."))
+    return None
+
+
 def _frames_and_soundtrack(images, audio, video):
     """uint8 frames [F, H, W, 3] and a 32 kHz stereo waveform (or None) from images or a VIDEO; the
     audio input, when given, is the soundtrack."""
-    if (images is None) == (video is None):
-        raise ValueError("H3 AV Save: connect either images (frames at 24 fps) or a video, "
-                         + ("not both." if video is not None else "got neither."))
+    problem = _source_problem(images is not None, video is not None)
+    if problem:
+        raise ValueError(problem)
     if images is not None:
         return image_to_uint8(images, "images"), None if audio is None else audio_to_stereo_32k(audio, "audio")
     decoded = video_to_decoded(video, "video")

@@ -321,6 +321,13 @@ def test_bad_prompt_is_a_node_error_and_server_goes_on(server):
     status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
     assert status == 400 and "aspect_ratio takes COMBO, got IMAGE" in json.dumps(body.get("node_errors")), body
 
+    # H3 AV Save runs last: its wiring (images or a video) is refused at queue time, not after the sampling
+    graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
+    save = _node(graph, "H3AVSave")
+    graph[save]["inputs"].pop("images", None)
+    status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
+    assert status == 400 and "or a video, got neither" in json.dumps(body.get("node_errors", {}).get(save)), body
+
     # a slot past ref11: ComfyUI drops it from its checks and hands it to the node, which names it
     graph = json.loads((PACK / "workflows" / "api" / "ref2va_images.json").read_text())
     cond = _node(graph, "H3Conditioning")

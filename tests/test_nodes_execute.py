@@ -780,3 +780,14 @@ def test_values_comfyui_lets_through_are_refused_at_their_node(comfy):
     with pytest.raises(ValueError, match="strength must be a finite number, got nan"):
         c.sampler.H3LoRAApply.execute(None, "any.safetensors", float("nan"))
     assert len(c.record.loaded) == loaded
+
+
+def test_av_save_wiring_is_checked_at_queue_time(comfy):
+    """H3 AV Save runs last: images or a video (one of them), and its links' types, checked before anything runs."""
+    check = comfy.output.H3AVSave.validate_inputs
+    assert check(input_types={"images": "IMAGE", "audio": "AUDIO"}) is True
+    assert check(input_types={"video": "VIDEO"}) is True
+    assert "or a video, not both" in check(input_types={"images": "IMAGE", "video": "VIDEO"})
+    assert "or a video, got neither" in check(input_types={"audio": "AUDIO"})
+    assert "audio takes AUDIO, got IMAGE" in check(input_types={"images": "IMAGE", "audio": "IMAGE"})
+    assert check(input_types={"images": "*"}) is True
