@@ -44,7 +44,7 @@ from .pipeline import TINY_CANVAS, GenerateSettings, Job, ModelFiles, encode_cli
 from .references import REFERENCE_IMAGE_MODES, MediaReference
 from .runtime import return_freed_memory_to_os, use_expandable_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule
-from .text_checkpoint import checkpoint_layers, locate_text_encoder, model_name, source_tensor_names
+from .text_checkpoint import all_model_names, checkpoint_layers, locate_text_encoder, source_tensor_names
 from .tiny import TINY_RANDOM, tiny_random_dit
 from .vae_audio_checkpoint import locate_audio_vae
 from .vae_video_checkpoint import locate_video_vae
@@ -629,7 +629,7 @@ def _gguf_sizes(entries: dict) -> dict:
 
 def _text_encoder_info(path: str) -> dict:
     source = locate_text_encoder(path)
-    names = [name for name in map(model_name, source_tensor_names(source)) if name is not None]
+    names = all_model_names(source_tensor_names(source))  # every layer the file holds
     if "language_model.embed_tokens.weight" not in names:
         raise CheckpointError(f"{path} holds no Qwen3-VL text encoder (no embed_tokens).")
     sizes = _gguf_sizes(source.gguf_tensors) if source.gguf_tensors else _sizes(source.files)

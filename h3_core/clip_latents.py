@@ -10,6 +10,7 @@ latents gives the VAEs' reconstruction of the clip, not its pixels.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
@@ -36,8 +37,14 @@ MIN_CLIP_FRAMES = 22  # the shortest clip the latent layout holds (7 latent fram
 MAX_CLIP_FRAMES = int(MAX_CONTINUATION_SECONDS * geometry.FPS)  # the longest read: a long video's whole length
 
 
+def check_frame_rate(fps: float) -> None:
+    if not (math.isfinite(fps) and fps > 0):
+        raise RequestError(f"The clip's frame rate must be a positive number, got {fps!r}.")
+
+
 def clip_frame_count(frames: int, fps: float) -> int:
     """Frames at 24 fps a clip of `frames` frames at `fps` keeps: the largest 17n + 5 (refused below 22)."""
+    check_frame_rate(fps)
     at_24 = count_at_24fps(frames, fps)
     if at_24 < MIN_CLIP_FRAMES:
         raise RequestError(f"A clip to encode needs at least {MIN_CLIP_FRAMES} frames at 24 fps (0.92 s); this one "
@@ -76,8 +83,7 @@ def encode_clip(video_vae, audio_vae, frames: np.ndarray, fps: float, width: int
     frames = np.asarray(frames)
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
         raise RequestError(f"Clip frames must be uint8 RGB [N, H, W, 3], got {frames.dtype} {list(frames.shape)}.")
-    if not fps or fps <= 0:
-        raise RequestError(f"The clip's frame rate must be positive, got {fps!r}.")
+    check_frame_rate(fps)
     try:
         geometry.check_canvas(width, height)
     except ValueError as error:

@@ -86,12 +86,12 @@ def _original_shape(reader, name: str) -> tuple[int, ...] | None:
     return tuple(int(field.parts[part][0]) for part in field.data)
 
 
-def _entry(reader, tensor, path: Path) -> GGUFEntry:
+def _entry(reader, tensor, path: Path, model: str = "DiT") -> GGUFEntry:
     qtype = getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
     if qtype not in gguf_quants.SUPPORTED:
         raise CheckpointError(
-            f"'{tensor.name}' in {path.name} is stored as GGML type {qtype}, which H3 does not read; GGUF DiT files "
-            f"may use {', '.join(gguf_quants.SUPPORTED)}.")
+            f"'{tensor.name}' in {path.name} is stored as GGML type {qtype}, which H3 does not read; GGUF {model} "
+            f"files may use {', '.join(gguf_quants.SUPPORTED)}.")
     stored = tuple(int(size) for size in reversed(tensor.shape))
     shape = _original_shape(reader, tensor.name) or stored
     if math.prod(shape) != math.prod(stored):
@@ -100,12 +100,15 @@ def _entry(reader, tensor, path: Path) -> GGUFEntry:
     return GGUFEntry(qtype, shape, stored)
 
 
-def gguf_entries(path: Path) -> tuple[dict[str, GGUFEntry], str | None]:
-    """Each tensor's entry, by its key in the file (headers only), and the architecture the file names."""
+def gguf_entries(path: Path, model: str = "DiT", unused: Callable[[str], bool] | None = None
+                 ) -> tuple[dict[str, GGUFEntry], str | None]:
+    """Each tensor's entry, by its key in the file (headers only), but those `unused` names (never read, so
+    their types do not matter), and the architecture the file names. `model` names the model in errors."""
     reader = open_gguf(path)
     field = reader.get_field("general.architecture")
     arch = None if field is None else bytes(field.parts[field.data[-1]]).decode("utf-8", "replace")
-    return {tensor.name: _entry(reader, tensor, path) for tensor in reader.tensors}, arch
+    return {tensor.name: _entry(reader, tensor, path, model) for tensor in reader.tensors
+            if unused is None or not unused(tensor.name)}, arch
 
 
 def read_gguf(path: Path, only: Callable[[str], bool] | None = None) -> Iterator[Item]:

@@ -187,7 +187,8 @@ def locate_text_encoder(
 
 def _gguf_text_encoder(path: Path) -> dict:
     """A GGUF file's tensor entries, refused unless it is a Qwen3-VL language model (headers only)."""
-    entries, arch = gguf_file.gguf_entries(path)
+    # the LM head, final norm and rope table are never read: their GGML types do not matter
+    entries, arch = gguf_file.gguf_entries(path, "text encoder", unused=lambda key: model_name(key, 10**9) is None)
     if arch != GGUF_ARCHITECTURE:
         what = ("a vision projector (mmproj) file" if arch == "clip" else
                 f"a GGUF file of the '{arch}' architecture" if arch else "a GGUF file naming no architecture")
@@ -376,7 +377,7 @@ def load_qwen3vl(
             f"Layer {layers} is one of the first {deepstack} layers that take DeepStack vision features after them; "
             "H3 reads layer 50."
         )
-    held = checkpoint_layers([name for name in _all_model_names(names) if name.startswith("language_model.")])
+    held = checkpoint_layers([name for name in all_model_names(names) if name.startswith("language_model.")])
     if held < layers:
         raise CheckpointError(
             f"{_origin(source)} holds {held} decoder layers; H3 reads the state after layer {layers}, so it needs at "
@@ -479,20 +480,21 @@ def _used_tensors(source: TextEncoderSource, layers: int):
                     yield name, handle.get_tensor(key), path
 
 
-def _all_model_names(keys: list[str]) -> list[str]:
+def all_model_names(keys: list[str]) -> list[str]:
     """Model names of all keys, every layer kept (LM head and final norm dropped)."""
     return [name for name in (model_name(key, layers=10**9) for key in keys) if name is not None]
 
 
 def _check_is_text_encoder(names: list[str], source: TextEncoderSource) -> None:
-    stripped = _all_model_names(names)
+    stripped = all_model_names(names)
     if any(k.endswith(".scale_weight") for k in names):
         raise CheckpointError(f"{_origin(source)} is an old-style scaled FP8 text encoder; use the bf16 file or "
                               "a ComfyUI int8 ConvRot one.")
     if "language_model.embed_tokens.weight" not in stripped:
+        keys = ("'token_embd.weight'" if source.gguf_tensors else
+                "'model.embed_tokens.weight' or 'model.language_model.embed_tokens.weight'")
         raise CheckpointError(
-            f"{_origin(source)} holds no Qwen3-VL text encoder (no 'model.embed_tokens.weight' or "
-            "'model.language_model.embed_tokens.weight'); is it another model's file?"
+            f"{_origin(source)} holds no Qwen3-VL text encoder (no {keys}); is it another model's file?"
         )
 
 

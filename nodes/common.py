@@ -171,10 +171,11 @@ def canvas_inputs(auto: str) -> list:
 
 def wrong_link(input_types, takes: dict[str, str]) -> str | None:
     """A node whose validate_inputs asks for `input_types` turns ComfyUI's own link-type check off for all its
-    inputs: the same check for the linked inputs named in `takes` (input -> type), by ComfyUI's rule: the same
-    type or "*"; a choice list takes a COMBO output, or one declared as its list of choices."""
+    inputs: the same check, with ComfyUI's own rule, for the linked inputs named in `takes` (input -> type)."""
+    from comfy_execution.validation import validate_node_input
+
     for name, kind in (input_types if isinstance(input_types, dict) else {}).items():
         wanted = takes.get(name)
-        if wanted and kind not in (wanted, "*") and not (wanted == "COMBO" and isinstance(kind, (list, tuple))):
+        if wanted and not validate_node_input(kind, wanted):
             return f"{name} takes {wanted}, got {kind}."
     return None

@@ -295,8 +295,10 @@ def refuse_extra_inputs(extra: dict) -> None:
     if extra:
         from h3_core.prompt import MAX_REFERENCES
 
-        raise ValueError(f"{', '.join(sorted(extra))}: no such input; references go from ref0 to "
-                         f"ref{MAX_REFERENCES - 1} (H3 takes at most {MAX_REFERENCES}).")
+        names = sorted(extra)
+        hint = (f"; references go from ref0 to ref{MAX_REFERENCES - 1} (H3 takes at most {MAX_REFERENCES})"
+                if any(name.startswith("references.") for name in names) else "")
+        raise ValueError(f"{', '.join(names)}: no such input{hint}.")
 
 
 def media_problem(task: str, reference_kinds: list[str], keyframes: int) -> str | None:

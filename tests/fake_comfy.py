@@ -131,7 +131,7 @@ class LoadedModel:
         return self._patcher()
 
 
-FAKED = ("comfy", "comfy_api", "folder_paths", "nodes")  # top-level modules the fakes (and our nodes) fill
+FAKED = ("comfy", "comfy_api", "comfy_execution", "folder_paths", "nodes")  # top-level modules the fakes (and our nodes) fill
 
 
 @contextlib.contextmanager
@@ -145,6 +145,17 @@ def installed(tmp_path: Path, **options):
         for name in [name for name in sys.modules if name.split(".")[0] in FAKED]:
             del sys.modules[name]
         sys.modules.update(saved)
+
+
+def validate_node_input(received, wanted) -> bool:
+    """ComfyUI 0.33's link-type rule, as its comfy_execution.validation states it: the same type; "*" or a
+    MatchType on either side; a list of choices into a COMBO; else comma-joined unions that overlap."""
+    if received == wanted or "COMFY_MATCHTYPE_V3" in (received, wanted):
+        return True
+    if isinstance(received, list):
+        return wanted == "COMBO"
+    sent, taken = ({t.strip() for t in str(kind).split(",")} for kind in (received, wanted))
+    return "*" in sent | taken or bool(sent & taken)
 
 
 def install(tmp_path: Path, loras: list[str] = (), previews: bool = True) -> Recorder:
@@ -273,7 +284,10 @@ def install(tmp_path: Path, loras: list[str] = (), previews: bool = True) -> Rec
 
     folder_paths.get_save_image_path = save_path
 
+    execution, validation = types.ModuleType("comfy_execution"), types.ModuleType("comfy_execution.validation")
+    validation.validate_node_input = validate_node_input
     for name, module in (("comfy_api", api), ("comfy_api.latest", latest), ("comfy", comfy),
+                         ("comfy_execution", execution), ("comfy_execution.validation", validation),
                          ("comfy.model_management", mm), ("comfy.model_patcher", patcher_module),
                          ("comfy.utils", utils), ("comfy.cli_args", cli_args),
                          ("comfy.latent_formats", latent_formats), ("comfy.nested_tensor", nested_tensor),

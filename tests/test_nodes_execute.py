@@ -114,6 +114,8 @@ def test_conditioning_media_checks(comfy):
                  task="t2va") is True
     with pytest.raises(ValueError, match=r"references.ref12: no such input; references go from ref0 to ref11"):
         _cond(c, text, vae, "ref2va", references={"ref0": image}, **{"references.ref12": image})
+    with pytest.raises(ValueError, match=r"^num_frames: no such input\.$"):
+        _cond(c, text, vae, "t2va", num_frames=124)
     with pytest.raises(ValueError, match=r"Give width and height together, or neither \(got width=320"):
         c.conditioning.H3Conditioning.execute(text, "a fox", "t2va", "auto", 320, 0, 4.0)
     with pytest.raises(ValueError, match="ref2va takes references, not first_image"):
@@ -779,6 +781,8 @@ def test_values_comfyui_lets_through_are_refused_at_their_node(comfy):
         c.loaders.H3TextEncoderLoader.execute("tiny-random", "", "", "bf16", gpu_memory_gb=float("nan"))
     with pytest.raises(ValueError, match="strength must be a finite number, got nan"):
         c.sampler.H3LoRAApply.execute(None, "any.safetensors", float("nan"))
+    with pytest.raises(ValueError, match="frame rate must be a positive number, got nan"):
+        c.latent.H3VAEEncode.execute(vae, images=torch.rand(30, 64, 96, 3), frame_rate=float("nan"))
     assert len(c.record.loaded) == loaded
 
 
@@ -791,3 +795,5 @@ def test_av_save_wiring_is_checked_at_queue_time(comfy):
     assert "or a video, got neither" in check(input_types={"audio": "AUDIO"})
     assert "audio takes AUDIO, got IMAGE" in check(input_types={"images": "IMAGE", "audio": "IMAGE"})
     assert check(input_types={"images": "*"}) is True
+    assert check(input_types={"images": "COMFY_MATCHTYPE_V3"}) is True  # a core switch node's output
+    assert check(input_types={"images": "IMAGE,MASK"}) is True  # a union that overlaps, as ComfyUI takes it

@@ -119,6 +119,11 @@ def test_a_gguf_file_of_another_model_is_refused(tiny, tmp_path):
         with pytest.raises(CheckpointError, match=f"{arch}.gguf is {said}; a GGUF text encoder for H3 is "
                                                   r"Qwen3-VL-32B's language model \(architecture 'qwen3vl'"):
             locate_text_encoder(path)
+    no_embedding = tmp_path / "no_embedding.gguf"
+    write_gguf(no_embedding, {k: v for k, v in tiny_qwen.llama_cpp_keys(tiny["model"].state_dict()).items()
+                              if k != "token_embd.weight"}, arch="qwen3vl")
+    with pytest.raises(CheckpointError, match=r"holds no Qwen3-VL text encoder \(no 'token_embd.weight'\)"):
+        _load(tiny, no_embedding)
     short = tmp_path / "short.gguf"
     keys = {k: v for k, v in tiny_qwen.llama_cpp_keys(tiny["model"].state_dict()).items()
             if not re.match(r"blk\.(4\d|5\d)\.", k)}
@@ -139,3 +144,38 @@ def test_a_gguf_text_encoder_on_the_gpu_resident_and_streamed(tiny):
     relative = lambda got: ((got.cpu() - expected).norm() / expected.norm()).item()  # noqa: E731
     assert relative(on_gpu.encode(presentation).prompt_embeds) < 1e-3
     assert relative(on_cpu.stream_layers("cuda").encode(presentation).prompt_embeds) < 1e-3
+
+
+def test_types_matter_only_where_tensors_are_read(tiny, tmp_path, capsys):
+    """A GGML type H3 does not read is refused in a decoder layer, naming the text encoder, and ignored in the LM
+    head (never read); `h3 info` counts every layer the file holds (52 here, 50 read)."""
+    import numpy as np
+
+    from h3_core.cli import main
+
+    keys = tiny_qwen.llama_cpp_keys(tiny["model"].state_dict())
+
+    def written(name, qtype_of):
+        path = tmp_path / name
+        writer = gguf.GGUFWriter(str(path), arch="qwen3vl")
+        for key, tensor in keys.items():
+            qtype = qtype_of(key)  # Q8_1: blocks of 32 (40 bytes) that llama.cpp has and H3 does not read
+            data = (np.zeros((tensor.shape[0], tensor.shape[1] // 32 * 40), dtype=np.uint8) if qtype else
+                    tensor.float().numpy().astype("float32" if tensor.dim() == 1 else "float16"))
+            raw = getattr(gguf.GGMLQuantizationType, qtype or ("F32" if tensor.dim() == 1 else "F16"))
+            writer.add_tensor(key, data, raw_dtype=raw)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    head = written("head.gguf", lambda key: "Q8_1" if key == "output.weight" else None)
+    with pytest.raises(CheckpointError, match="blk.0.ffn_up.weight' in layer.gguf is stored as GGML type Q8_1, "
+                                              "which H3 does not read; GGUF text encoder files may use"):
+        locate_text_encoder(written("layer.gguf", lambda key: "Q8_1" if key == "blk.0.ffn_up.weight" else None))
+    assert locate_text_encoder(head).gguf_tensors
+    assert main(["info", str(head)]) == 0
+    import json
+
+    assert json.loads(capsys.readouterr().out)["text_encoder"]["decoder_layers"] == 52
