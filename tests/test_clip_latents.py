@@ -101,7 +101,7 @@ def test_bad_clips_are_refused_before_a_vae_runs():
         encode_clip(None, None, clip(30), 24.0, 200, 128)
     with pytest.raises(RequestError, match="uint8 RGB"):
         encode_clip(None, None, clip(30).astype(np.float32), 24.0, 224, 128)
-    with pytest.raises(RequestError, match="frame rate must be positive"):
+    with pytest.raises(RequestError, match="frame rate must be a positive number"):
         encode_clip(None, None, clip(30), 0.0, 224, 128)
     with pytest.raises(RequestError, match="the clip's sound"):
         encode_clip(None, None, clip(30), 24.0, 224, 128, np.zeros((2, 100), np.float32), -1)
