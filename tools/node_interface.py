@@ -11,7 +11,8 @@ must run them. So, against the record:
 
 Run: python tools/node_interface.py            says whether the nodes keep the record
      python tools/node_interface.py --update   records additions (refused while anything breaks it)
-tests/test_node_interface.py fails on a break, and until additions are recorded.
+tests/test_node_interface.py fails on a break, and until additions are recorded. A deliberate break (a
+release whose notes say which workflows must be redone) is recorded by editing the record by hand.
 """
 
 from __future__ import annotations
