@@ -431,7 +431,7 @@ def test_vae_decode_asks_comfyui_for_its_working_memory(comfy):
     c = comfy
     output, long_video = importlib.import_module("nodes.output"), importlib.import_module("nodes.long_video")
     vae = c.loaders.H3VAELoader.execute("tiny-random", "tiny-random", "").values[0]
-    latent = empty_latent(224, 128, 22)
+    latent = {**empty_latent(224, 128, 22), "empty": False}  # zeros, decoded here only for the memory asked
     _, _, frames, height, width = latent["video"].shape
     want = decode_working_bytes(vae.video.config, frames, height, width, 4)
     images, _ = output.H3VAEDecode.execute(vae, latent).values
