@@ -201,21 +201,23 @@ def _named_canvas(request: Request, rules: CanvasRules) -> tuple[int, int] | Non
     return rules.canvas(*geometry.ASPECT_RATIOS[name])
 
 
+def _media_kinds(request: Request) -> list[str]:
+    """What the text encoder is shown beside the prompt, in order: "image" for each fl2va keyframe, else each
+    reference's kind."""
+    if request.task == "fl2va":
+        return ["image" for image in (request.first_image, request.last_image) if image is not None]
+    return [_as_reference(item, index).kind for index, item in enumerate(request.references)]
+
+
 def prompt_label_warnings(request: Request) -> list[str]:
     """`prompt.label_warnings` for a request: fl2va keyframes are its pictures, references what they are."""
-    if request.task == "fl2va":
-        kinds = ["image" for image in (request.first_image, request.last_image) if image is not None]
-    else:
-        kinds = [_as_reference(item, index).kind for index, item in enumerate(request.references)]
-    return label_warnings(request.prompt, kinds)
+    return label_warnings(request.prompt, _media_kinds(request))
 
 
 def shows_pictures(request: Request) -> bool:
     """Whether the text encoder's vision tower reads part of the request: fl2va keyframes, image or video
     references."""
-    if request.task == "fl2va":
-        return request.first_image is not None or request.last_image is not None
-    return any(_as_reference(item, index).kind != "audio" for index, item in enumerate(request.references))
+    return any(kind != "audio" for kind in _media_kinds(request))
 
 
 def _as_reference(item, index: int) -> MediaReference:

@@ -371,6 +371,11 @@ class _Prepared:
     seed: int
     outputs: int
 
+    @property
+    def plain_request(self) -> Request:
+        """The request itself, or a long video's (`LongVideoRequest.request`): prompt, media, canvas."""
+        return getattr(self.request, "request", self.request)
+
 
 def generate(
     request: Request,
@@ -434,7 +439,7 @@ def generate_batch(
             raise
     _check_batch(prepared, names)
     for item, name in zip(prepared, names):
-        for warning in prompt_label_warnings(getattr(item.request, "request", item.request)):  # a long video's
+        for warning in prompt_label_warnings(item.plain_request):
             notes(f"warning: {name + ': ' if len(prepared) > 1 else ''}{warning}")
     partition = prepared[0].partition
     source = resolve_model_source(model, partition, files)
@@ -462,8 +467,7 @@ def generate_batch(
         with _part_of(source, "text_encoder"):
             text_files = locate_text_encoder_files(source.text_encoder, source.tokenizer)
         if not text_files.vision_tower:
-            showing = [name for item, name in zip(prepared, names) if shows_pictures(getattr(item.request, "request",
-                                                                                              item.request))]
+            showing = [name for item, name in zip(prepared, names) if shows_pictures(item.plain_request)]
             if showing:
                 which = "This request shows" if len(prepared) == 1 else f"{', '.join(showing)} show"
                 raise CheckpointError(f"{which} the text encoder pictures (keyframes or image / video references), "

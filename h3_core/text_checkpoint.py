@@ -433,21 +433,18 @@ def planned_model(source: TextEncoderSource, qwen_config, layers: int = TEXT_ENC
     def rename(key: str) -> str | None:
         return model_name(key, layers)
 
-    if source.gguf_tensors:
+    gguf = bool(source.gguf_tensors)  # a GGUF file holds no safetensors quantization records, nor a vision tower
+    if gguf:
         model.visual = MissingVisionTower(source.files[0].name)
-        quantized = {name: entry for key, entry in source.gguf_tensors.items()
-                     if entry.quantized and (name := rename(key)) is not None}
-        kept = gguf_file.GGUFLoad.plan(model, quantized, keep=lambda layer: layer.startswith("language_model.layers."),
-                                       compute=compute, dense_dtype=lambda name: compute)
-        return TextEncoderPlan(model, dtype, fp8.FP8Load.weight_only(model, {}, compute),
-                               nvfp4.NVFP4Load.plan(model, {}, keep=lambda layer: True, compute=compute,
-                                                    dense_dtype=lambda layer: compute), kept)
-    nvfp4_layers = nvfp4.checkpoint_nvfp4_layers(source.files, rename)
+    blocks = {name: entry for key, entry in source.gguf_tensors.items()
+              if entry.quantized and (name := rename(key)) is not None}
+    held_gguf = gguf_file.GGUFLoad.plan(model, blocks, keep=lambda layer: layer.startswith("language_model.layers."),
+                                        compute=compute, dense_dtype=lambda name: compute)
+    nvfp4_layers = {} if gguf else nvfp4.checkpoint_nvfp4_layers(source.files, rename)
     held = nvfp4.NVFP4Load.plan(model, nvfp4_layers, keep=lambda layer: True, compute=compute,
                                 dense_dtype=lambda layer: compute)
-    file_layers = fp8.checkpoint_fp8_layers(source.files, rename=nvfp4.outside(nvfp4_layers, rename))
-    return TextEncoderPlan(model, dtype, fp8.FP8Load.weight_only(model, file_layers, compute), held,
-                           gguf_file.GGUFLoad({}, set(), lambda name: compute))
+    file_layers = {} if gguf else fp8.checkpoint_fp8_layers(source.files, rename=nvfp4.outside(nvfp4_layers, rename))
+    return TextEncoderPlan(model, dtype, fp8.FP8Load.weight_only(model, file_layers, compute), held, held_gguf)
 
 
 class MissingVisionTower(torch.nn.Module):

@@ -39,6 +39,18 @@ def progress_bar(total: int):
     return comfy.utils.ProgressBar(total)
 
 
+def progress_and_interrupt(total: int = 1):
+    """An engine loop's `(done, total)` callback: ComfyUI's progress bar moved, then its interrupt checked (a
+    raise there stops the loop)."""
+    bar = progress_bar(total)
+
+    def report(done: int, total: int) -> None:
+        bar.update_absolute(done, total)
+        check_interrupt()
+
+    return report
+
+
 def model_choices(kind: str, also: tuple[str, ...] = ()) -> list[str]:
     """'tiny-random' first, then the files ComfyUI lists for `kind` (diffusion_models, text_encoders, ...) and
     those of its folders ending in `also` (ComfyUI lists its own weight suffixes only: GGUF files are not)."""

@@ -15,7 +15,7 @@ from h3_core.media import MediaError
 from h3_core.conditioning import MAX_FRAMES, MIN_REQUESTED_FRAMES, RequestError, resolve_num_frames
 from h3_core.placement import freed_on_failure
 
-from .common import CATEGORY, H3VAE, H3Cond, H3Latent, check_interrupt, device, progress_bar
+from .common import CATEGORY, H3VAE, H3Cond, H3Latent, check_interrupt, device, progress_and_interrupt, progress_bar
 from .convert import (
     audio_to_decoded, empty_latent, from_core_av, image_to_uint8, pack_latents, to_core_av, trim_frames, video_file,
     video_to_decoded,
@@ -143,16 +143,10 @@ class H3VAEEncode(io.ComfyNode):
             if not width:
                 width, height = vae.canvas.canvas(frames.shape[2], frames.shape[1])
             clip_frame_count(frames.shape[0], fps)  # too short a clip is refused before the VAEs move
-            bar = progress_bar(1)
-
-            def on_frames(done: int, total: int) -> None:
-                bar.update_absolute(done, total)
-                check_interrupt()
-
             place([vae.patcher])
             with freed_on_failure(device()):
                 latents = encode_clip(vae.video, vae.audio, frames, fps, int(width), int(height), waveform, rate,
-                                      on_frames)
+                                      progress_and_interrupt())
         latent = pack_latents(latents, width=int(width), height=int(height))
         return io.NodeOutput(latent, int(width), int(height), latents.num_frames)
 

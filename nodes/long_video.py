@@ -38,7 +38,8 @@ from h3_core.placement import freed_on_failure
 
 from .common import (
     CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, canvas_inputs, check_interrupt, decode_inputs,
-    decode_options, device, preview_settings, progress_bar, saved_file_metadata, shift_inputs, step_preview,
+    decode_options, device, preview_settings, progress_and_interrupt, progress_bar, saved_file_metadata, shift_inputs,
+    step_preview,
 )
 from .conditioning import guide_media, guide_media_inputs, reference_images_input, reference_input
 from .convert import (audio_to_decoded, build_request, media_problem, ordered_references, pack_latents,
@@ -244,16 +245,11 @@ class H3SaveMP4(io.ComfyNode):
             filename_prefix, folder_paths.get_output_directory(), width, height)
         file = f"{filename}_{counter:05}_.mp4"
         path = os.path.join(folder, file)
-        bar = progress_bar(latents.num_frames)
-
-        def on_frames(done, total):  # the soundtrack's windows first (total: their count), then the frames
-            bar.update_absolute(done, total)
-            check_interrupt()
-
+        report = progress_and_interrupt(latents.num_frames)  # the soundtrack's windows, then the frames
         place([vae.patcher], decode_working_bytes(vae, latents.video, tiled))
         with freed_on_failure(vae.device):
-            write_mp4(path, latents, vae.video, vae.audio, on_frames=on_frames, devices=decode_devices, tiled=tiled,
-                      metadata=saved_file_metadata(cls.hidden, latents.num_frames), on_sound=on_frames)
+            write_mp4(path, latents, vae.video, vae.audio, on_frames=report, devices=decode_devices, tiled=tiled,
+                      metadata=saved_file_metadata(cls.hidden, latents.num_frames), on_sound=report)
         preview = ui.PreviewVideo([ui.SavedResult(file, subfolder, io.FolderType.output)])
         return io.NodeOutput(InputImpl.VideoFromFile(path), ui=preview)
 

@@ -14,7 +14,7 @@ from h3_core.output import decode_audio, decode_video
 from h3_core.placement import freed_on_failure
 
 from .common import (
-    CATEGORY, SAVE_HIDDEN, H3VAE, H3Latent, check_interrupt, decode_inputs, decode_options, progress_bar,
+    CATEGORY, SAVE_HIDDEN, H3VAE, H3Latent, decode_inputs, decode_options, progress_and_interrupt,
     saved_file_metadata, wrong_link,
 )
 from .convert import (
@@ -58,20 +58,15 @@ class H3VAEDecode(io.ComfyNode):
         tiled, decode_devices = decode_options(tiling, devices)
         latents = unpack_latents(latent)
         total = latents.num_frames
-        bar = progress_bar(total)
+        report = progress_and_interrupt(total)  # the soundtrack's windows, then the frames
         place([vae.patcher], decode_working_bytes(vae, latents.video, tiled))
         with freed_on_failure(vae.device):
-            def on_window(done, windows):  # the soundtrack's windows, before the frames
-                bar.update_absolute(done, windows)
-                check_interrupt()
-
-            audio = waveform_to_audio(list(decode_audio(vae.audio, latents.audio, on_window)), total)
+            audio = waveform_to_audio(list(decode_audio(vae.audio, latents.audio, report)), total)
             blocks, done = [], 0
             for block in decode_video(vae.video, latents.video, decode_devices, tiled):
                 blocks.append(block)
                 done += block.shape[0]
-                bar.update_absolute(done, total)
-                check_interrupt()
+                report(done, total)
         return io.NodeOutput(frames_to_image(blocks), audio)
 
 
