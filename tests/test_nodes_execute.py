@@ -124,6 +124,40 @@ def test_conditioning_media_checks(comfy):
         _cond(c, text, vae, "ref2va", references={"ref0": "text"})
 
 
+
+def test_continuation_wiring_checks_at_queue_time(comfy):
+    """H3 Continuation's wiring is refused by validate_inputs, before ComfyUI runs the loaders feeding it."""
+    check = importlib.import_module("nodes.long_video").H3Continuation.validate_inputs
+    vae = {"vae": "H3_VAE"}
+    assert check(input_types={}, task="t2va") is True
+    assert check(input_types={"references.ref0": "IMAGE", "references.ref1": "AUDIO", **vae}, task="ref2va") is True
+    assert "t2va takes a prompt only" in check(input_types={"references.ref0": "IMAGE", **vae}, task="t2va")
+    assert "needs an image or video" in check(input_types={"references.ref0": "AUDIO", **vae}, task="ref2va")
+    assert "References must be IMAGE, VIDEO or AUDIO; got LATENT" in check(
+        input_types={"references.ref0": "LATENT", **vae}, task="ref2va")
+    assert "task must be one of t2va, ref2va; got 'fl2va'" in check(input_types={}, task="fl2va")
+    assert check(input_types={"references.ref0": "IMAGE", **vae}, task=None) is True  # a linked task: at run time
+    assert "The VAEs encode references and drive_audio: connect H3 VAE Loader's vae" in check(
+        input_types={"references.ref0": "IMAGE", "drive_audio": "AUDIO"}, task="ref2va")
+    assert "The VAEs encode guides" in check(input_types={"guides": "H3_GUIDES"}, task="t2va")
+    assert check(input_types={"continue_from": "H3_LATENT", "keep_video": "H3_LATENT"}, task="t2va").startswith(
+        "keep_video makes the sound for a whole clip of yours; it cannot go with continue_from")
+    assert "a continued clip already has its sound" in check(
+        input_types={"continue_from": "H3_LATENT", "drive_audio": "AUDIO", **vae}, task="t2va")
+    assert "continue_from takes H3_LATENT, got LATENT" in check(input_types={"continue_from": "LATENT"}, task="t2va")
+    assert "model takes H3_MODEL, got MODEL" in check(input_types={"model": "MODEL"}, task="t2va")
+
+
+def test_link_tables_name_every_input_with_its_type(comfy):
+    """validate_inputs turns ComfyUI's own link-type check off, so a node's table of linked types must name
+    every input (but the reference list) with the type its schema gives it."""
+    long_video = importlib.import_module("nodes.long_video")
+    for module, node in ((comfy.conditioning, comfy.conditioning.H3Conditioning),
+                         (long_video, long_video.H3Continuation)):
+        ports = fake_comfy.schema_of(node)["inputs"]
+        assert module.LINKED_TYPES == {name: port.type for name, port in ports.items()
+                                       if port.type != "COMFY_AUTOGROW_V3"}, node
+
 def test_sampler_sigmas_denoise_and_latent_checks(comfy):
     c = comfy
     model, text, vae = _models(c)
@@ -733,10 +767,10 @@ def test_decode_nodes_share_the_clips_over_devices(comfy):
     assert frames[0].shape[0] == 107 and np.array_equal(*frames)
 
 
-def test_a_gguf_text_encoder_is_offered_and_encodes_prompts_only(comfy, monkeypatch):
+def test_a_gguf_text_encoder_is_offered_and_reads_its_mmproj(comfy, monkeypatch):
     """A llama.cpp GGUF of the encoder's language model in models/text_encoders: listed (ComfyUI lists its own
     suffixes only), loaded with its linears in GGML blocks; a keyframe is refused, saying the file has no vision
-    tower."""
+    tower, until its mmproj file lies beside it."""
     import tiny_qwen
     from PIL import Image
 
@@ -759,9 +793,18 @@ def test_a_gguf_text_encoder_is_offered_and_encodes_prompts_only(comfy, monkeypa
     assert conditioning.values[0] is not None
     keyframe = torch.from_numpy(np.asarray(Image.new("RGB", (96, 64), (200, 30, 30)), dtype=np.float32) / 255)[None]
     _, _, vae = _models(comfy)
-    with pytest.raises(Exception, match=f"{name} holds no vision tower .*keyframes and image or video references"):
+    with pytest.raises(Exception, match=f"{name} holds no vision tower, .*keyframes and image or video references"):
         comfy.conditioning.H3Conditioning.execute(text, "a fox", "fl2va", "auto", 0, 0, 4.0, vae=vae,
                                                   first_image=keyframe)
+
+    # its mmproj file beside it: not offered as a text encoder, read as the vision tower
+    tiny_qwen.write_mmproj_file(comfy.tmp / "text_encoders" / "mmproj-F16.gguf", model, {})
+    options = next(p for p in comfy.loaders.H3TextEncoderLoader.define_schema().inputs if p.id == "text_encoder")
+    assert name in options.options["options"] and "mmproj-F16.gguf" not in options.options["options"]
+    text = comfy.loaders.H3TextEncoderLoader.execute(name, "", str(release / "FL2VA"), "bf16").values[0]
+    cond = comfy.conditioning.H3Conditioning.execute(text, "a fox", "fl2va", "auto", 0, 0, 4.0, vae=vae,
+                                                     first_image=keyframe).values[0]
+    assert cond.task == "fl2va" and len(cond.visual_condition_latents) == 1
 
 
 def test_values_comfyui_lets_through_are_refused_at_their_node(comfy):
