@@ -107,7 +107,7 @@ def add_model_file_options(parser: argparse.ArgumentParser, text_encoder: bool =
         parser.add_argument("--text-encoder", type=Path, metavar="PATH",
                             help="the text encoder, when not under --model: e.g. ComfyUI's "
                                  "models/text_encoders/qwen3vl_32b_minimax_h3_bf16.safetensors (or its int8 or nvfp4 file, or a "
-                                 "llama.cpp GGUF of its language model: prompts only, no keyframes or references)")
+                                 "llama.cpp GGUF of its language model; keyframes and references need its mmproj file beside it)")
         parser.add_argument("--tokenizer", type=Path, metavar="DIR",
                             help="with a single --text-encoder file, which carries none: the release's FL2VA/tokenizer "
                                  "folder or FL2VA/ (default: --model's folder when it is one, else the release's tokenizer "
@@ -635,6 +635,7 @@ def _text_encoder_info(path: str) -> dict:
     sizes = _gguf_sizes(source.gguf_tensors) if source.gguf_tensors else _sizes(source.files)
     return {"origin": source.origin, "decoder_layers": checkpoint_layers(names), **sizes,
             "vision_tower": source.vision_tower,
+            **({"vision_tower_file": str(source.vision.path)} if source.vision is not None else {}),
             "tokenizer": None if source.tokenizer_folder is None else str(source.tokenizer_folder)}
 
 

@@ -105,10 +105,18 @@ def gguf_entries(path: Path, model: str = "DiT", unused: Callable[[str], bool] |
     """Each tensor's entry, by its key in the file (headers only), but those `unused` names (never read, so
     their types do not matter), and the architecture the file names. `model` names the model in errors."""
     reader = open_gguf(path)
-    field = reader.get_field("general.architecture")
-    arch = None if field is None else bytes(field.parts[field.data[-1]]).decode("utf-8", "replace")
     return {tensor.name: _entry(reader, tensor, path, model) for tensor in reader.tensors
-            if unused is None or not unused(tensor.name)}, arch
+            if unused is None or not unused(tensor.name)}, _text(reader, "general.architecture")
+
+
+def gguf_text_field(path: Path, key: str) -> str | None:
+    """A text field of the file's header (None if it has none)."""
+    return _text(open_gguf(path), key)
+
+
+def _text(reader, key: str) -> str | None:
+    field = reader.get_field(key)
+    return None if field is None else bytes(field.parts[field.data[-1]]).decode("utf-8", "replace")
 
 
 def read_gguf(path: Path, only: Callable[[str], bool] | None = None) -> Iterator[Item]:

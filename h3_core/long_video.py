@@ -165,6 +165,10 @@ def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_
             f"Long video and driving audio run t2va or ref2va, not {request.task!r} (fl2va keyframes are not "
             "supported here)."
         )
+    clash = given_clips_clash(request.continue_from is not None, request.drive_audio is not None,
+                              request.keep_video is not None)
+    if clash:
+        raise RequestError(clash)
     base, given_frames = _continued(request)
     base, kept_frames = _kept_clip(request, base)
     total = _total_frames(base, request.mode, kept_frames)
@@ -189,9 +193,6 @@ def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_
     longest = min(max(MIN_FRAMES, max(window.frames for window in new)), MAX_FRAMES)
     first = dataclasses.replace(base, prompt=prompts[0], duration=None, num_frames=longest)
     plan = validate(first, rules)
-    if request.drive_audio is not None and given_frames:
-        raise RequestError("A driving soundtrack drives a clip from its first frame; a continued clip already has "
-                           "its sound. Continue without drive audio, or drive the whole clip from the start.")
     if request.drive_audio is not None:
         try:
             check_track(request.drive_audio)
@@ -199,6 +200,19 @@ def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_
             raise RequestError(str(error)) from None
     check_window_guides(plan.task, windows, total, request.guides, _locked(request))
     return LongVideoPlan(plan.task, plan.width, plan.height, total, windows, prompts, first, plan)
+
+
+def given_clips_clash(continue_from: bool, drive_audio: bool, keep_video: bool) -> str | None:
+    """Which of a long request's given clip, driving soundtrack and kept clip cannot go together (None if
+    they can): known from what is given alone, so a host can refuse it before anything runs."""
+    if keep_video and (continue_from or drive_audio):
+        clashes = [name for name, given in (("continue_from", continue_from), ("drive_audio", drive_audio)) if given]
+        return (f"keep_video makes the sound for a whole clip of yours; it cannot go with {' or '.join(clashes)} "
+                "(drive_audio already fixes the sound, continue_from extends a clip).")
+    if drive_audio and continue_from:
+        return ("A driving soundtrack drives a clip from its first frame; a continued clip already has its sound. "
+                "Continue without drive audio, or drive the whole clip from the start.")
+    return None
 
 
 def _locked(request: LongVideoRequest) -> str | None:
@@ -223,11 +237,6 @@ def _kept_clip(request: LongVideoRequest, base: Request) -> tuple[Request, int]:
         return base, 0
     if not isinstance(kept, AVLatents):
         raise RequestError(f"keep_video takes the AVLatents of a clip, got {type(kept).__name__}.")
-    clashes = [name for name, value in (("continue_from", request.continue_from), ("drive_audio", request.drive_audio))
-               if value is not None]
-    if clashes:
-        raise RequestError(f"keep_video makes the sound for a whole clip of yours; it cannot go with "
-                           f"{' or '.join(clashes)} (drive_audio already fixes the sound, continue_from extends a clip).")
     try:
         kept.check()
     except ValueError as error:

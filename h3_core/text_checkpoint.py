@@ -18,8 +18,8 @@ Layouts (h3-model.md I):
 - a GGUF file of Qwen3-VL-32B's language model, as llama.cpp's converter writes it (architecture `qwen3vl`,
   names `token_embd.*`, `blk.N.attn_q.*`, ...; no weight is permuted for Qwen models): its quantized block
   linears stay in their GGML blocks (`gguf_file.GGUFLinear`), the embedding is dequantized at load. llama.cpp
-  keeps the vision tower in a separate mmproj file, which is not read: a GGUF text encoder encodes prompts
-  only, not keyframes or image / video references.
+  keeps the vision tower in a separate mmproj file, read from beside it (`text_mmproj`); without one, a GGUF
+  text encoder encodes prompts only, not keyframes or image / video references.
 Tensor names may be spelled `model.language_model.*` / `model.visual.*` (transformers >= 4.57) or
 `model.*` / `visual.*` (older Qwen-VL naming, the single file). Only safetensors are read.
 """
@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from . import fp8, gguf_file, nvfp4
+from .text_mmproj import VisionTowerFile, find_vision_tower
 from .weights import (
     PICKLE_SUFFIXES,
     CheckpointError,
@@ -66,9 +67,9 @@ GGUF_LAYER_PARTS = {
 }
 GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
-GGUF_NO_VISION = ("holds no vision tower (llama.cpp keeps it in a separate mmproj file, which H3 does not read), so "
-                  "it encodes prompts only; keyframes and image or video references need the safetensors text "
-                  "encoder (bf16, int8_convrot or nvfp4)")
+GGUF_NO_VISION = ("holds no vision tower, and no Qwen3-VL-32B mmproj file lies beside it (llama.cpp keeps the vision "
+                  "tower in a separate file, e.g. mmproj-F16.gguf: put it in the same folder), so it encodes prompts "
+                  "only; keyframes and image or video references need that file, or a safetensors text encoder")
 
 # Qwen3-VL-32B (the config the release's text_encoder/config.json carries), for the single file.
 QWEN3VL_32B_CONFIG = {
@@ -124,6 +125,7 @@ class TextEncoderSource:
     processor_folder: Path | None
     origin: str  # "original partition", "HF-layout folder", "single file" or "GGUF file", for messages
     gguf_tensors: dict = field(default_factory=dict, compare=False)  # file key -> gguf_file.GGUFEntry (GGUF files)
+    vision: VisionTowerFile | None = field(default=None, compare=False)  # a GGUF file's mmproj beside it
 
     @property
     def one_file(self) -> bool:
@@ -133,7 +135,7 @@ class TextEncoderSource:
     @property
     def vision_tower(self) -> bool:
         """Whether the files hold the vision tower that reads keyframes and image / video references."""
-        return not self.gguf_tensors
+        return not self.gguf_tensors or self.vision is not None
 
 
 def locate_text_encoder(
@@ -152,9 +154,11 @@ def locate_text_encoder(
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(f"{path} does not exist.")
-    gguf_tensors = {}
+    gguf_tensors, vision = {}, None
     if path.is_file() and gguf_file.is_gguf(path):
         gguf_tensors = _gguf_text_encoder(path)
+        if "token_embd.weight" in gguf_tensors:
+            vision = find_vision_tower(path, gguf_tensors["token_embd.weight"].shape[1])
         files, config, roots, origin = (path,), None, [], "GGUF file"
     elif path.is_file():
         check_safetensors_file(path, "Text encoder single", " (or GGUF, .gguf)")
@@ -182,7 +186,7 @@ def locate_text_encoder(
             f"{processor} holds no Qwen3-VL processor config (expected one of {', '.join(PROCESSOR_MARKERS)} in it "
             "or in a processor/ folder inside it)."
         )
-    return TextEncoderSource(tuple(files), config, tokenizer_folder, processor_folder, origin, gguf_tensors)
+    return TextEncoderSource(tuple(files), config, tokenizer_folder, processor_folder, origin, gguf_tensors, vision)
 
 
 def _gguf_text_encoder(path: Path) -> dict:
@@ -384,6 +388,8 @@ def load_qwen3vl(
             f"least {layers}."
         )
 
+    if source.vision is not None:
+        source.vision.check_config(qwen_config.vision_config)
     plan = planned_model(source, qwen_config, layers, dtype)
     assign_strictly(plan.model, plan.tensors(_used_tensors(source, layers), device), _origin(source),
                     plan.dtype_for, device, on_tensor)
@@ -421,8 +427,8 @@ def planned_model(source: TextEncoderSource, qwen_config, layers: int = TEXT_ENC
     """Qwen3-VL with `layers` decoder layers and an identity final norm, built on meta, each linear the files
     hold in int8 (ComfyUI's ConvRot files), e4m3 or NVFP4 kept so (a byte or half a byte a weight; the same
     weights as dequantizing at load), and a GGUF file's quantized decoder-layer linears kept in their GGML blocks
-    (its other quantized tensors, the embedding, dequantized as they load). A GGUF file has no vision tower:
-    the model gets `MissingVisionTower`. Read from the files' headers and quantization records only."""
+    (its other quantized tensors, the embedding and its mmproj's, dequantized as they load). A GGUF file without
+    an mmproj beside it gets `MissingVisionTower`. Read from the files' headers and quantization records only."""
     from transformers import Qwen3VLModel
 
     with torch.device("meta"):
@@ -433,11 +439,12 @@ def planned_model(source: TextEncoderSource, qwen_config, layers: int = TEXT_ENC
     def rename(key: str) -> str | None:
         return model_name(key, layers)
 
-    gguf = bool(source.gguf_tensors)  # a GGUF file holds no safetensors quantization records, nor a vision tower
-    if gguf:
+    gguf = bool(source.gguf_tensors)  # a GGUF file holds no safetensors quantization records
+    if not source.vision_tower:
         model.visual = MissingVisionTower(source.files[0].name)
     blocks = {name: entry for key, entry in source.gguf_tensors.items()
               if entry.quantized and (name := rename(key)) is not None}
+    blocks.update(source.vision.quantized() if source.vision is not None else {})
     held_gguf = gguf_file.GGUFLoad.plan(model, blocks, keep=lambda layer: layer.startswith("language_model.layers."),
                                         compute=compute, dense_dtype=lambda name: compute)
     nvfp4_layers = {} if gguf else nvfp4.checkpoint_nvfp4_layers(source.files, rename)
@@ -468,6 +475,8 @@ def _used_tensors(source: TextEncoderSource, layers: int):
         path = source.files[0]
         for key, tensor, where in gguf_file.read_gguf(path, only=lambda key: model_name(key, layers) is not None):
             yield model_name(key, layers), tensor, where
+        if source.vision is not None:
+            yield from source.vision.tensors()
         return
     for path in source.files:
         with open_safetensors(path) as handle:

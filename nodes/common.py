@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 from comfy_api.latest import io
@@ -51,9 +52,10 @@ def progress_and_interrupt(total: int = 1):
     return report
 
 
-def model_choices(kind: str, also: tuple[str, ...] = ()) -> list[str]:
+def model_choices(kind: str, also: tuple[str, ...] = (), unless: str | None = None) -> list[str]:
     """'tiny-random' first, then the files ComfyUI lists for `kind` (diffusion_models, text_encoders, ...) and
-    those of its folders ending in `also` (ComfyUI lists its own weight suffixes only: GGUF files are not)."""
+    those of its folders ending in `also` (ComfyUI lists its own weight suffixes only: GGUF files are not), but
+    for those whose name holds `unless` (llama.cpp's mmproj files: companions, not models)."""
     import folder_paths
 
     from h3_core.tiny import TINY_RANDOM
@@ -62,7 +64,8 @@ def model_choices(kind: str, also: tuple[str, ...] = ()) -> list[str]:
     if also:
         for folder in folder_paths.get_folder_paths(kind):
             found, _ = folder_paths.recursive_search(folder, excluded_dir_names=[".git"])
-            names.update(folder_paths.filter_files_extensions(found, also))
+            names.update(name for name in folder_paths.filter_files_extensions(found, also)
+                         if unless is None or unless not in Path(name).name.lower())
     return [TINY_RANDOM] + sorted(names)
 
 

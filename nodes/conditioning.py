@@ -118,13 +118,7 @@ class H3Conditioning(io.ComfyNode):
         """Which media are wired is known before anything runs: a wrong mix is a node error at queue time. It
         names only `input_types`, `task` and `references` (ComfyUI hands the grown reference list to it anyway),
         so ComfyUI still checks every other input's range and options."""
-        types = (input_types or {}) if isinstance(input_types, dict) else {}
-        kinds = [SOCKET_KINDS.get(kind, kind) for name, kind in sorted(types.items(), key=lambda item: _slot(item[0]))
-                 if name.startswith("references.")]
-        wrong = [kind for kind in kinds if kind not in SOCKET_KINDS.values()]
-        if wrong:
-            return f"References must be IMAGE, VIDEO or AUDIO; got {', '.join(wrong)}."
-        problem = wrong_link(types, LINKED_TYPES)
+        types, kinds, problem = linked_media(input_types, LINKED_TYPES)
         if problem:
             return problem
         keyframes = sum(name in types for name in ("first_image", "last_image"))
@@ -167,6 +161,19 @@ class H3Conditioning(io.ComfyNode):
             cond = encode_request(request, text_encoder.encoder, video_vae, audio_vae, rules=text_encoder.canvas,
                                   on_stage=on_stage)
         return io.NodeOutput(cond, cond.width, cond.height, cond.num_frames)
+
+
+def linked_media(input_types, takes: dict[str, str]) -> tuple[dict, list[str], str | None]:
+    """What a validate_inputs sees of a node's links: their types by input, the media kinds linked to the
+    reference slots in slot order, and what is wrong with them (a reference that is no IMAGE, VIDEO or
+    AUDIO; a link of the wrong type into an input of `takes`), or None."""
+    types = (input_types or {}) if isinstance(input_types, dict) else {}
+    kinds = [SOCKET_KINDS.get(kind, kind) for name, kind in sorted(types.items(), key=lambda item: _slot(item[0]))
+             if name.startswith("references.")]
+    wrong = [kind for kind in kinds if kind not in SOCKET_KINDS.values()]
+    if wrong:
+        return types, kinds, f"References must be IMAGE, VIDEO or AUDIO; got {', '.join(wrong)}."
+    return types, kinds, wrong_link(types, takes)
 
 
 def _slot(name: str) -> int:

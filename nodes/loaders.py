@@ -12,6 +12,7 @@ from h3_core.attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
 from h3_core.checkpoint import DiTReader, locate_dit, vsa_student, with_config
 from h3_core.fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
 from h3_core.gguf_file import GGUF_SUFFIX
+from h3_core.text_mmproj import MARKER as MMPROJ_MARKER
 from h3_core.local_attention import check_setting as check_window_setting
 from h3_core.memory_plan import check_budget
 from h3_core.parallel import ModelSpec
@@ -192,11 +193,13 @@ class H3TextEncoderLoader(io.ComfyNode):
             category=CATEGORY,
             description="Loads H3's Qwen3-VL text conditioner (layer 50 hidden states).",
             inputs=[
-                io.Combo.Input("text_encoder", options=model_choices("text_encoders", also=(GGUF_SUFFIX,)),
+                io.Combo.Input("text_encoder", options=model_choices("text_encoders", also=(GGUF_SUFFIX,),
+                                                                     unless=MMPROJ_MARKER),
                                default=TINY_RANDOM,
                                tooltip="A file from models/text_encoders (e.g. qwen3vl_32b_minimax_h3_bf16, or a GGUF "
-                                       "of Qwen3-VL-32B's language model: prompts only, it has no vision tower for "
-                                       "keyframes and references), or tiny-random for tests and demos."),
+                                       "of Qwen3-VL-32B's language model, whose vision tower for keyframes and "
+                                       "references is read from the mmproj GGUF file beside it; without one it "
+                                       "encodes prompts only), or tiny-random for tests and demos."),
                 io.String.Input("folder", default="", tooltip=FOLDER_TOOLTIP),
                 io.String.Input("tokenizer_folder", default="",
                                 tooltip="For a single file, which carries none: the release's FL2VA/tokenizer folder "

@@ -28,6 +28,7 @@ from h3_core.long_video import (
     LONG_VIDEO_TASKS,
     LongVideoRequest,
     encode_long_video,
+    given_clips_clash,
     sample_long_video,
     split_window_prompts,
     validate_long_video,
@@ -41,12 +42,20 @@ from .common import (
     decode_options, device, preview_settings, progress_and_interrupt, progress_bar, saved_file_metadata, shift_inputs,
     step_preview,
 )
-from .conditioning import guide_media, guide_media_inputs, reference_images_input, reference_input
+from .conditioning import guide_media, guide_media_inputs, linked_media, reference_images_input, reference_input
 from .convert import (audio_to_decoded, build_request, media_problem, ordered_references, pack_latents,
                       refuse_empty_latent, refuse_extra_inputs, unpack_latents)
 from .memory import decode_working_bytes, dit_for_run, drop_loras, place, place_for_encoding, use_loras
 
 STEP = geometry.FRAMES_PER_CHUNK  # window and overlap stay on the 17n + 5 grid
+
+# What each input takes when it is linked (validate_inputs asks for input_types, so `linked_media` checks them)
+LINKED_TYPES = {"model": "H3_MODEL", "text_encoder": "H3_TEXT_ENCODER", "prompt": "STRING", "task": "COMBO",
+                "duration": "FLOAT", "mode": "COMBO", "window_frames": "INT", "overlap_frames": "INT", "seed": "INT",
+                "steps": "INT", "video_shift": "FLOAT", "audio_shift": "FLOAT", "aspect_ratio": "COMBO", "width": "INT",
+                "height": "INT", "window_prompts": "STRING", "vae": "H3_VAE", "drive_audio": "AUDIO",
+                "guides": "H3_GUIDES", "continue_from": "H3_LATENT", "keep_video": "H3_LATENT",
+                "reference_images": "COMBO"}
 
 
 class H3Continuation(io.ComfyNode):
@@ -116,6 +125,23 @@ class H3Continuation(io.ComfyNode):
                               tooltip="The whole clip's frame count at 24 fps (continue_from included)."),
             ],
         )
+
+    @classmethod
+    def validate_inputs(cls, input_types=None, task=None, references=None) -> bool | str:
+        """What is wired is known before anything runs (the model loader included): a wrong mix is a node error
+        at queue time. Naming only these arguments keeps ComfyUI's own checks of every other input."""
+        types, kinds, problem = linked_media(input_types, LINKED_TYPES)
+        problem = problem or given_clips_clash(*(name in types for name in ("continue_from", "drive_audio",
+                                                                             "keep_video")))
+        if not problem and task is not None:  # a linked task is checked when the node runs
+            if task not in LONG_VIDEO_TASKS:  # naming task here turns ComfyUI's own options check off for it
+                return f"task must be one of {', '.join(LONG_VIDEO_TASKS)}; got {task!r}."
+            problem = media_problem(task, kinds, 0)
+        encoded = [name for name, given in (("references", kinds), ("drive_audio", "drive_audio" in types),
+                                             ("guides", "guides" in types)) if given]
+        if not problem and encoded and "vae" not in types:
+            problem = f"The VAEs encode {' and '.join(encoded)}: connect H3 VAE Loader's vae."
+        return problem or True
 
     @classmethod
     def execute(cls, model, text_encoder, prompt, task, duration, mode, window_frames, overlap_frames, seed, steps,

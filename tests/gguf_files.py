@@ -50,15 +50,18 @@ def random_blocks(qtype: str, shape: tuple[int, ...], seed: int = 0, **scales) -
 
 
 def write_gguf(path, tensors: dict[str, torch.Tensor], qtypes: dict[str, str] | None = None, prefix: str = "",
-               flattened: tuple[str, ...] = (), arch: str = "minimax_h3") -> dict[str, torch.Tensor]:
+               flattened: tuple[str, ...] = (), arch: str = "minimax_h3", texts: dict[str, str] | None = None
+               ) -> dict[str, torch.Tensor]:
     """Write `tensors` (our names) as a GGUF file, each key `prefix` + name, in `qtypes[name]` (F32 for 1-D ones,
-    else F16 unless named); `flattened` ones are stored as rows of 256 with ComfyUI-GGUF's original-shape field.
-    Returns the float32 tensor each stands for (by our name), per gguf's dequantizer."""
+    else F16 unless named); `flattened` ones are stored as rows of 256 with ComfyUI-GGUF's original-shape field;
+    `texts` are header fields. Returns the float32 tensor each stands for (by our name), per gguf's dequantizer."""
     import gguf
     from gguf import GGMLQuantizationType as Types
 
     qtypes = qtypes or {}
     writer = gguf.GGUFWriter(str(path), arch=arch)
+    for key, value in (texts or {}).items():
+        writer.add_string(key, value)
     meant = {}
     for name, tensor in tensors.items():
         values = tensor.detach().float().numpy()

@@ -328,6 +328,15 @@ def test_bad_prompt_is_a_node_error_and_server_goes_on(server):
     status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
     assert status == 400 and "or a video, got neither" in json.dumps(body.get("node_errors", {}).get(save)), body
 
+    # H3 Continuation's wiring is refused at queue time too (before the loaders run), its ranges still by ComfyUI
+    graph = json.loads((PACK / "workflows" / "api" / "extend_video.json").read_text())
+    continuation = _node(graph, "H3Continuation")
+    graph[continuation]["inputs"]["keep_video"] = graph[continuation]["inputs"]["continue_from"]
+    graph[continuation]["inputs"]["window_frames"] = 100_000
+    status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
+    errors = json.dumps(body.get("node_errors", {}).get(continuation))
+    assert status == 400 and "it cannot go with continue_from" in errors and "bigger than max" in errors, body
+
     # a slot past ref11: ComfyUI drops it from its checks and hands it to the node, which names it
     graph = json.loads((PACK / "workflows" / "api" / "ref2va_images.json").read_text())
     cond = _node(graph, "H3Conditioning")

@@ -365,3 +365,23 @@ def test_a_gguf_text_encoder_generates_what_its_weights_do(model_sets, tmp_path,
     info = json.loads(capsys.readouterr().out)["text_encoder"]
     assert info["origin"] == "GGUF file" and info["decoder_layers"] == 50 and info["vision_tower"] is False
     assert set(info["gib_by_type"]) == {"F16", "F32", "Q8_0"}
+
+    # its mmproj file beside it: the keyframe request runs, as with the same weights in one safetensors file
+    monkeypatch.undo()
+    monkeypatch.setattr(text_checkpoint, "QWEN3VL_32B_CONFIG", model_sets["text_config"])
+    vision = tiny_qwen.write_mmproj_file(tmp_path / "mmproj-Qwen3-VL-32B-Instruct-F16.gguf", text, {})
+    by_name = tiny_qwen.vision_from_mmproj(vision, text.config.vision_config.deepstack_visual_indexes)
+    dense.update({k: by_name[text_checkpoint.model_name(k)] for k in dense
+                  if text_checkpoint.model_name(k).startswith("visual.")})
+    save_file(dense, str(tmp_path / "dense.safetensors"))
+    for name, encoder in (("gguf", gguf), ("dense", tmp_path / "dense.safetensors")):
+        argv = ["generate", "--model", str(model_sets["dit"]), *_file_options(model_sets, "text_encoder"),
+                "--text-encoder", str(encoder), *REQUEST, "--dtype", "fp32", "--task", "fl2va",
+                "--first-image", str(tmp_path / "first.png"), "--save-latents", str(runs[name])]
+        assert main(argv) == 0
+    ours, theirs = load_file(str(runs["gguf"])), load_file(str(runs["dense"]))
+    assert torch.equal(ours["video"], theirs["video"]) and torch.equal(ours["audio"], theirs["audio"])
+    capsys.readouterr()
+    assert main(["info", str(gguf)]) == 0
+    info = json.loads(capsys.readouterr().out)["text_encoder"]
+    assert info["vision_tower"] is True and info["vision_tower_file"].endswith("mmproj-Qwen3-VL-32B-Instruct-F16.gguf")

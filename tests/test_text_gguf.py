@@ -90,8 +90,9 @@ def test_pictures_need_the_vision_tower_a_gguf_file_lacks(tiny):
 
     loaded = _load(tiny, tiny["gguf"])
     presentation = loaded.presenter.fl2va(PROMPT, [Image.new("RGB", (96, 64), (200, 30, 30))])
-    with pytest.raises(CheckpointError, match=r"Qwen3-VL-tiny-Q8_0.gguf holds no vision tower \(llama.cpp keeps it "
-                                              r"in a separate mmproj file.*keyframes and image or video references"):
+    with pytest.raises(CheckpointError, match=r"Qwen3-VL-tiny-Q8_0.gguf holds no vision tower, and no Qwen3-VL-32B "
+                                              r"mmproj file lies beside it \(llama.cpp keeps the vision tower in a "
+                                              r"separate file.*keyframes and image or video references need that"):
         loaded.encode(presentation)
     assert not locate_text_encoder(tiny["gguf"], tokenizer=tiny["partition"]).vision_tower
 
@@ -179,3 +180,108 @@ def test_types_matter_only_where_tensors_are_read(tiny, tmp_path, capsys):
     import json
 
     assert json.loads(capsys.readouterr().out)["text_encoder"]["decoder_layers"] == 52
+
+
+def _mmproj_qtypes(model) -> dict:
+    """The converter's types for a Q8_0 projector file: 2-D linears Q8_0, the position embedding F32, the patch
+    kernel's frames F32 (forced), norms and biases F32."""
+    keys = tiny_qwen.mmproj_keys(model.state_dict(), model.config.vision_config.deepstack_visual_indexes)
+    return {key: "F32" if key.startswith(("v.position_embd", "v.patch_embd")) else "Q8_0"
+            for key, tensor in keys.items() if tensor.dim() >= 2}
+
+
+@pytest.fixture(scope="module")
+def paired(tiny, tmp_path_factory):
+    """The GGUF language model with a Q8_0 mmproj file beside it, and another model's projector (ignored)."""
+    folder = tmp_path_factory.mktemp("paired")
+    model = tiny_qwen.write_gguf_file(folder / "Qwen3-VL-tiny-Q8_0.gguf", tiny["model"], tiny["qtypes"])
+    vision = tiny_qwen.write_mmproj_file(folder / "mmproj-Qwen3-VL-tiny-Q8_0.gguf", tiny["model"],
+                                         _mmproj_qtypes(tiny["model"]))
+    tiny_qwen.write_mmproj_file(folder / "mmproj-Qwen2.5-VL-F16.gguf", tiny["model"], {}, projector="qwen2.5vl_merger")
+    return {"folder": folder, "gguf": folder / "Qwen3-VL-tiny-Q8_0.gguf", "model": model, "vision": vision}
+
+
+def test_mmproj_names_are_read_as_gguf_py_names_them():
+    """Our reading of llama.cpp's projector names against gguf-py's own table (transformers' names -> GGUF) where
+    it has them; the converter's own names (merger, DeepStack, patch frames) as its Qwen3-VL code writes them."""
+    from h3_core.text_mmproj import vision_name
+
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, 27)
+    for hf, part in tiny_qwen.MMPROJ_BLOCK_PARTS.items():
+        assert table.get_name(f"visual.blocks.7.{hf}") == f"v.blk.7.{part}"
+        assert vision_name(f"v.blk.7.{part}.bias", {}) == f"visual.blocks.7.{hf}.bias"
+    assert table.get_name("visual.pos_embed") == "v.position_embd"
+    assert vision_name("v.position_embd.weight", {}) == "visual.pos_embed.weight"
+    assert table.get_name("visual.patch_embed.proj") == "v.patch_embd"
+    assert vision_name("v.patch_embd.weight.1", {}) == "visual.patch_embed.proj.weight"
+    assert vision_name("v.deepstack.16.fc2.weight", {8: 0, 16: 1, 24: 2}) == \
+        "visual.deepstack_merger_list.1.linear_fc2.weight"
+    assert vision_name("mm.2.bias", {}) == "visual.merger.linear_fc2.bias"
+    assert vision_name("v.blk.0.attn_q.weight", {}) is None  # Ollama's split q / k / v: not llama.cpp's layout
+
+
+def test_the_vision_tower_comes_from_the_mmproj_file_beside_it(tiny, paired, tmp_path, monkeypatch):
+    """Keyframes through a GGUF text encoder: the prompt states of the same weights (gguf's dequantizer, the patch
+    kernel's frames stacked) in a safetensors single file, bit for bit; the other model's projector is passed by."""
+    from PIL import Image
+
+    from h3_core import text_checkpoint
+    from h3_core.text import text_encoder_sizes
+
+    source = locate_text_encoder(paired["gguf"], tokenizer=tiny["partition"])
+    assert source.vision_tower and source.vision.path.name == "mmproj-Qwen3-VL-tiny-Q8_0.gguf"
+    assert source.vision.deepstack_layers == (0, 1)
+    loaded = _load(tiny, paired["gguf"])
+    qkv = loaded.model.visual.blocks[1].attn.qkv.weight
+    assert qkv.dtype == torch.float32 and torch.equal(qkv, paired["vision"]["v.blk.1.attn_qkv.weight"])
+
+    dense = tiny_qwen.comfy_keys(tiny["model"].state_dict())
+    lm = {model_name(key): value for key, value in paired["model"].items() if model_name(key) is not None}
+    dense.update({key: lm[model_name(key)] for key in dense if model_name(key).startswith("language_model.")})
+    dense.update(tiny_qwen.vision_from_mmproj(paired["vision"], [0, 1]))
+    save_file(dense, str(tmp_path / "dense.safetensors"))
+    reference = _load(tiny, tmp_path / "dense.safetensors")
+    picture = Image.new("RGB", (96, 64), (200, 30, 30))
+    presentation = loaded.presenter.fl2va(PROMPT, [picture, picture.rotate(90, expand=True)])
+    got = loaded.encode(presentation).prompt_embeds
+    assert torch.equal(got, reference.encode(presentation).prompt_embeds)
+    original = _load(tiny, tiny["partition"]).encode(presentation).prompt_embeds  # unquantized: near, not equal
+    assert torch.nn.functional.cosine_similarity(got.flatten(), original.flatten(), dim=0) > 0.95
+
+    monkeypatch.setattr(text_checkpoint, "QWEN3VL_32B_CONFIG", tiny["config"])  # a one-file encoder's config
+    without = text_encoder_sizes(tiny["gguf"], torch.float32)[0]
+    vision_bytes = sum(t.numel() * 4 for k, t in tiny["model"].state_dict().items() if k.startswith("model.visual."))
+    assert text_encoder_sizes(paired["gguf"], torch.float32)[0] == without + vision_bytes
+
+
+def test_which_mmproj_file_pairs_with_a_gguf_text_encoder(tiny, tmp_path, caplog):
+    """Several of Qwen3-VL's projectors: the one named most like the model, said in the log; one of another
+    width is passed by; DeepStack mergers after other vision blocks are refused by name."""
+    import logging
+
+    from gguf_files import write_gguf
+
+    folder = tmp_path / "several"
+    model = tiny["model"]
+    tiny_qwen.write_gguf_file(folder / "Qwen3-VL-tiny-Instruct-Q4_K_M.gguf", model, {})
+    for name in ("mmproj-F16.gguf", "Qwen3-VL-tiny-Instruct-mmproj-BF16.gguf"):
+        tiny_qwen.write_mmproj_file(folder / name, model, {})
+    with caplog.at_level(logging.WARNING, logger="h3"):
+        source = locate_text_encoder(folder / "Qwen3-VL-tiny-Instruct-Q4_K_M.gguf")
+    assert source.vision.path.name == "Qwen3-VL-tiny-Instruct-mmproj-BF16.gguf"
+    assert "several vision tower files lie beside Qwen3-VL-tiny-Instruct-Q4_K_M.gguf" in caplog.text
+
+    narrow = tmp_path / "narrow"
+    tiny_qwen.write_gguf_file(narrow / "Qwen3-VL-tiny.gguf", model, {})
+    keys = tiny_qwen.mmproj_keys(model.state_dict(), [0, 1])
+    keys.update({k: v[:16] for k, v in keys.items() if k.startswith(("mm.2.", "v.deepstack.1.fc2."))})
+    write_gguf(narrow / "mmproj-8B.gguf", keys, arch="clip", texts={"clip.projector_type": "qwen3vl_merger"})
+    assert not locate_text_encoder(narrow / "Qwen3-VL-tiny.gguf").vision_tower
+
+    shifted = tmp_path / "shifted"
+    tiny_qwen.write_gguf_file(shifted / "Qwen3-VL-tiny.gguf", model, {})
+    write_gguf(shifted / "mmproj.gguf", tiny_qwen.mmproj_keys(model.state_dict(), [0, 3]), arch="clip",
+               texts={"clip.projector_type": "qwen3vl_merger"})
+    with pytest.raises(CheckpointError, match=r"mmproj.gguf has DeepStack mergers after vision blocks \[0, 3\]; this "
+                                              r"Qwen3-VL takes them after blocks \[0, 1\]"):
+        _load(tiny, shifted / "Qwen3-VL-tiny.gguf")

@@ -15,6 +15,7 @@ import json
 import re
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from h3_core.tiny_text import (  # noqa: F401  (re-exported for the tests)
@@ -88,6 +89,77 @@ def write_gguf_file(path: Path, model, qtypes: dict[str, str]) -> dict:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     return write_gguf(path, llama_cpp_keys(model.state_dict()), qtypes, arch="qwen3vl")
+
+
+# transformers' vision block names -> llama.cpp's mmproj names (its Qwen3-VL converter; gguf-py's MMPROJ map)
+MMPROJ_BLOCK_PARTS = {"norm1": "ln1", "attn.qkv": "attn_qkv", "attn.proj": "attn_out", "norm2": "ln2",
+                      "mlp.linear_fc1": "ffn_up", "mlp.linear_fc2": "ffn_down"}
+MMPROJ_MERGER_PARTS = {"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}
+MMPROJ_DEEPSTACK_PARTS = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+
+
+def mmproj_keys(state: dict, deepstack_layers: list[int]) -> dict:
+    """The vision tower as llama.cpp's converter writes a Qwen3-VL mmproj file: the Conv3d patch kernel split
+    into its two temporal frames, DeepStack mergers named by the vision block they follow, the merger's
+    linears mm.0 / mm.2."""
+    out = {}
+    for key, tensor in state.items():
+        if not key.startswith("model.visual."):
+            continue
+        rest = key[len("model.visual."):]
+        if rest == "patch_embed.proj.weight":
+            out["v.patch_embd.weight"], out["v.patch_embd.weight.1"] = tensor[:, :, 0], tensor[:, :, 1]
+        elif rest == "patch_embed.proj.bias":
+            out["v.patch_embd.bias"] = tensor
+        elif rest == "pos_embed.weight":
+            out["v.position_embd.weight"] = tensor
+        elif rest.startswith("blocks."):
+            number, part, leaf = re.fullmatch(r"blocks\.(\d+)\.(.+)\.(weight|bias)", rest).groups()
+            out[f"v.blk.{number}.{MMPROJ_BLOCK_PARTS[part]}.{leaf}"] = tensor
+        elif rest.startswith("merger."):
+            part, leaf = rest[len("merger."):].rsplit(".", 1)
+            out[f"{MMPROJ_MERGER_PARTS[part]}.{leaf}"] = tensor
+        else:
+            index, part, leaf = re.fullmatch(r"deepstack_merger_list\.(\d+)\.(.+)\.(weight|bias)", rest).groups()
+            out[f"v.deepstack.{deepstack_layers[int(index)]}.{MMPROJ_DEEPSTACK_PARTS[part]}.{leaf}"] = tensor
+    return {key: tensor.contiguous() for key, tensor in out.items()}
+
+
+def vision_from_mmproj(values: dict, deepstack_layers: list[int]) -> dict:
+    """`mmproj_keys`' inverse: an mmproj file's tensors (by its keys) in the Comfy-Org single file's visual.*
+    names, the patch kernel's frames stacked back into the Conv3d kernel."""
+    blocks = {v: k for k, v in MMPROJ_BLOCK_PARTS.items()}
+    merger = {v: k for k, v in MMPROJ_MERGER_PARTS.items()}
+    deepstack = {v: k for k, v in MMPROJ_DEEPSTACK_PARTS.items()}
+    out = {"visual.patch_embed.proj.weight": torch.stack([values["v.patch_embd.weight"],
+                                                          values["v.patch_embd.weight.1"]], dim=2)}
+    for key, tensor in values.items():
+        stem, _, leaf = key.rpartition(".")
+        if key in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
+            continue
+        if stem == "v.patch_embd":
+            out[f"visual.patch_embed.proj.{leaf}"] = tensor
+        elif stem == "v.position_embd":
+            out[f"visual.pos_embed.{leaf}"] = tensor
+        elif stem in merger:
+            out[f"visual.merger.{merger[stem]}.{leaf}"] = tensor
+        elif stem.startswith("v.blk."):
+            _, _, number, part = stem.split(".", 3)
+            out[f"visual.blocks.{number}.{blocks[part]}.{leaf}"] = tensor
+        else:
+            _, _, layer, part = stem.split(".", 3)
+            out[f"visual.deepstack_merger_list.{deepstack_layers.index(int(layer))}.{deepstack[part]}.{leaf}"] = tensor
+    return out
+
+
+def write_mmproj_file(path: Path, model, qtypes: dict[str, str], projector: str = "qwen3vl_merger") -> dict:
+    """`mmproj_keys` of the model as a GGUF file (architecture clip, its projector type), each tensor in
+    `qtypes[key]` (1-D: F32, else F16 unless named). Returns the float32 tensor each key stands for."""
+    from gguf_files import write_gguf
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keys = mmproj_keys(model.state_dict(), model.config.vision_config.deepstack_visual_indexes)
+    return write_gguf(path, keys, qtypes, arch="clip", texts={"clip.projector_type": projector})
 
 
 def write_sharded(folder: Path, tensors: dict, shard_of) -> None:

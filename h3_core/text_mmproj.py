@@ -1,0 +1,146 @@
+"""Qwen3-VL's vision tower from a llama.cpp "mmproj" file, for a GGUF text encoder.
+
+llama.cpp's converter writes Qwen3-VL's language model and its vision tower to two GGUF files: the model
+(architecture `qwen3vl`) and a projector file (architecture `clip`, projector type `qwen3vl_merger`) that users
+keep beside it, named with "mmproj" (`mmproj-F16.gguf`, `Qwen3-VL-32B-Instruct-mmproj-Q8_0.gguf`). A GGUF text
+encoder takes its vision tower from the one such file in its folder, so keyframes and image / video references
+work with it.
+
+The projector file holds transformers' vision tensors one to one under llama.cpp's names, but for the
+patch embedding's Conv3d kernel, split into its two temporal frames (`v.patch_embd.weight`, `.weight.1`) and
+stacked back here; the DeepStack mergers are named by the vision block they follow (`v.deepstack.8.*`), the
+merger's two linears `mm.0` and `mm.2`. Weights come as F32, F16, BF16 or Q8_0 (the converter's choices);
+a quantized one is dequantized as it loads (the tower is ~0.6B parameters).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from . import gguf_file
+from .weights import CheckpointError, Item
+
+log = logging.getLogger("h3")
+
+ARCHITECTURE = "clip"  # llama.cpp's architecture name for every projector file
+PROJECTOR_FIELD = "clip.projector_type"
+PROJECTOR = "qwen3vl_merger"  # Qwen3-VL's (gguf-py's VisionProjectorType.QWEN3VL)
+MARKER = "mmproj"  # in the file names llama.cpp, unsloth and Qwen give projector files
+PATCH_KERNEL_FRAMES = ("v.patch_embd.weight", "v.patch_embd.weight.1")
+PATCH_KERNEL = "visual.patch_embed.proj.weight"
+# llama.cpp's projector names (its Qwen3-VL converter) -> transformers' vision tower names
+NAMES = {
+    "v.patch_embd.bias": "visual.patch_embed.proj.bias", "v.position_embd.weight": "visual.pos_embed.weight",
+    "v.post_ln.weight": "visual.merger.norm.weight", "v.post_ln.bias": "visual.merger.norm.bias",
+    "mm.0.weight": "visual.merger.linear_fc1.weight", "mm.0.bias": "visual.merger.linear_fc1.bias",
+    "mm.2.weight": "visual.merger.linear_fc2.weight", "mm.2.bias": "visual.merger.linear_fc2.bias",
+}
+BLOCK_PARTS = {"ln1": "norm1", "attn_qkv": "attn.qkv", "attn_out": "attn.proj", "ln2": "norm2",
+               "ffn_up": "mlp.linear_fc1", "ffn_down": "mlp.linear_fc2"}
+DEEPSTACK_PARTS = {"norm": "norm", "fc1": "linear_fc1", "fc2": "linear_fc2"}
+
+
+@dataclass(frozen=True)
+class VisionTowerFile:
+    """A projector file's tensors: each key's entry and the vision-tower name it fills (both patch-kernel
+    frames name the one Conv3d kernel), and the vision blocks its DeepStack mergers follow."""
+
+    path: Path
+    entries: dict  # file key -> gguf_file.GGUFEntry
+    names: dict  # file key -> our name
+    deepstack_layers: tuple[int, ...]
+
+    def check_config(self, vision_config) -> None:
+        """The file's DeepStack layers must be the model's: its mergers are matched to them in order."""
+        wanted = tuple(int(i) for i in vision_config.deepstack_visual_indexes)
+        if self.deepstack_layers != wanted:
+            raise CheckpointError(
+                f"{self.path.name} has DeepStack mergers after vision blocks {list(self.deepstack_layers)}; this "
+                f"Qwen3-VL takes them after blocks {list(wanted)}: the projector of another model.")
+
+    def quantized(self) -> dict:
+        """Our name -> entry of its quantized tensors (dequantized as they load)."""
+        return {self.names[key]: entry for key, entry in self.entries.items() if entry.quantized}
+
+    def tensors(self) -> Iterator[Item]:
+        """(our name, tensor, path), one at a time; the patch kernel's two frames stacked into the Conv3d's."""
+        frames = {}
+        for key, tensor, where in gguf_file.read_gguf(self.path, only=lambda key: key in self.names):
+            if key in PATCH_KERNEL_FRAMES:
+                frames[key] = tensor
+                if len(frames) == len(PATCH_KERNEL_FRAMES):
+                    yield PATCH_KERNEL, torch.stack([frames[k] for k in PATCH_KERNEL_FRAMES], dim=2), where
+                continue
+            yield self.names[key], tensor, where
+
+
+def vision_name(key: str, deepstack_rank: dict[int, int]) -> str | None:
+    """A projector key -> the vision tower parameter it fills (None: not one of Qwen3-VL's); `deepstack_rank`
+    gives each DeepStack merger's place among the file's."""
+    if key in NAMES:
+        return NAMES[key]
+    if key in PATCH_KERNEL_FRAMES:
+        return PATCH_KERNEL
+    match = re.fullmatch(r"v\.blk\.(\d+)\.(\w+)\.(weight|bias)", key)
+    if match and match.group(2) in BLOCK_PARTS:
+        return f"visual.blocks.{match.group(1)}.{BLOCK_PARTS[match.group(2)]}.{match.group(3)}"
+    match = re.fullmatch(r"v\.deepstack\.(\d+)\.(\w+)\.(weight|bias)", key)
+    if match and match.group(2) in DEEPSTACK_PARTS:
+        rank = deepstack_rank[int(match.group(1))]
+        return f"visual.deepstack_merger_list.{rank}.{DEEPSTACK_PARTS[match.group(2)]}.{match.group(3)}"
+    return None
+
+
+def read_vision_tower(path: Path) -> VisionTowerFile:
+    """A Qwen3-VL projector file's entries and names (headers only); anything else is refused by name."""
+    entries, arch = gguf_file.gguf_entries(path, "vision tower")
+    projector = gguf_file.gguf_text_field(path, PROJECTOR_FIELD)
+    if arch != ARCHITECTURE or projector != PROJECTOR:
+        raise CheckpointError(f"{path.name} is not Qwen3-VL's vision tower as llama.cpp writes it (architecture "
+                              f"'{ARCHITECTURE}', projector '{PROJECTOR}'); it says {arch!r}, {projector!r}.")
+    layers = sorted({int(m.group(1)) for key in entries if (m := re.match(r"v\.deepstack\.(\d+)\.", key))})
+    names = {key: vision_name(key, {layer: rank for rank, layer in enumerate(layers)}) for key in entries}
+    unknown = [key for key, name in names.items() if name is None]
+    if unknown:
+        raise CheckpointError(f"{path.name} holds tensors Qwen3-VL's vision tower has not: {', '.join(unknown[:5])}.")
+    missing = [key for key in PATCH_KERNEL_FRAMES if key not in entries]
+    if missing:
+        raise CheckpointError(f"{path.name} lacks {', '.join(missing)}: the patch kernel's frames, which H3 reads as "
+                              "llama.cpp's converter splits them (temporal patch 2).")
+    frames = [entries[key] for key in PATCH_KERNEL_FRAMES]
+    if any(entry.quantized for entry in frames) or frames[0].shape != frames[1].shape:
+        raise CheckpointError(f"{path.name}'s patch kernel frames must be two F32 / F16 / BF16 tensors of one shape; "
+                              f"got {[(e.qtype, list(e.shape)) for e in frames]}.")
+    return VisionTowerFile(path, entries, names, tuple(layers))
+
+
+def find_vision_tower(model_file: Path, width: int) -> VisionTowerFile | None:
+    """The Qwen3-VL projector file beside a GGUF language model `width` wide (None without one): of the
+    files named with "mmproj" there, those of Qwen3-VL whose projection is that wide; with several, the one
+    whose name shares the longest start with the model's (ComfyUI-GGUF's convention), logged."""
+    found = []
+    for path in sorted(model_file.parent.glob("*.gguf")):
+        if MARKER not in path.name.lower() or path == model_file:
+            continue
+        try:
+            tower = read_vision_tower(path)
+        except CheckpointError as error:
+            log.info("H3: %s is not %s's vision tower: %s", path.name, model_file.name, error)
+            continue
+        projection = tower.entries.get("mm.2.weight")
+        if projection is not None and projection.shape[0] == width:
+            found.append(tower)
+    if not found:
+        return None
+    chosen = max(found, key=lambda tower: len(os.path.commonprefix([tower.path.name, model_file.name])))
+    if len(found) > 1:
+        log.warning("H3: several vision tower files lie beside %s (%s); reading %s, whose name is closest to it.",
+                    model_file.name, ", ".join(t.path.name for t in found), chosen.path.name)
+    return chosen
