@@ -635,7 +635,8 @@ def _text_encoder_info(path: str) -> dict:
     sizes = _gguf_sizes(source.gguf_tensors) if source.gguf_tensors else _sizes(source.files)
     return {"origin": source.origin, "decoder_layers": checkpoint_layers(names), **sizes,
             "vision_tower": source.vision_tower,
-            **({"vision_tower_file": str(source.vision.path)} if source.vision is not None else {}),
+            **({"vision_tower_file": str(source.vision.path), "vision_tower_sizes": _gguf_sizes(source.vision.entries)}
+               if source.vision is not None else {}),
             "tokenizer": None if source.tokenizer_folder is None else str(source.tokenizer_folder)}
 
 

@@ -21,7 +21,7 @@ Layouts (h3-model.md I):
   keeps the vision tower in a separate mmproj file, read from beside it (`text_mmproj`); without one, a GGUF
   text encoder encodes prompts only, not keyframes or image / video references.
 Tensor names may be spelled `model.language_model.*` / `model.visual.*` (transformers >= 4.57) or
-`model.*` / `visual.*` (older Qwen-VL naming, the single file). Only safetensors are read.
+`model.*` / `visual.*` (older Qwen-VL naming, the single file). Only safetensors and GGUF files are read.
 """
 
 from __future__ import annotations
@@ -388,9 +388,9 @@ def load_qwen3vl(
             f"least {layers}."
         )
 
-    if source.vision is not None:
-        source.vision.check_config(qwen_config.vision_config)
     plan = planned_model(source, qwen_config, layers, dtype)
+    if source.vision is not None:
+        source.vision.check_fits(plan.model.visual, qwen_config.vision_config.deepstack_visual_indexes)
     assign_strictly(plan.model, plan.tensors(_used_tensors(source, layers), device), _origin(source),
                     plan.dtype_for, device, on_tensor)
     _rebuild_rotary_buffers(plan.model, device)

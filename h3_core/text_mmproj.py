@@ -3,8 +3,8 @@
 llama.cpp's converter writes Qwen3-VL's language model and its vision tower to two GGUF files: the model
 (architecture `qwen3vl`) and a projector file (architecture `clip`, projector type `qwen3vl_merger`) that users
 keep beside it, named with "mmproj" (`mmproj-F16.gguf`, `Qwen3-VL-32B-Instruct-mmproj-Q8_0.gguf`). A GGUF text
-encoder takes its vision tower from the one such file in its folder, so keyframes and image / video references
-work with it.
+encoder takes its vision tower from such a file in its folder (`find_vision_tower`), so keyframes and image /
+video references work with it.
 
 The projector file holds transformers' vision tensors one to one under llama.cpp's names, but for the
 patch embedding's Conv3d kernel, split into its two temporal frames (`v.patch_embd.weight`, `.weight.1`) and
@@ -57,13 +57,27 @@ class VisionTowerFile:
     names: dict  # file key -> our name
     deepstack_layers: tuple[int, ...]
 
-    def check_config(self, vision_config) -> None:
-        """The file's DeepStack layers must be the model's: its mergers are matched to them in order."""
-        wanted = tuple(int(i) for i in vision_config.deepstack_visual_indexes)
-        if self.deepstack_layers != wanted:
-            raise CheckpointError(
-                f"{self.path.name} has DeepStack mergers after vision blocks {list(self.deepstack_layers)}; this "
-                f"Qwen3-VL takes them after blocks {list(wanted)}: the projector of another model.")
+    def check_fits(self, visual: torch.nn.Module, deepstack_layers) -> None:
+        """Before anything is read: the file must hold exactly the (meta-built) vision tower's tensors in their
+        shapes, its DeepStack mergers after the same blocks (they are matched in order)."""
+        wanted = tuple(int(i) for i in deepstack_layers)
+        problem = (f"it has DeepStack mergers after vision blocks {list(self.deepstack_layers)}, this model after "
+                   f"blocks {list(wanted)}" if self.deepstack_layers != wanted else None)
+        shapes = {f"visual.{name}": tuple(t.shape) for name, t in visual.state_dict().items()}
+        held = {name: entry.shape for key, entry in self.entries.items()
+                if (name := self.names[key]) != PATCH_KERNEL}
+        held[PATCH_KERNEL] = (*self.entries[PATCH_KERNEL_FRAMES[0]].shape[:2], len(PATCH_KERNEL_FRAMES),
+                              *self.entries[PATCH_KERNEL_FRAMES[0]].shape[2:])
+        for name in sorted(set(shapes) | set(held)):
+            if problem:
+                break
+            if name not in held or name not in shapes:
+                problem = f"'{name}' is {'missing' if name not in held else 'not part of this model'}"
+            elif tuple(held[name]) != shapes[name]:
+                problem = f"'{name}' is {list(held[name])}, this model's {list(shapes[name])}"
+        if problem:
+            raise CheckpointError(f"{self.path.name} (beside the text encoder) is not this Qwen3-VL's vision tower: "
+                                  f"{problem}. Keep Qwen3-VL-32B's mmproj file there, or move this one out.")
 
     def quantized(self) -> dict:
         """Our name -> entry of its quantized tensors (dequantized as they load)."""
@@ -121,26 +135,45 @@ def read_vision_tower(path: Path) -> VisionTowerFile:
     return VisionTowerFile(path, entries, names, tuple(layers))
 
 
+def companions(model_file: Path) -> list[Path]:
+    """The GGUF files beside `model_file` named as projector files are."""
+    return [path for path in sorted(model_file.parent.glob("*.gguf"))
+            if MARKER in path.name.lower() and path != model_file]
+
+
 def find_vision_tower(model_file: Path, width: int) -> VisionTowerFile | None:
-    """The Qwen3-VL projector file beside a GGUF language model `width` wide (None without one): of the
-    files named with "mmproj" there, those of Qwen3-VL whose projection is that wide; with several, the one
-    whose name shares the longest start with the model's (ComfyUI-GGUF's convention), logged."""
+    """The Qwen3-VL projector file beside a GGUF language model `width` wide (None without one): of its
+    `companions`, those of Qwen3-VL whose projection is that wide (the others are passed by, each said once
+    in the log); with several, the one whose name shares the longest start with the model's (ComfyUI-GGUF's
+    convention), said once."""
     found = []
-    for path in sorted(model_file.parent.glob("*.gguf")):
-        if MARKER not in path.name.lower() or path == model_file:
-            continue
+    for path in companions(model_file):
         try:
             tower = read_vision_tower(path)
         except CheckpointError as error:
-            log.info("H3: %s is not %s's vision tower: %s", path.name, model_file.name, error)
+            _say_once(model_file.parent, f"H3: {path.name} beside {model_file.name} is passed by: {error}")
             continue
         projection = tower.entries.get("mm.2.weight")
         if projection is not None and projection.shape[0] == width:
             found.append(tower)
+        else:
+            _say_once(model_file.parent, f"H3: {path.name} beside {model_file.name} is passed by: it projects to "
+                      f"{None if projection is None else projection.shape[0]} wide, the text encoder is {width}.")
     if not found:
         return None
     chosen = max(found, key=lambda tower: len(os.path.commonprefix([tower.path.name, model_file.name])))
     if len(found) > 1:
-        log.warning("H3: several vision tower files lie beside %s (%s); reading %s, whose name is closest to it.",
-                    model_file.name, ", ".join(t.path.name for t in found), chosen.path.name)
+        _say_once(model_file.parent, f"H3: several vision tower files lie beside {model_file.name} "
+                  f"({', '.join(t.path.name for t in found)}); reading {chosen.path.name}, whose name is closest to it.")
     return chosen
+
+
+_said: set[tuple[str, str]] = set()
+
+
+def _say_once(folder: Path, message: str) -> None:
+    """A warning about the files in `folder`, beside a text encoder, once a process (a host locates the files
+    several times a load)."""
+    if (str(folder), message) not in _said:
+        _said.add((str(folder), message))
+        log.warning(message)

@@ -117,7 +117,8 @@ class H3Conditioning(io.ComfyNode):
     def validate_inputs(cls, input_types=None, task=None, references=None) -> bool | str:
         """Which media are wired is known before anything runs: a wrong mix is a node error at queue time. It
         names only `input_types`, `task` and `references` (ComfyUI hands the grown reference list to it anyway),
-        so ComfyUI still checks every other input's range and options."""
+        so ComfyUI still checks every other input's range and options; its link-type check, off for every input
+        once `input_types` is named, is redone by `linked_media`."""
         types, kinds, problem = linked_media(input_types, LINKED_TYPES)
         if problem:
             return problem

@@ -13,6 +13,7 @@ from h3_core.checkpoint import DiTReader, locate_dit, vsa_student, with_config
 from h3_core.fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
 from h3_core.gguf_file import GGUF_SUFFIX
 from h3_core.text_mmproj import MARKER as MMPROJ_MARKER
+from h3_core.text_mmproj import companions as mmproj_companions
 from h3_core.local_attention import check_setting as check_window_setting
 from h3_core.memory_plan import check_budget
 from h3_core.parallel import ModelSpec
@@ -219,6 +220,19 @@ class H3TextEncoderLoader(io.ComfyNode):
                                           tooltip="The loaded Qwen3-VL text encoder: connect to H3 Conditioning's or H3 "
                                                   "Continuation's text_encoder.")],
         )
+
+    @classmethod
+    def fingerprint_inputs(cls, text_encoder, folder="", tokenizer_folder="", weight_dtype="bf16",
+                           gpu_memory_gb=0.0) -> str:
+        """A GGUF encoder's vision tower is whichever mmproj file lies beside it: one added, replaced or removed
+        loads the encoder again (ComfyUI would hand the cached one on)."""
+        try:
+            path = Path(model_path("text_encoders", text_encoder, folder))
+        except FileNotFoundError:  # execute says so
+            return ""
+        if not (path.is_file() and path.suffix.lower() == GGUF_SUFFIX):
+            return ""
+        return "; ".join(f"{p.name} {p.stat().st_mtime_ns} {p.stat().st_size}" for p in mmproj_companions(path))
 
     @classmethod
     def execute(cls, text_encoder, folder, tokenizer_folder, weight_dtype, gpu_memory_gb=0.0) -> io.NodeOutput:

@@ -129,7 +129,8 @@ class H3Continuation(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, input_types=None, task=None, references=None) -> bool | str:
         """What is wired is known before anything runs (the model loader included): a wrong mix is a node error
-        at queue time. Naming only these arguments keeps ComfyUI's own checks of every other input."""
+        at queue time. ComfyUI still checks the other inputs' ranges and options; its link-type check, off for
+        every input once `input_types` is named, is redone by `linked_media`."""
         types, kinds, problem = linked_media(input_types, LINKED_TYPES)
         problem = problem or given_clips_clash(*(name in types for name in ("continue_from", "drive_audio",
                                                                              "keep_video")))

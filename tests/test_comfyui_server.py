@@ -331,6 +331,8 @@ def test_bad_prompt_is_a_node_error_and_server_goes_on(server):
     # H3 Continuation's wiring is refused at queue time too (before the loaders run), its ranges still by ComfyUI
     graph = json.loads((PACK / "workflows" / "api" / "extend_video.json").read_text())
     continuation = _node(graph, "H3Continuation")
+    del graph[_node(graph, "H3SaveMP4")]  # the first clip's own output, which would still run (ComfyUI queues the
+    # outputs whose nodes pass)
     graph[continuation]["inputs"]["keep_video"] = graph[continuation]["inputs"]["continue_from"]
     graph[continuation]["inputs"]["window_frames"] = 100_000
     status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
@@ -475,15 +477,23 @@ def test_free_releases_our_models(server):
     """POST /free: "unload models" moves ours off the device (a log line each), "free memory" drops
     ComfyUI's caches and our models are garbage-collected (their release lines)."""
     base, work = server
-    status, _ = _post(f"{base}/free", {"unload_models": True, "free_memory": True})
-    assert status == 200
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+
+    def released() -> bool:
         log = _log(work)
-        if all(f"H3: H3 {what}" in log and "released" in log.split(f"H3: H3 {what}")[-1]
-               for what in ("DiT", "text encoder", "VAEs")):
+        return all(f"H3: H3 {what}" in log and "released" in log.split(f"H3: H3 {what}")[-1]
+                   for what in ("DiT", "text encoder", "VAEs"))
+
+    # ComfyUI collects garbage once after a /free: a model something still held for a moment then waits for the
+    # next collection, which a second /free asks for (the VAEs missed the first one twice in long runs, cause not
+    # found). A model we keep holding stays after both.
+    for _ in range(2):
+        status, _ = _post(f"{base}/free", {"unload_models": True, "free_memory": True})
+        assert status == 200
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not released():
+            time.sleep(0.5)
+        if released():
             break
-        time.sleep(0.5)
     log = _log(work)
     for what in ("DiT", "text encoder", "VAEs"):
         lines = [line for line in log.splitlines() if f"H3: H3 {what}" in line]

@@ -385,3 +385,5 @@ def test_a_gguf_text_encoder_generates_what_its_weights_do(model_sets, tmp_path,
     assert main(["info", str(gguf)]) == 0
     info = json.loads(capsys.readouterr().out)["text_encoder"]
     assert info["vision_tower"] is True and info["vision_tower_file"].endswith("mmproj-Qwen3-VL-32B-Instruct-F16.gguf")
+    assert set(info["vision_tower_sizes"]["gib_by_type"]) == {"F16", "F32"} and info["vision_tower_sizes"]["tensors"] == \
+        len(tiny_qwen.mmproj_keys(text.state_dict(), text.config.vision_config.deepstack_visual_indexes))

@@ -797,8 +797,13 @@ def test_a_gguf_text_encoder_is_offered_and_reads_its_mmproj(comfy, monkeypatch)
         comfy.conditioning.H3Conditioning.execute(text, "a fox", "fl2va", "auto", 0, 0, 4.0, vae=vae,
                                                   first_image=keyframe)
 
-    # its mmproj file beside it: not offered as a text encoder, read as the vision tower
+    # its mmproj file beside it: not offered as a text encoder, read as the vision tower; ComfyUI loads the encoder
+    # again for it (its fingerprint changed)
+    fingerprint = comfy.loaders.H3TextEncoderLoader.fingerprint_inputs
+    before = fingerprint(name, "", str(release / "FL2VA"), "bf16")
     tiny_qwen.write_mmproj_file(comfy.tmp / "text_encoders" / "mmproj-F16.gguf", model, {})
+    assert fingerprint(name, "", str(release / "FL2VA"), "bf16") != before
+    assert fingerprint("tiny-random", "", "", "bf16") == ""
     options = next(p for p in comfy.loaders.H3TextEncoderLoader.define_schema().inputs if p.id == "text_encoder")
     assert name in options.options["options"] and "mmproj-F16.gguf" not in options.options["options"]
     text = comfy.loaders.H3TextEncoderLoader.execute(name, "", str(release / "FL2VA"), "bf16").values[0]

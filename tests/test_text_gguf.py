@@ -1,7 +1,7 @@
 """GGUF text encoders: Qwen3-VL's language model as llama.cpp's converter writes it (architecture qwen3vl,
-llama.cpp's tensor names, every layer, no vision tower). Its quantized decoder-layer linears stay in their GGML
-blocks; the prompt states equal those of the same weights (gguf's own dequantizer) in a safetensors file.
-Pictures need the vision tower it does not hold: refused, saying so."""
+llama.cpp's tensor names, every layer, no vision tower) and its vision tower from the mmproj file beside it. The
+quantized decoder-layer linears stay in their GGML blocks; the prompt states equal those of the same weights
+(gguf's own dequantizer) in a safetensors file. Without an mmproj file, pictures are refused, saying so."""
 
 import re
 
@@ -263,25 +263,64 @@ def test_which_mmproj_file_pairs_with_a_gguf_text_encoder(tiny, tmp_path, caplog
 
     folder = tmp_path / "several"
     model = tiny["model"]
-    tiny_qwen.write_gguf_file(folder / "Qwen3-VL-tiny-Instruct-Q4_K_M.gguf", model, {})
-    for name in ("mmproj-F16.gguf", "Qwen3-VL-tiny-Instruct-mmproj-BF16.gguf"):
+    tiny_qwen.write_gguf_file(folder / "tiny-Qwen3-VL-Instruct-Q4_K_M.gguf", model, {})
+    for name in ("mmproj-F16.gguf", "tiny-Qwen3-VL-Instruct-mmproj-BF16.gguf"):  # the closest name sorts last
         tiny_qwen.write_mmproj_file(folder / name, model, {})
     with caplog.at_level(logging.WARNING, logger="h3"):
-        source = locate_text_encoder(folder / "Qwen3-VL-tiny-Instruct-Q4_K_M.gguf")
-    assert source.vision.path.name == "Qwen3-VL-tiny-Instruct-mmproj-BF16.gguf"
-    assert "several vision tower files lie beside Qwen3-VL-tiny-Instruct-Q4_K_M.gguf" in caplog.text
+        source = locate_text_encoder(folder / "tiny-Qwen3-VL-Instruct-Q4_K_M.gguf")
+        locate_text_encoder(folder / "tiny-Qwen3-VL-Instruct-Q4_K_M.gguf")
+    assert source.vision.path.name == "tiny-Qwen3-VL-Instruct-mmproj-BF16.gguf"
+    assert caplog.text.count("several vision tower files lie beside tiny-Qwen3-VL-Instruct-Q4_K_M.gguf") == 1
 
     narrow = tmp_path / "narrow"
     tiny_qwen.write_gguf_file(narrow / "Qwen3-VL-tiny.gguf", model, {})
     keys = tiny_qwen.mmproj_keys(model.state_dict(), [0, 1])
     keys.update({k: v[:16] for k, v in keys.items() if k.startswith(("mm.2.", "v.deepstack.1.fc2."))})
     write_gguf(narrow / "mmproj-8B.gguf", keys, arch="clip", texts={"clip.projector_type": "qwen3vl_merger"})
-    assert not locate_text_encoder(narrow / "Qwen3-VL-tiny.gguf").vision_tower
+    with caplog.at_level(logging.WARNING, logger="h3"):
+        assert not locate_text_encoder(narrow / "Qwen3-VL-tiny.gguf").vision_tower
+    assert "mmproj-8B.gguf beside Qwen3-VL-tiny.gguf is passed by: it projects to 16 wide, the text encoder is 32" \
+        in caplog.text
+
+    deeper = tmp_path / "deeper"  # one vision block more than this model has: refused before any weight is read
+    tiny_qwen.write_gguf_file(deeper / "Qwen3-VL-tiny.gguf", model, {})
+    keys = tiny_qwen.mmproj_keys(model.state_dict(), [0, 1])
+    keys.update({k.replace("v.blk.1.", "v.blk.2."): v for k, v in keys.items() if k.startswith("v.blk.1.")})
+    write_gguf(deeper / "mmproj.gguf", keys, arch="clip", texts={"clip.projector_type": "qwen3vl_merger"})
+    read = []
+    with pytest.raises(CheckpointError, match=r"mmproj.gguf \(beside the text encoder\) is not this Qwen3-VL's vision "
+                                              r"tower: 'visual.blocks.2.attn.proj.bias' is not part of this model"):
+        load_text_encoder(deeper / "Qwen3-VL-tiny.gguf", torch.float32, tokenizer=tiny["partition"],
+                          config=tiny["config"], on_tensor=lambda done, total: read.append(done))
+    assert not read
 
     shifted = tmp_path / "shifted"
     tiny_qwen.write_gguf_file(shifted / "Qwen3-VL-tiny.gguf", model, {})
     write_gguf(shifted / "mmproj.gguf", tiny_qwen.mmproj_keys(model.state_dict(), [0, 3]), arch="clip",
                texts={"clip.projector_type": "qwen3vl_merger"})
-    with pytest.raises(CheckpointError, match=r"mmproj.gguf has DeepStack mergers after vision blocks \[0, 3\]; this "
-                                              r"Qwen3-VL takes them after blocks \[0, 1\]"):
+    with pytest.raises(CheckpointError, match=r"mmproj.gguf \(beside the text encoder\) is not this Qwen3-VL's vision "
+                                              r"tower: it has DeepStack mergers after vision blocks \[0, 3\], this "
+                                              r"model after blocks \[0, 1\]"):
         _load(tiny, shifted / "Qwen3-VL-tiny.gguf")
+
+
+def test_an_mmproj_file_loads_as_the_vision_tower_it_was_written_from(tiny, tmp_path):
+    """Every vision tensor of an F32 projector file is the model's it was written from, bit for bit: the patch
+    kernel's frames stacked in order, DeepStack mergers after blocks 1 and 2 (not 0 and 1) in their places."""
+    import copy
+
+    config = copy.deepcopy(tiny["config"])
+    config["vision_config"].update(depth=3, deepstack_visual_indexes=[1, 2])
+    model = tiny_qwen.random_model(config, seed=5)
+    tiny_qwen.write_gguf_file(tmp_path / "Qwen3-VL-tiny.gguf", model, {})
+    keys = tiny_qwen.mmproj_keys(model.state_dict(), [1, 2])
+    assert "v.deepstack.2.fc1.weight" in keys and "v.deepstack.0.fc1.weight" not in keys
+    tiny_qwen.write_mmproj_file(tmp_path / "mmproj-F32.gguf", model, {key: "F32" for key in keys})
+    loaded = load_text_encoder(tmp_path / "Qwen3-VL-tiny.gguf", torch.float32, tokenizer=tiny["partition"],
+                               config=config)
+    expected = {key[len("model.visual."):]: value for key, value in model.state_dict().items()
+                if key.startswith("model.visual.")}
+    got = loaded.model.visual.state_dict()
+    assert sorted(got) == sorted(expected)
+    assert all(torch.equal(got[name], expected[name]) for name in expected), \
+        [name for name in expected if not torch.equal(got[name], expected[name])]
