@@ -65,6 +65,7 @@ from .references import (
 from .vae_audio import AudioVAEConfig
 
 TASKS = ("t2va", "fl2va", "ref2va")
+EMPTY_PROMPT = "The prompt is empty; H3 needs a non-empty text prompt for every task."
 MIN_SECONDS, MAX_SECONDS, DEFAULT_SECONDS = 4.0, 15.0, 5.0
 MIN_FRAMES = geometry.frames_for_duration(MIN_SECONDS)  # 107
 MAX_FRAMES = geometry.frames_for_duration(MAX_SECONDS)  # 362
@@ -315,7 +316,7 @@ def validate(request: Request, rules: CanvasRules = RELEASE_CANVAS) -> RequestPl
     if request.task not in TASKS:
         raise RequestError(f"Unknown task {request.task!r}; choose one of {', '.join(TASKS)}.")
     if not isinstance(request.prompt, str) or not request.prompt.strip():
-        raise RequestError("The prompt is empty; H3 needs a non-empty text prompt for every task.")
+        raise RequestError(EMPTY_PROMPT)
     num_frames = resolve_num_frames(request.duration, request.num_frames)
     size = _explicit_size(request)
     named = _named_canvas(request, rules)

@@ -8,6 +8,7 @@ from comfy_api.latest import io
 
 from h3_core.conditioning import (
     DEFAULT_SECONDS,
+    EMPTY_PROMPT,
     MAX_FRAMES,
     MAX_SECONDS,
     MIN_SECONDS,
@@ -114,14 +115,17 @@ class H3Conditioning(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, input_types=None, task=None, references=None) -> bool | str:
-        """Which media are wired is known before anything runs: a wrong mix is a node error at queue time. It
-        names only `input_types`, `task` and `references` (ComfyUI hands the grown reference list to it anyway),
-        so ComfyUI still checks every other input's range and options; its link-type check, off for every input
-        once `input_types` is named, is redone by `linked_media`."""
+    def validate_inputs(cls, input_types=None, task=None, references=None, prompt=None) -> bool | str:
+        """Which media are wired, and an empty prompt, are known before anything runs (the text encoder's load
+        included): a node error at queue time. It names only `input_types`, `task`, `references` (ComfyUI hands
+        the grown reference list to it anyway) and `prompt` (a text: no range), so ComfyUI still checks every
+        other input's range and options; its link-type check, off for every input once `input_types` is named,
+        is redone by `linked_media`."""
         types, kinds, problem = linked_media(input_types, LINKED_TYPES)
         if problem:
             return problem
+        if isinstance(prompt, str) and not prompt.strip():  # None: linked, known when it runs
+            return EMPTY_PROMPT
         keyframes = sum(name in types for name in ("first_image", "last_image"))
         if task is None:  # the task comes from a link: checked when the node runs
             return True

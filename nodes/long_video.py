@@ -13,6 +13,7 @@ import folder_paths
 from comfy_api.latest import InputImpl, io, ui
 
 from h3_core import geometry
+from h3_core.conditioning import EMPTY_PROMPT
 from h3_core.continuation import (
     DEFAULT_OVERLAP_FRAMES,
     DEFAULT_WINDOW_FRAMES,
@@ -127,11 +128,16 @@ class H3Continuation(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, input_types=None, task=None, references=None) -> bool | str:
-        """What is wired is known before anything runs (the model loader included): a wrong mix is a node error
-        at queue time. ComfyUI still checks the other inputs' ranges and options; its link-type check, off for
-        every input once `input_types` is named, is redone by `linked_media`."""
+    def validate_inputs(cls, input_types=None, task=None, references=None, prompt=None,
+                        window_prompts=None) -> bool | str:
+        """What is wired, and an empty prompt, are known before anything runs (the model loader included): a
+        node error at queue time. ComfyUI still checks the other inputs' ranges and options (the two prompts are
+        texts: no range); its link-type check, off for every input once `input_types` is named, is redone by
+        `linked_media`."""
         types, kinds, problem = linked_media(input_types, LINKED_TYPES)
+        texts = (prompt, window_prompts or "")  # a linked one (None) is known when the node runs
+        if not problem and "window_prompts" not in types and all(isinstance(t, str) and not t.strip() for t in texts):
+            return EMPTY_PROMPT  # window prompts are counted against the plan when it runs
         problem = problem or given_clips_clash(*(name in types for name in ("continue_from", "drive_audio",
                                                                              "keep_video")))
         if not problem and task is not None:  # a linked task is checked when the node runs

@@ -314,6 +314,13 @@ def test_bad_prompt_is_a_node_error_and_server_goes_on(server):
     errors = json.dumps(body.get("node_errors", {}).get(cond))
     assert status == 400 and "bigger than max" in errors and "prompt takes STRING, got H3_VAE" in errors, body
 
+    # an empty prompt, the default of a fresh node, is refused before the text encoder is read
+    graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
+    cond = _node(graph, "H3Conditioning")
+    graph[cond]["inputs"]["prompt"] = " "
+    status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
+    assert status == 400 and "The prompt is empty" in json.dumps(body.get("node_errors", {}).get(cond)), body
+
     # a link into a choice list must bring a COMBO (an image into aspect_ratio ran, then failed printing a tensor)
     graph = json.loads((PACK / "workflows" / "api" / "t2va_guides.json").read_text())
     cond = _node(graph, "H3Conditioning")

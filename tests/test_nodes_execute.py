@@ -106,6 +106,8 @@ def test_conditioning_media_checks(comfy):
                  task="ref2va") is True
     assert "connect H3 VAE Loader's vae" in check(input_types={"first_image": "IMAGE"}, task="fl2va")
     assert check(input_types={"first_image": "IMAGE"}, task=None) is True  # a linked task is checked at run time
+    assert "The prompt is empty" in check(input_types={}, task="t2va", prompt="  ")
+    assert check(input_types={"prompt": "STRING"}, task="t2va", prompt=None) is True  # linked: at run time
     assert "vae takes H3_VAE, got VAE" in check(input_types={"vae": "VAE"}, task="t2va")
     assert "prompt takes STRING, got H3_VAE" in check(input_types={"prompt": "H3_VAE"}, task="t2va")
     assert "task must be one of t2va, fl2va, ref2va; got 't3va'" in check(input_types={}, task="t3va")
@@ -146,6 +148,11 @@ def test_continuation_wiring_checks_at_queue_time(comfy):
         input_types={"continue_from": "H3_LATENT", "drive_audio": "AUDIO", **vae}, task="t2va")
     assert "continue_from takes H3_LATENT, got LATENT" in check(input_types={"continue_from": "LATENT"}, task="t2va")
     assert "model takes H3_MODEL, got MODEL" in check(input_types={"model": "MODEL"}, task="t2va")
+    assert check(input_types={}, task="t2va", prompt=" \n") == "The prompt is empty; H3 needs a non-empty text " \
+        "prompt for every task."
+    assert check(input_types={}, task="t2va", prompt="", window_prompts="rain\nsun") is True  # one per window
+    assert check(input_types={"window_prompts": "STRING"}, task="t2va", prompt="", window_prompts=None) is True
+    assert check(input_types={"prompt": "STRING"}, task="t2va", prompt=None) is True  # linked: at run time
 
 
 def test_link_tables_name_every_input_with_its_type(comfy):
