@@ -141,9 +141,7 @@ class H3Continuation(io.ComfyNode):
         problem = problem or given_clips_clash(*(name in types for name in ("continue_from", "drive_audio",
                                                                              "keep_video")))
         if not problem and task is not None:  # a linked task is checked when the node runs
-            if task not in LONG_VIDEO_TASKS:  # naming task here turns ComfyUI's own options check off for it
-                return f"task must be one of {', '.join(LONG_VIDEO_TASKS)}; got {task!r}."
-            problem = media_problem(task, kinds, 0)
+            problem = _task_problem(task) or media_problem(task, kinds, 0)  # naming task turns ComfyUI's check off
         encoded = [name for name, given in (("references", kinds), ("drive_audio", "drive_audio" in types),
                                              ("guides", "guides" in types)) if given]
         if not problem and encoded and "vae" not in types:
@@ -156,6 +154,9 @@ class H3Continuation(io.ComfyNode):
                 references=None, guides=None, continue_from=None, reference_images="release",
                 keep_video=None, **extra) -> io.NodeOutput:
         refuse_extra_inputs(extra)
+        problem = _task_problem(task)  # a linked task is known only now
+        if problem:
+            raise ValueError(problem)
         wanted = TASK_PARTITION[task]
         if wanted != model.partition:
             raise ValueError(f"{task} runs on the {wanted} partition, but this model was loaded as "
@@ -215,6 +216,10 @@ class H3Continuation(io.ComfyNode):
         latent = pack_latents(latents, seed=int(seed), task=task, steps=settings.steps, width=cond.width,
                               height=cond.height)
         return io.NodeOutput(latent, latents.num_frames)
+
+
+def _task_problem(task) -> str | None:
+    return None if task in LONG_VIDEO_TASKS else f"task must be one of {', '.join(LONG_VIDEO_TASKS)}; got {task!r}."
 
 
 class H3ContinuationGuide(io.ComfyNode):

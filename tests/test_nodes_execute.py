@@ -569,6 +569,8 @@ def test_continuation_makes_the_sound_for_a_kept_clip(comfy):
         continuation.execute(model, *args[:-3], "16:9", 0, 0, keep_video=clip)
     with pytest.raises(ValueError, match="cannot go with continue_from"):
         continuation.execute(model, *args, keep_video=clip, continue_from=clip)
+    with pytest.raises(ValueError, match=r"^task must be one of t2va, ref2va; got 'fl2va'\.$"):  # a linked task
+        continuation.execute(model, *args[:2], "fl2va", *args[3:])
     assert len(c.record.loaded) == loads  # refused before any model moved
 
 
