@@ -220,6 +220,14 @@ def test_pack_loads_and_lists_nodes(server):
     assert "IMPORT FAILED" not in log and "Cannot import" not in log, log[-4000:]
 
 
+def test_node_translations_are_served(server):
+    """ComfyUI hands our locales/<lang>/nodeDefs.json to its frontend through /i18n."""
+    base, _ = server
+    translations = _get(f"{base}/i18n")
+    ours = json.loads((PACK / "locales" / "zh" / "nodeDefs.json").read_text(encoding="utf-8"))
+    assert translations["zh"]["nodeDefs"]["H3Sampler"] == ours["H3Sampler"]
+
+
 def test_node_help_pages_are_served(server):
     """ComfyUI's frontend fetches a custom node's help page from /extensions/<pack folder>/docs/<node id>.md."""
     base, _ = server
