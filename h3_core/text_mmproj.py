@@ -61,23 +61,22 @@ class VisionTowerFile:
         """Before anything is read: the file must hold exactly the (meta-built) vision tower's tensors in their
         shapes, its DeepStack mergers after the same blocks (they are matched in order)."""
         wanted = tuple(int(i) for i in deepstack_layers)
-        problem = (f"it has DeepStack mergers after vision blocks {list(self.deepstack_layers)}, this model after "
-                   f"blocks {list(wanted)}" if self.deepstack_layers != wanted else None)
-        shapes = {f"visual.{name}": tuple(t.shape) for name, t in visual.state_dict().items()}
-        held = {name: entry.shape for key, entry in self.entries.items()
-                if (name := self.names[key]) != PATCH_KERNEL}
-        held[PATCH_KERNEL] = (*self.entries[PATCH_KERNEL_FRAMES[0]].shape[:2], len(PATCH_KERNEL_FRAMES),
-                              *self.entries[PATCH_KERNEL_FRAMES[0]].shape[2:])
-        for name in sorted(set(shapes) | set(held)):
-            if problem:
-                break
-            if name not in held or name not in shapes:
-                problem = f"'{name}' is {'missing' if name not in held else 'not part of this model'}"
-            elif tuple(held[name]) != shapes[name]:
-                problem = f"'{name}' is {list(held[name])}, this model's {list(shapes[name])}"
+        if self.deepstack_layers != wanted:
+            problem = (f"it has DeepStack mergers after vision blocks {list(self.deepstack_layers)}, this model after "
+                       f"blocks {list(wanted)}")
+        else:
+            problem = _first_difference(self.shapes(), {f"visual.{name}": tuple(t.shape)
+                                                        for name, t in visual.state_dict().items()})
         if problem:
             raise CheckpointError(f"{self.path.name} (beside the text encoder) is not this Qwen3-VL's vision tower: "
                                   f"{problem}. Keep Qwen3-VL-32B's mmproj file there, or move this one out.")
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Our name -> the shape the file gives it (the patch kernel's: its two frames stacked)."""
+        held = {self.names[key]: tuple(entry.shape) for key, entry in self.entries.items()}
+        frame = self.entries[PATCH_KERNEL_FRAMES[0]].shape
+        held[PATCH_KERNEL] = (*frame[:2], len(PATCH_KERNEL_FRAMES), *frame[2:])
+        return held
 
     def quantized(self) -> dict:
         """Our name -> entry of its quantized tensors (dequantized as they load)."""
@@ -93,6 +92,16 @@ class VisionTowerFile:
                     yield PATCH_KERNEL, torch.stack([frames[k] for k in PATCH_KERNEL_FRAMES], dim=2), where
                 continue
             yield self.names[key], tensor, where
+
+
+def _first_difference(held: dict, wanted: dict) -> str | None:
+    """The first tensor (by name) a file holds that a model has not, lacks, or holds in another shape."""
+    for name in sorted(set(held) | set(wanted)):
+        if name not in held or name not in wanted:
+            return f"'{name}' is {'missing' if name not in held else 'not part of this model'}"
+        if held[name] != wanted[name]:
+            return f"'{name}' is {list(held[name])}, this model's {list(wanted[name])}"
+    return None
 
 
 def vision_name(key: str, deepstack_rank: dict[int, int]) -> str | None:
@@ -137,8 +146,8 @@ def read_vision_tower(path: Path) -> VisionTowerFile:
 
 def companions(model_file: Path) -> list[Path]:
     """The GGUF files beside `model_file` named as projector files are."""
-    return [path for path in sorted(model_file.parent.glob("*.gguf"))
-            if MARKER in path.name.lower() and path != model_file]
+    return [path for path in sorted(model_file.parent.iterdir())
+            if gguf_file.is_gguf(path) and MARKER in path.name.lower() and path != model_file and path.is_file()]
 
 
 def find_vision_tower(model_file: Path, width: int) -> VisionTowerFile | None:

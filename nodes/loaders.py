@@ -12,8 +12,6 @@ from h3_core.attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
 from h3_core.checkpoint import DiTReader, locate_dit, vsa_student, with_config
 from h3_core.fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
 from h3_core.gguf_file import GGUF_SUFFIX
-from h3_core.text_mmproj import MARKER as MMPROJ_MARKER
-from h3_core.text_mmproj import companions as mmproj_companions
 from h3_core.local_attention import check_setting as check_window_setting
 from h3_core.memory_plan import check_budget
 from h3_core.parallel import ModelSpec
@@ -22,6 +20,8 @@ from h3_core.pipeline import TEXT_WORKING_BYTES, TINY_CANVAS
 from h3_core.references import RELEASE_CANVAS
 from h3_core.weights import file_bytes
 from h3_core.text import load_text_encoder, locate_text_encoder_files, text_encoder_bytes
+from h3_core.text_mmproj import MARKER as MMPROJ_MARKER
+from h3_core.text_mmproj import companions as mmproj_companions
 from h3_core.tiny import (
     TINY_RANDOM,
     tiny_model_dtype,
