@@ -324,3 +324,21 @@ def test_an_mmproj_file_loads_as_the_vision_tower_it_was_written_from(tiny, tmp_
     assert sorted(got) == sorted(expected)
     assert all(torch.equal(got[name], expected[name]) for name in expected), \
         [name for name in expected if not torch.equal(got[name], expected[name])]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_mmproj_vision_tower_on_the_gpu_resident_and_streamed(tiny, paired):
+    """Keyframes through a GGUF encoder and its Q8_0 mmproj on a GPU, resident or with the layers streamed: the
+    CPU's prompt states (float32)."""
+    from PIL import Image
+
+    on_cpu = _load(tiny, paired["gguf"])
+    picture = Image.new("RGB", (96, 64), (200, 30, 30))
+    presentation = on_cpu.presenter.fl2va(PROMPT, [picture, picture.rotate(90, expand=True)])
+    expected = on_cpu.encode(presentation).prompt_embeds
+    on_gpu = load_text_encoder(paired["gguf"], torch.float32, "cuda", tokenizer=tiny["partition"],
+                               config=tiny["config"])
+    assert on_gpu.model.visual.blocks[0].attn.qkv.weight.device.type == "cuda"
+    relative = lambda got: ((got.cpu() - expected).norm() / expected.norm()).item()  # noqa: E731
+    assert relative(on_gpu.encode(presentation).prompt_embeds) < 1e-3
+    assert relative(on_cpu.stream_layers("cuda").encode(presentation).prompt_embeds) < 1e-3
