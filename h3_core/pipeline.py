@@ -472,6 +472,8 @@ def generate_batch(
                 which = "This request shows" if len(prepared) == 1 else f"{', '.join(showing)} show"
                 raise CheckpointError(f"{which} the text encoder pictures (keyframes or image / video references), "
                                       f"but {text_files.files[0].name} {GGUF_NO_VISION}.")
+        if text_files.vision is not None:
+            notes(f"text encoder: vision tower from {text_files.vision.path.name}, beside it")
         if source.tokenizer is None and text_files.one_file:  # the release's, from the Hub
             source = dataclasses.replace(source, files=dataclasses.replace(
                 source.files, tokenizer=text_files.tokenizer_folder))

@@ -174,15 +174,17 @@ def find_vision_tower(model_file: Path, width: int) -> VisionTowerFile | None:
     if len(found) > 1:
         _say_once(model_file.parent, f"H3: several vision tower files lie beside {model_file.name} "
                   f"({', '.join(t.path.name for t in found)}); reading {chosen.path.name}, whose name is closest to it.")
+    else:
+        _say_once(model_file.parent, f"H3: {model_file.name}'s vision tower: {chosen.path.name}", logging.INFO)
     return chosen
 
 
 _said: set[tuple[str, str]] = set()
 
 
-def _say_once(folder: Path, message: str) -> None:
-    """A warning about the files in `folder`, beside a text encoder, once a process (a host locates the files
-    several times a load)."""
+def _say_once(folder: Path, message: str, level: int = logging.WARNING) -> None:
+    """What was made of the files in `folder`, beside a text encoder, said once a process (a host locates the
+    files several times a load)."""
     if (str(folder), message) not in _said:
         _said.add((str(folder), message))
-        log.warning(message)
+        log.log(level, message)
