@@ -314,7 +314,7 @@ def test_a_gguf_dit_file_generates_what_its_weights_do(model_sets, tmp_path, mon
         assert main(argv) == 0
     ours, theirs = load_file(str(runs["gguf"])), load_file(str(runs["dense"]))
     assert torch.equal(ours["video"], theirs["video"]) and torch.equal(ours["audio"], theirs["audio"])
-    assert "text encoder: vision tower from mmproj-Qwen3-VL-32B-Instruct-F16.gguf, beside it" in capsys.readouterr().err
+    capsys.readouterr()
     assert main(["info", str(gguf)]) == 0
     info = json.loads(capsys.readouterr().out)["dit"]
     assert info["origin"] == "GGUF file (architecture 'minimax_h3'; F16, F32, Q8_0)" and set(info["gib_by_type"]) == {"F16", "F32", "Q8_0"}
