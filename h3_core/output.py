@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from . import geometry
 from .media_write import Mp4Writer
-from .vae_audio import DECODE_WINDOW_LATENTS, AudioVAE
+from .vae_audio import DECODE_WINDOW_LATENTS, AudioVAE, context_windows
 from .vae_video import VideoVAE, model_space_to_frames
 
 
@@ -90,7 +90,7 @@ def decode_audio(vae: AudioVAE, latents: torch.Tensor, on_window=None) -> Iterat
     """Normalized audio latents [2, C, A] -> float32 waveform pieces [2, n] at 32 kHz, window by window;
     `on_window(done, total)` after each (a progress bar; a host may raise there to stop): a long clip's
     soundtrack is many windows."""
-    total = -(-latents.shape[-1] // DECODE_WINDOW_LATENTS)
+    total = len(context_windows(latents.shape[-1], DECODE_WINDOW_LATENTS))
     with torch.inference_mode():
         for done, piece in enumerate(vae.decode_windows(latents.to(vae.device)), 1):
             piece = piece.float().cpu()

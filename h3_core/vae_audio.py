@@ -86,6 +86,14 @@ DECODE_WINDOW_LATENTS = 200
 ENCODE_WINDOW_LATENTS = 400
 
 
+def context_windows(frames: int, window: int, context: int = 0) -> list[tuple[int, int, int, int]]:
+    """(start, stop, first, last) of each window over `frames` latent frames: it makes [start, stop), computed
+    over [first, last), with `context` frames of its neighbours on each side. The encoder's trunk and the
+    decoder go through them; a host counts them for a progress bar."""
+    return [(start, min(start + window, frames), max(0, start - context), min(frames, start + window + context))
+            for start in range(0, frames, window)]
+
+
 @dataclass(frozen=True)
 class AudioVAEConfig:
     """Shape of the audio VAE. Defaults are the release; field names follow diffusers' config.json."""
@@ -590,9 +598,7 @@ class AudioVAE(nn.Module):
         hop, context = self.config.hop_length, self.encode_context if context is None else context
         frames = waveform.shape[-1] // hop
         pieces = []
-        for start in range(0, frames, window):
-            stop = min(start + window, frames)
-            first, last = max(0, start - context), min(frames, stop + context)
+        for start, stop, first, last in context_windows(frames, window, context):
             pieces.append(self.encoder(waveform[..., first * hop : last * hop])[..., start - first : stop - first])
         return torch.cat(pieces, dim=-1)
 
@@ -650,9 +656,7 @@ class AudioVAE(nn.Module):
         context = self.decode_context if context is None else context
         lead, frames, hop = latents.shape[:-3], latents.shape[-1], self.config.hop_length
         mono = self.denormalize(latents).reshape(-1, self.config.latent_channels, frames)
-        for start in range(0, frames, window):
-            stop = min(start + window, frames)
-            first, last = max(0, start - context), min(frames, stop + context)
+        for start, stop, first, last in context_windows(frames, window, context):
             waveform = self.decode_mono(mono[..., first:last])
             piece = waveform[..., (start - first) * hop : (stop - first) * hop]
             yield piece.reshape(*lead, STEREO_CHANNELS, piece.shape[-1]).contiguous()
