@@ -225,14 +225,17 @@ class H3TextEncoderLoader(io.ComfyNode):
     def fingerprint_inputs(cls, text_encoder, folder="", tokenizer_folder="", weight_dtype="bf16",
                            gpu_memory_gb=0.0) -> str:
         """A GGUF encoder's vision tower is whichever mmproj file lies beside it: one added, replaced or removed
-        loads the encoder again (ComfyUI would hand the cached one on)."""
+        loads the encoder again (ComfyUI would hand the cached one on). A linked name or folder (None here) is
+        not followed: anything but a text would make every run load the encoder again."""
+        if not (isinstance(text_encoder, str) and isinstance(folder, str)):
+            return ""
         try:
             path = Path(model_path("text_encoders", text_encoder, folder))
-        except FileNotFoundError:  # execute says so
+            if not (path.is_file() and path.suffix.lower() == GGUF_SUFFIX):
+                return ""
+            return "; ".join(f"{p.name} {p.stat().st_mtime_ns} {p.stat().st_size}" for p in mmproj_companions(path))
+        except (OSError, ValueError):  # no such file, or unreadable: execute says so
             return ""
-        if not (path.is_file() and path.suffix.lower() == GGUF_SUFFIX):
-            return ""
-        return "; ".join(f"{p.name} {p.stat().st_mtime_ns} {p.stat().st_size}" for p in mmproj_companions(path))
 
     @classmethod
     def execute(cls, text_encoder, folder, tokenizer_folder, weight_dtype, gpu_memory_gb=0.0) -> io.NodeOutput:

@@ -813,6 +813,7 @@ def test_a_gguf_text_encoder_is_offered_and_reads_its_mmproj(comfy, monkeypatch)
     tiny_qwen.write_mmproj_file(comfy.tmp / "text_encoders" / "mmproj-F16.gguf", model, {})
     assert fingerprint(name, "", str(release / "FL2VA"), "bf16") != before
     assert fingerprint("tiny-random", "", "", "bf16") == ""
+    assert fingerprint(None, "", "", "bf16") == fingerprint(name, None, "", "bf16") == ""  # linked: not followed
     options = next(p for p in comfy.loaders.H3TextEncoderLoader.define_schema().inputs if p.id == "text_encoder")
     assert name in options.options["options"] and "mmproj-F16.gguf" not in options.options["options"]
     text = comfy.loaders.H3TextEncoderLoader.execute(name, "", str(release / "FL2VA"), "bf16").values[0]

@@ -342,3 +342,13 @@ def test_an_mmproj_vision_tower_on_the_gpu_resident_and_streamed(tiny, paired):
     relative = lambda got: ((got.cpu() - expected).norm() / expected.norm()).item()  # noqa: E731
     assert relative(on_gpu.encode(presentation).prompt_embeds) < 1e-3
     assert relative(on_cpu.stream_layers("cuda").encode(presentation).prompt_embeds) < 1e-3
+
+
+def test_companions_are_gguf_files_named_mmproj_whatever_the_suffix_case(tmp_path):
+    from h3_core.text_mmproj import companions
+
+    model = tmp_path / "Qwen3-VL.gguf"
+    for name in ("Qwen3-VL.gguf", "x-mmproj.GGUF", "mmproj-notes.txt", "other.gguf"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "y-mmproj.gguf").mkdir()
+    assert [path.name for path in companions(model)] == ["x-mmproj.GGUF"]

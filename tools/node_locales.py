@@ -3,8 +3,9 @@ node's name, description and its inputs' and outputs' labels and tooltips in the
 translation leaves out falls back to the schema's English.
 
 A translation must name only nodes, inputs and outputs the schemas have (a renamed input would silently lose
-its text), cover every one of them (a new input shows up untranslated otherwise), and keep every number of the
-English text (a tooltip whose numbers changed in English but not in the translation is stale).
+its text), cover every one of them (a new input shows up untranslated otherwise) but a growing list (ComfyUI names
+its slots; its tooltip stays English), and keep every number of the English text (a tooltip whose numbers changed
+in English but not in the translation is stale).
 
 Run: python tools/node_locales.py            (checks every locales/<lang>/nodeDefs.json; tests/test_node_locales.py)
      python tools/node_locales.py --english  (prints the English strings a translation covers, as nodeDefs.json)
