@@ -152,7 +152,7 @@ def _single_file(path: Path) -> DiTSource:
 
 
 def _gguf_file(path: Path) -> DiTSource:
-    entries, arch = gguf_file.gguf_entries(path)
+    entries, (arch,) = gguf_file.gguf_entries(path)
     if _naming(list(entries), path) != "native":
         raise CheckpointError(f"{path.name} is a GGUF file with diffusers names; GGUF DiT files are read in the "
                               "ComfyUI single file's layout (release names, qkv stacked), as ComfyUI-GGUF makes them.")

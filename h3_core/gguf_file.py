@@ -31,6 +31,7 @@ from .weights import CheckpointError, Item
 
 GGUF_SUFFIX = ".gguf"
 ORIGINAL_SHAPE_FIELD = "comfy.gguf.orig_shape."
+ARCHITECTURE_FIELD = "general.architecture"
 
 
 @dataclass(frozen=True)
@@ -100,18 +101,15 @@ def _entry(reader, tensor, path: Path, model: str = "DiT") -> GGUFEntry:
     return GGUFEntry(qtype, shape, stored)
 
 
-def gguf_entries(path: Path, model: str = "DiT", unused: Callable[[str], bool] | None = None
-                 ) -> tuple[dict[str, GGUFEntry], str | None]:
+def gguf_entries(path: Path, model: str = "DiT", unused: Callable[[str], bool] | None = None,
+                 fields: tuple[str, ...] = (ARCHITECTURE_FIELD,)) -> tuple[dict[str, GGUFEntry], tuple]:
     """Each tensor's entry, by its key in the file (headers only), but those `unused` names (never read, so
-    their types do not matter), and the architecture the file names. `model` names the model in errors."""
+    their types do not matter), and the header's text `fields` (None where missing; by default the
+    architecture the file names). `model` names the model in errors."""
     reader = open_gguf(path)
-    return {tensor.name: _entry(reader, tensor, path, model) for tensor in reader.tensors
-            if unused is None or not unused(tensor.name)}, _text(reader, "general.architecture")
-
-
-def gguf_text_field(path: Path, key: str) -> str | None:
-    """A text field of the file's header (None if it has none)."""
-    return _text(open_gguf(path), key)
+    entries = {tensor.name: _entry(reader, tensor, path, model) for tensor in reader.tensors
+               if unused is None or not unused(tensor.name)}
+    return entries, tuple(_text(reader, key) for key in fields)
 
 
 def _text(reader, key: str) -> str | None:

@@ -192,7 +192,7 @@ def locate_text_encoder(
 def _gguf_text_encoder(path: Path) -> dict:
     """A GGUF file's tensor entries, refused unless it is a Qwen3-VL language model (headers only)."""
     # the LM head, final norm and rope table are never read: their GGML types do not matter
-    entries, arch = gguf_file.gguf_entries(path, "text encoder", unused=lambda key: model_name(key, 10**9) is None)
+    entries, (arch,) = gguf_file.gguf_entries(path, "text encoder", unused=lambda key: model_name(key, 10**9) is None)
     if arch != GGUF_ARCHITECTURE:
         what = ("a vision projector (mmproj) file" if arch == "clip" else
                 f"a GGUF file of the '{arch}' architecture" if arch else "a GGUF file naming no architecture")

@@ -123,8 +123,8 @@ def vision_name(key: str, deepstack_rank: dict[int, int]) -> str | None:
 
 def read_vision_tower(path: Path) -> VisionTowerFile:
     """A Qwen3-VL projector file's entries and names (headers only); anything else is refused by name."""
-    entries, arch = gguf_file.gguf_entries(path, "vision tower")
-    projector = gguf_file.gguf_text_field(path, PROJECTOR_FIELD)
+    entries, (arch, projector) = gguf_file.gguf_entries(
+        path, "vision tower", fields=(gguf_file.ARCHITECTURE_FIELD, PROJECTOR_FIELD))
     if arch != ARCHITECTURE or projector != PROJECTOR:
         raise CheckpointError(f"{path.name} is not Qwen3-VL's vision tower as llama.cpp writes it (architecture "
                               f"'{ARCHITECTURE}', projector '{PROJECTOR}'); it says {arch!r}, {projector!r}.")

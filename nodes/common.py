@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -184,13 +185,20 @@ def canvas_inputs(auto: str) -> list:
     ]
 
 
-def wrong_link(input_types, takes: dict[str, str]) -> str | None:
+def wrong_link(node_class, input_types) -> str | None:
     """A node whose validate_inputs asks for `input_types` turns ComfyUI's own link-type check off for all its
-    inputs: the same check, with ComfyUI's own rule, for the linked inputs named in `takes` (input -> type)."""
+    inputs: the same check, with ComfyUI's own rule, against the socket types of the node's schema."""
     from comfy_execution.validation import validate_node_input
 
+    takes = socket_types(node_class)
     for name, kind in (input_types if isinstance(input_types, dict) else {}).items():
         wanted = takes.get(name)
         if wanted and not validate_node_input(kind, wanted):
             return f"{name} takes {wanted}, got {kind}."
     return None
+
+
+@functools.cache
+def socket_types(node_class) -> dict[str, str]:
+    """Each input's socket type in a node's schema (read once: the types never change, a combo's files do)."""
+    return {port.id: port.get_io_type() for port in node_class.define_schema().inputs}

@@ -51,12 +51,6 @@ REFERENCE_TOOLTIP = (f"ref2va references, read in slot order (images, videos and
                      f"or video), {MAX_REFERENCES} in all. A new slot appears when the last one is connected.")
 
 
-# What each input takes when it is linked (validate_inputs asks for input_types, so `wrong_link` checks them)
-LINKED_TYPES = {"text_encoder": "H3_TEXT_ENCODER", "vae": "H3_VAE", "first_image": "IMAGE", "last_image": "IMAGE",
-                "prompt": "STRING", "width": "INT", "height": "INT", "duration": "FLOAT", "task": "COMBO",
-                "aspect_ratio": "COMBO", "reference_images": "COMBO"}
-
-
 def reference_images_input():
     return io.Combo.Input(
         "reference_images", options=list(REFERENCE_IMAGE_MODES), default="release", optional=True,
@@ -121,7 +115,7 @@ class H3Conditioning(io.ComfyNode):
         the grown reference list to it anyway) and `prompt` (a text: no range), so ComfyUI still checks every
         other input's range and options; its link-type check, off for every input once `input_types` is named,
         is redone by `linked_media`."""
-        types, kinds, problem = linked_media(input_types, LINKED_TYPES)
+        types, kinds, problem = linked_media(cls, input_types)
         if problem:
             return problem
         if isinstance(prompt, str) and not prompt.strip():  # None: linked, known when it runs
@@ -168,17 +162,17 @@ class H3Conditioning(io.ComfyNode):
         return io.NodeOutput(cond, cond.width, cond.height, cond.num_frames)
 
 
-def linked_media(input_types, takes: dict[str, str]) -> tuple[dict, list[str], str | None]:
-    """What a validate_inputs sees of a node's links: their types by input, the media kinds linked to the
+def linked_media(node_class, input_types) -> tuple[dict, list[str], str | None]:
+    """What a node's validate_inputs sees of its links: their types by input, the media kinds linked to the
     reference slots in slot order, and what is wrong with them (a reference that is no IMAGE, VIDEO or
-    AUDIO; a link of the wrong type into an input of `takes`), or None."""
+    AUDIO; a link of the wrong type, `wrong_link`), or None."""
     types = (input_types or {}) if isinstance(input_types, dict) else {}
     kinds = [SOCKET_KINDS.get(kind, kind) for name, kind in sorted(types.items(), key=lambda item: _slot(item[0]))
              if name.startswith("references.")]
     wrong = [kind for kind in kinds if kind not in SOCKET_KINDS.values()]
     if wrong:
         return types, kinds, f"References must be IMAGE, VIDEO or AUDIO; got {', '.join(wrong)}."
-    return types, kinds, wrong_link(types, takes)
+    return types, kinds, wrong_link(node_class, types)
 
 
 def _slot(name: str) -> int:

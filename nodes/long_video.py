@@ -50,14 +50,6 @@ from .memory import decode_working_bytes, dit_for_run, drop_loras, place, place_
 
 STEP = geometry.FRAMES_PER_CHUNK  # window and overlap stay on the 17n + 5 grid
 
-# What each input takes when it is linked (validate_inputs asks for input_types, so `linked_media` checks them)
-LINKED_TYPES = {"model": "H3_MODEL", "text_encoder": "H3_TEXT_ENCODER", "prompt": "STRING", "task": "COMBO",
-                "duration": "FLOAT", "mode": "COMBO", "window_frames": "INT", "overlap_frames": "INT", "seed": "INT",
-                "steps": "INT", "video_shift": "FLOAT", "audio_shift": "FLOAT", "aspect_ratio": "COMBO", "width": "INT",
-                "height": "INT", "window_prompts": "STRING", "vae": "H3_VAE", "drive_audio": "AUDIO",
-                "guides": "H3_GUIDES", "continue_from": "H3_LATENT", "keep_video": "H3_LATENT",
-                "reference_images": "COMBO"}
-
 
 class H3Continuation(io.ComfyNode):
     @classmethod
@@ -134,7 +126,7 @@ class H3Continuation(io.ComfyNode):
         node error at queue time. ComfyUI still checks the other inputs' ranges and options (the two prompts are
         texts: no range); its link-type check, off for every input once `input_types` is named, is redone by
         `linked_media`."""
-        types, kinds, problem = linked_media(input_types, LINKED_TYPES)
+        types, kinds, problem = linked_media(cls, input_types)
         texts = (prompt, window_prompts or "")  # a linked one (None) is known when the node runs
         if not problem and "window_prompts" not in types and all(isinstance(t, str) and not t.strip() for t in texts):
             return EMPTY_PROMPT  # window prompts are counted against the plan when it runs

@@ -101,8 +101,7 @@ class H3AVSave(io.ComfyNode):
         """Images or a video, one of them: known at queue time, so a wrong wiring is refused before the sampling
         and decoding above it run (asking for input_types, it checks the links' types itself)."""
         types = input_types if isinstance(input_types, dict) else {}
-        return (wrong_link(types, {"images": "IMAGE", "audio": "AUDIO", "video": "VIDEO", "filename_prefix": "STRING"})
-                or _source_problem("images" in types, "video" in types) or True)
+        return wrong_link(cls, types) or _source_problem("images" in types, "video" in types) or True
 
     @classmethod
     def execute(cls, images=None, filename_prefix="H3/h3", audio=None, video=None) -> io.NodeOutput:

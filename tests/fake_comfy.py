@@ -28,6 +28,9 @@ class Port:
     def optional(self) -> bool:
         return bool(self.options.get("optional"))
 
+    def get_io_type(self) -> str:
+        return self.type
+
 
 class _Socket:
     """io.Int, io.Image, io.Custom("H3_MODEL"), ...: `.Input(id, **options)` and `.Output(**options)`."""

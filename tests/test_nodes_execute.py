@@ -155,15 +155,18 @@ def test_continuation_wiring_checks_at_queue_time(comfy):
     assert check(input_types={"prompt": "STRING"}, task="t2va", prompt=None) is True  # linked: at run time
 
 
-def test_link_tables_name_every_input_with_its_type(comfy):
-    """validate_inputs turns ComfyUI's own link-type check off, so a node's table of linked types must name
-    every input (but the reference list) with the type its schema gives it."""
+def test_a_wrong_link_into_any_input_is_refused_at_queue_time(comfy):
+    """validate_inputs turns ComfyUI's own link-type check off, so the nodes that have one check every input's
+    link against the type their schema gives it (but the reference list, whose slots are checked as media)."""
     long_video = importlib.import_module("nodes.long_video")
-    for module, node in ((comfy.conditioning, comfy.conditioning.H3Conditioning),
-                         (long_video, long_video.H3Continuation)):
+    for node in (comfy.conditioning.H3Conditioning, long_video.H3Continuation, comfy.output.H3AVSave):
         ports = fake_comfy.schema_of(node)["inputs"]
-        assert module.LINKED_TYPES == {name: port.type for name, port in ports.items()
-                                       if port.type != "COMFY_AUTOGROW_V3"}, node
+        for name, port in ports.items():
+            if port.type == "COMFY_AUTOGROW_V3":
+                continue
+            assert node.validate_inputs(input_types={name: "WRONG"}) == f"{name} takes {port.type}, got WRONG.", name
+            assert "takes" not in str(node.validate_inputs(input_types={name: port.type})), name
+
 
 def test_sampler_sigmas_denoise_and_latent_checks(comfy):
     c = comfy
