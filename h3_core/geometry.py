@@ -18,6 +18,9 @@ PATCH_SIZE = (1, 2, 2)  # (t, h, w) of one DiT video row
 CANVAS_MULTIPLE = VAE_SPATIAL_FACTOR * PATCH_SIZE[2]  # 32
 SHORT_EDGE = 768
 MAX_PIXELS = 768 * 1344
+# The longest canvas side taken (the nodes' width / height widgets stop here too): 4096x2304 at 5 s is already
+# 7.4x the release's rows, about 40 GiB of activations a block.
+MAX_CANVAS_EDGE = 4096
 MIN_ASPECT_RATIO = 1 / 4
 MAX_ASPECT_RATIO = 4.0
 # The video VAE encodes 17-frame chunks into 5 latent frames, plus one leading frame of its own:
@@ -88,6 +91,11 @@ def check_canvas(width: int, height: int) -> None:
         raise ValueError(
             f"Canvas width and height must be positive multiples of {CANVAS_MULTIPLE} "
             f"(VAE factor {VAE_SPATIAL_FACTOR} x patch {PATCH_SIZE[2]}), got width={width}, height={height}."
+        )
+    if max(width, height) > MAX_CANVAS_EDGE:
+        raise ValueError(
+            f"Canvas {width}x{height} is too large: each side is at most {MAX_CANVAS_EDGE} pixels (the release's "
+            f"canvases are about {MAX_PIXELS:,} pixels, 1344x768 at 16:9)."
         )
     ratio = width / height
     if not MIN_ASPECT_RATIO <= ratio <= MAX_ASPECT_RATIO:

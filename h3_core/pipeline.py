@@ -615,14 +615,14 @@ def check_settings(settings: GenerateSettings) -> int:
         raise RequestError(str(error)) from None
     if settings.steps is not None:
         check_steps(settings.steps)
-    for name, shift in (("video_shift", settings.video_shift), ("audio_shift", settings.audio_shift)):
+    for name, shift in (("video_shift (--video-shift)", settings.video_shift), ("audio_shift (--audio-shift)", settings.audio_shift)):
         if shift is not None:
             check_shift(shift, name)
     check_devices([settings.device, *settings.devices])
     if settings.shard_weights and len(settings.devices) < 2:
         raise ValueError("shard_weights splits the DiT's weights over several devices; give them with --devices "
                          "(GenerateSettings.devices), two or more.")
-    for name, dtype in (("dtype", settings.dtype), ("vae_dtype", settings.vae_dtype)):
+    for name, dtype in (("dtype (--dtype)", settings.dtype), ("vae_dtype (--vae-dtype)", settings.vae_dtype)):
         if dtype is not None and dtype not in MODEL_DTYPES:
             raise ValueError(f"{name} must be one of torch.bfloat16, torch.float16, torch.float32; got {dtype!r}.")
     check_budget(settings.gpu_memory)

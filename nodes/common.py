@@ -178,9 +178,9 @@ def canvas_inputs(auto: str) -> list:
     return [
         io.Combo.Input("aspect_ratio", options=["auto", *geometry.ASPECT_RATIOS], default="auto",
                        tooltip=f"Canvas shape. auto: {auto}. Ignored when width and height are set."),
-        io.Int.Input("width", default=0, min=0, max=4096, step=32,
+        io.Int.Input("width", default=0, min=0, max=geometry.MAX_CANVAS_EDGE, step=32,
                      tooltip="Canvas width in pixels (multiple of 32); 0 = from the aspect ratio."),
-        io.Int.Input("height", default=0, min=0, max=4096, step=32,
+        io.Int.Input("height", default=0, min=0, max=geometry.MAX_CANVAS_EDGE, step=32,
                      tooltip="Canvas height in pixels (multiple of 32); 0 = from the aspect ratio."),
     ]
 

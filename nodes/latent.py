@@ -33,9 +33,9 @@ class H3EmptyAVLatent(io.ComfyNode):
             description="An empty video + audio latent (zeros) that fixes the size the H3 sampler fills with seeded "
                         "noise: video [1, 24, 5n + 2, H/16, W/16] and audio [2, 32, 40 per second].",
             inputs=[
-                io.Int.Input("width", default=1344, min=32, max=4096, step=32,
+                io.Int.Input("width", default=1344, min=32, max=geometry.MAX_CANVAS_EDGE, step=32,
                              tooltip="Canvas width in pixels, a multiple of 32. Ignored when conditioning is connected."),
-                io.Int.Input("height", default=768, min=32, max=4096, step=32,
+                io.Int.Input("height", default=768, min=32, max=geometry.MAX_CANVAS_EDGE, step=32,
                              tooltip="Canvas height in pixels, a multiple of 32. Ignored when conditioning is connected."),
                 io.Int.Input("num_frames", default=124, min=1, max=geometry.FRAMES_PER_CHUNK * 21 + 5,
                              tooltip="Frames at 24 fps, snapped up to 17n + 5 (124 = 5.2 s); H3 takes 4-15 s "
@@ -81,10 +81,10 @@ class H3VAEEncode(io.ComfyNode):
                                tooltip="The frame rate of images (brought to 24 fps)."),
                 io.Audio.Input("audio", optional=True,
                                tooltip="The sound (instead of the video's soundtrack); silence when there is none."),
-                io.Int.Input("width", default=0, min=0, max=4096, step=32, optional=True,
+                io.Int.Input("width", default=0, min=0, max=geometry.MAX_CANVAS_EDGE, step=32, optional=True,
                              tooltip="Canvas width (multiple of 32); 0 with height 0: the clip's own aspect ratio on "
                                      "the model's canvas (768 px short edge). The frames are cover-cropped onto it."),
-                io.Int.Input("height", default=0, min=0, max=4096, step=32, optional=True,
+                io.Int.Input("height", default=0, min=0, max=geometry.MAX_CANVAS_EDGE, step=32, optional=True,
                              tooltip="Canvas height (multiple of 32); 0 with width 0: from the clip."),
             ],
             outputs=[

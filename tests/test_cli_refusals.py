@@ -33,8 +33,9 @@ def files(tmp_path):
 
 @pytest.mark.parametrize("options, message", [
     (["--steps", "0"], "steps counts sigma points .* integer >= 2; got 0"),
-    (["--video-shift", "0"], "video_shift must be a positive number, got 0"),
-    (["--audio-shift", "nan"], "audio_shift must be a positive number, got nan"),
+    (["--video-shift", "0"], r"video_shift \(--video-shift\) must be a positive number, got 0"),
+    (["--audio-shift", "nan"], r"audio_shift \(--audio-shift\) must be a positive number, got nan"),
+    (["--width", "8192", "--height", "4096"], "Canvas 8192x4096 is too large: each side is at most 4096 pixels"),
     (["--seed", str(MAX_SEED + 1)], f"seed must be an integer from 0 to {MAX_SEED}; got {MAX_SEED + 1}"),
     (["--seed", "-1"], "seed must be an integer from 0"),
     (["--seed", str(MAX_SEED), "--outputs", "2"], r"\(and seed \+ 1 for 2 outputs\)"),

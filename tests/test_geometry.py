@@ -86,11 +86,18 @@ def test_check_canvas_accepts_named_canvases():
         (0, 768, "multiples of 32"),
         (3328, 768, "1:4 to 4:1"),
         (256, 1056, "1:4 to 4:1"),
+        (4128, 2304, "each side is at most 4096"),
+        (2304, 4128, "each side is at most 4096"),
     ],
 )
 def test_check_canvas_rejects_bad_sizes(width, height, message):
     with pytest.raises(ValueError, match=message):
         geometry.check_canvas(width, height)
+
+
+def test_check_canvas_takes_the_largest_side_the_nodes_offer():
+    geometry.check_canvas(geometry.MAX_CANVAS_EDGE, 2304)
+    geometry.check_canvas(2304, geometry.MAX_CANVAS_EDGE)
 
 
 @pytest.mark.parametrize("seconds, frames, latents, audio", FACT_SHEET_DURATIONS)
