@@ -392,6 +392,12 @@ class DiTReader:
         return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
 
     @property
+    def adaln_nbytes(self) -> int:
+        """The bytes the timestep-only weights (`H3DiT.adaln_modules`) take once read: a quantized file's AdaLN
+        projections stay as it stores them unless the linears mode dequantizes them."""
+        return sum(t.numel() * t.element_size() for module in self.model.adaln_modules() for t in module.state_dict().values())
+
+    @property
     def is_read(self) -> bool:
         return not any(t.is_meta for t in self.model.state_dict().values())
 

@@ -152,9 +152,11 @@ def expected_peak(
     timesteps_per_step: int = 4,
     dtype_bytes: int = 2,
     held: str = "dense",
+    adaln_bytes: int | None = None,
 ) -> int:
     """Peak GPU bytes of a denoise with this placement (prefetch 0 = no streaming); `held`: how the block
-    linears are held (HELD_FORMATS)."""
+    linears are held (HELD_FORMATS); `adaln_bytes`: what the timestep-only weights take as the file holds them
+    (a quantized file may hold its AdaLN projections quantized; None: `adaln_weight_bytes`, in the model dtype)."""
     block = block_weight_bytes(config, dtype_bytes, held)
     in_flight = (prefetch + 2) * block if prefetch else 0  # BlockStreamer's bound on streamed blocks on the GPU
     return (
@@ -164,7 +166,7 @@ def expected_peak(
         + modulation_bytes(config, 1 if offload_adaln else steps, timesteps_per_step, dtype_bytes)
         + resident_blocks * block
         + in_flight
-        + (0 if offload_adaln else adaln_weight_bytes(config, dtype_bytes))
+        + (0 if offload_adaln else adaln_weight_bytes(config, dtype_bytes) if adaln_bytes is None else adaln_bytes)
     )
 
 
@@ -178,6 +180,7 @@ def plan_memory(
     prefetch: int = 1,
     held: str = "dense",
     fixed_segments: bool = False,
+    adaln_bytes: int | None = None,
 ) -> MemoryPlan:
     """The most resident blocks that fit in `budget_bytes` (free GPU memory for this run) less the
     allocator's headroom: everything resident if it fits, then everything but the AdaLN weights, then as
@@ -191,7 +194,8 @@ def plan_memory(
         budget_bytes -= activation_bytes(config, rows, dtype_bytes, held)
 
     def peak(resident: int, streaming: int, offload_adaln: bool) -> int:
-        return expected_peak(config, rows, resident, streaming, offload_adaln, steps, timesteps_per_step, dtype_bytes, held)
+        return expected_peak(config, rows, resident, streaming, offload_adaln, steps, timesteps_per_step, dtype_bytes, held,
+                             adaln_bytes)
 
     for offload_adaln in (False, True):
         if peak(blocks, 0, offload_adaln) <= budget_bytes:
@@ -231,11 +235,12 @@ def check_budget(budget_gib: float | None) -> None:
 
 
 def plan_for(config: DiTConfig, layout, steps: int, device, budget_gib: float | None = None,
-             dtype_bytes: int = 2, held: str = "dense") -> MemoryPlan:
+             dtype_bytes: int = 2, held: str = "dense", adaln_bytes: int | None = None) -> MemoryPlan:
     """The plan for sampling `layout` (a PackedLayout; for a long video its largest window's) with a
     `steps`-point ladder on `device`. `budget_gib`: memory to plan for (None: what the device has free;
-    the CPU is not limited). Hosts call it before loading, so a request that cannot fit is refused
-    before the weights are read. On CUDA the plan allows for the allocator the environment sets up."""
+    the CPU is not limited); `held`, `adaln_bytes`: as `expected_peak`. Hosts call it before loading, so a
+    request that cannot fit is refused before the weights are read. On CUDA the plan allows for the allocator
+    the environment sets up."""
     import torch
 
     device = torch.device(device)
@@ -246,4 +251,5 @@ def plan_for(config: DiTConfig, layout, steps: int, device, budget_gib: float | 
         budget = free_bytes(device) if device.type == "cuda" else 1 << 62
     timesteps, _ = layout.to("cpu").row_timesteps(0.5, 0.25)  # distinct timesteps of one step (clocks apart)
     return plan_memory(config, layout.sequence_length, budget, max(steps - 1, 1), int(timesteps.numel()),
-                       dtype_bytes, held=held, fixed_segments=device.type == "cuda" and fixed_allocator_segments())
+                       dtype_bytes, held=held, fixed_segments=device.type == "cuda" and fixed_allocator_segments(),
+                       adaln_bytes=adaln_bytes)

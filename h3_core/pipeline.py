@@ -846,8 +846,13 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
         return dit, MemoryPlan(0, 0, False, 0, True), None
 
     config = TINY_DIT if source.tiny else with_config(dit_source).config
+    # LoRAs merge into dense weights, so with them the lossy FP8 linears are made after the merge
+    quantize_later = source.tiny or (bool(loras) and settings.linears.startswith("fp8"))
+    reader = None if source.tiny else DiTReader(dit_source, partition, settings.dtype, config,
+                                                "checkpoint" if quantize_later else settings.linears, device)
     plan = plan_for(config, largest_layout(conditioning), steps, device, settings.gpu_memory,
-                    held=held_linears(dit_source, settings.linears))
+                    held=held_linears(dit_source, settings.linears),
+                    adaln_bytes=None if reader is None else reader.adaln_nbytes)
     if not plan.fits:
         raise RequestError(
             f"This request needs about {plan.expected_peak_bytes / GIB:.1f} GiB on {device} even with every DiT "
@@ -859,13 +864,9 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
                   "spare for fragmentation; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the h3 command's "
                   "default) leaves more room for resident blocks")
     home = load_device(plan, device)
-    # LoRAs merge into dense weights, so with them the lossy FP8 linears are made after the merge
-    quantize_later = source.tiny or (bool(loras) and settings.linears.startswith("fp8"))
     if source.tiny:
         dit = tiny_random_dit(model_dtype(source, settings), home)
     else:
-        linears = "checkpoint" if quantize_later else settings.linears
-        reader = DiTReader(dit_source, partition, settings.dtype, config, linears, device)
         warning = host_memory_warning(reader.nbytes, "The DiT") if home.type == "cpu" else None
         if warning:
             notes(f"memory: {warning}")

@@ -272,7 +272,8 @@ class DiTPlacement(Placement):
         if budget is None and free_bytes is not None:
             budget = max(free_bytes + self.loaded_bytes, 1) / GIB
         plan = plan_for(self.dit.config, layout, steps, self.load_device, budget,
-                        torch.empty(0, dtype=self.dit.dtype).element_size(), held=held_format(self.dit))
+                        torch.empty(0, dtype=self.dit.dtype).element_size(), held=held_format(self.dit),
+                        adaln_bytes=_bytes(self.dit.adaln_modules()))
         if not plan.fits:
             given = "the budget set" if self.budget_gib is not None else "what is free"
             raise RequestError(
@@ -427,7 +428,9 @@ class RunnerPlacement(Placement):
         blocks = self.config.num_layers * block_weight_bytes(self.config, dtype_bytes, self.spec.held_linears())
         if self.shard_weights:
             blocks //= len(self.devices)
-        return shared_weight_bytes(self.config, dtype_bytes) + adaln_weight_bytes(self.config, dtype_bytes) + blocks
+        adaln = self.spec.adaln_bytes()
+        return (shared_weight_bytes(self.config, dtype_bytes) + blocks
+                + (adaln_weight_bytes(self.config, dtype_bytes) if adaln is None else adaln))
 
     def load(self) -> int:
         """Start the workers (if not running: a failed worker stops its runner); returns the bytes estimate."""

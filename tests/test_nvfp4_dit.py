@@ -145,6 +145,43 @@ def test_memory_plan_counts_what_nvfp4_blocks_hold():
         block_weight_bytes(real, 2, "mxfp8")
 
 
+def test_the_memory_plan_counts_adaln_weights_as_the_file_holds_them(tmp_path, monkeypatch):
+    """An NVFP4 file whose AdaLN projections are NVFP4 too: the plans of `h3 generate`, of the nodes' DiT
+    placement and of the workers' size count those projections at what they hold once read, not in the model
+    dtype; a file holding them dense is planned as before (`adaln_weight_bytes`)."""
+    from types import SimpleNamespace
+
+    from h3_core import memory_plan, pipeline
+    from h3_core.checkpoint import DiTReader
+    from h3_core.layout import build_request_layout
+    from h3_core.parallel import ModelSpec
+    from h3_core.placement import DiTPlacement
+
+    adaln = [f"blocks.{i}.adaln_proj.linear" for i in range(TINY_DIT.num_layers)] + ["final_layer.adaln_proj.linear"]
+    layout = build_request_layout(224, 128, 107, torch.ones(6, dtype=torch.long))
+    plans, real_plan = [], memory_plan.plan_for
+    monkeypatch.setattr(pipeline, "plan_for", lambda *a, **k: plans.append(real_plan(*a, **k)) or plans[-1])
+    found = {}
+    for name, layers in (("quantized", BLOCKS + adaln), ("dense", BLOCKS)):
+        path = tmp_path / f"{name}_nvfp4.safetensors"
+        write_nvfp4(path, layers=layers)
+        dit, plan, _ = pipeline.load_sampling_dit(
+            pipeline.ModelSource(str(path), path), locate_dit(path), "fl2va",
+            pipeline.GenerateSettings(steps=3, dtype=torch.bfloat16), [], SimpleNamespace(layout=layout), 3,
+            lambda note: None)
+        assert plan is plans[-1] and not plan.offload_adaln
+        held = sum(t.numel() * t.element_size() for module in dit.adaln_modules() for t in module.state_dict().values())
+        reader = DiTReader(path, dtype=torch.bfloat16)
+        placed = DiTPlacement(name, reader.model, "cpu", "cpu", reader=reader).plan_request(layout, 3)
+        spec = ModelSpec(str(path), dtype=torch.bfloat16)
+        found[name] = (held, plan.expected_peak_bytes, placed.expected_peak_bytes, spec.adaln_bytes())
+        assert isinstance(dit.final_layer.adaln_proj.linear, NVFP4Linear) == (name == "quantized")
+    (q_held, q_peak, q_placed, q_spec), (d_held, d_peak, d_placed, d_spec) = found["quantized"], found["dense"]
+    assert d_held == memory_plan.adaln_weight_bytes(TINY_DIT, 2) and q_held < d_held / 2
+    assert d_peak - q_peak == d_placed - q_placed == d_held - q_held
+    assert (q_spec, d_spec) == (q_held, d_held)
+
+
 def test_streamed_nvfp4_blocks_equal_resident_ones(tmp_path):
     path = tmp_path / "nvfp4.safetensors"
     write_nvfp4(path, smoothed=True)

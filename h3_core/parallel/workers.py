@@ -78,22 +78,34 @@ class ModelSpec:
 
         return held_linears(None if self.source == TINY_RANDOM else locate_dit(self.source, self.partition), self.linears)
 
+    def adaln_bytes(self) -> int | None:
+        """What the timestep-only weights take on each worker as it will hold them, from the headers (None:
+        tiny-random, dense in the model dtype)."""
+        if self.source == TINY_RANDOM:
+            return None
+        from ..checkpoint import DiTReader
+
+        return DiTReader(self.source, self.partition, self.dtype, self.config, self._read_linears(), "meta").adaln_nbytes
+
+    def _read_linears(self) -> str:
+        """The linears mode the checkpoint is read in: with LoRAs the lossy FP8 linears are made after the merge."""
+        return "checkpoint" if self.loras and self.linears.startswith("fp8") else self.linears
+
     def load(self, device: torch.device | str):
         """As `pipeline.generate` loads its DiT: weights, then LoRAs merged, then lossy FP8 linears made
         (after the merge when there are LoRAs, since those merge into dense weights); a DiT holding linears as
         its file stores them (FP8, int8, int4, NVFP4) gets its LoRAs hooked after that instead."""
         device = torch.device(device)
         tiny = self.source == TINY_RANDOM
-        quantize_later = tiny or (bool(self.loras) and self.linears.startswith("fp8"))
+        quantize_later = tiny or self._read_linears() != self.linears
         if tiny:  # as tiny.tiny_random_dit, in any tiny shape
             model = seeded_random_weights(H3DiT(self.config or TINY_DIT), TINY_SEED).set_dtype(self.dtype)
             model = model.to(device).eval().requires_grad_(False)
         else:
             from ..checkpoint import load_dit
 
-            linears = "checkpoint" if quantize_later else self.linears
             model = load_dit(self.source, self.partition, dtype=self.dtype, device=device, config=self.config,
-                             linears=linears)
+                             linears=self._read_linears())
         from ..lora import apply_loras, load_lora, run_mode
 
         adapters = [(load_lora(path), float(strength)) for path, strength in self.loras]
