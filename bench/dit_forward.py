@@ -60,6 +60,15 @@ GGML_SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "
                      "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
+def fill_random_ggml(blocks: torch.Tensor, qtype: str, generator: torch.Generator) -> None:
+    """Fill `blocks` (uint8, one GGML block of `qtype` a row) with random bytes, their fp16 scales ~1e-3
+    (weights of about a trained model's spread)."""
+    blocks.copy_(torch.randint(0, 256, blocks.shape, device=blocks.device, generator=generator, dtype=torch.uint8))
+    for offset in GGML_SCALE_FIELDS[qtype]:
+        scales = (torch.rand(blocks.shape[0], 1, device=blocks.device, generator=generator) * 1e-3 + 5e-4).half()
+        blocks[:, offset:offset + 2] = scales.view(torch.uint8)
+
+
 def gguf_blocks(model: H3DiT, qtype: str) -> H3DiT:
     """The block linears as a GGUF file's in `qtype`: random blocks, their fp16 scales ~1e-3."""
     from h3_core import fp8, gguf_quants
@@ -75,11 +84,7 @@ def gguf_blocks(model: H3DiT, qtype: str) -> H3DiT:
     for layer in names:
         module = model.get_submodule(layer)
         module.to_empty(device="cuda")
-        blocks = module.weight.view(-1, size)
-        blocks.copy_(torch.randint(0, 256, blocks.shape, device="cuda", generator=g, dtype=torch.uint8))
-        for offset in GGML_SCALE_FIELDS[qtype]:
-            scales = (torch.rand(blocks.shape[0], 1, device="cuda", generator=g) * 1e-3 + 5e-4).half()
-            blocks[:, offset:offset + 2] = scales.view(torch.uint8)
+        fill_random_ggml(module.weight.view(-1, size), qtype, g)
     return model
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from dit_forward import GGML_SCALE_FIELDS, fill_random_ggml
 from full_pipeline import PROMPT, text_encoder
 from h3_core.fp8 import FP8Linear, hadamard
 from h3_core.gguf_file import GGUFEntry, GGUFLinear
@@ -75,25 +76,20 @@ def to_random_nvfp4(model: torch.nn.Module) -> int:
     return len(names)
 
 
-GGUF_SCALE_OFFSETS = {"Q8_0": (0,), "Q4_K": (0, 2)}  # byte offsets of each block's fp16 scales (gguf-py's layouts)
-
-
 def to_random_gguf(model: torch.nn.Module, qtype: str) -> int:
     """Every decoder linear replaced by a GGUFLinear of random `qtype` blocks whose fp16 scales are ~1e-3."""
     layers = model.language_model.layers
     kinds = (torch.nn.Linear, FP8Linear, NVFP4Linear, GGUFLinear)
     names = [name for name, module in layers.named_modules() if isinstance(module, kinds)]
-    block, size = BLOCKS[qtype]
+    _, size = BLOCKS[qtype]
+    generator = torch.Generator(next(layers.parameters()).device).manual_seed(1)
     for name in names:
         old = layers.get_submodule(name)
         entry = GGUFEntry(qtype, (old.out_features, old.in_features), (old.out_features, old.in_features))
         new = GGUFLinear(old.in_features, old.out_features, entry, old.bias is not None, torch.bfloat16,
                          old.weight.device)
-        blocks = torch.randint(0, 256, entry.raw_shape, dtype=torch.uint8, device=old.weight.device).view(-1, size)
-        for offset in GGUF_SCALE_OFFSETS[qtype]:
-            scales = torch.empty(blocks.shape[0], dtype=torch.float16, device=blocks.device).uniform_(2e-4, 2e-3)
-            blocks[:, offset:offset + 2] = scales.view(torch.uint8).view(-1, 2)
-        new.weight.data = blocks.view(entry.raw_shape)
+        new.weight.data = torch.empty(entry.raw_shape, dtype=torch.uint8, device=old.weight.device)
+        fill_random_ggml(new.weight.data.view(-1, size), qtype, generator)
         if old.bias is not None:
             new.bias.data = old.bias.data
         layers.set_submodule(name, new)
@@ -122,7 +118,7 @@ def main():
     parser.add_argument("--repeat-prompt", type=int, nargs="+", default=[1, 8], help="prompt lengths (x the fox prompt)")
     parser.add_argument("--group", type=int, default=256, help="ConvRot group size (input columns)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--gguf-types", nargs="*", default=["Q8_0", "Q4_K"], choices=sorted(GGUF_SCALE_OFFSETS),
+    parser.add_argument("--gguf-types", nargs="*", default=["Q8_0", "Q4_K"], choices=sorted(GGML_SCALE_FIELDS),
                         help="GGML block types to time after the ComfyUI files' cases")
     parser.add_argument("--only-gguf", action="store_true", help="skip the int8 and NVFP4 cases")
     args = parser.parse_args()
