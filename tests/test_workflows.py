@@ -4,6 +4,7 @@ real-file graphs in workflows/templates) and the canvas workflows ComfyUI offers
 values in range; links to outputs of the right type; canvas widgets in the order the frontend reads them."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -181,3 +182,32 @@ def test_every_input_says_what_it_is_for(schemas):
     missing = [f"{node_id}.{name}" for node_id, schema in schemas.items() for name, port in schema["inputs"].items()
                if not port.options.get("tooltip")]
     assert not missing, missing
+
+
+# the folder each loader lists its files from (nodes/loaders.py, nodes/sampler.py)
+LOADER_FOLDERS = {"H3ModelLoader": "diffusion_models", "H3TextEncoderLoader": "text_encoders", "H3VAELoader": "vae",
+                  "H3LoRAApply": "loras"}
+
+
+@pytest.mark.parametrize("path", CANVAS, ids=[p.stem for p in CANVAS])
+def test_canvas_loaders_carry_download_links_for_their_files(path):
+    """Each loader of a canvas workflow names the files it selects in `properties.models` (what ComfyUI's frontend
+    offers to download when they are missing), in the folder it lists them from, each a Hugging Face link to that
+    file; the note names them too; the files are as tools/workflows.py links them."""
+    import workflows
+
+    canvas = json.loads(path.read_text())
+    note = next(node["widgets_values"][0] for node in canvas["nodes"] if node["type"] == "MarkdownNote")
+    loaders = [node for node in canvas["nodes"] if node["type"] in LOADER_FOLDERS]
+    assert {node["type"] for node in loaders} >= {"H3ModelLoader", "H3TextEncoderLoader", "H3VAELoader"}
+    for node in loaders:
+        files = [value for value in node["widgets_values"] if isinstance(value, str) and value.endswith(".safetensors")]
+        assert files and all(name in workflows.DOWNLOADS for name in files), (node["type"], files)
+        models = node["properties"]["models"]
+        assert [model["name"] for model in models] == files
+        for model in models:
+            assert model["directory"] == LOADER_FOLDERS[node["type"]]
+            assert re.fullmatch(r"https://huggingface\.co/[\w.-]+/[\w.-]+/resolve/main/([\w.-]+/)?" + re.escape(model["name"]),
+                                model["url"]), model["url"]
+            assert model["name"].removesuffix(".safetensors") in note
+    assert workflows.link_models(json.loads(path.read_text())) == canvas

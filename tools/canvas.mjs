@@ -18,10 +18,12 @@ const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "..");
 const [mode, url, ...rest] = process.argv.slice(2);
 
 const NOTE = `## MiniMax-H3 (video + audio)
-Models (Comfy-Org/MiniMax-H3): **diffusion_models/** minimax_h3_fl2va_bf16 or minimax_h3_ref2va_bf16,
-**text_encoders/** qwen3vl_32b_minimax_h3_bf16 (*tokenizer_folder*: the release's FL2VA/tokenizer, or empty to fetch it, 7 MiB),
+Models (Comfy-Org/MiniMax-H3, the files ComfyUI's own H3 templates use; the loaders offer to download missing ones):
+**diffusion_models/** minimax_h3_fl2va_pruned_int8_convrot or minimax_h3_ref2va_pruned_int8_convrot,
+**text_encoders/** qwen3vl_32b_minimax_h3_nvfp4_awq (*tokenizer_folder*: the release's FL2VA/tokenizer, or empty to fetch it, 7 MiB),
 **vae/** minimax_h3_video_vae_fp16 and minimax_h3_audio_vae_fp32; Turbo: **loras/**
-minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16. Or pick *tiny-random* everywhere to try the graph without weights.`;
+minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16. Other H3 files (bf16, fp8_scaled, NVFP4, GGUF) work too.
+Or pick *tiny-random* everywhere to try the graph without weights.`;
 // only for graphs that have the node it speaks of
 const CONDITIONING_LINE = "\nThe line under H3 Conditioning shows the canvas, frames and real duration before you queue.";
 

@@ -8,7 +8,8 @@
   ComfyUI canvas and saves the canvas (UI-format) workflow as `example_workflows/<name>.json`, which
   ComfyUI's template browser lists under this pack.
 
-Run: python tools/workflows.py   (then node tools/canvas.mjs for the canvas files; see its docstring)
+Run: python tools/workflows.py   (then node tools/canvas.mjs for the canvas files, see its docstring, and this
+again: it names each loader's files, with their download links, in the canvas files' node properties)
 Every task's graph; t2va_guides: an image and a sound anchored mid-clip (H3 Add Guide); long_video:
 t2va over 20 s in two continuation windows; long_video_guides: the same with an image at the start, one
 at 12.5 s (the second window) and a sound in the last 2.5 s (H3 Continuation Guide); extend_video: a
@@ -28,12 +29,24 @@ PROMPT = ("A red fox trots along a beach at sunset; waves crash softly, gulls ca
 SOUND_PROMPT = ("The sound of this scene as it happens: footsteps, wind and the world around the camera, with "
                 "no music.")
 TURBO_LORA = "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors"
+# The files ComfyUI's own H3 templates use (comfyui-workflow-templates' video_minimax_h3_*), so a user who has
+# run those has them: the pruned int8 DiTs (~20 GB), the NVFP4 text encoder (~15 GiB, whole on a 24 GB card)
 REAL = {  # Comfy-Org/MiniMax-H3 file names (models/diffusion_models, text_encoders, vae)
-    "fl2va": "minimax_h3_fl2va_bf16.safetensors",
-    "ref2va": "minimax_h3_ref2va_bf16.safetensors",
-    "text_encoder": "qwen3vl_32b_minimax_h3_bf16.safetensors",
+    "fl2va": "minimax_h3_fl2va_pruned_int8_convrot.safetensors",
+    "ref2va": "minimax_h3_ref2va_pruned_int8_convrot.safetensors",
+    "text_encoder": "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors",
     "video_vae": "minimax_h3_video_vae_fp16.safetensors",
     "audio_vae": "minimax_h3_audio_vae_fp32.safetensors",
+}
+HUB = "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main"
+# file -> (ComfyUI model folder, download URL), as ComfyUI's own H3 templates link them
+DOWNLOADS = {
+    REAL["fl2va"]: ("diffusion_models", f"{HUB}/diffusion_models/{REAL['fl2va']}"),
+    REAL["ref2va"]: ("diffusion_models", f"{HUB}/diffusion_models/{REAL['ref2va']}"),
+    REAL["text_encoder"]: ("text_encoders", f"{HUB}/text_encoders/{REAL['text_encoder']}"),
+    REAL["video_vae"]: ("vae", f"{HUB}/vae/{REAL['video_vae']}"),
+    REAL["audio_vae"]: ("vae", f"{HUB}/vae/{REAL['audio_vae']}"),
+    TURBO_LORA: ("loras", f"https://huggingface.co/lightx2v/Minimax-h3-Turbo/resolve/main/{TURBO_LORA}"),
 }
 
 # name: (task, keyframes, references, turbo); references are "image" | "video" | "audio" in slot order
@@ -199,6 +212,17 @@ def build_sound_for_my_video(real: bool) -> dict:
     return g.nodes
 
 
+def link_models(canvas: dict) -> dict:
+    """Name each node's files in its `properties.models` (file, folder, URL): ComfyUI's frontend offers to
+    download the ones a node selects (a widget value) that the user does not have."""
+    for node in canvas["nodes"]:
+        files = [value for value in node.get("widgets_values") or [] if isinstance(value, str) and value in DOWNLOADS]
+        if files:
+            node.setdefault("properties", {})["models"] = [
+                {"name": name, "url": DOWNLOADS[name][1], "directory": DOWNLOADS[name][0]} for name in files]
+    return canvas
+
+
 def main() -> None:
     for folder, real in (("api", False), ("templates", True)):
         out = ROOT / "workflows" / folder
@@ -212,6 +236,10 @@ def main() -> None:
         (out / "extend_my_video.json").write_text(json.dumps(build_extend_my_video(real), indent=2) + "\n")
         (out / "sound_for_my_video.json").write_text(json.dumps(build_sound_for_my_video(real), indent=2) + "\n")
     print(f"wrote {len(TASKS) + 5} API prompts to workflows/api and workflows/templates")
+    canvases = sorted((ROOT / "example_workflows").glob("*.json"))  # what tools/canvas.mjs made of the templates
+    for path in canvases:
+        path.write_text(json.dumps(link_models(json.loads(path.read_text())), indent=2, ensure_ascii=False) + "\n")
+    print(f"linked the models of {len(canvases)} canvas workflows in example_workflows")
 
 
 if __name__ == "__main__":
