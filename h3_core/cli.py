@@ -243,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="which DiT of a release to describe: fl2va (default; t2va and fl2va) or ref2va")
     info.set_defaults(run=run_info)
 
+    env = sub.add_parser("env", help="what this machine gives H3: versions, GPUs, attention kernels, media encoders, "
+                                     "memory (JSON; paste it into a bug report)")
+    env.set_defaults(run=run_env)
+
     den = sub.add_parser("denoise", help="run the dual-clock denoise of a T2VA request and save the latents")
     den.add_argument("--model", default=TINY_RANDOM, help=f"checkpoint path or '{TINY_RANDOM}' (default)")
     den.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"])
@@ -585,6 +589,13 @@ def _peak(device: torch.device) -> str:
     if device.type == "cuda":
         return f"peak GPU {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
     return f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+
+
+def run_env(args) -> int:
+    from .environment import report
+
+    print(json.dumps(report(), indent=2))
+    return 0
 
 
 def run_info(args) -> int:

@@ -88,7 +88,7 @@ def pick_h264_encoder(width: int, height: int, preferred: str | None = None) -> 
     )
 
 
-def _pick_aac_encoder() -> str:
+def pick_aac_encoder() -> str:
     for name in AAC_ENCODERS:
         if name in av.codecs_available:
             return name
@@ -250,7 +250,7 @@ class Mp4Writer:
 
     def _open_container(self, width: int, height: int) -> None:
         encoder = pick_h264_encoder(width, height, self._encoder_name)
-        audio_encoder = _pick_aac_encoder()
+        audio_encoder = pick_aac_encoder()
         container = av.open(str(self._temp_path), "w", format="mp4", options={"movflags": _MOVFLAGS})
         try:
             container.metadata.update(self._metadata)

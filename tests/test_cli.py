@@ -260,3 +260,26 @@ def test_every_readme_command_parses():
             parser.parse_args(shlex.split(command)[1:])
         except SystemExit:
             pytest.fail(f"the README's `{command}` does not parse")
+
+
+def test_env_reports_what_a_run_would_use(capsys, monkeypatch):
+    """`h3 env`: versions as installed, the attention kernels that import and the one `auto` picks, the encoders
+    an MP4 is written with (or why there is none), one entry per CUDA device."""
+    from h3_core import attention, media_write
+
+    assert main(["env"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["packages"]["torch"] == torch.__version__ and found["packages"]["av"] == av.__version__
+    assert found["attention_available"] == attention.available_backends() and "sdpa" in found["attention_available"]
+    assert found["attention_auto_cpu"] == "sdpa"
+    assert found["media"] == {"h264_encoder": media_write.pick_h264_encoder(1344, 768), "aac_encoder": "aac"}
+    assert len(found["cuda_devices"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    for device in found["cuda_devices"]:
+        assert device["attention_auto"] in attention.EXACT_BACKENDS and device["memory_gib"] >= device["free_gib"] > 0
+
+    def no_h264(*args, **kwargs):
+        raise media_write.EncoderUnavailableError("No usable H.264 encoder in this PyAV build.")
+
+    monkeypatch.setattr(media_write, "pick_h264_encoder", no_h264)
+    assert main(["env"]) == 0
+    assert json.loads(capsys.readouterr().out)["media"]["h264_encoder"] == "none: No usable H.264 encoder in this PyAV build."
