@@ -283,6 +283,8 @@ class Mp4Writer:
         self._pending_audio = [pending[:, room:]] if pending.shape[1] > room else []
 
     def _encode_audio(self, stereo: np.ndarray) -> None:
+        if not stereo.shape[1]:  # an empty sound given (the encoder refuses an empty frame): close() pads silence
+            return
         # PyAV re-blocks the samples into the encoder's 1024-sample AAC frames.
         frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(stereo), format="fltp", layout="stereo")
         frame.sample_rate = SAMPLE_RATE

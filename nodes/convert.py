@@ -206,12 +206,20 @@ def video_file(video) -> tuple[str, float, float] | None:
     straight from its file, frame by frame, instead of decoded whole into float32 frames by get_components()
     (a 30 s 1080p clip: 18 GB)."""
     source = getattr(video, "get_stream_source", None)
-    path = source() if callable(source) else None
+    path = source() if callable(source) and _has_own_stream_source(video) else None
     if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
         return None
     trim = getattr(video, "get_active_trim_window", None)
     start, duration = trim() if callable(trim) else (0.0, 0.0)
     return os.fspath(path), float(start), float(duration)
+
+
+def _has_own_stream_source(video) -> bool:
+    """Whether `video` answers get_stream_source() itself: ComfyUI's VideoInput default (a VIDEO made from frames,
+    e.g. by Create Video) encodes the whole clip to H.264 in memory to answer, which takes seconds to minutes and
+    fails on frames x264 cannot take (RGBA, odd sizes)."""
+    owner = next((cls for cls in type(video).__mro__ if "get_stream_source" in vars(cls)), None)
+    return owner is None or owner.__name__ != "VideoInput"
 
 
 def trim_frames(duration: float, cap: int) -> int:

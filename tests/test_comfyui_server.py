@@ -589,15 +589,17 @@ def test_load_videos_file_video_is_read_from_its_file_with_its_trim(tmp_path, mo
     VideoFromFile, answering get_stream_source() and get_active_trim_window(): checked on the real class,
     trimmed as ComfyUI trims it, against the file read directly. No server needed."""
     import importlib.util
+    from fractions import Fraction
 
     import numpy as np
+    import torch
 
     sys.path.insert(0, COMFYUI)
     try:
         import comfy.cli_args
 
         comfy.cli_args.args.cpu = True  # as the server runs here; ComfyUI's API import sets up its device
-        from comfy_api.latest import InputImpl
+        from comfy_api.latest import InputImpl, Types
     finally:
         sys.path.remove(COMFYUI)  # ComfyUI's nodes.py would hide our nodes package
     from h3_core.media_read import read_video
@@ -618,6 +620,12 @@ def test_load_videos_file_video_is_read_from_its_file_with_its_trim(tmp_path, mo
     clip, expected = video_at_24fps(trimmed, "video", 100), read_video(path, 0.5, 24)
     assert np.array_equal(clip.frames, expected.frames) and np.array_equal(clip.audio, expected.audio)
     assert video_at_24fps(video, "video", 30).frames.shape == (30, 64, 96, 3)
+    # a VIDEO made from frames (Create Video) is not a file: its frames are taken as they are, never encoded to
+    # H.264 in memory first (ComfyUI's default get_stream_source; x264 refuses RGBA frames and odd sizes)
+    for shape in ((30, 64, 96, 4), (30, 57, 101, 3)):
+        made = InputImpl.VideoFromComponents(Types.VideoComponents(torch.rand(shape), Fraction(24)))
+        assert video_file(made) is None
+        assert video_at_24fps(made, "video", 24).frames.shape == (24, *shape[1:3], 3)
 
 
 def test_comfyuis_own_h3_vaes_read_and_write_our_latents_after_conversion(tmp_path):

@@ -149,8 +149,9 @@ def test_chunked_write_gives_one_h264_24fps_and_one_aac_32k_stereo_track(tmp_pat
     assert abs(decoded.shape[1] - num_frames * 32000 / 24) <= AAC_FRAME
 
 
-@pytest.mark.parametrize("audio_seconds", [0.4, 2.5])
+@pytest.mark.parametrize("audio_seconds", [0.0, 0.4, 2.5])
 def test_audio_is_padded_or_trimmed_to_the_video(tmp_path, audio_seconds):
+    """A sound shorter than the video ends in silence (an empty one is all silence); a longer one is cut."""
     path = tmp_path / "fit.mp4"
     frames = np.zeros((24, HEIGHT, WIDTH, 3), np.uint8)  # 1 s
     waveform = np.tile(tone(1000, audio_seconds), (2, 1))
@@ -160,7 +161,9 @@ def test_audio_is_padded_or_trimmed_to_the_video(tmp_path, audio_seconds):
         assert abs(audio.duration * audio.time_base - 1) * 32000 <= AAC_FRAME
     decoded = decode_audio(path)
     assert abs(decoded.shape[1] - 32000) <= AAC_FRAME
-    if audio_seconds < 1:  # padded with silence after the tone (AAC rings for < 1 frame)
+    if audio_seconds == 0:
+        assert np.abs(decoded).max() < 1e-3
+    elif audio_seconds < 1:  # padded with silence after the tone (AAC rings for < 1 frame)
         assert np.abs(decoded[:, 1_000:12_000]).mean() > 0.2
         assert np.abs(decoded[:, 12_800 + AAC_FRAME : 32_000]).max() < 1e-3
     else:  # trimmed: the tone runs to the end

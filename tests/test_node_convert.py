@@ -107,6 +107,20 @@ def test_a_loaded_video_reference_is_read_from_its_file(tmp_path):
     assert convert.video_file(SimpleNamespace(get_stream_source=lambda: str(path))) == (str(path), 0.0, 0.0)
 
 
+    class VideoInput:  # ComfyUI's VIDEO base, whose own get_stream_source encodes the whole clip to H.264
+        def get_stream_source(self):
+            raise AssertionError("a VIDEO of frames was encoded to find its file")
+
+    class FromFrames(VideoInput):  # ComfyUI's VideoFromComponents (Create Video)
+        pass
+
+    class FromFile(VideoInput):
+        def get_stream_source(self):
+            return str(path)
+
+    assert convert.video_file(FromFrames()) is None and convert.video_file(FromFile()) == (str(path), 0.0, 0.0)
+
+
 def test_latent_packing_checks():
     from h3_core import geometry
 
