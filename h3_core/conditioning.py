@@ -173,7 +173,9 @@ def resolve_num_frames(duration: float | None = None, num_frames: int | None = N
 def _explicit_size(request: Request) -> tuple[int, int] | None:
     width, height = request.width, request.height
     if (width is None) != (height is None):
-        raise RequestError(f"Give width and height together, or neither (got width={width}, height={height}).")
+        given, value = ("width", width) if height is None else ("height", height)
+        raise RequestError(f"Give width and height together, or neither (then the aspect ratio sets the canvas); "
+                           f"only the {given} was given ({value}).")
     if width is None:
         return None
     if request.aspect_ratio not in (None, *AUTO_ASPECT_RATIOS):

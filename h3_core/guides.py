@@ -149,6 +149,8 @@ def check_guide(task: str, num_frames: int, frame_index: int, frames=None, wavef
     if waveform is not None:
         if sample_rate is None:
             raise RequestError("A guide sound needs its sample_rate.")
+        if np.asarray(waveform).size == 0:
+            raise RequestError("The guide sound holds no samples.")
         if keep < 1:
             raise RequestError(f"frame_index {frame_index} is past the end of the video's soundtrack.")
     return pixels, anchor, keep

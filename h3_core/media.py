@@ -117,6 +117,21 @@ def as_stereo_waveform(waveform: Any) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.float32)
 
 
+# FFmpeg's default layout for each channel count (av_channel_layout_default): how a waveform that carries no
+# layout of its own (a ComfyUI AUDIO) is read when it is downmixed
+DEFAULT_LAYOUTS = {1: "mono", 2: "stereo", 3: "2.1", 4: "4.0", 5: "5.0", 6: "5.1", 7: "6.1", 8: "7.1"}
+
+
+def downmix_to_stereo(waveform: np.ndarray, sample_rate: int) -> np.ndarray:
+    """float [C, N] of 3 to 8 channels in FFmpeg's default layout for C (5.1 for 6) -> float32 [2, N] at the same
+    rate, with FFmpeg's downmix matrix: what reading such a file gives (`media_read`)."""
+    channels = waveform.shape[0]
+    if channels not in DEFAULT_LAYOUTS:
+        raise ValueError(f"H3 takes sound of 1 to {max(DEFAULT_LAYOUTS)} channels; this one has {channels}.")
+    stereo = _swresample(np.asarray(waveform, np.float32), DEFAULT_LAYOUTS[channels], sample_rate, sample_rate)
+    return _fit_length(stereo, waveform.shape[1])
+
+
 def resample_audio(waveform: Any, sample_rate: int) -> np.ndarray:
     """A mono or stereo waveform at `sample_rate` Hz -> float32 [2, M] at 32 kHz.
 
@@ -129,18 +144,23 @@ def resample_audio(waveform: Any, sample_rate: int) -> np.ndarray:
     stereo = as_stereo_waveform(waveform)
     if sample_rate == SAMPLE_RATE:
         return stereo
-    resampler = av.AudioResampler(format="fltp", layout="stereo", rate=SAMPLE_RATE)
+    return _fit_length(_swresample(stereo, "stereo", sample_rate, SAMPLE_RATE), round(stereo.shape[1] * SAMPLE_RATE / sample_rate))
+
+
+def _swresample(waveform: np.ndarray, layout: str, rate: int, out_rate: int) -> np.ndarray:
+    """float32 [C, N] in `layout` at `rate` -> float32 stereo [2, ~N * out_rate / rate] through FFmpeg's swresample,
+    one pass in pieces that share the filter state (no seams)."""
+    resampler = av.AudioResampler(format="fltp", layout="stereo", rate=out_rate)
     pieces = []
-    for start in range(0, stereo.shape[1], _RESAMPLE_PIECE):
-        frame = av.AudioFrame.from_ndarray(
-            np.ascontiguousarray(stereo[:, start : start + _RESAMPLE_PIECE]), format="fltp", layout="stereo"
-        )
-        frame.sample_rate = sample_rate
+    for start in range(0, waveform.shape[1], _RESAMPLE_PIECE):
+        # given interleaved: PyAV makes an 8-channel planar frame with 9 planes and fails to fill it
+        interleaved = np.ascontiguousarray(waveform[:, start : start + _RESAMPLE_PIECE].T).reshape(1, -1)
+        frame = av.AudioFrame.from_ndarray(interleaved, format="flt", layout=layout)
+        frame.sample_rate = rate
         frame.pts = start
         pieces += [out.to_ndarray() for out in resampler.resample(frame)]
     pieces += [out.to_ndarray() for out in resampler.resample(None)]  # what the filter still holds
-    target = round(stereo.shape[1] * SAMPLE_RATE / sample_rate)
-    return _fit_length(np.concatenate(pieces, axis=1) if pieces else np.zeros((2, 0), np.float32), target)
+    return np.concatenate(pieces, axis=1) if pieces else np.zeros((2, 0), np.float32)
 
 
 def _fit_length(waveform: np.ndarray, num_samples: int) -> np.ndarray:

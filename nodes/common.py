@@ -135,13 +135,13 @@ def device_list(text: str, purpose: str) -> list[torch.device]:
     from h3_core.placement import check_devices
 
     names = [name.strip() for name in (text or "").split(",") if name.strip()]
-    if len(names) == 1:
-        raise ValueError(f"devices: {names[0]} alone is one device; list two or more to {purpose} "
-                         "(e.g. cuda:0,cuda:1), or leave it empty for ComfyUI's device.")
     try:
         parsed = [torch.device(name) for name in names]
     except RuntimeError:
         raise ValueError(f"devices: {text!r} is not a list of device names such as cuda:0,cuda:1.") from None
+    if len(names) == 1:
+        raise ValueError(f"devices: {names[0]} alone is one device; list two or more to {purpose} "
+                         "(e.g. cuda:0,cuda:1), or leave it empty for ComfyUI's device.")
     return check_devices(parsed)
 
 

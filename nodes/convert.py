@@ -24,10 +24,12 @@ from PIL import Image
 from h3_core import geometry, media_read
 from h3_core.conditioning import Request
 from h3_core.media import (
+    DEFAULT_LAYOUTS,
     SAMPLE_RATE,
     MediaError,
     as_uint8_frames,
     audio_samples_for_frames,
+    downmix_to_stereo,
     resample_audio,
 )
 from h3_core.output import AVLatents
@@ -142,17 +144,24 @@ def _check_audio(audio: dict, what: str) -> tuple[torch.Tensor, int]:
     waveform, rate = audio["waveform"], int(audio["sample_rate"])
     if not isinstance(waveform, torch.Tensor) or waveform.ndim != 3 or waveform.shape[0] < 1:
         raise ValueError(f"{what}: waveform must be a tensor [B, C, N]; got {getattr(waveform, 'shape', waveform)!r}.")
-    if waveform.shape[1] not in (1, 2):
-        raise ValueError(f"{what}: H3 takes mono or stereo audio; got {waveform.shape[1]} channels (downmix first).")
+    if waveform.shape[0] > 1:
+        raise ValueError(f"{what} is a batch of {waveform.shape[0]} sounds; H3 takes one here (one slot or input "
+                         "for each sound).")
+    if waveform.shape[1] not in DEFAULT_LAYOUTS:
+        raise ValueError(f"{what}: H3 takes sound of 1 to {max(DEFAULT_LAYOUTS)} channels; got {waveform.shape[1]}.")
     if rate <= 0:
         raise ValueError(f"{what}: sample_rate must be positive, got {rate}.")
     return waveform, rate
 
 
 def audio_to_decoded(audio: dict, what: str = "audio") -> DecodedAudio:
-    """AUDIO -> DecodedAudio of its first batch item ([C, N] float32 at its own rate)."""
+    """AUDIO (one sound) -> DecodedAudio [C, N] float32 at its own rate, mono or stereo; wider sound (5.1, read in
+    FFmpeg's default layout for its channel count) downmixed to stereo as reading such a file does."""
     waveform, rate = _check_audio(audio, what)
-    return DecodedAudio(waveform[0].detach().float().cpu().contiguous(), rate)
+    sound = waveform[0].detach().float().cpu().contiguous()
+    if sound.shape[0] > 2:
+        sound = torch.from_numpy(downmix_to_stereo(sound.numpy(), rate))
+    return DecodedAudio(sound, rate)
 
 
 def audio_to_stereo_32k(audio: dict, what: str = "audio") -> np.ndarray:
@@ -261,6 +270,9 @@ def media_reference(kind: str, value, what: str) -> MediaReference:
 def reference_source(kind: str, value, what: str):
     """A ComfyUI IMAGE / VIDEO / AUDIO value -> the source h3_core takes for a reference of `kind`."""
     if kind == "image":
+        if isinstance(value, torch.Tensor) and value.ndim == 4 and value.shape[0] > 1:
+            raise ValueError(f"{what} is a batch of {value.shape[0]} images; a reference slot takes one picture (give "
+                             "each its own slot; a clip as a VIDEO, e.g. from Create Video).")
         return image_to_pil(value, what)
     if kind == "video":
         return video_to_decoded(value, what)

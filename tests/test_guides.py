@@ -165,6 +165,8 @@ def test_guide_inputs_are_checked_before_any_model_runs(models):
         add_guide(plain, 0, waveform=np.zeros((2, 3200), np.float32), sample_rate=32000)
     with pytest.raises(RequestError, match="must be uint8 RGB"):
         add_guide(plain, 0, video_vae, frames=np.zeros((HEIGHT, WIDTH), np.uint8))
+    with pytest.raises(RequestError, match="The guide sound holds no samples"):
+        add_guide(plain, 0, audio_vae=audio_vae, waveform=torch.zeros(2, 0), sample_rate=32000)
     with pytest.raises(RequestError, match="Unknown task 'i2v'"):
         add_guide(dataclasses.replace(plain, task="i2v"), 0, video_vae, frames=picture(1)[0])
 

@@ -44,8 +44,33 @@ def test_audio_conversions():
     assert audio["sample_rate"] == 32000 and audio["waveform"].shape == (1, 2, round(5 * 32000 / 24))
     padded = convert.waveform_to_audio([torch.ones(2, 10)], num_frames=5)["waveform"]
     assert padded.shape[-1] == 6667 and padded[..., 10:].abs().sum() == 0
-    with pytest.raises(ValueError, match="mono or stereo"):
-        convert.audio_to_decoded({"waveform": torch.zeros(1, 6, 100), "sample_rate": 48000})
+    with pytest.raises(ValueError, match="1 to 8 channels; got 9"):
+        convert.audio_to_decoded({"waveform": torch.zeros(1, 9, 100), "sample_rate": 48000})
+    with pytest.raises(ValueError, match="drive_audio is a batch of 2 sounds; H3 takes one here"):
+        convert.audio_to_decoded({"waveform": torch.zeros(2, 2, 100), "sample_rate": 48000}, "drive_audio")
+
+
+@pytest.mark.parametrize("channels, layout", [(6, "5.1"), (3, "2.1"), (8, "7.1")])
+def test_wide_sound_is_downmixed_as_reading_a_file_of_it_is(tmp_path, channels, layout):
+    """A 5.1 AUDIO (Load Audio of a 5.1 file) becomes the stereo that reading the file itself gives (FFmpeg's
+    downmix), so a sound given as AUDIO and the same sound read from its file (a Load Video clip) agree."""
+    from h3_core.media_read import read_audio
+
+    rate = 32000
+    wide = (np.random.default_rng(channels).standard_normal((channels, rate)) * 0.1).astype(np.float32)
+    path = tmp_path / "wide.wav"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("pcm_f32le", rate=rate, layout=layout)
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(wide.T).reshape(1, -1), format="flt", layout=layout)
+        frame.sample_rate = rate
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            container.mux(packet)
+    from_file = read_audio(path)
+    given = convert.audio_to_decoded({"waveform": torch.from_numpy(wide)[None], "sample_rate": rate}).waveform
+    assert given.shape == (2, rate) and from_file.shape == (2, rate)
+    assert np.abs(given.numpy() - from_file).max() < 1e-6
+    if layout != "2.1":  # FFmpeg leaves the LFE channel out of a downmix: 2.1 is its first two channels
+        assert np.abs(given.numpy() - wide[:2]).max() > 0.01
 
 
 def test_video_components_to_decoded():
@@ -74,6 +99,8 @@ def test_build_request_maps_inputs():
                                                              ("audio", {"waveform": torch.zeros(1, 1, 64000),
                                                                         "sample_rate": 32000})])
     assert [r.kind for r in refs.references] == ["image", "audio"]
+    with pytest.raises(ValueError, match="image reference 1 is a batch of 5 images; a reference slot takes one picture"):
+        convert.build_request("ref2va", "x", references=[("image", torch.rand(5, 64, 96, 3))])
 
 
 def test_a_loaded_video_reference_is_read_from_its_file(tmp_path):

@@ -118,7 +118,7 @@ def test_conditioning_media_checks(comfy):
         _cond(c, text, vae, "ref2va", references={"ref0": image}, **{"references.ref12": image})
     with pytest.raises(ValueError, match=r"^num_frames: no such input\.$"):
         _cond(c, text, vae, "t2va", num_frames=124)
-    with pytest.raises(ValueError, match=r"Give width and height together, or neither \(got width=320"):
+    with pytest.raises(ValueError, match=r"Give width and height together, or neither .*; only the width was given \(320\)"):
         c.conditioning.H3Conditioning.execute(text, "a fox", "t2va", "auto", 320, 0, 4.0)
     with pytest.raises(ValueError, match="ref2va takes references, not first_image"):
         _cond(c, text, vae, "ref2va", first_image=image, references={"ref0": image})
@@ -768,6 +768,8 @@ def test_decode_nodes_share_the_clips_over_devices(comfy):
         c.output.H3VAEDecode.execute(vae, out, devices="cpu")
     with pytest.raises(ValueError, match="is not a list of device names"):
         c.output.H3VAEDecode.execute(vae, out, devices="cpu, gpu0")
+    with pytest.raises(ValueError, match="'garbage' is not a list of device names"):
+        c.output.H3VAEDecode.execute(vae, out, devices="garbage")
 
     long_video = importlib.import_module("nodes.long_video")
     shared = Path(long_video.H3SaveMP4.execute(vae, out, "H3/shared", devices="cpu,cpu").values[0][1])
