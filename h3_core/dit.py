@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -339,6 +340,7 @@ class H3DiT(nn.Module):
         self.attention_window_dense_steps = 0  # leading forwards of each sampler run that keep full attention
         # Video Sparse Attention's sparsity (set_sparse_attention): a VSA-trained model (its gates) runs as trained
         self.sparse_attention: float | None = STUDENT_SPARSITY if config.vsa_gates else None
+        self._between_blocks: Callable[[], None] | None = None  # checked_between_blocks
 
     @classmethod
     def build(cls, config: DiTConfig, dtype: torch.dtype = torch.bfloat16, device="cpu") -> "H3DiT":
@@ -427,6 +429,17 @@ class H3DiT(nn.Module):
         return [self.time_embedder, *(block.adaln_proj for block in self.blocks), self.final_layer.adaln_proj]
 
     @contextlib.contextmanager
+    def checked_between_blocks(self, check: Callable[[], None]):
+        """Call `check` after every block while inside (outside any compiled code): a host's interrupt check, so a
+        long forward (a large canvas: minutes) stops within a block, not at the next step; its raise ends the
+        forward."""
+        self._between_blocks = check
+        try:
+            yield self
+        finally:
+            self._between_blocks = None
+
+    @contextlib.contextmanager
     def adaln_offloaded(self, device: str | torch.device = "cpu"):
         """Keep the AdaLN weights on `device` (the CPU) for the duration; `modulation_schedule` still
         computes the tables on the compute device, one module visiting it at a time. Each module goes back
@@ -512,6 +525,8 @@ class H3DiT(nn.Module):
             x, adaln_index, rope = parallel.split(x, adaln_index, rope)
         for block, table in zip(self.blocks, modulation.blocks, strict=True):
             x = block(x, table, adaln_index, rope, window)
+            if self._between_blocks is not None:
+                self._between_blocks()
         if parallel is not None:
             x = parallel.gather(x)
         return self.final_layer(x, modulation.final, timestep_indices, video_indices, audio_indices)

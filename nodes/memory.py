@@ -217,7 +217,10 @@ def dit_for_run(model, layout, steps: int):
     Other models are asked to leave room for the whole DiT and its activations (or the user's budget);
     the engine then plans with what ComfyUI reports free, and the model is placed by that plan (moving
     only if the plan changed). Yields the plan (None for several devices: their workers hold the model).
-    A streamed run that fails or is interrupted unloads the model."""
+    A streamed run that fails or is interrupted unloads the model; ComfyUI's interrupt is checked after every
+    block, so even a forward of minutes stops at once."""
+    from .common import check_interrupt
+
     patcher = model.patcher
     placement = patcher.model
     working = working_bytes(model.dit.config, layout.sequence_length, steps)
@@ -235,5 +238,5 @@ def dit_for_run(model, layout, steps: int):
     placement.use(plan)
     with read_progress(placement):
         place([patcher], working)
-    with placement.unloaded_on_failure():
+    with placement.unloaded_on_failure(), model.dit.checked_between_blocks(check_interrupt):
         yield plan

@@ -262,6 +262,34 @@ def test_interrupt_stops_and_frees(comfy):
     assert [value for value, _, _ in c.record.progress] == [1, 2]  # stopped right after the step it was asked
 
 
+def test_interrupt_stops_a_forward_between_blocks(comfy, monkeypatch):
+    """ComfyUI's interrupt is checked after every block: a forward of minutes (a large canvas) stops after the block
+    running when it was asked, not at the end of the step; the model samples again afterwards."""
+    c = comfy
+    model, text, vae = _models(c)
+    cond = _cond(c, text, vae).values[0]
+    mm = sys.modules["comfy.model_management"]
+    ran = []
+    hooks = [block.register_forward_hook(lambda *args: ran.append(1)) for block in model.dit.blocks]
+
+    def interrupted_once_a_block_ran():
+        if ran:
+            raise mm.InterruptProcessingException()
+
+    c.record.progress.clear()
+    monkeypatch.setattr(mm, "throw_exception_if_processing_interrupted", interrupted_once_a_block_ran)
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            c.sampler.H3Sampler.execute(model, cond, 0, 20, 0.0, 0.0)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(ran) == 1 and c.record.progress == []  # one block of the first forward, no step finished
+    monkeypatch.undo()
+    c.sampler.H3Sampler.execute(model, cond, 0, 2, 0.0, 0.0)
+    assert len(model.dit.blocks) > 1 and model.dit._between_blocks is None
+
+
 def test_lora_apply_keeps_the_cached_model_clean(comfy):
     from lora_files import fused, random_spec, write_native
 
