@@ -19,7 +19,7 @@ CANVAS_MULTIPLE = VAE_SPATIAL_FACTOR * PATCH_SIZE[2]  # 32
 SHORT_EDGE = 768
 MAX_PIXELS = 768 * 1344
 # The longest canvas side taken (the nodes' width / height widgets stop here too): 4096x2304 at 5 s is already
-# 7.4x the release's rows, about 40 GiB of activations a block.
+# 9x the release's rows, about 52 GiB of activations a block.
 MAX_CANVAS_EDGE = 4096
 MIN_ASPECT_RATIO = 1 / 4
 MAX_ASPECT_RATIO = 4.0
