@@ -20,6 +20,7 @@ soundtrack read with the same `start_seconds` stay in sync. Files PyAV cannot op
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -150,14 +151,22 @@ def _check_start(start_seconds: float) -> None:
         raise ValueError(f"start_seconds must be a finite number >= 0, got {start_seconds!r}.")
 
 
-def _seek(container, stream, seconds: float) -> None:
-    """Jump to the keyframe at or before `seconds` (absolute); decoding from the top still works if not."""
-    if seconds <= 0:
-        return
-    try:
-        container.seek(int(seconds / stream.time_base), stream=stream)
-    except av.error.FFmpegError:
+def _decoded_from(container, stream, start_seconds: float) -> Iterator:
+    """`stream`'s frames from the keyframe at or before `start_seconds` (from the container's start); the caller
+    drops those before it. From the top when no seek is needed, or when the seek fails or lands past the start:
+    FFmpeg seeks an MPEG-TS file (a recorder's .ts) by byte position, to a later frame or to none at all."""
+    if start_seconds > 0:
+        origin = _origin_seconds(container)
+        try:
+            container.seek(int((origin + start_seconds) / stream.time_base), stream=stream)
+            frames = container.decode(stream)
+            first = next(frames, None)
+            if first is not None and (first.time is None or first.time - origin <= start_seconds + _START_TOLERANCE_SECONDS):
+                return itertools.chain([first], frames)
+        except av.error.FFmpegError:
+            pass
         container.seek(0)
+    return container.decode(stream)
 
 
 def probe(path: str | os.PathLike) -> MediaInfo:
@@ -205,10 +214,9 @@ def _checked_video_stream(container, path: Path):
 def _frames_on_24fps_grid(container, stream, fps: float, start_seconds: float, max_frames: int | None):
     """Decode `stream` from `start_seconds` and yield upright RGB frames on the 24 fps slot grid."""
     origin = _origin_seconds(container)
-    _seek(container, stream, origin + start_seconds)
     scale = FPS / fps
     kept = emitted = 0
-    for decoded, frame in enumerate(container.decode(stream)):
+    for decoded, frame in enumerate(_decoded_from(container, stream, start_seconds)):
         seconds = frame.time - origin if frame.pts is not None else decoded / fps
         if seconds < start_seconds - _START_TOLERANCE_SECONDS:
             continue
@@ -310,14 +318,13 @@ def _decode_audio_window(container, start_seconds: float, max_seconds: float | N
     stream = container.streams.audio[0]
     rate = stream.sample_rate
     origin = _origin_seconds(container)
-    _seek(container, stream, origin + start_seconds)
     # fltp at the native rate: only the sample format (and a >2-channel layout) changes here.
     converter = av.AudioResampler(format="fltp", layout="stereo" if stream.channels > 2 else None, rate=rate)
     wanted = round(max_seconds * rate) if max_seconds is not None else None
     pieces: list[np.ndarray] = []
     skip = None  # samples to drop (> 0) or silence to lead with (< 0) before `start_seconds`
     collected = 0
-    for frame in container.decode(stream):
+    for frame in _decoded_from(container, stream, start_seconds):
         if skip is None:
             first_seconds = frame.time - origin if frame.pts is not None else 0.0
             skip = round((start_seconds - first_seconds) * rate)

@@ -280,6 +280,18 @@ def test_video_start_offset_max_frames_and_soundtrack(tmp_path):
         read_video(path, start_seconds=5.0)
 
 
+def test_an_mpeg_ts_file_is_read_from_its_start_and_from_later(tmp_path):
+    """FFmpeg seeks an MPEG-TS file (a recorder's .ts) to a later timestamp and its decoder then gives nothing:
+    such a file is read from the top, the frames before the start dropped."""
+    path = tmp_path / "clip.ts"
+    write_index_clip(path, 24, 72, audio_rate=44_100)
+    assert [colour_index(frame) for frame in read_video(path, max_frames=5).frames] == [0, 1, 2, 3, 4]
+    later = read_video(path, start_seconds=1.0, max_frames=24)
+    assert [colour_index(frame) for frame in later.frames] == list(range(24, 48))
+    assert later.audio.shape == (2, 32000) and abs(dominant_frequency(later.audio[0], 32000) - 440) <= 3
+    assert read_audio(path, 1.0, 0.5).shape == (2, 16000)
+
+
 def ffmpeg_transpose(pixels: np.ndarray, direction: str) -> np.ndarray:
     """`pixels` through FFmpeg's own transpose filter ("clock" / "cclock")."""
     graph = av.filter.Graph()
