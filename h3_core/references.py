@@ -198,7 +198,7 @@ def _image_file(path: Path, what: str) -> Image.Image:
         with Image.open(path) as opened:
             file_format = opened.format
             opened.load()
-            image = ImageOps.exif_transpose(opened).convert("RGB")
+            image = as_rgb(ImageOps.exif_transpose(opened))
     except UnidentifiedImageError as error:
         raise MediaInputError(
             f"{what}: {path.name} is not an image Pillow can read; H3 takes JPEG, PNG, WEBP or HEIC/HEIF "
@@ -215,12 +215,22 @@ def _image_file(path: Path, what: str) -> Image.Image:
     return image
 
 
+def as_rgb(image: Image.Image) -> Image.Image:
+    """`image` as 8-bit RGB. Pillow's own conversion clips 16-bit greys (a 16-bit grey PNG, mode I;16 or I) to white
+    instead of scaling them, so those are scaled here (16 bits to 8)."""
+    if image.mode == "RGB":
+        return image
+    if image.mode.startswith("I"):
+        image = Image.fromarray((np.asarray(image).astype(np.int64) >> 8).clip(0, 255).astype(np.uint8))
+    return image.convert("RGB")
+
+
 def load_image(source, what: str = "image") -> Image.Image:
     """Any image source -> an RGB PIL image (files decoded fully and turned upright by their EXIF tag)."""
     if _is_path(source):
         return _image_file(_existing_file(source, what), what)
     if isinstance(source, Image.Image):
-        image = source if source.mode == "RGB" else source.convert("RGB")
+        image = as_rgb(source)
     elif isinstance(source, (np.ndarray, torch.Tensor)):
         if source.ndim != 3 or source.shape[-1] != 3:
             raise MediaInputError(

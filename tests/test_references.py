@@ -357,3 +357,20 @@ def test_reference_latents_and_audio_rows_equal_diffusers(video_vaes, audio_vaes
     assert [r.shape for r in rows] == [(1, 200, 32), (1, 176, 32)]  # ceil(M / 800) latents per channel
     for got, want in zip(rows, out["audio_condition_latents"], strict=True):
         torch.testing.assert_close(got[0], want, atol=AUDIO_ATOL, rtol=0)
+
+
+def test_a_16_bit_grey_image_is_scaled_not_clipped(tmp_path):
+    """Pillow reads a 16-bit grey PNG as I;16 and its own RGB conversion clips it to white: the image comes out as
+    its 8-bit version does (a file, or the opened image given as is)."""
+    from PIL import Image
+
+    from h3_core.references import load_image
+
+    ramp = np.tile(np.linspace(0, 65535, 256).astype(np.uint16), (16, 1))
+    deep, flat = tmp_path / "deep.png", tmp_path / "flat.png"
+    Image.fromarray(ramp).save(deep)
+    Image.fromarray((ramp >> 8).astype(np.uint8)).save(flat)
+    assert Image.open(deep).mode.startswith("I")
+    expected = np.asarray(load_image(flat))
+    assert np.array_equal(np.asarray(load_image(deep)), expected)
+    assert np.array_equal(np.asarray(load_image(Image.open(deep))), expected) and expected[:, -1].min() == 255
