@@ -698,7 +698,8 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
 
 
 def _as_path(path: str | Path | None) -> Path | None:
-    return None if path is None else Path(path)
+    """An output path as it is checked and written (`~` expanded: a --batch line's is not, by any shell)."""
+    return None if path is None else Path(path).expanduser()
 
 
 def _check_batch(prepared: list[_Prepared], names: list[str]) -> None:

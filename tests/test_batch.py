@@ -124,3 +124,14 @@ def test_a_batch_comment_runs_from_a_hash_that_starts_a_word_as_in_a_shell(tmp_p
     shot, escaped = _batch_jobs(args)
     assert (shot.request.prompt, str(shot.out), shot.seed) == ("shot #2", "take#2.mp4", 4)
     assert (escaped.request.prompt, escaped.seed) == ("a #b", 5)
+
+
+def test_a_tilde_in_a_batch_lines_output_is_the_home_folder(tmp_path, monkeypatch):
+    """No shell expands `~` in a batch line: the output is written where it was checked, in the home folder, not
+    in a folder named ~."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text('--prompt "a fox" --save-latents ~/fox.safetensors\n')
+    assert main(["generate", "--batch", str(jobs), "--steps", "2", "--duration", "4"]) == 0
+    assert (tmp_path / "home" / "fox.safetensors").is_file() and not (tmp_path / "~").exists()
