@@ -31,7 +31,7 @@ from .attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
 from .local_attention import check_setting as check_window_setting
 from .checkpoint import CheckpointError, infer_config, load_dit, locate_dit
 from .config import TINY_DIT
-from .conditioning import MAX_FRAMES, Conditioning, Request, resolve_num_frames
+from .conditioning import MAX_FRAMES, MIN_FRAMES, Conditioning, Request, resolve_num_frames
 from .continuation import DEFAULT_OVERLAP_FRAMES, DEFAULT_WINDOW_FRAMES
 from .fp8 import LINEAR_MODES, apply_linear_mode
 from .guides import GUIDE_KINDS, GuideFile
@@ -40,7 +40,7 @@ from .long_video import LongVideoRequest
 from .media import MediaError
 from .output import AVLatents
 from .placement import check_devices
-from .pipeline import TINY_CANVAS, GenerateSettings, Job, ModelFiles, encode_clip_file, generate_batch, sample
+from .pipeline import TINY_CANVAS, GenerateSettings, Job, ModelFiles, check_writable, encode_clip_file, generate_batch, sample
 from .references import REFERENCE_IMAGE_MODES, MediaReference
 from .runtime import return_freed_memory_to_os, use_expandable_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule
@@ -387,6 +387,9 @@ def _kept(args, request: Request) -> tuple[Request, AVLatents | None]:
     if given.num_frames > MAX_FRAMES:
         raise ValueError(f"--from {args.given}: the clip lasts {given.num_frames / geometry.FPS:.1f} s; one request "
                          f"keeps 4-15 s. Add --long-video to make its sound window by window.")
+    if given.num_frames < MIN_FRAMES:
+        raise ValueError(f"--from {args.given}: the clip lasts {given.num_frames / geometry.FPS:.2f} s; one request "
+                         f"keeps 4-15 s (a clip of {MIN_FRAMES} frames or more).")
     width, height = given.canvas
     return dataclasses.replace(request, width=width, height=height, duration=None,
                                num_frames=given.num_frames), given
@@ -687,12 +690,15 @@ def _canvas(args) -> tuple[int, int]:
 
 def _text_states(args, text_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     if args.text_states is not None:
-        tensors = load_file(str(args.text_states))
+        try:
+            tensors = load_file(str(args.text_states))
+        except (SafetensorError, OSError) as error:
+            raise ValueError(f"--text-states {args.text_states} is not a readable safetensors file ({error}).") from None
         if "prompt_embeds" not in tensors:
             raise ValueError(f"{args.text_states} has no 'prompt_embeds' tensor (found: {', '.join(tensors)}).")
         text = tensors["prompt_embeds"]
-        if text.ndim != 3 or text.shape[0] != 1 or text.shape[2] != text_dim:
-            raise ValueError(f"'prompt_embeds' must be [1, T, {text_dim}] for this model, got {list(text.shape)}.")
+        if text.ndim != 3 or text.shape[0] != 1 or text.shape[1] < 1 or text.shape[2] != text_dim:
+            raise ValueError(f"'prompt_embeds' must be [1, T >= 1, {text_dim}] for this model, got {list(text.shape)}.")
         tags = tensors.get("text_token_tags", torch.ones(text.shape[1], dtype=torch.long))
         return text, tags
     generator = torch.Generator().manual_seed(args.seed)
@@ -707,10 +713,11 @@ def run_denoise(args) -> int:
     device = check_devices([args.device])[0]
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     width, height = _canvas(args)
-    frames = geometry.frames_for_duration(args.duration)
+    frames = resolve_num_frames(duration=args.duration)
     schedule = DualClockSchedule.build(args.steps, args.video_shift, args.audio_shift)  # a bad one fails first
     if args.save_latents.suffix != ".safetensors":
         raise ValueError(f"--save-latents must name a .safetensors file, got {args.save_latents}.")
+    check_writable(args.save_latents)
     if args.model != TINY_RANDOM and args.text_states is None:
         raise ValueError("A real model needs --text-states (prompt embeddings); `h3 generate` runs the text encoder.")
     check_window_setting(args.attention_window_lossy, args.attention_window_dense_steps)

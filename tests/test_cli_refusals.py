@@ -215,3 +215,24 @@ def test_the_engine_refuses_what_it_would_ignore(tmp_path):
     clip = AVLatents(torch.zeros(1, 24, 27, 8, 14), torch.zeros(2, 32, 160))
     with pytest.raises(RequestError, match="keep .* and given .* go together"):
         generate(request, "tiny-random", GenerateSettings(steps=2), save_latents=tmp_path / "b.safetensors", given=clip)
+
+
+def test_h3_denoise_refuses_bad_files_and_durations_before_running(tmp_path, capsys):
+    """The debug command `h3 denoise` checks like `h3 generate`: the duration range, an output it cannot write,
+    text states that are not a safetensors file or hold no rows; each a one-line error, no traceback."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "folder.safetensors").mkdir()
+    (tmp_path / "junk.safetensors").write_bytes(os.urandom(64))
+    save_file({"prompt_embeds": torch.zeros(1, 0, 48)}, str(tmp_path / "empty.safetensors"))
+    out = ["--save-latents", str(tmp_path / "x.safetensors")]
+    for argv, message in (
+        (["--duration", "1e9", *out], "The duration must be between 4 and 15 seconds"),
+        (["--save-latents", str(tmp_path / "folder.safetensors")], "folder.safetensors is a folder"),
+        (["--text-states", str(tmp_path / "junk.safetensors"), *out], "junk.safetensors is not a readable safetensors"),
+        (["--text-states", str(tmp_path / "empty.safetensors"), *out], r"must be \[1, T >= 1, \d+\] .* got \[1, 0, 48\]"),
+    ):
+        assert main(["denoise", "--steps", "2", *argv]) == 2, argv
+        error = capsys.readouterr().err
+        assert re.search(message, error) and "Traceback" not in error, error
+    assert not (tmp_path / "x.safetensors").exists()

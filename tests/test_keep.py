@@ -236,6 +236,10 @@ def test_cli_makes_the_sound_for_a_long_clip_window_by_window(tmp_path, capsys):
     assert main(["generate", "--prompt", PROMPT, "--keep", "video", "--from", str(tmp_path / "long.safetensors"),
                  "--out", str(tmp_path / "x.mp4")]) == 2
     assert "the clip lasts 20.0 s; one request keeps 4-15 s. Add --long-video" in capsys.readouterr().err
+    kept_clip(22).save(tmp_path / "short.safetensors")
+    assert main(["generate", "--prompt", PROMPT, "--keep", "video", "--from", str(tmp_path / "short.safetensors"),
+                 "--out", str(tmp_path / "x.mp4")]) == 2
+    assert "short.safetensors: the clip lasts 0.92 s; one request keeps 4-15 s (a clip of 107" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("seconds, options, message", [
