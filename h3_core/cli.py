@@ -43,7 +43,7 @@ from .placement import check_devices
 from .pipeline import TINY_CANVAS, GenerateSettings, Job, ModelFiles, check_writable, encode_clip_file, generate_batch, sample
 from .references import REFERENCE_IMAGE_MODES, MediaReference
 from .runtime import return_freed_memory_to_os, use_expandable_segments
-from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule
+from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, check_shift
 from .text_checkpoint import all_model_names, checkpoint_layers, locate_text_encoder, source_tensor_names
 from .tiny import TINY_RANDOM, tiny_random_dit
 from .vae_audio_checkpoint import locate_audio_vae
@@ -559,11 +559,15 @@ def _batch_jobs(args) -> list[Job]:
     comments from #, as in a shell, skipped). A line's options override the command line's for that job."""
     path = args.batch
     if not path.is_file():
-        raise ValueError(f"--batch {path}: no such file.")
+        raise ValueError(f"--batch {path}: " + ("a folder; give the jobs file." if path.is_dir() else "no such file."))
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not part of line 1
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--batch {path} is not UTF-8 text (byte {error.start}); save it as UTF-8.") from None
     parser = _QuietParser(prog="h3 generate --batch line", add_help=False)
     add_generate_options(parser)
     jobs = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         line = _without_comment(line)
         if not line.strip():
             continue
@@ -714,6 +718,8 @@ def run_denoise(args) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     width, height = _canvas(args)
     frames = resolve_num_frames(duration=args.duration)
+    for name, shift in (("--video-shift", args.video_shift), ("--audio-shift", args.audio_shift)):
+        check_shift(shift, name, bounded=True)
     schedule = DualClockSchedule.build(args.steps, args.video_shift, args.audio_shift)  # a bad one fails first
     if args.save_latents.suffix != ".safetensors":
         raise ValueError(f"--save-latents must name a .safetensors file, got {args.save_latents}.")

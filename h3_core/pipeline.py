@@ -617,7 +617,7 @@ def check_settings(settings: GenerateSettings) -> int:
         check_steps(settings.steps)
     for name, shift in (("video_shift (--video-shift)", settings.video_shift), ("audio_shift (--audio-shift)", settings.audio_shift)):
         if shift is not None:
-            check_shift(shift, name)
+            check_shift(shift, name, bounded=True)
     check_devices([settings.device, *settings.devices])
     if settings.shard_weights and len(settings.devices) < 2:
         raise ValueError("shard_weights splits the DiT's weights over several devices; give them with --devices "

@@ -33,12 +33,23 @@ def sigma_ladder(points: int, shift: float) -> torch.Tensor:
     return torch.unique_consecutive(shift * base / (1 + (shift - 1) * base))
 
 
+# Bounds of what a user may ask for (the release runs 50 points at shifts 12 / 3): a shift of 1e39 made NaN sigmas,
+# 1e-10 an infinite one; a billion points ran for hours before the first step
+MAX_STEPS = 1000
+MIN_SHIFT, MAX_SHIFT = 0.01, 100.0
+
+
 def check_steps(points: int) -> None:
-    if int(points) != points or points < 2:
-        raise ValueError(f"steps counts sigma points including the final 0, so it must be an integer >= 2; got {points!r}.")
+    if int(points) != points or not 2 <= points <= MAX_STEPS:
+        raise ValueError(f"steps counts sigma points including the final 0, so it must be an integer from 2 to "
+                         f"{MAX_STEPS}; got {points!r}.")
 
 
-def check_shift(shift: float, name: str = "shift") -> None:
+def check_shift(shift: float, name: str = "shift", bounded: bool = False) -> None:
+    """The shift formula takes any positive number (the reference's parity tests use 1e9); `bounded`: a user's
+    setting, within MIN_SHIFT..MAX_SHIFT."""
+    if bounded and not (math.isfinite(shift) and MIN_SHIFT <= shift <= MAX_SHIFT):
+        raise ValueError(f"{name} must be a number from {MIN_SHIFT:g} to {MAX_SHIFT:g}, got {shift}.")
     if not (math.isfinite(shift) and shift > 0):
         raise ValueError(f"{name} must be a positive number, got {shift}.")
 

@@ -135,3 +135,20 @@ def test_a_tilde_in_a_batch_lines_output_is_the_home_folder(tmp_path, monkeypatc
     jobs.write_text('--prompt "a fox" --save-latents ~/fox.safetensors\n')
     assert main(["generate", "--batch", str(jobs), "--steps", "2", "--duration", "4"]) == 0
     assert (tmp_path / "home" / "fox.safetensors").is_file() and not (tmp_path / "~").exists()
+
+
+def test_a_batch_file_with_a_byte_order_mark_reads_and_other_encodings_are_named(tmp_path):
+    """Windows editors start UTF-8 files with a byte-order mark: line 1 still reads. A UTF-16 file (PowerShell's
+    `>`) is refused naming the file and what to do."""
+    from h3_core.cli import _batch_jobs, build_parser
+
+    line = '--prompt "a fox" --out out/fox.mp4\n'
+    marked, wide = tmp_path / "marked.txt", tmp_path / "wide.txt"
+    marked.write_bytes(b"\xef\xbb\xbf" + line.encode())
+    wide.write_text(line, encoding="utf-16")
+    (job,) = _batch_jobs(build_parser().parse_args(["generate", "--batch", str(marked)]))
+    assert job.request.prompt == "a fox"
+    with pytest.raises(ValueError, match=r"wide.txt is not UTF-8 text \(byte 0\); save it as UTF-8"):
+        _batch_jobs(build_parser().parse_args(["generate", "--batch", str(wide)]))
+    with pytest.raises(ValueError, match="a folder; give the jobs file"):
+        _batch_jobs(build_parser().parse_args(["generate", "--batch", str(tmp_path)]))

@@ -32,9 +32,11 @@ def files(tmp_path):
 
 
 @pytest.mark.parametrize("options, message", [
-    (["--steps", "0"], "steps counts sigma points .* integer >= 2; got 0"),
-    (["--video-shift", "0"], r"video_shift \(--video-shift\) must be a positive number, got 0"),
-    (["--audio-shift", "nan"], r"audio_shift \(--audio-shift\) must be a positive number, got nan"),
+    (["--steps", "0"], "steps counts sigma points .* integer from 2 to 1000; got 0"),
+    (["--steps", "1000000000"], "steps counts sigma points .* integer from 2 to 1000; got 1000000000"),
+    (["--video-shift", "0"], r"video_shift \(--video-shift\) must be a number from 0.01 to 100, got 0"),
+    (["--video-shift", "1e39"], r"video_shift \(--video-shift\) must be a number from 0.01 to 100, got 1e\+39"),
+    (["--audio-shift", "nan"], r"audio_shift \(--audio-shift\) must be a number from 0.01 to 100, got nan"),
     (["--width", "8192", "--height", "4096"], "Canvas 8192x4096 is too large: each side is at most 4096 pixels"),
     (["--seed", str(MAX_SEED + 1)], f"seed must be an integer from 0 to {MAX_SEED}; got {MAX_SEED + 1}"),
     (["--seed", "-1"], "seed must be an integer from 0"),
@@ -228,6 +230,7 @@ def test_h3_denoise_refuses_bad_files_and_durations_before_running(tmp_path, cap
     out = ["--save-latents", str(tmp_path / "x.safetensors")]
     for argv, message in (
         (["--duration", "1e9", *out], "The duration must be between 4 and 15 seconds"),
+        (["--video-shift", "1e39", *out], "--video-shift must be a number from 0.01 to 100"),
         (["--save-latents", str(tmp_path / "folder.safetensors")], "folder.safetensors is a folder"),
         (["--text-states", str(tmp_path / "junk.safetensors"), *out], "junk.safetensors is not a readable safetensors"),
         (["--text-states", str(tmp_path / "empty.safetensors"), *out], r"must be \[1, T >= 1, \d+\] .* got \[1, 0, 48\]"),
