@@ -45,7 +45,7 @@ import torch
 
 from . import geometry
 from .layout import REFERENCE_KINDS, GuideBlock, PackedLayout, ReferenceBlock, build_ref2va_layout, build_t2va_layout
-from .prompt import MAX_KEYFRAMES, label_warnings, reference_mix_problem
+from .prompt import MAX_KEYFRAMES, VISION_TOKENS, label_warnings, reference_mix_problem
 from .references import (
     RELEASE_CANVAS,
     CanvasRules,
@@ -319,6 +319,10 @@ def validate(request: Request, rules: CanvasRules = RELEASE_CANVAS) -> RequestPl
         raise RequestError(f"Unknown task {request.task!r}; choose one of {', '.join(TASKS)}.")
     if not isinstance(request.prompt, str) or not request.prompt.strip():
         raise RequestError(EMPTY_PROMPT)
+    tokens = [token for token in VISION_TOKENS if token in request.prompt]
+    if tokens:
+        raise RequestError(f"The prompt holds {', '.join(tokens)}, the text encoder's own markers for pictures; name "
+                           "keyframes and references with <Picture 1>, <Video 1>, <Audio 1> instead.")
     num_frames = resolve_num_frames(request.duration, request.num_frames)
     size = _explicit_size(request)
     named = _named_canvas(request, rules)

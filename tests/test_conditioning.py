@@ -468,6 +468,12 @@ def test_rejects_empty_prompt(prompt):
     assert_rejected(Request("t2va", prompt), "prompt is empty", "non-empty")
 
 
+@pytest.mark.parametrize("token", ["<|image_pad|>", "<|vision_start|>", "<|video_pad|>"])
+def test_rejects_the_text_encoders_picture_markers_in_a_prompt(token):
+    """Typed into a prompt they would break the text encoder's picture accounting after it loaded."""
+    assert_rejected(Request("t2va", f"A fox {token} on a beach."), token, "<Picture 1>")
+
+
 @pytest.mark.parametrize("seconds", [3.9, 15.5, 0, float("nan"), -1])
 def test_rejects_duration_out_of_range(seconds):
     assert_rejected(Request("t2va", PROMPT, duration=seconds), "between 4 and 15 seconds", repr(seconds))
