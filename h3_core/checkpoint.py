@@ -23,6 +23,7 @@ from . import fp8, gguf_file, keymap, nvfp4
 from .config import DiTConfig
 from .dit import H3DiT, fp32_modules, rope_inverse_frequencies
 from .memory_plan import gguf_held
+from .placement import module_bytes
 from .weights import (
     CheckpointError,
     assign_strictly,
@@ -395,7 +396,7 @@ class DiTReader:
     def adaln_nbytes(self) -> int:
         """The bytes the timestep-only weights (`H3DiT.adaln_modules`) take once read: a quantized file's AdaLN
         projections stay as it stores them unless the linears mode dequantizes them."""
-        return sum(t.numel() * t.element_size() for module in self.model.adaln_modules() for t in module.state_dict().values())
+        return module_bytes(self.model.adaln_modules())
 
     @property
     def is_read(self) -> bool:

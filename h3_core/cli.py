@@ -272,12 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    from .environment import package_version
 
-    try:
-        return version("comfyui-h3")
-    except PackageNotFoundError:  # run from a checkout that is not installed
-        return "(not installed)"
+    return package_version("comfyui-h3") or "(not installed)"  # a checkout run without installing
 
 
 def _reference(spec: str) -> MediaReference:

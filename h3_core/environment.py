@@ -24,7 +24,8 @@ PACKAGES = ("comfyui-h3", "torch", "transformers", "safetensors", "huggingface_h
 SETTINGS = ("PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES", "HF_HOME", "HF_HUB_OFFLINE", "COMFYUI_PATH")
 
 
-def _version(distribution: str) -> str | None:
+def package_version(distribution: str) -> str | None:
+    """The installed version of `distribution`, or None."""
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -66,7 +67,7 @@ def report() -> dict:
     return {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "packages": {name: _version(name) for name in PACKAGES},
+        "packages": {name: package_version(name) for name in PACKAGES},
         "torch_cuda": torch.version.cuda,
         "cuda_devices": [_device(index) for index in range(torch.cuda.device_count())] if cuda else [],
         "attention_available": attention.available_backends(),

@@ -303,6 +303,12 @@ def quantize_blocks(model: nn.Module, matmul: str = "scaled", activations: str =
     return names
 
 
+def read_mode(linears: str, loras: bool) -> str:
+    """The linears mode a checkpoint is read in for a run in `linears`: with LoRAs the lossy FP8 linears are made
+    after the LoRAs merge into the dense weights, so the file is read as it stores them ("checkpoint")."""
+    return "checkpoint" if loras and linears.startswith("fp8") else linears
+
+
 def held_format(model: nn.Module) -> str:
     """How the blocks' linears are held (memory_plan.HELD_FORMATS): "dense", "fp8" (e4m3 or int8), "int4",
     "nvfp4", or GGUF's "gguf:<bytes a weight>" of the costliest block (its GGML types may differ by block)."""

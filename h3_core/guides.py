@@ -39,7 +39,7 @@ from .conditioning import NO_VAE, TASKS, Conditioning, RequestError
 from .layout import FRAME_TIME, GuideBlock, build_ref2va_layout, build_t2va_layout, pack_audio, unpack_audio
 from .media import SAMPLE_RATE, MediaError, naming
 from .references import (
-    MediaInputError, encode_audio, encode_image, encode_video, frames_on_canvas, load_image, prepare_audio,
+    MediaInputError, as_rgb, encode_audio, encode_image, encode_video, frames_on_canvas, load_image, prepare_audio,
 )
 
 MIN_CLIP_FRAMES = geometry.LATENTS_PER_CHUNK  # 5: shorter batches are one image
@@ -125,7 +125,7 @@ def resolve_frame_index(frame_index: int, num_frames: int, frames: int = 1) -> i
 
 def _as_frames(frames) -> np.ndarray:
     """A PIL image or uint8 frames [N, H, W, 3] (or one [H, W, 3]) as [N, H, W, 3]."""
-    array = np.asarray(frames.convert("RGB")) if isinstance(frames, Image.Image) else np.asarray(frames)
+    array = np.asarray(as_rgb(frames)) if isinstance(frames, Image.Image) else np.asarray(frames)
     array = array[None] if array.ndim == 3 else array
     if array.ndim != 4 or array.shape[-1] != 3 or array.dtype != np.uint8 or not array.shape[0]:
         raise RequestError(f"Guide frames must be uint8 RGB [N, H, W, 3] or a PIL image, got {array.dtype} "

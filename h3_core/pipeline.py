@@ -32,7 +32,7 @@ from .conditioning import Request, RequestError, encode_request, prompt_label_wa
 from .clip_latents import MAX_CLIP_FRAMES, encode_clip_frames, expected_clip_frames, file_soundtrack, stream_clip
 from .layout import pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
-from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode
+from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, read_mode
 from .guides import GuideMedia, add_guide, check_guide, read_guide
 from .lora import VSA_STUDENT_CONTRACT, apply_loras, load_lora, run_mode, sampler_settings
 from .noise import check_seeds, condition_rows, request_generator, target_noise
@@ -847,10 +847,9 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
         return dit, MemoryPlan(0, 0, False, 0, True), None
 
     config = TINY_DIT if source.tiny else with_config(dit_source).config
-    # LoRAs merge into dense weights, so with them the lossy FP8 linears are made after the merge
-    quantize_later = source.tiny or (bool(loras) and settings.linears.startswith("fp8"))
-    reader = None if source.tiny else DiTReader(dit_source, partition, settings.dtype, config,
-                                                "checkpoint" if quantize_later else settings.linears, device)
+    read_linears = read_mode(settings.linears, bool(loras))
+    quantize_later = source.tiny or read_linears != settings.linears
+    reader = None if source.tiny else DiTReader(dit_source, partition, settings.dtype, config, read_linears, device)
     plan = plan_for(config, largest_layout(conditioning), steps, device, settings.gpu_memory,
                     held=held_linears(dit_source, settings.linears),
                     adaln_bytes=None if reader is None else reader.adaln_nbytes)

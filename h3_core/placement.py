@@ -37,8 +37,9 @@ def _modules(part) -> list[torch.nn.Module]:
     return [inner] if isinstance(inner, torch.nn.Module) else []
 
 
-def _bytes(parts: Iterable, device_type: str | None = None) -> int:
-    """Bytes of the parts' weights (those on `device_type` only, if given)."""
+def module_bytes(parts: Iterable, device_type: str | None = None) -> int:
+    """Bytes of the parts' weights and buffers as they are held (those on `device_type` only, if given): what a
+    memory plan counts for them."""
     seen, total = set(), 0
     for part in parts:
         for module in _modules(part):
@@ -67,7 +68,7 @@ class Placement:
         self.parts = list(parts) if isinstance(parts, (list, tuple)) else [parts]
         self.load_device = torch.device(load_device)
         self.offload_device = torch.device(offload_device)
-        self.size = _bytes(self.parts)
+        self.size = module_bytes(self.parts)
         self.loaded = loaded
         self.make_host_room = None  # (bytes, placement, others) -> whether they fit now: set by a host
         self.on_read = None  # (tensors done, total) while weights are read from files: a host's progress bar
@@ -76,7 +77,7 @@ class Placement:
     @property
     def host_bytes(self) -> int:
         """Bytes of its weights in CPU memory now."""
-        return _bytes(self.parts, "cpu")
+        return module_bytes(self.parts, "cpu")
 
     @property
     def releasable(self) -> bool:
@@ -158,8 +159,8 @@ class TextEncoderPlacement(Placement):
         self.weight_bytes = self.size  # all of them, the streamed layers too: what a read puts in memory
         if stream:
             layers = encoder.model.language_model.layers
-            self.size -= _bytes([layers])
-            self.working_bytes = 2 * _bytes([layers[0]]) + activation_bytes
+            self.size -= module_bytes([layers])
+            self.working_bytes = 2 * module_bytes([layers[0]]) + activation_bytes
 
     @property
     def releasable(self) -> bool:
@@ -254,7 +255,7 @@ class DiTPlacement(Placement):
             return 0
         away = 0
         if self.plan is not None and self.plan.offload_adaln:
-            away += _bytes(self.dit.adaln_modules())
+            away += module_bytes(self.dit.adaln_modules())
         if self.streamer is not None:
             away += self.streamer.offloaded_bytes
         return self.size - away
@@ -273,7 +274,7 @@ class DiTPlacement(Placement):
             budget = max(free_bytes + self.loaded_bytes, 1) / GIB
         plan = plan_for(self.dit.config, layout, steps, self.load_device, budget,
                         torch.empty(0, dtype=self.dit.dtype).element_size(), held=held_format(self.dit),
-                        adaln_bytes=_bytes(self.dit.adaln_modules()))
+                        adaln_bytes=module_bytes(self.dit.adaln_modules()))
         if not plan.fits:
             given = "the budget set" if self.budget_gib is not None else "what is free"
             raise RequestError(

@@ -361,7 +361,7 @@ def test_reference_latents_and_audio_rows_equal_diffusers(video_vaes, audio_vaes
 
 def test_a_16_bit_grey_image_is_scaled_not_clipped(tmp_path):
     """Pillow reads a 16-bit grey PNG as I;16 and its own RGB conversion clips it to white: the image comes out as
-    its 8-bit version does (a file, or the opened image given as is)."""
+    its 8-bit version does (a file, or the opened image given as is, as a reference or a guide)."""
     from PIL import Image
 
     from h3_core.references import load_image
@@ -374,3 +374,7 @@ def test_a_16_bit_grey_image_is_scaled_not_clipped(tmp_path):
     expected = np.asarray(load_image(flat))
     assert np.array_equal(np.asarray(load_image(deep)), expected)
     assert np.array_equal(np.asarray(load_image(Image.open(deep))), expected) and expected[:, -1].min() == 255
+    from h3_core.guides import check_guide
+
+    pixels, _, _ = check_guide("t2va", 107, 0, frames=Image.open(deep))  # a guide image given as a PIL image
+    assert np.array_equal(pixels[0], expected)

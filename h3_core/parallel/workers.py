@@ -88,8 +88,9 @@ class ModelSpec:
         return DiTReader(self.source, self.partition, self.dtype, self.config, self._read_linears(), "meta").adaln_nbytes
 
     def _read_linears(self) -> str:
-        """The linears mode the checkpoint is read in: with LoRAs the lossy FP8 linears are made after the merge."""
-        return "checkpoint" if self.loras and self.linears.startswith("fp8") else self.linears
+        from ..fp8 import read_mode
+
+        return read_mode(self.linears, bool(self.loras))
 
     def load(self, device: torch.device | str):
         """As `pipeline.generate` loads its DiT: weights, then LoRAs merged, then lossy FP8 linears made
