@@ -28,11 +28,11 @@ def check_track(source, what: str = "drive audio") -> None:
         if not path.is_file():
             raise MediaInputError(f"{what}: {path} does not exist or is not a file.")
         try:
-            info = media_read.probe(path)
+            if media_read.probe(path).audio is None:
+                raise MediaInputError(f"{what}: {path.name} has no audio stream.")
+            media_read.read_audio(path, max_seconds=1.0)  # an empty or undecodable track fails here, not after the models load
         except MediaError as error:
             raise MediaInputError(f"{what}: {error}") from error
-        if info.audio is None:
-            raise MediaInputError(f"{what}: {path.name} has no audio stream.")
         return
     load_track(source, what)
 

@@ -48,6 +48,7 @@ class VideoStreamInfo:
     height: int
     fps: float | None  # average rate; None when the container does not say
     frame_count: int | None  # source frames per the header; None when unknown
+    duration_seconds: float | None  # this stream's own length; None when the container states only its own
     rotation: int  # counterclockwise degrees applied for display: 0, 90, 180 or 270
     pixel_format: str | None
 
@@ -59,6 +60,7 @@ class AudioStreamInfo:
     codec: str
     sample_rate: int
     channels: int
+    duration_seconds: float | None  # this stream's own length; None when the container states only its own
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,14 @@ def _decoded_from(container, stream, start_seconds: float) -> Iterator:
     return container.decode(stream)
 
 
+def _stream_seconds(stream) -> float | None:
+    """A stream's own length: a file's duration is its longest stream's, so a one-frame video with a 5 s
+    soundtrack is a 5 s file."""
+    if not stream.duration or stream.time_base is None:
+        return None
+    return float(stream.duration * stream.time_base)
+
+
 def probe(path: str | os.PathLike) -> MediaInfo:
     """Duration, video size/fps/rotation and audio rate/channels of a file, decoding one frame at most."""
     path = Path(path)
@@ -188,13 +198,15 @@ def probe(path: str | os.PathLike) -> MediaInfo:
                 height=height,
                 fps=_frame_rate(stream),
                 frame_count=stream.frames or None,
+                duration_seconds=_stream_seconds(stream),
                 rotation=turns * 90,
                 pixel_format=stream.codec_context.pix_fmt,
             )
         if container.streams.audio:
             audio = container.streams.audio[0]
             audio_info = AudioStreamInfo(
-                codec=audio.codec_context.name, sample_rate=audio.sample_rate, channels=audio.channels
+                codec=audio.codec_context.name, sample_rate=audio.sample_rate, channels=audio.channels,
+                duration_seconds=_stream_seconds(audio),
             )
         return MediaInfo(path=path, duration_seconds=duration, video=video_info, audio=audio_info)
 

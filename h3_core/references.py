@@ -294,7 +294,7 @@ def inspect_video(source, start_seconds: float = 0.0, what: str = "video") -> Me
             raise MediaInputError(
                 f"{what}: {Path(source).name} does not state its frame rate, so it cannot be put on 24 fps."
             )
-        duration = info.duration_seconds
+        duration = info.video.duration_seconds or info.duration_seconds  # the picture's own length first
         if duration is None and info.video.frame_count:
             duration = info.video.frame_count / info.video.fps
         if duration is None:
@@ -343,9 +343,10 @@ def inspect_audio(source, start_seconds: float = 0.0, what: str = "audio") -> Me
             raise MediaInputError(
                 f"{what}: {path.name} holds {info.audio.codec} audio; H3 takes WAV (PCM) or MP3 audio files."
             )
-        if info.duration_seconds is None:
+        duration = info.audio.duration_seconds or info.duration_seconds
+        if duration is None:
             raise MediaInputError(f"{what}: the length of {path.name} is unknown (no duration in the file).")
-        return MediaFacts(seconds=info.duration_seconds - start)
+        return MediaFacts(seconds=duration - start)
     if not isinstance(source, DecodedAudio):
         raise MediaInputError(
             f"{what}: an audio clip is a path or a DecodedAudio(waveform, sample_rate), got {type(source).__name__}."

@@ -630,6 +630,38 @@ def test_rejects_files_of_unsupported_formats_sizes_or_corrupt(tmp_path):
     assert_rejected(Request("ref2va", PROMPT, references=[IMAGE, ("audio", big_wav)]), "at most 15 MiB")
 
 
+def write_uneven_mp4(path, frames: int, sound_seconds: float):
+    """An MP4 whose picture and soundtrack differ in length (write_mp4 fits one to the other)."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        video = container.add_stream("libx264", rate=24)
+        video.width, video.height, video.pix_fmt = 96, 64, "yuv420p"
+        audio = container.add_stream("aac", rate=32000, layout="stereo")
+        for index in range(frames):
+            picture = av.VideoFrame.from_ndarray(np.full((64, 96, 3), index, np.uint8), format="rgb24")
+            container.mux(video.encode(picture))
+        container.mux(video.encode())
+        samples = sound(sound_seconds, 2, 3)
+        for start in range(0, samples.shape[1], 1024):
+            chunk = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples[:, start:start + 1024]), format="fltp",
+                                               layout="stereo")
+            chunk.sample_rate, chunk.pts = 32000, start
+            container.mux(audio.encode(chunk))
+        container.mux(audio.encode())
+    return path
+
+
+def test_a_video_reference_is_as_long_as_its_picture_not_its_soundtrack(tmp_path):
+    """A file lasts as long as its longest stream: a one-frame video with a 5 s soundtrack passed the length
+    check and failed only after the text encoder ran."""
+    still = write_uneven_mp4(tmp_path / "still.mp4", 1, 5.0)
+    assert_rejected(Request("ref2va", PROMPT, references=[IMAGE, ("video", still)]), "references[1] (video)",
+                    "runs 0.042 s", "2-15 s each")
+    fine = write_uneven_mp4(tmp_path / "fine.mp4", 72, 5.0)
+    assert validate(Request("ref2va", PROMPT, references=[IMAGE, ("video", fine)])).references[1].kind == "video"
+
+
 def test_accepts_files_within_the_limits(tmp_path):
     png = tmp_path / "still.png"
     Image.new("RGB", (120, 90)).save(png)

@@ -110,6 +110,9 @@ def test_bad_tracks_are_refused_clearly(tmp_path):
     (tmp_path / "junk.wav").write_bytes(b"not audio at all")
     with pytest.raises(MediaInputError, match="junk.wav"):
         check_track(tmp_path / "junk.wav")
+    write_wav(tmp_path / "empty.wav", np.zeros((2, 0), np.float32), 32000)  # checked before any model loads
+    with pytest.raises(MediaInputError, match="drive audio: .*empty.wav has no audio"):
+        check_track(tmp_path / "empty.wav")
     with pytest.raises(MediaInputError, match="no samples"):
         load_track(DecodedAudio(torch.zeros(2, 0), 32000))
     with pytest.raises(MediaInputError, match="path to an audio file or a DecodedAudio"):
