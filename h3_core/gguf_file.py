@@ -15,6 +15,7 @@ quantized tensor is dequantized once at load (`GGUFLoad`).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,16 +69,52 @@ def is_gguf(path: Path) -> bool:
     return path.suffix.lower() == GGUF_SUFFIX
 
 
-def open_gguf(path: Path):
-    """llama.cpp's reader over `path` (memory-mapped); a CheckpointError for anything that is not GGUF."""
+@dataclass(frozen=True)
+class _StoredTensor:
+    """One tensor as the header lists it: where its bytes lie and how they are laid out."""
+
+    name: str
+    qtype: str
+    stored: tuple[int, ...]  # torch order
+    original: tuple[int, ...] | None  # from a `comfy.gguf.orig_shape.<name>` field
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class _Header:
+    tensors: tuple[_StoredTensor, ...]
+    texts: dict[str, str]  # the header's text fields
+
+
+def _header(path: Path) -> _Header:
+    """The header of `path`, parsed once per version of the file: llama.cpp's reader takes seconds over a text
+    encoder's (its 151k-token vocabulary), and one load asks several times (locate, size, read)."""
+    try:
+        stat = path.stat()
+    except OSError as error:
+        raise CheckpointError(f"{path} cannot be read ({error.strerror or error}).") from None
+    return _parsed_header(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed_header(path: str, size: int, modified: int) -> _Header:
+    """`_header`'s cache (size and modification time in the key: a file rewritten is parsed again)."""
     try:
         import gguf
     except ImportError:
-        raise CheckpointError(f"Reading {path.name} needs the 'gguf' package (pip install gguf).") from None
+        raise CheckpointError(f"Reading {Path(path).name} needs the 'gguf' package (pip install gguf).") from None
     try:
-        return gguf.GGUFReader(path)
+        reader = gguf.GGUFReader(path)
     except (ValueError, IndexError, OSError) as error:
         raise CheckpointError(f"{path} is not a readable GGUF file ({error}).") from None
+    tensors = tuple(_StoredTensor(tensor.name, getattr(tensor.tensor_type, "name", str(tensor.tensor_type)),
+                                  tuple(int(size) for size in reversed(tensor.shape)),
+                                  _original_shape(reader, tensor.name), int(tensor.data_offset), int(tensor.n_bytes))
+                    for tensor in reader.tensors)
+    texts = {name: bytes(field.parts[field.data[-1]]).decode("utf-8", "replace")
+             for name, field in reader.fields.items() if field.types == [gguf.GGUFValueType.STRING]}
+    return _Header(tensors, texts)
 
 
 def _original_shape(reader, name: str) -> tuple[int, ...] | None:
@@ -87,18 +124,16 @@ def _original_shape(reader, name: str) -> tuple[int, ...] | None:
     return tuple(int(field.parts[part][0]) for part in field.data)
 
 
-def _entry(reader, tensor, path: Path, model: str = "DiT") -> GGUFEntry:
-    qtype = getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
-    if qtype not in gguf_quants.SUPPORTED:
+def _entry(tensor: _StoredTensor, path: Path, model: str = "DiT") -> GGUFEntry:
+    if tensor.qtype not in gguf_quants.SUPPORTED:
         raise CheckpointError(
-            f"'{tensor.name}' in {path.name} is stored as GGML type {qtype}, which H3 does not read; GGUF {model} "
-            f"files may use {', '.join(gguf_quants.SUPPORTED)}.")
-    stored = tuple(int(size) for size in reversed(tensor.shape))
-    shape = _original_shape(reader, tensor.name) or stored
-    if math.prod(shape) != math.prod(stored):
-        raise CheckpointError(f"'{tensor.name}' in {path.name} is stored as {list(stored)} but its original shape "
-                              f"field says {list(shape)}: the element counts differ.")
-    return GGUFEntry(qtype, shape, stored)
+            f"'{tensor.name}' in {path.name} is stored as GGML type {tensor.qtype}, which H3 does not read; GGUF "
+            f"{model} files may use {', '.join(gguf_quants.SUPPORTED)}.")
+    shape = tensor.original or tensor.stored
+    if math.prod(shape) != math.prod(tensor.stored):
+        raise CheckpointError(f"'{tensor.name}' in {path.name} is stored as {list(tensor.stored)} but its original "
+                              f"shape field says {list(shape)}: the element counts differ.")
+    return GGUFEntry(tensor.qtype, shape, tensor.stored)
 
 
 def gguf_entries(path: Path, model: str = "DiT", unused: Callable[[str], bool] | None = None,
@@ -106,27 +141,23 @@ def gguf_entries(path: Path, model: str = "DiT", unused: Callable[[str], bool] |
     """Each tensor's entry, by its key in the file (headers only), but those `unused` names (never read, so
     their types do not matter), and the header's text `fields` (None where missing; by default the
     architecture the file names). `model` names the model in errors."""
-    reader = open_gguf(path)
-    entries = {tensor.name: _entry(reader, tensor, path, model) for tensor in reader.tensors
+    header = _header(path)
+    entries = {tensor.name: _entry(tensor, path, model) for tensor in header.tensors
                if unused is None or not unused(tensor.name)}
-    return entries, tuple(_text(reader, key) for key in fields)
-
-
-def _text(reader, key: str) -> str | None:
-    field = reader.get_field(key)
-    return None if field is None else bytes(field.parts[field.data[-1]]).decode("utf-8", "replace")
+    return entries, tuple(header.texts.get(key) for key in fields)
 
 
 def read_gguf(path: Path, only: Callable[[str], bool] | None = None) -> Iterator[Item]:
     """(key, tensor, path) for each tensor of the file (whose key `only` accepts), one at a time, as
     `GGUFEntry.read_as` describes it: F32 / F16 / BF16 tensors as themselves, quantized ones as their stored
     bytes."""
-    reader = open_gguf(path)
-    for tensor in reader.tensors:
+    for tensor in _header(path).tensors:
         if only is not None and not only(tensor.name):
             continue
-        like = _entry(reader, tensor, path).read_as()
-        raw = torch.from_numpy(np.array(tensor.data, copy=True).reshape(-1).view(np.uint8))  # out of the map
+        like = _entry(tensor, path).read_as()
+        stored = np.memmap(path, dtype=np.uint8, mode="r", offset=tensor.offset, shape=(tensor.nbytes,))
+        raw = torch.from_numpy(np.array(stored, copy=True))  # out of the map
+        del stored
         yield tensor.name, raw.view(like.dtype).reshape(like.shape), path
 
 

@@ -110,6 +110,31 @@ def test_sizes_count_the_blocks_as_stored(tiny, monkeypatch):
     assert rest == meant["token_embd.weight"].numel() * 4  # dequantized to float32; no vision tower
 
 
+def test_a_header_is_parsed_once_per_version_of_the_file(tiny, tmp_path, monkeypatch):
+    """llama.cpp's reader takes seconds over a real text encoder's header (its 151k-token vocabulary), and a
+    load asks for it to locate the file, size it and read it: one parse, until the file changes."""
+    import shutil
+
+    from h3_core import text_checkpoint
+
+    monkeypatch.setattr(text_checkpoint, "QWEN3VL_32B_CONFIG", tiny["config"])
+    path = shutil.copy(tiny["gguf"], tmp_path / "encoder.gguf")
+    parses = []
+    real_reader = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *args, **kwargs: parses.append(args) or real_reader(*args, **kwargs))
+    locate_text_encoder(path)
+    text_encoder_sizes(path, torch.float32)
+    model = _load(tiny, path)
+    assert len(parses) == 1
+    assert torch.equal(model.model.language_model.embed_tokens.weight, tiny["meant"]["token_embd.weight"])
+    from gguf_files import write_gguf
+
+    write_gguf(path, {"token_embd.weight": torch.zeros(64, 32)}, arch="llama")  # the same name, another file
+    with pytest.raises(CheckpointError, match="the 'llama' architecture"):
+        locate_text_encoder(path)
+    assert len(parses) == 2
+
+
 def test_a_gguf_file_of_another_model_is_refused(tiny, tmp_path):
     from gguf_files import write_gguf
 
