@@ -272,7 +272,8 @@ def _declared_shape(module: nn.Module, name: str, param: torch.Tensor) -> tuple[
     return tuple(param.shape)
 
 
-def _resolve(model: nn.Module, lora: LoRA, term: Term, strength: float) -> _Resolved:
+def _resolve(model: nn.Module, lora: LoRA, term: Term, strength: float, weights: bool = True) -> _Resolved:
+    """`term` checked against `model`; `weights=False` checks shapes only (a meta-built model will do)."""
     what = f"'{term.keys[0]}' of {lora.name}"
     try:
         module = model.get_submodule(term.target)
@@ -284,7 +285,7 @@ def _resolve(model: nn.Module, lora: LoRA, term: Term, strength: float) -> _Reso
     param = getattr(module, term.param, None)
     if param is None:
         raise LoRAError(f"{what} is a {term.param} delta, but '{term.target}' has no {term.param}.")
-    if param.device.type == "meta":
+    if weights and param.device.type == "meta":
         raise LoRAError(f"'{term.target}' is on the meta device; load the model's weights before applying LoRAs.")
     head_dim = getattr(getattr(model, "config", None), "attention_head_dim", None)
     shape = _declared_shape(module, term.param, param)
@@ -299,15 +300,16 @@ def _resolve(model: nn.Module, lora: LoRA, term: Term, strength: float) -> _Reso
         if delta is not None:
             delta = deinterleave_qkv(delta, head_dim)
     out_rows = (up if up is not None else delta).shape[0]
+    counted = f"'{term.keys[1 if up is not None else 0]}' of {lora.name}"  # a low-rank pair's rows are in B
     if term.part is not None:
         if 3 * out_rows != rows_total:
-            raise LoRAError(f"{what} has {out_rows} output rows for the {term.part} part of '{term.target}', whose "
+            raise LoRAError(f"{counted} has {out_rows} output rows for the {term.part} part of '{term.target}', whose "
                             f"stacked q/k/v weight has {rows_total} rows ({rows_total // 3} per part).")
         start = "qkv".index(term.part) * out_rows
         rows = slice(start, start + out_rows)
     else:
         if out_rows != rows_total:
-            raise LoRAError(f"{what} has {out_rows} output rows; '{term.target}.{term.param}' has {rows_total}.")
+            raise LoRAError(f"{counted} has {out_rows} output rows; '{term.target}.{term.param}' has {rows_total}.")
         rows = slice(0, rows_total)
     if term.kind == "lowrank":
         if down.shape[1] != shape[1]:
@@ -471,6 +473,20 @@ def apply_loras(
     for line in report.warnings:
         logger.warning(line)
     return report
+
+
+def check_loras(model, loras: Sequence[tuple[LoRA, float]], partition: str) -> None:
+    """Every term of `loras` fits `model` (an H3DiT, its weights read or not, or the DiTConfig of one), from
+    shapes only: an adapter for another model is refused before tens of GB of weights are read."""
+    if not isinstance(model, nn.Module):
+        from .dit import H3DiT
+
+        with torch.device("meta"):
+            model = H3DiT(model)
+    for lora, strength in loras:
+        terms = lora.terms_for(partition)  # an adapter for the other partition is refused whatever its strength
+        for term in terms if float(strength) != 0.0 else ():
+            _resolve(model, lora, term, float(strength), weights=False)
 
 
 def _summed_delta(param: torch.Tensor, resolved: list[_Resolved]) -> torch.Tensor:

@@ -178,7 +178,9 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[st
         raise LoRAError(f"LoRA file {path} does not exist.")
     with open_safetensors(path) as handle:
         metadata = dict(handle.metadata() or {})
-        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+        # copies, not views of the file's map: a file rewritten in place later would change a held adapter
+        # silently, or kill the process (SIGBUS) if it got shorter
+        tensors = {key: handle.get_tensor(key).clone() for key in handle.keys()}
     return tensors, metadata
 
 

@@ -34,7 +34,7 @@ from .layout import pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, read_mode
 from .guides import GuideMedia, add_guide, check_guide, read_guide
-from .lora import VSA_STUDENT_CONTRACT, apply_loras, load_lora, run_mode, sampler_settings
+from .lora import VSA_STUDENT_CONTRACT, apply_loras, check_loras, load_lora, run_mode, sampler_settings
 from .noise import check_seeds, condition_rows, request_generator, target_noise
 from .media import SAMPLE_RATE, MediaError, naming
 from .output import AVLatents, write_mp4
@@ -446,9 +446,8 @@ def generate_batch(
     resolve_backend(settings.attention, device, window=window > 0)
     check_linear_mode(settings.linears, device)
     loras = [(load_lora(path, unknown=settings.lora_unknown_keys), float(strength)) for path, strength in settings.loras]
-    for lora, _ in loras:
-        lora.terms_for(partition)  # an adapter for the other partition is refused before loading
     dit_source = None if source.tiny else with_config(locate_dit(source.root, partition))
+    check_loras(TINY_DIT if source.tiny else dit_source.config, loras, partition)  # before any weight is read
     if len(settings.devices) > 1:
         from .parallel.workers import check_degree
 

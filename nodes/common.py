@@ -79,6 +79,41 @@ def model_path(kind: str, name: str, folder: str):
     return folder_paths.get_full_path_or_raise(kind, name)
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".json")
+
+
+def files_fingerprint(*paths) -> str:
+    """Name, modification time and size of each weight file at `paths` (a folder: its weight and config files
+    up to three levels down, as a release root holds them): a loader's `fingerprint_inputs`, so a file saved
+    over under the same name (a new training epoch, a finished re-download) loads again instead of ComfyUI
+    handing on the model read from the old one. Empty for what is not there: execute says so."""
+    stamps = []
+    for path in map(Path, paths):
+        try:
+            found = (sorted(file for depth in ("*", "*/*", "*/*/*") for file in path.glob(depth)
+                            if file.suffix.lower() in WEIGHT_SUFFIXES and file.is_file())
+                     if path.is_dir() else [path] if path.is_file() else [])
+            for file in found:
+                stat = file.stat()
+                stamps.append(f"{file} {stat.st_mtime_ns} {stat.st_size}")
+        except OSError:  # unreadable: execute says so
+            continue
+    return "; ".join(stamps)
+
+
+def chosen_file(kind: str, name, folder) -> str | None:
+    """`model_path` for a loader's `fingerprint_inputs`: None for tiny-random, a linked input (None there) or a
+    name ComfyUI cannot find (execute says so)."""
+    from h3_core.tiny import TINY_RANDOM
+
+    if not isinstance(name, str) or not isinstance(folder, str) or (name == TINY_RANDOM and not folder.strip()):
+        return None
+    try:
+        return model_path(kind, name, folder)
+    except (OSError, KeyError):  # not found, or no such model folder
+        return None
+
+
 def preview_settings():
     """(max_size, factors, bias) for step previews, or None when the user turned previews off. The colours
     come from ComfyUI's own H3 latent format where this ComfyUI has one; else h3_core's false colour."""

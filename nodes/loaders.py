@@ -39,8 +39,10 @@ from .common import (
     H3VAE,
     H3Model,
     H3TextEncoder,
+    chosen_file,
     device,
     device_list,
+    files_fingerprint,
     model_choices,
     model_path,
 )
@@ -129,6 +131,12 @@ class H3ModelLoader(io.ComfyNode):
                                     tooltip="The H3 DiT of the chosen partition: connect to H3 Dual-Clock Sampler, "
                                             "H3 Continuation, or H3 LoRA / Turbo Apply first.")],
         )
+
+    @classmethod
+    def fingerprint_inputs(cls, checkpoint=None, folder="", **_) -> str:
+        """The chosen file (or folder) as it is on disk now: saved over, it loads again."""
+        path = chosen_file("diffusion_models", checkpoint, folder)
+        return files_fingerprint(path) if path else ""
 
     @classmethod
     def execute(cls, checkpoint, folder, partition, weight_dtype, attention, gpu_memory_gb=0.0, devices="",
@@ -222,19 +230,19 @@ class H3TextEncoderLoader(io.ComfyNode):
         )
 
     @classmethod
-    def fingerprint_inputs(cls, text_encoder, folder="", tokenizer_folder="", weight_dtype="bf16",
+    def fingerprint_inputs(cls, text_encoder=None, folder="", tokenizer_folder="", weight_dtype="bf16",
                            gpu_memory_gb=0.0) -> str:
-        """A GGUF encoder's vision tower is whichever mmproj file lies beside it: one added, replaced or removed
-        loads the encoder again (ComfyUI would hand the cached one on). A linked name or folder (None here) is
-        not followed: anything but a text would make every run load the encoder again."""
-        if not (isinstance(text_encoder, str) and isinstance(folder, str)):
+        """The chosen file (or folder) as it is on disk now, and a GGUF encoder's vision tower: whichever mmproj
+        file lies beside it. One saved over, added or removed loads the encoder again (ComfyUI would hand the
+        cached one on). A linked name or folder (None here) is not followed: anything but a text would make
+        every run load the encoder again."""
+        path = chosen_file("text_encoders", text_encoder, folder)
+        if not path:
             return ""
         try:
-            path = Path(model_path("text_encoders", text_encoder, folder))
-            if not (path.is_file() and path.suffix.lower() == GGUF_SUFFIX):
-                return ""
-            return "; ".join(f"{p.name} {p.stat().st_mtime_ns} {p.stat().st_size}" for p in mmproj_companions(path))
-        except (OSError, ValueError):  # no such file, or unreadable: execute says so
+            gguf = Path(path).is_file() and Path(path).suffix.lower() == GGUF_SUFFIX
+            return files_fingerprint(path, *(mmproj_companions(Path(path)) if gguf else ()))
+        except (OSError, ValueError):  # unreadable: execute says so
             return ""
 
     @classmethod
@@ -297,6 +305,12 @@ class H3VAELoader(io.ComfyNode):
                                   tooltip="The video and audio VAEs together: connect to the vae of H3 Conditioning, "
                                           "H3 Add Guide, H3 VAE Encode / Decode, H3 Continuation or H3 Save MP4.")],
         )
+
+    @classmethod
+    def fingerprint_inputs(cls, video_vae=None, audio_vae=None, folder="", **_) -> str:
+        """The chosen files (or folder) as they are on disk now: saved over, they load again."""
+        paths = [chosen_file("vae", name, folder) for name in (video_vae, audio_vae)]
+        return files_fingerprint(*(path for path in paths if path))
 
     @classmethod
     def execute(cls, video_vae, audio_vae, folder, weight_dtype="bf16") -> io.NodeOutput:

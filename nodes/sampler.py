@@ -6,14 +6,15 @@ import math
 
 import folder_paths
 from comfy_api.latest import io
-from h3_core.lora import VSA_STUDENT_CONTRACT, load_lora, sampler_settings
+from h3_core.lora import VSA_STUDENT_CONTRACT, check_loras, load_lora, sampler_settings
 from h3_core.noise import check_seeds
 from h3_core.pipeline import TASK_PARTITION, sample
 from h3_core.placement import freed_on_failure
 from h3_core.sampler import DualClockSchedule, custom_ladder
 
 from .common import (
-    CATEGORY, H3Cond, H3Latent, H3Model, check_interrupt, preview_settings, progress_bar, shift_inputs, step_preview,
+    CATEGORY, H3Cond, H3Latent, H3Model, check_interrupt, chosen_file, files_fingerprint, preview_settings,
+    progress_bar, shift_inputs, step_preview,
 )
 from .convert import latent_size_problem, pack_latents, unpack_latents
 from .memory import dit_for_run, drop_loras, use_loras
@@ -166,11 +167,18 @@ class H3LoRAApply(io.ComfyNode):
         )
 
     @classmethod
+    def fingerprint_inputs(cls, lora_name=None, **_) -> str:
+        """The file as it is on disk now: saved over under the same name (a new training epoch), it is read again
+        with its schedule, instead of ComfyUI handing on the adapter read from the old one."""
+        return files_fingerprint(path) if (path := chosen_file("loras", lora_name, "")) else ""
+
+    @classmethod
     def execute(cls, model, lora_name, strength, unknown_keys="error") -> io.NodeOutput:
         if not math.isfinite(float(strength)):  # NaN passes ComfyUI's range check
             raise ValueError(f"strength must be a finite number, got {strength!r}.")
         lora = load_lora(folder_paths.get_full_path_or_raise("loras", lora_name), unknown=unknown_keys)
-        lora.terms_for(model.partition)  # an adapter for the other partition is refused here
+        # an adapter for the other partition or another model's shapes is refused here, before the DiT is read
+        check_loras(model.dit.config if model.split else model.dit, [(lora, strength)], model.partition)
         return io.NodeOutput(model.with_lora(lora, strength))
 
 

@@ -239,3 +239,19 @@ def test_h3_denoise_refuses_bad_files_and_durations_before_running(tmp_path, cap
         error = capsys.readouterr().err
         assert re.search(message, error) and "Traceback" not in error, error
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_an_adapter_for_another_model_size_is_refused_before_any_model_loads(tmp_path, no_model_loads, capsys):
+    import dataclasses
+
+    from lora_files import random_spec, write_diffusers
+
+    from h3_core.config import TINY_DIT
+
+    wider = dataclasses.replace(TINY_DIT, num_attention_heads=3, hidden_size=96, time_embed_hidden_dim=96)
+    write_diffusers(tmp_path / "wider.safetensors", {"transformer": random_spec(wider)})
+    argv = ["generate", "--prompt", "a fox", "--out", str(tmp_path / "o.mp4"), "--steps", "3",
+            "--lora", str(tmp_path / "wider.safetensors")]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert re.search(r"h3: error: .*lora_B\.weight' of wider\.safetensors has 192 output rows", error), error

@@ -502,6 +502,45 @@ def test_keys_that_map_to_nothing(tmp_path):
         load_lora(tmp_path / "ranks.safetensors")
 
 
+def test_another_models_adapter_is_refused_from_shapes_before_any_weight_is_read(tmp_path):
+    """The DiT built from its file's headers holds no weights yet: its shapes refuse an adapter made for another
+    model size, so a 62 GB DiT is not read only to fail (the check used to need the weights)."""
+    import dataclasses
+
+    from h3_core.lora import check_loras
+
+    wider = dataclasses.replace(TINY_DIT, num_attention_heads=3, hidden_size=96, time_embed_hidden_dim=96)
+    foreign = load_lora(write_diffusers(tmp_path / "wider.safetensors", {"transformer": random_spec(wider)}))
+    fitting = load_lora(write_diffusers(tmp_path / "fits.safetensors", {"transformer": random_spec(TINY_DIT)}))
+    with torch.device("meta"):
+        headers_only = H3DiT(TINY_DIT)
+    for model in (headers_only, TINY_DIT):
+        with pytest.raises(LoRAError, match=r"'\S+\.lora_B\.weight' of wider\.safetensors has \d+ output rows"):
+            check_loras(model, [(foreign, 1.0)], "fl2va")
+        check_loras(model, [(fitting, 0.5), (foreign, 0.0)], "fl2va")  # strength 0 applies nothing
+    ref_only = load_lora(write_diffusers(tmp_path / "ref.safetensors", {"transformer_ref": random_spec(TINY_DIT)}))
+    with pytest.raises(LoRAError, match="only for the ref2va partition"):
+        check_loras(headers_only, [(ref_only, 0.0)], "fl2va")
+    with pytest.raises(LoRAError, match="meta device"):  # applying still needs the weights
+        apply_loras(headers_only, [fitting], partition="fl2va")
+
+
+def test_an_adapter_read_is_its_own_copy_of_the_file(tmp_path):
+    """Tensors safetensors hands out are views of the file's map: an adapter held across ComfyUI prompts changed
+    when its file was saved over, and a shorter file killed the process (SIGBUS) at the next read."""
+    import os
+
+    from h3_core.lora_formats import read_safetensors
+
+    path = tmp_path / "epoch.safetensors"
+    save_file({"blocks.0.attn.qkv_proj.lora_A.weight": torch.zeros(4, 64)}, str(path))
+    tensors, _ = read_safetensors(path)
+    with open(path, "r+b") as file:  # saved over in place, the same size: what the map shows changes
+        file.seek(-64, os.SEEK_END)
+        file.write(b"\x3f" * 64)
+    assert torch.equal(tensors["blocks.0.attn.qkv_proj.lora_A.weight"], torch.zeros(4, 64))
+
+
 def test_refused_files(tmp_path):
     (tmp_path / "x.ckpt").write_bytes(b"\x80\x04")
     with pytest.raises(LoRAError, match="pickle"):

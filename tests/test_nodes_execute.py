@@ -317,6 +317,47 @@ def test_lora_apply_keeps_the_cached_model_clean(comfy):
     assert len(c.sampler.H3LoRAApply.execute(model, "stray.safetensors", 1.0, "warn").values[0].loras) == 1
 
 
+def test_a_weight_file_saved_over_under_its_name_loads_again(comfy):
+    """A LoRA saved over under its name (a new training epoch) changes its node's fingerprint, so ComfyUI runs
+    the node again instead of handing on the adapter read from the old file. The loaders' fingerprints follow
+    their files (or folders) too."""
+    import os
+
+    from lora_files import fused, random_spec, write_native
+    from safetensors.torch import load_file, save_file
+
+    from h3_core.config import TINY_DIT
+
+    c = comfy
+    path = write_native(c.tmp / "loras" / "epoch.safetensors", fused(random_spec(TINY_DIT), block_diagonal=True),
+                        prefix="diffusion_model.")
+    fingerprint = c.sampler.H3LoRAApply.fingerprint_inputs
+    before = fingerprint(model=None, lora_name="epoch.safetensors", strength=1.0)
+    assert "epoch.safetensors" in before
+    model = c.loaders.H3ModelLoader.execute("tiny-random", "", "fl2va", "bf16", "auto").values[0]
+    assert len(c.sampler.H3LoRAApply.execute(model, "epoch.safetensors", 1.0).values[0].loras) == 1
+    stat = path.stat()
+    save_file({key: value + 1 for key, value in load_file(str(path)).items()}, str(path))  # the same size
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert fingerprint(model=None, lora_name="epoch.safetensors", strength=1.0) != before
+    assert fingerprint(model=None, lora_name="gone.safetensors", strength=1.0) == ""  # execute says it is missing
+
+    folder = c.tmp / "release"
+    (folder / "FL2VA" / "transformer").mkdir(parents=True)
+    shard = folder / "FL2VA" / "transformer" / "model-00001.safetensors"
+    shard.write_bytes(b"0" * 8)
+    (folder / "FL2VA" / "transformer" / "notes.txt").write_text("not a weight")
+    loader = c.loaders.H3ModelLoader.fingerprint_inputs
+    assert loader(checkpoint="tiny-random", folder="") == ""
+    first = loader(checkpoint="tiny-random", folder=str(folder))
+    assert str(shard) in first and "notes.txt" not in first
+    shard.write_bytes(b"0" * 9)
+    assert loader(checkpoint="tiny-random", folder=str(folder)) != first
+    vaes = c.loaders.H3VAELoader.fingerprint_inputs
+    assert vaes(video_vae="tiny-random", audio_vae="tiny-random", folder="") == ""
+    assert str(shard) in vaes(video_vae="tiny-random", audio_vae="tiny-random", folder=str(folder))
+
+
 def test_memory_wrapper_moves_and_reports(comfy, caplog):
     c = comfy
     module = torch.nn.Linear(4, 4)
