@@ -185,8 +185,11 @@ def _folder(folder: Path) -> DiTSource:
     _nvfp4_layers(files, supported=False)
     _fp8_layers(files, supported=False)
     # FastVideo's VSA students (FastH3 8-Step V2) carry a gate per attention; diffusers' config does not say so
-    config = dataclasses.replace(DiTConfig.from_dict(raw), vsa_gates=any(name.endswith(SPARSE_ATTENTION_GATE)
-                                                                        for name in names))
+    try:
+        config = dataclasses.replace(DiTConfig.from_dict(raw), vsa_gates=any(name.endswith(SPARSE_ATTENTION_GATE)
+                                                                            for name in names))
+    except ValueError as error:
+        raise CheckpointError(f"{folder / 'config.json'}: {error}") from None
     if naming == "diffusers":
         return DiTSource(files, naming, "stacked", config, "diffusers folder")
     return DiTSource(files, naming, "interleaved", config, "original partition folder")

@@ -7,6 +7,7 @@ original release's `transformer/config.json` spellings (h3-model.md A.1).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 # Original config.json spelling -> our (diffusers) field name.
@@ -51,6 +52,7 @@ class DiTConfig:
     vsa_gates: bool = False
 
     def __post_init__(self):
+        self._check_types()
         object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
         if 6 * self.rope_freq_dim > self.attention_head_dim:
             raise ValueError(
@@ -62,6 +64,27 @@ class DiTConfig:
         if self.adaln_curve_grid == 1 or self.adaln_curve_grid < 0:
             raise ValueError(f"adaln_curve_grid is 0 (a time embedder) or the curve table's rows (at least 2), "
                              f"got {self.adaln_curve_grid}.")
+
+    def _check_types(self) -> None:
+        """Every field a number of its kind (a config.json may say "abc", null or 2.5 for a layer count)."""
+        def whole(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "patch_size":
+                ok = isinstance(value, (tuple, list)) and len(value) == 3 and all(whole(p) and p > 0 for p in value)
+                wanted = "three positive integers"
+            elif field.type == "bool":
+                ok, wanted = isinstance(value, bool), "true or false"
+            elif field.type == "float":
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+                wanted = "a positive number"
+            else:
+                least = 0 if field.name in ("num_refiner_layers", "adaln_curve_grid") else 1
+                ok, wanted = whole(value) and value >= least, f"an integer of at least {least}"
+            if not ok:
+                raise ValueError(f"The DiT config's {field.name} must be {wanted}, got {value!r}.")
 
     @property
     def curve_form(self) -> bool:
@@ -87,7 +110,7 @@ class DiTConfig:
         for key, value in raw.items():
             name = _ORIGINAL_FIELD_NAMES.get(key, key)
             if name in fields:
-                values[name] = tuple(value) if name == "patch_size" else value
+                values[name] = tuple(value) if name == "patch_size" and isinstance(value, list) else value
         return cls(**values)
 
     def to_dict(self) -> dict:

@@ -442,12 +442,13 @@ def layer_formats(handle, keys: dict[str, str], path: Path, rename: Callable[[st
         params = conf.get("params") if isinstance(conf.get("params"), dict) else {}  # ComfyUI reads either place
         if fmt in (INT8_FORMAT, INT4_FORMAT):
             rotated = fmt == INT4_FORMAT or conf.get("convrot", params.get("convrot", False))
-            rotation = int(conf.get("convrot_groupsize", params.get("convrot_groupsize", 256))) if rotated else 0
-            if rotation:
+            group = conf.get("convrot_groupsize", params.get("convrot_groupsize", 256)) if rotated else 0
+            rotation = group if isinstance(group, int) and not isinstance(group, bool) else -1
+            if rotated:  # a group of 0 read as "not rotated" gave unrelated weights
                 try:
                     check_rotation_group(rotation)
                 except ValueError:
-                    raise CheckpointError(f"{path.name} rotates '{layer}' in groups of {rotation}; ConvRot groups "
+                    raise CheckpointError(f"{path.name} rotates '{layer}' in groups of {group!r}; ConvRot groups "
                                           "are powers of 4.") from None
             formats[layer] = (torch.int8, rotation, fmt == INT4_FORMAT)
             continue
@@ -472,15 +473,18 @@ def quant_records(handle, keys: dict[str, str], path: Path,
             for layer, conf in json.loads(metadata["_quantization_metadata"]).get("layers", {}).items():
                 if (name := rename(layer)) is not None:
                     named[name] = dict(conf)
-        except (json.JSONDecodeError, AttributeError):
+        except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
             raise CheckpointError(f"{path.name} has unreadable '_quantization_metadata'.") from None
     for name, key in keys.items():
         if name.endswith(".comfy_quant"):
             try:
                 conf = json.loads(bytes(handle.get_tensor(key).tolist()).decode("utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
-                raise CheckpointError(f"'{key}' in {path.name} is not a JSON quantization record.") from None
-            named[name[: -len(".comfy_quant")]] = dict(conf)
+            except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError):
+                conf = None
+            if not isinstance(conf, dict):
+                raise CheckpointError(f"'{key}' in {path.name} is not a JSON quantization record (a uint8 tensor "
+                                      "of a JSON object).")
+            named[name[: -len(".comfy_quant")]] = conf
     return named
 
 

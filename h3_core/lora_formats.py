@@ -416,6 +416,9 @@ class _AlphaContext:
             config = json.loads(raw)
         except json.JSONDecodeError as error:
             raise LoRAError(f"The file's 'lora_adapter_metadata' is not valid JSON: {error}.") from None
+        if not isinstance(config, dict):
+            raise LoRAError("The file's 'lora_adapter_metadata' must be a JSON object (diffusers' LoraConfig fields by "
+                            f"component), got a {type(config).__name__}.")
         component = "transformer_ref" if self.partition == "ref2va" else "transformer"
         fields = {k[len(component) + 1:]: v for k, v in config.items() if k.startswith(component + ".")}
         if fields.get("use_dora") or fields.get("use_rslora"):
@@ -423,12 +426,15 @@ class _AlphaContext:
         return fields or None
 
 
-def _pattern_alpha(patterns: dict, module: str) -> float | None:
-    """peft's alpha_pattern: a key matches a module name at its end (after a '.'), or as a '^' regex."""
+def _pattern_alpha(patterns: dict, module: str):
+    """peft's alpha_pattern: a key matches a module name at its end (after a '.'), or as a '^' regex (the value
+    is checked by `_checked_alpha`)."""
+    if not isinstance(patterns, dict):
+        raise LoRAError(f"The file's diffusers alpha_pattern must be a JSON object, got {patterns!r}.")
     for key, value in patterns.items():
         regex = key[1:] if key.startswith("^") else rf"(?:.*\.)?{key}"
         if re.fullmatch(regex, module):
-            return float(value)
+            return value
     return None
 
 
@@ -446,7 +452,7 @@ def _alpha(module: _Module, rank: int, ctx: _AlphaContext) -> tuple[float, str]:
         if value is not None:
             return value, "diffusers adapter config alpha_pattern"
         if "lora_alpha" in config:
-            return float(config["lora_alpha"]), f"diffusers adapter config lora_alpha {float(config['lora_alpha']):g}"
+            return config["lora_alpha"], f"diffusers adapter config lora_alpha {config['lora_alpha']}"
     if ctx.fmt == "lightx2v-comfyui":
         return float(rank), "ComfyUI export: no .alpha tensor, scale 1 as ComfyUI applies it"
     network = ctx.network_alpha()
@@ -455,6 +461,18 @@ def _alpha(module: _Module, rank: int, ctx: _AlphaContext) -> tuple[float, str]:
     if ctx.lightx2v is not None:
         return LIGHTX2V_DEFAULT_ALPHA, "LightX2V Turbo file without alpha: alpha 8 (reference script default)"
     return float(rank), "no alpha recorded: alpha = rank"
+
+
+def _checked_alpha(module: _Module, rank: int, ctx: _AlphaContext) -> tuple[float, str]:
+    """`_alpha`, refused unless a positive number: alpha 0 made the adapter a silent no-op, NaN made NaN video."""
+    value, source = _alpha(module, rank, ctx)
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise LoRAError(f"The alpha of '{module.source}' is {value!r} ({source}); an alpha is a positive number.") from None
+    if not (math.isfinite(value) and value > 0):
+        raise LoRAError(f"The alpha of '{module.source}' is {value:g} ({source}); an alpha is a positive number.")
+    return value, source
 
 
 def _terms(modules: dict[str, _Module], qkv_rows: str, ctx: _AlphaContext, alpha_sources: dict) -> list[Term]:
@@ -472,7 +490,9 @@ def _terms(modules: dict[str, _Module], qkv_rows: str, ctx: _AlphaContext, alpha
                                 "(A [rank, in], B [out, rank]).")
             if _NATIVE_NORM.fullmatch(module.target):
                 raise LoRAError(f"'{down_key}' is a low-rank factor on '{module.source}', an RMSNorm; LoRA targets Linear layers.")
-            value, source = _alpha(module, down.shape[0], ctx)
+            if down.shape[0] == 0:
+                raise LoRAError(f"'{down_key}' has rank 0 (no rows): it is not a usable LoRA factor.")
+            value, source = _checked_alpha(module, down.shape[0], ctx)
             alpha_sources[source] = alpha_sources.get(source, 0) + 1
             if module.swap_halves:
                 up = keymap.swap_halves(up)

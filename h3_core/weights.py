@@ -74,6 +74,10 @@ def read_weight_map(index_path: Path) -> dict[str, str]:
     weight_map = read_json(index_path).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index_path} has no 'weight_map'.")
+    for tensor, shard in weight_map.items():  # a shard is a file name beside the index, never a path elsewhere
+        if not isinstance(shard, str) or not shard or Path(shard).name != shard:
+            raise CheckpointError(f"{index_path} maps '{tensor}' to {shard!r}; a weight_map names shard files in the "
+                                  "index's own folder.")
     return weight_map
 
 

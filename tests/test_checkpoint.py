@@ -247,6 +247,34 @@ def test_index_naming_a_missing_shard(tmp_path, reference, tiny_config):
         load_dit(tmp_path)
 
 
+@pytest.mark.parametrize("shard", [5, None, "../outside.safetensors", "/elsewhere/model.safetensors", ""])
+def test_an_index_names_shards_beside_it_only(tmp_path, reference, tiny_config, shard):
+    """A number in a weight_map gave a TypeError; a path led outside the checkpoint's folder."""
+    folder = write_original_partition(tmp_path, reference.state_dict(), tiny_config)
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["blocks.0.mlp.fc1.weight"] = shard
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"maps 'blocks\.0\.mlp\.fc1\.weight' to .*; a weight_map names shard "
+                                              r"files in the index's own folder"):
+        load_dit(tmp_path)
+
+
+@pytest.mark.parametrize("field, value, wanted", [
+    ("num_layers", "abc", "an integer of at least 1"), ("num_layers", None, "an integer of at least 1"),
+    ("num_layers", 2.5, "an integer of at least 1"), ("ffn_hidden_size", "128", "ffn_dim must be an integer"),
+    ("rope_theta", -1, "a positive number"), ("patch_size", 2, "three positive integers"),
+])
+def test_a_config_of_wrong_types_is_refused_naming_its_file(tmp_path, reference, tiny_config, field, value, wanted):
+    """config.json said "abc" or null for a layer count: a TypeError deep in the model's constructor."""
+    folder = write_original_partition(tmp_path, reference.state_dict(), tiny_config)
+    config = json.loads((folder / "config.json").read_text())
+    config[field] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=rf"config\.json: The DiT config's .*{wanted}"):
+        load_dit(tmp_path)
+
+
 def test_folder_that_is_not_a_checkpoint(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(CheckpointError, match="not an H3 DiT checkpoint.*config.json"):

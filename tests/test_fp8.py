@@ -580,7 +580,15 @@ def test_memory_plan_counts_half_a_byte_per_int4_weight():
     assert block_weight_bytes(real, 2, "int4") < 0.6 * block_weight_bytes(real, 2, "fp8")
 
 
-def test_int8_rotation_groups_must_be_powers_of_four(tmp_path):
+@pytest.mark.parametrize("record, message", [
+    ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 8}, "groups of 8; ConvRot groups are powers of 4"),
+    # 0 was read as "not rotated": the weights came back unrelated
+    ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 0}, "groups of 0; ConvRot groups are powers of 4"),
+    ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": "16"}, "groups of '16'"),
+    ([1, 2], "comfy_quant' in bad.safetensors is not a JSON quantization record"),
+    (None, "comfy_quant' in bad.safetensors is not a JSON quantization record"),
+])
+def test_int8_rotation_groups_must_be_powers_of_four(tmp_path, record, message):
     model = tiny_random_dit()
     path = tmp_path / "bad.safetensors"
     write_convrot(path, model, ["blocks.0.mlp.fc1"], group=16)
@@ -588,11 +596,11 @@ def test_int8_rotation_groups_must_be_powers_of_four(tmp_path):
 
     with safe_open(path, "pt") as handle:
         tensors = {k: handle.get_tensor(k) for k in handle.keys()}
-    record = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 8}
-    tensors["model.diffusion_model.blocks.0.mlp.fc1.comfy_quant"] = torch.tensor(list(json.dumps(record).encode()),
-                                                                                  dtype=torch.uint8)
+    key = "model.diffusion_model.blocks.0.mlp.fc1.comfy_quant"
+    tensors[key] = (torch.tensor(list(json.dumps(record).encode()), dtype=torch.uint8) if record is not None
+                    else torch.tensor([0.5, 1.5]))  # a float tensor where the record's bytes belong
     save_file(tensors, str(path))
-    with pytest.raises(CheckpointError, match="groups of 8; ConvRot groups are powers of 4"):
+    with pytest.raises(CheckpointError, match=message):
         locate_dit(path)
 
 

@@ -19,7 +19,9 @@ from diffusers.modular_pipelines.minimax_h3.before_denoise import (
     MiniMaxH3SetTimestepsStep,
 )
 from lora_files import (
+    Spec,
     fused,
+    native_name,
     random_spec,
     write_diffusers,
     write_fastvideo,
@@ -553,6 +555,37 @@ def test_refused_files(tmp_path):
               str(tmp_path / "bad.safetensors"), metadata={"alpha": "eight"})
     with pytest.raises(LoRAError, match="must be a number"):
         load_lora(tmp_path / "bad.safetensors")
+
+
+@pytest.mark.parametrize("alpha", [0.0, float("nan"), float("inf"), -4.0])
+def test_an_alpha_that_is_no_positive_number_is_refused(tmp_path, alpha):
+    """Alpha 0 made an adapter a silent no-op and NaN / inf made NaN video; each alpha a file can carry is checked."""
+    spec = random_spec(TINY_DIT, modules=["transformer_blocks.0.attn.to_out.0"])
+    modules = {native_name(name): factors for name, factors in spec.factors.items()}
+    tensor = write_kohya(tmp_path / "kohya.safetensors", modules, {name: alpha for name in modules})
+    config = write_diffusers(tmp_path / "peft.safetensors", {"transformer": spec}, {"transformer": {"lora_alpha": alpha}})
+    pattern = write_diffusers(tmp_path / "pattern.safetensors", {"transformer": spec},
+                              {"transformer": {"lora_alpha": 4, "alpha_pattern": {"to_out.0": alpha}}})
+    for path, source in ((tensor, "per-module .alpha tensor"), (config, "lora_alpha"), (pattern, "alpha_pattern")):
+        with pytest.raises(LoRAError, match=f"The alpha of .* is {alpha:g} \\(.*{source}.*\\); an alpha is a positive number"):
+            load_lora(path)
+
+
+def test_malformed_adapter_fields_are_refused_by_name(tmp_path):
+    spec = random_spec(TINY_DIT, modules=["transformer_blocks.0.attn.to_out.0"])
+    (a, b), = spec.factors.values()
+    empty = Spec({"transformer_blocks.0.attn.to_out.0": (a[:0], b[:, :0])})
+    with pytest.raises(LoRAError, match=r"to_out\.0\.lora_A\.weight' has rank 0"):
+        load_lora(write_diffusers(tmp_path / "rank0.safetensors", {"transformer": empty}))
+    text = write_diffusers(tmp_path / "text.safetensors", {"transformer": spec}, {"transformer": {"lora_alpha": "x"}})
+    with pytest.raises(LoRAError, match=r"is 'x' \(diffusers adapter config lora_alpha x\)"):
+        load_lora(text)
+    listed = tmp_path / "listed.safetensors"
+    save_file({"transformer.transformer_blocks.0.attn.to_out.0.lora_A.weight": a,
+               "transformer.transformer_blocks.0.attn.to_out.0.lora_B.weight": b}, str(listed),
+              metadata={"lora_adapter_metadata": "[1, 2]"})
+    with pytest.raises(LoRAError, match="'lora_adapter_metadata' must be a JSON object"):
+        load_lora(listed)
 
 
 def test_report_lines_and_alpha_override(tmp_path):
