@@ -82,6 +82,9 @@ def decode_video(vae: VideoVAE, latents: torch.Tensor, devices: Sequence[str | t
     raw = vae.denormalize_latents(latents.to(device))
     with torch.inference_mode():
         for block in vae.decode_stream(raw, tiled, devices=devices):
+            if not torch.isfinite(block).all():  # as uint8 it would be a black clip, written without a word
+                raise ValueError("The video VAE decoded NaN or infinite values from finite latents: its weights hold "
+                                 "NaN or infinite values (a damaged file), or they overflowed in this dtype.")
             frames = model_space_to_frames(block)[0].mul_(255.0).round_()  # [3, n, H, W] in 0..255, in place
             yield frames.to(torch.uint8).permute(1, 2, 3, 0).cpu()
 

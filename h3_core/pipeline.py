@@ -52,6 +52,10 @@ from .vae_video_checkpoint import load_video_vae, locate_video_vae
 from .weights import CheckpointError, check_safetensors_file
 
 
+class SamplingError(ValueError):
+    """A denoising run gave what no decode or file should take (NaN or infinite latents)."""
+
+
 def sample(
     dit,
     conditioning,
@@ -126,6 +130,9 @@ def sample(
         )
     target_video = video_rows[:, layout.num_condition_video_rows :].float().cpu()
     target_audio = audio_rows[:, layout.num_condition_audio_rows :].float().cpu()
+    if not (torch.isfinite(target_video).all() and torch.isfinite(target_audio).all()):
+        raise SamplingError("Sampling gave NaN or infinite latents: the DiT's or an adapter's weights hold NaN or "
+                            "infinite values (a damaged file), or they overflowed in this dtype; nothing is saved.")
     if keep == "video":
         return AVLatents(kept.float().cpu().contiguous(), unpack_audio(target_audio)[0].contiguous())
     video = (unpatchify(target_video, layout.latent_frames, layout.latent_height, layout.latent_width)

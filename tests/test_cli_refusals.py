@@ -255,3 +255,22 @@ def test_an_adapter_for_another_model_size_is_refused_before_any_model_loads(tmp
     assert main(argv) == 2
     error = capsys.readouterr().err
     assert re.search(r"h3: error: .*lora_B\.weight' of wider\.safetensors has 192 output rows", error), error
+
+
+def test_nan_weights_stop_the_run_before_anything_is_saved(tmp_path, monkeypatch, capsys):
+    """A damaged DiT (NaN weights) wrote NaN latents and exited 0 with --save-latents."""
+    real = pipeline.tiny_random_dit
+
+    def poisoned(*args, **kwargs):
+        dit = real(*args, **kwargs)
+        with torch.no_grad():
+            dit.blocks[0].mlp.fc2.weight[0, 0] = float("nan")
+        return dit
+
+    monkeypatch.setattr(pipeline, "tiny_random_dit", poisoned)
+    argv = ["generate", "--prompt", "a fox", "--duration", "4", "--steps", "2", "--device", "cpu",
+            "--save-latents", str(tmp_path / "fox.safetensors"), "--out", str(tmp_path / "fox.mp4")]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert "h3: error: Sampling gave NaN or infinite latents" in error and "Traceback" not in error
+    assert list(tmp_path.iterdir()) == []

@@ -112,6 +112,15 @@ def test_non_finite_latents_are_refused(tmp_path, vaes):
         write_mp4(tmp_path / "x.mp4", latents, *vaes)
 
 
+def test_a_video_vae_with_nan_weights_is_an_error_not_a_black_clip(tmp_path):
+    video_vae = tiny_random_video_vae()
+    with torch.no_grad():
+        video_vae.post_quant_conv.weight[0].fill_(float("nan"))
+    with pytest.raises(ValueError, match="The video VAE decoded NaN or infinite values from finite latents"):
+        write_mp4(tmp_path / "x.mp4", random_latents(124), video_vae, tiny_random_audio_vae())
+    assert not (tmp_path / "x.mp4").exists()
+
+
 def _probe(seconds: int, tmp_path) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PROBE.parents[1]), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
