@@ -142,6 +142,20 @@ def test_checkpoint_dtypes_are_kept(tmp_path, reference, tiny_config):
     assert model.dtype == torch.bfloat16
 
 
+def test_a_file_cast_whole_to_bf16_keeps_its_rope_table_check(tmp_path, reference, tiny_config):
+    """A DiT cast with `.to(bf16)` holds rope.inv_freq in bf16 too: it was refused as "does not match rope_theta".
+    It agrees within bf16's rounding; a table of another theta is still refused."""
+    tensors = original_state_dict(reference.state_dict(), tiny_config, qkv_layout="stacked")
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(tmp_path / "dit.safetensors"))
+    model = load_dit(tmp_path / "dit.safetensors")
+    assert model.rope_inv_freq.dtype == torch.float32 and torch.equal(model.rope_inv_freq, load_dit(
+        write_comfy_single_file(tmp_path / "fp32.safetensors", reference.state_dict(), tiny_config)).rope_inv_freq)
+    other = dict(tensors, **{"rope.inv_freq": tensors["rope.inv_freq"] ** 1.1})
+    save_file({k: v.to(torch.bfloat16) for k, v in other.items()}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(CheckpointError, match="does not match rope_theta"):
+        load_dit(tmp_path / "other.safetensors")
+
+
 def test_loading_streams_one_tensor_at_a_time(tmp_path, reference, monkeypatch):
     """Tensors are read and assigned one by one (diffusers q/k/v wait for their siblings): never a second copy.
     (The check of the headers before, on meta tensors, is not counted.)"""
