@@ -313,7 +313,8 @@ def _resolve(model: nn.Module, lora: LoRA, term: Term, strength: float, weights:
         rows = slice(0, rows_total)
     if term.kind == "lowrank":
         if down.shape[1] != shape[1]:
-            curve = ".adaln_proj." in f".{term.target}." and shape[1] < down.shape[1]
+            curve = (getattr(getattr(model, "config", None), "curve_form", False)
+                     and ".adaln_proj." in f".{term.target}." and shape[1] < down.shape[1])
             raise LoRAError(f"{what} has input width {down.shape[1]}; '{term.target}' takes {shape[1]}." + (
                 " This model is a pruned (curve-form) checkpoint, whose AdaLN projections read a few curve columns "
                 "instead of the time embedding the adapter was trained on: use it with the full checkpoint."

@@ -47,8 +47,8 @@ from .text import load_text_encoder, locate_text_encoder_files, spread_counts, t
 from .text_checkpoint import GGUF_NO_VISION, TEXT_ENCODER_LAYER
 from .tiny import TINY_RANDOM, tiny_model_dtype, tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
 from .tiny_text import tiny_random_text_encoder
-from .vae_audio_checkpoint import load_audio_vae, locate_audio_vae
-from .vae_video_checkpoint import load_video_vae, locate_video_vae
+from .vae_audio_checkpoint import check_audio_vae, load_audio_vae, locate_audio_vae
+from .vae_video_checkpoint import check_video_vae, load_video_vae, locate_video_vae
 from .weights import CheckpointError, check_safetensors_file
 
 
@@ -454,7 +454,10 @@ def generate_batch(
     check_linear_mode(settings.linears, device)
     loras = [(load_lora(path, unknown=settings.lora_unknown_keys), float(strength)) for path, strength in settings.loras]
     dit_source = None if source.tiny else with_config(locate_dit(source.root, partition))
-    check_loras(TINY_DIT if source.tiny else dit_source.config, loras, partition)  # before any weight is read
+    # the DiT's headers checked against the model (names, shapes, formats) before any model loads
+    reader = None if source.tiny else DiTReader(dit_source, partition, settings.dtype, dit_source.config,
+                                                read_mode(settings.linears, bool(loras)), device)
+    check_loras(TINY_DIT if source.tiny else reader.model, loras, partition)  # an adapter's shapes, the same way
     if len(settings.devices) > 1:
         from .parallel.workers import check_degree
 
@@ -485,9 +488,9 @@ def generate_batch(
                 source.files, tokenizer=text_files.tokenizer_folder))
             notes(f"tokenizer: the release's, from the Hugging Face cache ({text_files.tokenizer_folder})")
         with _part_of(source, "video_vae"):
-            locate_video_vae(source.video_vae)
+            check_video_vae(source.video_vae)  # headers against the model, as the DiT's above
         with _part_of(source, "audio_vae"):
-            locate_audio_vae(source.audio_vae)
+            check_audio_vae(source.audio_vae)
 
     clock = time.perf_counter()
     progress("text encoder", 0, 1)
@@ -519,7 +522,8 @@ def generate_batch(
     clock = time.perf_counter()
     largest = max((conditionings[n] for n in running), key=lambda c: largest_layout(c).sequence_length)
     dit, plan, streamer = load_sampling_dit(source, dit_source, partition, settings, loras, largest,
-                                            schedule.steps, notes, lambda done, total: progress("read DiT", done, total))
+                                            schedule.steps, notes, lambda done, total: progress("read DiT", done, total),
+                                            reader)
     timings["load"] = time.perf_counter() - clock
 
     results = []
@@ -831,10 +835,11 @@ def _note_lines(notes, report) -> None:
 
 
 def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSettings, loras, conditioning, steps: int,
-                      notes, on_tensor=None):
+                      notes, on_tensor=None, reader: DiTReader | None = None):
     """The DiT where the request's memory plan puts it: resident, or its leading blocks resident and the
     rest streamed from the CPU (a request that cannot fit even so is refused before any weight is read);
-    or split over `settings.devices` in worker processes. Returns (dit, plan, streamer or None)."""
+    or split over `settings.devices` in worker processes. Returns (dit, plan, streamer or None). `reader`:
+    the DiT's, built (its headers checked) by a caller that checked them before anything loaded."""
     device = torch.device(settings.device)
     if len(settings.devices) > 1:  # one worker process per device holds the DiT; encode and decode stay here
         from .parallel import ModelSpec, ParallelRunner
@@ -855,7 +860,8 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
     config = TINY_DIT if source.tiny else with_config(dit_source).config
     read_linears = read_mode(settings.linears, bool(loras))
     quantize_later = source.tiny or read_linears != settings.linears
-    reader = None if source.tiny else DiTReader(dit_source, partition, settings.dtype, config, read_linears, device)
+    if reader is None and not source.tiny:
+        reader = DiTReader(dit_source, partition, settings.dtype, config, read_linears, device)
     plan = plan_for(config, largest_layout(conditioning), steps, device, settings.gpu_memory,
                     held=held_linears(dit_source, settings.linears),
                     adaln_bytes=None if reader is None else reader.adaln_nbytes)

@@ -39,6 +39,7 @@ from .weights import (
     assign_strictly,
     check_safetensors_file,
     open_safetensors,
+    read_headers,
     read_json,
     shard_files,
     tensor_names,
@@ -291,8 +292,13 @@ def convert_state_dict(state_dict: dict, naming: str, config: VideoVAEConfig) ->
     return {name: tensor for name, tensor, _ in to_native(items, naming, config)}
 
 
-def _read_under_prefix(files: Iterable[Path], prefix: str) -> Iterator[Item]:
-    """(key without prefix, tensor, file), reading only the tensors under `prefix` (a bundle holds others)."""
+def _read_under_prefix(files: Iterable[Path], prefix: str, data: bool = True) -> Iterator[Item]:
+    """(key without prefix, tensor, file), reading only the tensors under `prefix` (a bundle holds others);
+    `data=False`: meta tensors from the headers."""
+    if not data:
+        yield from ((key[len(prefix):], tensor, path) for key, tensor, path in read_headers(files)
+                    if key.startswith(prefix))
+        return
     for path in files:
         with open_safetensors(path) as handle:
             for key in handle.keys():
@@ -319,6 +325,12 @@ def _single_file_stats(source: VideoVAESource, config: VideoVAEConfig) -> VideoV
     return config.replace(**{name: tuple(tensor.tolist()) for name, tensor in stats.items()})
 
 
+def check_video_vae(path: str | Path) -> None:
+    """Every check `load_video_vae` makes (names, shapes, nothing missing) on the files' headers alone: a host
+    refuses a broken file before it loads anything else."""
+    load_video_vae(path, device="meta")
+
+
 def load_video_vae(
     path: str | Path,
     dtype: torch.dtype | None = None,
@@ -329,6 +341,7 @@ def load_video_vae(
 
     `dtype=None` keeps each tensor's checkpoint dtype; else `FP32_MODULES` are float32 and the rest
     `dtype`. `config` overrides the checkpoint's (single files have none: the release's is the default).
+    `device="meta"` reads the headers only (`check_video_vae`).
     """
     source = locate_video_vae(path)
     config = config or source.config or VideoVAEConfig()
@@ -344,6 +357,7 @@ def load_video_vae(
             return None
         return torch.float32 if keeps_fp32(name) else dtype
 
-    items = to_native(_read_under_prefix(source.files, source.prefix), source.naming, config, drop)
+    items = to_native(_read_under_prefix(source.files, source.prefix, data=torch.device(device).type != "meta"),
+                      source.naming, config, drop)
     assign_strictly(model, items, source.where, policy, device)
     return model.eval().requires_grad_(False)

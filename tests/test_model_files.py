@@ -160,6 +160,42 @@ def test_an_incomplete_set_is_refused_before_loading(model_sets, tmp_path, monke
         resolve_model_source(str(model_sets["dit"]), "fl2va")
 
 
+def _without(source, target, key_part):
+    """A copy of a safetensors file (or of a folder) without its first tensor whose name holds `key_part`."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    if source.is_dir():
+        shutil.copytree(source, target)
+        source = target = next(path for path in sorted(target.rglob("*.safetensors"))
+                               if any(key_part in key for key in load_file(str(path))))
+    tensors = load_file(str(source))
+    del tensors[next(key for key in tensors if key_part in key)]
+    save_file(tensors, str(target))
+
+
+@pytest.mark.parametrize("part, key_part", [("dit", "blocks.1.mlp.fc2"), ("video_vae", "decoder."), ("audio_vae", "dec_")])
+def test_a_damaged_model_file_is_refused_before_any_model_loads(model_sets, tmp_path, monkeypatch, capsys, part,
+                                                                key_part):
+    """A DiT or VAE missing a tensor was refused only once it was read: after the text encoder (51 GB with the
+    real model) had been read and run. Their headers are checked against the models first now."""
+    for name in ("load_text_encoder_for", "load_vaes", "load_sampling_dit"):
+        monkeypatch.setattr(pipeline, name, lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(text_checkpoint, "QWEN3VL_32B_CONFIG", model_sets["text_config"])
+    damaged = tmp_path / model_sets[part].name
+    _without(model_sets[part], damaged, key_part)
+    paths = {"model": model_sets["dit"], **{name: model_sets[name] for name in
+                                            ("text_encoder", "tokenizer", "video_vae", "audio_vae")}}
+    paths["model" if part == "dit" else part] = damaged
+    argv = ["generate", *REQUEST, "--out", str(tmp_path / "x.mp4")]
+    for name, path in paths.items():
+        argv += ["--" + name.replace("_", "-"), str(path)]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert re.search(r"h3: error: .*is missing 1 tensor", error), error
+
+
 def test_info_names_every_model_a_path_holds(model_sets, capsys):
     """`h3 info`: a release root holds all four; each separate file is the one model it is."""
     import json
