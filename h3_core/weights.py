@@ -150,6 +150,7 @@ def assign_strictly(
     tensors are errors. `dtype_for(name)` may cast a tensor (None keeps the checkpoint's dtype).
     `on_tensor(done, total)` after each tensor: a host's progress bar (it may raise to stop)."""
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    floating = {name for name, t in model.state_dict().items() if t.is_floating_point()}
     seen: set[str] = set()
     for name, tensor, where in items:
         if name not in expected:
@@ -161,6 +162,9 @@ def assign_strictly(
                 f"Tensor '{name}' in {where} has shape {list(tensor.shape)}, expected {list(expected[name])} "
                 "for this config."
             )
+        if name in floating and not tensor.is_floating_point():  # a cast would turn it into weights silently
+            raise CheckpointError(f"Tensor '{name}' in {where} is stored as {str(tensor.dtype).removeprefix('torch.')}; "
+                                  "this model's weight there is floating point (a damaged or foreign file).")
         dtype = dtype_for(name)
         _assign(model, name, tensor.to(device=device, dtype=dtype) if dtype is not None else tensor.to(device))
         seen.add(name)

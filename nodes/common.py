@@ -53,6 +53,22 @@ def progress_and_interrupt(total: int = 1):
     return report
 
 
+def decode_progress(frames: int):
+    """(on_sound, on_frames) for a decode: one progress bar over the soundtrack's windows, then the frames (two
+    bars in a row took ComfyUI's from 100% back to 1% inside one node)."""
+    report = progress_and_interrupt(frames)
+    windows = [0]
+
+    def on_sound(done: int, total: int) -> None:
+        windows[0] = total
+        report(done, total + frames)
+
+    def on_frames(done: int, total: int) -> None:
+        report(windows[0] + done, windows[0] + total)
+
+    return on_sound, on_frames
+
+
 def model_choices(kind: str, also: tuple[str, ...] = (), unless: str | None = None) -> list[str]:
     """'tiny-random' first, then the files ComfyUI lists for `kind` (diffusion_models, text_encoders, ...) and
     those of its folders ending in `also` (ComfyUI lists its own weight suffixes only: GGUF files are not), but
@@ -181,6 +197,22 @@ def device_list(text: str, purpose: str) -> list[torch.device]:
 
 
 SAVE_HIDDEN = [io.Hidden.prompt, io.Hidden.extra_pnginfo]  # what a saving node embeds in its file
+MAX_PREFIX_NAME_BYTES = 200  # a file name is at most 255 bytes, and the counter adds "_00001_.mp4"
+
+
+def prefix_problem(prefix) -> str | None:
+    """What is wrong with a save node's filename_prefix (None: nothing, or it is linked, so not known yet): at
+    queue time, not after the sampling and decoding above the node (an over-long name failed only then)."""
+    if not isinstance(prefix, str):
+        return None
+    name = prefix.replace("\\", "/").rsplit("/", 1)[-1]
+    if not name.strip():
+        return (f"filename_prefix {prefix!r} names no file (it is empty or ends in a folder); give a name after "
+                "any folder, e.g. H3/clip.")
+    if len(name.encode()) > MAX_PREFIX_NAME_BYTES:
+        return (f"filename_prefix's file name is {len(name.encode())} bytes long; at most {MAX_PREFIX_NAME_BYTES} "
+                "(the counter and .mp4 follow it, and a file name holds 255).")
+    return None
 
 
 def saved_file_metadata(hidden, num_frames: int) -> dict[str, str]:

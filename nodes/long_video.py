@@ -40,8 +40,8 @@ from h3_core.placement import freed_on_failure
 
 from .common import (
     CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, canvas_inputs, check_interrupt, decode_inputs,
-    decode_options, device, preview_settings, progress_and_interrupt, progress_bar, saved_file_metadata, shift_inputs,
-    step_preview,
+    decode_options, decode_progress, device, prefix_problem, preview_settings, progress_bar, saved_file_metadata,
+    shift_inputs, step_preview,
 )
 from .conditioning import guide_media, guide_media_inputs, linked_media, reference_images_input, reference_input
 from .convert import (audio_to_decoded, build_request, media_problem, ordered_references, pack_latents,
@@ -266,6 +266,11 @@ class H3SaveMP4(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, filename_prefix=None) -> bool | str:
+        """A usable file name, known at queue time (before the long run above this node)."""
+        return prefix_problem(filename_prefix) or True
+
+    @classmethod
     def execute(cls, vae, latent, filename_prefix, tiling="release", devices="") -> io.NodeOutput:
         refuse_empty_latent(latent)
         tiled, decode_devices = decode_options(tiling, devices)
@@ -275,11 +280,11 @@ class H3SaveMP4(io.ComfyNode):
             filename_prefix, folder_paths.get_output_directory(), width, height)
         file = f"{filename}_{counter:05}_.mp4"
         path = os.path.join(folder, file)
-        report = progress_and_interrupt(latents.num_frames)  # the soundtrack's windows, then the frames
+        on_sound, on_frames = decode_progress(latents.num_frames)
         place([vae.patcher], decode_working_bytes(vae, latents.video, tiled))
         with freed_on_failure(vae.device):
-            write_mp4(path, latents, vae.video, vae.audio, on_frames=report, devices=decode_devices, tiled=tiled,
-                      metadata=saved_file_metadata(cls.hidden, latents.num_frames), on_sound=report)
+            write_mp4(path, latents, vae.video, vae.audio, on_frames=on_frames, devices=decode_devices, tiled=tiled,
+                      metadata=saved_file_metadata(cls.hidden, latents.num_frames), on_sound=on_sound)
         preview = ui.PreviewVideo([ui.SavedResult(file, subfolder, io.FolderType.output)])
         return io.NodeOutput(InputImpl.VideoFromFile(path), ui=preview)
 

@@ -14,8 +14,8 @@ from h3_core.output import decode_audio, decode_video
 from h3_core.placement import freed_on_failure
 
 from .common import (
-    CATEGORY, SAVE_HIDDEN, H3VAE, H3Latent, decode_inputs, decode_options, progress_and_interrupt,
-    saved_file_metadata, wrong_link,
+    CATEGORY, SAVE_HIDDEN, H3VAE, H3Latent, decode_inputs, decode_options, decode_progress,
+    prefix_problem, saved_file_metadata, wrong_link,
 )
 from .convert import (
     audio_to_stereo_32k,
@@ -58,15 +58,15 @@ class H3VAEDecode(io.ComfyNode):
         tiled, decode_devices = decode_options(tiling, devices)
         latents = unpack_latents(latent)
         total = latents.num_frames
-        report = progress_and_interrupt(total)  # the soundtrack's windows, then the frames
+        on_sound, on_frames = decode_progress(total)
         place([vae.patcher], decode_working_bytes(vae, latents.video, tiled))
         with freed_on_failure(vae.device):
-            audio = waveform_to_audio(list(decode_audio(vae.audio, latents.audio, report)), total)
+            audio = waveform_to_audio(list(decode_audio(vae.audio, latents.audio, on_sound)), total)
             blocks, done = [], 0
             for block in decode_video(vae.video, latents.video, decode_devices, tiled):
                 blocks.append(block)
                 done += block.shape[0]
-                report(done, total)
+                on_frames(done, total)
         return io.NodeOutput(frames_to_image(blocks), audio)
 
 
@@ -97,11 +97,13 @@ class H3AVSave(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, input_types=None) -> bool | str:
-        """Images or a video, one of them: known at queue time, so a wrong wiring is refused before the sampling
-        and decoding above it run (asking for input_types, it checks the links' types itself)."""
+    def validate_inputs(cls, input_types=None, filename_prefix=None) -> bool | str:
+        """Images or a video, one of them, and a usable file name: known at queue time, so a wrong wiring is
+        refused before the sampling and decoding above it run (asking for input_types, it checks the links'
+        types itself)."""
         types = input_types if isinstance(input_types, dict) else {}
-        return wrong_link(cls, types) or _source_problem("images" in types, "video" in types) or True
+        return (wrong_link(cls, types) or _source_problem("images" in types, "video" in types)
+                or prefix_problem(filename_prefix) or True)
 
     @classmethod
     def execute(cls, images=None, filename_prefix="H3/h3", audio=None, video=None) -> io.NodeOutput:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import h3_core.checkpoint as checkpoint
 import h3_core.weights as weights
-from h3_core.checkpoint import CheckpointError, convert_state_dict, load_dit, locate_dit
+from h3_core.checkpoint import CheckpointError, DiTReader, convert_state_dict, load_dit, locate_dit
 
 
 @pytest.fixture(scope="module")
@@ -245,6 +245,20 @@ def test_misshaped_tensor_is_named_with_shapes(tmp_path, reference, tiny_config)
     save_file(tensors, str(path))
     with pytest.raises(CheckpointError, match=r"blocks\.1\.mlp\.fc2\.weight.*\[64, 100\].*\[64, 128\]"):
         load_dit(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint8, torch.bool])
+def test_a_weight_stored_as_integers_is_refused_from_the_headers(tmp_path, reference, tiny_config, dtype):
+    """A DiT tensor of int32, uint8 or bool was cast to the model dtype (a bool norm weight became 1.0)."""
+    folder = write_original_partition(tmp_path, reference.state_dict(), tiny_config)
+    shard = shard_holding(folder, "blocks.1.norm2.weight")
+    tensors = load_file(str(shard))
+    tensors["blocks.1.norm2.weight"] = tensors["blocks.1.norm2.weight"].to(dtype)
+    save_file(tensors, str(shard))
+    with pytest.raises(CheckpointError, match=rf"'blocks\.1\.norm2\.weight' in .* is stored as "
+                                              rf"{str(dtype).removeprefix('torch.')}; this model's weight there is "
+                                              "floating point"):
+        DiTReader(tmp_path)
 
 
 def test_missing_diffusers_qkv_part(tmp_path, reference):

@@ -358,6 +358,21 @@ def test_a_weight_file_saved_over_under_its_name_loads_again(comfy):
     assert str(shard) in vaes(video_vae="tiny-random", audio_vae="tiny-random", folder=str(folder))
 
 
+def test_a_decode_moves_one_progress_bar_over_sound_then_frames(comfy):
+    """The soundtrack's windows and then the frames share one bar: two took ComfyUI's from 100% back to 1%."""
+    c = comfy
+    model, text, vae = _models(c)
+    out = c.sampler.H3Sampler.execute(model, _cond(c, text, vae).values[0], 1, 3, 0.0, 0.0).values[0][0]
+    for decode in (lambda: c.output.H3VAEDecode.execute(vae, out),
+                   lambda: importlib.import_module("nodes.long_video").H3SaveMP4.execute(vae, out, "H3/bar")):
+        start = len(c.record.progress)
+        decode()
+        bar = [(value, total) for value, total, _ in c.record.progress[start:]]
+        totals = {total for _, total in bar}
+        assert len(totals) == 1 and totals.pop() > 107, bar  # the windows and the 107 frames
+        assert [value for value, _ in bar] == sorted({value for value, _ in bar}) and bar[-1][0] == bar[-1][1]
+
+
 def test_memory_wrapper_moves_and_reports(comfy, caplog):
     c = comfy
     module = torch.nn.Linear(4, 4)
@@ -929,3 +944,17 @@ def test_av_save_wiring_is_checked_at_queue_time(comfy):
     assert check(input_types={"images": "*"}) is True
     assert check(input_types={"images": "COMFY_MATCHTYPE_V3"}) is True  # a core switch node's output
     assert check(input_types={"images": "IMAGE,MASK"}) is True  # a union that overlaps, as ComfyUI takes it
+
+
+@pytest.mark.parametrize("prefix, problem", [
+    ("H3/clip", None), ("H3/%date:yyyy%/clip", None), (None, None), ("x" * 200, None),
+    ("", "names no file"), ("H3/", "names no file"), ("H3\\", "names no file"), ("  ", "names no file"),
+    ("H3/" + "x" * 201, "file name is 201 bytes long; at most 200"), ("é" * 101, "202 bytes long"),
+])
+def test_a_save_prefix_is_checked_at_queue_time(comfy, prefix, problem):
+    """An over-long name failed with an OSError only after sampling and decoding; an empty one wrote a hidden
+    '._00001_.mp4'. None: a linked prefix, not known at queue time."""
+    av_save = comfy.output.H3AVSave.validate_inputs(input_types={"images": "IMAGE"}, filename_prefix=prefix)
+    streamed = importlib.import_module("nodes.long_video").H3SaveMP4.validate_inputs(filename_prefix=prefix)
+    for result in (av_save, streamed):
+        assert result is True if problem is None else problem in result

@@ -1,0 +1,20 @@
+// The frontend expands %date:yyyy-MM-dd% and %Node.widget% in a save node's filename_prefix when the prompt is
+// queued, but only for the core save nodes it lists; the H3 save nodes get the same expansion here.
+import { app } from "../../scripts/app.js";
+import { applyTextReplacements } from "../../scripts/utils.js";
+
+export const SAVE_NODES = new Set(["H3AVSave", "H3SaveMP4"]);
+
+app.registerExtension({
+  name: "comfyui-h3.save-prefix",
+  async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (!SAVE_NODES.has(nodeData.name)) return;
+    const created = nodeType.prototype.onNodeCreated;
+    nodeType.prototype.onNodeCreated = function () {
+      const result = created?.apply(this, arguments);
+      const prefix = this.widgets?.find((w) => w.name === "filename_prefix");
+      if (prefix) prefix.serializeValue = () => applyTextReplacements(app, prefix.value);
+      return result;
+    };
+  },
+});
