@@ -78,7 +78,8 @@ class DiTConfig:
             elif field.type == "bool":
                 ok, wanted = isinstance(value, bool), "true or false"
             elif field.type == "float":
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+                ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                      and value > 0)
                 wanted = "a positive number"
             else:
                 least = 0 if field.name in ("num_refiner_layers", "adaln_curve_grid") else 1

@@ -30,7 +30,7 @@ def check_track(source, what: str = "drive audio") -> None:
         try:
             if media_read.probe(path).audio is None:
                 raise MediaInputError(f"{what}: {path.name} has no audio stream.")
-            media_read.read_audio(path, max_seconds=1.0)  # an empty or undecodable track fails here, not after the models load
+            media_read.read_audio(path, max_seconds=1.0)  # empty or undecodable: refused now, not after models load
         except MediaError as error:
             raise MediaInputError(f"{what}: {error}") from error
         return

@@ -469,7 +469,8 @@ def _checked_alpha(module: _Module, rank: int, ctx: _AlphaContext) -> tuple[floa
     try:
         value = float(value)
     except (TypeError, ValueError):
-        raise LoRAError(f"The alpha of '{module.source}' is {value!r} ({source}); an alpha is a positive number.") from None
+        raise LoRAError(f"The alpha of '{module.source}' is {value!r} ({source}); an alpha is a positive "
+                        "number.") from None
     if not (math.isfinite(value) and value > 0):
         raise LoRAError(f"The alpha of '{module.source}' is {value:g} ({source}); an alpha is a positive number.")
     return value, source

@@ -339,4 +339,6 @@ def load_audio_vae(
     skip = STATISTICS if source.config is None else ()  # a single file's statistics went into its config
     origin = f"{source.file} ({source.origin})"
     assign_strictly(model, model_tensors(items(), model, skip), origin, lambda name: dtype, device)
-    return model if headers_only else model.to(device).eval().requires_grad_(False)  # `to` moves the filters, which were never on meta
+    if headers_only:
+        return model
+    return model.to(device).eval().requires_grad_(False)  # `to` moves the filters, which were never on meta

@@ -163,8 +163,9 @@ def assign_strictly(
                 "for this config."
             )
         if name in floating and not tensor.is_floating_point():  # a cast would turn it into weights silently
-            raise CheckpointError(f"Tensor '{name}' in {where} is stored as {str(tensor.dtype).removeprefix('torch.')}; "
-                                  "this model's weight there is floating point (a damaged or foreign file).")
+            stored = str(tensor.dtype).removeprefix("torch.")
+            raise CheckpointError(f"Tensor '{name}' in {where} is stored as {stored}; this model's weight there is "
+                                  "floating point (a damaged or foreign file).")
         dtype = dtype_for(name)
         _assign(model, name, tensor.to(device=device, dtype=dtype) if dtype is not None else tensor.to(device))
         seen.add(name)

@@ -494,8 +494,9 @@ def test_keys_that_map_to_nothing(tmp_path):
     save_file(wide, str(tmp_path / "wide.safetensors"))
     with pytest.raises(LoRAError, match="input width 80"):
         apply_loras(model, [load_lora(tmp_path / "wide.safetensors")], partition="fl2va")
+    rows = model.blocks[0].adaln_proj.linear.out_features
     adaln = {"transformer_blocks.0.adaln_proj.linear.lora_A.weight": torch.zeros(2, 4096),
-             "transformer_blocks.0.adaln_proj.linear.lora_B.weight": torch.zeros(model.blocks[0].adaln_proj.linear.out_features, 2)}
+             "transformer_blocks.0.adaln_proj.linear.lora_B.weight": torch.zeros(rows, 2)}
     save_file(adaln, str(tmp_path / "adaln.safetensors"))
     with pytest.raises(LoRAError, match=r"input width 4096; 'blocks\.0\.adaln_proj\.linear' takes \d+\.$"):
         apply_loras(model, [load_lora(tmp_path / "adaln.safetensors")], partition="fl2va")  # no "pruned" on a full model
