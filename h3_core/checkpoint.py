@@ -244,7 +244,8 @@ def infer_config(source: DiTSource) -> DiTConfig:
 
     def shape(name):
         if name not in shapes:
-            raise CheckpointError(f"{source.files[0].name} has no tensor '{name}'; cannot tell the model size.")
+            raise CheckpointError(f"{source.files[0].name} has no tensor '{name}', which every H3 DiT has: it is "
+                                  "not an H3 DiT file, or one cut short (the model size cannot be told).")
         return shapes[name]
 
     head_dim = shape("blocks.0.attn.q_norm.weight")[0]

@@ -463,6 +463,9 @@ def apply_loras(
         for term in terms:
             resolved = _resolve(model, lora, term, float(strength))
             by_module.setdefault((term.target, term.param), []).append(resolved)
+    paths = [lora.path for lora, _ in pairs]
+    for path in dict.fromkeys(p for p in paths if paths.count(p) > 1):
+        report.warnings.append(f"{Path(path).name} is applied {paths.count(path)} times: its deltas add up")
     if len(report.contracts) > 1 and report.contract is None:
         report.warnings.append("the applied adapters were distilled for different schedules: "
                                + "; ".join(c.describe() for c in report.contracts))

@@ -265,6 +265,8 @@ def resolve_model_source(model: str | None, partition: str, files: ModelFiles = 
     given (but the tokenizer: the release's is fetched when none is); with no `model` at all, every one."""
     given = files.given()
     model = None if model is None else str(model)  # a Path is welcome; the source's name is a str
+    if model is not None and not model.strip():  # Path("") is the current folder
+        raise CheckpointError(f"--model is empty; give a model path, a Hub repo id or {TINY_RANDOM}.")
     if model == TINY_RANDOM:
         if given:
             raise CheckpointError(f"{', '.join(FILE_OPTIONS[n] for n in given)}: {TINY_RANDOM} makes its own text "

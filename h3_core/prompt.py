@@ -591,7 +591,12 @@ def load_tokenizer(folder: str | Path):
             f"{folder} holds no tokenizer (expected {' or '.join(TOKENIZER_FILES)}); point at the release's "
             "tokenizer/ folder."
         )
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    except (ValueError, OSError) as error:  # a damaged tokenizer.json gave JSON's bare message, naming no file
+        from .weights import CheckpointError
+
+        raise CheckpointError(f"The tokenizer in {folder} cannot be read: {error}") from None
 
 
 PROMPT_LABEL = re.compile(r"<(Picture|Image|Video|Audio) (\d+)>")

@@ -64,6 +64,10 @@ def read_json(path: Path) -> dict:
         raw = json.loads(Path(path).read_text())
     except json.JSONDecodeError as error:
         raise CheckpointError(f"{path} is not valid JSON: {error}.") from None
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: the checkpoint folder holding it is incomplete.") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path} cannot be read ({getattr(error, 'strerror', None) or error}).") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path} must hold a JSON object.")
     return raw

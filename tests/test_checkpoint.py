@@ -326,6 +326,11 @@ def test_safetensors_without_dit_tensors(tmp_path):
     save_file({"encoder.conv_in.weight": torch.zeros(2, 2)}, str(tmp_path / "vae.safetensors"))
     with pytest.raises(CheckpointError, match="no H3 DiT tensors"):
         load_dit(tmp_path / "vae.safetensors")
+    # a LoRA's names, say, look like a DiT's but lack its tensors
+    save_file({"blocks.0.attn.qkv_proj.lora_A.weight": torch.zeros(2, 2)}, str(tmp_path / "lora.safetensors"))
+    with pytest.raises(CheckpointError, match=r"lora\.safetensors has no tensor 'blocks\.0\.attn\.q_norm\.weight', which "
+                                              "every H3 DiT has: it is not an H3 DiT file"):
+        load_dit(tmp_path / "lora.safetensors")
 
 
 def test_unknown_partition():
@@ -390,3 +395,14 @@ def test_a_failed_read_leaves_the_model_dropped_and_a_missing_file_is_named(tmp_
     path.unlink()
     with pytest.raises(CheckpointError, match=r"dit\.safetensors is gone"):
         reader.read("cpu")
+
+
+def test_a_missing_or_unreadable_config_is_named(tmp_path):
+    """A folder whose config.json went missing gave a bare '[Errno 2] No such file or directory'."""
+    from h3_core.weights import read_json
+
+    with pytest.raises(CheckpointError, match=r"config\.json is missing: the checkpoint folder holding it is incomplete"):
+        read_json(tmp_path / "config.json")
+    (tmp_path / "bytes.json").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(CheckpointError, match=r"bytes\.json (cannot be read|is not valid JSON)"):
+        read_json(tmp_path / "bytes.json")

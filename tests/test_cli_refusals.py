@@ -50,6 +50,7 @@ def files(tmp_path):
     (["--out", "{tmp}/taken.mp4"], "taken.mp4 is a folder; give the output file's name"),
     (["--save-latents", "{tmp}/file.txt/l.safetensors"], "Cannot write .*l.safetensors"),
     (["--lora", "{tmp}/lora.safetensors:strong"], "the strength after ':' must be a number"),
+    (["--model", ""], "--model is empty; give a model path, a Hub repo id or tiny-random"),
     (["--model", "{tmp}/model.ckpt"], r"model.ckpt is a pickle checkpoint \(.ckpt\); H3 loads only .safetensors"),
     (["--model", "{tmp}/junk.safetensors", "--text-encoder", "{tmp}/junk.safetensors", "--video-vae",
       "{tmp}/junk.safetensors", "--audio-vae", "{tmp}/junk.safetensors"],

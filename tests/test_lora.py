@@ -263,6 +263,9 @@ def test_stacking_two_adapters(tmp_path):
     assert remove_loras(model) == 2
     expected = run_diffusers(diffusers_with_loras(TINY_DIT, 5, [(path_a, 0.8), (path_b, -0.5)]), inputs)
     assert dit_outputs_close(merged, expected)
+    assert not any("times" in line for line in report.warnings)
+    twice = apply_loras(model, [loras[0], loras[0], loras[1]], partition="fl2va", mode="dynamic")
+    assert "a.safetensors is applied 2 times: its deltas add up" in twice.warnings  # given twice by mistake, say
 
 
 def test_dynamic_lora_on_fp8_linears(tmp_path):

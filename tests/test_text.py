@@ -993,3 +993,14 @@ def test_a_single_file_without_a_tokenizer_gets_the_releases_from_the_hub(tiny, 
     assert fetched.present("t2va", "<d>[English] Hello there.</d> A fox on the beach.").input_ids.tolist() == \
         presentation.input_ids.tolist()
     assert torch.equal(fetched.encode(presentation).prompt_embeds, given.encode(presentation).prompt_embeds)
+
+
+def test_a_damaged_tokenizer_is_named(tmp_path):
+    """A tokenizer.json cut or edited by hand gave JSON's bare message ("Expecting property name ..."), no file."""
+    from h3_core.prompt import load_tokenizer
+    from h3_core.weights import CheckpointError
+
+    folder = tiny_qwen.write_tokenizer(tmp_path / "tokenizer")
+    (folder / "tokenizer.json").write_text("{oops")
+    with pytest.raises(CheckpointError, match=rf"The tokenizer in {re.escape(str(folder))} cannot be read: Expecting"):
+        load_tokenizer(folder)
