@@ -379,6 +379,9 @@ class DiTReader:
     def __init__(self, path: str | Path | DiTSource, partition: str = "fl2va", dtype: torch.dtype | None = None,
                  config: DiTConfig | None = None, linears: str = "checkpoint",
                  device: str | torch.device = "cpu"):
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"The DiT's dtype is a floating point torch dtype (bf16, fp16, fp32) or None (as stored); "
+                             f"got {dtype!r}.")
         self.source = path if isinstance(path, DiTSource) else locate_dit(path, partition)
         # a GGUF file's plain tensors are F32 / F16 / BF16 by size, not by what the model computes in
         self.dtype = dtype = torch.bfloat16 if dtype is None and self.source.is_gguf else dtype

@@ -333,6 +333,11 @@ def test_safetensors_without_dit_tensors(tmp_path):
         load_dit(tmp_path / "lora.safetensors")
 
 
+def test_a_dtype_that_is_no_float_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="floating point torch dtype .* got torch.int8"):
+        load_dit(tmp_path, dtype=torch.int8)
+
+
 def test_unknown_partition():
     with pytest.raises(ValueError, match="fl2va, ref2va"):
         locate_dit(".", partition="t2v")
