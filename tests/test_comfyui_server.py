@@ -408,6 +408,19 @@ def _wait_for_log(work: Path, text: str, seconds: float = 60) -> str:
     return _log(work)
 
 
+def _free_until(base: str, work: Path, text: str, body: dict | None = None, tries: int = 3) -> str:
+    """POST /free until `text` is logged. ComfyUI's queue loop reads its flags, may collect garbage, then waits:
+    a /free arriving between the two wakes nothing and waits for the next prompt (its main.py; seen in this
+    suite when the machine is busy), so an unanswered /free is posted again."""
+    for _ in range(tries):
+        status, _ = _post(f"{base}/free", body or {"unload_models": True})
+        assert status == 200
+        log = _wait_for_log(work, text, seconds=20)
+        if text in log:
+            break
+    return log
+
+
 def test_a_small_gpu_memory_budget_streams_blocks_and_free_unloads_them(server):
     """gpu_memory_gb below what the whole DiT needs: the engine plans 0 of 4 blocks resident, the rest
     streamed (the same path a 24 GB card takes with the real model), and /free removes the streaming."""
@@ -430,9 +443,7 @@ def test_a_small_gpu_memory_budget_streams_blocks_and_free_unloads_them(server):
     assert len(_mp4s(history)) == 1
     assert "blocks resident, rest streamed" in _log(work), _log(work)[-4000:]
     assert f"{FOUR_BLOCKS}): reading its weights onto cpu" in _log(work)  # at the run, not by the loader
-    status, _ = _post(f"{base}/free", {"unload_models": True})
-    assert status == 200
-    log = _wait_for_log(work, "block streaming removed")
+    log = _free_until(base, work, "block streaming removed")
     assert any(FOUR_BLOCKS in line and "unloaded from cpu" in line and "block streaming removed" in line
                for line in log.splitlines()), log[-4000:]
 
@@ -464,9 +475,7 @@ def test_a_small_text_encoder_budget_streams_its_layers_and_free_unloads_them(se
     log = _log(work)
     assert "does not fit in 1.00 GiB on cpu; its decoder layers will stream" in log, log[-4000:]
     assert "decoder layers stay in CPU memory" in log, log[-4000:]
-    status, _ = _post(f"{base}/free", {"unload_models": True})
-    assert status == 200
-    log = _wait_for_log(work, "layer streaming removed")
+    log = _free_until(base, work, "layer streaming removed")
     assert any("H3 text encoder" in line and "unloaded from cpu" in line and "layer streaming removed" in line
                for line in log.splitlines()), log[-4000:]
 
@@ -482,9 +491,7 @@ def test_two_devices_split_the_dit_and_free_stops_the_workers(server):
         assert history["status"]["status_str"] == "success", json.dumps(history["status"]["messages"])[-4000:]
         assert len(_mp4s(history)) == 1
     assert "workers started on cpu, cpu" in _log(work)
-    status, _ = _post(f"{base}/free", {"unload_models": True})
-    assert status == 200
-    log = _wait_for_log(work, "workers on cpu, cpu stopped")
+    log = _free_until(base, work, "workers on cpu, cpu stopped")
     assert "workers on cpu, cpu stopped" in log, log[-4000:]
 
 
