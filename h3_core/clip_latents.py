@@ -98,8 +98,7 @@ def encode_clip(video_vae, audio_vae, frames: np.ndarray, fps: float, width: int
 def expected_clip_frames(path, start_seconds: float = 0.0, max_frames: int = MAX_CLIP_FRAMES) -> int:
     """How many frames encoding a video file from `start_seconds` will keep, from its container's duration
     (for a progress bar's total; `max_frames` when the container does not say)."""
-    info = media_read.probe(path)
-    duration = (info.video and info.video.duration_seconds) or info.duration_seconds
+    duration = media_read.probe(path).video_seconds
     at_24 = max_frames if duration is None else min(max_frames, int((duration - start_seconds) * geometry.FPS))
     return vae_frame_count(max(at_24, MIN_CLIP_FRAMES))
 

@@ -151,13 +151,12 @@ def read_gguf(path: Path, only: Callable[[str], bool] | None = None) -> Iterator
     """(key, tensor, path) for each tensor of the file (whose key `only` accepts), one at a time, as
     `GGUFEntry.read_as` describes it: F32 / F16 / BF16 tensors as themselves, quantized ones as their stored
     bytes."""
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
     for tensor in _header(path).tensors:
         if only is not None and not only(tensor.name):
             continue
         like = _entry(tensor, path).read_as()
-        stored = np.memmap(path, dtype=np.uint8, mode="r", offset=tensor.offset, shape=(tensor.nbytes,))
-        raw = torch.from_numpy(np.array(stored, copy=True))  # out of the map
-        del stored
+        raw = torch.from_numpy(np.array(mapped[tensor.offset:tensor.offset + tensor.nbytes]))  # a copy, out of the map
         yield tensor.name, raw.view(like.dtype).reshape(like.shape), path
 
 

@@ -402,9 +402,7 @@ class _AlphaContext:
                 except ValueError:
                     raise LoRAError(f"The file's __metadata__ '{name}' is {self.metadata[name]!r}; it must be a number "
                                     "(the network alpha every module was trained with).") from None
-                if not (math.isfinite(value) and value > 0):
-                    raise LoRAError(f"The file's __metadata__ '{name}' is {value}; it must be a positive number.")
-                return value, f"metadata {name} {value:g}"
+                return value, f"metadata {name} {value:g}"  # its range: `_checked_alpha`, as every source's
         return None
 
     def adapter_config(self) -> dict | None:

@@ -72,6 +72,12 @@ class MediaInfo:
     video: VideoStreamInfo | None
     audio: AudioStreamInfo | None
 
+    @property
+    def video_seconds(self) -> float | None:
+        """How long the picture lasts: its stream's own length where stated, else the file's (its longest
+        stream's: a one-frame video with a 5 s soundtrack is a 5 s file)."""
+        return (self.video and self.video.duration_seconds) or self.duration_seconds
+
 
 @dataclass(frozen=True)
 class VideoClip:

@@ -52,6 +52,7 @@ from PIL import Image
 
 from .geometry import FPS
 from .layout import TEXT_TAG, VIDEO_TAG
+from .weights import CheckpointError
 
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
@@ -594,8 +595,6 @@ def load_tokenizer(folder: str | Path):
     try:
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except (ValueError, OSError) as error:  # a damaged tokenizer.json gave JSON's bare message, naming no file
-        from .weights import CheckpointError
-
         raise CheckpointError(f"The tokenizer in {folder} cannot be read: {error}") from None
 
 

@@ -294,7 +294,7 @@ def inspect_video(source, start_seconds: float = 0.0, what: str = "video") -> Me
             raise MediaInputError(
                 f"{what}: {Path(source).name} does not state its frame rate, so it cannot be put on 24 fps."
             )
-        duration = info.video.duration_seconds or info.duration_seconds  # the picture's own length first
+        duration = info.video_seconds
         if duration is None and info.video.frame_count:
             duration = info.video.frame_count / info.video.fps
         if duration is None:

@@ -153,8 +153,9 @@ def assign_strictly(
     """Fill a meta-built `model` from streamed items. Unexpected, repeated, mis-shaped or missing
     tensors are errors. `dtype_for(name)` may cast a tensor (None keeps the checkpoint's dtype).
     `on_tensor(done, total)` after each tensor: a host's progress bar (it may raise to stop)."""
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    floating = {name for name, t in model.state_dict().items() if t.is_floating_point()}
+    state = model.state_dict()
+    expected = {name: tuple(t.shape) for name, t in state.items()}
+    floating = {name for name, t in state.items() if t.is_floating_point()}
     seen: set[str] = set()
     for name, tensor, where in items:
         if name not in expected:
