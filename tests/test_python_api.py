@@ -1,0 +1,51 @@
+"""The README's Python example runs as written, and the engine API refuses a bad request before loading."""
+
+import re
+from pathlib import Path
+
+import av
+import pytest
+
+from h3_core.pipeline import GenerateSettings, Request, RequestError, generate
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_python_blocks() -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+
+
+def streams(path: Path) -> tuple[str, int, int, str, int, int]:
+    with av.open(str(path)) as container:
+        (video,), (audio,) = container.streams.video, container.streams.audio
+        frames = sum(1 for _ in container.decode(video=0))
+        return video.codec_context.name, int(video.average_rate), frames, audio.codec_context.name, audio.rate, audio.channels
+
+
+def test_readme_python_example_runs(tmp_path, monkeypatch, capsys):
+    (example,) = readme_python_blocks()
+    monkeypatch.chdir(tmp_path)
+    exec(compile(example, "README.md (From Python)", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert "sample 1/1: 7/7" in printed and "decode 1/1: 124/124" in printed  # progress reached the end
+    assert "out/fox.mp4 7 (1, 24, 37, 8, 14) (2, 32, 207)" in printed
+    assert printed[-2:] == ["out/rain.mp4 1", "out/city.mp4 1"]
+    assert streams(tmp_path / "out/fox.mp4") == ("h264", 24, 124, "aac", 32000, 2)
+    for name in ("rain", "city"):
+        assert streams(tmp_path / f"out/{name}.mp4") == ("h264", 24, 107, "aac", 32000, 2)  # 4 s -> 17n+5 = 107 frames
+
+
+def test_bad_request_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    from h3_core import pipeline
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded for a bad request")
+
+    monkeypatch.setattr(pipeline, "load_text_encoder_for", no_loading)
+    with pytest.raises(RequestError, match="prompt"):
+        generate(Request(task="t2va", prompt="  "), model="tiny-random", settings=GenerateSettings(steps=8),
+                 out=tmp_path / "x.mp4")
+    with pytest.raises(RequestError, match="fl2va"):
+        generate(Request(task="t2va", prompt="a fox", first_image=tmp_path / "a.png"), model="tiny-random",
+                 settings=GenerateSettings(steps=8), out=tmp_path / "x.mp4")
+    assert not (tmp_path / "x.mp4").exists()
