@@ -112,9 +112,24 @@ def _parsed_header(path: str, size: int, modified: int) -> _Header:
                                   tuple(int(size) for size in reversed(tensor.shape)),
                                   _original_shape(reader, tensor.name), int(tensor.data_offset), int(tensor.n_bytes))
                     for tensor in reader.tensors)
+    _check_layout(tensors, int(getattr(reader, "alignment", 32)), Path(path))
     texts = {name: bytes(field.parts[field.data[-1]]).decode("utf-8", "replace")
              for name, field in reader.fields.items() if field.types == [gguf.GGUFValueType.STRING]}
     return _Header(tensors, texts)
+
+
+def _check_layout(tensors: tuple[_StoredTensor, ...], alignment: int, path: Path) -> None:
+    """The header's types and shapes must account for the data as written: writers put each tensor right after
+    the one before, padded to `alignment`. A tensor overlapping the next, or ending `alignment` bytes or more
+    before it, has a size its header does not describe (say, a damaged type field) and would be read as garbage."""
+    placed = sorted(tensors, key=lambda tensor: tensor.offset)
+    for tensor, following in zip(placed, placed[1:]):
+        gap = following.offset - (tensor.offset + tensor.nbytes)
+        if not 0 <= gap < alignment:
+            raise CheckpointError(
+                f"{path.name} is damaged: its header says '{tensor.name}' is {tensor.qtype} {list(tensor.stored)}, "
+                f"{tensor.nbytes} bytes, but the next tensor's data ('{following.name}') starts "
+                f"{following.offset - tensor.offset} bytes after its start. Download the file again.")
 
 
 def _original_shape(reader, name: str) -> tuple[int, ...] | None:

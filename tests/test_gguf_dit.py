@@ -173,6 +173,29 @@ def test_broken_gguf_files_are_refused_before_reading(tmp_path):
     with pytest.raises(CheckpointError, match="holds H3's Ref2VA DiT"):
         locate_dit(tmp_path / "minimax_h3_ref2va-Q8_0.gguf", "fl2va")
 
+    for stored_as in ("Q8_0", "Q4_0"):  # a damaged type field: the tensor's size no longer meets the next tensor
+        damaged = tmp_path / f"damaged-{stored_as}.gguf"
+        write(damaged, blocks=stored_as)
+        retype(damaged, "blocks.0.mlp.fc1.weight", "Q4_1" if stored_as == "Q8_0" else "Q8_0")
+        with pytest.raises(CheckpointError, match=rf"damaged-{stored_as}.gguf is damaged: its header says "
+                                                  r"'blocks.0.mlp.fc1.weight' is Q\d_\d \[256, 64\], \d+ bytes"):
+            locate_dit(damaged)
+
+
+def retype(path, name, qtype):
+    """Overwrite the GGML type of tensor `name` in a GGUF header: after the name come n_dims (u32), the dims
+    (u64 each) and the type (u32)."""
+    import struct
+
+    import gguf
+
+    data = bytearray(path.read_bytes())
+    key = name.encode()
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    (dims,) = struct.unpack_from("<I", data, at)
+    struct.pack_into("<I", data, at + 4 + 8 * dims, int(gguf.GGMLQuantizationType[qtype]))
+    path.write_bytes(bytes(data))
+
 
 def test_memory_plan_counts_what_gguf_blocks_hold(tmp_path):
     """A real block's Q4_K linears stream exactly the bytes the plan counts; a file mixing types is planned by its
