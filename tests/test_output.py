@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import av
+import numpy as np
 import pytest
 import torch
 
@@ -42,6 +43,35 @@ def test_mp4_streams_from_latents(tmp_path, vaes):
         samples = sum(f.samples for f in container.decode(audio=0))
     assert frames == 124
     assert abs(samples - 124 * 32000 / 24) <= 1024  # durations equal within one AAC frame
+
+
+def test_the_mp4_holds_what_the_decoders_made(tmp_path, vaes, monkeypatch):
+    """Colours in RGB order and the left channel on the left: decoders standing in for the VAEs make a
+    picture and a sound that tell them apart (tiny random VAEs make noise whose channels look alike)."""
+    from h3_core import output
+
+    rgb = torch.tensor([200, 40, 120], dtype=torch.uint8)
+
+    def frames(vae, latents, devices=None, tiled=None):
+        for start in range(0, 39, 17):
+            yield rgb.expand(min(17, 39 - start), 64, 96, 3).clone()
+
+    def sound(vae, latents, on_window=None):
+        t = torch.arange(geometry.audio_latents(39) * 800) / 32000  # 800 samples a latent
+        yield torch.stack([0.5 * torch.sin(2 * torch.pi * 440 * t), 0.5 * torch.sin(2 * torch.pi * 1000 * t)])
+
+    monkeypatch.setattr(output, "decode_video", frames)
+    monkeypatch.setattr(output, "decode_audio", sound)
+    path = write_mp4(tmp_path / "clip.mp4", random_latents(39), *vaes)
+    with av.open(str(path)) as container:
+        pictures = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        container.seek(0)
+        heard = torch.from_numpy(np.concatenate([f.to_ndarray() for f in container.decode(audio=0)], axis=-1))
+    assert len(pictures) == 39
+    for picture in pictures:
+        assert (abs(torch.from_numpy(picture).float().mean((0, 1)) - rgb.float()) < 4).all()  # video-range rounding
+    loudest = torch.fft.rfft(heard[:, 4096:36864]).abs().argmax(-1) * 32000 / 32768  # Hz, past the encoder delay
+    assert (abs(loudest - torch.tensor([440.0, 1000.0])) < 2).all()
 
 
 def test_streamed_frames_equal_the_whole_decode(vaes):

@@ -44,6 +44,10 @@ def test_reference_is_the_eager_path_up_to_bf16_rounding(batch, rows, heads):
         assert got.shape == want.shape == (batch, rows, heads, TINY_DIT.attention_head_dim) and got.dtype == torch.bfloat16
         # eager rounds after the norm and after each RoPE product; the reference once
         assert torch.allclose(got.float(), want.float(), rtol=0.02, atol=0.04)
+    # the same arithmetic: the eager path in float32, rounded once at the end, is the reference to the bit
+    in_float32 = eager(*(t.float() for t in (qkv, wq, wk, cos, sin)), heads, 1e-5)
+    for got, want in zip(fused.qk_norm_rope_reference(qkv, wq, wk, cos, sin, heads, 1e-5), in_float32):
+        assert torch.equal(got, want.bfloat16())
 
 
 def test_not_offered_without_cuda_or_for_odd_head_sizes():
