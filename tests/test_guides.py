@@ -25,8 +25,11 @@ from h3_core.layout import (
     build_ref2va_layout,
     build_t2va_layout,
     frame_grid,
+    pack_audio,
+    unpack_audio,
 )
 from h3_core.pipeline import TINY_CANVAS, sample
+from h3_core.references import encode_audio, encode_video, frames_on_canvas, prepare_audio
 from h3_core.tiny import tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
 
 WIDTH, HEIGHT, FRAMES = 224, 128, 107  # the tiny canvas, 4 s
@@ -127,6 +130,10 @@ def test_clips_sounds_and_chained_guides(models):
     keep = int(np.floor(cond.layout.audio_latents - 60 * 5 / 3))
     assert cond.guides == (GuideBlock(FRAMES - 22, 7, 0), GuideBlock(60, 0, keep))
     assert cond.visual_condition_latents[0].shape[2] == 7 and cond.audio_condition_rows.shape[1] == 2 * keep
+    # what is encoded: the clip's first 22 frames on the canvas, and the sound's first `keep` latents
+    assert torch.equal(cond.visual_condition_latents[0], encode_video(video_vae, frames_on_canvas(clip[:22], WIDTH, HEIGHT)))
+    heard = unpack_audio(encode_audio(audio_vae, prepare_audio(sound, 32000, FRAMES)))[0]
+    assert heard.shape[-1] > keep and torch.equal(cond.audio_condition_rows, pack_audio(heard[None, ..., :keep]))
     assert plain.guides == () and plain.layout.num_condition_video_rows == 0  # the input is left as it was
     with_guides = sample(dit, cond, seed=4, steps=3)
     without = sample(dit, plain, seed=4, steps=3)

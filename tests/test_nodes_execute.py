@@ -173,13 +173,13 @@ def test_sampler_sigmas_denoise_and_latent_checks(comfy):
     model, text, vae = _models(c)
     cond = _cond(c, text, vae).values[0]
     run = c.sampler.H3Sampler.execute
+    loaded = len(c.record.loaded)
     with pytest.raises(ValueError, match="video_sigmas: Custom sigmas must be .* ending at 0.0"):
         run(model, cond, 0, 2, 0.0, 0.0, video_sigmas=torch.tensor([1.0, 0.5]))
     with pytest.raises(ValueError, match="audio_sigmas: .*strictly decreasing"):
         run(model, cond, 0, 2, 0.0, 0.0, audio_sigmas=torch.tensor([1.0, 0.6, 0.7, 0.0]))
     with pytest.raises(ValueError, match=r"seed must be .* \(and seed \+ 2 for 3 outputs\)"):
         run(model, cond, 2**64 - 2, 2, 0.0, 0.0, 1.0, 3)
-    loaded = len(c.record.loaded)
     assert len(c.record.loaded) == loaded  # bad input fails before any model moves
     out = run(model, cond, 0, 0, 0.0, 0.0, video_sigmas=torch.tensor([1.0, 0.5, 0.0])).values[0][0]
     assert c.record.progress[-1][:2] == (2, 2)  # the automatic audio ladder got as many points

@@ -115,3 +115,42 @@ def test_custom_ladders_reach_zero_together():
     assert schedule.num_calls == 2 and schedule.audio[-1].item() == 0.0 and schedule.audio.numel() == 3
     with pytest.raises(ValueError, match="video_sigmas has 3 points and audio_sigmas 4"):
         DualClockSchedule.build(video_sigmas=[1.0, 0.5, 0.0], audio_sigmas=[1.0, 0.7, 0.3, 0.0])
+
+
+def test_denoise_takes_the_tail_of_a_longer_ladder():
+    """denoise d with n points runs the last n of a ladder of round((n - 1) / d) intervals, as ComfyUI's
+    KSampler runs the last `steps` of steps / denoise: 9 points at 0.5 are the last 9 of 17."""
+    schedule = DualClockSchedule.build(9, denoise=0.5)
+    assert torch.equal(schedule.video, sigma_ladder(17, 12.0)[-9:])
+    assert torch.equal(schedule.audio, sigma_ladder(17, 3.0)[-9:])
+    assert torch.equal(DualClockSchedule.build(9, denoise=1.0).video, sigma_ladder(9, 12.0))
+    assert DualClockSchedule.build(5, denoise=0.3).video.numel() == 5  # round(4 / 0.3) = 13 intervals
+    assert torch.equal(DualClockSchedule.build(5, denoise=0.3).video, sigma_ladder(14, 12.0)[-5:])
+
+
+def test_preview_estimate_is_the_steps_own_clean_estimate():
+    """The preview's x0 after a step (x_next + sigma_next * v) is the x0 the Euler step blended toward
+    (x + sigma * v from the rows before it): checked at a middle step, where the velocity term is not zero."""
+    from h3_core.conditioning import Request, encode_request
+    from h3_core.layout import unpatchify
+    from h3_core.pipeline import TINY_CANVAS, sample
+    from h3_core.tiny import tiny_random_dit
+    from h3_core.tiny_text import tiny_random_text_encoder
+
+    cond = encode_request(Request("t2va", "a fox", duration=4.0), tiny_random_text_encoder(), rules=TINY_CANVAS)
+    states = []
+
+    def keep(state):
+        states.append((state.video_rows.clone(), state.video_velocity.clone(), state.video_estimate_frame()))
+
+    sample(tiny_random_dit(), cond, 0, 5, callback=keep)
+    layout, schedule = cond.layout, DualClockSchedule.build(5)
+    (before, _, _), (_, velocity, estimate) = states[1], states[2]  # the third step: sigma -> sigma_next, both > 0
+    sigma = schedule.video[2]
+    assert 0 < schedule.video[3] < sigma
+    target = slice(layout.num_condition_video_rows, None)
+    x0 = before[:, target] + sigma * velocity[:, target].float()
+    expected = unpatchify(x0, layout.latent_frames, layout.latent_height, layout.latent_width)[0, :, layout.latent_frames // 2]
+    assert torch.allclose(estimate, expected, atol=1e-5)
+    assert not torch.allclose(estimate, unpatchify(before[:, target], layout.latent_frames, layout.latent_height,
+                                                   layout.latent_width)[0, :, layout.latent_frames // 2], atol=1e-2)
