@@ -317,9 +317,15 @@ def test_fp8_scaled_file_loads_into_fp8_linears(tmp_path, bf16_model, style):
 @CPU_SCALED
 def test_fp8_file_with_scaled_matmul(tmp_path, bf16_model):
     path = tmp_path / "fp8.safetensors"
-    write_fp8_scaled(path, bf16_model, "comfy_quant", prefix="")
+    meant = write_fp8_scaled(path, bf16_model, "comfy_quant", prefix="")
     model = load_dit(path, dtype=torch.float32, linears="fp8-lossy")
-    assert model.blocks[1].mlp.fc2.matmul == "scaled"
+    fc2 = model.blocks[1].mlp.fc2
+    assert fc2.matmul == "scaled" and fc2.weight_scale.shape == () and fc2.bias is None  # one scale, as in the file
+    # the file's weight (one scale) against activations scaled per row, in independent float64 arithmetic
+    x = torch.randn(3, 5, fc2.in_features)
+    xq, xs = reference_quantize(x.reshape(-1, fc2.in_features), per_row=True)
+    expected = (xq.double() * xs.double()) @ meant["blocks.1.mlp.fc2"].double().T
+    torch.testing.assert_close(fc2(x).double().reshape(-1, fc2.out_features), expected, rtol=1e-5, atol=1e-5)
     dense = load_dit(path, dtype=torch.float32, linears="dense")
     for a, b in zip(forward(dense), forward(model)):
         assert cosine(a, b) > 0.99
