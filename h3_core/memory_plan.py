@@ -42,7 +42,7 @@ class MemoryPlan:
 
     def describe(self, blocks: int) -> str:
         mode = "all blocks resident" if not self.streams else f"{self.resident_blocks}/{blocks} blocks resident, rest streamed"
-        adaln = "AdaLN weights on the CPU" if self.offload_adaln else "AdaLN weights on the GPU"
+        adaln = "AdaLN weights on the CPU" if self.offload_adaln else "AdaLN weights with the blocks"
         return f"{mode}, {adaln}; expected peak {self.expected_peak_bytes / GIB:.2f} GiB"
 
 

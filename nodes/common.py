@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -212,6 +213,11 @@ def prefix_problem(prefix) -> str | None:
     if len(name.encode()) > MAX_PREFIX_NAME_BYTES:
         return (f"filename_prefix's file name is {len(name.encode())} bytes long; at most {MAX_PREFIX_NAME_BYTES} "
                 "(the counter and .mp4 follow it, and a file name holds 255).")
+    # ComfyUI's save path refuses a folder outside its output folder, but only when the node saves
+    folder = os.path.normpath(os.path.join("output", os.path.dirname(os.path.normpath(prefix))))
+    if os.path.isabs(prefix) or not (folder == "output" or folder.startswith("output" + os.sep)):
+        return (f"filename_prefix {prefix!r} leads outside ComfyUI's output folder (an absolute path, or '..' past "
+                "it); give a name inside it, e.g. H3/clip.")
     return None
 
 

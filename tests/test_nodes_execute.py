@@ -950,6 +950,8 @@ def test_av_save_wiring_is_checked_at_queue_time(comfy):
     ("H3/clip", None), ("H3/%date:yyyy%/clip", None), (None, None), ("x" * 200, None),
     ("", "names no file"), ("H3/", "names no file"), ("H3\\", "names no file"), ("  ", "names no file"),
     ("H3/" + "x" * 201, "file name is 201 bytes long; at most 200"), ("é" * 101, "202 bytes long"),
+    ("H3/../clip", None), ("../clip", "leads outside ComfyUI's output folder"), ("H3/../../clip", "leads outside"),
+    ("/tmp/clip", "an absolute path, or '..' past it"),
 ])
 def test_a_save_prefix_is_checked_at_queue_time(comfy, prefix, problem):
     """An over-long name failed with an OSError only after sampling and decoding; an empty one wrote a hidden
