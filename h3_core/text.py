@@ -21,6 +21,8 @@ requests) and `release()` drops it. The DiT casts the embeddings to its own dtyp
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +69,22 @@ class TextConditioning:
         return {"prompt_embeds": self.prompt_embeds.contiguous().cpu(), "text_token_tags": self.token_tags.cpu()}
 
 
+REMEMBERED_PROMPTS = 4  # prompt states kept by each encoder ([1, T, 5120] each: a few MB to tens of MB)
+
+
+def _presentation_key(presentation: Presentation) -> bytes:
+    """A digest of everything the encoder reads of a presentation: its tokens, tags and pixel tensors."""
+    digest = hashlib.blake2b(digest_size=20)
+    digest.update(f"{presentation.task}:{presentation.image_token_id}:{presentation.video_token_id};".encode())
+    named = [("input_ids", presentation.input_ids), ("token_tags", presentation.token_tags),
+             *sorted(presentation.vision_inputs.items())]
+    for name, tensor in named:
+        tensor = tensor.detach().contiguous().cpu().reshape(-1)
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(tensor.view(torch.uint8).numpy().data)
+    return digest.digest()
+
+
 class TextEncoder:
     """Qwen3-VL truncated after decoder layer `layer`, with the presenter that feeds it.
 
@@ -83,6 +101,7 @@ class TextEncoder:
         self.reader = reader
         self._visits = None  # stream_layers' LayerVisits
         self._spread = None  # spread_layers' (devices, hooks)
+        self._remembered: OrderedDict[bytes, TextConditioning] = OrderedDict()  # the last prompts' states
         _check_compatible(model.config, presenter)
 
     @property
@@ -97,17 +116,35 @@ class TextEncoder:
         """`Presenter.present`: the request as Qwen3-VL reads it (no model needed)."""
         return self.presenter.present(task, prompt, keyframes, references)
 
+    def remembers(self, presentation: Presentation) -> bool:
+        """Whether `encode` has this presentation's states at hand (one of the last `REMEMBERED_PROMPTS`
+        encoded): then it runs no model, and a host need not load the encoder for it."""
+        return _presentation_key(presentation) in self._remembered
+
     @torch.no_grad()
     def encode(self, presentation: Presentation, between_layers: Callable[[], None] | None = None
                ) -> TextConditioning:
         """The hidden state after decoder layer `layer` for every row of `presentation`. `between_layers` is
         called before each decoder layer runs: a host may raise there to stop (an interrupt) without waiting
-        for the whole encoder (50 layers of the 32B: tens of seconds when they stream from CPU memory)."""
-        model = self._loaded()
+        for the whole encoder (50 layers of the 32B: tens of seconds when they stream from CPU memory).
+        The states of the last few presentations are remembered: the same prompt and media again (another
+        length, canvas or seed of one request) costs no encoder run."""
         if not isinstance(presentation, Presentation):
             raise TypeError(
                 f"encode takes a Presentation (see TextEncoder.present), got {type(presentation).__name__}."
             )
+        key = _presentation_key(presentation)
+        if key in self._remembered:
+            self._remembered.move_to_end(key)
+            return self._remembered[key]
+        text = self._run(presentation, between_layers)
+        self._remembered[key] = text
+        while len(self._remembered) > REMEMBERED_PROMPTS:
+            self._remembered.popitem(last=False)
+        return text
+
+    def _run(self, presentation: Presentation, between_layers: Callable[[], None] | None) -> TextConditioning:
+        model = self._loaded()
         config = model.config
         if (presentation.image_token_id, presentation.video_token_id) != (config.image_token_id, config.video_token_id):
             raise ValueError(

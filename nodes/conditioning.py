@@ -145,7 +145,6 @@ class H3Conditioning(io.ComfyNode):
         video_vae = None if vae is None else vae.video
         audio_vae = None if vae is None else vae.audio
         validate(request, text_encoder.canvas)  # every limit, before any model moves
-        place_for_encoding(text_encoder, vae)
         bar, shown = None, 0
 
         def on_stage(done: int, total: int) -> None:  # after each model call, and between text encoder layers
@@ -157,8 +156,10 @@ class H3Conditioning(io.ComfyNode):
             check_interrupt()
 
         with freed_on_failure(device()):
+            # the encoder is loaded only to run: another length or canvas of a prompt reuses its states
             cond = encode_request(request, text_encoder.encoder, video_vae, audio_vae, rules=text_encoder.canvas,
-                                  on_stage=on_stage)
+                                  on_stage=on_stage,
+                                  before_models=lambda text: place_for_encoding(text_encoder if text else None, vae))
         return io.NodeOutput(cond, cond.width, cond.height, cond.num_frames)
 
 

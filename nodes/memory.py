@@ -157,10 +157,12 @@ def read_progress(placement):
 
 def place_for_encoding(text_encoder, vae=None) -> None:
     """The text encoder (and the VAE, for keyframes and references) on the device, with room for what a
-    streaming encoder needs besides (its layers in flight and the activations; nothing when resident)."""
-    placement = getattr(text_encoder.patcher, "model", None)
+    streaming encoder needs besides (its layers in flight and the activations; nothing when resident).
+    `text_encoder` None: only the VAE (the encoder remembers the prompt)."""
+    patcher = None if text_encoder is None else text_encoder.patcher
+    placement = getattr(patcher, "model", None)
     with read_progress(placement):
-        place([text_encoder.patcher, None if vae is None else vae.patcher], getattr(placement, "working_bytes", 0))
+        place([patcher, None if vae is None else vae.patcher], getattr(placement, "working_bytes", 0))
 
 
 def decode_working_bytes(vae, video_latents, tiled: bool | None = None) -> int:

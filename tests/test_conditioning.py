@@ -343,6 +343,35 @@ def test_precomputed_text_states_skip_the_encoder(tiny_text, video_vaes):
         )
 
 
+def test_the_encoder_remembers_recent_prompts(tiny_text, video_vaes, monkeypatch):
+    """The same prompt and pictures at another length or canvas run no encoder (their states are bitwise
+    what a run gives); another prompt or picture does; a host hears before any model runs whether it will."""
+    encoder = tiny_text["encoder"]
+    encoder._remembered.clear()
+    runs, told = [], []
+    run = encoder._run
+    monkeypatch.setattr(encoder, "_run", lambda *args: runs.append(1) or run(*args))
+
+    def encode(request):
+        return encode_request(request, encoder, video_vaes[1], rules=TINY_RULES, before_models=told.append)
+
+    first = picture(100, 70, 0)
+    short = encode(Request("fl2va", PROMPT, first_image=first, duration=5.0))
+    long = encode(Request("fl2va", PROMPT, first_image=first, duration=8.0))
+    assert len(runs) == 1 and told == [True, False] and long.num_frames > short.num_frames
+    assert long.text_states is short.text_states and torch.equal(long.text_tags, short.text_tags)
+    encode(Request("fl2va", PROMPT + " Rain.", first_image=first, duration=5.0))
+    encode(Request("fl2va", PROMPT, first_image=picture(100, 70, 1), duration=5.0))  # another picture
+    assert len(runs) == 3 and told[2:] == [True, True]
+    encoder._remembered.clear()
+    fresh = encode(Request("fl2va", PROMPT, first_image=first, duration=8.0))
+    assert len(runs) == 4 and torch.equal(fresh.text_states, short.text_states)
+    for prompt in ("a", "b", "c", "d"):  # four others push the first out
+        encode(Request("fl2va", prompt, first_image=first, duration=5.0))
+    encode(Request("fl2va", PROMPT, first_image=first, duration=5.0))
+    assert told[-1] is True
+
+
 def test_t2va_conditioning_has_no_condition_rows(tiny_text):
     ours = encode_request(Request("t2va", PROMPT, aspect_ratio="9:16", duration=4), tiny_text["encoder"])
     assert (ours.width, ours.height, ours.num_frames) == (768, 1344, 107)

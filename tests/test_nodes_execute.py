@@ -960,3 +960,19 @@ def test_a_save_prefix_is_checked_at_queue_time(comfy, prefix, problem):
     streamed = importlib.import_module("nodes.long_video").H3SaveMP4.validate_inputs(filename_prefix=prefix)
     for result in (av_save, streamed):
         assert result is True if problem is None else problem in result
+
+
+def test_another_length_of_a_prompt_does_not_run_the_text_encoder_again(comfy):
+    """H3 Conditioning with only the duration or canvas changed: the encoder remembers the prompt's states,
+    so it is neither loaded nor run (with the real 32B encoder, a full prompt encode each time)."""
+    c = comfy
+    _, text, vae = _models(c)
+    first = _cond(c, text, vae).values[0]
+    before = len(c.record.loaded)
+    longer = c.conditioning.H3Conditioning.execute(text, "a fox on a beach", "t2va", "1:1", 0, 0, 5.0, vae=vae).values[0]
+    assert longer.num_frames > first.num_frames and longer.width == longer.height
+    assert longer.text_states is first.text_states
+    assert [names for names, _ in c.record.loaded[before:]] == [["H3 VAEs (tiny-random + tiny-random)"]]
+    other = c.conditioning.H3Conditioning.execute(text, "a cat", "t2va", "auto", 0, 0, 4.0, vae=vae).values[0]
+    assert not torch.equal(other.text_states, first.text_states)
+    assert c.record.loaded[-1][0] == ["H3 text encoder (tiny-random)", "H3 VAEs (tiny-random + tiny-random)"]
