@@ -412,6 +412,19 @@ class H3DiT(nn.Module):
                 block.forward = _CompiledForward(block, torch.compile(block.forward, mode=mode, dynamic=False))
         return self
 
+    def set_compiled(self, compiled: bool) -> "H3DiT":
+        """`compile_blocks`, or the eager forwards back (a host switching per run); a block's compiled forward is
+        kept aside, so asking for it again does not compile again."""
+        for block in self.blocks:
+            current = block.__dict__.get("forward")
+            if compiled and not isinstance(current, _CompiledForward):
+                kept = block.__dict__.pop("_h3_compiled", None)
+                if kept is not None:
+                    block.forward = kept
+            elif not compiled and isinstance(current, _CompiledForward):
+                block.__dict__["_h3_compiled"] = block.__dict__.pop("forward")
+        return self.compile_blocks() if compiled else self
+
     def modulation(self, timesteps: torch.Tensor) -> Modulation:
         """[K] distinct timesteps -> every block's AdaLN table and the final layer's, as `forward` computes them."""
         temb = self.time_embedder(timesteps.to(self.time_embedder.device))

@@ -46,6 +46,23 @@ LATENT_KIND = "h3_av_latent"
 
 
 @dataclass(frozen=True)
+class DiTRunSettings:
+    """A Model Loader's settings that leave the weights as they are: applied to the DiT at each run, so loaders
+    differing only in these share one read of the weights (a 62 GiB read for a new attention kernel otherwise)."""
+
+    attention: str  # a backend name, resolved by the loader
+    window: int = 0
+    dense_steps: int = 0
+    compile: bool = False
+    budget_gib: float | None = None
+
+    def apply(self, dit, placement) -> None:
+        placement.budget_gib = self.budget_gib
+        dit.set_attention(self.attention, self.window, self.dense_steps)
+        dit.set_compiled(self.compile)
+
+
+@dataclass(frozen=True)
 class ModelHandle:
     """A loaded DiT and what the sampler needs to know about it. LoRAs are listed, not merged: the
     sampler hooks them in for its run and removes them after, so the loader's cached DiT stays clean."""
@@ -57,6 +74,7 @@ class ModelHandle:
     tiny: bool = False
     loras: tuple = field(default=(), repr=False)  # ((LoRA, strength), ...) in application order
     patcher: Any = field(default=None, repr=False)  # the host's memory manager's handle (nodes/memory.py)
+    run: DiTRunSettings | None = None  # None: a split DiT, its workers built with their settings
 
     def with_lora(self, lora, strength: float) -> ModelHandle:
         return replace(self, loras=self.loras + ((lora, float(strength)),))

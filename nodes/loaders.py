@@ -3,6 +3,7 @@ original release / partition folder, or `tiny-random`) -> handles on our own soc
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import torch
@@ -46,7 +47,7 @@ from .common import (
     model_choices,
     model_path,
 )
-from .convert import ModelHandle, TextEncoderHandle, VAEHandle
+from .convert import DiTRunSettings, ModelHandle, TextEncoderHandle, VAEHandle
 from .host_memory import warn_unless_room
 from .memory import (
     make_room,
@@ -167,19 +168,29 @@ class H3ModelLoader(io.ComfyNode):
                              compile=bool(compile), attention_window=window, attention_window_dense_steps=dense_steps)
             patcher = manage_runner(label, spec, split, bool(shard_weights))
             return io.NodeOutput(ModelHandle(patcher.model, partition, spec.source, target, tiny, patcher=patcher))
-        budget = float(gpu_memory_gb) or None
-        reader = None
-        if tiny:
-            dit = tiny_random_dit(dtype, target)
-            apply_linear_mode(dit, linears, target)
-        else:  # headers only: the weights are read at the first run, once the prompt is encoded
-            reader = DiTReader(source, partition, dtype, linears=linears, device=target)
-            dit = reader.model
-        dit.set_attention(chosen, window, dense_steps)  # chosen for the compute device; a student's VSA is on
-        if compile:
-            dit.compile_blocks()  # traced at the first run; streaming hooks run around the compiled forward
-        patcher = manage_dit(label, dit, target, tiny, budget, reader)
-        return io.NodeOutput(ModelHandle(dit, partition, str(path or TINY_RANDOM), target, tiny, patcher=patcher))
+        # kernel, window, compile and budget are applied at each run (chosen for the compute device; a student's VSA
+        # is on; compiled blocks are traced at the first run, streaming hooks running around them)
+        run = DiTRunSettings(chosen, window, dense_steps, bool(compile), float(gpu_memory_gb) or None)
+        weights = (str(path or TINY_RANDOM), files_fingerprint(path) if path else "", partition, dtype, linears, str(target))
+        patcher = _SHARED_DITS.get(weights)
+        if patcher is None:  # no live loader output holds these weights
+            reader = None
+            if tiny:
+                dit = tiny_random_dit(dtype, target)
+                apply_linear_mode(dit, linears, target)
+            else:  # headers only: the weights are read at the first run, once the prompt is encoded
+                reader = DiTReader(source, partition, dtype, linears=linears, device=target)
+                dit = reader.model
+            dit.set_attention(chosen, window, dense_steps)
+            patcher = manage_dit(label, dit, target, tiny, run.budget_gib, reader)
+            _SHARED_DITS[weights] = patcher
+        dit = patcher.model.dit
+        return io.NodeOutput(ModelHandle(dit, partition, str(path or TINY_RANDOM), target, tiny, patcher=patcher, run=run))
+
+
+# The DiTs that loader outputs hold, by what fixes their weights (file as it is on disk, partition, dtype, linears,
+# device): a loader differing only in run settings shares one, rather than reading the weights again.
+_SHARED_DITS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def split_devices(devices: str, shard_weights: bool, gpu_memory_gb: float) -> list[torch.device]:

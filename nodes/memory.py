@@ -230,6 +230,8 @@ def dit_for_run(model, layout, steps: int):
         place([patcher], working)
         yield None
         return
+    if model.run is not None:  # this loader's kernel, window, compile and budget (another's may share the weights)
+        model.run.apply(model.dit, placement)
     free = None
     if placement.load_device.type != "cpu":
         wanted = int(placement.budget_gib * GIB) if placement.budget_gib else placement.size + working

@@ -164,3 +164,17 @@ def test_compiled_blocks_share_one_graph_and_respect_hooks_added_later(tmp_path)
         assert all(torch.equal(x, y) for x, y in zip(model(**inputs), adapted))  # eager blocks: bitwise
         remove_loras(model)
         assert close(model(**inputs), plain) and counters["stats"]["unique_graphs"] == 1
+
+
+def test_compiled_blocks_can_be_switched_off_and_on_again():
+    """set_compiled(False) gives back the eager forwards; True again reuses the kept compiled ones (no new compile)."""
+    from h3_core.tiny import tiny_random_dit
+
+    dit = tiny_random_dit(torch.float32)
+    dit.set_compiled(True)
+    compiled = [block.forward for block in dit.blocks]
+    assert all(type(forward).__name__ == "_CompiledForward" for forward in compiled)
+    dit.set_compiled(False)
+    assert all("forward" not in block.__dict__ and block.forward.__func__ is type(block).forward for block in dit.blocks)
+    dit.set_compiled(True)
+    assert [block.forward for block in dit.blocks] == compiled

@@ -473,13 +473,29 @@ def test_vae_loader_refuses_a_wrong_file_before_making_room_or_reading(comfy, tm
     assert comfy.record.freed == [] and comfy.record.loaded == []
 
 
-def test_model_loader_sets_the_attention_window(comfy):
-    loader = comfy.loaders.H3ModelLoader
-    model = loader.execute("tiny-random", "", "fl2va", "bf16", "auto", attention_window_lossy=4,
-                           attention_window_dense_steps=5).values[0]
-    assert (model.dit.attention_window, model.dit.attention_window_dense_steps) == (4, 5)
-    assert model.dit.blocks[0].attn.backend == "sdpa"
-    assert loader.execute("tiny-random", "", "fl2va", "bf16", "auto").values[0].dit.attention_window == 0
+def test_model_loader_run_settings_apply_at_each_run_and_share_the_weights(comfy):
+    """Kernel, window, compile and budget leave the weights alone: loaders differing only in them share one DiT
+    (with the real model, a 62 GiB read each otherwise), and each run gets its own loader's settings."""
+    c = comfy
+    loader = c.loaders.H3ModelLoader
+    windowed = loader.execute("tiny-random", "", "fl2va", "bf16", "auto", attention_window_lossy=4,
+                              attention_window_dense_steps=5, gpu_memory_gb=3.0).values[0]
+    assert (windowed.dit.attention_window, windowed.dit.attention_window_dense_steps) == (4, 5)
+    assert windowed.dit.blocks[0].attn.backend == "sdpa"
+    plain = loader.execute("tiny-random", "", "fl2va", "bf16", "sdpa", compile=True).values[0]
+    assert plain.dit is windowed.dit and plain.patcher is windowed.patcher
+    _, text, vae = _models(c)
+    cond = _cond(c, text, vae).values[0]
+    c.sampler.H3Sampler.execute(plain, cond, 0, 2, 0.0, 0.0)
+    placement = plain.patcher.model
+    assert plain.dit.attention_window == 0 and placement.budget_gib is None
+    assert all(type(block.forward).__name__ == "_CompiledForward" for block in plain.dit.blocks)
+    c.sampler.H3Sampler.execute(windowed, cond, 0, 2, 0.0, 0.0)
+    assert (windowed.dit.attention_window, windowed.dit.attention_window_dense_steps) == (4, 5)
+    assert placement.budget_gib == 3.0 and not any("forward" in block.__dict__ for block in plain.dit.blocks)
+    for other in (loader.execute("tiny-random", "", "fl2va", "bf16", "auto", linears="fp8-weights-lossy").values[0],
+                  loader.execute("tiny-random", "", "ref2va", "bf16", "auto").values[0]):  # other weights
+        assert other.dit is not plain.dit
 
 
 def test_model_loader_linears_reach_the_tiny_model_and_the_workers(comfy, monkeypatch):
