@@ -39,6 +39,7 @@ from .layout import build_request_layout
 from .long_video import LongVideoRequest
 from .media import MediaError
 from .output import AVLatents
+from .parallel.workers import ParallelWorkerError
 from .placement import check_devices
 from .pipeline import TINY_CANVAS, GenerateSettings, Job, ModelFiles, check_writable, encode_clip_file, generate_batch, sample
 from .references import REFERENCE_IMAGE_MODES, MediaReference
@@ -79,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ValueError, OSError, MediaError) as error:  # LoRAError is a ValueError
         print(f"h3: error: {error}", file=sys.stderr)
         return 2
+    except ParallelWorkerError as error:  # names the rank, with its traceback
+        print(f"h3: error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("h3: stopped; nothing more was written.", file=sys.stderr)
         return 130
@@ -436,9 +440,12 @@ def run_generate(args) -> int:
     if args.attention_window_dense_steps and not args.attention_window_lossy:
         raise ValueError("--attention-window-dense-steps counts the steps before --attention-window-lossy's window "
                          "starts; give the window too (or drop it).")
+    devices = [d.strip() for d in (args.devices or "").split(",") if d.strip()]
+    if args.devices is not None and len(devices) < 2:
+        raise ValueError(f"--devices splits the DiT over two or more devices, got {args.devices!r}; for one, use "
+                         "--device.")
     jobs = _batch_jobs(args) if args.batch is not None else [_job(args)]
     return_freed_memory_to_os()
-    devices = [d.strip() for d in (args.devices or "").split(",") if d.strip()]
     device = check_devices([devices[0] if devices else args.device])[0]  # a bad name or a missing GPU: said now
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     settings = GenerateSettings(args.seed, args.outputs, args.steps, args.video_shift, args.audio_shift,

@@ -85,7 +85,11 @@ def sample(
     clean at t = 1, as the release holds keyframes and vLLM-Omni a driving track. A modality the conditioning's
     layout already holds (a long video's driving track or kept clip) comes back with no latents: its holder
     has them.
-    `dit` may be a `parallel.ParallelRunner`: its workers then run this function on their devices."""
+    `dit` may be a `parallel.ParallelRunner`: its workers then run this function on their devices (a bad
+    argument is refused here first: in a worker it would end the runner)."""
+    schedule = DualClockSchedule.build(steps, video_shift, audio_shift, video_sigmas, audio_sigmas, denoise)
+    layout = conditioning.layout
+    kept = kept_latents(init, keep, latent_shape(layout))
     if not isinstance(dit, torch.nn.Module):
         return dit.sample(conditioning, seed, steps, video_shift, audio_shift, video_sigmas, audio_sigmas,
                           callback=callback, offload_adaln=offload_adaln, init=init, denoise=denoise, keep=keep)
@@ -93,9 +97,6 @@ def sample(
     if made_for is not None and TASK_PARTITION.get(task, made_for) != made_for:  # same shapes: it would just run
         raise RequestError(f"A {task} conditioning runs on the {TASK_PARTITION[task]} DiT; this one was loaded as "
                            f"the {made_for} partition.")
-    schedule = DualClockSchedule.build(steps, video_shift, audio_shift, video_sigmas, audio_sigmas, denoise)
-    layout = conditioning.layout
-    kept = kept_latents(init, keep, latent_shape(layout))
     if keep is not None:
         if layout.locked_modality is not None:
             raise ValueError(f"This conditioning already holds its {layout.locked_modality} fixed (a driving track); "
@@ -523,9 +524,12 @@ def generate_batch(
         return []  # every job failed, each reported
     clock = time.perf_counter()
     largest = max((conditionings[n] for n in running), key=lambda c: largest_layout(c).sequence_length)
-    dit, plan, streamer = load_sampling_dit(source, dit_source, partition, settings, loras, largest,
-                                            schedule.steps, notes, lambda done, total: progress("read DiT", done, total),
-                                            reader)
+
+    def load_dit():
+        return load_sampling_dit(source, dit_source, partition, settings, loras, largest, schedule.steps, notes,
+                                 lambda done, total: progress("read DiT", done, total), reader)
+
+    dit, plan, streamer = load_dit()
     timings["load"] = time.perf_counter() - clock
 
     results = []
@@ -575,6 +579,9 @@ def generate_batch(
                 raise
             latents = conditioning = conditionings[number] = None
             _job_failed(names[number], job, error, device, on_failure, notes)
+            if getattr(dit, "closed", False) and number != running[-1]:  # a worker's failure ended the runner
+                notes("the DiT's worker processes stopped with that job; starting them again for the next")
+                dit, plan, streamer = load_dit()
     if dit is not None:  # the last job failed before its DiT was let go
         _release_dit(dit, streamer, device)
     return results
@@ -631,6 +638,9 @@ def check_settings(settings: GenerateSettings) -> int:
         if shift is not None:
             check_shift(shift, name, bounded=True)
     check_devices([settings.device, *settings.devices])
+    kinds = {torch.device(d).type for d in settings.devices}
+    if len(kinds) > 1 or not kinds <= {"cpu", "cuda"}:
+        raise ValueError(f"--devices must be all CUDA devices or all 'cpu'; got {', '.join(map(str, settings.devices))}.")
     if settings.shard_weights and len(settings.devices) < 2:
         raise ValueError("shard_weights splits the DiT's weights over several devices; give them with --devices "
                          "(GenerateSettings.devices), two or more.")

@@ -434,8 +434,10 @@ class RunnerPlacement(Placement):
                 + (adaln_weight_bytes(self.config, dtype_bytes) if adaln is None else adaln))
 
     def load(self) -> int:
-        """Start the workers (if not running: a failed worker stops its runner); returns the bytes estimate."""
-        if self.runner is not None and self.runner.closed:
+        """Start the workers (if not running: a failed worker stops its runner, and one may have died while idle,
+        killed for memory say); returns the bytes estimate."""
+        if self.runner is not None and (self.runner.closed or not all(p.is_alive() for p in self.runner.processes)):
+            self.runner.close()
             self.runner, self.loaded = None, False
         if self.loaded:
             return 0

@@ -11,6 +11,7 @@ import dataclasses
 import gc
 import importlib
 import os
+import signal
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -317,6 +318,11 @@ def test_two_cpu_devices_give_the_single_device_latents_and_unloading_stops_the_
         c.mm.unload_all_models()
         assert placement.runner is None and _gone(processes)
         assert _close(_sample(c, split, cond), expected)  # the next run starts them again
+        died = placement.runner.processes
+        os.kill(died[1].pid, signal.SIGKILL)  # a worker killed while idle (for memory, say)
+        died[1].join()
+        assert _close(_sample(c, split, cond), expected)  # the next run starts them again, not fails
+        assert placement.runner.processes != died and _gone(died)
     lines = [r.getMessage() for r in caplog.records]
     assert any("workers started on cpu, cpu" in line for line in lines), lines
     assert any("workers on cpu, cpu stopped" in line for line in lines), lines

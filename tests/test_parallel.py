@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import multiprocessing
 import os
+import signal
 import types
 
 import pytest
@@ -214,11 +215,54 @@ def test_a_failure_mid_sample_stops_every_worker(references):
         runner.sample(conditioning(False), 3, STEPS)
 
 
-def test_bad_device_lists_are_refused_before_any_process_starts():
+def test_a_killed_worker_is_named_not_the_survivor_it_took_down(references):
+    """A rank killed mid-run (the kernel's out-of-memory killer, say) makes its peer fail in a collective: the
+    error names the killed rank and its signal first."""
+    runner = ParallelRunner(SPEC, ["cpu", "cpu"], threads=1)
+
+    def kill_rank_1(state):
+        if state.step == 1:
+            os.kill(runner.processes[1].pid, signal.SIGKILL)
+
+    with pytest.raises(ParallelWorkerError, match=r"rank 1 on cpu (was killed \(SIGKILL; out of memory\?\)|failed: "
+                                                  r"the worker process exited with code -9)"):
+        runner.sample(conditioning(False), 3, 30, callback=kill_rank_1)
+    assert runner.closed
+    assert_all_gone(runner)
+
+
+def test_bad_sample_arguments_leave_the_runner_running(two_ranks, references):
+    """Checked in the caller, as on one device: in a worker they would end the runner (the model read again)."""
+    for bad, message in ((dict(steps=1), "steps"), (dict(steps=STEPS, video_shift=-1.0), "shift"),
+                         (dict(steps=STEPS, keep="sound"), "keep")):
+        with pytest.raises(ValueError, match=message):
+            sample(two_ranks, conditioning(False), 3, **bad)
+    assert not two_ranks.closed and all(p.is_alive() for p in two_ranks.processes)
+    assert_close(sample(two_ranks, conditioning(False), 3, STEPS), references[False])
+
+
+def test_bad_device_lists_are_refused_before_any_process_starts(monkeypatch, capsys):
+    from h3_core.cli import main as h3
+    from h3_core.parallel import serve_ranks
+
     with pytest.raises(ValueError, match="2 attention heads.*use one of 1, 2 devices"):
         ParallelRunner(ModelSpec(TINY_RANDOM), ["cpu"] * 4)
     with pytest.raises(ValueError, match="all CUDA devices or all 'cpu'"):
         ParallelRunner(SPEC, ["cpu", "cuda:0"])
+    with pytest.raises(ValueError, match="world_size 2 counts ranks on other machines.*give it"):
+        ParallelRunner(SPEC, ["cpu"], world_size=2)  # no rendezvous for them: it would wait forever
+    with pytest.raises(ValueError, match="must be all CUDA devices or all 'cpu'; got cpu, meta"):
+        pipeline.check_settings(pipeline.GenerateSettings(devices=["cpu", "meta"]))  # before any model loads
+    with pytest.raises(ValueError, match="No devices to serve"):
+        serve_ranks(SPEC, [], "tcp://127.0.0.1:1", 2, 1)
+    with pytest.raises(ValueError, match="2 attention heads.*use one of 1, 2 devices"):
+        serve_ranks(ModelSpec(TINY_RANDOM), ["cpu"], "tcp://127.0.0.1:1", 3, 1)
+    assert h3(["generate", "--prompt", "x", "--save-latents", "x.safetensors", "--devices", "cpu"]) == 2
+    assert "h3: error: --devices splits the DiT over two or more devices, got 'cpu'" in capsys.readouterr().err
+    monkeypatch.setattr("h3_core.cli.generate_batch", lambda *a, **k: (_ for _ in ()).throw(
+        ParallelWorkerError("H3 worker rank 1 on cpu failed: RuntimeError: boom")))
+    assert h3(["generate", "--prompt", "x", "--save-latents", "x.safetensors", "--devices", "cpu,cpu"]) == 1
+    assert capsys.readouterr().err == "h3: error: H3 worker rank 1 on cpu failed: RuntimeError: boom\n"  # no traceback
 
 
 def test_sharded_blocks_hold_only_their_shard_between_forwards(references, tmp_path):
@@ -372,3 +416,46 @@ def check_a_served_rank(local: str, served: str, tolerance: float = TOLERANCE) -
 
 def test_ranks_served_from_another_process_join_over_tcp_and_match_one_process():
     check_a_served_rank("cpu", "cpu")
+
+
+def test_a_batch_starts_the_workers_again_after_one_fails(tmp_path, monkeypatch):
+    """A worker failure ends its runner: the batch reports that job (on_failure) and starts the workers again
+    for the next, instead of failing every later job on a closed runner."""
+    import h3_core.parallel as parallel
+
+    made = []
+
+    class FirstFails(ParallelRunner):
+        def __init__(self, spec, devices, *args, **kwargs):
+            if not made:
+                fields = {field.name: getattr(spec, field.name) for field in dataclasses.fields(spec)}
+                spec = FailingSpec(**fields, fail_call=2)
+            made.append(spec)
+            super().__init__(spec, devices, *args, threads=1, **kwargs)
+
+    monkeypatch.setattr(parallel, "ParallelRunner", FirstFails)
+    failed = []
+    jobs = [pipeline.Job(pipeline.Request("t2va", prompt, duration=4), save_latents=tmp_path / f"{n}.safetensors")
+            for n, prompt in enumerate(("a fox", "a cat"))]
+    results = pipeline.generate_batch(jobs, TINY_RANDOM, pipeline.GenerateSettings(steps=3, devices=["cpu", "cpu"]),
+                                      on_failure=lambda name, job, error: failed.append((name, error)))
+    assert [name for name, _ in failed] == ["job 1"] and isinstance(failed[0][1], ParallelWorkerError)
+    assert len(made) == 2 and [r.latents_path for r in results] == [tmp_path / "1.safetensors"]
+    assert (tmp_path / "1.safetensors").exists() and not (tmp_path / "0.safetensors").exists()
+
+
+def test_workers_ignore_ctrl_c_from_their_first_instruction(tmp_path):
+    """Ctrl-C goes to the whole foreground process group: workers still importing torch must not print a
+    KeyboardInterrupt each (the caller stops them), so they start with SIGINT already ignored."""
+    from h3_core.parallel.workers import _Pool, _Setup
+
+    setups = [_Setup(rank, 2, "cpu", "file://" + str(tmp_path / "store"), SPEC, False, 1, os.getpid()) for rank in (0, 1)]
+    pool = _Pool(setups, None)
+    pool.start()
+    try:
+        for process in pool.processes:  # read at once: long before the worker's own code runs
+            ignored = next(line for line in open(f"/proc/{process.pid}/status") if line.startswith("SigIgn:"))
+            assert int(ignored.split()[1], 16) & (1 << (signal.SIGINT - 1)), ignored
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the caller's own is back
+    finally:
+        pool.stop(graceful=False)

@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 
 from ..config import TINY_DIT, DiTConfig
 from ..dit import H3DiT
+from ..placement import check_devices
 from ..sampler import AUDIO_SHIFT, VIDEO_SHIFT, StepState
 from ..tiny import TINY_RANDOM, TINY_SEED, seeded_random_weights
 from . import sequence, sharding
@@ -296,8 +297,17 @@ class _Pool:
         self.stopped = False
 
     def start(self) -> None:
-        for process in self.processes:
-            process.start()
+        """Start the workers with Ctrl-C ignored from their first instruction (an ignored signal stays ignored
+        across exec): it belongs to the caller, which then stops them, and a worker still importing torch would
+        otherwise print a KeyboardInterrupt traceback."""
+        main = threading.current_thread() is threading.main_thread()  # only there can a handler be set
+        before = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            for process in self.processes:
+                process.start()
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, before)
 
     def put(self, *message) -> None:
         self.requests.put(_pack_request(message))
@@ -325,9 +335,16 @@ class _Pool:
 
     def _fail(self, rank: int, device: str, summary: str, worker_traceback: str) -> None:
         late = self._late_reports()
+        killed = [(other, process.exitcode) for other, process in enumerate(self.processes)
+                  if other != rank and process.exitcode is not None and process.exitcode < 0]
         self.stop(graceful=False)
+        cause = ""
+        if killed:  # the report is a survivor's (its collective lost a peer): name the rank that died first
+            other, code = killed[0]
+            cause = (f"H3 worker rank {other} on {self.devices[other]} was killed ({signal.Signals(-code).name}; out "
+                     "of memory?), so ")
         error = ParallelWorkerError(
-            f"H3 worker rank {rank} on {device} failed: {summary}\n"
+            f"{cause}H3 worker rank {rank} on {device} failed: {summary}\n"
             + (f"--- traceback in the worker ---\n{worker_traceback}" if worker_traceback else "")
             + "All workers have been stopped."
         )
@@ -413,6 +430,9 @@ class ParallelRunner:
         world = world_size or len(self.devices)
         if world < len(self.devices):
             raise ValueError(f"world_size {world} is smaller than the {len(self.devices)} local devices.")
+        if world > len(self.devices) and init_method is None:
+            raise ValueError(f"world_size {world} counts ranks on other machines, which meet this runner's "
+                             "through init_method (e.g. tcp://NODE0:29500); give it.")
         check_degree(spec.dit_config(), world)  # a bad degree fails before any process starts
         if threads is None and kinds == {"cpu"}:
             threads = max(1, (os.cpu_count() or 1) // len(self.devices))
@@ -560,9 +580,13 @@ def serve_ranks(
     they take requests from rank 0 over torch.distributed and return when it stops. Exit status: 0, or
     1 if a rank failed (its traceback is printed here; the caller's ranks then wait in a collective
     until their timeout)."""
+    if not devices:
+        raise ValueError("No devices to serve ranks on: give them, e.g. cuda:0,cuda:1.")
+    check_devices(devices)
     if first_rank < 1 or first_rank + len(devices) > world_size:
         raise ValueError(f"Ranks {first_rank}..{first_rank + len(devices) - 1} do not fit a world of {world_size} "
                          "whose rank 0 is the caller's first device.")
+    check_degree(spec.dit_config(), world_size)
     ctx = mp.get_context("spawn")
     setups = [
         _Setup(first_rank + i, world_size, str(torch.device(d)), init_method, spec, shard_weights, None, os.getpid())
