@@ -525,11 +525,11 @@ def generate_batch(
     clock = time.perf_counter()
     largest = max((conditionings[n] for n in running), key=lambda c: largest_layout(c).sequence_length)
 
-    def load_dit():
+    def sampling_dit():
         return load_sampling_dit(source, dit_source, partition, settings, loras, largest, schedule.steps, notes,
                                  lambda done, total: progress("read DiT", done, total), reader)
 
-    dit, plan, streamer = load_dit()
+    dit, plan, streamer = sampling_dit()
     timings["load"] = time.perf_counter() - clock
 
     results = []
@@ -581,7 +581,7 @@ def generate_batch(
             _job_failed(names[number], job, error, device, on_failure, notes)
             if getattr(dit, "closed", False) and number != running[-1]:  # a worker's failure ended the runner
                 notes("the DiT's worker processes stopped with that job; starting them again for the next")
-                dit, plan, streamer = load_dit()
+                dit, plan, streamer = sampling_dit()
     if dit is not None:  # the last job failed before its DiT was let go
         _release_dit(dit, streamer, device)
     return results
