@@ -128,7 +128,7 @@ class TextEncoder:
         called before each decoder layer runs: a host may raise there to stop (an interrupt) without waiting
         for the whole encoder (50 layers of the 32B: tens of seconds when they stream from CPU memory).
         The states of the last few presentations are remembered: the same prompt and media again (another
-        length, canvas or seed of one request) costs no encoder run."""
+        length or canvas of one request, a batch's repeated prompt) costs no encoder run."""
         if not isinstance(presentation, Presentation):
             raise TypeError(
                 f"encode takes a Presentation (see TextEncoder.present), got {type(presentation).__name__}."
