@@ -379,10 +379,11 @@ def test_a_machine_serving_ranks_takes_the_callers_model_options(monkeypatch):
     assert serve.main(argv + ["--shard-weights"]) == 0 and seen["spec"].compile  # compiled sharded blocks too
 
 
-def check_a_served_rank(local: str, served: str, tolerance: float = TOLERANCE) -> None:
+def check_a_served_rank(local: str, served: str, tolerance: float = TOLERANCE, other_options: tuple = ()) -> None:
     """The multi-machine path run on one machine: rank 0 in a runner on `local`, rank 1 on `served` in the
     process tree of `python -m h3_core.parallel` (as on a second machine), meeting at a TCP rendezvous. The
-    result equals one process's on `local`, and the serving side exits cleanly when the runner closes."""
+    result equals one process's on `local`, and the serving side exits cleanly when the runner closes; served
+    with `other_options` than the runner's, both sides refuse, naming the option."""
     import socket
     import subprocess
     import sys
@@ -395,10 +396,16 @@ def check_a_served_rank(local: str, served: str, tolerance: float = TOLERANCE) -
     init_method = f"tcp://127.0.0.1:{port}"
     server = subprocess.Popen(
         [sys.executable, "-m", "h3_core.parallel", "--model", TINY_RANDOM, "--dtype", "fp32", "--attention", "sdpa",
-         "--devices", served, "--init-method", init_method, "--world-size", "2", "--first-rank", "1"],
+         "--devices", served, "--init-method", init_method, "--world-size", "2", "--first-rank", "1", *other_options],
         env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     runner = None
     try:
+        if other_options:
+            with pytest.raises(ParallelWorkerError, match=r"different model options \(attention_window: rank 0 0, rank "
+                                                          r"1 2; attention_window_dense_steps: rank 0 0, rank 1 1\)"):
+                ParallelRunner(spec, [local], init_method=init_method, world_size=2, threads=1)
+            assert server.wait(timeout=120) == 1
+            return
         runner = ParallelRunner(spec, [local], init_method=init_method, world_size=2, threads=1)
         got = sample(runner, conditioning(False), seed=3, steps=STEPS)
         for a, b in ((got.video, expected.video), (got.audio, expected.audio)):
@@ -416,6 +423,12 @@ def check_a_served_rank(local: str, served: str, tolerance: float = TOLERANCE) -
 
 def test_ranks_served_from_another_process_join_over_tcp_and_match_one_process():
     check_a_served_rank("cpu", "cpu")
+
+
+def test_ranks_served_with_other_model_options_are_refused():
+    """Served with an attention window the runner lacks, the ranks would compute another model: refused."""
+    check_a_served_rank("cpu", "cpu", other_options=("--attention-window-lossy", "2",
+                                                     "--attention-window-dense-steps", "1"))
 
 
 def test_a_batch_starts_the_workers_again_after_one_fails(tmp_path, monkeypatch):

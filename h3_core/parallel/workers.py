@@ -202,6 +202,30 @@ def _load(setup: _Setup, device: torch.device, control, weights):
     return dit
 
 
+def _comparable(spec: ModelSpec, shard_weights: bool) -> dict:
+    """What every rank must share of its model options: all but paths (machines may mount the files elsewhere;
+    LoRAs are compared by file name) and the attention kernel (one GPU kind may lack another's)."""
+    options = {field.name: getattr(spec, field.name) for field in dataclasses.fields(spec)}
+    options.update(source=None, attention=None, loras=tuple((os.path.basename(path), strength) for path, strength in spec.loras),
+                   shard_weights=shard_weights, kind=type(spec).__name__)
+    return options
+
+
+def _check_same_options(setup: _Setup, control, config: DiTConfig | None = None) -> None:
+    """Ranks started on other machines (`serve_ranks`) with other options than the caller's would compute another
+    model, or fail in a collective of mismatched sizes: every rank compares its options (then its loaded DiT's
+    config) with rank 0's and all refuse together."""
+    mine = _comparable(setup.spec, setup.shard_weights) if config is None else {"config": config}
+    every = [None] * setup.world
+    dist.all_gather_object(every, mine, group=control)
+    for rank, theirs in enumerate(every):
+        differ = sorted(name for name in every[0] if theirs.get(name) != every[0][name])
+        if differ:
+            shown = "; ".join(f"{name}: rank 0 {every[0][name]!r}, rank {rank} {theirs.get(name)!r}" for name in differ)
+            raise ValueError(f"The ranks were started with different model options ({shown}); start every machine's "
+                             "ranks with the caller's options.")
+
+
 def _portable_rows(state: StepState) -> dict:
     """A step's tensors for a preview, on the CPU (the layout and schedule travel separately)."""
     return {
@@ -221,8 +245,10 @@ def _serve(setup: _Setup, requests, send, interrupt) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=setup.init_method, rank=setup.rank, world_size=setup.world)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    _check_same_options(setup, control)
     weights = dist.new_group() if setup.shard_weights else None  # weight gathers don't queue behind attention
     dit = _load(setup, device, control, weights)
+    _check_same_options(setup, control, dit.config)
     send("ready", setup.rank, dit.config)
 
     from ..pipeline import sample
