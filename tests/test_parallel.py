@@ -472,3 +472,38 @@ def test_workers_ignore_ctrl_c_from_their_first_instruction(tmp_path):
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the caller's own is back
     finally:
         pool.stop(graceful=False)
+
+
+def test_a_killed_caller_leaves_no_worker_and_no_rendezvous_folder(tmp_path):
+    """SIGKILL of the process holding a runner (no finalizer runs): its workers exit and take the private
+    rendezvous folder with them."""
+    import subprocess
+    import sys
+    import time
+
+    script = ("import sys, tempfile, torch\n"
+              "from h3_core.parallel import ModelSpec, ParallelRunner\n"
+              "runner = ParallelRunner(ModelSpec('tiny-random', dtype=torch.float32, attention='sdpa'), ['cpu', 'cpu'], "
+              "threads=1)\n"
+              "print(tempfile.gettempdir(), *(p.pid for p in runner.processes), flush=True)\n"
+              "sys.stdin.read()\n")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    caller = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=env)
+    _, *pids = caller.stdout.readline().split()
+    assert len(pids) == 2 and [p.name for p in tmp_path.iterdir() if p.name.startswith("h3-rendezvous-")]
+    caller.kill()
+    caller.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(p.name.startswith("h3-rendezvous-") for p in tmp_path.iterdir()):
+        time.sleep(0.2)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("h3-rendezvous-")]
+    for pid in map(int, pids):
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"worker {pid} outlived its caller")

@@ -43,6 +43,7 @@ from . import sequence, sharding
 
 # Idle ranks wait for the next request inside a CPU broadcast; it must outlast any pause between requests.
 CONTROL_TIMEOUT = timedelta(days=30)
+RENDEZVOUS_PREFIX = "h3-rendezvous-"  # the private rendezvous folder of a runner's own workers
 
 
 class ParallelWorkerError(RuntimeError):
@@ -155,12 +156,17 @@ class _Stop(Exception):
         self.step = step
 
 
-def _watch_parent(parent: int) -> None:
-    """Exit as soon as the process that started us is gone (killed, crashed): never linger."""
+def _watch_parent(parent: int, init_method: str) -> None:
+    """Exit as soon as the process that started us is gone (killed, crashed): never linger, nor leave the
+    private rendezvous folder it made (it would have removed it on a normal stop)."""
+    store = init_method.removeprefix("file://") if init_method.startswith("file://") else None
+    private = store is not None and os.path.basename(os.path.dirname(store)).startswith(RENDEZVOUS_PREFIX)
 
     def watch():
         while os.getppid() == parent:
             time.sleep(0.5)
+        if private:
+            shutil.rmtree(os.path.dirname(store), ignore_errors=True)
         os._exit(3)
 
     threading.Thread(target=watch, name="h3-parent-watch", daemon=True).start()
@@ -169,7 +175,7 @@ def _watch_parent(parent: int) -> None:
 def _worker(setup: _Setup, requests, results, interrupt) -> None:
     """Process entry point: serve until told to stop; on any failure report it and exit."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the caller, which then stops us
-    _watch_parent(setup.parent)
+    _watch_parent(setup.parent, setup.init_method)
 
     def send(*message) -> None:
         if results is not None:
@@ -464,7 +470,7 @@ class ParallelRunner:
             threads = max(1, (os.cpu_count() or 1) // len(self.devices))
         tempdir = None
         if init_method is None:
-            tempdir = tempfile.mkdtemp(prefix="h3-rendezvous-")
+            tempdir = tempfile.mkdtemp(prefix=RENDEZVOUS_PREFIX)
             init_method = "file://" + os.path.join(tempdir, "store")
         setups = [
             _Setup(rank, world, str(device), init_method, spec, shard_weights, threads, os.getpid())
