@@ -87,16 +87,16 @@ def sample(
     has them.
     `dit` may be a `parallel.ParallelRunner`: its workers then run this function on their devices (a bad
     argument is refused here first: in a worker it would end the runner)."""
+    made_for, task = getattr(dit, "partition", None), getattr(conditioning, "task", None)
+    if made_for is not None and TASK_PARTITION.get(task, made_for) != made_for:  # same shapes: it would just run
+        raise RequestError(f"A {task} conditioning runs on the {TASK_PARTITION[task]} DiT; this one was loaded as "
+                           f"the {made_for} partition.")
     schedule = DualClockSchedule.build(steps, video_shift, audio_shift, video_sigmas, audio_sigmas, denoise)
     layout = conditioning.layout
     kept = kept_latents(init, keep, latent_shape(layout))
     if not isinstance(dit, torch.nn.Module):
         return dit.sample(conditioning, seed, steps, video_shift, audio_shift, video_sigmas, audio_sigmas,
                           callback=callback, offload_adaln=offload_adaln, init=init, denoise=denoise, keep=keep)
-    made_for, task = getattr(dit, "partition", None), getattr(conditioning, "task", None)
-    if made_for is not None and TASK_PARTITION.get(task, made_for) != made_for:  # same shapes: it would just run
-        raise RequestError(f"A {task} conditioning runs on the {TASK_PARTITION[task]} DiT; this one was loaded as "
-                           f"the {made_for} partition.")
     if keep is not None:
         if layout.locked_modality is not None:
             raise ValueError(f"This conditioning already holds its {layout.locked_modality} fixed (a driving track); "

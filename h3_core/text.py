@@ -116,6 +116,12 @@ class TextEncoder:
         """`Presenter.present`: the request as Qwen3-VL reads it (no model needed)."""
         return self.presenter.present(task, prompt, keyframes, references)
 
+    def forget(self) -> "TextEncoder":
+        """Drop the remembered prompt states: the next `encode` of any prompt runs the model (tests comparing two
+        placements of one encoder use it)."""
+        self._remembered.clear()
+        return self
+
     def remembers(self, presentation: Presentation) -> bool:
         """Whether `encode` has this presentation's states at hand (one of the last `REMEMBERED_PROMPTS`
         encoded): then it runs no model, and a host need not load the encoder for it."""

@@ -347,7 +347,7 @@ def test_the_encoder_remembers_recent_prompts(tiny_text, video_vaes, monkeypatch
     """The same prompt and pictures at another length or canvas run no encoder (their states are bitwise
     what a run gives); another prompt or picture does; a host hears before any model runs whether it will."""
     encoder = tiny_text["encoder"]
-    encoder._remembered.clear()
+    encoder.forget()
     runs, told = [], []
     run = encoder._run
     monkeypatch.setattr(encoder, "_run", lambda *args: runs.append(1) or run(*args))
@@ -363,7 +363,7 @@ def test_the_encoder_remembers_recent_prompts(tiny_text, video_vaes, monkeypatch
     encode(Request("fl2va", PROMPT + " Rain.", first_image=first, duration=5.0))
     encode(Request("fl2va", PROMPT, first_image=picture(100, 70, 1), duration=5.0))  # another picture
     assert len(runs) == 3 and told[2:] == [True, True]
-    encoder._remembered.clear()
+    encoder.forget()
     fresh = encode(Request("fl2va", PROMPT, first_image=first, duration=8.0))
     assert len(runs) == 4 and torch.equal(fresh.text_states, short.text_states)
     for prompt in ("a", "b", "c", "d"):  # four others push the first out

@@ -413,7 +413,7 @@ def test_a_small_text_encoder_budget_streams_its_layers_with_the_resident_condit
     assert any("H3 text encoder (tiny-random) unloaded" in line and "layer streaming removed" in line
                for line in lines), lines
 
-    text.encoder._remembered.clear()  # the same prompt again would need no encoder at all
+    text.encoder.forget()  # the same prompt again would need no encoder at all
     again = _encode(c, text, vae)  # the next prompt streams again
     assert _layers_hooked(text.encoder) and torch.equal(again.text_states, expected.text_states)
 
@@ -654,7 +654,7 @@ def test_a_text_encoder_unloaded_without_cpu_room_lets_go_instead(comfy, monkeyp
     assert encoder.model is None and not placement.loaded
     monkeypatch.setattr(runtime, "host_memory_available", lambda: 1 << 50)
     placement.load()
-    assert torch.equal(encoder.encode(presentation).prompt_embeds, expected)
+    assert torch.equal(encoder.forget().encode(presentation).prompt_embeds, expected)  # read again, run again
 
 
 def test_h3_generate_notes_a_dit_bigger_than_the_available_cpu_memory(tmp_path, monkeypatch):

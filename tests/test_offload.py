@@ -215,7 +215,7 @@ def test_text_encoder_layers_visit_the_device_one_at_a_time():
     expected = encoder.encode(presentation).prompt_embeds
     layers = encoder.model.language_model.layers
     homes = [p.data_ptr() for p in layers.parameters()]
-    encoder.stream_layers("cpu")
+    encoder.stream_layers("cpu").forget()  # run again, not remembered
     got = encoder.encode(presentation).prompt_embeds
     assert torch.equal(expected, got)
     assert encoder._visits.visits == len(layers) == 50
@@ -237,7 +237,7 @@ def test_text_encoder_layers_spread_over_devices():
     layers = encoder.model.language_model.layers
     encoder.spread_layers(["cpu", "cpu", "cpu"], [20, 0, 30])
     assert [i for i, layer in enumerate(layers) if layer._forward_pre_hooks] == list(range(20, 50))
-    assert torch.equal(expected, encoder.encode(presentation).prompt_embeds)
+    assert torch.equal(expected, encoder.forget().encode(presentation).prompt_embeds)
     for counts in ([20, 20], [25, 26], [-1, 51]):
         with pytest.raises(ValueError, match="one layer count .* 50 layers in all"):
             encoder.spread_layers(["cpu", "cpu"], counts)

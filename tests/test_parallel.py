@@ -464,13 +464,15 @@ def test_workers_ignore_ctrl_c_from_their_first_instruction(tmp_path):
 
     setups = [_Setup(rank, 2, "cpu", "file://" + str(tmp_path / "store"), SPEC, False, 1, os.getpid()) for rank in (0, 1)]
     pool = _Pool(setups, None)
-    pool.start()
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive caller has it (CI's
+    pool.start()                                                       # background run ignores it from the start)
     try:
         for process in pool.processes:  # read at once: long before the worker's own code runs
             ignored = next(line for line in open(f"/proc/{process.pid}/status") if line.startswith("SigIgn:"))
             assert int(ignored.split()[1], 16) & (1 << (signal.SIGINT - 1)), ignored
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the caller's own is back
     finally:
+        signal.signal(signal.SIGINT, before)
         pool.stop(graceful=False)
 
 

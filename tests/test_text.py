@@ -196,12 +196,10 @@ def test_between_layers_runs_before_each_decoder_layer_and_can_stop_the_encode(e
     presentation = encoder.presenter.t2va(PROMPT)
     layers = encoder.model.language_model.layers
     calls = []
-    encoder._remembered.clear()  # a prompt it remembers runs no layer
-    got = encoder.encode(presentation, lambda: calls.append(len(calls)))
+    got = encoder.forget().encode(presentation, lambda: calls.append(len(calls)))  # a remembered prompt runs no layer
     assert len(calls) == len(layers) > 1
-    encoder._remembered.clear()
-    assert torch.equal(got.prompt_embeds, encoder.encode(presentation).prompt_embeds)
-    encoder._remembered.clear()
+    assert torch.equal(got.prompt_embeds, encoder.forget().encode(presentation).prompt_embeds)
+    encoder.forget()
 
     class Stop(Exception):
         pass
@@ -555,7 +553,7 @@ def test_an_int8_convrot_single_file_stays_int8(tiny, encoder, tmp_path):
     assert torch.equal(got, dequantized.encode(presentation).prompt_embeds)
     expected = encoder.encode(presentation).prompt_embeds
     assert torch.nn.functional.cosine_similarity(got.flatten(), expected.flatten(), dim=0) > 0.999
-    assert torch.equal(loaded.stream_layers("cpu").encode(presentation).prompt_embeds, got)  # int8 layers visit too
+    assert torch.equal(loaded.stream_layers("cpu").forget().encode(presentation).prompt_embeds, got)  # int8 layers visit too
 
 
 def test_an_fp8_scaled_text_encoder_stays_fp8(tiny, encoder, tmp_path):
@@ -599,7 +597,7 @@ def test_a_quantized_text_encoder_on_the_gpu_resident_and_streamed(tiny, tmp_pat
     assert weight.device.type == "cuda" and weight.dtype == (torch.int8 if kind == "int8_convrot" else torch.uint8)
     relative = lambda got: ((got.cpu() - expected).norm() / expected.norm()).item()  # noqa: E731
     assert relative(on_gpu.encode(presentation).prompt_embeds) < 1e-3  # float32 through 50 layers, GPU kernels
-    streamed = on_cpu.stream_layers("cuda").encode(presentation).prompt_embeds
+    streamed = on_cpu.stream_layers("cuda").forget().encode(presentation).prompt_embeds
     assert relative(streamed) < 1e-3
     assert on_cpu.model.language_model.layers[0].mlp.down_proj.weight.device.type == "cpu"  # the layers stay home
 
@@ -647,7 +645,7 @@ def test_an_nvfp4_awq_file_stays_nvfp4(tiny, encoder, tmp_path):
     got = loaded.encode(presentation).prompt_embeds
     want = folded.encode(presentation).prompt_embeds
     assert ((got - want).norm() / want.norm()).item() < 1e-5  # float32: x * s then W, against x then W * s
-    assert torch.equal(loaded.stream_layers("cpu").encode(presentation).prompt_embeds, got)
+    assert torch.equal(loaded.stream_layers("cpu").forget().encode(presentation).prompt_embeds, got)
 
     bf16 = load_text_encoder(path, torch.bfloat16, tokenizer=tiny["partition"], config=tiny["config"])
     down = bf16.model.language_model.layers[3].mlp.down_proj
