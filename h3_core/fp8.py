@@ -119,8 +119,13 @@ def hadamard_signs(size: int, device: torch.device | None = None) -> torch.Tenso
     return _build_signs(size, device) if torch.compiler.is_compiling() else _cached_signs(size, device)
 
 
+def is_rotation_group(size) -> bool:
+    """A ConvRot group size: an integer power of 4 (4, 16, 64, 256, ...)."""
+    return isinstance(size, int) and not isinstance(size, bool) and size >= 4 and 4 ** round(math.log(size, 4)) == size
+
+
 def check_rotation_group(size: int) -> None:
-    if size < 4 or 4 ** round(math.log(size, 4)) != size:
+    if not is_rotation_group(size):
         raise ValueError(f"A ConvRot group is a power of 4 (4, 16, 64, 256, ...); got {size}.")
 
 
@@ -442,14 +447,10 @@ def layer_formats(handle, keys: dict[str, str], path: Path, rename: Callable[[st
         params = conf.get("params") if isinstance(conf.get("params"), dict) else {}  # ComfyUI reads either place
         if fmt in (INT8_FORMAT, INT4_FORMAT):
             rotated = fmt == INT4_FORMAT or conf.get("convrot", params.get("convrot", False))
-            group = conf.get("convrot_groupsize", params.get("convrot_groupsize", 256)) if rotated else 0
-            rotation = group if isinstance(group, int) and not isinstance(group, bool) else -1
-            if rotated:  # a group of 0 read as "not rotated" gave unrelated weights
-                try:
-                    check_rotation_group(rotation)
-                except ValueError:
-                    raise CheckpointError(f"{path.name} rotates '{layer}' in groups of {group!r}; ConvRot groups "
-                                          "are powers of 4.") from None
+            rotation = conf.get("convrot_groupsize", params.get("convrot_groupsize", 256)) if rotated else 0
+            if rotated and not is_rotation_group(rotation):  # a group of 0 read as "not rotated" gave unrelated weights
+                raise CheckpointError(f"{path.name} rotates '{layer}' in groups of {rotation!r}; ConvRot groups "
+                                      "are powers of 4.")
             formats[layer] = (torch.int8, rotation, fmt == INT4_FORMAT)
             continue
         if fmt not in FP8_FORMATS:
