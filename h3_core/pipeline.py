@@ -637,10 +637,9 @@ def check_settings(settings: GenerateSettings) -> int:
     for name, shift in (("video_shift (--video-shift)", settings.video_shift), ("audio_shift (--audio-shift)", settings.audio_shift)):
         if shift is not None:
             check_shift(shift, name, bounded=True)
-    check_devices([settings.device, *settings.devices])
-    kinds = {torch.device(d).type for d in settings.devices}
-    if len(kinds) > 1 or not kinds <= {"cpu", "cuda"}:
-        raise ValueError(f"--devices must be all CUDA devices or all 'cpu'; got {', '.join(map(str, settings.devices))}.")
+    check_devices([settings.device])
+    if settings.devices:
+        check_devices(settings.devices, split=True)
     if settings.shard_weights and len(settings.devices) < 2:
         raise ValueError("shard_weights splits the DiT's weights over several devices; give them with --devices "
                          "(GenerateSettings.devices), two or more.")

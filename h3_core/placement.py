@@ -389,12 +389,18 @@ def _host_main_hidden():
         main.__dict__.update(saved)
 
 
-def check_devices(devices) -> list[torch.device]:
-    """`devices` as torch devices, each one that exists here (a missing GPU is named before anything runs)."""
+def check_devices(devices, split: bool = False) -> list[torch.device]:
+    """`devices` as torch devices, each one that exists here (a missing GPU is named before anything runs).
+    `split`: the devices a DiT is split over, whose worker processes share one collective backend: at least one,
+    all CUDA or all 'cpu'."""
     try:
         devices = [torch.device(d) for d in devices]
     except RuntimeError:
         raise ValueError(f"{', '.join(map(str, devices))}: not device names such as cpu, cuda or cuda:1.") from None
+    kinds = {device.type for device in devices}
+    if split and (len(kinds) != 1 or not kinds <= {"cpu", "cuda"}):
+        raise ValueError(f"Devices to split the DiT over must be all CUDA devices or all 'cpu'; got "
+                         f"{', '.join(map(str, devices)) or 'none'}.")
     for device in devices:
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"{device} does not exist here: this machine has {torch.cuda.device_count()} CUDA "
@@ -411,7 +417,7 @@ class RunnerPlacement(Placement):
     `loras`: the adapters every worker hooks in (dynamic) for the runs that follow."""
 
     def __init__(self, name: str, spec, devices, shard_weights: bool = False, offload_device="cpu"):
-        devices = check_devices(devices)
+        devices = check_devices(devices, split=True)
         if len(devices) < 2:
             raise ValueError(f"Splitting the DiT needs two or more devices, got {[str(d) for d in devices]}.")
         self.spec, self.devices, self.shard_weights = spec, devices, shard_weights

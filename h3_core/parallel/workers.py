@@ -455,10 +455,7 @@ class ParallelRunner:
         threads: int | None = None,
     ):
         self.spec = spec
-        self.devices = [torch.device(d) for d in devices]
-        kinds = {d.type for d in self.devices}
-        if not self.devices or len(kinds) != 1 or not kinds <= {"cpu", "cuda"}:
-            raise ValueError(f"Devices must be all CUDA devices or all 'cpu', at least one; got {[str(d) for d in devices]}.")
+        self.devices = check_devices(devices, split=True)
         world = world_size or len(self.devices)
         if world < len(self.devices):
             raise ValueError(f"world_size {world} is smaller than the {len(self.devices)} local devices.")
@@ -466,7 +463,7 @@ class ParallelRunner:
             raise ValueError(f"world_size {world} counts ranks on other machines, which meet this runner's "
                              "through init_method (e.g. tcp://NODE0:29500); give it.")
         check_degree(spec.dit_config(), world)  # a bad degree fails before any process starts
-        if threads is None and kinds == {"cpu"}:
+        if threads is None and self.devices[0].type == "cpu":
             threads = max(1, (os.cpu_count() or 1) // len(self.devices))
         tempdir = None
         if init_method is None:
@@ -614,7 +611,7 @@ def serve_ranks(
     until their timeout)."""
     if not devices:
         raise ValueError("No devices to serve ranks on: give them, e.g. cuda:0,cuda:1.")
-    check_devices(devices)
+    check_devices(devices, split=True)
     if first_rank < 1 or first_rank + len(devices) > world_size:
         raise ValueError(f"Ranks {first_rank}..{first_rank + len(devices) - 1} do not fit a world of {world_size} "
                          "whose rank 0 is the caller's first device.")
