@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import hashlib
 import json
 import re
 from collections.abc import Sequence
@@ -133,6 +134,19 @@ class Presentation:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @functools.cached_property
+    def digest(self) -> bytes:
+        """Everything the encoder reads of this presentation (tokens, tags, pixel tensors), hashed once: the key
+        of the prompt states a text encoder remembers."""
+        digest = hashlib.blake2b(digest_size=20)
+        digest.update(f"{self.task}:{self.image_token_id}:{self.video_token_id};".encode())
+        for name, tensor in [("input_ids", self.input_ids), ("token_tags", self.token_tags),
+                             *sorted(self.vision_inputs.items())]:
+            tensor = tensor.detach().contiguous().cpu().reshape(-1)
+            digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+            digest.update(tensor.view(torch.uint8).numpy().data)
+        return digest.digest()
 
     @property
     def mm_token_type_ids(self) -> torch.Tensor:

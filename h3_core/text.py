@@ -21,7 +21,6 @@ requests) and `release()` drops it. The DiT casts the embeddings to its own dtyp
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -72,19 +71,6 @@ class TextConditioning:
 REMEMBERED_PROMPTS = 4  # prompt states kept by each encoder ([1, T, 5120] each: a few MB to tens of MB)
 
 
-def _presentation_key(presentation: Presentation) -> bytes:
-    """A digest of everything the encoder reads of a presentation: its tokens, tags and pixel tensors."""
-    digest = hashlib.blake2b(digest_size=20)
-    digest.update(f"{presentation.task}:{presentation.image_token_id}:{presentation.video_token_id};".encode())
-    named = [("input_ids", presentation.input_ids), ("token_tags", presentation.token_tags),
-             *sorted(presentation.vision_inputs.items())]
-    for name, tensor in named:
-        tensor = tensor.detach().contiguous().cpu().reshape(-1)
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
-        digest.update(tensor.view(torch.uint8).numpy().data)
-    return digest.digest()
-
-
 class TextEncoder:
     """Qwen3-VL truncated after decoder layer `layer`, with the presenter that feeds it.
 
@@ -125,7 +111,7 @@ class TextEncoder:
     def remembers(self, presentation: Presentation) -> bool:
         """Whether `encode` has this presentation's states at hand (one of the last `REMEMBERED_PROMPTS`
         encoded): then it runs no model, and a host need not load the encoder for it."""
-        return _presentation_key(presentation) in self._remembered
+        return presentation.digest in self._remembered
 
     @torch.no_grad()
     def encode(self, presentation: Presentation, between_layers: Callable[[], None] | None = None
@@ -139,7 +125,7 @@ class TextEncoder:
             raise TypeError(
                 f"encode takes a Presentation (see TextEncoder.present), got {type(presentation).__name__}."
             )
-        key = _presentation_key(presentation)
+        key = presentation.digest
         if key in self._remembered:
             self._remembered.move_to_end(key)
             return self._remembered[key]
