@@ -347,28 +347,37 @@ class LongConditioning:
 
 def encode_long_video(
     request: LongVideoRequest, text_encoder, video_vae=None, audio_vae=None, *, rules: CanvasRules = RELEASE_CANVAS,
-    between_calls: Callable[[], None] | None = None,
+    between_calls: Callable[[], None] | None = None, before_models: Callable[[bool], None] | None = None,
 ) -> LongConditioning:
     """Validate, then encode every distinct prompt, the references (once) and the driving track (once).
     `between_calls` is called between model calls and the text encoder's layers: a host may raise there to
-    stop (an interrupt)."""
+    stop (an interrupt). `before_models` is called once before any model runs, with whether the text encoder
+    will run for any prompt (False: it remembers them all), so a host places only the models that run."""
     plan = validate_long_video(request, rules)
     if request.drive_audio is not None and audio_vae is None:
         raise RequestError(f"A driving audio track is encoded by the audio VAE{NO_VAE}")
-    on_stage = None if between_calls is None else (lambda done, total: between_calls())
-    first = encode_request(plan.first, text_encoder, video_vae, audio_vae, rules=rules, on_stage=on_stage)
-    texts = {plan.prompts[0]: (first.text_states, first.text_tags)}
-    if len(set(plan.prompts)) > 1:
+    others = [prompt for prompt in dict.fromkeys(plan.prompts) if prompt != plan.prompts[0]]
+    presented = {}
+    if others:
         checked = plan.first_plan
         shown = [
             prepare_reference(reference, checked.num_frames, checked.reference_rules,
                               f"references[{i}]").for_presentation()
             for i, reference in enumerate(checked.references)
         ]
-        for prompt in plan.prompts:
-            if prompt not in texts:
-                encoded = text_encoder.encode(text_encoder.present(plan.task, prompt, (), shown), between_calls)
-                texts[prompt] = (encoded.prompt_embeds, encoded.token_tags)
+        presented = {prompt: text_encoder.present(plan.task, prompt, (), shown) for prompt in others}
+
+    def placing(first_runs: bool) -> None:  # nothing new is remembered before this, so nothing is forgotten
+        if before_models is not None:
+            before_models(first_runs or not all(map(text_encoder.remembers, presented.values())))
+
+    on_stage = None if between_calls is None else (lambda done, total: between_calls())
+    first = encode_request(plan.first, text_encoder, video_vae, audio_vae, rules=rules, on_stage=on_stage,
+                           before_models=placing)
+    texts = {plan.prompts[0]: (first.text_states, first.text_tags)}
+    for prompt, presentation in presented.items():
+        encoded = text_encoder.encode(presentation, between_calls)
+        texts[prompt] = (encoded.prompt_embeds, encoded.token_tags)
     drive = None
     if request.drive_audio is not None:
         if between_calls is not None:

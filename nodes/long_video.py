@@ -177,11 +177,12 @@ class H3Continuation(io.ComfyNode):
             given, kept,
         )
         validate_long_video(request, text_encoder.canvas)  # every limit and the plan, before any model moves
-        place_for_encoding(text_encoder, vae)
         with freed_on_failure(device()):
             cond = encode_long_video(request, text_encoder.encoder, None if vae is None else vae.video,
                                      None if vae is None else vae.audio, rules=text_encoder.canvas,
-                                     between_calls=check_interrupt)
+                                     between_calls=check_interrupt,
+                                     before_models=lambda text: place_for_encoding(text_encoder if text else None,
+                                                                                   vae))
 
         dit = model.dit
         contracts = [lora.contract for lora, _ in model.loras if lora.contract is not None]

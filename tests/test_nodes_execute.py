@@ -624,6 +624,35 @@ def test_continuation_stops_inside_the_text_encoder_on_interrupt(comfy):
     assert ran == [] and all(not layer._forward_pre_hooks for layer in layers)
 
 
+def test_continuation_places_the_text_encoder_only_for_prompts_it_does_not_remember(comfy):
+    """H3 Continuation run again (another seed) with its window prompts: every prompt's states are remembered,
+    so the text encoder is neither placed nor run; a new window prompt places it again."""
+    c = comfy
+    model, text, vae = _models(c)
+    continuation = importlib.import_module("nodes.long_video").H3Continuation
+    args = ("t2va", 8.0, "continuation", 107, 22)
+    rest = (2, 0.0, 0.0, "auto", 0, 0)
+    first = continuation.execute(model, text, "a fox on a beach", *args, 3, *rest,
+                                 window_prompts="a fox on a beach\nthe fox swims")
+    encoder = "H3 text encoder (tiny-random)"
+    assert encoder in c.record.loaded[-2][0]  # then the DiT
+    layers = text.encoder.model.language_model.layers
+    ran = []
+    hook = layers[0].register_forward_hook(lambda module, args, output: ran.append(module))
+    try:
+        before = len(c.record.loaded)
+        again = continuation.execute(model, text, "a fox on a beach", *args, 4, *rest,
+                                     window_prompts="a fox on a beach\nthe fox swims")
+        assert ran == [] and not any(encoder in names for names, _ in c.record.loaded[before:])
+        assert not torch.equal(again.values[0]["video"], first.values[0]["video"])  # another seed, sampled anew
+        before = len(c.record.loaded)
+        continuation.execute(model, text, "a fox on a beach", *args, 4, *rest,
+                             window_prompts="a fox on a beach\nthe fox dives")
+        assert len(ran) == 1 and encoder in c.record.loaded[before][0]  # only the new prompt ran
+    finally:
+        hook.remove()
+
+
 def test_continuation_extends_a_sampled_clip(comfy):
     c = comfy
     model, text, vae = _models(c)
