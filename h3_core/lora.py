@@ -51,18 +51,20 @@ from .keymap import deinterleave_qkv
 from .lora_formats import (
     LIGHTX2V_NAME,
     PARTITIONS,
+    TASKS,
     TASKS_OF_PARTITION,
     LoRAError,
     ParsedLoRA,
     Term,
+    adapter_stem,
     parse_lora,
     read_safetensors,
 )
-from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule
+from .sampler import AUDIO_SHIFT, MAX_STEPS, VIDEO_SHIFT, DualClockSchedule
 
 __all__ = [
     "LoRA", "LoRAError", "LoRAReport", "SamplerSettings", "TurboContract",
-    "applied_loras", "apply_loras", "load_lora", "remove_loras", "sampler_settings",
+    "applied_contracts", "applied_loras", "apply_loras", "load_lora", "remove_loras", "sampler_settings",
 ]
 
 logger = logging.getLogger(__name__)
@@ -100,6 +102,11 @@ class TurboContract:
     base_sigmas: tuple[float, ...] | None = None
     tasks: tuple[str, ...] = ()  # empty: the release does not say
 
+    def __post_init__(self):
+        if not 2 <= self.steps <= MAX_STEPS:
+            raise LoRAError(f"{self.artifact} names a schedule of {self.steps - 1} model calls (from its "
+                            f"{self.identified_by}); a schedule makes 1 to {MAX_STEPS - 1}.")
+
     @property
     def forwards(self) -> int:
         return self.steps - 1
@@ -134,15 +141,32 @@ def shifted(base: tuple[float, ...], shift: float) -> tuple[float, ...]:
 def identify_contract(path: Path, metadata: dict[str, str]) -> tuple[TurboContract | None, list[str]]:
     """The published release a file is, from its metadata, name or folder; (contract or None, notes)."""
     notes = []
-    name = path.name.removesuffix(".safetensors")
+    name = adapter_stem(path)
+    named, named_notes = _contract_of_name(path, name)
     base = metadata.get("base_schedule")
-    if base is not None:
-        ladder = _parse_ladder(base)
-        tasks = tuple(t.strip().lower() for t in metadata.get("tasks", "").split(",") if t.strip())
-        artifact = name or "adapter"
-        if name == FLASHGEN_FILE and not tasks:
-            tasks = ("t2va",)
-        return TurboContract(artifact, "metadata", len(ladder), base_sigmas=ladder, tasks=tasks), notes
+    if base is None:
+        return named, named_notes
+    ladder = _parse_ladder(base)
+    tasks = tuple(t.strip().lower() for t in metadata.get("tasks", "").split(",") if t.strip())
+    unknown = [task for task in tasks if task not in TASKS]
+    if unknown:
+        raise LoRAError(f"{path.name}'s metadata names task(s) {', '.join(map(repr, unknown))} in 'tasks'; "
+                        f"H3's tasks are {', '.join(TASKS)}.")
+    if named is not None:
+        if not tasks:
+            tasks = named.tasks  # the name still says which DiT it was made for
+        elif named.tasks and not set(tasks) & set(named.tasks):
+            notes.append(f"its metadata names tasks {'/'.join(tasks)}, its file name {'/'.join(named.tasks)}: the "
+                         "metadata's are used")
+        if named.steps != len(ladder):
+            notes.append(f"its file name says {named.forwards} model calls, its metadata's base_schedule "
+                         f"{len(ladder) - 1}: the metadata's ladder is used")
+    return TurboContract(name or "adapter", "metadata", len(ladder), base_sigmas=ladder, tasks=tasks), notes
+
+
+def _contract_of_name(path: Path, name: str) -> tuple[TurboContract | None, list[str]]:
+    """The published release a file's name (or folder) says it is; (contract or None, notes)."""
+    notes = []
     match = LIGHTX2V_NAME.fullmatch(name)
     if match:
         forwards, version, tags = int(match.group("steps")), match.group("version"), match.group("tags")
@@ -167,7 +191,8 @@ def _parse_ladder(raw: str) -> tuple[float, ...]:
         values = tuple(float(v) for v in str(raw).replace("[", "").replace("]", "").split(",") if v.strip())
     except ValueError:
         raise LoRAError(f"The file's base_schedule {raw!r} is not a comma-separated list of numbers.") from None
-    if len(values) < 2 or values[-1] != 0.0 or values[0] > 1.0 or any(a <= b for a, b in pairwise(values)):
+    if (len(values) < 2 or not all(map(math.isfinite, values)) or values[-1] != 0.0 or values[0] > 1.0
+            or any(a <= b for a, b in pairwise(values))):
         raise LoRAError(f"The file's base_schedule {list(values)} must be strictly decreasing from at most 1.0 to 0.0.")
     return values
 
@@ -198,7 +223,7 @@ class LoRA:
         if partition not in PARTITIONS:
             raise LoRAError(f"partition must be one of {', '.join(PARTITIONS)}, got {partition!r}.")
         contract = self.contract
-        if contract is not None and contract.tasks and not set(contract.tasks) <= set(TASKS_OF_PARTITION[partition]):
+        if contract is not None and contract.tasks and not set(contract.tasks) & set(TASKS_OF_PARTITION[partition]):
             raise LoRAError(
                 f"{self.name} was distilled for {'/'.join(contract.tasks)} (from its {contract.identified_by}), which runs on "
                 f"the {contract.partition or 'other'} DiT, not on {partition}. Load it on a {contract.partition} model, "
@@ -278,6 +303,10 @@ def _resolve(model: nn.Module, lora: LoRA, term: Term, strength: float, weights:
     try:
         module = model.get_submodule(term.target)
     except AttributeError:
+        if getattr(getattr(model, "config", None), "curve_form", False) and term.target.startswith("time_embedder."):
+            raise LoRAError(f"{what} targets '{term.target}', but this model is a pruned (curve-form) checkpoint, "
+                            "which has no time embedder (a sampled curve of the AdaLN input replaces it): use the "
+                            "adapter with the full checkpoint.") from None
         raise LoRAError(f"{what} targets '{term.target}', which this model does not have (it has "
                         f"{len(getattr(model, 'blocks', []))} blocks); the LoRA was made for a different model size.") from None
     if not isinstance(module, (*LINEARS, nn.RMSNorm)):
@@ -450,15 +479,15 @@ def apply_loras(
         notes = list(lora.notes)
         if len(lora.parts) > 1:
             notes.append(f"layers for {', '.join(p for p in lora.parts if p != partition)} not applied (file holds both partitions)")
-        if lora.contract is not None:
-            report.contracts.append(lora.contract)
-        else:
+        if lora.contract is None:
             report.warnings.append(f"{lora.name}: no schedule found in its metadata or name; applied as a plain LoRA")
+        elif float(strength) != 0.0:
+            report.contracts.append(lora.contract)
         modules = {t.target for t in terms}
         report.loras.append(AppliedLoRA(lora.name, lora.format, float(strength), len(modules), lora.alpha_summary,
                                         lora.contract, notes))
         if float(strength) == 0.0:
-            notes.append("strength 0: nothing applied")
+            notes.append("strength 0: nothing applied" + (", its schedule not used" if lora.contract else ""))
             continue
         for term in terms:
             resolved = _resolve(model, lora, term, float(strength))
@@ -488,9 +517,17 @@ def check_loras(model, loras: Sequence[tuple[LoRA, float]], partition: str) -> N
         with torch.device("meta"):
             model = H3DiT(model)
     for lora, strength in loras:
+        if not math.isfinite(float(strength)):
+            raise LoRAError(f"Strength of {lora.name} must be a finite number, got {strength!r}.")
         terms = lora.terms_for(partition)  # an adapter for the other partition is refused whatever its strength
         for term in terms if float(strength) != 0.0 else ():
             _resolve(model, lora, term, float(strength), weights=False)
+
+
+def applied_contracts(loras: Sequence[tuple[LoRA, float]]) -> list[TurboContract]:
+    """The Turbo contracts of the adapters in (LoRA, strength) pairs that act: strength 0 switches an adapter
+    off, its schedule too (as a ComfyUI user turns a LoRA off)."""
+    return [lora.contract for lora, strength in loras if lora.contract is not None and float(strength) != 0.0]
 
 
 def _summed_delta(param: torch.Tensor, resolved: list[_Resolved]) -> torch.Tensor:
@@ -509,21 +546,46 @@ def _merge(by_module: dict, backup: bool) -> _Application:
         raise LoRAError(f"'{stored[0]}' holds FP8 / int8 / int4 / NVFP4 weights, which a LoRA cannot be merged into "
                         "without quantizing again; apply it dynamically (as ComfyUI's LoRA node does), or load with "
                         "linears 'dense'.")
-    entries = []
-    for (_, param_name), resolved in by_module.items():
-        param = getattr(resolved[0].module, param_name)
-        saved = param.detach().to("cpu", copy=True) if backup else None
-        param.copy_((param.float() + _summed_delta(param, resolved)).to(param.dtype))
-        entries.append((resolved[0].module, param_name, None if backup else resolved, saved))
-    return _Application("merge", entries, [])
+    application = _Application("merge", [], [])
+    try:
+        for (_, param_name), resolved in by_module.items():
+            param = getattr(resolved[0].module, param_name)
+            saved = param.detach().to("cpu", copy=True) if backup else None
+            merged = (param.float() + _summed_delta(param, resolved)).to(param.dtype)
+            param.copy_(merged)
+            application.entries.append((resolved[0].module, param_name, None if backup else resolved, saved))
+    except BaseException:  # out of memory part way, say: the parameters done so far go back
+        _undo(application)
+        raise
+    return application
 
 
 def _hook(by_module: dict, backup: bool) -> _Application:
     grouped: dict[nn.Module, list[_Resolved]] = {}
     for resolved in by_module.values():
         grouped.setdefault(resolved[0].module, []).extend(resolved)
-    handles = [module.register_forward_hook(_DeltaHook(module, resolved)) for module, resolved in grouped.items()]
-    return _Application("dynamic", handles, [])
+    application = _Application("dynamic", [], [])
+    try:
+        for module, resolved in grouped.items():
+            application.entries.append(module.register_forward_hook(_DeltaHook(module, resolved)))
+    except BaseException:  # a factor that did not fit on the device, say: no hook stays behind
+        _undo(application)
+        raise
+    return application
+
+
+def _undo(application: _Application) -> None:
+    """Take one application's hooks off, or its merged deltas out, newest first."""
+    if application.mode == "dynamic":
+        for handle in application.entries:
+            handle.remove()
+        return
+    for module, param_name, resolved, saved in reversed(application.entries):
+        param = getattr(module, param_name)
+        if saved is not None:
+            param.copy_(saved.to(param.device))
+        else:
+            param.copy_((param.float() - _summed_delta(param, resolved)).to(param.dtype))
 
 
 def remove_loras(model: nn.Module) -> int:
@@ -532,17 +594,7 @@ def remove_loras(model: nn.Module) -> int:
     count = len(stack)
     with torch.no_grad():
         while stack:
-            application = stack.pop()
-            if application.mode == "dynamic":
-                for handle in application.entries:
-                    handle.remove()
-                continue
-            for module, param_name, resolved, saved in reversed(application.entries):
-                param = getattr(module, param_name)
-                if saved is not None:
-                    param.copy_(saved.to(param.device))
-                else:
-                    param.copy_((param.float() - _summed_delta(param, resolved)).to(param.dtype))
+            _undo(stack.pop())
     return count
 
 
@@ -586,8 +638,8 @@ def sampler_settings(
     """The contract's settings as defaults, each user value overriding it with a note saying so.
 
     Without a contract: the base model's 50 points and shifts 12 / 3. A contract with a base ladder
-    (FlashGen) gives explicit ladders under the shifts in force; a user step count replaces that ladder
-    with the uniform one. Several different contracts without user steps and both shifts (or both
+    (FlashGen) gives explicit ladders under the shifts in force; a user step count other than its length
+    replaces that ladder with the uniform one. Several different contracts without user steps and both shifts (or both
     ladders) are an error: there is no right schedule to pick.
     """
     if isinstance(contracts, TurboContract):
@@ -616,8 +668,8 @@ def sampler_settings(
                 notes.append(f"user {name}={_show(value)} overrides the contract's {_show(defaults[name])} "
                              f"({contract.artifact} was distilled for the latter)")
         if contract.base_sigmas is not None:
-            if steps is not None:
-                # an explicit step count asks for a uniform ladder; the release's ladder no longer applies
+            if steps is not None and steps != contract.steps:
+                # another step count asks for a uniform ladder; the release's ladder no longer applies
                 defaults["video_sigmas"] = defaults["audio_sigmas"] = None
             else:
                 # the release's base ladder under the shifts in force (the user's, if given)

@@ -57,6 +57,7 @@ from .weights import CheckpointError, check_safetensors_file, open_safetensors
 
 PARTITIONS = ("fl2va", "ref2va")
 TASKS_OF_PARTITION = {"fl2va": ("t2va", "fl2va"), "ref2va": ("ref2va",)}
+TASKS = tuple(task for tasks in TASKS_OF_PARTITION.values() for task in tasks)
 
 
 class LoRAError(ValueError):
@@ -184,6 +185,12 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[st
     return tensors, metadata
 
 
+def adapter_stem(path: str | Path) -> str:
+    """A LoRA file's name without its .safetensors suffix, however cased: the name a release is known by."""
+    name = Path(path).name
+    return name[: -len(".safetensors")] if name.lower().endswith(".safetensors") else name
+
+
 def parse_lora(
     tensors: dict[str, torch.Tensor],
     metadata: dict[str, str],
@@ -206,11 +213,16 @@ def parse_lora(
         raise LoRAError(f"alpha must be a positive number, got {alpha!r}.")
     if not tensors:
         raise LoRAError(f"{Path(path).name or 'The LoRA'} holds no tensors.")
+    for key, tensor in tensors.items():  # alphas are checked with their own rule below
+        values = tensor.float() if tensor.element_size() == 1 else tensor  # FP8: no isfinite of its own
+        if not key.endswith("alpha") and tensor.is_floating_point() and not bool(torch.isfinite(values).all()):
+            raise LoRAError(f"'{key}' of {Path(path).name or 'the LoRA'} holds NaN or infinite values (a damaged "
+                            "file, or one saved from a diverged training run): every output would be NaN.")
     path = Path(path)
     notes: list[str] = []
 
     groups, prefixed = _split_partitions(tensors, notes)
-    lightx2v = LIGHTX2V_NAME.fullmatch(path.name.removesuffix(".safetensors"))
+    lightx2v = LIGHTX2V_NAME.fullmatch(adapter_stem(path))
     declared = metadata.get("key_format")
     parts: dict[str | None, list[Term]] = {}
     formats, alpha_sources = set(), {}
@@ -331,8 +343,9 @@ def _modules_of(group, prefixed, path, declared, lightx2v):
         if role in _REFUSED_ROLES:
             raise LoRAError(f"'{key}' {_REFUSED_ROLES[role]}.")
         if kohya:
-            if not source.startswith("lora_unet_"):
-                raise LoRAError(f"'{key}' has no 'lora_unet_' prefix while other keys do; a kohya/musubi file prefixes every key.")
+            if not source.startswith("lora_unet_"):  # a text encoder's (lora_te_): for the unknown-keys rule
+                unmapped.append(key)
+                continue
             target, part, naming = _native_of_flat(source[len("lora_unet_"):]), None, "native"
         elif _is_native(source):
             target, part, naming = source, None, "native"

@@ -34,7 +34,7 @@ from .layout import pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, read_mode
 from .guides import GuideMedia, add_guide, check_guide, read_guide
-from .lora import VSA_STUDENT_CONTRACT, apply_loras, check_loras, load_lora, run_mode, sampler_settings
+from .lora import VSA_STUDENT_CONTRACT, applied_contracts, apply_loras, check_loras, load_lora, run_mode, sampler_settings
 from .noise import check_seeds, condition_rows, request_generator, target_noise
 from .media import SAMPLE_RATE, MediaError, naming
 from .output import AVLatents, write_mp4
@@ -469,7 +469,7 @@ def generate_batch(
     if student:
         _check_vsa_student(settings)
     schedule = sampler_settings(
-        [lora.contract for lora, _ in loras if lora.contract is not None] + ([VSA_STUDENT_CONTRACT] if student else []),
+        applied_contracts(loras) + ([VSA_STUDENT_CONTRACT] if student else []),
         settings.steps, settings.video_shift, settings.audio_shift,
     )
     notes(f"sampler: {schedule.steps} sigma points ({schedule.steps - 1} model calls), video shift "
@@ -861,6 +861,7 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
             tuple((str(path), float(strength)) for path, strength in settings.loras), settings.linears,
             compile=settings.compile, attention_window=settings.attention_window,
             attention_window_dense_steps=settings.attention_window_dense_steps,
+            lora_unknown_keys=settings.lora_unknown_keys,
         ), settings.devices, settings.shard_weights)
         notes(f"DiT split over {', '.join(map(str, settings.devices))} (sequence parallel"
               + (", sharded weights)" if settings.shard_weights else ")"))

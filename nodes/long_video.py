@@ -24,7 +24,7 @@ from h3_core.continuation import (
     MODES,
     sampled,
 )
-from h3_core.lora import sampler_settings
+from h3_core.lora import VSA_STUDENT_CONTRACT, applied_contracts, sampler_settings
 from h3_core.long_video import (
     LONG_VIDEO_TASKS,
     LongVideoRequest,
@@ -185,7 +185,7 @@ class H3Continuation(io.ComfyNode):
                                                                                    vae))
 
         dit = model.dit
-        contracts = [lora.contract for lora, _ in model.loras if lora.contract is not None]
+        contracts = applied_contracts(model.loras) + ([VSA_STUDENT_CONTRACT] if model.vsa_student else [])
         settings = sampler_settings(contracts, steps or None, video_shift or None, audio_shift or None)
         previews = preview_settings()
         # placed by the engine's plan for the largest window, as the sampler places it

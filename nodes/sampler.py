@@ -6,7 +6,7 @@ import math
 
 import folder_paths
 from comfy_api.latest import io
-from h3_core.lora import VSA_STUDENT_CONTRACT, check_loras, load_lora, sampler_settings
+from h3_core.lora import VSA_STUDENT_CONTRACT, applied_contracts, check_loras, load_lora, sampler_settings
 from h3_core.noise import check_seeds
 from h3_core.pipeline import TASK_PARTITION, sample
 from h3_core.placement import freed_on_failure
@@ -106,7 +106,7 @@ class H3Sampler(io.ComfyNode):
                              "clip through H3 VAE Encode, or a sampled one); an empty latent has none.")
 
         dit = model.dit
-        contracts = [lora.contract for lora, _ in model.loras if lora.contract is not None] + (
+        contracts = applied_contracts(model.loras) + (
             [VSA_STUDENT_CONTRACT] if model.vsa_student else [])
         settings = sampler_settings(contracts, steps or None, video_shift or None, audio_shift or None,
                                     video_sigmas, audio_sigmas)

@@ -306,6 +306,12 @@ def test_lora_apply_keeps_the_cached_model_clean(comfy):
     c.sampler.H3Sampler.execute(turbo, cond, 0, 0, 0.0, 0.0)
     assert c.record.progress[-1][:2] == (8, 8)  # the Turbo contract: 8 distilled steps
     assert all(torch.equal(before[k], v) for k, v in model.dit.state_dict().items())
+    off = c.sampler.H3LoRAApply.execute(model, TURBO, 0.0).values[0]  # switched off: the base model's schedule too
+    c.record.interrupt_after = len(c.record.progress) + 1
+    with pytest.raises(c.memory.mm.InterruptProcessingException):
+        c.sampler.H3Sampler.execute(off, cond, 0, 0, 0.0, 0.0)
+    c.record.interrupt_after = None
+    assert c.record.progress[-1][:2] == (1, 49)
 
     from safetensors.torch import load_file, save_file
 

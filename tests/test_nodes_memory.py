@@ -718,6 +718,13 @@ def test_a_vsa_student_samples_on_its_ladder_with_sparse_attention(comfy, monkey
     one = c.sampler.H3Sampler.execute(model, cond, 5, 0, 0.0, 0.0).values[0][0]
     assert len(calls) == 8 * CONFIG.num_layers and {call[4] for call in calls} == {0.8}
     assert all(call[5] is not None for call in calls)
+    text = c.loaders.H3TextEncoderLoader.execute("tiny-random", "", "", "bf16").values[0]
+    c.record.interrupt_after = len(c.record.progress) + 1  # H3 Continuation's steps: 8 a window too
+    with pytest.raises(c.memory.mm.InterruptProcessingException):
+        importlib.import_module("nodes.long_video").H3Continuation.execute(
+            model, text, "a fox on a beach", "t2va", 8.0, "continuation", 107, 22, 3, 0, 0.0, 0.0, "auto", 0, 0)
+    c.record.interrupt_after = None
+    assert c.record.progress[-1][:2] == (1, 2 * 8)
     split = _load(c, name, devices="cpu,cpu")
     assert split.split and split.vsa_student
     two = c.sampler.H3Sampler.execute(split, cond, 5, 0, 0.0, 0.0).values[0][0]

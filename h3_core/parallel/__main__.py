@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     add_dit_speed_options(parser)  # the same as the caller's
     parser.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                         help="the same adapters, in the same order, as the caller")
+    parser.add_argument("--lora-unknown-keys", default="error", choices=["error", "warn"],
+                        help="as the caller: warn loads an adapter's keys that name an H3 module and reports the rest")
     parser.add_argument("--devices", required=True, help="comma-separated, e.g. cuda:0,cuda:1")
     parser.add_argument("--init-method", required=True, help="the caller's rendezvous, e.g. tcp://NODE0:29500")
     parser.add_argument("--world-size", type=int, required=True, help="ranks on all machines together")
@@ -44,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         window, dense_steps = check_window_setting(args.attention_window_lossy, args.attention_window_dense_steps)
         spec = ModelSpec(args.model, args.partition, DTYPES[args.dtype], args.attention, loras, args.linears,
-                         compile=args.compile, attention_window=window, attention_window_dense_steps=dense_steps)
+                         compile=args.compile, attention_window=window, attention_window_dense_steps=dense_steps,
+                         lora_unknown_keys=args.lora_unknown_keys)
         return serve_ranks(spec, devices, args.init_method, args.world_size, args.first_rank, args.shard_weights)
     except ValueError as error:
         parser.error(str(error))

@@ -64,6 +64,7 @@ class ModelSpec:
     compile: bool = False  # torch.compile the repeated block's forward
     attention_window: int = 0  # latent frames; > 0: the lossy windowed video attention (local_attention.py)
     attention_window_dense_steps: int = 0  # with a window: leading forwards of each run with full attention
+    lora_unknown_keys: str = "error"  # "warn": keys of `loras` that name no H3 module are reported, the rest loaded
 
     def dit_config(self) -> DiTConfig:
         """The model's shape without loading it (a checkpoint's from its config or headers)."""
@@ -111,7 +112,7 @@ class ModelSpec:
                              linears=self._read_linears())
         from ..lora import apply_loras, load_lora, run_mode
 
-        adapters = [(load_lora(path), float(strength)) for path, strength in self.loras]
+        adapters = [(load_lora(path, unknown=self.lora_unknown_keys), float(strength)) for path, strength in self.loras]
         lora_mode = run_mode(model)  # as pipeline.load_sampling_dit: stored linears get the LoRAs hooked
         if adapters and lora_mode == "merge":
             apply_loras(model, adapters, partition=self.partition, mode="merge", backup=False)

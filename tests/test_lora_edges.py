@@ -1,0 +1,233 @@
+"""LoRA / Turbo adapters at their edges: switched off (strength 0, schedule included), an application failing part
+way (nothing stays behind on a shared model), files whose tensors or Turbo metadata are wrong or disagree with
+their names, and the options a split DiT's workers load adapters with. Forwards are our own tiny model's
+(test_lora proves the applied deltas against diffusers)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from lora_files import fused, random_spec, write_kohya, write_native, write_peft
+from safetensors.torch import load_file, save_file
+from test_fp8 import forward
+
+from h3_core import lora as lora_module
+from h3_core.config import TINY_DIT
+from h3_core.lora import (
+    LoRAError,
+    applied_contracts,
+    applied_loras,
+    apply_loras,
+    check_loras,
+    load_lora,
+    remove_loras,
+    sampler_settings,
+)
+from h3_core.tiny import tiny_random_dit
+
+TURBO_4STEP = "minimax_h3_fl2v_turbo_4step_v1.1_768p_bf16.safetensors"  # 5 points, video shift 6
+
+
+class Stopped(Exception):
+    """Raised by a stand-in to end a run once what a test looks at has happened."""
+
+
+def _forward(model):
+    return forward(model, times=(0.5, 0.25))
+
+
+def _state(model):
+    return {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+
+def test_a_turbo_adapter_at_strength_0_is_off_schedule_included(tmp_path):
+    turbo = load_lora(write_peft(tmp_path / TURBO_4STEP, random_spec(TINY_DIT)))
+    assert turbo.contract.steps == 5
+    assert applied_contracts([(turbo, 0.0)]) == [] and applied_contracts([(turbo, -0.5)]) == [turbo.contract]
+    assert sampler_settings(applied_contracts([(turbo, 0.0)])).steps == 50  # the base model's schedule
+    model = tiny_random_dit()
+    report = apply_loras(model, [(turbo, 0.0)], partition="fl2va")
+    assert report.contracts == [] and report.sampler_settings().steps == 50
+    assert "strength 0: nothing applied, its schedule not used" in report.loras[0].notes
+
+
+def test_generate_with_a_turbo_adapter_at_strength_0_takes_the_base_schedule(tmp_path, capsys, monkeypatch):
+    from h3_core import pipeline
+    from h3_core.cli import main
+
+    turbo = write_peft(tmp_path / TURBO_4STEP, random_spec(TINY_DIT, rank=4))
+
+    def stop(*args, **kwargs):
+        raise Stopped  # the schedule is reported by then; no need to sample it
+
+    monkeypatch.setattr(pipeline, "load_sampling_dit", stop)
+    with pytest.raises(Stopped):
+        main(["generate", "--prompt", "A fox.", "--lora", f"{turbo}:0", "--save-latents",
+              str(tmp_path / "o.safetensors")])
+    err = capsys.readouterr().err
+    assert "sampler: 50 sigma points (49 model calls), video shift 12, audio shift 3" in err
+    assert "sampler: 50" in err and "5 sigma points" not in err
+
+
+@pytest.mark.parametrize("mode", ["merge", "dynamic"])
+def test_an_application_failing_part_way_leaves_the_model_as_it_was(tmp_path, monkeypatch, mode):
+    """Out of memory on the device part way through (simulated at the third module): the modules done so far go
+    back, so a model shared by later runs (ComfyUI's loaders share one) does not carry part of the adapter."""
+    adapter = load_lora(write_peft(tmp_path / "style.safetensors", random_spec(TINY_DIT)))
+    model = tiny_random_dit()
+    before, plain = _state(model), _forward(model)
+    calls = []
+    target = "_DeltaHook" if mode == "dynamic" else "_summed_delta"
+    real = getattr(lora_module, target)
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lora_module, target, failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        apply_loras(model, [adapter], partition="fl2va", mode=mode)
+    assert len(calls) == 3 and applied_loras(model) == []
+    assert all(not module._forward_hooks for module in model.modules())
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
+    assert all(torch.equal(a, b) for a, b in zip(_forward(model), plain))
+    monkeypatch.setattr(lora_module, target, real)
+    apply_loras(model, [adapter], partition="fl2va", mode=mode)  # and the adapter still applies whole afterwards
+    assert not torch.equal(_forward(model)[0], plain[0])
+    assert remove_loras(model) == 1 and all(torch.equal(a, b) for a, b in zip(_forward(model), plain))
+
+
+def test_a_strength_that_is_no_number_is_refused_by_the_shape_check(tmp_path):
+    adapter = load_lora(write_peft(tmp_path / "style.safetensors", random_spec(TINY_DIT)))
+    for strength in (float("nan"), float("inf")):
+        with pytest.raises(LoRAError, match=r"Strength of style\.safetensors must be a finite number"):
+            check_loras(TINY_DIT, [(adapter, strength)], "fl2va")  # before any weight is read
+
+
+def test_a_turbo_name_with_no_usable_step_count_is_refused_naming_the_file(tmp_path):
+    spec = random_spec(TINY_DIT)
+    for steps, calls in (("0step", 0), ("99999step", 99999)):
+        name = f"minimax_h3_fl2v_turbo_{steps}_v1.0.safetensors"
+        with pytest.raises(LoRAError, match=rf"minimax_h3_fl2v_turbo_{steps}_v1\.0 names a schedule of {calls} "
+                                            r"model calls \(from its file name\); a schedule makes 1 to 999\."):
+            load_lora(write_peft(tmp_path / name, spec))
+
+
+def test_an_upper_case_suffix_keeps_a_release_name(tmp_path):
+    turbo = load_lora(write_peft(tmp_path / TURBO_4STEP.replace(".safetensors", ".SAFETENSORS"), random_spec(TINY_DIT)))
+    assert turbo.contract is not None and turbo.contract.steps == 5 and turbo.partition == "fl2va"
+    # the release's alpha 8 (no alpha in the file) over each term's rank, not alpha = rank
+    assert {term.scale for term in turbo.parts[None]} == {8 / term.rank for term in turbo.parts[None]} == {2.0, 4.0}
+
+
+def _with_metadata(path, metadata):
+    spec = fused(random_spec(TINY_DIT, shared_qkv_a=True))
+    return write_native(path, spec, metadata=metadata)
+
+
+def test_turbo_metadata_is_checked_and_weighed_against_the_name(tmp_path):
+    with pytest.raises(LoRAError, match=r"base_schedule \[1\.0, nan, 0\.0\] must be strictly decreasing"):
+        load_lora(_with_metadata(tmp_path / "a.safetensors", {"base_schedule": "1.0,nan,0.0"}))
+    with pytest.raises(LoRAError, match=r"names task\(s\) 't2v' in 'tasks'; H3's tasks are t2va, fl2va, ref2va\."):
+        load_lora(_with_metadata(tmp_path / "b.safetensors", {"base_schedule": "1,0.5,0", "tasks": "t2v"}))
+    # a ladder in the metadata, the partition in the name: a ref2v Turbo stays a ref2va adapter
+    ref2v = load_lora(_with_metadata(tmp_path / "minimax_h3_ref2v_turbo_4step_v0.1_bf16.safetensors",
+                                     {"base_schedule": "1,0.75,0.5,0.25,0"}))
+    assert ref2v.contract.identified_by == "metadata" and ref2v.partition == "ref2va" and ref2v.notes == []
+    with pytest.raises(LoRAError, match="distilled for ref2va .*not on fl2va"):
+        check_loras(TINY_DIT, [(ref2v, 1.0)], "fl2va")
+    disagreeing = load_lora(_with_metadata(tmp_path / "minimax_h3_fl2v_turbo_8step_v1.0_bf16.safetensors",
+                                           {"base_schedule": "1,0.5,0", "tasks": "ref2va"}))
+    assert disagreeing.contract.steps == 3 and disagreeing.partition == "ref2va"
+    assert disagreeing.notes == ["its metadata names tasks ref2va, its file name t2va/fl2va: the metadata's are used",
+                                 "its file name says 8 model calls, its metadata's base_schedule 2: the metadata's "
+                                 "ladder is used"]
+    # tasks over both partitions: it goes on either DiT
+    both = load_lora(_with_metadata(tmp_path / "both.safetensors", {"base_schedule": "1,0.5,0", "tasks": "t2va,ref2va"}))
+    assert both.partition is None
+    for partition in ("fl2va", "ref2va"):
+        check_loras(TINY_DIT, [(both, 1.0)], partition)
+
+
+def test_a_distilled_ladder_stays_when_steps_asks_for_its_own_length(tmp_path):
+    meta = {"base_schedule": "1.0,0.7,0.4,0.15,0.0", "tasks": "t2va"}
+    contract = load_lora(_with_metadata(tmp_path / "flash.safetensors", meta)).contract
+    own = sampler_settings(contract)
+    same = sampler_settings(contract, steps=5)
+    assert same.video_sigmas == own.video_sigmas is not None and same.notes == ()
+    other = sampler_settings(contract, steps=6)
+    assert other.video_sigmas is None and "steps=6 overrides the contract's 5" in other.notes[0]
+
+
+def test_tensors_holding_nan_are_refused(tmp_path):
+    path = write_peft(tmp_path / "diverged.safetensors", random_spec(TINY_DIT))
+    tensors = load_file(str(path))
+    key = sorted(tensors)[3]
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, str(path))
+    with pytest.raises(LoRAError, match=rf"'{key}' of diverged\.safetensors holds NaN or infinite values"):
+        load_lora(path)
+
+
+def test_a_kohya_file_with_text_encoder_keys_follows_the_unknown_keys_rule(tmp_path):
+    modules = fused(random_spec(TINY_DIT, shared_qkv_a=True))
+    path = write_kohya(tmp_path / "kohya.safetensors", modules, {name: 4.0 for name in modules})
+    tensors = load_file(str(path))
+    tensors["lora_te_text_model_encoder_layers_0_mlp_fc1.lora_down.weight"] = torch.zeros(4, 8)
+    tensors["lora_te_text_model_encoder_layers_0_mlp_fc1.lora_up.weight"] = torch.zeros(8, 4)
+    save_file(tensors, str(path))
+    with pytest.raises(LoRAError, match=r"2 tensor\(s\) of kohya\.safetensors name no MiniMax-H3 module: "
+                                        r"lora_te_text_model_encoder_layers_0_mlp_fc1"):
+        load_lora(path)
+    loaded = load_lora(path, unknown="warn")
+    assert loaded.format.startswith("kohya") and sum(len(terms) for terms in loaded.parts.values()) > 0
+    assert any(note.startswith("NOT LOADED") and "lora_te_text_model" in note for note in loaded.notes)
+
+
+def test_a_pruned_model_refuses_a_time_embedder_delta_saying_why(tmp_path):
+    from test_curve_form import curve_model
+
+    curve = curve_model(tiny_random_dit())
+    delta = {"time_embedder.linear_1.diff": torch.zeros(TINY_DIT.time_embed_hidden_dim, TINY_DIT.freq_dim)}
+    save_file(delta, str(tmp_path / "dense.safetensors"))
+    adapter = load_lora(tmp_path / "dense.safetensors")
+    with pytest.raises(LoRAError, match=r"this model is a pruned \(curve-form\) checkpoint, which has no time embedder"):
+        apply_loras(curve, [adapter], partition="fl2va")
+    apply_loras(tiny_random_dit(), [adapter], partition="fl2va")  # the full model takes it
+
+
+def test_split_workers_load_adapters_with_the_unknown_keys_rule(tmp_path, monkeypatch):
+    """`h3 generate --devices ... --lora-unknown-keys warn`: the workers load the adapter the same way (they
+    refused its stray keys, naming the option already given)."""
+    from h3_core import parallel
+    from h3_core.cli import main
+    from h3_core.parallel import ModelSpec
+    from h3_core.tiny import TINY_RANDOM
+
+    path = write_peft(tmp_path / "stray.safetensors", random_spec(TINY_DIT))
+    tensors = load_file(str(path))
+    tensors["transformer_blocks.0.attn.to_qq.lora_A.default.weight"] = torch.zeros(4, 64)
+    tensors["transformer_blocks.0.attn.to_qq.lora_B.default.weight"] = torch.zeros(64, 4)
+    save_file(tensors, str(path))
+    spec = ModelSpec(TINY_RANDOM, loras=((str(path), 1.0),), dtype=torch.float32)
+    with pytest.raises(LoRAError, match="to_qq"):
+        spec.load("cpu")
+    model = dataclasses.replace(spec, lora_unknown_keys="warn").load("cpu")
+    assert applied_loras(model) == [("merge", ["stray.safetensors@1"])]
+
+    given = []
+
+    class Runner:
+        def __init__(self, spec, devices, shard_weights):
+            given.append(spec)
+            raise Stopped  # the spec is what this test is about
+
+    monkeypatch.setattr(parallel, "ParallelRunner", Runner)
+    with pytest.raises(Stopped):
+            main(["generate", "--prompt", "A fox.", "--steps", "3", "--devices", "cpu,cpu", "--lora", str(path),
+              "--lora-unknown-keys", "warn", "--save-latents", str(tmp_path / "o.safetensors")])
+    assert [s.lora_unknown_keys for s in given] == ["warn"]
