@@ -71,7 +71,8 @@ COMPILE_HELP = ("torch.compile the repeated block: ~10%% faster per step on an H
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if "," not in (getattr(args, "devices", None) or ""):  # one device (worker processes keep torch's default)
+    # one device (worker processes keep torch's default); `h3 env` reports the user's own settings
+    if "," not in (getattr(args, "devices", None) or "") and args.run is not run_env:
         use_expandable_segments()
     main_thread = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGTERM, _stop) if main_thread else None  # a kill unwinds like Ctrl-C: no
@@ -200,8 +201,9 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
                           "and norms fp32); fp32 decodes ~7.5x slower on an H200")
     add_dit_speed_options(gen)
     gen.add_argument("--gpu-memory", type=float, metavar="GIB",
-                     help="GPU memory the DiT may use (default: what is free); when the model does not fit, the "
-                          "leading blocks stay on the GPU and the rest stream from CPU memory")
+                     help="GPU memory the text encoder, then the DiT, may use (default: what is free); a DiT that "
+                          "does not fit keeps its leading blocks on the GPU and streams the rest from CPU memory, a "
+                          "text encoder that does not fit streams its layers")
     gen.add_argument("--devices", metavar="DEV,DEV[,...]",
                      help="split the DiT over several devices, e.g. cuda:0,cuda:1 (one worker process each, sequence "
                           "parallel; 2, 4, 7 or 8 of them); the text encoder and VAEs run on the first (replaces --device)")

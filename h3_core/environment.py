@@ -76,4 +76,13 @@ def report() -> dict:
         "media": _media(),
         "host_memory_available_gib": None if memory is None else round(memory / GIB, 2),
         "settings": {name: os.environ.get(name) for name in SETTINGS},
+        "cuda_allocator_h3_generate": _allocator(),
     }
+
+
+def _allocator() -> str:
+    """The CUDA allocator a one-device `h3 generate` runs with (runtime.use_expandable_segments)."""
+    from .runtime import ALLOCATOR_VARIABLES
+
+    configured = [f"{name}={os.environ[name]}" for name in ALLOCATOR_VARIABLES if os.environ.get(name)]
+    return ", ".join(configured) + " (yours)" if configured else "expandable_segments:True (set by h3)"

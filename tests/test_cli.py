@@ -283,3 +283,20 @@ def test_env_reports_what_a_run_would_use(capsys, monkeypatch):
     monkeypatch.setattr(media_write, "pick_h264_encoder", no_h264)
     assert main(["env"]) == 0
     assert json.loads(capsys.readouterr().out)["media"]["h264_encoder"] == "none: No usable H.264 encoder in this PyAV build."
+
+
+@pytest.mark.parametrize("configured,shown,allocator", [
+    ("", None, "expandable_segments:True (set by h3)"),
+    ("backend:cudaMallocAsync", "backend:cudaMallocAsync", "PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync (yours)"),
+])
+def test_env_reports_the_users_allocator_setting_apart_from_h3s(capsys, monkeypatch, configured, shown, allocator):
+    """`h3 env` shows the environment as the user set it (a bug report must not look as if they configured the
+    allocator) and, apart, the allocator a one-device `h3 generate` runs with."""
+    import os
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", configured)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert main(["env"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert (found["settings"]["PYTORCH_CUDA_ALLOC_CONF"] or None) == shown
+    assert found["cuda_allocator_h3_generate"] == allocator and os.environ["PYTORCH_CUDA_ALLOC_CONF"] == configured

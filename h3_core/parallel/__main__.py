@@ -1,4 +1,4 @@
-"""Ranks on another machine for a multi-node run (untested; see README "Several GPUs"):
+"""Ranks on another machine for a multi-node run (tested only within one machine, see README "Several GPUs"):
 
     python -m h3_core.parallel --model /models/MiniMax-H3 --devices cuda:0,cuda:1,cuda:2,cuda:3 \
         --init-method tcp://NODE0:29500 --world-size 8 --first-rank 4
