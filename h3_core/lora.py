@@ -64,7 +64,7 @@ from .sampler import AUDIO_SHIFT, MAX_STEPS, VIDEO_SHIFT, DualClockSchedule
 
 __all__ = [
     "LoRA", "LoRAError", "LoRAReport", "SamplerSettings", "TurboContract",
-    "applied_contracts", "applied_loras", "apply_loras", "load_lora", "remove_loras", "sampler_settings",
+    "applied_contracts", "applied_loras", "apply_loras", "task_warnings", "load_lora", "remove_loras", "sampler_settings",
 ]
 
 logger = logging.getLogger(__name__)
@@ -528,6 +528,13 @@ def applied_contracts(loras: Sequence[tuple[LoRA, float]]) -> list[TurboContract
     """The Turbo contracts of the adapters in (LoRA, strength) pairs that act: strength 0 switches an adapter
     off, its schedule too (as a ComfyUI user turns a LoRA off)."""
     return [lora.contract for lora, strength in loras if lora.contract is not None and float(strength) != 0.0]
+
+
+def task_warnings(contracts: Sequence[TurboContract], task: str) -> list[str]:
+    """A line for each contract distilled for other tasks than `task` on the same DiT (FlashGen's T2VA ladder on
+    an FL2VA request, say): it runs, but on a schedule not trained for what is asked."""
+    return [f"{contract.artifact} was distilled for {'/'.join(contract.tasks)}, not {task}: expect weaker results"
+            for contract in contracts if contract.tasks and task not in contract.tasks]
 
 
 def _summed_delta(param: torch.Tensor, resolved: list[_Resolved]) -> torch.Tensor:

@@ -34,7 +34,9 @@ from .layout import pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, read_mode
 from .guides import GuideMedia, add_guide, check_guide, read_guide
-from .lora import VSA_STUDENT_CONTRACT, applied_contracts, apply_loras, check_loras, load_lora, run_mode, sampler_settings
+from .lora import (
+    VSA_STUDENT_CONTRACT, applied_contracts, apply_loras, check_loras, load_lora, run_mode, sampler_settings, task_warnings,
+)
 from .noise import check_seeds, condition_rows, request_generator, target_noise
 from .media import SAMPLE_RATE, MediaError, naming
 from .output import AVLatents, write_mp4
@@ -468,10 +470,11 @@ def generate_batch(
     student = dit_source is not None and vsa_student(dit_source)
     if student:
         _check_vsa_student(settings)
-    schedule = sampler_settings(
-        applied_contracts(loras) + ([VSA_STUDENT_CONTRACT] if student else []),
-        settings.steps, settings.video_shift, settings.audio_shift,
-    )
+    contracts = applied_contracts(loras) + ([VSA_STUDENT_CONTRACT] if student else [])
+    schedule = sampler_settings(contracts, settings.steps, settings.video_shift, settings.audio_shift)
+    for task in dict.fromkeys(item.plain_request.task for item in prepared):
+        for line in task_warnings(contracts, task):
+            notes(f"warning: {line}")
     notes(f"sampler: {schedule.steps} sigma points ({schedule.steps - 1} model calls), video shift "
           f"{schedule.video_shift:g}, audio shift {schedule.audio_shift:g}; from the {schedule.source}"
           + "".join(f"; {n}" for n in schedule.notes))

@@ -231,3 +231,27 @@ def test_split_workers_load_adapters_with_the_unknown_keys_rule(tmp_path, monkey
             main(["generate", "--prompt", "A fox.", "--steps", "3", "--devices", "cpu,cpu", "--lora", str(path),
               "--lora-unknown-keys", "warn", "--save-latents", str(tmp_path / "o.safetensors")])
     assert [s.lora_unknown_keys for s in given] == ["warn"]
+
+
+def test_an_adapter_distilled_for_another_task_on_the_same_dit_is_warned_about(tmp_path, capsys, monkeypatch):
+    """FlashGen's T2VA ladder on an FL2VA request runs (same DiT), but not on what it was trained for: said."""
+    from h3_core import pipeline
+    from h3_core.cli import main
+    from h3_core.lora import task_warnings
+
+    flash = load_lora(_with_metadata(tmp_path / "flash.safetensors", {"base_schedule": "1,0.5,0", "tasks": "t2va"}))
+    assert task_warnings([flash.contract], "t2va") == []
+    assert task_warnings([flash.contract], "fl2va") == ["flash was distilled for t2va, not fl2va: expect weaker results"]
+
+    def stop(*args, **kwargs):
+        raise Stopped
+
+    monkeypatch.setattr(pipeline, "load_sampling_dit", stop)
+    image = tmp_path / "first.png"
+    from PIL import Image
+
+    Image.new("RGB", (64, 64), "red").save(image)
+    with pytest.raises(Stopped):
+        main(["generate", "--task", "fl2va", "--first-image", str(image), "--prompt", "A fox.", "--lora",
+              str(tmp_path / "flash.safetensors"), "--save-latents", str(tmp_path / "o.safetensors")])
+    assert "warning: flash was distilled for t2va, not fl2va: expect weaker results" in capsys.readouterr().err
