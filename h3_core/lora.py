@@ -64,7 +64,7 @@ from .sampler import AUDIO_SHIFT, MAX_STEPS, VIDEO_SHIFT, DualClockSchedule
 
 __all__ = [
     "LoRA", "LoRAError", "LoRAReport", "SamplerSettings", "TurboContract",
-    "applied_contracts", "applied_loras", "apply_loras", "task_warnings", "load_lora", "remove_loras", "sampler_settings",
+    "applied_contracts", "applied_loras", "apply_loras", "hooked_bytes", "task_warnings", "load_lora", "remove_loras", "sampler_settings",
 ]
 
 logger = logging.getLogger(__name__)
@@ -528,6 +528,17 @@ def applied_contracts(loras: Sequence[tuple[LoRA, float]]) -> list[TurboContract
     """The Turbo contracts of the adapters in (LoRA, strength) pairs that act: strength 0 switches an adapter
     off, its schedule too (as a ComfyUI user turns a LoRA off)."""
     return [lora.contract for lora, strength in loras if lora.contract is not None and float(strength) != 0.0]
+
+
+def hooked_bytes(loras: Sequence[tuple[LoRA, float]], partition: str, element_size: int) -> int:
+    """Device bytes the factors of `loras` take when hooked into a resident DiT (each held in the compute dtype of
+    `element_size` bytes next to its module): a memory plan counts them (the Turbo exports' are ~1.8 GiB)."""
+    total = 0
+    for lora, strength in loras:
+        if float(strength) != 0.0:
+            for term in lora.terms_for(partition):
+                total += sum(t.numel() for t in (term.down, term.up, term.delta) if t is not None)
+    return total * element_size
 
 
 def task_warnings(contracts: Sequence[TurboContract], task: str) -> list[str]:

@@ -22,7 +22,7 @@ import comfy.model_management as mm
 import comfy.model_patcher
 import torch
 
-from h3_core.lora import apply_loras, remove_loras
+from h3_core.lora import apply_loras, hooked_bytes, remove_loras
 from h3_core.memory_plan import GIB, usable_bytes, working_bytes
 from h3_core.placement import DiTPlacement, Placement, RunnerPlacement, TextEncoderPlacement
 
@@ -226,6 +226,9 @@ def dit_for_run(model, layout, steps: int):
     patcher = model.patcher
     placement = patcher.model
     working = working_bytes(model.dit.config, layout.sequence_length, steps)
+    # the adapters' factors sit next to their modules on the device while hooked (a split model's: in its workers)
+    adapters = 0 if model.split else hooked_bytes(model.loras, model.partition, model.dit.dtype.itemsize)
+    working += adapters
     if isinstance(placement, RunnerPlacement):
         place([patcher], working)
         yield None
@@ -237,7 +240,7 @@ def dit_for_run(model, layout, steps: int):
         wanted = int(placement.budget_gib * GIB) if placement.budget_gib else placement.size + working
         ours = [m for m in mm.current_loaded_models if m.model is patcher]
         mm.free_memory(max(0, wanted - placement.loaded_bytes), placement.load_device, keep_loaded=ours)
-        free = mm.get_free_memory(placement.load_device) - mm.extra_reserved_memory()
+        free = mm.get_free_memory(placement.load_device) - mm.extra_reserved_memory() - adapters
     plan = placement.plan_request(layout, steps, free)
     placement.use(plan)
     with read_progress(placement):

@@ -306,6 +306,13 @@ def test_lora_apply_keeps_the_cached_model_clean(comfy):
     c.sampler.H3Sampler.execute(turbo, cond, 0, 0, 0.0, 0.0)
     assert c.record.progress[-1][:2] == (8, 8)  # the Turbo contract: 8 distilled steps
     assert all(torch.equal(before[k], v) for k, v in model.dit.state_dict().items())
+    from h3_core.lora import hooked_bytes
+    from h3_core.memory_plan import working_bytes
+
+    factors = sum(t.numel() for term in turbo.loras[0][0].parts[None] for t in (term.down, term.up) if t is not None)
+    assert hooked_bytes(turbo.loras, "fl2va", 4) == 4 * factors > 0
+    asked = [working for names, working in c.record.loaded if names == ["H3 DiT (fl2va, tiny-random)"]][-1]
+    assert asked == working_bytes(model.dit.config, cond.layout.sequence_length, 9) + 4 * factors  # fp32 tiny DiT
     off = c.sampler.H3LoRAApply.execute(model, TURBO, 0.0).values[0]  # switched off: the base model's schedule too
     c.record.interrupt_after = len(c.record.progress) + 1
     with pytest.raises(c.memory.mm.InterruptProcessingException):
