@@ -235,10 +235,12 @@ def check_budget(budget_gib: float | None) -> None:
 
 
 def plan_for(config: DiTConfig, layout, steps: int, device, budget_gib: float | None = None,
-             dtype_bytes: int = 2, held: str = "dense", adaln_bytes: int | None = None) -> MemoryPlan:
+             dtype_bytes: int = 2, held: str = "dense", adaln_bytes: int | None = None,
+             other_bytes: int = 0) -> MemoryPlan:
     """The plan for sampling `layout` (a PackedLayout; for a long video its largest window's) with a
     `steps`-point ladder on `device`. `budget_gib`: memory to plan for (None: what the device has free;
-    the CPU is not limited); `held`, `adaln_bytes`: as `expected_peak`. Hosts call it before loading, so a
+    the CPU is not limited); `held`, `adaln_bytes`: as `expected_peak`; `other_bytes`: held on the device
+    besides the DiT for the run (hooked LoRA factors). Hosts call it before loading, so a
     request that cannot fit is refused before the weights are read. On CUDA the plan allows for the allocator
     the environment sets up."""
     import torch
@@ -249,6 +251,7 @@ def plan_for(config: DiTConfig, layout, steps: int, device, budget_gib: float | 
         budget = int(budget_gib * GIB)
     else:
         budget = free_bytes(device) if device.type == "cuda" else 1 << 62
+    budget -= other_bytes
     timesteps, _ = layout.to("cpu").row_timesteps(0.5, 0.25)  # distinct timesteps of one step (clocks apart)
     return plan_memory(config, layout.sequence_length, budget, max(steps - 1, 1), int(timesteps.numel()),
                        dtype_bytes, held=held, fixed_segments=device.type == "cuda" and fixed_allocator_segments(),

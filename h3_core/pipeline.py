@@ -35,7 +35,8 @@ from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, read_mode
 from .guides import GuideMedia, add_guide, check_guide, read_guide
 from .lora import (
-    VSA_STUDENT_CONTRACT, applied_contracts, apply_loras, check_loras, load_lora, run_mode, sampler_settings, task_warnings,
+    VSA_STUDENT_CONTRACT, applied_contracts, apply_loras, check_loras, hooked_bytes, load_lora, run_mode, sampler_settings,
+    task_warnings,
 )
 from .noise import check_seeds, condition_rows, request_generator, target_noise
 from .media import SAMPLE_RATE, MediaError, naming
@@ -877,9 +878,12 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
     quantize_later = source.tiny or read_linears != settings.linears
     if reader is None and not source.tiny:
         reader = DiTReader(dit_source, partition, settings.dtype, config, read_linears, device)
+    # LoRAs are hooked (their factors on the device) into linears held as the file stores them, else merged
+    stored = read_linears == "checkpoint" and held_linears(dit_source, "checkpoint") != "dense"
     plan = plan_for(config, largest_layout(conditioning), steps, device, settings.gpu_memory,
                     held=held_linears(dit_source, settings.linears),
-                    adaln_bytes=None if reader is None else reader.adaln_nbytes)
+                    adaln_bytes=None if reader is None else reader.adaln_nbytes,
+                    other_bytes=hooked_bytes(loras, partition, 2) if stored else 0)
     if not plan.fits:
         raise RequestError(
             f"This request needs about {plan.expected_peak_bytes / GIB:.1f} GiB on {device} even with every DiT "

@@ -17,9 +17,9 @@ from h3_core import fp8, nvfp4
 from h3_core.checkpoint import CheckpointError, held_linears, infer_config, load_dit, locate_dit
 from h3_core.config import DiTConfig, TINY_DIT
 from h3_core.dit import H3DiT
-from h3_core.memory_plan import block_weight_bytes, plan_memory
+from h3_core.memory_plan import MemoryPlan, block_weight_bytes, plan_memory
 from h3_core.nvfp4 import NVFP4Linear
-from h3_core.tiny import tiny_random_dit
+from h3_core.tiny import seeded_random_weights, tiny_random_dit
 
 PREFIX = "model.diffusion_model."
 BLOCKS = [f"blocks.{i}.{leaf}" for i in range(2) for leaf in BLOCK_LINEARS]
@@ -180,6 +180,32 @@ def test_the_memory_plan_counts_adaln_weights_as_the_file_holds_them(tmp_path, m
     assert d_held == memory_plan.adaln_weight_bytes(TINY_DIT, 2) and q_held < d_held / 2
     assert d_peak - q_peak == d_placed - q_placed == d_held - q_held
     assert (q_spec, d_spec) == (q_held, d_held)
+
+
+def test_the_plan_leaves_room_for_the_factors_of_a_lora_hooked_into_an_nvfp4_model(tmp_path, monkeypatch):
+    """LoRAs are hooked into NVFP4 linears (their factors on the device for the run), merged into dense ones: the
+    engine's memory plan counts the factors only then."""
+    from types import SimpleNamespace
+
+    from lora_files import random_spec, write_peft
+
+    from h3_core import pipeline
+    from h3_core.layout import build_request_layout
+    from h3_core.lora import hooked_bytes, load_lora
+
+    lora = load_lora(write_peft(tmp_path / "style.safetensors", random_spec(TINY_DIT)))
+    layout = build_request_layout(224, 128, 107, torch.ones(6, dtype=torch.long))
+    asked = []
+    monkeypatch.setattr(pipeline, "plan_for", lambda *a, **k: asked.append(k["other_bytes"]) or MemoryPlan(
+        TINY_DIT.num_layers, 0, False, 0, True))
+    quantized, dense = tmp_path / "nvfp4.safetensors", tmp_path / "dense.safetensors"
+    write_nvfp4(quantized)
+    save_file(seeded_random_weights(H3DiT(TINY_DIT), 0).state_dict(), str(dense))
+    for path in (quantized, dense):
+        pipeline.load_sampling_dit(pipeline.ModelSource(str(path), path), locate_dit(path), "fl2va",
+                                   pipeline.GenerateSettings(steps=3, dtype=torch.bfloat16), [(lora, 1.0)],
+                                   SimpleNamespace(layout=layout), 3, lambda note: None)
+    assert asked == [hooked_bytes([(lora, 1.0)], "fl2va", 2), 0] and asked[0] > 0
 
 
 def test_streamed_nvfp4_blocks_equal_resident_ones(tmp_path):

@@ -125,13 +125,15 @@ def test_plan_for_a_layout_and_place_by_it(monkeypatch):
     everything resident, and the outputs equal the unplaced model's."""
     from h3_core.layout import build_request_layout
     from h3_core.memory_plan import plan_for
-    from h3_core.offload import load_device, place
+    from h3_core.offload import load_device
 
     layout = build_request_layout(1344, 768, 124, torch.ones(512, dtype=torch.long))
     assert layout.sequence_length == ROWS_124F
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     small = plan_for(REAL, layout, 50, "cuda", budget_gib=24)
     assert small.streams and small == plan_memory(REAL, ROWS_124F, 24 * GIB, 49, 2)
+    besides = plan_for(REAL, layout, 50, "cuda", budget_gib=24, other_bytes=2 * GIB)  # hooked LoRA factors, say
+    assert besides == plan_memory(REAL, ROWS_124F, 22 * GIB, 49, 2) and besides.resident_blocks < small.resident_blocks
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # torch's default: fixed-size segments
     assert plan_for(REAL, layout, 50, "cuda", budget_gib=24) == plan_memory(REAL, ROWS_124F, 24 * GIB, 49, 2,
                                                                             fixed_segments=True)
