@@ -90,13 +90,18 @@ def check_window_guides(task: str, windows: Sequence[Window], num_frames: int, g
 def sound_slices(windows: Sequence[Window], anchor: int, latents: int) -> list[tuple[Window, int, int, int]]:
     """(window, local frame, first latent, latent count) for each window a sound of `latents` latents
     anchored at clip frame `anchor` reaches. A window keeps at most what fits from its local frame to its
-    end (as one request does) and stops where the next window's new part starts."""
-    slices = []
+    end (as one request does) and stops where the next window's new part starts. Where a window's end could
+    not hold the sound up to there (its whole latents end a fraction of one before), the next window's slice
+    starts a frame early, in the overlap it does not keep, so no latent is left out."""
+    slices, given = [], 0  # the sound's latents the windows so far hold
     for position, window in enumerate(windows):
         start = max(anchor, new_part_start(window))
         if start >= window.end:
             continue
         first = 0 if start == anchor else round(FRAME_TIME * (start - anchor))
+        while first > given and start > max(anchor, window.start):
+            start -= 1
+            first = round(FRAME_TIME * (start - anchor))
         if first >= latents:
             break
         local = start - window.start
@@ -105,6 +110,7 @@ def sound_slices(windows: Sequence[Window], anchor: int, latents: int) -> list[t
             stop = min(stop, round(FRAME_TIME * (window.end - anchor)))
         if stop > first:
             slices.append((window, local, first, stop - first))
+            given = stop
     return slices
 
 
