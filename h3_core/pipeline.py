@@ -670,6 +670,7 @@ def check_writable(path: Path) -> None:
 
 def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepared:
     """One job checked against every limit (its guide files read and checked too), before any model loads."""
+    from .continuation import sampled
     from .long_video import LongVideoRequest, encode_long_video, sample_long_video, validate_long_video  # uses sample
 
     job = dataclasses.replace(job, out=_as_path(job.out), save_latents=_as_path(job.save_latents))
@@ -707,7 +708,9 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
         except ValueError as error:
             raise RequestError(str(error)) from None
     guides = tuple(request.request.guides if long_video else request.guides)
-    clip_frames = max(w.frames for w in plan.windows) if long_video else None
+    # a clip is made in one window: no guide clip is longer than the longest window sampled (a clip being
+    # continued is not sampled; its length would read that much of a guide file only to refuse it)
+    clip_frames = max(w.frames for w in sampled(plan.windows)) if long_video else None
     guide_media = [GuideMedia(guide.frame_index, *read_guide(guide, plan.num_frames, clip_frames)) for guide in guides]
     if long_video:  # the windows take them in memory (validated again, now with them)
         request = dataclasses.replace(request, request=dataclasses.replace(request.request, guides=()),

@@ -207,3 +207,31 @@ def test_a_video_guide_file_is_read_only_up_to_where_the_video_ends(tmp_path):
     assert (pixels.shape[0], anchor) == (47, 60)  # 39 of them (17n + 5) are anchored
     assert read_guide(GuideFile(-47, "video", path), 107)[0].shape[0] == 47
     assert read_guide(GuideFile(60, "video", path), 974, clip_frames=22)[0].shape[0] == 22
+
+
+def test_a_guide_file_is_read_no_longer_than_a_sampled_window(tmp_path, monkeypatch):
+    """Continuing a clip longer than any window: a guide video file is read at most as far as the longest window
+    made (a clip must end in its window), not as far as the clip being continued (its frames held, then refused)."""
+    from h3_core import geometry, media_read
+    from h3_core.cli import main
+    from h3_core.output import AVLatents
+
+    frames = 294  # longer than the 277-frame windows
+    AVLatents(torch.randn(1, 24, geometry.latent_frames(frames), 8, 14),
+              torch.randn(2, 32, geometry.audio_latents(frames))).save(tmp_path / "given.safetensors")
+    (tmp_path / "guide.mp4").write_bytes(b"read by the stand-in")
+    asked = []
+
+    class Stopped(Exception):
+        pass
+
+    def read_video(path, start, max_frames=None, **kwargs):
+        asked.append(max_frames)
+        raise Stopped
+
+    monkeypatch.setattr(media_read, "read_video", read_video)
+    with pytest.raises(Stopped):
+        main(["generate", "--long-video", "--duration", "40", "--continue-from", str(tmp_path / "given.safetensors"),
+              "--guide", f"{frames}:video={tmp_path / 'guide.mp4'}", "--prompt", "x", "--steps", "2",
+              "--save-latents", str(tmp_path / "out.safetensors")])
+    assert asked == [277]
