@@ -90,12 +90,18 @@ def sampled(windows) -> list[Window]:
 
 def long_video_frames(seconds: float, mode: str = "continuation") -> int:
     """Frames of a long request (17n + 5 grid), within the published bounds of each mode."""
-    limit = {"continuation": MAX_CONTINUATION_SECONDS, "full": MAX_FULL_SECONDS}.get(mode)
-    if limit is None:
-        raise ValueError(f"Long-video mode must be 'continuation' or 'full', got {mode!r}.")
+    limit = mode_seconds(mode)
     if not isinstance(seconds, (int, float)) or not MIN_SECONDS <= seconds <= limit:
         raise ValueError(f"A {mode} long video lasts {MIN_SECONDS:g} s up to {limit:g} s; got {seconds!r} s.")
     return geometry.frames_for_duration(seconds)
+
+
+def mode_seconds(mode: str) -> float:
+    """The longest duration a long request of `mode` may ask for."""
+    limit = {"continuation": MAX_CONTINUATION_SECONDS, "full": MAX_FULL_SECONDS}.get(mode)
+    if limit is None:
+        raise ValueError(f"Long-video mode must be 'continuation' or 'full', got {mode!r}.")
+    return limit
 
 
 def plan_windows(
@@ -115,8 +121,10 @@ def plan_windows(
         raise ValueError(f"The overlap ({overlap_frames} frames) must be shorter than the window ({window_frames}).")
     if given_frames:
         if given_frames >= total_frames:
-            raise ValueError(f"The whole clip ({total_frames} frames) must be longer than the clip it continues "
-                             f"({given_frames} frames).")
+            raise ValueError(f"The whole clip ({total_frames} frames, {total_frames / geometry.FPS:.2f} s) must be "
+                             f"longer than the clip it continues ({given_frames} frames, "
+                             f"{given_frames / geometry.FPS:.2f} s): the duration counts the whole result, the "
+                             "continued clip included.")
         if overlap_frames >= given_frames:
             raise ValueError(f"The overlap ({overlap_frames} frames) must be shorter than the clip it continues "
                              f"({given_frames} frames).")

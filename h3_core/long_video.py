@@ -53,6 +53,7 @@ from .continuation import (
     Timeline,
     Window,
     long_video_frames,
+    mode_seconds,
     plan_request,
     sampled,
     video_at,
@@ -137,7 +138,15 @@ def _total_frames(request: Request, mode: str, kept_frames: int = 0) -> int:
             raise RequestError(f"The kept clip lasts {kept_frames} frames ({kept_frames / geometry.FPS:.2f} s, as "
                                f"encoded: cut to 17n + 5 frames); H3 makes the sound for at least {MIN_FRAMES} "
                                f"frames ({MIN_FRAMES / geometry.FPS:.2f} s).")
-        request = dataclasses.replace(request, duration=kept_frames / geometry.FPS)
+        try:  # counted in frames: a clip made at the longest duration lasts a fraction of a second longer
+            longest = long_video_frames(mode_seconds(mode), mode)
+        except ValueError as error:
+            raise RequestError(str(error)) from None
+        if kept_frames > longest:
+            raise RequestError(f"The kept clip lasts {kept_frames} frames ({kept_frames / geometry.FPS:.2f} s); a "
+                               f"{mode} long video makes at most {longest} frames ({mode_seconds(mode):g} s): give a "
+                               "duration to keep its first seconds.")
+        return kept_frames
     if request.num_frames is not None or request.duration is None:
         raise RequestError(
             f"A long video is asked for by its duration in seconds (got duration={request.duration!r}, "

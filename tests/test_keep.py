@@ -17,6 +17,7 @@ from test_long_video import PROMPT, STEPS, encode, models, spied_dit  # noqa: F4
 
 from h3_core import geometry
 from h3_core.conditioning import Conditioning, Request, RequestError
+from h3_core.continuation import long_video_frames, mode_seconds
 from h3_core.guides import GuideMedia
 from h3_core.long_video import LongVideoRequest, encode_long_video, sample_long_video, validate_long_video
 from h3_core.layout import RowClock, build_t2va_layout, patchify
@@ -245,7 +246,8 @@ def test_cli_makes_the_sound_for_a_long_clip_window_by_window(tmp_path, capsys):
 @pytest.mark.parametrize("seconds, options, message", [
     (25.0, {}, r"The kept clip lasts 481 frames \(20.04 s\); 25 s would need 600 frames"),
     (None, {"drive_audio": "song.wav"}, "cannot go with drive_audio"),
-    (None, {"mode": "full"}, "A full long video lasts 4 s up to 30 s"),
+    (None, {"mode": "full"}, r"The kept clip lasts 753 frames \(31.38 s\); a full long video makes at most 736 frames "
+                             r"\(30 s\): give a duration to keep its first seconds\."),
     (None, {"frames": 56}, r"The kept clip lasts 56 frames \(2.33 s, as encoded: .*at least 107 frames \(4.46 s\)"),
     (None, {"guides": (GuideMedia(0, np.zeros((1, 128, 224, 3), np.uint8)),)}, "Guide 1 holds a picture, but the kept"),
 ])
@@ -262,3 +264,13 @@ def test_bad_kept_clips_fail_before_any_model(seconds, options, message):
     sound = GuideMedia(240, waveform=np.zeros((2, 32000), np.float32), sample_rate=32000)
     validate_long_video(LongVideoRequest(Request("t2va", PROMPT), keep_video=kept_clip(481), guides=(sound,)),
                         TINY_CANVAS)  # a sound may guide a kept clip
+
+
+@pytest.mark.parametrize("mode, frames", [("full", 736), ("continuation", 7213)])
+def test_a_clip_made_at_the_longest_duration_can_be_kept_whole(mode, frames):
+    """`--duration 300` (or 30 s in full mode) makes 7213 (736) frames, 300.54 (30.67) s on the 17n + 5 grid: kept
+    whole again (no duration), it is counted in frames, not refused for its seconds."""
+    clip = kept_clip(frames)
+    assert long_video_frames(mode_seconds(mode), mode) == frames
+    plan = validate_long_video(LongVideoRequest(Request("t2va", PROMPT), mode=mode, keep_video=clip), TINY_CANVAS)
+    assert plan.num_frames == frames

@@ -305,7 +305,8 @@ def test_a_given_clip_is_kept_and_continued_from_its_tail(models):
 
 @pytest.mark.parametrize("options, message", [
     ({"mode": "full"}, "cannot continue a given clip; use continuation mode"),
-    ({"seconds": 5.0}, r"must be longer than the clip it continues \(124 frames\)"),
+    ({"seconds": 5.0}, r"must be longer than the clip it continues \(124 frames, 5.17 s\): the duration counts the "
+                       "whole result"),
     ({"width": 256, "height": 128}, "keeps its canvas, 224x128; this request asks for 256x128"),
     ({"aspect_ratio": "1:1"}, "keeps its canvas, 224x128; this request asks for 1:1"),
     ({"window_prompts": ["one"]}, r"has 2 window\(s\) \(starting at frames 102, 357\), got 1"),
