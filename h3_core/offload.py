@@ -217,6 +217,13 @@ class LayerVisits:
         for param, home in self.homes.pop(id(module)):
             param.data = home
 
+    def send_home(self) -> None:
+        """Every layer still visiting back to its home: a forward that stopped inside a layer (an interrupt,
+        an error) skipped its `_leave`, and its copy would stay on the device, counted nowhere."""
+        for key in list(self.homes):
+            for param, home in self.homes.pop(key):
+                param.data = home
+
     def remove(self) -> None:
         for hook in self.hooks:
             hook.remove()

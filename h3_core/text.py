@@ -57,7 +57,7 @@ from .text_checkpoint import (
 class TextConditioning:
     """What the DiT takes from the text encoder.
 
-    prompt_embeds [1, T, hidden] (5120 for the 32B) in the encoder dtype, on the encoder's device.
+    prompt_embeds [1, T, hidden] (5120 for the 32B) in the encoder dtype, in CPU memory.
     token_tags    [T] int64 on the CPU: 1 for text rows, 0 for the rows of a vision block."""
 
     prompt_embeds: torch.Tensor
@@ -160,8 +160,8 @@ class TextEncoder:
             for name, value in presentation.vision_inputs.items()
         }
         model.rope_deltas = None  # transformers caches multimodal RoPE offsets for generation; start clean
-        hooks = [] if between_layers is None else [
-            layer.register_forward_pre_hook(lambda module, args: between_layers())
+        hooks = [] if between_layers is None else [  # before a streamed layer's copy to the device
+            layer.register_forward_pre_hook(lambda module, args: between_layers(), prepend=True)
             for layer in model.language_model.layers
         ]
         try:
@@ -175,7 +175,11 @@ class TextEncoder:
         finally:
             for hook in hooks:
                 hook.remove()
-        return TextConditioning(output.last_hidden_state.to(device), presentation.token_tags.clone())
+            if self._visits is not None:
+                self._visits.send_home()
+        # in CPU memory, as every other conditioning part: held by the memo and by hosts' caches (ComfyUI's node
+        # outputs), the states must not keep device memory nobody counts once the encoder is unloaded
+        return TextConditioning(output.last_hidden_state.cpu(), presentation.token_tags.clone())
 
     def to(self, device: str | torch.device) -> "TextEncoder":
         """Move the weights (e.g. "cpu" to park the encoder while the DiT runs)."""

@@ -226,6 +226,40 @@ def test_text_encoder_layers_visit_the_device_one_at_a_time():
     assert not any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers)
 
 
+def test_a_stopped_streamed_encode_leaves_no_layer_visiting():
+    """An interrupt between layers stops before the next layer's copy to the device; an error inside a layer (after
+    its copy arrived) sends the copy back all the same: a layer left visiting stayed on the GPU, counted nowhere,
+    one more at each cancelled prompt. (tests/test_offload_cuda.py checks the devices on a GPU.)"""
+    from h3_core.tiny_text import tiny_random_text_encoder
+
+    encoder = tiny_random_text_encoder().stream_layers("cpu")
+    presentation = encoder.present("t2va", "a fox trots along the beach")
+    layers = encoder.model.language_model.layers
+    calls = []
+
+    def stop_at_the_sixth():
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        encoder.encode(presentation, stop_at_the_sixth)
+    assert encoder._visits.visits == 5 and encoder._visits.homes == {}  # the sixth layer never came
+
+    def fails(module, args):
+        raise RuntimeError("out of memory inside the layer")
+
+    hook = layers[3].register_forward_pre_hook(fails)  # after the visit's own hook: the layer has arrived
+    try:
+        with pytest.raises(RuntimeError, match="inside the layer"):
+            encoder.encode(presentation)
+    finally:
+        hook.remove()
+    assert encoder._visits.homes == {}
+    expected = tiny_random_text_encoder().encode(presentation).prompt_embeds
+    assert torch.equal(encoder.encode(presentation).prompt_embeds, expected) and encoder._visits.homes == {}
+
+
 def test_text_encoder_layers_spread_over_devices():
     """spread_layers: the same prompt states as one device, a hook (moving the hidden state, masks and
     rotary tables) on every layer past the first device's, none after to(); counts that do not cover the

@@ -60,9 +60,21 @@ def test_text_encoder_streams_its_layers_through_the_gpu():
     expected = resident.encode(presentation).prompt_embeds.cpu()
     streamed = tiny_random_text_encoder().stream_layers("cuda")
     got = streamed.encode(presentation).prompt_embeds
-    assert got.device.type == "cuda" and torch.equal(expected, got.cpu())
+    assert got.device.type == "cpu" and torch.equal(expected, got)  # states in CPU memory, held by hosts' caches
     assert all(p.device.type == "cpu" for p in streamed.model.language_model.layers.parameters())
     assert streamed.model.language_model.embed_tokens.weight.device.type == "cuda"
+    layers = streamed.model.language_model.layers
+
+    def fails(module, args):
+        raise RuntimeError("out of memory inside the layer")
+
+    hook = layers[5].register_forward_pre_hook(fails)  # the layer's copy has arrived on the GPU
+    try:
+        with pytest.raises(RuntimeError, match="inside the layer"):
+            streamed.forget().encode(presentation)
+    finally:
+        hook.remove()
+    assert all(p.device.type == "cpu" for p in layers.parameters())  # sent back all the same
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
@@ -75,7 +87,7 @@ def test_text_encoder_spreads_its_layers_over_two_gpus():
     spread = tiny_random_text_encoder().spread_layers(["cuda:0", "cuda:1"], [18, 32])
     got = spread.encode(presentation).prompt_embeds
     layers = spread.model.language_model.layers
-    assert got.device == torch.device("cuda:0") and torch.equal(expected, got.cpu())
+    assert got.device.type == "cpu" and torch.equal(expected, got)
     assert [str(p.device) for layer in (layers[17], layers[18]) for p in list(layer.parameters())[:1]] == ["cuda:0", "cuda:1"]
     assert spread.model.language_model.embed_tokens.weight.device == torch.device("cuda:0")
     on_second = sum(p.numel() * p.element_size() for p in layers[18:].parameters())
