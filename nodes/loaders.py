@@ -243,16 +243,17 @@ class H3TextEncoderLoader(io.ComfyNode):
     @classmethod
     def fingerprint_inputs(cls, text_encoder=None, folder="", tokenizer_folder="", weight_dtype="bf16",
                            gpu_memory_gb=0.0) -> str:
-        """The chosen file (or folder) as it is on disk now, and a GGUF encoder's vision tower: whichever mmproj
-        file lies beside it. One saved over, added or removed loads the encoder again (ComfyUI would hand the
-        cached one on). A linked name or folder (None here) is not followed: anything but a text would make
-        every run load the encoder again."""
+        """The chosen file (or folder) as it is on disk now, a GGUF encoder's vision tower (whichever mmproj
+        file lies beside it) and the tokenizer folder's files. One saved over, added or removed loads the encoder
+        again (ComfyUI would hand the cached one on). A linked name or folder (None here) is not followed:
+        anything but a text would make every run load the encoder again."""
         path = chosen_file("text_encoders", text_encoder, folder)
         if not path:
             return ""
         try:
             gguf = Path(path).is_file() and Path(path).suffix.lower() == GGUF_SUFFIX
-            return files_fingerprint(path, *(mmproj_companions(Path(path)) if gguf else ()))
+            tokenizer = [tokenizer_folder] if isinstance(tokenizer_folder, str) and tokenizer_folder.strip() else []
+            return files_fingerprint(path, *(mmproj_companions(Path(path)) if gguf else ()), *tokenizer)
         except (OSError, ValueError):  # unreadable: execute says so
             return ""
 

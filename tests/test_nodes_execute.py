@@ -959,6 +959,10 @@ def test_a_gguf_text_encoder_is_offered_and_reads_its_mmproj(comfy, monkeypatch)
     before = fingerprint(name, "", str(release / "FL2VA"), "bf16")
     tiny_qwen.write_mmproj_file(comfy.tmp / "text_encoders" / "mmproj-F16.gguf", model, {})
     assert fingerprint(name, "", str(release / "FL2VA"), "bf16") != before
+    before = fingerprint(name, "", str(release / "FL2VA"), "bf16")
+    tokenizer_file = next((release / "FL2VA").rglob("tokenizer_config.json"))
+    tokenizer_file.write_text(tokenizer_file.read_text() + "\n")  # a tokenizer fixed in place loads again
+    assert fingerprint(name, "", str(release / "FL2VA"), "bf16") != before
     assert fingerprint("tiny-random", "", "", "bf16") == ""
     assert fingerprint(None, "", "", "bf16") == fingerprint(name, None, "", "bf16") == ""  # linked: not followed
     options = next(p for p in comfy.loaders.H3TextEncoderLoader.define_schema().inputs if p.id == "text_encoder")
