@@ -269,7 +269,10 @@ def _check_task_media(request: Request, references: list[MediaReference]) -> lis
     return keyframes
 
 
-def _check_ratio(width: int, height: int, what: str) -> None:
+def check_ratio(width: int, height: int, what: str) -> None:
+    """A picture's aspect ratio within H3's 1:4 to 4:1: a canvas-setting keyframe must be, and any other picture
+    cover-cropped onto the canvas (a follower keyframe, a guide) is scaled whole first, so an 8000x2 image
+    would grow to gigabytes before its crop."""
     ratio = width / height
     if not geometry.MIN_ASPECT_RATIO <= ratio <= geometry.MAX_ASPECT_RATIO:
         raise RequestError(f"{what} is {width}x{height} (aspect ratio {ratio:.3g}); H3 takes 1:4 to 4:1.")
@@ -292,13 +295,13 @@ def _check_references(references: list[MediaReference]) -> None:
         what = f"references[{index}] ({reference.kind})"
         if reference.kind == "image":
             facts = inspect_image(reference.source, what)
-            _check_ratio(facts.width, facts.height, what)
+            check_ratio(facts.width, facts.height, what)
             continue
         inspect = inspect_video if reference.kind == "video" else inspect_audio
         facts = inspect(reference.source, reference.start_seconds, what)
         _check_clip(facts.seconds, reference.start_seconds, what)
         if reference.kind == "video":
-            _check_ratio(facts.width, facts.height, what)
+            check_ratio(facts.width, facts.height, what)
         totals[reference.kind] += facts.seconds
     for kind, total in totals.items():
         if total > MAX_TOTAL_CLIP_SECONDS + CLIP_SECONDS_SLACK:
@@ -336,10 +339,10 @@ def validate(request: Request, rules: CanvasRules = RELEASE_CANVAS) -> RequestPl
         anchor_size = None
         for index, (anchor, source) in enumerate(keyframes):
             facts = inspect_image(source, f"{anchor}_image")
+            sets_canvas = index == 0 and size is None and named is None
+            check_ratio(facts.width, facts.height, f"{anchor}_image" + (" (it sets the canvas)" if sets_canvas else ""))
             if index == 0:
                 anchor_size = (facts.width, facts.height)
-                if size is None and named is None:
-                    _check_ratio(facts.width, facts.height, f"{anchor}_image (it sets the canvas)")
         _check_references(references)
     except MediaInputError as error:
         raise RequestError(str(error)) from None

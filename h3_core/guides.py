@@ -35,7 +35,7 @@ import torch
 from PIL import Image
 
 from . import geometry, media_read
-from .conditioning import NO_VAE, TASKS, Conditioning, RequestError
+from .conditioning import NO_VAE, TASKS, Conditioning, RequestError, check_ratio
 from .layout import FRAME_TIME, GuideBlock, build_ref2va_layout, build_t2va_layout, pack_audio, unpack_audio
 from .media import SAMPLE_RATE, MediaError, naming
 from .references import (
@@ -130,6 +130,7 @@ def _as_frames(frames) -> np.ndarray:
     if array.ndim != 4 or array.shape[-1] != 3 or array.dtype != np.uint8 or not array.shape[0]:
         raise RequestError(f"Guide frames must be uint8 RGB [N, H, W, 3] or a PIL image, got {array.dtype} "
                            f"{list(array.shape)}.")
+    check_ratio(array.shape[2], array.shape[1], "The guide picture")
     return array
 
 

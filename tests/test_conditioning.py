@@ -529,6 +529,16 @@ def test_rejects_bad_canvas(size, fragments):
     assert_rejected(Request("t2va", PROMPT, width=size[0], height=size[1]), *fragments)
 
 
+def test_rejects_a_keyframe_of_any_place_outside_1_to_4():
+    """Not only the keyframe that sets the canvas: a follower (or one on a given canvas) is scaled whole to cover
+    the canvas before its crop, so an 8000x2 last keyframe grew to a 3,072,000 x 768 image (6.6 GiB)."""
+    wide, fine = Image.new("RGB", (8000, 2)), Image.new("RGB", (64, 64))
+    assert_rejected(Request("fl2va", PROMPT, first_image=fine, last_image=wide), "last_image is 8000x2",
+                    "aspect ratio 4e+03", "1:4 to 4:1")
+    assert_rejected(Request("fl2va", PROMPT, first_image=wide, aspect_ratio="16:9"), "first_image is 8000x2")
+    validate(Request("fl2va", PROMPT, first_image=fine, last_image=Image.new("RGB", (256, 64))))  # 4:1 is fine
+
+
 def test_rejects_unknown_or_conflicting_aspect_ratio():
     assert_rejected(Request("t2va", PROMPT, aspect_ratio="5:4"), "'5:4'", "16:9")
     assert_rejected(Request("t2va", PROMPT, aspect_ratio="16:9", width=1024, height=576), "not both")
