@@ -6,7 +6,9 @@
   s(i) = floor(i * 24 / fps + 0.5) and is held until slot s(i+1); so a slot shows the latest source
   frame that has reached it (frames sharing a slot: the later wins; gaps: the earlier repeats).
   `fps` is the stream's average rate and s(i) is computed in float64, both as the reference does;
-  timestamps only locate the start.
+  timestamps only locate the start, and a picture that starts later than that (by more than a frame: its
+  stream begins after the sound) holds its first frame until its time. A stream that changes size part way
+  (an adaptive-stream recording) is scaled to its first frame's size.
 - `read_audio`: any soundtrack or audio file (WAV, MP3, AAC, FLAC, ...) -> float32 [2, M] at 32 kHz.
   The window is cut at the native rate, then resampled once (the reference order). Mono is
   duplicated into both channels; more than two channels are downmixed to stereo by FFmpeg's
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import av
 import numpy as np
+from PIL import Image
 
 from .media import FPS, MediaError, UnreadableMediaError, resample_audio
 
@@ -76,7 +79,9 @@ class MediaInfo:
     def video_seconds(self) -> float | None:
         """How long the picture lasts: its stream's own length where stated, else the file's (its longest
         stream's: a one-frame video with a 5 s soundtrack is a 5 s file)."""
-        return (self.video and self.video.duration_seconds) or self.duration_seconds
+        if self.video is not None and self.video.duration_seconds is not None:
+            return self.video.duration_seconds
+        return self.duration_seconds
 
 
 @dataclass(frozen=True)
@@ -185,14 +190,37 @@ def _stream_seconds(stream) -> float | None:
     return float(stream.duration * stream.time_base)
 
 
+def _demuxed_seconds(path: Path, index: int) -> float:
+    """A stream's length from its packets' timestamps (demuxed, not decoded): Matroska / WebM state none per
+    stream, or the file's (its longest stream's, a soundtrack's say) for each."""
+    first = last = None
+    with _open_media(path) as container:
+        stream = container.streams[index]
+        for packet in container.demux(stream):
+            if packet.pts is None:  # the demuxer's closing empty packet
+                continue
+            start = packet.pts * packet.time_base
+            stop = start + (packet.duration or 0) * packet.time_base
+            first = start if first is None else min(first, start)
+            last = stop if last is None else max(last, stop)
+    return 0.0 if first is None else float(last - first)
+
+
 def probe(path: str | os.PathLike) -> MediaInfo:
-    """Duration, video size/fps/rotation and audio rate/channels of a file, decoding one frame at most."""
+    """Duration, video size/fps/rotation and audio rate/channels of a file, decoding one frame at most (and
+    demuxing the video's packets where the file states no length of its own for it besides a soundtrack)."""
     path = Path(path)
     with _open_media(path) as container:
         duration = container.duration / av.time_base if container.duration else None
         video_info = audio_info = None
         stream = _video_stream(container)
         if stream is not None:
+            seconds = _stream_seconds(stream)
+            if len(container.streams) > 1:  # beside a soundtrack: what the picture's packets span, when shorter
+                fps = _frame_rate(stream) or FPS
+                demuxed = _demuxed_seconds(path, stream.index)
+                if seconds is None or demuxed < seconds - 1.0 / fps:
+                    seconds = demuxed
             first = next(container.decode(stream), None)
             turns = _quarter_turns(first) if first is not None else 0
             width, height = stream.codec_context.width, stream.codec_context.height
@@ -204,7 +232,7 @@ def probe(path: str | os.PathLike) -> MediaInfo:
                 height=height,
                 fps=_frame_rate(stream),
                 frame_count=stream.frames or None,
-                duration_seconds=_stream_seconds(stream),
+                duration_seconds=seconds,
                 rotation=turns * 90,
                 pixel_format=stream.codec_context.pix_fmt,
             )
@@ -234,12 +262,16 @@ def _frames_on_24fps_grid(container, stream, fps: float, start_seconds: float, m
     origin = _origin_seconds(container)
     scale = FPS / fps
     kept = emitted = 0
+    size = None
     for decoded, frame in enumerate(_decoded_from(container, stream, start_seconds)):
         seconds = frame.time - origin if frame.pts is not None else decoded / fps
         if seconds < start_seconds - _START_TOLERANCE_SECONDS:
             continue
         # Source frame `kept` fills slots s(kept) .. s(kept + 1) - 1; none when the next one shares its slot.
         repeats = math.floor((kept + 1) * scale + 0.5) - math.floor(kept * scale + 0.5)
+        lead = seconds - start_seconds
+        if not kept and lead > 1.0 / fps:  # the picture starts late (the sound from start_seconds): held till then
+            repeats += round(lead * FPS)
         kept += 1
         if repeats == 0:
             continue
@@ -247,6 +279,10 @@ def _frames_on_24fps_grid(container, stream, fps: float, start_seconds: float, m
         turns = _quarter_turns(frame)
         if turns:
             rgb = np.ascontiguousarray(np.rot90(rgb, k=turns))
+        if size is None:
+            size = rgb.shape
+        elif rgb.shape != size:  # a stream that changes size part way: on the first frame's
+            rgb = np.asarray(Image.fromarray(rgb).resize((size[1], size[0]), Image.Resampling.BILINEAR))
         for _ in range(repeats):
             yield rgb
             emitted += 1

@@ -366,7 +366,7 @@ def test_a_16_bit_grey_image_is_scaled_not_clipped(tmp_path):
 
     from h3_core.references import load_image
 
-    ramp = np.tile(np.linspace(0, 65535, 256).astype(np.uint16), (16, 1))
+    ramp = np.tile(np.linspace(0, 65535, 256).astype(np.uint16), (64, 1))
     deep, flat = tmp_path / "deep.png", tmp_path / "flat.png"
     Image.fromarray(ramp).save(deep)
     Image.fromarray((ramp >> 8).astype(np.uint8)).save(flat)
