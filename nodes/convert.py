@@ -124,11 +124,16 @@ def _check_image(image: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def image_to_uint8(image: torch.Tensor, what: str = "image") -> np.ndarray:
-    """IMAGE [B, H, W, C] 0..1 -> uint8 [B, H, W, 3] (grey repeated, alpha dropped)."""
+    """IMAGE [B, H, W, C] 0..1 (or uint8 0..255, as a few nodes make) -> uint8 [B, H, W, 3] (grey repeated,
+    alpha dropped)."""
     image = _check_image(image, what)
     if image.shape[-1] == 1:
         image = image.expand(*image.shape[:-1], 3)
-    return as_uint8_frames(image[..., :3].float())
+    rgb = image[..., :3]
+    try:
+        return as_uint8_frames(rgb if rgb.dtype == torch.uint8 else rgb.float())
+    except ValueError as error:
+        raise ValueError(f"{what}: {str(error).replace('Video frames', 'its pixels')}") from None
 
 
 def image_to_pils(image: torch.Tensor, what: str = "image") -> list[Image.Image]:
@@ -261,8 +266,11 @@ def video_at_24fps(video, what: str, max_frames: int, fit=None, with_audio: bool
     on_disk = video_file(video)
     if on_disk is None:
         clip = video_to_decoded(video, what)
-        sound = (clip.audio, clip.sample_rate) if with_audio else (None, None)
-        return DecodedVideo(frames_at_24fps(clip.frames, clip.fps)[:max_frames], float(geometry.FPS), *sound)
+        frames = frames_at_24fps(clip.frames, clip.fps)[:max_frames]
+        audio = None
+        if with_audio and clip.audio is not None:  # the sound of the frames kept, as a file's is read
+            audio = clip.audio[:, : round(frames.shape[0] / geometry.FPS * clip.sample_rate)]
+        return DecodedVideo(frames, float(geometry.FPS), audio, None if audio is None else clip.sample_rate)
     path, start, duration = on_disk
     try:
         clip = media_read.read_video(path, start, trim_frames(duration, max_frames), with_audio=with_audio, fit=fit)

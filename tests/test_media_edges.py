@@ -96,3 +96,19 @@ def test_a_stream_that_changes_size_part_way_is_read_at_its_first_size(tmp_path)
     clip = read_video(path)
     assert clip.frames.shape == (48, 64, 96, 3)
     assert [colour_index(frame) for frame in clip.frames] == list(range(48))
+
+
+def test_a_reference_videos_soundtrack_runs_as_long_as_the_output_from_a_file_as_from_memory(tmp_path):
+    """The reference conditions a video reference on its soundtrack over the output's length, even where it outlasts
+    the picture (diffusers reads a file's whole soundtrack, then cuts it there): a file gave only the picture's
+    3 s of it."""
+    from h3_core.references import DecodedVideo, MediaReference, prepare_reference
+
+    path = tmp_path / "short_picture.mp4"
+    write_clip(path, 72, 8.0)
+    from_file = prepare_reference(MediaReference("video", path), 124)
+    clip = read_video(path, with_audio=False)
+    sound = np.zeros((2, 8 * RATE), np.float32)
+    in_memory = prepare_reference(MediaReference("video", DecodedVideo(clip.frames, 24.0, sound, RATE)), 124)
+    assert from_file.audio.shape == in_memory.audio.shape == (2, int(124 / 24 * 32000))
+    assert np.array_equal(from_file.frames, in_memory.frames) and from_file.frames.shape[0] == 72

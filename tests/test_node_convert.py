@@ -30,6 +30,11 @@ def test_image_round_trip_and_channels():
     assert np.array_equal(np.asarray(convert.image_to_pil(rgba)), np.asarray(pils[0]))  # alpha dropped
     grey = convert.image_to_uint8(torch.full((1, 4, 4, 1), 0.5))
     assert grey.shape == (1, 4, 4, 3) and (grey == 128).all()
+    as_bytes = torch.full((1, 4, 4, 3), 128, dtype=torch.uint8)  # a few nodes hand uint8 0..255 on (it went white)
+    assert (convert.image_to_uint8(as_bytes) == 128).all() and (convert.image_to_uint8(image.half())[0] ==
+                                                                  convert.image_to_uint8(image.half().float())[0]).all()
+    with pytest.raises(ValueError, match=r"^last_image: its pixels hold NaN or infinite values"):
+        convert.image_to_uint8(torch.full((1, 4, 4, 3), float("nan")), "last_image")
     with pytest.raises(ValueError, match=r"\[B, H, W, C\]"):
         convert.image_to_pil(torch.rand(1, 3, 16, 24, 2))
 
@@ -84,6 +89,12 @@ def test_video_components_to_decoded():
     assert decoded.fps == pytest.approx(29.97, abs=1e-3) and decoded.sample_rate == 44100
     silent = SimpleNamespace(get_components=lambda: SimpleNamespace(images=images, frame_rate=Fraction(24), audio=None))
     assert convert.video_to_decoded(silent).audio is None
+    # a guide's VIDEO in memory keeps the sound under the frames it keeps, as a file's is read
+    long_sound = {"waveform": torch.rand(1, 2, 44100 * 10), "sample_rate": 44100}
+    loud = SimpleNamespace(get_components=lambda: SimpleNamespace(images=images, frame_rate=Fraction(24),
+                                                                  audio=long_sound))
+    kept = convert.video_at_24fps(loud, "guide", 22)
+    assert kept.frames.shape[0] == 22 and kept.audio.shape == (2, round(22 / 24 * 44100))
     with pytest.raises(ValueError, match="VIDEO"):
         convert.video_to_decoded(images)
 
