@@ -62,7 +62,10 @@ def stream_clip(path, rules: CanvasRules, width: int | None = None, height: int 
     first = list(itertools.islice(frames, MIN_CLIP_FRAMES))
     if not first:
         raise MediaError(f"{path} has no video frames at or after {start_seconds} s.")
-    clip_frame_count(len(first), geometry.FPS)
+    try:
+        clip_frame_count(len(first), geometry.FPS)
+    except RequestError as error:
+        raise RequestError(f"{path}: {error}") from None
     if width is None:
         width, height = rules.canvas(first[0].shape[1], first[0].shape[0])
     on_canvas = (frame_on_canvas(frame, width, height) for frame in itertools.chain(first, frames))

@@ -169,7 +169,8 @@ def _is_path(source) -> bool:
 def _existing_file(source, what: str) -> Path:
     path = Path(source)
     if not path.is_file():
-        raise MediaInputError(f"{what}: no file at {path}.")
+        raise MediaInputError(f"{what}: {path} is a folder, not a file." if path.is_dir() else
+                              f"{what}: no file at {path}.")
     return path
 
 

@@ -17,6 +17,7 @@ Validation tests pass models that fail the test if touched: every limit is check
 
 from __future__ import annotations
 
+import os
 import math
 import wave
 from pathlib import Path
@@ -625,6 +626,7 @@ def test_rejects_clip_totals_but_measures_from_the_start():
         (("video", video(3, width=300, height=64)), ("references[0] (video)", "300x64", "1:4 to 4:1")),
         (("image", np.zeros((64, 64, 4), np.uint8)), ("[H, W, 3]",)),
         (("image", "not-a-file.png"), ("no file at",)),
+        (("image", os.path.dirname(__file__)), ("references[0] (image): ", "tests is a folder, not a file")),
         (("sticker", Image.new("RGB", (64, 64))), ("'sticker'", "('image', 'video', 'audio')")),
         (("video", DecodedVideo(np.zeros((48, 64, 64, 3), np.uint8), 0)), ("positive frame rate",)),
         (("audio", DecodedAudio(np.zeros((6, 64000), np.float32), 32000)), ("mono or stereo",)),
