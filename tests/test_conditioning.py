@@ -17,8 +17,8 @@ Validation tests pass models that fail the test if touched: every limit is check
 
 from __future__ import annotations
 
-import os
 import math
+import os
 import wave
 from pathlib import Path
 
