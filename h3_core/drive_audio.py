@@ -37,11 +37,12 @@ def check_track(source, what: str = "drive audio") -> None:
     load_track(source, what)
 
 
-def load_track(source, what: str = "drive audio") -> torch.Tensor:
-    """A path (any audio PyAV reads) or a `DecodedAudio` (mono or stereo, any rate) -> float32 [2, N] at 32 kHz."""
+def load_track(source, what: str = "drive audio", max_seconds: float | None = None) -> torch.Tensor:
+    """A path (any audio PyAV reads) or a `DecodedAudio` (mono or stereo, any rate) -> float32 [2, N] at 32 kHz; a
+    file read for at most `max_seconds` (the clip's length: an album-long file is not held whole)."""
     try:
         if isinstance(source, (str, Path)):
-            waveform = media_read.read_audio(Path(source))
+            waveform = media_read.read_audio(Path(source), max_seconds=max_seconds)
         elif isinstance(source, DecodedAudio):
             if not (isinstance(source.sample_rate, (int, np.integer)) and source.sample_rate > 0):
                 raise MediaInputError(f"{what}: the sample rate must be a positive integer, got {source.sample_rate!r}.")

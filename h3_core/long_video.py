@@ -391,7 +391,8 @@ def encode_long_video(
     if request.drive_audio is not None:
         if between_calls is not None:
             between_calls()
-        drive = encode_track(audio_vae, load_track(request.drive_audio), plan.num_frames)
+        track = load_track(request.drive_audio, max_seconds=plan.num_frames / geometry.FPS + 1.0)
+        drive = encode_track(audio_vae, track, plan.num_frames)
     if between_calls is not None and request.guides:
         between_calls()
     guides = encode_window_guides(plan.task, plan.windows, plan.width, plan.height, plan.num_frames, request.guides,

@@ -102,6 +102,26 @@ def test_load_track_reads_files_and_decoded_audio(tmp_path):
     from_memory = load_track(DecodedAudio(torch.from_numpy(mono), rate))
     assert from_memory.shape == (2, 64000)
     assert torch.allclose(from_memory, from_file, atol=2e-4)  # the file held 16-bit samples
+    first = load_track(tmp_path / "voice.wav", max_seconds=0.5)  # cut at the native rate, then resampled
+    assert first.shape == (2, 16000) and torch.allclose(first[:, :15900], from_file[:, :15900], atol=1e-6)
+
+
+def test_a_long_video_reads_its_driving_track_no_longer_than_the_clip(tmp_path, monkeypatch):
+    """An album-long file as the driving track: read as far as the clip lasts (and a second), not held whole."""
+    from h3_core import media_read
+    from h3_core.conditioning import Request
+    from h3_core.long_video import LongVideoRequest, encode_long_video
+    from h3_core.pipeline import TINY_CANVAS
+    from h3_core.tiny_text import tiny_random_text_encoder
+
+    rate = 8000
+    write_wav(tmp_path / "album.wav", np.zeros((1, rate * 30), np.float32), rate)
+    asked, read = [], media_read.read_audio
+    monkeypatch.setattr(media_read, "read_audio", lambda *a, **k: asked.append(k.get("max_seconds")) or read(*a, **k))
+    request = LongVideoRequest(Request("t2va", "a drum solo", duration=5.0), drive_audio=tmp_path / "album.wav")
+    conditioning = encode_long_video(request, tiny_random_text_encoder(), None, tiny_random_audio_vae(),
+                                     rules=TINY_CANVAS)
+    assert asked[-1] == pytest.approx(124 / 24 + 1.0) and conditioning.drive_audio.shape[-1] == round(124 * 40 / 24)
 
 
 def test_bad_tracks_are_refused_clearly(tmp_path):
