@@ -64,7 +64,8 @@ from .sampler import AUDIO_SHIFT, MAX_STEPS, VIDEO_SHIFT, DualClockSchedule
 
 __all__ = [
     "LoRA", "LoRAError", "LoRAReport", "SamplerSettings", "TurboContract",
-    "applied_contracts", "applied_loras", "apply_loras", "hooked_bytes", "task_warnings", "load_lora", "remove_loras", "sampler_settings",
+    "applied_contracts", "applied_loras", "apply_loras", "hooked_bytes", "load_lora", "remove_loras",
+    "sampler_settings", "task_warnings",
 ]
 
 logger = logging.getLogger(__name__)
@@ -657,8 +658,8 @@ def sampler_settings(
 
     Without a contract: the base model's 50 points and shifts 12 / 3. A contract with a base ladder
     (FlashGen) gives explicit ladders under the shifts in force; a user step count other than its length
-    replaces that ladder with the uniform one. Several different contracts without user steps and both shifts (or both
-    ladders) are an error: there is no right schedule to pick.
+    replaces that ladder with the uniform one. Several different contracts without user steps and both shifts
+    (or both ladders) are an error: there is no right schedule to pick.
     """
     if isinstance(contracts, TurboContract):
         contracts = [contracts]

@@ -35,8 +35,8 @@ from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, read_mode
 from .guides import GuideMedia, add_guide, check_guide, read_guide
 from .lora import (
-    VSA_STUDENT_CONTRACT, applied_contracts, apply_loras, check_loras, hooked_bytes, load_lora, run_mode, sampler_settings,
-    task_warnings,
+    VSA_STUDENT_CONTRACT, applied_contracts, apply_loras, check_loras, hooked_bytes, load_lora, run_mode,
+    sampler_settings, task_warnings,
 )
 from .noise import check_seeds, condition_rows, request_generator, target_noise
 from .media import SAMPLE_RATE, MediaError, naming
