@@ -266,11 +266,8 @@ def video_at_24fps(video, what: str, max_frames: int, fit=None, with_audio: bool
     on_disk = video_file(video)
     if on_disk is None:
         clip = video_to_decoded(video, what)
-        frames = frames_at_24fps(clip.frames, clip.fps)[:max_frames]
-        audio = None
-        if with_audio and clip.audio is not None:  # the sound of the frames kept, as a file's is read
-            audio = clip.audio[:, : round(frames.shape[0] / geometry.FPS * clip.sample_rate)]
-        return DecodedVideo(frames, float(geometry.FPS), audio, None if audio is None else clip.sample_rate)
+        sound = (clip.audio, clip.sample_rate) if with_audio else (None, None)
+        return DecodedVideo(frames_at_24fps(clip.frames, clip.fps)[:max_frames], float(geometry.FPS), *sound)
     path, start, duration = on_disk
     try:
         clip = media_read.read_video(path, start, trim_frames(duration, max_frames), with_audio=with_audio, fit=fit)

@@ -89,12 +89,6 @@ def test_video_components_to_decoded():
     assert decoded.fps == pytest.approx(29.97, abs=1e-3) and decoded.sample_rate == 44100
     silent = SimpleNamespace(get_components=lambda: SimpleNamespace(images=images, frame_rate=Fraction(24), audio=None))
     assert convert.video_to_decoded(silent).audio is None
-    # a guide's VIDEO in memory keeps the sound under the frames it keeps, as a file's is read
-    long_sound = {"waveform": torch.rand(1, 2, 44100 * 10), "sample_rate": 44100}
-    loud = SimpleNamespace(get_components=lambda: SimpleNamespace(images=images, frame_rate=Fraction(24),
-                                                                  audio=long_sound))
-    kept = convert.video_at_24fps(loud, "guide", 22)
-    assert kept.frames.shape[0] == 22 and kept.audio.shape == (2, round(22 / 24 * 44100))
     with pytest.raises(ValueError, match="VIDEO"):
         convert.video_to_decoded(images)
 
