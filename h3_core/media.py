@@ -61,14 +61,14 @@ def _to_numpy(array: Any, what: str) -> np.ndarray:
     raise ValueError(f"{what} must be a numpy array or a torch tensor, got {type(array).__name__}.")
 
 
-def as_uint8_frames(frames: Any) -> np.ndarray:
+def as_uint8_frames(frames: Any, what: str = "Video frames") -> np.ndarray:
     """Frames as a C-contiguous uint8 [N, H, W, 3] RGB array.
 
     Accepts numpy or torch, channels last, either uint8 (0..255, passed through) or floating point
     read over 0..1 (clipped, then rounded to the nearest of 256 levels). Other layouts or dtypes
-    raise ValueError: guessing channels-first or an integer range would silently corrupt colours.
+    raise ValueError naming `what`: guessing channels-first or an integer range would silently corrupt colours.
     """
-    array = _to_numpy(frames, "Video frames")
+    array = _to_numpy(frames, what)
     if array.ndim != 4 or array.shape[-1] != 3:
         hint = ""
         if array.ndim == 4 and array.shape[1] == 3:
@@ -76,16 +76,16 @@ def as_uint8_frames(frames: Any) -> np.ndarray:
         elif array.ndim == 3 and array.shape[-1] == 3:
             hint = " For a single frame add a leading axis: frames[None]."
         raise ValueError(
-            f"Video frames must be [N, H, W, 3] RGB (channels last), got shape {tuple(array.shape)}.{hint}"
+            f"{what} must be [N, H, W, 3] RGB (channels last), got shape {tuple(array.shape)}.{hint}"
         )
     if array.dtype == np.uint8:
         return np.ascontiguousarray(array)
     if not np.issubdtype(array.dtype, np.floating):
         raise ValueError(
-            f"Video frames must be uint8 (0..255) or floating point (0..1), got dtype {array.dtype}."
+            f"{what} must be uint8 (0..255) or floating point (0..1), got dtype {array.dtype}."
         )
     if not np.isfinite(array).all():
-        raise ValueError("Video frames hold NaN or infinite values; floating point frames must be finite, in 0..1.")
+        raise ValueError(f"{what} hold NaN or infinite values; floating point frames must be finite, in 0..1.")
     scaled = np.clip(array.astype(np.float32, copy=False), 0.0, 1.0) * 255.0
     return np.rint(scaled).astype(np.uint8)
 

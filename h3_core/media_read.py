@@ -208,7 +208,7 @@ def _demuxed_seconds(path: Path, index: int) -> float:
 
 def probe(path: str | os.PathLike) -> MediaInfo:
     """Duration, video size/fps/rotation and audio rate/channels of a file, decoding one frame at most (and
-    demuxing the video's packets where the file states no length of its own for it besides a soundtrack)."""
+    demuxing the video's packets where the file states no trustworthy length for it besides a soundtrack)."""
     path = Path(path)
     with _open_media(path) as container:
         duration = container.duration / av.time_base if container.duration else None
@@ -216,7 +216,9 @@ def probe(path: str | os.PathLike) -> MediaInfo:
         stream = _video_stream(container)
         if stream is not None:
             seconds = _stream_seconds(stream)
-            if len(container.streams) > 1:  # beside a soundtrack: what the picture's packets span, when shorter
+            # beside a soundtrack, a length Matroska / WebM state (the file's) or none: what the packets span
+            untrusted = seconds is None or container.format.name.startswith("matroska")
+            if len(container.streams) > 1 and untrusted:
                 fps = _frame_rate(stream) or FPS
                 demuxed = _demuxed_seconds(path, stream.index)
                 if seconds is None or demuxed < seconds - 1.0 / fps:

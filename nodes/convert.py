@@ -12,6 +12,7 @@ Pure functions: no ComfyUI import, so the tests run them on a machine without Co
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,6 +33,7 @@ from h3_core.media import (
     downmix_to_stereo,
     resample_audio,
 )
+from h3_core.lora import VSA_STUDENT_CONTRACT, applied_contracts, sampler_settings, task_warnings
 from h3_core.output import AVLatents
 from h3_core.prompt import MAX_KEYFRAMES, reference_mix_problem
 from h3_core.references import (
@@ -90,6 +92,16 @@ class ModelHandle:
         DiT's placement knows its config from the headers."""
         return self.dit.config.vsa_gates
 
+    def sampler_settings(self, task: str, steps=None, video_shift=None, audio_shift=None, video_sigmas=None,
+                         audio_sigmas=None):
+        """`lora.sampler_settings` from the schedules this model samples on (its adapters' that act, a VSA
+        student's own) and the user's values (None: the schedule's); an adapter distilled for another task
+        than `task` is warned about in the log."""
+        contracts = applied_contracts(self.loras) + ([VSA_STUDENT_CONTRACT] if self.vsa_student else [])
+        for line in task_warnings(contracts, task):
+            logging.getLogger("h3").warning("H3: %s", line)
+        return sampler_settings(contracts, steps, video_shift, audio_shift, video_sigmas, audio_sigmas)
+
 
 @dataclass(frozen=True)
 class TextEncoderHandle:
@@ -129,11 +141,7 @@ def image_to_uint8(image: torch.Tensor, what: str = "image") -> np.ndarray:
     image = _check_image(image, what)
     if image.shape[-1] == 1:
         image = image.expand(*image.shape[:-1], 3)
-    rgb = image[..., :3]
-    try:
-        return as_uint8_frames(rgb if rgb.dtype == torch.uint8 else rgb.float())
-    except ValueError as error:
-        raise ValueError(f"{what}: {str(error).replace('Video frames', 'its pixels')}") from None
+    return as_uint8_frames(image[..., :3], f"{what}'s pixels")
 
 
 def image_to_pils(image: torch.Tensor, what: str = "image") -> list[Image.Image]:

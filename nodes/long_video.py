@@ -7,7 +7,6 @@ decodes the latent chunk by chunk straight into the file (h3_core.output.write_m
 
 from __future__ import annotations
 
-import logging
 import os
 
 import folder_paths
@@ -25,7 +24,6 @@ from h3_core.continuation import (
     MODES,
     sampled,
 )
-from h3_core.lora import VSA_STUDENT_CONTRACT, applied_contracts, sampler_settings, task_warnings
 from h3_core.long_video import (
     LONG_VIDEO_TASKS,
     LongVideoRequest,
@@ -186,10 +184,7 @@ class H3Continuation(io.ComfyNode):
                                                                                    vae))
 
         dit = model.dit
-        contracts = applied_contracts(model.loras) + ([VSA_STUDENT_CONTRACT] if model.vsa_student else [])
-        settings = sampler_settings(contracts, steps or None, video_shift or None, audio_shift or None)
-        for line in task_warnings(contracts, task):
-            logging.getLogger("h3").warning("H3: %s", line)
+        settings = model.sampler_settings(task, steps or None, video_shift or None, audio_shift or None)
         previews = preview_settings()
         # placed by the engine's plan for the largest window, as the sampler places it
         with freed_on_failure(model.device), dit_for_run(model, largest_layout(cond), settings.steps) as plan:

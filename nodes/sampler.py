@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 import math
 
 import folder_paths
 from comfy_api.latest import io
-from h3_core.lora import VSA_STUDENT_CONTRACT, applied_contracts, check_loras, load_lora, sampler_settings, task_warnings
+from h3_core.lora import check_loras, load_lora
 from h3_core.noise import check_seeds
 from h3_core.pipeline import TASK_PARTITION, sample
 from h3_core.placement import freed_on_failure
@@ -107,12 +106,8 @@ class H3Sampler(io.ComfyNode):
                              "clip through H3 VAE Encode, or a sampled one); an empty latent has none.")
 
         dit = model.dit
-        contracts = applied_contracts(model.loras) + (
-            [VSA_STUDENT_CONTRACT] if model.vsa_student else [])
-        settings = sampler_settings(contracts, steps or None, video_shift or None, audio_shift or None,
-                                    video_sigmas, audio_sigmas)
-        for line in task_warnings(contracts, conditioning.task):
-            logging.getLogger("h3").warning("H3: %s", line)
+        settings = model.sampler_settings(conditioning.task, steps or None, video_shift or None, audio_shift or None,
+                                          video_sigmas, audio_sigmas)
         # a bad combination (denoise with explicit ladders, a bad shift) fails here, before any model moves
         DualClockSchedule.build(settings.steps, settings.video_shift, settings.audio_shift, settings.video_sigmas,
                                 settings.audio_sigmas, denoise)

@@ -33,7 +33,7 @@ def test_image_round_trip_and_channels():
     as_bytes = torch.full((1, 4, 4, 3), 128, dtype=torch.uint8)  # a few nodes hand uint8 0..255 on (it went white)
     assert (convert.image_to_uint8(as_bytes) == 128).all() and (convert.image_to_uint8(image.half())[0] ==
                                                                   convert.image_to_uint8(image.half().float())[0]).all()
-    with pytest.raises(ValueError, match=r"^last_image: its pixels hold NaN or infinite values"):
+    with pytest.raises(ValueError, match=r"^last_image's pixels hold NaN or infinite values"):
         convert.image_to_uint8(torch.full((1, 4, 4, 3), float("nan")), "last_image")
     with pytest.raises(ValueError, match=r"\[B, H, W, C\]"):
         convert.image_to_pil(torch.rand(1, 3, 16, 24, 2))
