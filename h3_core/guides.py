@@ -76,7 +76,8 @@ def read_guide(guide: GuideFile, num_frames: int, clip_frames: int | None = None
                ) -> tuple[np.ndarray | None, np.ndarray | None, int | None]:
     """(frames [N, H, W, 3] uint8 at 24 fps or None, sound [2, M] or None, its sample rate) of a guide file:
     a video file's frames up to the end of the video (`clip_room`) and at most `clip_frames` (a long video's
-    window: no clip can be longer) if given; a sound at most as long as the video."""
+    window: no clip can be longer) if given, its soundtrack up to the end of the video however many frames are
+    read (as a VIDEO's in memory: the sound may run on past the clip); a sound at most as long as the video."""
     what = f"the {guide.kind} guide at frame {guide.frame_index} ({guide.path})"
     if not Path(guide.path).is_file():
         raise RequestError(f"{what}: no such file.")
@@ -85,8 +86,9 @@ def read_guide(guide: GuideFile, num_frames: int, clip_frames: int | None = None
             return np.asarray(load_image(guide.path, what)), None, None
         if guide.kind == "video":
             room = clip_room(guide.frame_index, num_frames)
-            clip = media_read.read_video(guide.path, 0.0, max_frames=min(room, clip_frames or room))
-            return clip.frames, clip.audio, None if clip.audio is None else SAMPLE_RATE
+            clip = media_read.read_video(guide.path, 0.0, max_frames=min(room, clip_frames or room), with_audio=False)
+            sound = media_read.read_soundtrack(guide.path, 0.0, room / geometry.FPS)
+            return clip.frames, sound, None if sound is None else SAMPLE_RATE
         return None, media_read.read_audio(guide.path, 0.0, num_frames / geometry.FPS), SAMPLE_RATE
     except (MediaError, MediaInputError) as error:
         raise RequestError(naming(what, error)) from None

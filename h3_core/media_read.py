@@ -337,9 +337,10 @@ def read_video(
     return VideoClip(frames=np.stack(frames), audio=audio, source_fps=fps)
 
 
-def read_soundtrack(path: str | os.PathLike, start_seconds: float, seconds: float) -> np.ndarray | None:
-    """A video's sound over `seconds` from `start_seconds` as float32 [2, M] at 32 kHz (as `read_audio`), or
-    None when the file has no audio stream or no sound there: a video without sound is not an error."""
+def read_soundtrack(path: str | os.PathLike, start_seconds: float, seconds: float | None) -> np.ndarray | None:
+    """A video's sound over `seconds` (None: to its end) from `start_seconds` as float32 [2, M] at 32 kHz (as
+    `read_audio`), or None when the file has no audio stream or no sound there: a video without sound is not an
+    error."""
     with _open_media(Path(path)) as container:
         if not container.streams.audio:
             return None

@@ -207,7 +207,7 @@ class H3AddGuide(io.ComfyNode):
     @classmethod
     def execute(cls, conditioning, vae, frame_index, image=None, audio=None, video=None) -> io.NodeOutput:
         room = clip_room(int(frame_index), conditioning.num_frames)
-        media = guide_media(frame_index, image, audio, video, room, (conditioning.width, conditioning.height))
+        media = guide_media(frame_index, image, audio, video, (conditioning.width, conditioning.height), room)
         # every check before the VAE moves
         check_guide(conditioning.task, conditioning.num_frames, media.frame_index, media.frames, media.waveform,
                     media.sample_rate)
@@ -234,11 +234,12 @@ def guide_media_inputs() -> list:
     ]
 
 
-def guide_media(frame_index, image=None, audio=None, video=None, max_frames: int = MAX_FRAMES,
-                canvas: tuple[int, int] | None = None) -> GuideMedia:
+def guide_media(frame_index, image=None, audio=None, video=None, canvas: tuple[int, int] | None = None,
+                room: int | None = None) -> GuideMedia:
     """A guide's sockets as the engine's GuideMedia (frames uint8 at 24 fps, sound at its own rate). A VIDEO
-    gives at most `max_frames` frames (what fits from the anchor; no window is longer than MAX_FRAMES), each
-    cover-cropped onto `canvas` (width, height) as it is read from its file when known."""
+    gives at most `room` frames (what is left of the video from the anchor; None: not known yet, as for a long
+    video's guide) and at most MAX_FRAMES (no window is longer), each cover-cropped onto `canvas` (width,
+    height) as it is read from its file when known; its soundtrack runs on past the clip, `room` frames long."""
     if image is not None and video is not None:
         raise ValueError("Connect an image or a video to one guide, not both.")
     if image is None and audio is None and video is None:
@@ -248,7 +249,8 @@ def guide_media(frame_index, image=None, audio=None, video=None, max_frames: int
     waveform, rate = (None, None) if sound is None else (sound.waveform, sound.sample_rate)
     if video is not None:
         fit = None if canvas is None else (lambda frame: frame_on_canvas(frame, *canvas))
-        clip = video_at_24fps(video, "video", max_frames, fit, with_audio=sound is None)
+        clip = video_at_24fps(video, "video", min(room or MAX_FRAMES, MAX_FRAMES), fit, with_audio=sound is None,
+                              sound_frames=room)
         frames = clip.frames
         if sound is None and clip.audio is not None:
             waveform, rate = clip.audio, clip.sample_rate

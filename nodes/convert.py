@@ -267,21 +267,29 @@ def trim_frames(duration: float, cap: int) -> int:
     return max(1, min(cap, round(duration * geometry.FPS))) if duration else cap
 
 
-def video_at_24fps(video, what: str, max_frames: int, fit=None, with_audio: bool = True) -> DecodedVideo:
-    """A ComfyUI VIDEO's first `max_frames` frames on the 24 fps grid (uint8) and its soundtrack. A Load Video
-    VIDEO is read from its file (trim honoured), `fit` applied to each frame as it is decoded, so a long or
-    large file is never held whole; any other VIDEO comes through get_components() and is cut after."""
+def video_at_24fps(video, what: str, max_frames: int, fit=None, with_audio: bool = True,
+                   sound_frames: int | None = None) -> DecodedVideo:
+    """A ComfyUI VIDEO's first `max_frames` frames on the 24 fps grid (uint8) and its soundtrack from the same
+    start, `sound_frames` frames long (None: all of it) however many frames are kept: a guide's sound runs on
+    past its clip. A Load Video VIDEO is read from its file (trim honoured), `fit` applied to each frame as it
+    is decoded, so a long or large file is never held whole; any other VIDEO comes through get_components()
+    and is cut after."""
     on_disk = video_file(video)
     if on_disk is None:
         clip = video_to_decoded(video, what)
-        sound = (clip.audio, clip.sample_rate) if with_audio else (None, None)
-        return DecodedVideo(frames_at_24fps(clip.frames, clip.fps)[:max_frames], float(geometry.FPS), *sound)
+        audio = clip.audio if with_audio else None
+        if audio is not None and sound_frames is not None:
+            audio = audio[:, :round(sound_frames / geometry.FPS * clip.sample_rate)]
+        return DecodedVideo(frames_at_24fps(clip.frames, clip.fps)[:max_frames], float(geometry.FPS), audio,
+                            None if audio is None else clip.sample_rate)
     path, start, duration = on_disk
+    spans = [seconds for seconds in (duration, sound_frames and sound_frames / geometry.FPS) if seconds]
     try:
-        clip = media_read.read_video(path, start, trim_frames(duration, max_frames), with_audio=with_audio, fit=fit)
+        clip = media_read.read_video(path, start, trim_frames(duration, max_frames), with_audio=False, fit=fit)
+        audio = media_read.read_soundtrack(path, start, min(spans, default=None)) if with_audio else None
     except MediaError as error:
         raise ValueError(f"{what}: {error}") from None
-    return DecodedVideo(clip.frames, float(geometry.FPS), clip.audio, None if clip.audio is None else SAMPLE_RATE)
+    return DecodedVideo(clip.frames, float(geometry.FPS), audio, None if audio is None else SAMPLE_RATE)
 
 
 # ----------------------------------------------------------------------------------------------

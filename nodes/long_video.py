@@ -238,7 +238,8 @@ class H3ContinuationGuide(io.ComfyNode):
     @classmethod
     def execute(cls, frame_index, image=None, audio=None, video=None, guides=None) -> io.NodeOutput:
         # checked against the clip and its windows by H3 Continuation, before any model moves
-        return io.NodeOutput((*(guides or ()), guide_media(frame_index, image, audio, video)))
+        longest = geometry.frames_for_duration(MAX_CONTINUATION_SECONDS)  # the clip's length is not known here
+        return io.NodeOutput((*(guides or ()), guide_media(frame_index, image, audio, video, room=longest)))
 
 
 class H3SaveMP4(io.ComfyNode):

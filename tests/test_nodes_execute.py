@@ -590,6 +590,19 @@ def test_add_guide_reads_a_loaded_video_from_its_file_only_as_far_as_the_video_g
     assert from_file.guides == expected.guides and from_file.guides[0].latent_frames == 12  # 39 frames
     assert torch.equal(from_file.visual_condition_latents[-1], expected.visual_condition_latents[-1])
     assert torch.equal(from_file.audio_condition_rows, expected.audio_condition_rows)
+    # a soundtrack that outlasts its picture runs on past the clip from a file too, as from memory
+    from test_media_edges import write_clip
+
+    write_clip(path, 30, 3.0)
+    loaded = SimpleNamespace(get_stream_source=lambda: str(path), get_active_trim_window=lambda: (0.0, 0.0))
+    whole = {"waveform": torch.from_numpy(media_read.read_audio(path))[None], "sample_rate": 32000}
+    in_memory = SimpleNamespace(get_components=lambda: SimpleNamespace(
+        images=torch.from_numpy(media_read.read_video(path).frames).float() / 255, frame_rate=Fraction(24),
+        audio=whole))
+    from_file, expected = (c.conditioning.H3AddGuide.execute(cond, vae, 0, video=video).values[0]
+                           for video in (loaded, in_memory))
+    assert from_file.guides == expected.guides and from_file.guides[0].audio_latents > 100  # 3 s: 120 latents
+    assert torch.equal(from_file.audio_condition_rows, expected.audio_condition_rows)
 
 
 def test_continuation_guides_reach_the_window_that_makes_their_frames(comfy):

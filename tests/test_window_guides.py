@@ -150,7 +150,7 @@ def test_one_window_with_guides_is_one_request_with_add_guide(models):
 
 @pytest.mark.parametrize("guides, options, message", [
     ([GuideMedia(270, frames=picture(1, frames=22))], {},
-     r"Guide 1: its 22-frame clip from frame 270 crosses the end of window 1 .*Windows end at frames 277, 481"),
+     r"Guide 1: its 22-frame clip from frame 270 crosses the end of window 1 .*The windows made end at frames 277, 481"),
     ([GuideMedia(100, waveform=noise_sound(1.0), sample_rate=32000)], {"drive_audio": "DRIVE"},
      "a driving soundtrack fixes the whole clip's audio"),
     ([GuideMedia(481, frames=picture(1))], {}, "frame_index 481 is outside the video's 481 frames"),
@@ -187,9 +187,27 @@ def test_a_video_guide_file_is_read_no_longer_than_a_window(tmp_path):
 
     path = tmp_path / "long.mp4"
     write_mp4(path, np.zeros((400, 48, 64, 3), dtype=np.uint8), np.zeros((2, 32000 * 17), dtype=np.float32))
+    from h3_core import media_read
+
     frames, sound, rate = read_guide(GuideFile(0, "video", path), 974, clip_frames=277)
-    assert frames.shape[0] == 277 and sound.shape[1] == round(277 / 24 * rate)
+    assert frames.shape[0] == 277  # the sound runs on past the clip, over the windows after (as from memory)
+    assert np.array_equal(sound, media_read.read_audio(path)) and sound.shape[1] > round(16.6 * rate)
     assert read_guide(GuideFile(0, "video", path), 974)[0].shape[0] == 400
+
+
+def test_a_video_guide_files_soundtrack_runs_on_past_its_picture_up_to_where_the_video_ends(tmp_path):
+    """As a guide VIDEO's in memory (H3 Add Guide): a file whose soundtrack outlasts its picture gave only the
+    picture's span of sound."""
+    from test_media_edges import write_clip
+
+    from h3_core.guides import GuideFile, read_guide
+
+    path = tmp_path / "short_picture.mp4"
+    write_clip(path, 30, 3.0)  # 1.25 s of picture, 3 s of sound
+    frames, sound, rate = read_guide(GuideFile(0, "video", path), 107)
+    assert frames.shape[0] == 30 and abs(sound.shape[1] - 3 * rate) < 1024
+    frames, sound, rate = read_guide(GuideFile(60, "video", path), 107)  # 47 frames left in the video
+    assert frames.shape[0] == 30 and sound.shape[1] == round(47 / 24 * rate)
 
 
 def test_a_video_guide_file_is_read_only_up_to_where_the_video_ends(tmp_path):
