@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .conditioning import RequestError
-from .continuation import Window
+from .continuation import Window, sampled
 from .guides import GuideMedia, check_guide, encode_guide, guide_frame_count
 from .layout import FRAME_TIME, GuideBlock
 
@@ -76,12 +76,13 @@ def check_window_guides(task: str, windows: Sequence[Window], num_frames: int, g
             count = guide_frame_count(pixels.shape[0])
             window = owning_window(windows, anchor)
             if anchor + count > window.end:
-                ends = ", ".join(str(w.end) for w in windows)
+                made = sampled(windows)  # numbered as window prompts and progress number them
+                ends = ", ".join(str(w.end) for w in made)
                 raise RequestError(
                     f"Guide {number}: its {count}-frame clip from frame {anchor} crosses the end of window "
-                    f"{window.index + 1} (frames {new_part_start(window)}-{window.end - 1} are made there); a clip "
-                    f"must end in the window it starts in. Windows end at frames {ends}: move the clip, cut it, or "
-                    "change window_frames."
+                    f"{made.index(window) + 1} (frames {new_part_start(window)}-{window.end - 1} are made there); a "
+                    f"clip must end in the window it starts in. The windows made end at frames {ends}: move the "
+                    "clip, cut it, or change window_frames."
                 )
         checked.append((pixels, anchor, keep))
     return checked

@@ -314,6 +314,8 @@ def test_a_given_clip_is_kept_and_continued_from_its_tail(models):
     ({"drive_audio": "track.wav"}, "a continued clip already has its sound"),
     ({"guides": [GuideMedia(100, frames=np.zeros((128, 224, 3), np.uint8))]},
      "inside the clip being continued \\(frames 0-123\\).*at frame 124 or later"),
+    ({"guides": [GuideMedia(370, frames=np.zeros((22, 128, 224, 3), np.uint8))]},  # numbered as window prompts
+     r"crosses the end of window 1 \(frames 124-378 are made there\).*The windows made end at frames 379, 481"),
 ])
 def test_bad_continuations_fail_before_any_model(models, tmp_path, options, message):
     given = AVLatents(torch.zeros(1, 24, 37, 8, 14), torch.zeros(2, 32, 207))
