@@ -8,7 +8,8 @@
   `fps` is the stream's average rate and s(i) is computed in float64, both as the reference does;
   timestamps only locate the start, and a picture that starts later than that (by more than a frame: its
   stream begins after the sound) holds its first frame until its time. A stream that changes size part way
-  (an adaptive-stream recording) is scaled to its first frame's size.
+  (an adaptive-stream recording) is scaled to its first frame's size. Frames stamped far from where the
+  average rate places them (a variable-frame-rate recording) are still placed by it, with a warning.
 - `read_audio`: any soundtrack or audio file (WAV, MP3, AAC, FLAC, ...) -> float32 [2, M] at 32 kHz.
   The window is cut at the native rate, then resampled once (the reference order). Mono is
   duplicated into both channels; more than two channels are downmixed to stereo by FFmpeg's
@@ -23,6 +24,7 @@ soundtrack read with the same `start_seconds` stay in sync. Files PyAV cannot op
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -40,6 +42,10 @@ from .media import FPS, MediaError, UnreadableMediaError, resample_audio
 # are rationals in the stream's time base; a float start rarely equals them exactly).
 _START_TOLERANCE_SECONDS = 1e-3
 _LIMITED_RANGE, _FULL_RANGE = 1, 2  # FFmpeg's AVCOL_RANGE_MPEG / AVCOL_RANGE_JPEG
+# A frame stamped further than this from where the average rate places it: a variable-frame-rate recording
+# (a screen capture that slows down), whose picture drifts from its sound when placed at a constant rate.
+_VFR_DRIFT_SECONDS = 0.25
+log = logging.getLogger("h3")
 
 
 @dataclass(frozen=True)
@@ -264,11 +270,20 @@ def _frames_on_24fps_grid(container, stream, fps: float, start_seconds: float, m
     origin = _origin_seconds(container)
     scale = FPS / fps
     kept = emitted = 0
-    size = None
+    size = first_seconds = None
+    warned = False
     for decoded, frame in enumerate(_decoded_from(container, stream, start_seconds)):
         seconds = frame.time - origin if frame.pts is not None else decoded / fps
         if seconds < start_seconds - _START_TOLERANCE_SECONDS:
             continue
+        first_seconds = seconds if first_seconds is None else first_seconds
+        drift = seconds - (first_seconds + kept / fps)
+        if abs(drift) > _VFR_DRIFT_SECONDS and not warned:
+            log.warning("%s: frame %d is stamped at %.2f s, %.2f s from where its average rate (%.3g fps) places it "
+                        "(a variable frame rate); its frames are placed at that constant rate, as the release's "
+                        "pipelines place them, so the picture drifts from the sound. Re-encode it at a constant rate "
+                        "(ffmpeg -fps_mode cfr) to keep them in step.", container.name, kept, seconds, drift, fps)
+            warned = True
         # Source frame `kept` fills slots s(kept) .. s(kept + 1) - 1; none when the next one shares its slot.
         repeats = math.floor((kept + 1) * scale + 0.5) - math.floor(kept * scale + 0.5)
         lead = seconds - start_seconds

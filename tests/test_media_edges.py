@@ -23,9 +23,10 @@ def _frame(index: int, width: int = 96, height: int = 64) -> av.VideoFrame:
 
 
 def write_clip(path, frames: int, sound_seconds: float, first_pts: int = 0, fmt: str | None = None,
-               sizes: tuple[tuple[int, int], ...] = ((96, 64),)) -> None:
-    """`frames` frames at 24 fps stamped from `first_pts` (1/24 s each), split evenly over `sizes` (a new encoder
-    for each size, as an adaptive-stream recording switches), and a sound from 0 s lasting `sound_seconds`."""
+               sizes: tuple[tuple[int, int], ...] = ((96, 64),), stamps: list[int] | None = None) -> None:
+    """`frames` frames at 24 fps stamped from `first_pts` (1/24 s each; or at `stamps`, in 1/24 s), split evenly
+    over `sizes` (a new encoder for each size, as an adaptive-stream recording switches), and a sound from 0 s
+    lasting `sound_seconds`."""
     with av.open(str(path), "w", format=fmt) as container:
         video = container.add_stream("libx264", rate=24)
         video.width, video.height = sizes[0]
@@ -50,7 +51,7 @@ def write_clip(path, frames: int, sound_seconds: float, first_pts: int = 0, fmt:
                 encoder.options = {"crf": "0", "bf": "0"}  # as the first: no B-frames, so timestamps keep rising
             for index in range(part * per_size, (part + 1) * per_size):
                 frame = _frame(index, width, height)
-                frame.pts = first_pts + index
+                frame.pts = first_pts + index if stamps is None else stamps[index]
                 for packet in encoder.encode(frame):
                     packet.stream = video
                     container.mux(packet)
@@ -112,3 +113,21 @@ def test_a_reference_videos_soundtrack_runs_as_long_as_the_output_from_a_file_as
     in_memory = prepare_reference(MediaReference("video", DecodedVideo(clip.frames, 24.0, sound, RATE)), 124)
     assert from_file.audio.shape == in_memory.audio.shape == (2, int(124 / 24 * 32000))
     assert np.array_equal(from_file.frames, in_memory.frames) and from_file.frames.shape[0] == 72
+
+
+def test_a_variable_frame_rate_picture_is_placed_at_its_average_rate_with_a_warning(tmp_path, caplog):
+    """A screen recording that drops from 24 to 8 fps half way: its frames are placed by index at the average rate,
+    as the release's pipelines place them (so its picture drifts from its sound), and the user is told why and
+    how to re-encode it; a constant-rate clip says nothing."""
+    steady, slowing = tmp_path / "steady.mp4", tmp_path / "slowing.mp4"
+    write_clip(steady, 48, 2.0)
+    write_clip(slowing, 48, 4.0, stamps=[*range(24), *range(24, 96, 3)])  # 1 s at 24 fps, then 3 s at 8 fps
+    with caplog.at_level("WARNING", logger="h3"):
+        read_video(steady)
+        assert not caplog.records
+        clip = read_video(slowing)
+    assert clip.frames.shape[0] == round(48 * 24 / probe(slowing).video.fps)  # by index at the average rate
+    assert [colour_index(frame) for frame in clip.frames[::2]][:4] == [0, 1, 2, 3]
+    (record,) = caplog.records
+    assert "slowing.mp4: frame" in record.getMessage() and "variable frame rate" in record.getMessage()
+    assert "ffmpeg -fps_mode cfr" in record.getMessage()
