@@ -198,27 +198,40 @@ def device_list(text: str, purpose: str) -> list[torch.device]:
 
 
 SAVE_HIDDEN = [io.Hidden.prompt, io.Hidden.extra_pnginfo]  # what a saving node embeds in its file
+MAX_NAME_BYTES = 255  # a file or folder name, on the file systems ComfyUI runs on
 MAX_PREFIX_NAME_BYTES = 200  # a file name is at most 255 bytes, and the counter adds "_00001_.mp4"
 
 
 def prefix_problem(prefix) -> str | None:
     """What is wrong with a save node's filename_prefix (None: nothing, or it is linked, so not known yet): at
-    queue time, not after the sampling and decoding above the node (an over-long name failed only then)."""
+    queue time, not after the sampling and decoding above the node (an over-long name failed only then); a
+    linked one is checked by `check_prefix` when the node runs."""
     if not isinstance(prefix, str):
         return None
-    name = prefix.replace("\\", "/").rsplit("/", 1)[-1]
-    if not name.strip():
+    *folders, name = prefix.replace("\\", "/").split("/")
+    if name.strip() in ("", ".", ".."):
         return (f"filename_prefix {prefix!r} names no file (it is empty or ends in a folder); give a name after "
                 "any folder, e.g. H3/clip.")
     if len(name.encode()) > MAX_PREFIX_NAME_BYTES:
         return (f"filename_prefix's file name is {len(name.encode())} bytes long; at most {MAX_PREFIX_NAME_BYTES} "
                 "(the counter and .mp4 follow it, and a file name holds 255).")
+    long_folder = next((folder for folder in folders if len(folder.encode()) > MAX_NAME_BYTES), None)
+    if long_folder is not None:
+        return (f"filename_prefix's folder name {long_folder[:40]!r}... is {len(long_folder.encode())} bytes long; "
+                f"a folder name holds at most {MAX_NAME_BYTES}.")
     # ComfyUI's save path refuses a folder outside its output folder, but only when the node saves
     folder = os.path.normpath(os.path.join("output", os.path.dirname(os.path.normpath(prefix))))
     if os.path.isabs(prefix) or not (folder == "output" or folder.startswith("output" + os.sep)):
         return (f"filename_prefix {prefix!r} leads outside ComfyUI's output folder (an absolute path, or '..' past "
                 "it); give a name inside it, e.g. H3/clip.")
     return None
+
+
+def check_prefix(prefix) -> None:
+    """`prefix_problem` as an error, for a save node's execute: a linked filename_prefix is known only then."""
+    problem = prefix_problem(prefix)
+    if problem:
+        raise ValueError(problem)
 
 
 def saved_file_metadata(hidden, num_frames: int) -> dict[str, str]:

@@ -38,9 +38,9 @@ from h3_core.pipeline import TASK_PARTITION, largest_layout
 from h3_core.placement import freed_on_failure
 
 from .common import (
-    CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, canvas_inputs, check_interrupt, decode_inputs,
-    decode_options, decode_progress, device, prefix_problem, preview_settings, progress_bar, saved_file_metadata,
-    shift_inputs, step_preview,
+    CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, canvas_inputs, check_interrupt, check_prefix,
+    decode_inputs, decode_options, decode_progress, device, prefix_problem, preview_settings, progress_bar,
+    saved_file_metadata, shift_inputs, step_preview,
 )
 from .conditioning import guide_media, guide_media_inputs, linked_media, reference_images_input, reference_input
 from .convert import (audio_to_decoded, build_request, media_problem, ordered_references, pack_latents,
@@ -272,6 +272,7 @@ class H3SaveMP4(io.ComfyNode):
 
     @classmethod
     def execute(cls, vae, latent, filename_prefix, tiling="release", devices="") -> io.NodeOutput:
+        check_prefix(filename_prefix)
         refuse_empty_latent(latent)
         tiled, decode_devices = decode_options(tiling, devices)
         latents = unpack_latents(latent)

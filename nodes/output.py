@@ -15,7 +15,7 @@ from h3_core.placement import freed_on_failure
 
 from .common import (
     CATEGORY, SAVE_HIDDEN, H3VAE, H3Latent, decode_inputs, decode_options, decode_progress,
-    prefix_problem, saved_file_metadata, wrong_link,
+    check_prefix, prefix_problem, saved_file_metadata, wrong_link,
 )
 from .convert import (
     audio_to_stereo_32k,
@@ -107,6 +107,7 @@ class H3AVSave(io.ComfyNode):
 
     @classmethod
     def execute(cls, images=None, filename_prefix="H3/h3", audio=None, video=None) -> io.NodeOutput:
+        check_prefix(filename_prefix)
         frames, waveform = _frames_and_soundtrack(images, audio, video)
         count, height, width = frames.shape[:3]
         folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(

@@ -5,6 +5,7 @@ the memory-manager wrapper."""
 
 import importlib
 import json
+import re
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -1027,14 +1028,21 @@ def test_av_save_wiring_is_checked_at_queue_time(comfy):
     ("H3/" + "x" * 201, "file name is 201 bytes long; at most 200"), ("é" * 101, "202 bytes long"),
     ("H3/../clip", None), ("../clip", "leads outside ComfyUI's output folder"), ("H3/../../clip", "leads outside"),
     ("/tmp/clip", "an absolute path, or '..' past it"),
+    ("..", "names no file"), ("H3/..", "names no file"), (".", "names no file"),  # '.._00001_.mp4', '._00001_.mp4'
+    ("d" * 255 + "/clip", None), ("d" * 300 + "/clip", "folder name 'dddd"),
 ])
 def test_a_save_prefix_is_checked_at_queue_time(comfy, prefix, problem):
     """An over-long name failed with an OSError only after sampling and decoding; an empty one wrote a hidden
-    '._00001_.mp4'. None: a linked prefix, not known at queue time."""
+    '._00001_.mp4'. None: a linked prefix, not known at queue time; the node checks it when it runs."""
     av_save = comfy.output.H3AVSave.validate_inputs(input_types={"images": "IMAGE"}, filename_prefix=prefix)
     streamed = importlib.import_module("nodes.long_video").H3SaveMP4.validate_inputs(filename_prefix=prefix)
     for result in (av_save, streamed):
         assert result is True if problem is None else problem in result
+    if problem is not None:  # linked: the same message when the node runs, before it decodes or writes anything
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            comfy.output.H3AVSave.execute(images=torch.rand(5, 64, 64, 3), filename_prefix=prefix)
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            importlib.import_module("nodes.long_video").H3SaveMP4.execute(None, None, prefix)
 
 
 def test_another_length_of_a_prompt_does_not_run_the_text_encoder_again(comfy):
