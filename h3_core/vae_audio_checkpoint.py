@@ -320,11 +320,12 @@ def check_audio_vae(path: str | Path) -> None:
 
 
 def load_audio_vae(
-    path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    path: str | Path, dtype: torch.dtype | None = torch.float32, device: str | torch.device = "cpu"
 ) -> AudioVAE:
-    """Load the audio VAE strictly from any accepted layout. `dtype=None` keeps the checkpoint's dtypes (fp32
-    for every released file, which is what this model should run in; see `vae_audio`). `device="meta"` reads
-    the headers only (`check_audio_vae`)."""
+    """Load the audio VAE strictly from any accepted layout, in fp32 by default whatever the file stores: the
+    release is fp32, and a community bf16 / fp16 file run as stored decodes audibly worse (see `vae_audio`), so
+    it is widened. `dtype=None` keeps the checkpoint's dtypes. `device="meta"` reads the headers only
+    (`check_audio_vae`)."""
     source = locate_audio_vae(path)
     config = source.config or infer_config(source)
     with torch.device("meta"):
