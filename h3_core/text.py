@@ -179,7 +179,13 @@ class TextEncoder:
                 self._visits.send_home()
         # in CPU memory, as every other conditioning part: held by the memo and by hosts' caches (ComfyUI's node
         # outputs), the states must not keep device memory nobody counts once the encoder is unloaded
-        return TextConditioning(output.last_hidden_state.cpu(), presentation.token_tags.clone())
+        states = output.last_hidden_state.cpu()
+        if not torch.isfinite(states).all():  # else the sampler, many steps on, blames the DiT
+            dtype = str(self.dtype).removeprefix("torch.")
+            raise ValueError(f"The text encoder gave NaN or infinite states for this prompt: its weights hold NaN or "
+                             f"infinite values (a damaged file), or they overflowed in {dtype}; try another copy of "
+                             "the file, or bf16.")
+        return TextConditioning(states, presentation.token_tags.clone())
 
     def to(self, device: str | torch.device) -> "TextEncoder":
         """Move the weights (e.g. "cpu" to park the encoder while the DiT runs)."""

@@ -968,6 +968,20 @@ def test_demo_text_encoder_leaves_no_temporary_folder(tmp_path, monkeypatch):
     assert states.shape[-1] == 48 and torch.isfinite(states).all()
 
 
+def test_non_finite_text_states_are_refused_naming_the_text_encoder():
+    """A damaged (or overflowing) encoder's NaN states were taken: the sampler ran every step, then blamed the DiT's
+    or an adapter's weights."""
+    from h3_core.tiny_text import tiny_random_text_encoder
+
+    encoder = tiny_random_text_encoder()
+    presentation = encoder.present("t2va", "a fox trots along the beach")
+    assert torch.isfinite(encoder.encode(presentation).prompt_embeds).all()
+    with torch.no_grad():
+        encoder.model.language_model.embed_tokens.weight[int(presentation.input_ids[0])] = float("inf")
+    with pytest.raises(ValueError, match=r"The text encoder gave NaN or infinite states .* overflowed in float32"):
+        encoder.encode(encoder.present("t2va", "a cat on a wall"))  # another prompt: not the memo's
+
+
 def test_a_single_file_without_a_tokenizer_gets_the_releases_from_the_hub(tiny, monkeypatch):
     """No tokenizer given for a single file: the release's tokenizer and processor folders alone are fetched
     (huggingface_hub, cached) and used; offline, the error says how to download them by hand."""
