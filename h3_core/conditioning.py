@@ -311,6 +311,20 @@ def _check_references(references: list[MediaReference]) -> None:
             )
 
 
+def blank(prompt) -> bool:
+    """Whether `prompt` is no text with something to read: not a string, or only spaces and invisible characters
+    (zero-width spaces, byte-order marks)."""
+    return not isinstance(prompt, str) or not any(ch.isprintable() and not ch.isspace() for ch in prompt)
+
+
+def check_prompt_markers(prompt: str, what: str = "The prompt") -> None:
+    """Refuse the text encoder's own picture markers typed into a prompt (`what` names it)."""
+    tokens = [token for token in VISION_TOKENS if token in prompt]
+    if tokens:
+        raise RequestError(f"{what} holds {', '.join(tokens)}, the text encoder's own markers for pictures; name "
+                           "keyframes and references with <Picture 1>, <Video 1>, <Audio 1> instead.")
+
+
 def validate(request: Request, rules: CanvasRules = RELEASE_CANVAS) -> RequestPlan:
     """Check every published limit of `request` and resolve its geometry, before any model runs.
 
@@ -320,12 +334,9 @@ def validate(request: Request, rules: CanvasRules = RELEASE_CANVAS) -> RequestPl
         raise RequestError(f"validate takes a Request, got {type(request).__name__}.")
     if request.task not in TASKS:
         raise RequestError(f"Unknown task {request.task!r}; choose one of {', '.join(TASKS)}.")
-    if not isinstance(request.prompt, str) or not request.prompt.strip():
+    if blank(request.prompt):
         raise RequestError(EMPTY_PROMPT)
-    tokens = [token for token in VISION_TOKENS if token in request.prompt]
-    if tokens:
-        raise RequestError(f"The prompt holds {', '.join(tokens)}, the text encoder's own markers for pictures; name "
-                           "keyframes and references with <Picture 1>, <Video 1>, <Audio 1> instead.")
+    check_prompt_markers(request.prompt)
     num_frames = resolve_num_frames(request.duration, request.num_frames)
     size = _explicit_size(request)
     named = _named_canvas(request, rules)

@@ -28,6 +28,7 @@ Choices (the sources leave room):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,8 @@ from .conditioning import (
     Request,
     RequestError,
     RequestPlan,
+    blank,
+    check_prompt_markers,
     encode_request,
     validate,
 )
@@ -125,9 +128,17 @@ class LongVideoPlan:
     first_plan: RequestPlan
 
 
+WINDOW_PROMPT_SEPARATOR = "---"
+
+
 def split_window_prompts(text: str) -> tuple[str, ...]:
-    """Window prompts typed as one per line (the ComfyUI node's box): blank lines skipped, ends trimmed."""
-    return tuple(line.strip() for line in text.splitlines() if line.strip())
+    """Window prompts typed in one box (the ComfyUI node's): separated by lines holding only `---` when there is
+    one (so a prompt may span lines), else one per line; blank ones skipped, ends trimmed."""
+    lines = text.splitlines()
+    if not any(line.strip() == WINDOW_PROMPT_SEPARATOR for line in lines):
+        return tuple(line.strip() for line in lines if line.strip())
+    parts = itertools.groupby(lines, key=lambda line: line.strip() == WINDOW_PROMPT_SEPARATOR)
+    return tuple(prompt for prompt in ("\n".join(part).strip() for separator, part in parts if not separator) if prompt)
 
 
 def _total_frames(request: Request, mode: str, kept_frames: int = 0) -> int:
@@ -194,8 +205,9 @@ def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_
                 f"(starting at frames {', '.join(str(w.start) for w in new)}), got {len(prompts)} prompt(s)."
             )
         for index, prompt in enumerate(prompts):
-            if not isinstance(prompt, str) or not prompt.strip():
+            if blank(prompt):
                 raise RequestError(f"Window prompt {index + 1} is empty; every window needs a non-empty prompt.")
+            check_prompt_markers(prompt, f"Window prompt {index + 1}")  # the first window's prompt: `validate`
     else:
         prompts = (request.prompt,) * len(new)
     prompts = prompts[:1] * (len(windows) - len(new)) + prompts

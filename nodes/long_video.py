@@ -87,8 +87,9 @@ class H3Continuation(io.ComfyNode):
                 *shift_inputs(),
                 *canvas_inputs("16:9"),
                 io.String.Input("window_prompts", multiline=True, default="", optional=True,
-                                tooltip="Optional: one prompt per window, one per line, in window order (empty: the "
-                                        "prompt in every window). The count must match the plan's windows."),
+                                tooltip="Optional: one prompt per window, in window order (empty: the prompt in every "
+                                        "window): one per line, or, for prompts of several lines, separated by lines "
+                                        "holding only ---. The count must match the plan's windows."),
                 H3VAE.Input("vae", optional=True,
                             tooltip="From H3 VAE Loader; needed for references, a driving soundtrack and guides."),
                 io.Audio.Input("drive_audio", optional=True,

@@ -493,7 +493,7 @@ def test_rejects_unknown_task():
     assert_rejected(Request("i2v", PROMPT), "'i2v'", "t2va, fl2va, ref2va")
 
 
-@pytest.mark.parametrize("prompt", ["", "   \n", None])
+@pytest.mark.parametrize("prompt", ["", "   \n", None, "\u200b", " \ufeff\u200b "])  # invisible only too
 def test_rejects_empty_prompt(prompt):
     assert_rejected(Request("t2va", prompt), "prompt is empty", "non-empty")
 

@@ -209,6 +209,9 @@ def test_ref2va_references_stay_in_every_window(models):
     ("t2va", 20, {"overlap_frames": 277}, "shorter than the window"),
     ("t2va", 20, {"window_prompts": ["one"]}, "has 2 window\\(s\\) \\(starting at frames 0, 255\\), got 1"),
     ("t2va", 20, {"window_prompts": ["one", " "]}, "Window prompt 2 is empty"),
+    ("t2va", 20, {"window_prompts": ["one", "\u200b\ufeff"]}, "Window prompt 2 is empty"),  # invisible only
+    ("t2va", 20, {"window_prompts": ["one", "a <|image_pad|> cat"]},  # was found only after the models loaded
+     r"Window prompt 2 holds <\|image_pad\|>, the text encoder's own markers"),
     ("t2va", 20, {"drive_audio": "/nonexistent/track.wav"}, "does not exist"),
 ])
 def test_bad_long_requests_fail_before_any_model(task, seconds, options, message):
@@ -276,6 +279,9 @@ def test_window_prompts_typed_one_per_line():
 
     assert split_window_prompts("  A fox walks.\n\nThe fox runs. \n") == ("A fox walks.", "The fox runs.")
     assert split_window_prompts("") == ()
+    # prompts of several lines (the release's structured prompts), separated by lines holding only ---
+    typed = "scene: a fox walks.\nsound: waves.\n ---\n\nscene: the fox runs.\nsound: wind.\n---\n \n---\n"
+    assert split_window_prompts(typed) == ("scene: a fox walks.\nsound: waves.", "scene: the fox runs.\nsound: wind.")
 
 
 def five_second_clip(models, seed=4):
