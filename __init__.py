@@ -15,11 +15,22 @@ async def comfy_entrypoint():
     class H3Extension(ComfyExtension):
         async def get_node_list(self):
             import importlib.util
+            import logging
             import os
             import sys
 
-            if importlib.util.find_spec("h3_core") is None:  # the pack was not pip-installed: use its own copy
-                sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+            here = os.path.dirname(os.path.abspath(__file__))
+            found = importlib.util.find_spec("h3_core")
+            if found is None:  # the pack was not pip-installed: use its own copy
+                sys.path.append(here)
+            else:  # h3_core is a namespace package: its first folder on the path is the one modules come from
+                first = (list(found.submodule_search_locations or ()) or [os.path.dirname(found.origin or "")])[0]
+                if os.path.realpath(first) != os.path.realpath(os.path.join(here, "h3_core")):
+                    logging.getLogger("h3").warning(
+                        "comfyui-h3: Python finds another copy of the engine, %s, before this pack's own: the nodes "
+                        "use it, and fail to load if it is older than they are. Remove it (pip uninstall "
+                        "comfyui-h3) or install this one in its place (python -m pip install --no-deps -e %s).",
+                        first, here)
             from .nodes import node_list
 
             return node_list()

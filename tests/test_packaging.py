@@ -22,7 +22,8 @@ def test_requirements_txt_is_pyproject_dependencies_without_torch():
 
 
 def test_license_file_is_the_one_pyproject_names():
-    assert pyproject()["project"]["license"] == {"text": "Apache-2.0"}
+    """An SPDX expression: setuptools ends support for the {text = ...} table in 2027."""
+    assert pyproject()["project"]["license"] == "Apache-2.0" and pyproject()["project"]["license-files"] == ["LICENSE"]
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
 
@@ -32,3 +33,42 @@ def test_registry_includes_exist():
     assert comfy["PublisherId"] and comfy["DisplayName"]
     for folder in comfy["includes"]:
         assert (ROOT / folder).is_dir(), f"[tool.comfy] includes {folder!r}, which is not a folder"
+
+
+def test_torch_is_not_capped():
+    """A cap below the torch already installed made `pip install -e` replace it (ComfyUI's CUDA build with another):
+    the range admits what this pack is tested on (2.11 on the GPU machine, 2.13 in CI, 2.14 in ComfyUI) and later."""
+    (torch,) = [name for name in pyproject()["project"]["dependencies"] if name.startswith("torch")]
+    assert torch.split("#")[0].strip() == "torch>=2.11"
+
+
+def test_comfyui_entry_names_another_copy_of_the_engine_it_would_use(tmp_path, monkeypatch, caplog):
+    """An older pip-installed h3_core found before the pack's own made the nodes fail to import with a bare
+    ImportError; the entry point now says which copy Python found and how to replace it."""
+    import asyncio
+    import importlib.util
+    import sys
+
+    import fake_comfy
+
+    real_find_spec = importlib.util.find_spec
+    elsewhere = tmp_path / "site-packages" / "h3_core"
+    spec = importlib.util.spec_from_file_location("comfyui_h3_pack", ROOT / "__init__.py",
+                                                  submodule_search_locations=[str(ROOT)])
+    with fake_comfy.installed(tmp_path):
+        pack = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, "comfyui_h3_pack", pack)
+        spec.loader.exec_module(pack)
+        with caplog.at_level("WARNING", logger="h3"):
+            assert asyncio.run(asyncio.run(pack.comfy_entrypoint()).get_node_list())
+            assert not caplog.records  # this checkout's own h3_core
+            other = importlib.machinery.ModuleSpec("h3_core", None, is_package=True)
+            other.submodule_search_locations[:] = [str(elsewhere), str(ROOT / "h3_core")]  # ours second
+            monkeypatch.setattr(importlib.util, "find_spec",
+                                lambda name, *a: other if name == "h3_core" else real_find_spec(name, *a))
+            asyncio.run(asyncio.run(pack.comfy_entrypoint()).get_node_list())
+        for name in [name for name in sys.modules if name.startswith("comfyui_h3_pack.")]:
+            del sys.modules[name]
+    (record,) = caplog.records
+    assert f"another copy of the engine, {elsewhere}, before" in record.getMessage()
+    assert f"pip install --no-deps -e {ROOT}" in record.getMessage()
