@@ -45,6 +45,7 @@ from .text_checkpoint import (
     TEXT_ENCODER_LAYER,
     CheckpointError,
     MissingVisionTower,
+    check_transformers,
     load_qwen3vl,
     locate_text_encoder,
     planned_model,
@@ -342,6 +343,7 @@ def locate_text_encoder_files(path: str | Path, tokenizer: str | Path | None = N
     """`locate_text_encoder`, refusing a source without its tokenizer or processor: a host calls it before
     it makes room on the GPU or reads any weight. A single file given no tokenizer gets the release's
     (`release_tokenizer`: from the Hugging Face cache, or fetched)."""
+    check_transformers()
     source = locate_text_encoder(path, tokenizer, processor, layer)
     if source.tokenizer_folder is None and source.one_file and tokenizer is None:
         source = locate_text_encoder(path, release_tokenizer(), processor, layer)

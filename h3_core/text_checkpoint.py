@@ -48,6 +48,21 @@ from .weights import (
 )
 
 log = logging.getLogger("h3")
+MIN_TRANSFORMERS = (5, 17)  # pyproject.toml's floor: the Qwen3-VL classes as this engine drives them
+
+
+def check_transformers(version: str | None = None) -> None:
+    """Refuse a transformers older than the engine needs, before any weight is read: another pack's requirements
+    can downgrade it under ComfyUI, and an old one fails deep inside its Qwen3-VL code (AttributeError on None)."""
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    found = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if found < MIN_TRANSFORMERS:
+        wanted = ".".join(map(str, MIN_TRANSFORMERS))
+        raise CheckpointError(f"The text encoder needs transformers >= {wanted}; this Python has {version}. "
+                              f"Upgrade it: python -m pip install 'transformers>={wanted}'.")
 
 RELEASE_REPO = "MiniMaxAI/MiniMax-H3"  # the original release on the Hugging Face Hub (h3-model.md I.1)
 RELEASE_TOKENIZER_FILES = ("FL2VA/tokenizer/*", "FL2VA/processor/*")

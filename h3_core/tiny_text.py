@@ -185,7 +185,9 @@ def tiny_random_text_encoder(hidden: int = 48, device="cpu", seed: int = 7):
     from transformers.utils import logging as transformers_logging
 
     from .text import load_text_encoder
+    from .text_checkpoint import check_transformers
 
+    check_transformers()  # the random model below is made with its classes
     transformers_logging.disable_progress_bar()  # no "Writing model shards" bar in the demo's output
     with tempfile.TemporaryDirectory(prefix="h3-tiny-text-", ignore_cleanup_errors=True) as name:
         folder = Path(name)

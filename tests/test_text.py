@@ -968,6 +968,22 @@ def test_demo_text_encoder_leaves_no_temporary_folder(tmp_path, monkeypatch):
     assert states.shape[-1] == 48 and torch.isfinite(states).all()
 
 
+def test_an_old_transformers_is_refused_before_any_weight_is_read(tiny, monkeypatch):
+    """transformers 4.57 (which ComfyUI's own floor admits) failed inside its Qwen3-VL code with an AttributeError on
+    None, after the loader had made room for the encoder."""
+    import transformers
+
+    from h3_core.text_checkpoint import check_transformers
+    from h3_core.tiny_text import tiny_random_text_encoder
+
+    check_transformers("5.17.0")
+    check_transformers("6.0.0.dev0")
+    monkeypatch.setattr(transformers, "__version__", "4.57.6")
+    for load in (lambda: load_text_encoder(tiny["release"]), tiny_random_text_encoder):
+        with pytest.raises(CheckpointError, match=r"needs transformers >= 5\.17; this Python has 4\.57\.6\. Upgrade"):
+            load()
+
+
 def test_non_finite_text_states_are_refused_naming_the_text_encoder():
     """A damaged (or overflowing) encoder's NaN states were taken: the sampler ran every step, then blamed the DiT's
     or an adapter's weights."""
