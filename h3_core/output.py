@@ -52,7 +52,10 @@ class AVLatents:
         if a.shape[2] != expected:
             raise ValueError(f"{self.num_frames} frames take {expected} audio latents per channel; got {a.shape[2]}.")
         for name, tensor in (("video", v), ("audio", a)):
-            if not torch.isfinite(tensor).all():
+            if not tensor.is_floating_point():
+                raise ValueError(f"The {name} latents are {str(tensor.dtype).removeprefix('torch.')}; latents are "
+                                 "floating point (float32, bfloat16, float16, float8).")
+            if not torch.isfinite(tensor.float()).all():  # float8 has no isfinite of its own
                 raise ValueError(f"The {name} latents hold NaN or infinite values; nothing to decode.")
         return self
 
@@ -70,7 +73,10 @@ class AVLatents:
         missing = {"video", "audio"} - set(tensors)
         if missing:
             raise ValueError(f"{path} lacks the tensor(s) {', '.join(sorted(missing))}; expected 'video' and 'audio'.")
-        return cls(tensors["video"], tensors["audio"])
+        # a file stored in float8 (nothing here computes in it) is widened
+        video, audio = (t.float() if t.is_floating_point() and t.element_size() == 1 else t
+                        for t in (tensors["video"], tensors["audio"]))
+        return cls(video, audio)
 
 
 def decode_video(vae: VideoVAE, latents: torch.Tensor, devices: Sequence[str | torch.device] | None = None,
@@ -83,8 +89,11 @@ def decode_video(vae: VideoVAE, latents: torch.Tensor, devices: Sequence[str | t
     with torch.inference_mode():
         for block in vae.decode_stream(raw, tiled, devices=devices):
             if not torch.isfinite(block).all():  # as uint8 it would be a black clip, written without a word
-                raise ValueError("The video VAE decoded NaN or infinite values from finite latents: its weights hold "
-                                 "NaN or infinite values (a damaged file), or they overflowed in this dtype.")
+                peak = latents.abs().max().item()
+                raise ValueError(f"The video VAE decoded NaN or infinite values from finite latents (largest |value| "
+                                 f"{peak:.3g}): the latents are far outside what a sampler makes (from elsewhere?), "
+                                 "or the VAE's weights hold NaN or infinite values (a damaged file), or they "
+                                 "overflowed in this dtype.")
             frames = model_space_to_frames(block)[0].mul_(255.0).round_()  # [3, n, H, W] in 0..255, in place
             yield frames.to(torch.uint8).permute(1, 2, 3, 0).cpu()
 

@@ -142,6 +142,25 @@ def test_non_finite_latents_are_refused(tmp_path, vaes):
         write_mp4(tmp_path / "x.mp4", latents, *vaes)
 
 
+def test_latents_files_in_float8_are_widened_and_integer_ones_refused(tmp_path):
+    """A float8 latents file (e.g. --continue-from) failed with torch's raw "isfinite not implemented for
+    Float8_e4m3fn"."""
+    latents = random_latents(124)
+    AVLatents(latents.video.to(torch.float8_e4m3fn), latents.audio.to(torch.float8_e5m2)).save(tmp_path / "fp8.safetensors")
+    loaded = AVLatents.load(tmp_path / "fp8.safetensors").check()
+    assert loaded.video.dtype == loaded.audio.dtype == torch.float32
+    assert torch.equal(loaded.video, latents.video.to(torch.float8_e4m3fn).float())
+    with pytest.raises(ValueError, match="The audio latents are int64; latents are floating point"):
+        AVLatents(latents.video, latents.audio.long()).check()
+
+
+def test_extreme_latents_from_elsewhere_are_named_as_a_cause_of_a_non_finite_decode(tmp_path, vaes):
+    latents = random_latents(124)
+    latents.video.mul_(1e30)  # finite, far beyond anything a sampler makes
+    with pytest.raises(ValueError, match=r"from finite latents \(largest \|value\| \d.*e\+30\): the latents are far "):
+        write_mp4(tmp_path / "x.mp4", latents, *vaes)
+
+
 def test_a_video_vae_with_nan_weights_is_an_error_not_a_black_clip(tmp_path):
     video_vae = tiny_random_video_vae()
     with torch.no_grad():
