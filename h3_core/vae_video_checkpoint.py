@@ -339,9 +339,10 @@ def load_video_vae(
 ) -> VideoVAE:
     """Load the video VAE strictly from any layout (module docstring).
 
-    `dtype=None` keeps each tensor's checkpoint dtype; else `FP32_MODULES` are float32 and the rest
-    `dtype`. `config` overrides the checkpoint's (single files have none: the release's is the default).
-    `device="meta"` reads the headers only (`check_video_vae`).
+    `dtype=None` keeps each tensor's checkpoint dtype (but float8, in which no convolution runs: bf16, or fp32
+    for `FP32_MODULES`); else `FP32_MODULES` are float32 and the rest `dtype`. `config` overrides the
+    checkpoint's (single files have none: the release's is the default). `device="meta"` reads the headers only
+    (`check_video_vae`).
     """
     source = locate_video_vae(path)
     config = config or source.config or VideoVAEConfig()
@@ -360,4 +361,7 @@ def load_video_vae(
     items = to_native(_read_under_prefix(source.files, source.prefix, data=torch.device(device).type != "meta"),
                       source.naming, config, drop)
     assign_strictly(model, items, source.where, policy, device)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point() and tensor.element_size() == 1:
+            tensor.data = tensor.data.to(torch.float32 if keeps_fp32(name) else torch.bfloat16)
     return model.eval().requires_grad_(False)

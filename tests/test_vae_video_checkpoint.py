@@ -96,6 +96,20 @@ def test_dtype_policy_at_load(tmp_path, reference, config, expected):
     assert model.dtype == torch.bfloat16 and model.encoder.conv_in.weight.dtype == torch.float32
 
 
+def test_a_float8_file_loads_in_bf16_as_stored_otherwise(tmp_path, reference, config, expected):
+    """dtype=None ('checkpoint' in H3 VAE Loader) kept float8, in which no convolution runs: the first encode
+    failed with torch's raw "reflection_pad3d not implemented for 'Float8_e4m3fn'"."""
+    folder = write_original_partition(tmp_path, reference.state_dict(), config)
+    path = folder / "source" / "model.safetensors"
+    save_file({name: t.to(torch.float8_e4m3fn) if t.is_floating_point() else t
+               for name, t in load_file(str(path)).items()}, str(path))
+    model = load_video_vae(tmp_path)
+    for name, tensor in model.state_dict().items():
+        fp32 = any(part in FP32_MODULES for part in name.split("."))
+        assert tensor.dtype == (torch.float32 if fp32 else torch.bfloat16), name
+        assert torch.equal(tensor, expected[name].to(torch.float8_e4m3fn).to(tensor.dtype)), name
+
+
 # -- errors -----------------------------------------------------------------------------------
 
 
