@@ -87,12 +87,21 @@ def model_choices(kind: str, also: tuple[str, ...] = (), unless: str | None = No
     return [TINY_RANDOM] + sorted(names)
 
 
+def clean_path(text: str) -> str:
+    """A path typed or pasted into a text box: spaces around it and one pair of quotes around it dropped (Windows'
+    "Copy as path" adds them)."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        text = text[1:-1].strip()
+    return text
+
+
 def model_path(kind: str, name: str, folder: str):
     """The path to load: a non-empty `folder` wins; else the chosen file of ComfyUI's `kind` folder."""
     import folder_paths
 
-    if folder and folder.strip():
-        return folder.strip()
+    if folder and clean_path(folder):
+        return clean_path(folder)
     return folder_paths.get_full_path_or_raise(kind, name)
 
 

@@ -41,6 +41,7 @@ from .common import (
     H3Model,
     H3TextEncoder,
     chosen_file,
+    clean_path,
     device,
     device_list,
     files_fingerprint,
@@ -252,7 +253,8 @@ class H3TextEncoderLoader(io.ComfyNode):
             return ""
         try:
             gguf = Path(path).is_file() and Path(path).suffix.lower() == GGUF_SUFFIX
-            tokenizer = [tokenizer_folder] if isinstance(tokenizer_folder, str) and tokenizer_folder.strip() else []
+            typed = clean_path(tokenizer_folder) if isinstance(tokenizer_folder, str) else ""
+            tokenizer = [typed] if typed else []
             return files_fingerprint(path, *(mmproj_companions(Path(path)) if gguf else ()), *tokenizer)
         except (OSError, ValueError):  # unreadable: execute says so
             return ""
@@ -269,7 +271,7 @@ class H3TextEncoderLoader(io.ComfyNode):
                 encoder.to(target)
         else:
             path = model_path("text_encoders", text_encoder, folder)
-            tokenizer = tokenizer_folder.strip() or None
+            tokenizer = clean_path(tokenizer_folder) or None
             # a missing tokenizer is refused before room is made (a single file's, if none is given, is fetched)
             found = locate_text_encoder_files(path, tokenizer)
             dtype = DTYPES[weight_dtype]
@@ -328,7 +330,7 @@ class H3VAELoader(io.ComfyNode):
     @classmethod
     def execute(cls, video_vae, audio_vae, folder, weight_dtype="bf16") -> io.NodeOutput:
         target = device()
-        folder = folder.strip()
+        folder = clean_path(folder)
         dtype = DTYPES[weight_dtype]
         video_path = folder or (None if video_vae == TINY_RANDOM else model_path("vae", video_vae, ""))
         audio_path = folder or (None if audio_vae == TINY_RANDOM else model_path("vae", audio_vae, ""))

@@ -1022,6 +1022,16 @@ def test_av_save_wiring_is_checked_at_queue_time(comfy):
     assert check(input_types={"images": "IMAGE,MASK"}) is True  # a union that overlaps, as ComfyUI takes it
 
 
+def test_a_pasted_path_in_quotes_is_the_path(comfy, tmp_path):
+    """Windows' "Copy as path" pastes "C:\\models\\H3" with its quotes: the loaders said no such folder."""
+    common = importlib.import_module("nodes.common")
+    assert [common.clean_path(text) for text in ('"/m/H3"', " '/m/H3' ", '"/m/H3', '""', "/m/H3")] == \
+        ["/m/H3", "/m/H3", '"/m/H3', "", "/m/H3"]
+    assert common.model_path("vae", "unused", f' "{tmp_path}" ') == str(tmp_path)
+    vae = comfy.loaders.H3VAELoader.execute("tiny-random", "tiny-random", '  ""  ').values[0]  # nothing typed
+    assert vae.video is not None
+
+
 @pytest.mark.parametrize("prefix, problem", [
     ("H3/clip", None), ("H3/%date:yyyy%/clip", None), (None, None), ("x" * 200, None),
     ("", "names no file"), ("H3/", "names no file"), ("H3\\", "names no file"), ("  ", "names no file"),
