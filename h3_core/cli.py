@@ -38,6 +38,7 @@ from .guides import GUIDE_KINDS, GuideFile
 from .layout import build_request_layout
 from .long_video import LongVideoRequest
 from .media import MediaError
+from .noise import SEED_BITS, check_seeds
 from .output import AVLatents
 from .parallel.workers import ParallelWorkerError
 from .placement import check_devices
@@ -84,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     except ParallelWorkerError as error:  # names the rank, with its traceback
         print(f"h3: error: {error}", file=sys.stderr)
         return 1
+    except RuntimeError as error:
+        if not (getattr(args, "compile", False) and _compile_failed(error)):
+            raise
+        print(f"h3: error: --compile: torch.compile cannot build the DiT's blocks here "
+              f"({str(error).strip().splitlines()[0]}); drop --compile (it only speeds the steps up).", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("h3: stopped; nothing more was written.", file=sys.stderr)
         return 130
@@ -94,6 +101,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _stop(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+def _compile_failed(error: RuntimeError) -> bool:
+    """Whether torch.compile failed to build a graph (no C++ compiler, no Triton, an Inductor bug)."""
+    from torch._dynamo.exc import BackendCompilerFailed  # imported already by --compile's torch.compile
+
+    return isinstance(error, BackendCompilerFailed)  # torch._inductor.exc.InductorError is one
 
 
 def add_dit_speed_options(parser: argparse.ArgumentParser) -> None:
@@ -190,7 +204,7 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
                      help="a LoRA holding keys that name no H3 module: refused (error, default) or loaded without "
                           "them, each said (warn)")
     gen.add_argument("--seed", type=int, default=0, help="noise seed, 0 to 2^64-1 (default 0): the same seed gives "
-                                                         "the same clip on any device")
+                                                         "the same clip on any device. " + SEED_BITS)
     gen.add_argument("--outputs", type=int, default=1, help="number of results, seeds seed, seed+1, ...")
     gen.add_argument("--out", type=Path, help="output .mp4 (several outputs: name_00000.mp4, ...)")
     gen.add_argument("--save-latents", type=Path, help="also save the final latents ('video', 'audio') as .safetensors")
@@ -267,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     den.add_argument("--steps", type=int, default=50, help="sigma points including the final 0 (50 -> 49 model calls)")
     den.add_argument("--video-shift", type=float, default=VIDEO_SHIFT)
     den.add_argument("--audio-shift", type=float, default=AUDIO_SHIFT)
-    den.add_argument("--seed", type=int, default=0)
+    den.add_argument("--seed", type=int, default=0, help="noise seed, 0 to 2^64-1 (default 0). " + SEED_BITS)
     den.add_argument("--save-latents", type=Path, required=True, help="output .safetensors: 'video' and 'audio'")
     den.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
     den.add_argument("--dtype", default=None, choices=list(DTYPES),
@@ -509,8 +523,10 @@ def _job(args) -> Job:
         request, given = _long_video(args, request, given), None
     else:
         request = _long_video(args, request)
+    inputs = [(option, path) for option, path in (("--continue-from", args.continue_from), ("--from", args.given),
+                                                  ("--batch", args.batch)) if path is not None]
     return Job(request, args.out, args.save_latents, args.seed, args.outputs, given,
-               None if given is None else args.keep)
+               None if given is None else args.keep, inputs=inputs)
 
 
 # What one --batch line may set; everything else (the models, how the DiT runs, the sampler ladder) is one
@@ -634,9 +650,13 @@ def run_info(args) -> int:
     return 0
 
 
-def _dit_info(path: str, partition: str) -> dict:
+def _dit_config(path: str, partition: str):
     source = locate_dit(path, partition)
-    config = source.config or infer_config(source)
+    return source, source.config or infer_config(source)
+
+
+def _dit_info(path: str, partition: str) -> dict:
+    source, config = _dit_config(path, partition)
     sizes = _gguf_sizes(source.gguf_tensors) if source.is_gguf else _sizes(source.files)
     return {"origin": source.origin, "naming": source.naming, "qkv_layout": source.qkv_layout, **sizes,
             "config": config.to_dict()}
@@ -710,6 +730,9 @@ def _text_states(args, text_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         if text.ndim != 3 or text.shape[0] != 1 or text.shape[1] < 1 or text.shape[2] != text_dim:
             raise ValueError(f"'prompt_embeds' must be [1, T >= 1, {text_dim}] for this model, got {list(text.shape)}.")
         tags = tensors.get("text_token_tags", torch.ones(text.shape[1], dtype=torch.long))
+        if tags.shape != (text.shape[1],):
+            raise ValueError(f"--text-states {args.text_states}: 'text_token_tags' must be [T] = [{text.shape[1]}] "
+                             f"as 'prompt_embeds', got {list(tags.shape)}.")
         return text, tags
     generator = torch.Generator().manual_seed(args.seed)
     return torch.randn(1, 16, text_dim, generator=generator), torch.ones(16, dtype=torch.long)
@@ -735,8 +758,11 @@ def run_denoise(args) -> int:
     check_window_setting(args.attention_window_lossy, args.attention_window_dense_steps)
     # an unavailable backend (or one that cannot run the window) fails before any loading
     resolve_backend(args.attention, device, window=args.attention_window_lossy > 0)
+    check_seeds(args.seed)
     if args.text_states is not None and not args.text_states.is_file():
         raise FileNotFoundError(f"--text-states {args.text_states} does not exist.")
+    config = TINY_DIT if args.model == TINY_RANDOM else _dit_config(args.model, args.partition)[1]  # from headers
+    text, tags = _text_states(args, config.text_dim)  # checked before the DiT loads
     timings = {}
 
     started = time.perf_counter()
@@ -749,7 +775,6 @@ def run_denoise(args) -> int:
     if args.compile:
         model.compile_blocks()
     timings["load"] = time.perf_counter() - started
-    text, tags = _text_states(args, model.config.text_dim)
     layout = build_request_layout(width, height, frames, tags)
     conditioning = Conditioning("t2va", width, height, frames, layout, text, tags)
 

@@ -14,6 +14,10 @@ from .layout import PackedLayout, patchify
 
 
 MAX_SEED = 2**64 - 1  # what torch's generator (and ComfyUI's seed widget) takes
+# torch's CPU generator (a Mersenne Twister) is seeded from a seed's low 32 bits: faithful to diffusers, which draws
+# the same way, and to ComfyUI's own samplers; said wherever a seed is asked for
+SEED_BITS = ("Only a seed's low 32 bits set the noise: seeds 2^32 apart draw the same (as in diffusers and ComfyUI's "
+             "own samplers).")
 
 
 def check_seeds(seed: int, count: int = 1) -> None:

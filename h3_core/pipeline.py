@@ -41,7 +41,7 @@ from .lora import (
 from .noise import check_seeds, condition_rows, request_generator, target_noise
 from .media import SAMPLE_RATE, MediaError, naming
 from .output import AVLatents, write_mp4
-from .references import RELEASE_CANVAS, CanvasRules, DecodedAudio
+from .references import RELEASE_CANVAS, CanvasRules, DecodedAudio, MediaReference
 from .runtime import empty_caches, fixed_allocator_segments, host_memory_warning
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback, check_shift, check_steps
 from .sampler import denoise as denoise_loop
@@ -368,6 +368,9 @@ class Job:
     given: AVLatents | None = None
     keep: str | None = None
     name: str = ""  # where the job came from, for messages (a batch file's line); default "job N"
+    # files read to make `request` or `given` that they no longer name, as (option, path): latents from
+    # --continue-from or --from, the --batch file; no output may overwrite one (nor the request's own files)
+    inputs: Sequence[tuple[str, Path]] = ()
 
 
 @dataclass
@@ -447,7 +450,7 @@ def generate_batch(
         try:
             prepared.append(_prepare(job, rules, settings))
         except (ValueError, MediaError) as error:  # a RequestError is a ValueError
-            if len(jobs) > 1:
+            if len(jobs) > 1 or job.name:  # a batch file's one line is still named
                 error.args = (f"{name}: {error}",)
             raise
     _check_batch(prepared, names)
@@ -455,10 +458,10 @@ def generate_batch(
         for warning in prompt_label_warnings(item.plain_request):
             notes(f"warning: {name + ': ' if len(prepared) > 1 else ''}{warning}")
     partition = prepared[0].partition
-    source = resolve_model_source(model, partition, files)
-    resolve_backend(settings.attention, device, window=window > 0)
+    resolve_backend(settings.attention, device, window=window > 0)  # these need no model: said before a download
     check_linear_mode(settings.linears, device)
     loras = [(load_lora(path, unknown=settings.lora_unknown_keys), float(strength)) for path, strength in settings.loras]
+    source = resolve_model_source(model, partition, files)
     dit_source = None if source.tiny else with_config(locate_dit(source.root, partition))
     # the DiT's headers checked against the model (names, shapes, formats) before any model loads
     reader = None if source.tiny else DiTReader(dit_source, partition, settings.dtype, dit_source.config,
@@ -654,18 +657,23 @@ def check_settings(settings: GenerateSettings) -> int:
     return window
 
 
-def check_writable(path: Path) -> None:
+def check_writable(path: Path, option: str = "") -> None:
     """An output file can be written where it is asked for: its folder made now (as the run would), not a
-    folder itself, and a file can be created there. Found out before the models run, not after."""
+    folder itself, and a file can be created there. Found out before the models run, not after. `option`
+    (e.g. "--out") names it in the messages."""
     path = Path(path).expanduser()
+    named = f"{option} {path}".strip()
     if path.is_dir():
-        raise ValueError(f"{path} is a folder; give the output file's name.")
+        raise ValueError(f"{named} is a folder; give the output file's name.")
+    above = next((parent for parent in path.parents if parent.exists()), None)
+    if above is not None and not above.is_dir():
+        raise ValueError(f"Cannot write {named}: {above} is a file, not a folder.")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".check"):
             pass
     except OSError as error:
-        raise ValueError(f"Cannot write {path}: {error.strerror or error}.") from None
+        raise ValueError(f"Cannot write {named}: {error.strerror or error}.") from None
 
 
 def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepared:
@@ -684,9 +692,15 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
         raise RequestError(f"Unknown task {request.task!r}; choose t2va, fl2va or ref2va.")
     if job.out is None and job.save_latents is None:
         raise ValueError("Nothing to write: give an output MP4 path and/or a latents path.")
-    for path, suffix in ((job.out, ".mp4"), (job.save_latents, ".safetensors")):
-        if path is not None and Path(path).suffix != suffix:
-            raise ValueError(f"{path} must end in {suffix}.")
+    for option, path, suffix in (("--out", job.out, ".mp4"), ("--save-latents", job.save_latents, ".safetensors")):
+        if path is None:
+            continue
+        if not path.name or path.name.lower() == suffix:  # Path("") is "."; ".mp4" is a hidden file's name
+            name = repr(path.name) if path.name else "an empty name"
+            raise ValueError(f"{option} must name a file such as clip{suffix}; got {name}.")
+        mp4 = suffix == ".mp4"  # latents are saved as .safetensors exactly (AVLatents.save)
+        if (path.suffix.lower() if mp4 else path.suffix) != suffix:
+            raise ValueError(f"{option} {path} must end in {suffix}{' (any case)' if mp4 else ''}.")
     outputs = settings.outputs if job.outputs is None else job.outputs
     if outputs < 1:
         raise ValueError(f"outputs must be at least 1, got {outputs}.")
@@ -696,9 +710,9 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
         raise RequestError("keep ('video' or 'audio') and given (a clip's AVLatents) go together: which part of "
                            "which clip to keep.")
     plan = check(request, rules)
-    for path in (job.out, job.save_latents):  # its folder is made: only for a request that passed its checks
-        if path is not None:
-            check_writable(path)
+    for option, path in (("--out", job.out), ("--save-latents", job.save_latents)):
+        if path is not None:  # its folder is made: only for a request that passed its checks
+            check_writable(path, option)
     if keep is not None:
         if long_video:
             raise RequestError("keep holds part of a given clip in one plain request; a long video keeps a clip's "
@@ -730,22 +744,49 @@ def _as_path(path: str | Path | None) -> Path | None:
     return None if path is None else Path(path).expanduser()
 
 
+def _inputs(job: Job) -> list[tuple[str, Path]]:
+    """The files a job reads, as (option, path): keyframes, references, guides, a driving track, `job.inputs`."""
+    request = job.request
+    plain = getattr(request, "request", request)  # a LongVideoRequest's own request
+    references = [item if isinstance(item, MediaReference) else MediaReference(*item) for item in plain.references or ()]
+    found = [("--first-image", plain.first_image), ("--last-image", plain.last_image),
+             *(("--ref", reference.source) for reference in references),
+             *(("--guide", getattr(guide, "path", None)) for guide in plain.guides),
+             ("--drive-audio", getattr(request, "drive_audio", None)), *job.inputs]
+    return [(option, Path(path).expanduser()) for option, path in found if isinstance(path, (str, Path))]
+
+
 def _check_batch(prepared: list[_Prepared], names: list[str]) -> None:
-    """One DiT partition for the whole batch, and no two outputs written to one file."""
+    """One DiT partition for the whole batch, no two outputs written to one file, and no output written over
+    a file a job reads (the same file: by path, link or hard link)."""
     partitions = sorted({item.partition for item in prepared})
     if len(partitions) > 1:
         raise RequestError("A batch runs one DiT: t2va and fl2va jobs use the FL2VA partition, ref2va jobs Ref2VA; "
                            "put them in separate batches.")
+    read = {}
+    for item, name in zip(prepared, names):
+        for option, path in _inputs(item.job):
+            if path.exists():  # what the job has read; a missing file was refused by its checks
+                stat = path.stat()
+                read.setdefault((stat.st_dev, stat.st_ino), (name, option, path))
     written = {}
     for item, name in zip(prepared, names):
         for index in range(item.outputs):
-            for path in (numbered(item.job.out, index, item.outputs), numbered(item.job.save_latents, index, item.outputs)):
+            for option, path in (("--out", numbered(item.job.out, index, item.outputs)),
+                                 ("--save-latents", numbered(item.job.save_latents, index, item.outputs))):
                 if path is None:
                     continue
                 key = Path(path).expanduser().resolve()
                 if key in written:
                     raise ValueError(f"{written[key]} and {name} both write {path}.")
                 written[key] = name
+                stat = key.stat() if key.exists() else None
+                if stat is not None and (stat.st_dev, stat.st_ino) in read:
+                    reader, read_option, read_path = read[stat.st_dev, stat.st_ino]
+                    where = f"{name}: " if len(prepared) > 1 or item.job.name else ""
+                    whose = "its" if reader == name else f"{reader}'s"
+                    raise ValueError(f"{where}{option} {path} would overwrite {whose} {read_option} {read_path}; "
+                                     "an output may not be one of the run's input files: write it elsewhere.")
 
 
 TEXT_WORKING_BYTES = 2 * GIB  # the encoder's activations, thousands of rows with vision references

@@ -33,6 +33,7 @@ from h3_core.long_video import (
     split_window_prompts,
     validate_long_video,
 )
+from h3_core.noise import SEED_BITS
 from h3_core.output import write_mp4
 from h3_core.pipeline import TASK_PARTITION, largest_layout
 from h3_core.placement import freed_on_failure
@@ -81,7 +82,8 @@ class H3Continuation(io.ComfyNode):
                              step=STEP,
                              tooltip="Frames each window repeats from the one before as its guide, 17n + 5."),
                 io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
-                             tooltip="Noise seed: all windows draw from one generator, so it decides the whole clip."),
+                             tooltip="Noise seed: all windows draw from one generator, so it decides the whole clip. "
+                                     + SEED_BITS),
                 io.Int.Input("steps", default=0, min=0, max=200,
                              tooltip="Sampling points per window; 0 = automatic: a Turbo adapter's count, else 50."),
                 *shift_inputs(),

@@ -7,7 +7,7 @@ import math
 import folder_paths
 from comfy_api.latest import io
 from h3_core.lora import check_loras, load_lora
-from h3_core.noise import check_seeds
+from h3_core.noise import SEED_BITS, check_seeds
 from h3_core.pipeline import TASK_PARTITION, sample
 from h3_core.placement import freed_on_failure
 from h3_core.sampler import DualClockSchedule, custom_ladder
@@ -51,7 +51,7 @@ class H3Sampler(io.ComfyNode):
                 H3Cond.Input("conditioning", tooltip="From H3 Conditioning."),
                 io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
                              tooltip="Noise seed (one CPU generator: the same seed gives the same output anywhere). "
-                                     "Output i uses seed + i."),
+                                     "Output i uses seed + i. " + SEED_BITS),
                 io.Int.Input("steps", default=0, min=0, max=200,
                              tooltip="Sampling points; 0 = automatic: a Turbo adapter's distilled count, else 50."),
                 *shift_inputs(),

@@ -275,3 +275,68 @@ def test_nan_weights_stop_the_run_before_anything_is_saved(tmp_path, monkeypatch
     error = capsys.readouterr().err
     assert "h3: error: Sampling gave NaN or infinite latents" in error and "Traceback" not in error
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--attention", "banana"], "Unknown attention backend 'banana'; choose one of auto, "),
+    (["--lora", "{tmp}/missing.safetensors"], "LoRA file .*missing.safetensors does not exist"),
+])
+def test_a_hub_model_is_not_downloaded_for_a_run_refused_without_it(tmp_path, monkeypatch, no_model_loads, capsys,
+                                                                    options, message):
+    import huggingface_hub
+
+    fetched = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, **kwargs: fetched.append(repo) or pytest.fail("the model was downloaded"))
+    argv = ["generate", "--prompt", "a fox", "--model", "MiniMaxAI/MiniMax-H3", "--out", str(tmp_path / "o.mp4")]
+    assert main(argv + [option.format(tmp=tmp_path) for option in options]) == 2
+    assert re.search(message, capsys.readouterr().err) and fetched == []
+
+
+def test_h3_denoise_checks_the_seed_and_text_states_before_reading_the_dit(tmp_path, tiny_config, monkeypatch, capsys):
+    pytest.importorskip("diffusers", reason="the DiT folder is written by diffusers (the test extra)")
+    from reference_checkpoints import reference_dit, write_diffusers_folder
+    from safetensors.torch import save_file
+
+    write_diffusers_folder(tmp_path / "ckpt" / "transformer", reference_dit(tiny_config))
+    for name in ("load_dit", "tiny_random_dit"):
+        monkeypatch.setattr(cli, name, lambda *a, **k: pytest.fail("the DiT was read"))
+    save_file({"prompt_embeds": torch.zeros(1, 5, 47)}, str(tmp_path / "narrow.safetensors"))
+    save_file({"prompt_embeds": torch.zeros(1, 5, 48), "text_token_tags": torch.ones(4, dtype=torch.long)},
+              str(tmp_path / "tags.safetensors"))
+    real = ["--model", str(tmp_path / "ckpt"), "--text-states"]
+    for argv, message in (
+        (["--seed", str(MAX_SEED + 1)], f"seed must be an integer from 0 to {MAX_SEED}; got {MAX_SEED + 1}"),
+        ([*real, str(tmp_path / "narrow.safetensors")], r"'prompt_embeds' must be \[1, T >= 1, 48\] for this model, "
+                                                        r"got \[1, 5, 47\]"),
+        ([*real, str(tmp_path / "tags.safetensors")], r"'text_token_tags' must be \[T\] = \[5\] .* got \[4\]"),
+    ):
+        assert main(["denoise", "--steps", "2", *argv, "--save-latents", str(tmp_path / "x.safetensors")]) == 2, argv
+        error = capsys.readouterr().err
+        assert re.fullmatch(f"h3: error: .*{message}.*\n", error), error
+    with pytest.raises(SystemExit):
+        main(["denoise", "--help"])
+    assert "noise seed, 0 to 2^64-1" in capsys.readouterr().out
+
+
+def test_compile_that_cannot_work_here_says_to_drop_it(tmp_path, monkeypatch, capsys):
+    """No C++ compiler (or Triton): Inductor fails at the first step; one line naming --compile, no traceback.
+    Any other error of the run is not taken for it."""
+    from torch._inductor.exc import InductorError
+
+    def compiled(error):
+        def forward(*args, **kwargs):
+            raise error
+        return lambda function, **options: forward
+
+    argv = ["generate", "--prompt", "a fox", "--duration", "4", "--steps", "2", "--compile",
+            "--save-latents", str(tmp_path / "fox.safetensors")]
+    monkeypatch.setattr(torch, "compile", compiled(InductorError(RuntimeError("No working C++ compiler found"), None)))
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert re.search(r"h3: error: --compile: torch.compile cannot build the DiT's blocks here \(RuntimeError: No "
+                     r"working C\+\+ compiler found\); drop --compile", error), error
+    assert "Traceback" not in error and not (tmp_path / "fox.safetensors").exists()
+    monkeypatch.setattr(torch, "compile", compiled(RuntimeError("a bug of ours")))
+    with pytest.raises(RuntimeError, match="a bug of ours"):
+        main(argv)

@@ -115,3 +115,19 @@ def test_keyframe_conditioned_loop_equals_reference(models, anchors):
     latents = unpatchify(video[:, n:], layout.latent_frames, layout.latent_height, layout.latent_width)
     assert (latents - expected["latents"]).abs().max().item() <= 1e-5
     assert (unpack_audio(audio)[0] - expected["audio_latents"]).abs().max().item() <= 1e-5
+
+
+def test_only_a_seeds_low_32_bits_set_the_noise_as_the_help_says():
+    """torch's CPU generator (which diffusers and ComfyUI's samplers draw from too) seeds from the low 32 bits; the
+    seed's help and tooltips say so, since randomly drawn 64-bit seeds collide that way."""
+    from h3_core.cli import build_parser
+    from h3_core.noise import SEED_BITS
+
+    def draw(seed):
+        return torch.randn(8, generator=request_generator(seed))
+
+    assert torch.equal(draw(5), draw(5 + 2**32)) and torch.equal(draw(0), draw(2**63))
+    assert not torch.equal(draw(5), draw(6))
+    assert "low 32 bits" in SEED_BITS
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
+    assert " ".join(SEED_BITS.split()) in " ".join(generate.split())

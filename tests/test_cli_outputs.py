@@ -1,0 +1,101 @@
+"""`h3 generate`'s outputs: never one of the run's own input files, and their names checked with the option
+named, before any model loads."""
+
+import os
+import re
+
+import pytest
+import torch
+from PIL import Image
+from wav_files import write_wav
+
+from h3_core import pipeline
+from h3_core.cli import main
+from h3_core.output import AVLatents
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    for name in ("load_text_encoder_for", "load_vaes", "load_sampling_dit"):
+        monkeypatch.setattr(pipeline, name, lambda *a, **k: pytest.fail("a model was loaded"))
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    """Input files whose names an output could take: a sound and a picture named .mp4, a 5 s tiny clip's latents."""
+    write_wav(tmp_path / "mine.mp4", 4.0)
+    write_wav(tmp_path / "take_00001.mp4", 4.0)
+    Image.new("RGB", (224, 128), "red").save(tmp_path / "still.mp4", format="PNG")
+    AVLatents(torch.zeros(1, 24, 37, 8, 14), torch.zeros(2, 32, 207)).save(tmp_path / "src.safetensors")
+    os.symlink(tmp_path / "mine.mp4", tmp_path / "link.mp4")
+    os.link(tmp_path / "src.safetensors", tmp_path / "hard.safetensors")
+    return tmp_path
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--drive-audio", "{tmp}/mine.mp4", "--out", "{tmp}/mine.mp4"], r"--out \S*mine.mp4 would overwrite its --drive-audio"),
+    (["--drive-audio", "{tmp}/mine.mp4", "--out", "{tmp}/link.mp4"], r"--out \S*link.mp4 would overwrite its --drive-audio"),
+    (["--drive-audio", "{tmp}/take_00001.mp4", "--outputs", "2", "--out", "{tmp}/take.mp4"],
+     r"--out \S*take_00001.mp4 would overwrite its --drive-audio"),
+    (["--guide", "0:image={tmp}/still.mp4", "--out", "{tmp}/still.mp4"], "would overwrite its --guide"),
+    (["--task", "fl2va", "--first-image", "{tmp}/still.mp4", "--out", "{tmp}/still.mp4"], "would overwrite its --first-image"),
+    (["--task", "ref2va", "--ref", "image={tmp}/still.mp4", "--out", "{tmp}/still.mp4"], "would overwrite its --ref"),
+    (["--long-video", "--continue-from", "{tmp}/src.safetensors", "--duration", "12", "--save-latents",
+      "{tmp}/src.safetensors"], r"--save-latents \S*src.safetensors would overwrite its --continue-from"),
+    (["--long-video", "--continue-from", "{tmp}/src.safetensors", "--duration", "12", "--save-latents",
+      "{tmp}/hard.safetensors"], r"--save-latents \S*hard.safetensors would overwrite its --continue-from"),
+    (["--keep", "audio", "--from", "{tmp}/src.safetensors", "--save-latents", "{tmp}/src.safetensors"],
+     "would overwrite its --from"),
+])
+def test_an_output_never_overwrites_an_input(inputs, no_model_loads, capsys, options, message):
+    before = {path.name: path.read_bytes() for path in inputs.iterdir()}
+    assert main(["generate", "--prompt", "a fox", "--steps", "2", *(option.format(tmp=inputs) for option in options)]) == 2
+    error = capsys.readouterr().err
+    assert re.search(message, error), error
+    assert error.startswith("h3: error: ") and "an output may not be one of the run's input files" in error
+    assert {path.name: path.read_bytes() for path in inputs.iterdir()} == before
+
+
+def test_a_batch_never_overwrites_its_file_or_another_jobs_input(inputs, no_model_loads, capsys):
+    jobs = inputs / "jobs.safetensors"  # a jobs file that a line's --save-latents names
+    jobs.write_text(f"--prompt x --save-latents {jobs}\n")
+    assert main(["generate", "--batch", str(jobs), "--steps", "2", "--duration", "4"]) == 2
+    assert re.search(r"line 1: --save-latents \S*jobs.safetensors would overwrite its --batch", capsys.readouterr().err)
+    jobs = inputs / "jobs.txt"
+    jobs.write_text(f"--prompt x --drive-audio {inputs}/mine.mp4 --out {inputs}/a.mp4\n--prompt y --out {inputs}/mine.mp4\n")
+    assert main(["generate", "--batch", str(jobs), "--steps", "2", "--duration", "4"]) == 2
+    error = capsys.readouterr().err
+    assert re.search(r"line 2: --out \S*mine.mp4 would overwrite --batch \S*jobs.txt, line 1's --drive-audio", error), error
+
+
+@pytest.mark.parametrize("out, message", [
+    ("{tmp}/.mp4", "--out must name a file such as clip.mp4; got '.mp4'."),
+    ("{tmp}/.MP4", "--out must name a file such as clip.mp4; got '.MP4'."),
+    ("", "--out must name a file such as clip.mp4; got an empty name."),
+    ("{tmp}/clip.mov", r"--out \S*clip.mov must end in .mp4 \(any case\)."),
+    ("{tmp}/afile/b.mp4", r"Cannot write --out \S*afile/b.mp4: \S*afile is a file, not a folder."),
+    ("{tmp}/afile/deeper/b.mp4", r"Cannot write --out \S*afile/deeper/b.mp4: \S*afile is a file, not a folder."),
+])
+def test_a_bad_out_name_says_so_with_the_option(tmp_path, no_model_loads, capsys, out, message):
+    (tmp_path / "afile").write_text("x")
+    assert main(["generate", "--prompt", "a fox", "--steps", "2", "--out", out.format(tmp=tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert re.fullmatch(f"h3: error: {message}\n", error), error
+
+
+def test_an_upper_case_mp4_is_taken(tmp_path, monkeypatch, capsys):
+    def stop(*args, **kwargs):
+        raise ValueError("stopped before the text encoder")
+
+    monkeypatch.setattr(pipeline, "load_text_encoder_for", stop)
+    assert main(["generate", "--prompt", "a fox", "--steps", "2", "--out", str(tmp_path / "CLIP.MP4")]) == 2
+    assert "h3: error: stopped before the text encoder" in capsys.readouterr().err
+
+
+def test_a_one_line_batch_names_its_line(tmp_path, no_model_loads, capsys):
+    jobs = tmp_path / "jobs.txt"
+    for lines in (["--prompt x --duration 99 --out a.mp4"], ["--prompt x --out a.mp4", "--prompt y --duration 99 --out b.mp4"]):
+        jobs.write_text("\n".join(lines) + "\n")
+        assert main(["generate", "--batch", str(jobs)]) == 2
+        error = capsys.readouterr().err
+        assert f"h3: error: --batch {jobs}, line {len(lines)}: The duration must be between 4 and 15 seconds" in error
