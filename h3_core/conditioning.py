@@ -460,7 +460,7 @@ def encode_request(
     text_tags: torch.Tensor | None = None,
     rules: CanvasRules = RELEASE_CANVAS,
     on_stage: Callable[[int, int], None] | None = None,
-    before_models: Callable[[bool], None] | None = None,
+    before_models: Callable[[int], None] | None = None,
 ) -> Conditioning:
     """Validate `request`, prepare its media and encode it.
 
@@ -471,9 +471,9 @@ def encode_request(
     on_stage      called (done, total) after each model call (the text, each keyframe or reference), and
                   with `done` unchanged between the text encoder's layers: a host shows progress there,
                   and may raise to stop (an interrupt).
-    before_models called once, after the media are read and before any model runs, with whether the text
-                  encoder will run (False: precomputed states, or ones it remembers): a host places
-                  only the models that run.
+    before_models called once, after the media are read and before any model runs, with how many rows the
+                  text encoder will run (0: it will not: precomputed states, or ones it remembers): a host
+                  places only the models that run, with room for that encoding (`TextEncoder.encoding_bytes`).
     Everything is validated and decoded before the first model runs; models are used in the order
     text encoder, video VAE, audio VAE (so a caller can place one at a time)."""
     plan = validate(request, rules)
@@ -516,14 +516,14 @@ def encode_request(
 
     if precomputed:
         if before_models is not None:
-            before_models(False)
+            before_models(0)
         states, tags = _precomputed_text(text_states, text_tags)
     else:
         presentation = text_encoder.present(
             plan.task, plan.prompt, keyframes, [reference.for_presentation() for reference in prepared]
         )
         if before_models is not None:
-            before_models(not text_encoder.remembers(presentation))
+            before_models(0 if text_encoder.remembers(presentation) else presentation.num_tokens)
         between_layers = None if on_stage is None else (lambda: on_stage(done, stages))
         text = staged(text_encoder.encode(presentation, between_layers))
         states, tags = text.prompt_embeds, text.token_tags

@@ -368,12 +368,12 @@ class LongConditioning:
 
 def encode_long_video(
     request: LongVideoRequest, text_encoder, video_vae=None, audio_vae=None, *, rules: CanvasRules = RELEASE_CANVAS,
-    between_calls: Callable[[], None] | None = None, before_models: Callable[[bool], None] | None = None,
+    between_calls: Callable[[], None] | None = None, before_models: Callable[[int], None] | None = None,
 ) -> LongConditioning:
     """Validate, then encode every distinct prompt, the references (once) and the driving track (once).
     `between_calls` is called between model calls and the text encoder's layers: a host may raise there to
-    stop (an interrupt). `before_models` is called once before any model runs, with whether the text encoder
-    will run for any prompt (False: it remembers them all), so a host places only the models that run."""
+    stop (an interrupt). `before_models` is called once before any model runs, with the most rows the text
+    encoder will run for one prompt (0: it remembers them all), so a host places only the models that run."""
     plan = validate_long_video(request, rules)
     if request.drive_audio is not None and audio_vae is None:
         raise RequestError(f"A driving audio track is encoded by the audio VAE{NO_VAE}")
@@ -388,9 +388,10 @@ def encode_long_video(
         ]
         presented = {prompt: text_encoder.present(plan.task, prompt, (), shown) for prompt in others}
 
-    def placing(first_runs: bool) -> None:  # nothing new is remembered before this, so nothing is forgotten
+    def placing(first_rows: int) -> None:  # nothing new is remembered before this, so nothing is forgotten
         if before_models is not None:
-            before_models(first_runs or not all(map(text_encoder.remembers, presented.values())))
+            before_models(max([first_rows, *(presentation.num_tokens for presentation in presented.values()
+                                             if not text_encoder.remembers(presentation))]))
 
     on_stage = None if between_calls is None else (lambda done, total: between_calls())
     first = encode_request(plan.first, text_encoder, video_vae, audio_vae, rules=rules, on_stage=on_stage,

@@ -149,10 +149,11 @@ class TextEncoderPlacement(Placement):
     CPU memory; loading moves only the rest (embedding, vision tower) and hooks the decoder layers to
     visit the device one at a time while they run (`TextEncoder.stream_layers`), and `size` is that
     resident part, what a host sees loaded. Unloading (`TextEncoder.to`) removes the hooks.
-    `working_bytes`: what encoding needs besides (streaming: two layers in flight and the activations)."""
+    `working_bytes`: what encoding needs besides, whatever the prompt (streaming: two layers in flight); a
+    prompt's activations come on top (`TextEncoder.encoding_bytes`)."""
 
     def __init__(self, name: str, encoder, load_device, offload_device, stream: bool = False,
-                 loaded: bool = False, activation_bytes: int = 0):
+                 loaded: bool = False):
         super().__init__(name, [encoder], load_device, offload_device, loaded)
         self.encoder, self.stream = encoder, stream
         self.working_bytes = 0
@@ -160,7 +161,7 @@ class TextEncoderPlacement(Placement):
         if stream:
             layers = encoder.model.language_model.layers
             self.size -= module_bytes([layers])
-            self.working_bytes = 2 * module_bytes([layers[0]]) + activation_bytes
+            self.working_bytes = 2 * module_bytes([layers[0]])
 
     @property
     def releasable(self) -> bool:

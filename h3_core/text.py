@@ -70,6 +70,7 @@ class TextConditioning:
 
 
 REMEMBERED_PROMPTS = 4  # prompt states kept by each encoder ([1, T, 5120] each: a few MB to tens of MB)
+ENCODING_FLOOR_BYTES = 2 * 1024**3  # a short prompt's activations, the vision tower's with them
 
 
 class TextEncoder:
@@ -90,6 +91,16 @@ class TextEncoder:
         self._spread = None  # spread_layers' (devices, hooks)
         self._remembered: OrderedDict[bytes, TextConditioning] = OrderedDict()  # the last prompts' states
         _check_compatible(model.config, presenter)
+        text = model.config.text_config  # kept for `encoding_bytes` while the weights are let go of
+        self._row_bytes = (3 * text.intermediate_size + 4 * text.hidden_size) * torch.finfo(
+            model.language_model.embed_tokens.weight.dtype).bits // 8
+
+    def encoding_bytes(self, rows: int) -> int:
+        """Device memory encoding a presentation of `rows` rows takes besides the weights: a decoder layer's MLP
+        (gate, up and their product, intermediate-wide) and hidden-wide copies around it, a row each (an H200
+        measured 0.18 GiB per 1,000 rows for the 32B in bf16; nine release-size image references are ~66,000
+        rows), and at least ENCODING_FLOOR_BYTES."""
+        return max(ENCODING_FLOOR_BYTES, rows * self._row_bytes)
 
     @property
     def device(self) -> torch.device:

@@ -183,8 +183,8 @@ class H3Continuation(io.ComfyNode):
             cond = encode_long_video(request, text_encoder.encoder, None if vae is None else vae.video,
                                      None if vae is None else vae.audio, rules=text_encoder.canvas,
                                      between_calls=check_interrupt,
-                                     before_models=lambda text: place_for_encoding(text_encoder if text else None,
-                                                                                   vae))
+                                     before_models=lambda rows: place_for_encoding(text_encoder if rows else None,
+                                                                                   vae, rows))
 
         dit = model.dit
         settings = model.sampler_settings(task, steps or None, video_shift or None, audio_shift or None)

@@ -102,15 +102,15 @@ def text_encoder_offload_device() -> torch.device:
     return torch.device(mm.text_encoder_offload_device())
 
 
-def manage_text_encoder(name: str, encoder, device, stream: bool, activation_bytes: int) -> H3Patcher:
+def manage_text_encoder(name: str, encoder, device, stream: bool) -> H3Patcher:
     """The text encoder under ComfyUI's model manager, registered (and placed) now: whole on `device`
     (already there), or with `stream` resident but for its decoder layers, which visit `device` as they
     run; ComfyUI then sees only the resident part."""
     placement = TextEncoderPlacement(name, encoder, device, mm.text_encoder_offload_device(), stream,
-                                     loaded=not stream, activation_bytes=activation_bytes)
+                                     loaded=not stream)
     track(placement)
     patcher = H3Patcher(placement)
-    place([patcher], placement.working_bytes)
+    place([patcher], placement.working_bytes + (encoder.encoding_bytes(0) if stream else 0))
     return patcher
 
 
@@ -155,14 +155,17 @@ def read_progress(placement):
         placement.on_read = None
 
 
-def place_for_encoding(text_encoder, vae=None) -> None:
-    """The text encoder (and the VAE, for keyframes and references) on the device, with room for what a
-    streaming encoder needs besides (its layers in flight and the activations; nothing when resident).
-    `text_encoder` None: only the VAE (the encoder remembers the prompt)."""
+def place_for_encoding(text_encoder, vae=None, rows: int = 0) -> None:
+    """The text encoder (and the VAE, for keyframes and references) on the device, with room for what encoding
+    a presentation of `rows` rows needs besides (the activations, and a streaming encoder's layers in flight):
+    ComfyUI unloads other models for it. `text_encoder` None: only the VAE (the encoder remembers the prompt)."""
     patcher = None if text_encoder is None else text_encoder.patcher
     placement = getattr(patcher, "model", None)
+    working = 0
+    if placement is not None:
+        working = placement.working_bytes + (placement.encoder.encoding_bytes(rows) if rows else 0)
     with read_progress(placement):
-        place([patcher, None if vae is None else vae.patcher], getattr(placement, "working_bytes", 0))
+        place([patcher, None if vae is None else vae.patcher], working)
 
 
 def decode_working_bytes(vae, video_latents, tiled: bool | None = None) -> int:

@@ -388,7 +388,8 @@ def test_a_small_text_encoder_budget_streams_its_layers_with_the_resident_condit
     resident = c.loaders.H3TextEncoderLoader.execute("tiny-random", "", "", "bf16").values[0]
     assert not resident.patcher.model.stream and not _layers_hooked(resident.encoder)
     expected = _encode(c, resident, vae)
-    assert c.record.loaded[-1][1] == 0  # a resident encoder asks for nothing more than before
+    rows = expected.text_states.shape[1]  # room for encoding this prompt: ComfyUI unloads other models for it
+    assert c.record.loaded[-1][1] == resident.encoder.encoding_bytes(rows) == 2 * GIB  # a short prompt's floor
 
     with caplog.at_level("INFO", logger="h3"):
         text = c.loaders.H3TextEncoderLoader.execute("tiny-random", "", "", "bf16", gpu_memory_gb=1.0).values[0]
@@ -399,8 +400,8 @@ def test_a_small_text_encoder_budget_streams_its_layers_with_the_resident_condit
         assert patcher.loaded_size() == patcher.model_size() == resident.patcher.model_size() - layer_bytes
         got = _encode(c, text, vae)
         assert c.record.loaded[-1] == (["H3 text encoder (tiny-random)", "H3 VAEs (tiny-random + tiny-random)"],
-                                       placement.working_bytes)
-        assert placement.working_bytes > 2 * GIB  # two layers in flight + the encoder's activations
+                                       placement.working_bytes + 2 * GIB)  # two layers in flight + activations
+        assert placement.working_bytes == 2 * sum(p.numel() * p.element_size() for p in layers[0].parameters())
         assert text.encoder._visits.visits == len(layers)  # every layer visited once for the one prompt
         assert torch.equal(got.text_states, expected.text_states)
         assert torch.equal(got.text_tags, expected.text_tags)
@@ -416,6 +417,26 @@ def test_a_small_text_encoder_budget_streams_its_layers_with_the_resident_condit
     text.encoder.forget()  # the same prompt again would need no encoder at all
     again = _encode(c, text, vae)  # the next prompt streams again
     assert _layers_hooked(text.encoder) and torch.equal(again.text_states, expected.text_states)
+
+
+def test_encoding_a_long_presentation_asks_for_room_by_its_rows(comfy, monkeypatch):
+    """Nine release-size image references are ~66,000 rows, ~11 GiB of activations for the 32B (0.18 GiB per
+    1,000 rows measured on an H200); a fixed 2 GiB (or nothing, resident) left the rest to an out-of-memory."""
+    c = comfy
+    vae = c.loaders.H3VAELoader.execute("tiny-random", "tiny-random", "").values[0]
+    text = c.loaders.H3TextEncoderLoader.execute("tiny-random", "", "", "bf16").values[0]
+    encoder = text.encoder
+    assert encoder.encoding_bytes(10**7) == 10**7 * encoder._row_bytes > 2 * GIB
+    config = encoder.model.config.text_config  # the 32B's widths in bf16: the measured figure
+    monkeypatch.setattr(config, "intermediate_size", 25600)
+    monkeypatch.setattr(config, "hidden_size", 5120)
+    real = type(encoder)(encoder.model, encoder.presenter)
+    itemsize = encoder.model.language_model.embed_tokens.weight.element_size()  # the tiny one is fp32 here
+    assert real.encoding_bytes(66_000) / GIB == pytest.approx(0.18 * 66 * itemsize / 2, rel=0.03)
+    rows = []
+    monkeypatch.setattr(type(encoder), "encoding_bytes", lambda self, n: rows.append(n) or 7 * GIB)
+    _encode(c, text, vae)
+    assert rows and c.record.loaded[-1][1] == 7 * GIB
 
 
 def test_the_text_encoder_streams_when_it_does_not_fit_what_comfyui_has_free(comfy):
