@@ -748,7 +748,8 @@ def _inputs(job: Job) -> list[tuple[str, Path]]:
     """The files a job reads, as (option, path): keyframes, references, guides, a driving track, `job.inputs`."""
     request = job.request
     plain = getattr(request, "request", request)  # a LongVideoRequest's own request
-    references = [item if isinstance(item, MediaReference) else MediaReference(*item) for item in plain.references or ()]
+    references = [item if isinstance(item, MediaReference) else MediaReference(*item)
+                  for item in plain.references or ()]
     found = [("--first-image", plain.first_image), ("--last-image", plain.last_image),
              *(("--ref", reference.source) for reference in references),
              *(("--guide", getattr(guide, "path", None)) for guide in plain.guides),

@@ -159,7 +159,8 @@ class H3Conditioning(io.ComfyNode):
             # the encoder is loaded only to run: another length or canvas of a prompt reuses its states
             cond = encode_request(request, text_encoder.encoder, video_vae, audio_vae, rules=text_encoder.canvas,
                                   on_stage=on_stage,
-                                  before_models=lambda rows: place_for_encoding(text_encoder if rows else None, vae, rows))
+                                  before_models=lambda rows: place_for_encoding(text_encoder if rows else None, vae,
+                                                                                rows))
         return io.NodeOutput(cond, cond.width, cond.height, cond.num_frames)
 
 

@@ -312,8 +312,8 @@ class H3VAELoader(io.ComfyNode):
                                tooltip="The video VAE decoder's dtype. bf16 is the reference pipeline's precision "
                                        "(encoder, norms and residual stream stay fp32) and decodes about 7.5x faster "
                                        "than fp32 on an H200; fp32 is the release's full precision; 'checkpoint' keeps "
-                                       "each stored dtype. The audio VAE always runs in fp32, as released (a bf16 or fp16 "
-                                       "file is widened)."),
+                                       "each stored dtype. The audio VAE always runs in fp32, as released "
+                                       "(a bf16 or fp16 file is widened)."),
             ],
             outputs=[H3VAE.Output(display_name="vae",
                                   tooltip="The video and audio VAEs together: connect to the vae of H3 Conditioning, "

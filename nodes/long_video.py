@@ -39,8 +39,8 @@ from h3_core.pipeline import TASK_PARTITION, largest_layout
 from h3_core.placement import freed_on_failure
 
 from .common import (
-    CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, canvas_inputs, check_interrupt, check_prefix,
-    decode_inputs, decode_options, decode_progress, device, prefix_problem, preview_settings, progress_bar,
+    CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, canvas_inputs, check_interrupt,
+    check_prefix, decode_inputs, decode_options, decode_progress, device, prefix_problem, preview_settings, progress_bar,
     saved_file_metadata, shift_inputs, step_preview,
 )
 from .conditioning import guide_media, guide_media_inputs, linked_media, reference_images_input, reference_input
