@@ -72,3 +72,13 @@ def test_comfyui_entry_names_another_copy_of_the_engine_it_would_use(tmp_path, m
     (record,) = caplog.records
     assert f"another copy of the engine, {elsewhere}, before" in record.getMessage()
     assert f"pip install --no-deps -e {ROOT}" in record.getMessage()
+
+
+def test_the_registry_archive_leaves_out_what_develops_the_pack():
+    """`comfy node pack` archives git's files minus .comfyignore (plus [tool.comfy] includes): the tests, benchmarks,
+    CI and tools are not what a user installs; nothing the nodes or the engine read at run time is left out."""
+    ignored = [line.strip() for line in (ROOT / ".comfyignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    assert set(ignored) == {"tests/", "bench/", ".ci/", ".github/", "tools/"}
+    kept = ("__init__.py", "nodes", "h3_core", *pyproject()["tool"]["comfy"]["includes"])
+    assert not any(entry.rstrip("/") in kept for entry in ignored)
