@@ -30,7 +30,7 @@ from .offload import load_device, place
 from .placement import check_devices
 from .conditioning import Request, RequestError, encode_request, prompt_label_warnings, shows_pictures, validate
 from .clip_latents import MAX_CLIP_FRAMES, encode_clip_frames, expected_clip_frames, file_soundtrack, stream_clip
-from .layout import pack_audio, patchify, unpack_audio, unpatchify
+from .layout import build_request_layout, pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, read_mode
 from .guides import GuideMedia, add_guide, check_guide, read_guide
@@ -386,6 +386,7 @@ class _Prepared:
     partition: str
     seed: int
     outputs: int
+    canvas: tuple[int, int, int]  # (width, height, frames) of the largest window it samples
 
     @property
     def plain_request(self) -> Request:
@@ -501,6 +502,13 @@ def generate_batch(
             check_video_vae(source.video_vae)  # headers against the model, as the DiT's above
         with _part_of(source, "audio_vae"):
             check_audio_vae(source.audio_vae)
+    if len(settings.devices) < 2:  # the sampling rows without the prompt's: a budget too small for them is said now
+        config = TINY_DIT if source.tiny else dit_source.config
+        for item in prepared:
+            width, height, frames = item.canvas
+            least = build_request_layout(width, height, frames, torch.ones(1, dtype=torch.long))
+            sampling_plan(config, dit_source, partition, settings, loras, least, schedule.steps, reader,
+                          ", before any model loads,")
 
     clock = time.perf_counter()
     progress("text encoder", 0, 1)
@@ -736,7 +744,9 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
             check_guide(request.task, plan.num_frames, media.frame_index, media.frames, media.waveform,
                         media.sample_rate)
         request = dataclasses.replace(request, guides=())
-    return _Prepared(job, request, encode, run, guide_media, partition, seed, outputs)
+    sized = plan.first_plan if long_video else plan  # a long video's longest window
+    return _Prepared(job, request, encode, run, guide_media, partition, seed, outputs,
+                     (sized.width, sized.height, sized.num_frames))
 
 
 def _as_path(path: str | Path | None) -> Path | None:
@@ -894,6 +904,27 @@ def _note_lines(notes, report) -> None:
         notes(line)
 
 
+def sampling_plan(config, dit_source, partition: str, settings: GenerateSettings, loras, layout, steps: int,
+                  reader: DiTReader | None = None, before: str = "") -> MemoryPlan:
+    """The DiT's memory plan for sampling `layout` on `settings.device`, refused (naming what was planned, and
+    `before` what it is refused) when it cannot fit even with every block streamed from the CPU."""
+    device = torch.device(settings.device)
+    # LoRAs are hooked (their factors on the device) into linears held as the file stores them, else merged
+    read_linears = read_mode(settings.linears, bool(loras))
+    stored = read_linears == "checkpoint" and held_linears(dit_source, "checkpoint") != "dense"
+    plan = plan_for(config, layout, steps, device, settings.gpu_memory,
+                    held=held_linears(dit_source, settings.linears),
+                    adaln_bytes=None if reader is None else reader.adaln_nbytes,
+                    other_bytes=hooked_bytes(loras, partition, 2) if stored else 0)
+    if not plan.fits:
+        budget = f"the --gpu-memory {settings.gpu_memory:g} GiB" if settings.gpu_memory else "what is free"
+        raise RequestError(
+            f"This request needs about {plan.expected_peak_bytes / GIB:.1f} GiB on {device}{before} even with every "
+            f"DiT block streamed from the CPU, more than {budget}; shorten it, use a smaller canvas, or give it "
+            "more memory.")
+    return plan
+
+
 def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSettings, loras, conditioning, steps: int,
                       notes, on_tensor=None, reader: DiTReader | None = None):
     """The DiT where the request's memory plan puts it: resident, or its leading blocks resident and the
@@ -923,16 +954,7 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
     quantize_later = source.tiny or read_linears != settings.linears
     if reader is None and not source.tiny:
         reader = DiTReader(dit_source, partition, settings.dtype, config, read_linears, device)
-    # LoRAs are hooked (their factors on the device) into linears held as the file stores them, else merged
-    stored = read_linears == "checkpoint" and held_linears(dit_source, "checkpoint") != "dense"
-    plan = plan_for(config, largest_layout(conditioning), steps, device, settings.gpu_memory,
-                    held=held_linears(dit_source, settings.linears),
-                    adaln_bytes=None if reader is None else reader.adaln_nbytes,
-                    other_bytes=hooked_bytes(loras, partition, 2) if stored else 0)
-    if not plan.fits:
-        raise RequestError(
-            f"This request needs about {plan.expected_peak_bytes / GIB:.1f} GiB on {device} even with every DiT "
-            "block streamed from the CPU; shorten it, use a smaller canvas, or free GPU memory.")
+    plan = sampling_plan(config, dit_source, partition, settings, loras, largest_layout(conditioning), steps, reader)
     if device.type == "cuda":
         notes(f"memory: {plan.describe(config.num_layers)}")
         if plan.streams and fixed_allocator_segments():

@@ -207,6 +207,19 @@ def test_generate_streams_when_the_plan_says_so(tmp_path, monkeypatch):
         _tiny_generate(tmp_path, gpu_memory=1e-6)
 
 
+def test_a_budget_too_small_for_the_sampling_is_refused_before_the_text_encoder(tmp_path, monkeypatch):
+    """--gpu-memory below what the DiT needs even streamed was refused only once the prompt was encoded: after
+    reading and running the 51 GB text encoder. The rows the clip alone takes are planned before any model."""
+    from h3_core import pipeline
+    from h3_core.conditioning import RequestError
+
+    monkeypatch.setattr(pipeline, "load_text_encoder_for",
+                        lambda *a, **k: pytest.fail("the text encoder loaded for a request that cannot fit"))
+    with pytest.raises(RequestError, match=r"needs about \d+\.\d GiB on cpu, before any model loads, even with every "
+                                           r"DiT block streamed from the CPU, more than the --gpu-memory 1e-06 GiB"):
+        _tiny_generate(tmp_path, gpu_memory=1e-6)
+
+
 def test_text_encoder_layers_visit_the_device_one_at_a_time():
     """stream_layers: the same prompt states as the resident encoder, every one of the 50 layers visited
     once per prompt, and the layers' weights still at home afterwards; to() ends the streaming."""
