@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -312,9 +313,9 @@ def _check_references(references: list[MediaReference]) -> None:
 
 
 def blank(prompt) -> bool:
-    """Whether `prompt` is no text with something to read: not a string, or only spaces and invisible characters
-    (zero-width spaces, byte-order marks)."""
-    return not isinstance(prompt, str) or not any(ch.isprintable() and not ch.isspace() for ch in prompt)
+    """Whether `prompt` is no text with something to read: not a string, or only spaces, controls and format
+    characters (zero-width spaces, byte-order marks). Anything else counts, emoji newer than this Python too."""
+    return not isinstance(prompt, str) or all(ch.isspace() or unicodedata.category(ch) in ("Cc", "Cf") for ch in prompt)
 
 
 def check_prompt_markers(prompt: str, what: str = "The prompt") -> None:

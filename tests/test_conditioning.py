@@ -499,6 +499,15 @@ def test_rejects_empty_prompt(prompt):
     assert_rejected(Request("t2va", prompt), "prompt is empty", "non-empty")
 
 
+def test_a_prompt_is_blank_only_when_nothing_in_it_shows():
+    """Characters this Python's Unicode tables do not know yet (emoji of Unicode 15 / 16) or private-use ones are
+    text: refusing them as an empty prompt (as isprintable() would) would be wrong."""
+    from h3_core.conditioning import blank
+
+    assert not any(blank(p) for p in ("\U0001fae9", "\U0001fae8", "\U000f0000", "猫が走る", "🐱", "e\u0301", "a"))
+    assert all(blank(p) for p in ("", " \n\t", "\u200b", "\ufeff", "\u200d\u2060", "\x00", None))
+
+
 @pytest.mark.parametrize("token", ["<|image_pad|>", "<|vision_start|>", "<|video_pad|>"])
 def test_rejects_the_text_encoders_picture_markers_in_a_prompt(token):
     """Typed into a prompt they would break the text encoder's picture accounting after it loaded."""
