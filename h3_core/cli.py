@@ -301,11 +301,11 @@ def _reference(spec: str) -> MediaReference:
     kind, sep, rest = spec.partition("=")
     if not sep or kind not in ("image", "video", "audio") or not rest:
         raise ValueError(f"--ref takes KIND=PATH with KIND image, video or audio; got {spec!r}.")
-    path, at, start = rest.rpartition("@")
-    if not at or Path(rest).exists():  # a file whose name holds '@' is that file
-        return MediaReference(kind, Path(rest), 0.0)
+    path, at, start = rest.rpartition("@")  # no shell expands a '~' after KIND=: done here
+    if not at or Path(rest).expanduser().exists():  # a file whose name holds '@' is that file
+        return MediaReference(kind, Path(rest).expanduser(), 0.0)
     try:
-        return MediaReference(kind, Path(path), float(start))
+        return MediaReference(kind, Path(path).expanduser(), float(start))
     except ValueError:
         raise ValueError(f"--ref {spec!r}: no such file, and the part after '@' is not a start time in "
                          "seconds.") from None
@@ -321,7 +321,7 @@ def _guide(spec: str) -> GuideFile:
     if not sep or not eq or index is None or kind not in GUIDE_KINDS or not path:
         raise ValueError(f"--guide takes FRAME:KIND=PATH with an integer FRAME and KIND {', '.join(GUIDE_KINDS)}; "
                          f"got {spec!r}.")
-    return GuideFile(index, kind, Path(path))
+    return GuideFile(index, kind, Path(path).expanduser())  # no shell expands a '~' after KIND=
 
 
 def _lora(spec: str) -> tuple[Path, float]:

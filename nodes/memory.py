@@ -161,9 +161,8 @@ def place_for_encoding(text_encoder, vae=None, rows: int = 0) -> None:
     ComfyUI unloads other models for it. `text_encoder` None: only the VAE (the encoder remembers the prompt)."""
     patcher = None if text_encoder is None else text_encoder.patcher
     placement = getattr(patcher, "model", None)
-    working = 0
-    if placement is not None:
-        working = placement.working_bytes + (placement.encoder.encoding_bytes(rows) if rows else 0)
+    encoder = getattr(placement, "encoder", None)  # a handle made outside the loaders may have no placement
+    working = getattr(placement, "working_bytes", 0) + (encoder.encoding_bytes(rows) if rows and encoder else 0)
     with read_progress(placement):
         place([patcher, None if vae is None else vae.patcher], working)
 

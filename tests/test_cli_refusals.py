@@ -118,6 +118,16 @@ def test_a_reference_file_may_hold_an_at_sign(tmp_path):
         _reference(f"audio={tmp_path}/take@one.wav")
 
 
+def test_a_home_folder_in_ref_and_guide_paths_is_expanded(tmp_path, monkeypatch):
+    """No shell expands '~' after KIND= (nor in a --batch line): '0:video=~/g.mp4' was 'no such file'."""
+    from h3_core.cli import _guide
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert _guide("0:video=~/g.mp4").path == tmp_path / "g.mp4"
+    assert _reference("image=~/photo.png").source == tmp_path / "photo.png"
+    assert _reference("audio=~/take.wav@1.5").source == tmp_path / "take.wav"
+
+
 def test_a_bad_batch_line_is_said_without_the_usage_text(tmp_path, no_model_loads, capsys):
     jobs = tmp_path / "jobs.txt"
     jobs.write_text(f"--prompt x --colour red --out {tmp_path}/a.mp4\n")
