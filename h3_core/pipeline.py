@@ -25,7 +25,9 @@ from . import geometry, media_read
 from .attention import resolve_backend
 from .checkpoint import DiTReader, held_linears, load_dit, locate_dit, vsa_student, with_config  # noqa: F401 (load_dit: engine API, above)
 from .config import TINY_DIT
-from .memory_plan import GIB, HEADROOM_BYTES, HEADROOM_FRACTION, MemoryPlan, check_budget, free_bytes, plan_for, usable_bytes
+from .memory_plan import (
+    GIB, HEADROOM_BYTES, HEADROOM_FRACTION, MemoryPlan, check_budget, free_bytes, plan_for, usable_bytes,
+)
 from .offload import load_device, place
 from .placement import check_devices
 from .conditioning import Request, RequestError, encode_request, prompt_label_warnings, shows_pictures, validate
@@ -920,8 +922,8 @@ def sampling_plan(config, dit_source, partition: str, settings: GenerateSettings
         budget = f"the --gpu-memory {settings.gpu_memory:g} GiB" if settings.gpu_memory else "what is free"
         raise RequestError(
             f"This request needs about {plan.expected_peak_bytes / GIB:.3g} GiB on {device}{before} even with every "
-            f"DiT block streamed from the CPU, more than {budget} holds once the allocator's headroom ({HEADROOM_FRACTION:.0%} "
-            f"and {HEADROOM_BYTES // 2**20} MiB) is kept; shorten it, use a smaller canvas, or give it more memory.")
+            f"DiT block streamed from the CPU, more than {budget} holds once the allocator's headroom "
+            f"({HEADROOM_FRACTION:.0%} and {HEADROOM_BYTES // 2**20} MiB) is kept; shorten it, use a smaller canvas, or give it more memory.")
     return plan
 
 

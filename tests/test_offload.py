@@ -217,8 +217,9 @@ def test_a_budget_too_small_for_the_sampling_is_refused_before_the_text_encoder(
                         lambda *a, **k: pytest.fail("the text encoder loaded for a request that cannot fit"))
     for budget in (1e-6, 0.05):  # needs less than 0.05 GiB, but not less than what 0.05 holds past the headroom
         with pytest.raises(RequestError, match=r"needs about 0\.0\d+ GiB on cpu, before any model loads, even with "
-                                               rf"every DiT block streamed from the CPU, more than the --gpu-memory "
-                                               rf"{budget:g} GiB holds once the allocator's headroom \(5% and 256 MiB\)"):
+                                               r"every DiT block streamed from the CPU, more than the --gpu-memory "
+                                               rf"{budget:g} GiB holds once the allocator's headroom "
+                                               r"\(5% and 256 MiB\)"):
             _tiny_generate(tmp_path, gpu_memory=budget)
 
 
