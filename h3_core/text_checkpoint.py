@@ -195,6 +195,8 @@ def locate_text_encoder(
     processor_roots = [Path(processor).expanduser()] if processor is not None else list(tokenizer_roots)
     if processor is None and tokenizer_folder is not None:
         processor_roots += [tokenizer_folder, tokenizer_folder.parent]
+    if processor is None and tokenizer is not None:  # a tokenizer given alone: the model's own processor after
+        processor_roots += roots
     processor_folder = _find(processor_roots, "processor", PROCESSOR_MARKERS)
     if processor is not None and processor_folder is None:
         raise CheckpointError(

@@ -1027,6 +1027,17 @@ def test_a_single_file_without_a_tokenizer_gets_the_releases_from_the_hub(tiny, 
     assert torch.equal(fetched.encode(presentation).prompt_embeds, given.encode(presentation).prompt_embeds)
 
 
+def test_a_tokenizer_given_alone_keeps_the_models_own_processor(tiny):
+    """A tokenizer folder without a processor/ beside it, given for a release that has one: 'No Qwen3-VL processor
+    config found', though the release's was there."""
+    from h3_core.text import locate_text_encoder_files
+
+    assert not (tiny["root"] / "tokenizer" / "processor").exists() and not (tiny["root"] / "processor").exists()
+    source = locate_text_encoder_files(tiny["partition"], tokenizer=tiny["root"] / "tokenizer")
+    assert source.tokenizer_folder == tiny["root"] / "tokenizer"
+    assert source.processor_folder == tiny["partition"] / "processor"
+
+
 def test_a_damaged_tokenizer_is_named(tmp_path):
     """A tokenizer.json cut or edited by hand gave JSON's bare message ("Expecting property name ..."), no file."""
     from h3_core.prompt import load_tokenizer
