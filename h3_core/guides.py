@@ -86,9 +86,9 @@ def read_guide(guide: GuideFile, num_frames: int, clip_frames: int | None = None
             return np.asarray(load_image(guide.path, what)), None, None
         if guide.kind == "video":
             room = clip_room(guide.frame_index, num_frames)
-            clip = media_read.read_video(guide.path, 0.0, max_frames=min(room, clip_frames or room), with_audio=False)
-            sound = media_read.read_soundtrack(guide.path, 0.0, room / geometry.FPS)
-            return clip.frames, sound, None if sound is None else SAMPLE_RATE
+            clip = media_read.read_video(guide.path, 0.0, max_frames=min(room, clip_frames or room),
+                                         sound_seconds=room / geometry.FPS)
+            return clip.frames, clip.audio, None if clip.audio is None else SAMPLE_RATE
         return None, media_read.read_audio(guide.path, 0.0, num_frames / geometry.FPS), SAMPLE_RATE
     except (MediaError, MediaInputError) as error:
         raise RequestError(naming(what, error)) from None

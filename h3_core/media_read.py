@@ -330,12 +330,13 @@ def iter_video_frames(
 
 def read_video(
     path: str | os.PathLike, start_seconds: float = 0.0, max_frames: int | None = None, *, with_audio: bool = True,
-    fit: Callable[[np.ndarray], np.ndarray] | None = None,
+    fit: Callable[[np.ndarray], np.ndarray] | None = None, sound_seconds: float | None = None,
 ) -> VideoClip:
     """A video file's frames at 24 fps (at most `max_frames`, from `start_seconds`) and its soundtrack.
 
-    The soundtrack is read for exactly the span of the returned frames (N / 24 s from the same
-    start), as `read_audio` would. Raises MediaError if no frame lies at or after `start_seconds`.
+    The soundtrack is read from the same start, as `read_audio` would, for `sound_seconds` (math.inf: to its
+    end), by default exactly the span of the returned frames (N / 24 s): a reference's or a guide's sound may
+    run on past its picture. Raises MediaError if no frame lies at or after `start_seconds`.
     `fit` (e.g. a crop onto the canvas) is applied to each frame as it is decoded, so only what it
     returns is kept: a long clip at a larger size never sits in memory whole.
     """
@@ -348,7 +349,8 @@ def read_video(
         frames = list(decoded if fit is None else map(fit, decoded))
     if not frames:
         raise MediaError(f"{path} has no video frames at or after {start_seconds} s.")
-    audio = read_soundtrack(path, start_seconds, len(frames) / FPS) if with_audio else None
+    seconds = len(frames) / FPS if sound_seconds is None else None if math.isinf(sound_seconds) else sound_seconds
+    audio = read_soundtrack(path, start_seconds, seconds) if with_audio else None
     return VideoClip(frames=np.stack(frames), audio=audio, source_fps=fps)
 
 

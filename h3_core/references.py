@@ -484,12 +484,11 @@ def prepare_reference(
             return PreparedReference("image", image=prepare_image_reference(load_image(source, what), rules))
         if kind == "video":
             if _is_path(source):
-                path = _existing_file(source, what)
-                clip = media_read.read_video(path, start, max_frames=num_frames, with_audio=False)
                 # its soundtrack over the output's length, as a clip in memory (and the reference) gives it, even
                 # where it outlasts the picture
-                frames, fps, rate = clip.frames, float(FPS), SAMPLE_RATE
-                audio = media_read.read_soundtrack(path, start, num_frames / FPS)
+                clip = media_read.read_video(_existing_file(source, what), start, max_frames=num_frames,
+                                             sound_seconds=num_frames / FPS)
+                frames, fps, audio, rate = clip.frames, float(FPS), clip.audio, SAMPLE_RATE
             else:
                 frames, fps = _checked_video(source, what)
                 audio, rate = _video_audio(source, what)

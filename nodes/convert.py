@@ -13,6 +13,7 @@ Pure functions: no ComfyUI import, so the tests run them on a machine without Co
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -285,11 +286,11 @@ def video_at_24fps(video, what: str, max_frames: int, fit=None, with_audio: bool
     path, start, duration = on_disk
     spans = [seconds for seconds in (duration, sound_frames and sound_frames / geometry.FPS) if seconds]
     try:
-        clip = media_read.read_video(path, start, trim_frames(duration, max_frames), with_audio=False, fit=fit)
-        audio = media_read.read_soundtrack(path, start, min(spans, default=None)) if with_audio else None
+        clip = media_read.read_video(path, start, trim_frames(duration, max_frames), with_audio=with_audio, fit=fit,
+                                     sound_seconds=min(spans, default=math.inf))
     except MediaError as error:
         raise ValueError(f"{what}: {error}") from None
-    return DecodedVideo(clip.frames, float(geometry.FPS), audio, None if audio is None else SAMPLE_RATE)
+    return DecodedVideo(clip.frames, float(geometry.FPS), clip.audio, None if clip.audio is None else SAMPLE_RATE)
 
 
 # ----------------------------------------------------------------------------------------------
