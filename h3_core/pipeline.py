@@ -48,7 +48,7 @@ from .runtime import empty_caches, fixed_allocator_segments, host_memory_warning
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback, check_shift, check_steps
 from .sampler import denoise as denoise_loop
 from .sparse_attention import STUDENT_SPARSITY
-from .text import load_text_encoder, locate_text_encoder_files, spread_counts, text_encoder_sizes
+from .text import ENCODING_FLOOR_BYTES, load_text_encoder, locate_text_encoder_files, spread_counts, text_encoder_sizes
 from .text_checkpoint import GGUF_NO_VISION, TEXT_ENCODER_LAYER
 from .tiny import TINY_RANDOM, tiny_model_dtype, tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
 from .tiny_text import tiny_random_text_encoder
@@ -505,12 +505,11 @@ def generate_batch(
         with _part_of(source, "audio_vae"):
             check_audio_vae(source.audio_vae)
     if len(settings.devices) < 2:  # the sampling rows without the prompt's: a budget too small for them is said now
-        config = TINY_DIT if source.tiny else dit_source.config
-        for item in prepared:
-            width, height, frames = item.canvas
-            least = build_request_layout(width, height, frames, torch.ones(1, dtype=torch.long))
-            sampling_plan(config, dit_source, partition, settings, loras, least, schedule.steps, reader,
-                          ", before any model loads,")
+        text = torch.ones(1, dtype=torch.long)
+        least = max((build_request_layout(*canvas, text) for canvas in {item.canvas for item in prepared}),
+                    key=lambda layout: layout.sequence_length)  # the job with the most rows, planned once
+        sampling_plan(TINY_DIT if source.tiny else dit_source.config, dit_source, partition, settings, loras, least,
+                      schedule.steps, reader, ", before any model loads,")
 
     clock = time.perf_counter()
     progress("text encoder", 0, 1)
@@ -802,7 +801,7 @@ def _check_batch(prepared: list[_Prepared], names: list[str]) -> None:
                                      "an output may not be one of the run's input files: write it elsewhere.")
 
 
-TEXT_WORKING_BYTES = 2 * GIB  # the encoder's activations, thousands of rows with vision references
+TEXT_WORKING_BYTES = ENCODING_FLOOR_BYTES  # a short prompt's activations: where the encoder goes is chosen with it
 
 
 def load_text_encoder_for(source, settings: GenerateSettings, notes, on_tensor=None):
@@ -923,7 +922,8 @@ def sampling_plan(config, dit_source, partition: str, settings: GenerateSettings
         raise RequestError(
             f"This request needs about {plan.expected_peak_bytes / GIB:.3g} GiB on {device}{before} even with every "
             f"DiT block streamed from the CPU, more than {budget} holds once the allocator's headroom "
-            f"({HEADROOM_FRACTION:.0%} and {HEADROOM_BYTES // 2**20} MiB) is kept; shorten it, use a smaller canvas, or give it more memory.")
+            f"({HEADROOM_FRACTION:.0%} and {HEADROOM_BYTES // 2**20} MiB) is kept; shorten it, use a smaller canvas, "
+            "or give it more memory.")
     return plan
 
 
