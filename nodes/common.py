@@ -100,8 +100,9 @@ def model_path(kind: str, name: str, folder: str):
     """The path to load: a non-empty `folder` wins; else the chosen file of ComfyUI's `kind` folder."""
     import folder_paths
 
-    if folder and clean_path(folder):
-        return clean_path(folder)
+    folder = clean_path(folder or "")
+    if folder:
+        return folder
     return folder_paths.get_full_path_or_raise(kind, name)
 
 
@@ -132,7 +133,7 @@ def chosen_file(kind: str, name, folder) -> str | None:
     name ComfyUI cannot find (execute says so)."""
     from h3_core.tiny import TINY_RANDOM
 
-    if not isinstance(name, str) or not isinstance(folder, str) or (name == TINY_RANDOM and not folder.strip()):
+    if not isinstance(name, str) or not isinstance(folder, str) or (name == TINY_RANDOM and not clean_path(folder)):
         return None
     try:
         return model_path(kind, name, folder)

@@ -154,7 +154,7 @@ class H3ModelLoader(io.ComfyNode):
         chosen = resolve_backend(attention, target, window=window > 0)
         check_linear_mode(linears, target)
         dtype = DTYPES[weight_dtype]
-        tiny = checkpoint == TINY_RANDOM and not folder.strip()
+        tiny = checkpoint == TINY_RANDOM and not clean_path(folder)
         path = None if tiny else model_path("diffusion_models", checkpoint, folder)
         label = f"H3 DiT ({partition}, {TINY_RANDOM if tiny else Path(path).name})"
         if tiny:
@@ -264,7 +264,7 @@ class H3TextEncoderLoader(io.ComfyNode):
         target = device()
         budget = float(gpu_memory_gb) or None
         check_budget(budget)  # NaN passes ComfyUI's range check
-        if text_encoder == TINY_RANDOM and not folder.strip():  # tiny: fits anywhere unless a budget says not
+        if text_encoder == TINY_RANDOM and not clean_path(folder):  # tiny: fits anywhere unless a budget says not
             encoder, name, canvas = tiny_random_text_encoder(device="cpu"), TINY_RANDOM, TINY_CANVAS
             stream = bool(budget) and text_encoder_streams(_weight_bytes(encoder) + TEXT_WORKING_BYTES, target, budget)
             if not stream:

@@ -1030,6 +1030,11 @@ def test_a_pasted_path_in_quotes_is_the_path(comfy, tmp_path):
     assert common.model_path("vae", "unused", f' "{tmp_path}" ') == str(tmp_path)
     vae = comfy.loaders.H3VAELoader.execute("tiny-random", "tiny-random", '  ""  ').values[0]  # nothing typed
     assert vae.video is not None
+    model = comfy.loaders.H3ModelLoader.execute("tiny-random", ' "" ', "fl2va", "bf16", "auto").values[0]
+    assert model.tiny  # the tiny model, not a folder named '""'
+    encoder = comfy.loaders.H3TextEncoderLoader.execute("tiny-random", "''", "", "bf16").values[0]
+    assert encoder is not None
+    assert comfy.loaders.H3ModelLoader.fingerprint_inputs(checkpoint="tiny-random", folder='""') == ""
 
 
 @pytest.mark.parametrize("prefix, problem", [
