@@ -21,8 +21,9 @@ from .media import MediaError, audio_samples_for_frames, resample_audio
 from .references import DecodedAudio, MediaInputError
 
 
-def check_track(source, what: str = "drive audio") -> None:
-    """Cheap checks before any model runs: a readable file with an audio stream, or a valid DecodedAudio."""
+def check_track(source, what: str = "drive audio", seconds: float = 1.0) -> None:
+    """Checks before any model runs: a file with an audio stream whose first `seconds` (the part the clip will
+    use) decode, or a valid DecodedAudio."""
     if isinstance(source, (str, Path)):
         path = Path(source)
         if not path.is_file():
@@ -30,11 +31,16 @@ def check_track(source, what: str = "drive audio") -> None:
         try:
             if media_read.probe(path).audio is None:
                 raise MediaInputError(f"{what}: {path.name} has no audio stream.")
-            media_read.read_audio(path, max_seconds=1.0)  # empty or undecodable: refused now, not after models load
+            media_read.read_audio(path, max_seconds=seconds)  # empty or undecodable: refused now, not after models load
         except MediaError as error:
             raise MediaInputError(f"{what}: {error}") from error
         return
     load_track(source, what)
+
+
+def drive_seconds(num_frames: int) -> float:
+    """How much of a driving track a `num_frames`-frame clip reads: its length and a second more."""
+    return num_frames / geometry.FPS + 1.0
 
 
 def load_track(source, what: str = "drive audio", max_seconds: float | None = None) -> torch.Tensor:

@@ -61,7 +61,7 @@ from .continuation import (
     sampled,
     video_at,
 )
-from .drive_audio import check_track, encode_track, load_track, window_slice
+from .drive_audio import check_track, drive_seconds, encode_track, load_track, window_slice
 from .guides import GuideMedia
 from .layout import PackedLayout, ReferenceBlock, build_window_layout, pack_audio
 from .noise import request_generator
@@ -216,7 +216,7 @@ def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_
     plan = validate(first, rules)
     if request.drive_audio is not None:
         try:
-            check_track(request.drive_audio)
+            check_track(request.drive_audio, seconds=drive_seconds(total))
         except MediaInputError as error:
             raise RequestError(str(error)) from None
     check_window_guides(plan.task, windows, total, request.guides, _locked(request))
@@ -404,7 +404,7 @@ def encode_long_video(
     if request.drive_audio is not None:
         if between_calls is not None:
             between_calls()
-        track = load_track(request.drive_audio, max_seconds=plan.num_frames / geometry.FPS + 1.0)
+        track = load_track(request.drive_audio, max_seconds=drive_seconds(plan.num_frames))
         drive = encode_track(audio_vae, track, plan.num_frames)
     if between_calls is not None and request.guides:
         between_calls()

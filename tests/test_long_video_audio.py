@@ -124,6 +124,35 @@ def test_a_long_video_reads_its_driving_track_no_longer_than_the_clip(tmp_path, 
     assert asked[-1] == pytest.approx(124 / 24 + 1.0) and conditioning.drive_audio.shape[-1] == round(124 * 40 / 24)
 
 
+def test_a_track_undecodable_past_its_first_second_is_refused_before_models(tmp_path):
+    """An AAC track garbled half way: the checks read only its first second, so it passed them and the run
+    failed after the text encoder, VAEs and DiT had loaded. Now as far as the clip will read it."""
+    import av
+
+    from h3_core.conditioning import Request
+    from h3_core.long_video import LongVideoRequest, validate_long_video
+    from h3_core.pipeline import TINY_CANVAS
+
+    rate, path = 32000, tmp_path / "track.m4a"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("aac", rate=rate)
+        stream.layout = "stereo"
+        tone = (np.sin(np.arange(rate * 6) / 10) * 0.3).astype(np.float32)
+        for start in range(0, tone.size, 1024):
+            frame = av.AudioFrame.from_ndarray(np.stack([tone[start:start + 1024]] * 2), format="fltp", layout="stereo")
+            frame.sample_rate = rate
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 20000] = bytes((index * 7) & 255 for index in range(20000))
+    path.write_bytes(bytes(data))
+    check_track(path)  # its first second decodes
+    long = LongVideoRequest(Request("t2va", "a drum solo", duration=5.0), drive_audio=path)
+    with pytest.raises(ValueError, match="drive audio: .*track.m4a"):
+        validate_long_video(long, TINY_CANVAS)
+
+
 def test_bad_tracks_are_refused_clearly(tmp_path):
     with pytest.raises(MediaInputError, match="does not exist"):
         check_track(tmp_path / "missing.wav")
