@@ -13,9 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 WEB = ROOT / "web"
 
 APP = "export const app = { rootGraph: {}, extensions: [], registerExtension(e) { this.extensions.push(e); } };\n"
-UTILS = ("export function applyTextReplacements(app, value) {\n"
-         "  return value.replace(/%date:[^%]+%/g, '2026-12-01').replace(/%H3Sampler\\.seed%/g, '7');\n}\n")
 RUN = """
+globalThis.window = { comfyAPI: { utils: { applyTextReplacements(app, value) {
+  return value.replace(/%date:[^%]+%/g, '2026-12-01').replace(/%H3Sampler\\.seed%/g, '7');
+} } } };
 import { app } from "./scripts/app.js";
 const { SAVE_NODES } = await import("./extensions/h3/h3_save_prefix.js");
 const [extension] = app.extensions;
@@ -37,7 +38,6 @@ console.log(JSON.stringify({ results, listed: [...SAVE_NODES] }));
 def test_the_h3_save_nodes_expand_their_prefix_as_core_save_nodes_do(tmp_path):
     (tmp_path / "scripts").mkdir()
     (tmp_path / "scripts" / "app.js").write_text(APP)
-    (tmp_path / "scripts" / "utils.js").write_text(UTILS)
     (tmp_path / "extensions" / "h3").mkdir(parents=True)
     shutil.copy(WEB / "h3_save_prefix.js", tmp_path / "extensions" / "h3")
     (tmp_path / "run.mjs").write_text(RUN)
@@ -46,5 +46,6 @@ def test_the_h3_save_nodes_expand_their_prefix_as_core_save_nodes_do(tmp_path):
     expanded = {"created": True, "sent": "H3/2026-12-01/s7"}
     assert out["results"] == {"H3AVSave": expanded, "H3SaveMP4": expanded,
                               "SaveImage": {"created": True, "sent": "H3/%date:yyyy-MM-dd%/s%H3Sampler.seed%"}}
+    assert "scripts/utils.js" not in (WEB / "h3_save_prefix.js").read_text()  # internal: the frontend warns on it
     interface = json.loads((ROOT / "tools" / "node_interface.json").read_text())  # every node's inputs, kept current
     assert set(out["listed"]) == {node for node, spec in interface.items() if "filename_prefix" in spec["inputs"]}

@@ -1,7 +1,9 @@
 // The frontend expands %date:yyyy-MM-dd% and %Node.widget% in a save node's filename_prefix when the prompt is
-// queued, but only for the core save nodes it lists; the H3 save nodes get the same expansion here.
+// queued, but only for the core save nodes it lists; the H3 save nodes get the same expansion here. The
+// frontend's own expansion is taken from window.comfyAPI (importing scripts/utils.js logs that it is internal).
 import { app } from "../../scripts/app.js";
-import { applyTextReplacements } from "../../scripts/utils.js";
+
+const applyTextReplacements = (...args) => window.comfyAPI.utils.applyTextReplacements(...args);
 
 export const SAVE_NODES = new Set(["H3AVSave", "H3SaveMP4"]);
 
