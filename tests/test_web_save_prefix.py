@@ -46,6 +46,6 @@ def test_the_h3_save_nodes_expand_their_prefix_as_core_save_nodes_do(tmp_path):
     expanded = {"created": True, "sent": "H3/2026-12-01/s7"}
     assert out["results"] == {"H3AVSave": expanded, "H3SaveMP4": expanded,
                               "SaveImage": {"created": True, "sent": "H3/%date:yyyy-MM-dd%/s%H3Sampler.seed%"}}
-    assert "scripts/utils.js" not in (WEB / "h3_save_prefix.js").read_text()  # internal: the frontend warns on it
+    assert "/scripts/utils.js\"" not in (WEB / "h3_save_prefix.js").read_text()  # internal: the frontend warns on it
     interface = json.loads((ROOT / "tools" / "node_interface.json").read_text())  # every node's inputs, kept current
     assert set(out["listed"]) == {node for node, spec in interface.items() if "filename_prefix" in spec["inputs"]}
