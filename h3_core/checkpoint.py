@@ -64,13 +64,25 @@ def held_linears(source: DiTSource | None, mode: str) -> str:
     requantized to FP8 ("fp8-lossy"); a dense file's as the mode makes them."""
     if mode == "fp8-lossy":
         return "fp8"
-    if source is not None and mode != "dense" and source.nvfp4_layers:
-        return "nvfp4"
-    if source is not None and mode != "dense" and any(entry.quantized for entry in source.gguf_tensors.values()):
+    dense = "fp8" if mode == "fp8-weights-lossy" else "dense"
+    if source is None or mode == "dense":
+        return dense
+    if any(entry.quantized for entry in source.gguf_tensors.values()):
         return _gguf_held(source.gguf_tensors)
-    if source is not None and mode != "dense" and source.fp8_layers:
-        return "int4" if any(entry.packed for entry in source.fp8_layers.values()) else "fp8"
-    return "fp8" if mode == "fp8-weights-lossy" else "dense"
+    layers = {**source.fp8_layers, **source.nvfp4_layers}
+    if not layers or not _every_block_linear(layers, source.config):  # blocks the file left dense cost the most
+        return dense
+    held = {"int4" if getattr(entry, "packed", False) else "nvfp4" if name in source.nvfp4_layers else "fp8"
+            for name, entry in layers.items()}
+    return max(held, key=("int4", "nvfp4", "fp8").index)
+
+
+def _every_block_linear(layers: dict, config: DiTConfig | None) -> bool:
+    """Whether `layers` (quantized layer names) hold every block's four linears; without a config, of the
+    blocks they name."""
+    indices = [int(name.split(".")[1]) for name in layers if name.startswith("blocks.")]
+    count = config.num_layers if config is not None else 1 + max(indices, default=-1)
+    return count > 0 and all(f"blocks.{index}.{leaf}" in layers for index in range(count) for leaf in fp8.BLOCK_LINEARS)
 
 
 def locate_dit(path: str | Path, partition: str = "fl2va") -> DiTSource:

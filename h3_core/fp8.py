@@ -316,10 +316,11 @@ def read_mode(linears: str, loras: bool) -> str:
 
 def held_format(model: nn.Module) -> str:
     """How the blocks' linears are held (memory_plan.HELD_FORMATS): "dense", "fp8" (e4m3 or int8), "int4",
-    "nvfp4", or GGUF's "gguf:<bytes a weight>" of the costliest block (its GGML types may differ by block)."""
-    held = getattr(model.get_submodule("blocks.0.mlp.fc1"), "held", "dense")
-    if held != "gguf":
-        return held
+    "nvfp4", or GGUF's "gguf:<bytes a weight>"; the costliest of every block's linears (a file may leave some
+    blocks dense, and a GGUF file's GGML types may differ by block)."""
+    held = {getattr(block.get_submodule(leaf), "held", "dense") for block in model.blocks for leaf in BLOCK_LINEARS}
+    if "gguf" not in held:
+        return max(held, key=("int4", "nvfp4", "fp8", "dense").index)
     from .memory_plan import gguf_held
 
     return gguf_held(_block_sizes([block.get_submodule(leaf) for leaf in BLOCK_LINEARS]) for block in model.blocks)

@@ -43,7 +43,8 @@ class BlockStreamer:
     """Installs hooks on a DiT whose non-resident blocks sit on the CPU; `remove()` undoes them.
 
     device: the compute device. resident: how many leading blocks stay on it. prefetch: how many
-    blocks ahead are copied; the GPU holds prefetch + 2 slots of one block each.
+    blocks ahead are copied; the GPU holds prefetch + 2 slots, each the size of the largest streamed
+    block (blocks may differ: a GGUF file mixing quant types, an FP8 file with some blocks dense).
     """
 
     def __init__(self, dit: H3DiT, device: torch.device | str, resident: int, prefetch: int = 1):
@@ -57,15 +58,18 @@ class BlockStreamer:
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.home: dict[int, list[torch.Tensor]] = {}  # CPU views of each streamed block's weights
-        self.offsets, slot_bytes = _packing(_streamed_parameters(self.blocks[0]))
+        self.offsets: dict[int, list[int]] = {}  # each streamed block's own packing
+        slot_bytes = 0
         for index, block in enumerate(self.blocks):
             params = _streamed_parameters(block)
             if index < resident:
                 for param in params:
                     param.data = param.data.to(self.device)
                 continue
-            flat = torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=cuda)
-            self.home[index] = _views(flat, params, self.offsets)
+            self.offsets[index], size = _packing(params)
+            slot_bytes = max(slot_bytes, size)
+            flat = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+            self.home[index] = _views(flat, params, self.offsets[index])
             for param, view in zip(params, self.home[index]):
                 view.copy_(param.data)
                 param.data = view
@@ -75,6 +79,8 @@ class BlockStreamer:
         self.next_slot = 0
         self.loaded: dict[int, tuple[int, torch.cuda.Event | None]] = {}  # block -> (slot, copy done)
         self.hooks = [block.register_forward_pre_hook(self._before(i)) for i, block in enumerate(self.blocks)]
+        self.hooks.append(self.blocks[0].register_forward_pre_hook(lambda module, args: self._forget_stale(),
+                                                                   prepend=True))
         self.hooks += [block.register_forward_hook(self._after(i)) for i, block in enumerate(self.blocks)]
 
     def _fetch(self, index: int) -> None:
@@ -83,7 +89,7 @@ class BlockStreamer:
             return
         slot = self.next_slot
         self.next_slot = (slot + 1) % len(self.slots)
-        targets = _views(self.slots[slot], _streamed_parameters(self.blocks[index]), self.offsets)
+        targets = _views(self.slots[slot], _streamed_parameters(self.blocks[index]), self.offsets[index])
         if self.copy_stream is None:
             for target, source in zip(targets, self.home[index]):
                 target.copy_(source)
@@ -105,13 +111,26 @@ class BlockStreamer:
                 slot, copied = self.loaded[index]
                 if copied is not None:
                     torch.cuda.current_stream(self.device).wait_event(copied)
-                views = _views(self.slots[slot], _streamed_parameters(module), self.offsets)
+                views = _views(self.slots[slot], _streamed_parameters(module), self.offsets[index])
                 for param, view in zip(_streamed_parameters(module), views):
                     param.data = view
             for ahead in range(index + 1, min(index + 1 + self.prefetch, len(self.blocks))):
                 self._fetch(ahead)
 
         return hook
+
+    def _forget_stale(self) -> None:
+        """At a forward's first block: a forward that failed part way left blocks marked as in their slots (their
+        `_after` never ran) while later copies may have overwritten those slots; they are read again. The slots
+        are free once the GPU is past the failed forward's work."""
+        for index in list(self.loaded):
+            for param, view in zip(_streamed_parameters(self.blocks[index]), self.home[index]):
+                param.data = view
+        self.loaded.clear()
+        if self.copy_stream is not None:
+            free = torch.cuda.Event()
+            free.record(torch.cuda.current_stream(self.device))
+            self.slot_free = [free] * len(self.slots)
 
     def _after(self, index: int):
         def hook(module, args, output):

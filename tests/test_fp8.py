@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from h3_core import fp8
-from h3_core.checkpoint import CheckpointError, DiTReader, load_dit, locate_dit
+from h3_core.checkpoint import CheckpointError, DiTReader, held_linears, load_dit, locate_dit, with_config
 from h3_core.config import DiTConfig, TINY_DIT
 from h3_core.dit import H3DiT, rope_inverse_frequencies
 from h3_core.fp8 import FP8Linear, quantize_blocks
@@ -48,12 +48,13 @@ def cosine(a, b):
 
 
 def check_streamed_blocks_equal_resident(path) -> None:
-    """A file's DiT with its blocks streamed from the CPU (one resident) gives the resident one's outputs."""
+    """A file's DiT with its blocks streamed from the CPU (none or one resident) gives the resident one's outputs."""
     want = forward(load_dit(path, dtype=torch.float32))
-    streamed = load_dit(path, dtype=torch.float32)
-    streamer = stream_blocks(streamed, "cpu", resident=1)
-    assert all(torch.equal(a, b) for a, b in zip(forward(streamed), want))
-    streamer.remove()
+    for resident in (0, 1):
+        streamed = load_dit(path, dtype=torch.float32)
+        streamer = stream_blocks(streamed, "cpu", resident=resident)
+        assert all(torch.equal(a, b) for a, b in zip(forward(streamed), want))
+        streamer.remove()
 
 
 def check_cuda_linears_equal_the_cpus(path, layers, kind: type) -> None:
@@ -383,6 +384,23 @@ def test_other_quantizations_and_broken_fp8_files_are_refused(tmp_path, bf16_mod
 
 # ----------------------------------------------------------------------------------------------
 # Streaming and memory
+
+
+@pytest.mark.parametrize("quantized_block", [0, 1])
+def test_a_file_with_some_blocks_left_dense_streams_and_is_planned_dense(tmp_path, quantized_block):
+    """ComfyUI fp8_scaled files may leave layers in bf16: blocks then hold different weights. The streamer packed
+    every block as block 0 (a shape error, or another block's bytes read as this one's), and the memory plan
+    counted every block as block 0 held (FP8 when the others are dense: too few bytes)."""
+    path = tmp_path / "partial.safetensors"
+    write_fp8_scaled(path, tiny_random_dit(torch.bfloat16), "comfy_quant",
+                     layers=[f"blocks.{quantized_block}.{leaf}" for leaf in BLOCK_LINEARS])
+    check_streamed_blocks_equal_resident(path)
+    assert fp8.held_format(load_dit(path)) == "dense"
+    assert held_linears(with_config(locate_dit(path)), "checkpoint") == "dense"
+    every = tmp_path / "every.safetensors"
+    write_fp8_scaled(every, tiny_random_dit(torch.bfloat16), "comfy_quant",
+                     layers=[f"blocks.{index}.{leaf}" for index in (0, 1) for leaf in BLOCK_LINEARS])
+    assert fp8.held_format(load_dit(every)) == "fp8" == held_linears(with_config(locate_dit(every)), "checkpoint")
 
 
 @pytest.mark.parametrize("matmul", [pytest.param("scaled", marks=CPU_SCALED), "dequantize"])

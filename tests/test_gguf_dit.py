@@ -235,6 +235,18 @@ def test_streamed_gguf_blocks_equal_resident_ones(tmp_path):
     check_streamed_blocks_equal_resident(path)
 
 
+@pytest.mark.parametrize("types", [
+    {"blocks.1.mlp.fc2.weight": "Q8_0"},  # block 1 larger than block 0
+    {"blocks.0.mlp.fc2.weight": "Q8_0", "blocks.1.attn.qkv_proj.weight": "Q8_0"},  # each larger in another linear
+])
+def test_gguf_blocks_of_mixed_types_stream_as_they_are(tmp_path, types):
+    """llama.cpp's _M files mix GGML types by block: streamed blocks were packed as block 0 (a shape error, or
+    bytes of another size read as this block's weights)."""
+    path = tmp_path / "mixed.gguf"
+    gguf_files.write_gguf(path, native_tensors(tiny_random_dit()), {**qtypes("Q4_0", others=False), **types})
+    check_streamed_blocks_equal_resident(path)
+
+
 def test_a_lora_on_a_gguf_model_is_hooked(tmp_path):
     path = tmp_path / "dit.gguf"
     write(path)

@@ -52,6 +52,28 @@ def test_streamed_equals_resident(resident, prefetch):
     assert streamer.slots == [] and streamer.loaded == {}  # the GPU slots go with the hooks
 
 
+def test_a_forward_that_failed_part_way_leaves_no_stale_block_in_the_slots():
+    """A block failing mid-forward (an out-of-memory) skipped the hooks that mark its slot free: the next forward
+    through the same streamer (h3 generate's next job of a batch) took other blocks' weights for blocks marked as
+    still loaded, silently."""
+    config = replace(TINY_DIT, num_layers=6)
+
+    def fresh():
+        return seeded_random_weights(H3DiT(config), 7).eval().requires_grad_(False)
+
+    expected = run(fresh())
+    model = fresh()
+    streamer = stream_blocks(model, "cpu", resident=0, prefetch=1)
+    model.blocks[2].forward = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("out of memory (injected)"))
+    with pytest.raises(RuntimeError, match="injected"):
+        run(model)
+    assert streamer.loaded  # blocks 2 and 3 were in slots when it failed
+    del model.blocks[2].forward
+    for a, b in zip(expected, run(model)):
+        assert torch.equal(a, b)
+    streamer.remove()
+
+
 def test_streamer_rejects_bad_counts():
     model = tiny_random_dit()
     with pytest.raises(ValueError, match="between 0 and 2"):
