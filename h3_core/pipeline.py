@@ -568,8 +568,9 @@ def generate_batch(
                 )
                 seconds = {**timings, "sample": time.perf_counter() - clock}
                 if number == running[-1] and index == item.outputs - 1:  # DiT's memory free before the last decode
-                    _release_dit(dit, streamer, device)
+                    _release_dit(dit, streamer)
                     dit = streamer = None  # the streamer holds the resident blocks too
+                    empty_caches(device)  # once nothing holds the DiT: its pinned blocks leave the host cache
                 latents_path = numbered(job.save_latents, index, item.outputs)
                 if latents_path is not None:
                     Path(latents_path).parent.mkdir(parents=True, exist_ok=True)
@@ -599,18 +600,19 @@ def generate_batch(
                 notes("the DiT's worker processes stopped with that job; starting them again for the next")
                 dit, plan, streamer = sampling_dit()
     if dit is not None:  # the last job failed before its DiT was let go
-        _release_dit(dit, streamer, device)
+        _release_dit(dit, streamer)
+        dit = streamer = None
+        empty_caches(device)
     return results
 
 
-def _release_dit(dit, streamer, device: torch.device) -> None:
-    """The DiT's memory handed back: its streaming hooks removed, parallel workers stopped, caches emptied."""
+def _release_dit(dit, streamer) -> None:
+    """The DiT's device memory handed back: its streaming hooks removed (with their slots), parallel workers
+    stopped. The caller then drops its own references and empties the caches."""
     if streamer is not None:
         streamer.remove()
     if hasattr(dit, "close"):
         dit.close()  # the parallel workers
-    del dit, streamer
-    empty_caches(device)
 
 
 def _job_failed(name: str, job: Job, error: Exception, device: torch.device, on_failure, notes) -> None:

@@ -217,11 +217,23 @@ def test_generate_streams_when_the_plan_says_so(tmp_path, monkeypatch):
         alive_at_save.append(placed[-1]())
         return real_save(latents, *args, **kwargs)
 
+    emptied_when = []  # whether the streamer was gone at each emptying of the caches once it was placed
+    real_empty = pipeline.empty_caches
+
+    def empty_caches(device=None):
+        real_empty(device)  # collects first
+        if placed:
+            emptied_when.append(placed[-1]() is None)
+
     monkeypatch.setattr(pipeline, "plan_for", lambda *args, **kwargs: MemoryPlan(1, 1, True, 0, True))
     monkeypatch.setattr(pipeline, "place", place)
+    monkeypatch.setattr(pipeline, "empty_caches", empty_caches)
     monkeypatch.setattr(AVLatents, "save", save)
     streamed = _tiny_generate(tmp_path)
     assert placed and alive_at_save == [None]  # streamed, then dropped before the outputs are written
+    # the caches were emptied after the DiT was dropped (before, its pinned blocks went to torch's host cache after
+    # the only emptying, which ran while generate's own names still held it, and stayed there)
+    assert True in emptied_when
     assert torch.equal(resident.video, streamed.video) and torch.equal(resident.audio, streamed.audio)
     monkeypatch.undo()
     monkeypatch.setattr(pipeline, "DiTReader", lambda *a, **k: pytest.fail("weights read for a request that cannot fit"))
