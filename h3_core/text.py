@@ -140,12 +140,12 @@ class TextEncoder:
         key = presentation.digest
         if key in self._remembered:
             self._remembered.move_to_end(key)
-            return self._remembered[key]
-        text = self._run(presentation, between_layers)
-        self._remembered[key] = text
-        while len(self._remembered) > REMEMBERED_PROMPTS:
-            self._remembered.popitem(last=False)
-        return text
+        else:
+            self._remembered[key] = self._run(presentation, between_layers)
+            while len(self._remembered) > REMEMBERED_PROMPTS:
+                self._remembered.popitem(last=False)
+        text = self._remembered[key]  # a copy given out: a caller changing its states in place changes no later call's
+        return TextConditioning(text.prompt_embeds.clone(), text.token_tags.clone())
 
     def _run(self, presentation: Presentation, between_layers: Callable[[], None] | None) -> TextConditioning:
         model = self._loaded()

@@ -734,7 +734,11 @@ def test_dtype_move_and_release(tiny, encoder):
     half.release()
     with pytest.raises(RuntimeError, match="released"):
         half.encode(encoder.presenter.t2va(PROMPT + " Rain."))
-    assert half.encode(presentation) is text  # a prompt it remembers needs no weights
+    again = half.encode(presentation)  # a prompt it remembers needs no weights
+    assert torch.equal(again.prompt_embeds, text.prompt_embeds) and torch.equal(again.token_tags, text.token_tags)
+    text.prompt_embeds.mul_(0)  # a caller's in-place change to what it was given stays its own
+    assert torch.equal(half.encode(presentation).prompt_embeds, again.prompt_embeds)
+    assert again.prompt_embeds.abs().sum() > 0
     assert half.presenter.t2va("still works").num_tokens > 0
 
 
