@@ -361,7 +361,8 @@ def test_the_encoder_remembers_recent_prompts(tiny_text, video_vaes, monkeypatch
     long = encode(Request("fl2va", PROMPT, first_image=first, duration=8.0))
     rows = short.text_states.shape[1]  # the presentation's rows: a host makes room for their encoding
     assert len(runs) == 1 and told == [rows, 0] and long.num_frames > short.num_frames
-    assert long.text_states is short.text_states and torch.equal(long.text_tags, short.text_tags)
+    assert torch.equal(long.text_states, short.text_states) and torch.equal(long.text_tags, short.text_tags)
+    assert long.text_states is not short.text_states  # each request owns its states
     encode(Request("fl2va", PROMPT + " Rain.", first_image=first, duration=5.0))
     encode(Request("fl2va", PROMPT, first_image=picture(100, 70, 1), duration=5.0))  # another picture
     assert len(runs) == 3 and all(told[2:]) and len(told) == 4
