@@ -41,12 +41,32 @@ def open_safetensors(path: Path | str):
     """`safe_open` for torch, a file that is not readable safetensors (truncated, random bytes, another
     format under the name) refused as a CheckpointError that names it, not the library's bare header error."""
     try:
-        with safe_open(path, "pt") as handle:
+        opened = safe_open(path, "pt")
+    except OSError as error:  # safetensors says "No such file or directory" for a file this user may not read
+        raise CheckpointError(f"{path} cannot be read ({_why_unreadable(Path(path), error)}).") from None
+    except SafetensorError as error:
+        raise _not_safetensors(path, error) from None
+    try:
+        with opened as handle:
             yield handle
     except SafetensorError as error:
-        size = Path(path).stat().st_size
-        raise CheckpointError(f"{path} is not a readable safetensors file ({error}; {size:,} bytes: an interrupted "
-                              "download, or another format under this name?).") from None
+        raise _not_safetensors(path, error) from None
+
+
+def _not_safetensors(path: Path | str, error: Exception) -> CheckpointError:
+    size = Path(path).stat().st_size
+    return CheckpointError(f"{path} is not a readable safetensors file ({error}; {size:,} bytes: an interrupted "
+                           "download, or another format under this name?).")
+
+
+def _why_unreadable(path: Path, error: OSError) -> str:
+    """The operating system's own reason a file cannot be opened (e.g. "Permission denied")."""
+    try:
+        with path.open("rb"):
+            pass
+    except OSError as cause:
+        return cause.strerror or str(cause)
+    return str(error)
 
 
 def file_bytes(paths: Iterable[Path | str]) -> int:

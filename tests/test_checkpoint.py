@@ -411,3 +411,47 @@ def test_a_missing_or_unreadable_config_is_named(tmp_path):
     (tmp_path / "bytes.json").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(CheckpointError, match=r"bytes\.json (cannot be read|is not valid JSON)"):
         read_json(tmp_path / "bytes.json")
+
+
+def _open_as_another_user(path) -> str:
+    """The message open_safetensors gives for `path` opened by a user who may not read it: this process when it
+    is not root (root reads any file), else a forked child that has given up root for 'nobody'."""
+    import os
+
+    def attempt() -> str:
+        try:
+            with weights.open_safetensors(path):
+                return "opened"
+        except CheckpointError as error:
+            return str(error)
+
+    path.chmod(0)
+    if os.geteuid() != 0:
+        return attempt()
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(write, attempt().encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        said = pipe.read()
+    os.waitpid(child, 0)
+    return said
+
+
+def test_a_file_this_user_may_not_read_is_said_so(tmp_path):
+    """safetensors reports a file the user may not read as 'No such file or directory': a user looking at the
+    file in the folder was told it is not there."""
+    path = tmp_path / "model.safetensors"
+    save_file({"x": torch.zeros(2)}, str(path))
+    said = _open_as_another_user(path)
+    assert said == f"{path} cannot be read (Permission denied).", said
+    with pytest.raises(CheckpointError, match="missing.safetensors cannot be read \\(No such file or directory\\)"):
+        with weights.open_safetensors(tmp_path / "missing.safetensors"):
+            pass
