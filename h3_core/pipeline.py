@@ -417,7 +417,7 @@ def generate(
 
 def generate_batch(
     jobs: Sequence[Job],
-    model: str,
+    model: str | Path,
     settings: GenerateSettings,
     progress: Progress | None = None,
     notes: Callable[[str], None] | None = None,
@@ -446,7 +446,7 @@ def generate_batch(
     notes = notes or (lambda line: None)
     window = check_settings(settings)
     device, timings = torch.device(settings.device), {}
-    rules = TINY_CANVAS if model == TINY_RANDOM else RELEASE_CANVAS
+    rules = TINY_CANVAS if str(model) == TINY_RANDOM else RELEASE_CANVAS  # a Path("tiny-random") is the tiny model
     names = [job.name or f"job {number}" for number, job in enumerate(jobs, 1)]
     prepared = []
     for job, name in zip(jobs, names):  # every limit of every job, before any model
