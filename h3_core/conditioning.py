@@ -98,8 +98,9 @@ class Request:
                   (sources: see references.py)
     aspect_ratio  a name of `geometry.ASPECT_RATIOS`, "auto" or None; or `width` and `height` (px)
     duration      seconds, or `num_frames` (24 fps); neither = 5 s
-    guides        `guides.GuideFile`s, read and checked by `pipeline.generate` before any
-                  model loads and added after encoding (`encode_request` refuses them: see guides.py)
+    guides        `guides.GuideFile`s (read) and `guides.GuideMedia` (in memory), checked by
+                  `pipeline.generate` before any model loads and added after encoding (`encode_request`
+                  refuses them: see guides.py)
     reference_images  "release" (image references at the release's 2048 short edge) or "canvas-lossy"
                   (scaled down to the output's pixel area: fewer rows, faster steps, less detail)
     """
@@ -210,7 +211,7 @@ def _media_kinds(request: Request) -> list[str]:
     reference's kind."""
     if request.task == "fl2va":
         return ["image" for image in (request.first_image, request.last_image) if image is not None]
-    return [_as_reference(item, index).kind for index, item in enumerate(request.references)]
+    return [_as_reference(item, index).kind for index, item in enumerate(request.references or ())]
 
 
 def prompt_label_warnings(request: Request) -> list[str]:

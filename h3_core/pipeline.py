@@ -35,7 +35,7 @@ from .clip_latents import MAX_CLIP_FRAMES, encode_clip_frames, expected_clip_fra
 from .layout import build_request_layout, pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, read_mode
-from .guides import GuideMedia, add_guide, check_guide, read_guide
+from .guides import GuideFile, GuideMedia, add_guide, check_guide, read_guide
 from .lora import (
     VSA_STUDENT_CONTRACT, applied_contracts, apply_loras, check_loras, hooked_bytes, load_lora, run_mode,
     sampler_settings, task_warnings,
@@ -97,6 +97,8 @@ def sample(
         raise RequestError(f"A {task} conditioning runs on the {TASK_PARTITION[task]} DiT; this one was loaded as "
                            f"the {made_for} partition.")
     schedule = DualClockSchedule.build(steps, video_shift, audio_shift, video_sigmas, audio_sigmas, denoise)
+    if denoise < 1.0 and init is None:  # else pure noise is walked down a ladder made for a partly noised latent
+        raise ValueError(f"denoise {denoise:g} < 1 refines a given latent: pass it as init, or keep denoise at 1.0.")
     layout = conditioning.layout
     kept = kept_latents(init, keep, latent_shape(layout))
     if not isinstance(dit, torch.nn.Module):
@@ -736,7 +738,7 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
     # a clip is made in one window: no guide clip is longer than the longest window sampled (a clip being
     # continued is not sampled; its length would read that much of a guide file only to refuse it)
     clip_frames = max(w.frames for w in sampled(plan.windows)) if long_video else None
-    guide_media = [GuideMedia(guide.frame_index, *read_guide(guide, plan.num_frames, clip_frames)) for guide in guides]
+    guide_media = [_guide_media(guide, plan.num_frames, clip_frames) for guide in guides]
     if long_video:  # the windows take them in memory (validated again, now with them)
         request = dataclasses.replace(request, request=dataclasses.replace(request.request, guides=()),
                                       guides=tuple(guide_media))
@@ -750,6 +752,16 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
     sized = plan.first_plan if long_video else plan  # a long video's longest window
     return _Prepared(job, request, encode, run, guide_media, partition, seed, outputs,
                      (sized.width, sized.height, sized.num_frames))
+
+
+def _guide_media(guide, num_frames: int, clip_frames: int | None) -> GuideMedia:
+    """A request's guide in memory: a GuideFile read (up to what the clip can hold), a GuideMedia as it is."""
+    if isinstance(guide, GuideMedia):
+        return guide
+    if isinstance(guide, GuideFile):
+        return GuideMedia(guide.frame_index, *read_guide(guide, num_frames, clip_frames))
+    raise RequestError(f"A guide is a guides.GuideFile (a file) or a guides.GuideMedia (in memory), got "
+                       f"{type(guide).__name__}.")
 
 
 def _as_path(path: str | Path | None) -> Path | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -40,7 +41,7 @@ MIN_SHIFT, MAX_SHIFT = 0.01, 100.0
 
 
 def check_steps(points: int) -> None:
-    if int(points) != points or not 2 <= points <= MAX_STEPS:
+    if isinstance(points, bool) or not isinstance(points, numbers.Integral) or not 2 <= points <= MAX_STEPS:
         raise ValueError(f"steps counts sigma points including the final 0, so it must be an integer from 2 to "
                          f"{MAX_STEPS}; got {points!r}.")
 

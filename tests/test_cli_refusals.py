@@ -2,6 +2,7 @@
 option, and warns of prompt labels nothing in the request carries; an interrupt (Ctrl-C or SIGTERM) stops it
 with a short message and no half-written file."""
 
+import dataclasses
 import os
 import re
 import signal
@@ -232,6 +233,28 @@ def test_the_engine_refuses_what_it_would_ignore(tmp_path):
     clip = AVLatents(torch.zeros(1, 24, 27, 8, 14), torch.zeros(2, 32, 160))
     with pytest.raises(RequestError, match="keep .* and given .* go together"):
         generate(request, "tiny-random", GenerateSettings(steps=2), save_latents=tmp_path / "b.safetensors", given=clip)
+    # a float step count passed the check, then failed slicing the ladder (sample) or was taken (generate)
+    with pytest.raises(ValueError, match="steps counts sigma points .* an integer from 2 to .*; got 3.0"):
+        generate(request, "tiny-random", GenerateSettings(steps=3.0), save_latents=tmp_path / "c.safetensors")
+    # references=None is no references (validate took it so; the prompt's label check then iterated None)
+    (plain,) = generate(dataclasses.replace(request, references=None), "tiny-random", GenerateSettings(steps=2),
+                        save_latents=tmp_path / "d.safetensors")
+    assert plain.latents_path.is_file()
+
+
+def test_sample_refuses_to_refine_pure_noise(tmp_path):
+    """denoise < 1 walks the end of a ladder made for a partly noised latent: without one (init) the engine
+    denoised pure noise from there, silently (the ComfyUI sampler node refused it; the engine did not)."""
+    from h3_core.conditioning import Request, encode_request
+    from h3_core.pipeline import TINY_CANVAS, sample
+    from h3_core.tiny import tiny_random_dit
+    from h3_core.tiny_text import tiny_random_text_encoder
+
+    conditioning = encode_request(Request("t2va", "a fox", duration=4), tiny_random_text_encoder(), rules=TINY_CANVAS)
+    with pytest.raises(ValueError, match="denoise 0.5 < 1 refines a given latent: pass it as init"):
+        sample(tiny_random_dit(), conditioning, 0, steps=3, denoise=0.5)
+    with pytest.raises(ValueError, match="an integer from 2 to"):
+        sample(tiny_random_dit(), conditioning, 0, steps=3.0)
 
 
 def test_h3_denoise_refuses_bad_files_and_durations_before_running(tmp_path, capsys):

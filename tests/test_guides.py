@@ -191,6 +191,25 @@ def test_encode_request_refuses_guide_files_it_does_not_read():
         encode_request(request, text_states=states, text_tags=tags, rules=TINY_CANVAS)
 
 
+def test_generate_takes_guides_from_files_and_from_memory_alike(tmp_path):
+    """A plain request's guides may be files or GuideMedia (as a long video's are): a GuideMedia failed with an
+    AttributeError, anything else too instead of a RequestError."""
+    from h3_core.guides import GuideFile, GuideMedia
+    from h3_core.pipeline import GenerateSettings, generate
+
+    image = picture(3)[0]
+    Image.fromarray(image).save(tmp_path / "guide.png")
+    results = {}
+    for name, guide in (("file", GuideFile(30, "image", tmp_path / "guide.png")), ("memory", GuideMedia(30, image))):
+        request = Request("t2va", "a fox", width=WIDTH, height=HEIGHT, num_frames=FRAMES, guides=[guide])
+        (results[name],) = generate(request, "tiny-random", GenerateSettings(steps=2),
+                                    save_latents=tmp_path / f"{name}.safetensors")
+    assert torch.equal(results["file"].latents.video, results["memory"].latents.video)
+    request = Request("t2va", "a fox", width=WIDTH, height=HEIGHT, num_frames=FRAMES, guides=[(30, "image.png")])
+    with pytest.raises(RequestError, match="A guide is a guides.GuideFile .* or a guides.GuideMedia .*, got tuple"):
+        generate(request, "tiny-random", GenerateSettings(steps=2), save_latents=tmp_path / "x.safetensors")
+
+
 def test_ref2va_guides_pack_before_the_references_from_the_target_origin(models):
     """In ref2va a guide's rows come after the text and before the references, timed from where the target
     starts (after the references' span); its latents and sound go before the references' in packed order."""
