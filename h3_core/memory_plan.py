@@ -12,6 +12,7 @@ real config attention is the larger: 80,832 values a row, exactly what one block
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from .config import DiTConfig
@@ -229,9 +230,14 @@ def free_bytes(device) -> int:
     return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
+MAX_BUDGET_GIB = 2**20  # a PiB: larger is a typo (and overflows as bytes)
+
+
 def check_budget(budget_gib: float | None) -> None:
-    if budget_gib is not None and not (math.isfinite(budget_gib) and budget_gib > 0):
-        raise ValueError(f"The GPU memory budget must be a positive number of GiB, got {budget_gib}.")
+    if budget_gib is not None and not (isinstance(budget_gib, numbers.Real) and not isinstance(budget_gib, bool)
+                                       and math.isfinite(budget_gib) and 0 < budget_gib <= MAX_BUDGET_GIB):
+        raise ValueError(f"The GPU memory budget must be a positive number of GiB, got {budget_gib!r} (at most "
+                         f"{MAX_BUDGET_GIB:,}).")
 
 
 def plan_for(config: DiTConfig, layout, steps: int, device, budget_gib: float | None = None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 import re
 import tempfile
 import time
@@ -648,6 +649,7 @@ def _part_of(source: ModelSource, part: str):
 def check_settings(settings: GenerateSettings) -> int:
     """How a run is told to go (steps, shifts, devices, memory budget, attention window), checked before
     any job is read or model loaded; returns the window."""
+    _check_setting_types(settings)
     try:
         window, _ = check_window_setting(settings.attention_window, settings.attention_window_dense_steps)
     except ValueError as error:
@@ -668,6 +670,37 @@ def check_settings(settings: GenerateSettings) -> int:
             raise ValueError(f"{name} must be one of torch.bfloat16, torch.float16, torch.float32; got {dtype!r}.")
     check_budget(settings.gpu_memory)
     return window
+
+
+def _check_setting_types(settings: GenerateSettings) -> None:
+    """What each setting is (an integer, a number, a flag, (file, strength) pairs): a Python caller's "2" or 2.5
+    is said here, not met as a TypeError somewhere inside the run."""
+    if not isinstance(settings, GenerateSettings):
+        raise TypeError(f"settings must be a GenerateSettings, got {type(settings).__name__}.")
+
+    def integer(value) -> bool:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+    def number(value) -> bool:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+    wanted = [("seed", integer, "an integer"), ("outputs", integer, "an integer"),
+              ("steps", lambda v: v is None or integer(v), "an integer or None"),
+              ("video_shift", lambda v: v is None or number(v), "a number or None"),
+              ("audio_shift", lambda v: v is None or number(v), "a number or None"),
+              ("gpu_memory", lambda v: v is None or number(v), "a number of GiB or None"),
+              ("attention_window", integer, "an integer"), ("attention_window_dense_steps", integer, "an integer"),
+              ("compile", lambda v: isinstance(v, bool), "True or False"),
+              ("shard_weights", lambda v: isinstance(v, bool), "True or False"),
+              ("lora_unknown_keys", lambda v: v in ("error", "warn"), "'error' or 'warn'"),
+              ("loras", lambda v: not isinstance(v, (str, Path)) and isinstance(v, Sequence) and all(
+                  isinstance(pair, Sequence) and not isinstance(pair, str) and len(pair) == 2 and number(pair[1])
+                  for pair in v), "a list of (file, strength) pairs"),
+              ("devices", lambda v: not isinstance(v, str) and isinstance(v, Sequence), "a list of devices")]
+    for name, fits, what in wanted:
+        value = getattr(settings, name)
+        if not fits(value):
+            raise ValueError(f"GenerateSettings.{name} must be {what}, got {value!r}.")
 
 
 def check_writable(path: Path, option: str = "") -> None:

@@ -46,6 +46,7 @@ def files(tmp_path):
     (["--device", f"cuda:{torch.cuda.device_count()}"], "does not exist here: this machine has"),
     (["--devices", "cpu,cpu,cpu"], "3 ranks cannot split the model's 2 attention heads"),
     (["--gpu-memory", "-5"], "GPU memory budget must be a positive number of GiB, got -5"),
+    (["--gpu-memory", "1e300"], r"GPU memory budget must be a positive number of GiB, got 1e\+300 \(at most 1,048,576\)"),
     (["--attention-window-dense-steps", "3"], "give the window too"),
     (["--out", "{tmp}/file.txt/clip.mp4"], "Cannot write .*file.txt/clip.mp4"),
     (["--out", "{tmp}/taken.mp4"], "taken.mp4 is a folder; give the output file's name"),
@@ -233,9 +234,14 @@ def test_the_engine_refuses_what_it_would_ignore(tmp_path):
     clip = AVLatents(torch.zeros(1, 24, 27, 8, 14), torch.zeros(2, 32, 160))
     with pytest.raises(RequestError, match="keep .* and given .* go together"):
         generate(request, "tiny-random", GenerateSettings(steps=2), save_latents=tmp_path / "b.safetensors", given=clip)
-    # a float step count passed the check, then failed slicing the ladder (sample) or was taken (generate)
-    with pytest.raises(ValueError, match="steps counts sigma points .* an integer from 2 to .*; got 3.0"):
-        generate(request, "tiny-random", GenerateSettings(steps=3.0), save_latents=tmp_path / "c.safetensors")
+    # a setting of the wrong type failed as a TypeError inside the run (or, for a float step count, was taken)
+    for name, value, what in (("steps", 3.0, "an integer or None"), ("outputs", "2", "an integer"),
+                              ("video_shift", "12", "a number or None"), ("gpu_memory", "8", "a number of GiB or None"),
+                              ("loras", "a.safetensors", "a list of (file, strength) pairs"),
+                              ("loras", [("a.safetensors",)], "a list of (file, strength) pairs"),
+                              ("compile", "yes", "True or False"), ("lora_unknown_keys", "x", "'error' or 'warn'")):
+        with pytest.raises(ValueError, match=re.escape(f"GenerateSettings.{name} must be {what}, got {value!r}.")):
+            generate(request, "tiny-random", GenerateSettings(**{name: value}), save_latents=tmp_path / "c.safetensors")
     # references=None is no references (validate took it so; the prompt's label check then iterated None)
     (plain,) = generate(dataclasses.replace(request, references=None), "tiny-random", GenerateSettings(steps=2),
                         save_latents=tmp_path / "d.safetensors")
