@@ -61,6 +61,9 @@ def _to_numpy(array: Any, what: str) -> np.ndarray:
     raise ValueError(f"{what} must be a numpy array or a torch tensor, got {type(array).__name__}.")
 
 
+FLOAT_FRAMES_ABOVE_ONE = 2.0  # a little over 1 (a resize or sharpen overshoot) is clipped; past 2, another scale
+
+
 def as_uint8_frames(frames: Any, what: str = "Video frames") -> np.ndarray:
     """Frames as a C-contiguous uint8 [N, H, W, 3] RGB array.
 
@@ -86,6 +89,9 @@ def as_uint8_frames(frames: Any, what: str = "Video frames") -> np.ndarray:
         )
     if not np.isfinite(array).all():
         raise ValueError(f"{what} hold NaN or infinite values; floating point frames must be finite, in 0..1.")
+    if array.size and float(array.max()) > FLOAT_FRAMES_ABOVE_ONE:  # clipped, they would be a white picture
+        raise ValueError(f"{what} reach {float(array.max()):g}; floating point frames are 0..1 (values in 0..255? "
+                         "divide them by 255, or pass uint8).")
     scaled = np.clip(array.astype(np.float32, copy=False), 0.0, 1.0) * 255.0
     return np.rint(scaled).astype(np.uint8)
 

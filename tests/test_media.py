@@ -239,6 +239,9 @@ def test_encoder_choice_and_clear_error_when_none_is_usable(tmp_path, monkeypatc
 def test_array_coercion_contract():
     floats = torch.tensor([[[[0.0, 0.5, 1.0]]], [[[-0.2, 1.7, 0.999]]]], dtype=torch.bfloat16)
     assert as_uint8_frames(floats).tolist() == [[[[0, 128, 255]]], [[[0, 255, 255]]]]
+    with pytest.raises(ValueError, match=r"Video frames reach 254; floating point frames are 0..1 \(values in 0..255\? "
+                                         "divide them by 255"):  # clipped, they were a white picture
+        as_uint8_frames(np.full((1, 2, 2, 3), 254.0, np.float32))
     mono = np.linspace(-1, 1, 5, dtype=np.float64)
     stereo = as_stereo_waveform(mono)
     assert stereo.dtype == np.float32 and stereo.shape == (2, 5) and (stereo[0] == stereo[1]).all()
