@@ -238,7 +238,7 @@ def load_image(source, what: str = "image") -> Image.Image:
                 f"{what}: an image array must be [H, W, 3] RGB, channels last, got shape {tuple(source.shape)}."
             )
         try:
-            image = Image.fromarray(as_uint8_frames(source[None])[0])
+            image = Image.fromarray(as_uint8_frames(source[None], "its pixels")[0])
         except ValueError as error:
             raise MediaInputError(f"{what}: {error}") from error
     else:

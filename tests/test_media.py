@@ -242,6 +242,10 @@ def test_array_coercion_contract():
     with pytest.raises(ValueError, match=r"Video frames reach 254; floating point frames are 0..1 \(values in 0..255\? "
                                          "divide them by 255"):  # clipped, they were a white picture
         as_uint8_frames(np.full((1, 2, 2, 3), 254.0, np.float32))
+    from h3_core.references import MediaInputError, load_image
+
+    with pytest.raises(MediaInputError, match="first_image: its pixels reach 200; floating point"):  # not "Video frames"
+        load_image(np.full((4, 6, 3), 200.0, np.float32), "first_image")
     mono = np.linspace(-1, 1, 5, dtype=np.float64)
     stereo = as_stereo_waveform(mono)
     assert stereo.dtype == np.float32 and stereo.shape == (2, 5) and (stereo[0] == stereo[1]).all()
