@@ -444,6 +444,10 @@ def _reference_blocks(prepared, visual, audio) -> list[ReferenceBlock]:
 def _precomputed_text(text_states, text_tags) -> tuple[torch.Tensor, torch.Tensor]:
     if text_states is None or text_tags is None:
         raise RequestError("Pass both text_states [1, T, D] and text_tags [T], or a text_encoder.")
+    if not isinstance(text_states, torch.Tensor) or not text_states.is_floating_point():
+        raise RequestError(f"text_states must be a floating point torch tensor [1, T, D] (TextEncoder.encode's "
+                           f"prompt_embeds), got {type(text_states).__name__}"
+                           f"{f' of {text_states.dtype}' if isinstance(text_states, torch.Tensor) else ''}.")
     tags = torch.as_tensor(text_tags).to("cpu", torch.int64)
     if text_states.ndim != 3 or text_states.shape[0] != 1 or tags.ndim != 1 or tags.shape[0] != text_states.shape[1]:
         raise RequestError(

@@ -112,6 +112,10 @@ def sample(
         layout = layout.locked(keep)
     device = dit.condition_proj.weight.device
     config = dit.config
+    width = conditioning.text_states.shape[-1]
+    if width != config.text_dim:  # else a matmul shape error deep in the first forward
+        raise ValueError(f"The conditioning's text states are {width} wide, this DiT takes {config.text_dim} "
+                         "(another model's text encoder?).")
     generator = seed if isinstance(seed, torch.Generator) else request_generator(seed)
     visual_conditions = [*conditioning.visual_condition_latents, *([kept] if keep == "video" else [])]
     held_video = (

@@ -251,6 +251,8 @@ def test_the_engine_refuses_what_it_would_ignore(tmp_path):
 def test_sample_refuses_to_refine_pure_noise(tmp_path):
     """denoise < 1 walks the end of a ladder made for a partly noised latent: without one (init) the engine
     denoised pure noise from there, silently (the ComfyUI sampler node refused it; the engine did not)."""
+    import numpy as np
+
     from h3_core.conditioning import Request, encode_request
     from h3_core.pipeline import TINY_CANVAS, sample
     from h3_core.tiny import tiny_random_dit
@@ -261,6 +263,14 @@ def test_sample_refuses_to_refine_pure_noise(tmp_path):
         sample(tiny_random_dit(), conditioning, 0, steps=3, denoise=0.5)
     with pytest.raises(ValueError, match="an integer from 2 to"):
         sample(tiny_random_dit(), conditioning, 0, steps=3.0)
+    # precomputed text states: a numpy array failed in the sampler ('no attribute to'), a width another model's
+    # encoder gives as a matmul shape error inside the first forward
+    request, tags = Request("t2va", "a fox", duration=4), torch.ones(5, dtype=torch.long)
+    with pytest.raises(ValueError, match="text_states must be a floating point torch tensor .* got ndarray"):
+        encode_request(request, text_states=np.zeros((1, 5, 48), np.float32), text_tags=tags, rules=TINY_CANVAS)
+    narrow = encode_request(request, text_states=torch.zeros(1, 5, 40), text_tags=tags, rules=TINY_CANVAS)
+    with pytest.raises(ValueError, match="text states are 40 wide, this DiT takes 48"):
+        sample(tiny_random_dit(), narrow, 0, steps=3)
 
 
 def test_h3_denoise_refuses_bad_files_and_durations_before_running(tmp_path, capsys):
