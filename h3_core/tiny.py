@@ -34,6 +34,12 @@ def seeded_random_weights(model: torch.nn.Module, seed: int, gain: float = 1.0) 
     return model
 
 
+def own_random_state():
+    """Building a module draws its default initialization from torch's global generator; the tiny models are
+    then seeded over, so they leave a caller's random sequence as it was."""
+    return torch.random.fork_rng(devices=[])
+
+
 def tiny_model_dtype(device, requested: torch.dtype | None) -> torch.dtype:
     """The dtype the tiny random model computes in: float32 on the CPU (bf16 kernels there are slow, and it
     needs none), else the requested one (bf16 when none is)."""
@@ -42,7 +48,8 @@ def tiny_model_dtype(device, requested: torch.dtype | None) -> torch.dtype:
 
 def tiny_random_dit(dtype: torch.dtype = torch.float32, device="cpu") -> H3DiT:
     """The tiny DiT with seeded random weights; norms and biases are perturbed too, so every term matters."""
-    model = seeded_random_weights(H3DiT(TINY_DIT), TINY_SEED).set_dtype(dtype)
+    with own_random_state():
+        model = seeded_random_weights(H3DiT(TINY_DIT), TINY_SEED).set_dtype(dtype)
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -50,7 +57,8 @@ def tiny_random_video_vae(device="cpu") -> "VideoVAE":
     """The video VAE at a tiny width that keeps the real 16x spatial / 4x temporal factors."""
     from .vae_video import TINY_VIDEO_VAE, VideoVAE
 
-    model = seeded_random_weights(VideoVAE(TINY_VIDEO_VAE), TINY_SEED + 1)
+    with own_random_state():
+        model = seeded_random_weights(VideoVAE(TINY_VIDEO_VAE), TINY_SEED + 1)
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -60,5 +68,6 @@ def tiny_random_audio_vae(device="cpu") -> "AudioVAE":
 
     config = AudioVAEConfig(encoder_dim=4, latent_dim=64, latent_channels=32, num_attention_heads=8, decoder_dim=256)
     # gain 0.5 keeps the random decoder out of its chaotic, clipped regime (a quiet but faithful signal)
-    model = seeded_random_weights(AudioVAE(config), TINY_SEED + 2, gain=0.5)
+    with own_random_state():
+        model = seeded_random_weights(AudioVAE(config), TINY_SEED + 2, gain=0.5)
     return model.to(device).eval().requires_grad_(False)

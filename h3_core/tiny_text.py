@@ -170,10 +170,11 @@ def random_model(config: dict, seed: int = 7):
     """transformers' Qwen3VLForConditionalGeneration, seeded random weights (`tiny.seeded_random_weights`), eval."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    from .tiny import seeded_random_weights
+    from .tiny import own_random_state, seeded_random_weights
 
-    model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**config))
-    return seeded_random_weights(model, seed).eval().requires_grad_(False)
+    with own_random_state():
+        model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**config))
+        return seeded_random_weights(model, seed).eval().requires_grad_(False)
 
 
 

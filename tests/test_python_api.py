@@ -51,3 +51,19 @@ def test_bad_request_is_refused_before_any_model_loads(tmp_path, monkeypatch):
         generate(Request(task="t2va", prompt="a fox", first_image=tmp_path / "a.png"), model="tiny-random",
                  settings=GenerateSettings(steps=8), out=tmp_path / "x.mp4")
     assert not (tmp_path / "x.mp4").exists()
+
+
+def test_making_the_tiny_models_leaves_the_callers_random_sequence_alone():
+    """Each module's constructor draws its default initialization from torch's global generator before the
+    seeded values replace it: a script's torch.manual_seed sequence changed after a tiny-model generate()."""
+    import torch
+
+    from h3_core.tiny import tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
+    from h3_core.tiny_text import tiny_random_text_encoder
+
+    for make in (tiny_random_dit, tiny_random_video_vae, tiny_random_audio_vae, tiny_random_text_encoder):
+        torch.manual_seed(0)
+        expected = torch.rand(4)
+        torch.manual_seed(0)
+        make()
+        assert torch.equal(torch.rand(4), expected), make.__name__
