@@ -336,6 +336,8 @@ def validate(request: Request, rules: CanvasRules = RELEASE_CANVAS) -> RequestPl
         raise RequestError(f"validate takes a Request, got {type(request).__name__}.")
     if request.task not in TASKS:
         raise RequestError(f"Unknown task {request.task!r}; choose one of {', '.join(TASKS)}.")
+    if not isinstance(request.prompt, (str, type(None))):  # None: no prompt, said as empty below
+        raise RequestError(f"The prompt must be text (a str), got {type(request.prompt).__name__}.")
     if blank(request.prompt):
         raise RequestError(EMPTY_PROMPT)
     check_prompt_markers(request.prompt)

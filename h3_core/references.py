@@ -319,7 +319,8 @@ def _checked_audio(audio: DecodedAudio, what: str) -> tuple[np.ndarray, int]:
 def _stereo(waveform, sample_rate, what: str, kind: str, context: str = "") -> tuple[np.ndarray, int]:
     """A decoded waveform as stereo float samples with its positive integer sample rate, or a clear error."""
     if not (isinstance(sample_rate, (int, np.integer)) and sample_rate > 0):
-        raise MediaInputError(f"{what}: {kind} needs its sample rate in Hz, got sample_rate={sample_rate!r}.")
+        raise MediaInputError(f"{what}: {kind} needs its sample rate in Hz, a positive integer, got "
+                              f"sample_rate={sample_rate!r}.")
     try:
         return as_stereo_waveform(waveform), int(sample_rate)
     except ValueError as error:

@@ -500,6 +500,12 @@ def test_rejects_empty_prompt(prompt):
     assert_rejected(Request("t2va", prompt), "prompt is empty", "non-empty")
 
 
+@pytest.mark.parametrize("prompt", [123, b"a fox", ["a fox"]])
+def test_a_prompt_that_is_not_text_is_said_so(prompt):
+    """It was refused as empty."""
+    assert_rejected(Request("t2va", prompt), "The prompt must be text (a str)", type(prompt).__name__)
+
+
 def test_a_prompt_is_blank_only_when_nothing_in_it_shows():
     """Characters this Python's Unicode tables do not know yet (emoji of Unicode 15 / 16) or private-use ones are
     text: refusing them as an empty prompt (as isprintable() would) would be wrong."""

@@ -378,3 +378,11 @@ def test_a_16_bit_grey_image_is_scaled_not_clipped(tmp_path):
 
     pixels, _, _ = check_guide("t2va", 107, 0, frames=Image.open(deep))  # a guide image given as a PIL image
     assert np.array_equal(pixels[0], expected)
+
+
+def test_a_sample_rate_that_is_not_an_integer_is_said_so():
+    """'needs its sample rate in Hz, got 16000.0' left the user to guess that 16000.0 was wrong for being a float."""
+    from h3_core.references import _checked_audio
+
+    with pytest.raises(MediaInputError, match=r"needs its sample rate in Hz, a positive integer, got sample_rate=16000.0"):
+        _checked_audio(DecodedAudio(np.zeros((2, 100), np.float32), 16000.0), "references[0] (audio)")
