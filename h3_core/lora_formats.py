@@ -179,6 +179,12 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[st
         raise LoRAError(f"LoRA file {path} does not exist.")
     with open_safetensors(path) as handle:
         metadata = dict(handle.metadata() or {})
+        keys = list(handle.keys())
+        if keys and not any(key.endswith(suffix) for key in keys for suffix, _ in _SUFFIXES):
+            # a model file picked as a LoRA: said from its names, before its tens of GB are read
+            raise LoRAError(f"{path.name} holds no LoRA factors: none of its {len(keys)} tensor names ends as a "
+                            f"LoRA's do (.lora_A / .lora_B / .lora_down / .lora_up / .alpha / .diff; e.g. "
+                            f"'{keys[0]}'). Is it a model file (a DiT, a VAE, a text encoder) rather than a LoRA?")
         # copies, not views of the file's map: a file rewritten in place later would change a held adapter
         # silently, or kill the process (SIGBUS) if it got shorter
         tensors = {key: handle.get_tensor(key).clone() for key in handle.keys()}
@@ -214,6 +220,9 @@ def parse_lora(
     if not tensors:
         raise LoRAError(f"{Path(path).name or 'The LoRA'} holds no tensors.")
     for key, tensor in tensors.items():  # alphas are checked with their own rule below
+        if not key.endswith("alpha") and not tensor.is_floating_point():
+            raise LoRAError(f"'{key}' of {Path(path).name or 'the LoRA'} is stored as {str(tensor.dtype).removeprefix('torch.')}"
+                            "; LoRA factors and deltas are floating point (a damaged or foreign file).")
         values = tensor.float() if tensor.element_size() == 1 else tensor  # FP8: no isfinite of its own
         if not key.endswith("alpha") and tensor.is_floating_point() and not bool(torch.isfinite(values).all()):
             raise LoRAError(f"'{key}' of {Path(path).name or 'the LoRA'} holds NaN or infinite values (a damaged "

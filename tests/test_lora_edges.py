@@ -255,3 +255,37 @@ def test_an_adapter_distilled_for_another_task_on_the_same_dit_is_warned_about(t
         main(["generate", "--task", "fl2va", "--first-image", str(image), "--prompt", "A fox.", "--lora",
               str(tmp_path / "flash.safetensors"), "--save-latents", str(tmp_path / "o.safetensors")])
     assert "warning: flash was distilled for t2va, not fl2va: expect weaker results" in capsys.readouterr().err
+
+
+def test_a_model_file_given_as_a_lora_is_refused_from_its_names(tmp_path, monkeypatch):
+    """A DiT (~65 GB) picked as a LoRA was read whole before its names were found to be no LoRA's."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from h3_core import lora_formats, weights
+
+    path = tmp_path / "minimax_h3_fl2va_bf16.safetensors"
+    save_file({key: value.contiguous() for key, value in tiny_random_dit().state_dict().items()}, str(path))
+    opened = weights.open_safetensors
+
+    @contextlib.contextmanager
+    def names_only(file):  # the refusal may read the names, not the tensors
+        with opened(file) as handle:
+            yield SimpleNamespace(keys=handle.keys, metadata=handle.metadata,
+                                  get_tensor=lambda key: pytest.fail(f"{key} was read"))
+
+    monkeypatch.setattr(lora_formats, "open_safetensors", names_only)
+    with pytest.raises(LoRAError, match="holds no LoRA factors: none of its .* tensor names ends as a LoRA's do .* Is "
+                                        "it a model file"):
+        load_lora(path)
+
+
+def test_lora_factors_stored_as_integers_are_refused(tmp_path):
+    """int / bool / uint8 factors were applied as numbers, silently (a damaged or foreign file)."""
+    path = write_peft(tmp_path / "ints.safetensors", random_spec(TINY_DIT))
+    tensors = load_file(str(path))
+    key = next(key for key in tensors if key.endswith("lora_A.default.weight"))
+    tensors[key] = tensors[key].to(torch.int32)
+    save_file(tensors, str(path))
+    with pytest.raises(LoRAError, match=f"'{key}' of ints.safetensors is stored as int32; LoRA factors"):
+        load_lora(path)
