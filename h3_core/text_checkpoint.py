@@ -40,6 +40,7 @@ from .weights import (
     PICKLE_SUFFIXES,
     CheckpointError,
     assign_strictly,
+    read_headers,
     check_safetensors_file,
     open_safetensors,
     read_json,
@@ -408,6 +409,9 @@ def load_qwen3vl(
     plan = planned_model(source, qwen_config, layers, dtype)
     if source.vision is not None:
         source.vision.check_fits(plan.model.visual, qwen_config.vision_config.deepstack_visual_indexes)
+    # names, shapes and dtypes from the headers first: a wrong tensor is found before ~50 GB are read
+    assign_strictly(plan.model, plan.tensors(_used_tensors(source, layers, data=False), "meta"), _origin(source),
+                    plan.dtype_for, "meta")
     assign_strictly(plan.model, plan.tensors(_used_tensors(source, layers), device), _origin(source),
                     plan.dtype_for, device, on_tensor)
     _rebuild_rotary_buffers(plan.model, device)
@@ -486,14 +490,27 @@ class MissingVisionTower(torch.nn.Module):
         raise CheckpointError(f"{self.file_name} {GGUF_NO_VISION}.")
 
 
-def _used_tensors(source: TextEncoderSource, layers: int):
-    """(model name, tensor, file) for the tensors H3 uses; the others are never read from disk."""
+def _used_tensors(source: TextEncoderSource, layers: int, data: bool = True):
+    """(model name, tensor, file) for the tensors H3 uses; the others are never read from disk. `data=False`:
+    meta tensors from the headers instead."""
     if source.gguf_tensors:
         path = source.files[0]
+        if not data:
+            for key, entry in source.gguf_tensors.items():
+                if (name := model_name(key, layers)) is not None:
+                    yield name, entry.read_as(), path
+            if source.vision is not None:
+                yield from source.vision.headers()
+            return
         for key, tensor, where in gguf_file.read_gguf(path, only=lambda key: model_name(key, layers) is not None):
             yield model_name(key, layers), tensor, where
         if source.vision is not None:
             yield from source.vision.tensors()
+        return
+    if not data:
+        for key, tensor, path in read_headers(source.files):
+            if (name := model_name(key, layers)) is not None:
+                yield name, tensor, path
         return
     for path in source.files:
         with open_safetensors(path) as handle:

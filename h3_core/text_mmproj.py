@@ -94,6 +94,15 @@ class VisionTowerFile:
             yield self.names[key], tensor, where
 
 
+    def headers(self) -> Iterator[Item]:
+        """`tensors` without the data: meta tensors in the shapes and dtypes it yields."""
+        frames = [self.entries[key].read_as() for key in PATCH_KERNEL_FRAMES]
+        yield PATCH_KERNEL, torch.stack(frames, dim=2), self.path
+        for key, entry in self.entries.items():
+            if key not in PATCH_KERNEL_FRAMES:
+                yield self.names[key], entry.read_as(), self.path
+
+
 def _first_difference(held: dict, wanted: dict) -> str | None:
     """The first tensor (by name) a file holds that a model has not, lacks, or holds in another shape."""
     for name in sorted(set(held) | set(wanted)):

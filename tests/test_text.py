@@ -1051,3 +1051,20 @@ def test_a_damaged_tokenizer_is_named(tmp_path):
     (folder / "tokenizer.json").write_text("{oops")
     with pytest.raises(CheckpointError, match=rf"The tokenizer in {re.escape(str(folder))} cannot be read: Expecting"):
         load_tokenizer(folder)
+
+
+def test_a_wrong_tensor_is_found_from_the_headers_before_any_is_read(tiny, tmp_path):
+    """The DiT and VAEs were checked from their headers before reading; the text encoder (~50 GB) was read up to
+    the wrong tensor first (a bad shape in layer 49 after 9 / 10 of the file)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(tiny["single"]))
+    key = next(key for key in tensors if key.endswith("layers.49.self_attn.v_proj.weight"))
+    tensors[key] = tensors[key][:3].clone()
+    bad = tmp_path / "qwen3vl_bad.safetensors"
+    save_file(tensors, str(bad))
+    read = []
+    with pytest.raises(CheckpointError, match=r"layers.49.self_attn.v_proj.weight' .* has shape \[3, "):
+        load_text_encoder(bad, torch.float32, tokenizer=tiny["partition"], config=tiny["config"],
+                          on_tensor=lambda done, total: read.append(done))
+    assert read == []  # not one tensor read
