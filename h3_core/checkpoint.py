@@ -28,6 +28,7 @@ from .weights import (
     CheckpointError,
     assign_strictly,
     check_safetensors_file,
+    config_errors,
     open_safetensors,
     read_headers,
     read_json,
@@ -200,7 +201,7 @@ def _folder(folder: Path) -> DiTSource:
     try:
         config = dataclasses.replace(DiTConfig.from_dict(raw), vsa_gates=any(name.endswith(SPARSE_ATTENTION_GATE)
                                                                             for name in names))
-    except ValueError as error:
+    except (ValueError, TypeError, AttributeError) as error:
         raise CheckpointError(f"{folder / 'config.json'}: {error}") from None
     if naming == "diffusers":
         return DiTSource(files, naming, "stacked", config, "diffusers folder")
@@ -252,6 +253,11 @@ def vsa_student(source: DiTSource) -> bool:
 
 def infer_config(source: DiTSource) -> DiTConfig:
     """Read a config off the tensor shapes (single files ship none)."""
+    with config_errors(f"The DiT in {source.files[0].name}"):  # a 0-d or empty tensor where a matrix goes
+        return _config_from_shapes(source)
+
+
+def _config_from_shapes(source: DiTSource) -> DiTConfig:
     shapes, inv_freq = _gguf_shapes(source) if source.is_gguf else _safetensors_shapes(source)
 
     def shape(name):

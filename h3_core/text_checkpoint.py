@@ -40,6 +40,7 @@ from .weights import (
     PICKLE_SUFFIXES,
     CheckpointError,
     assign_strictly,
+    config_errors,
     read_headers,
     check_safetensors_file,
     open_safetensors,
@@ -359,18 +360,20 @@ def qwen3vl_config(config, layers: int = TEXT_ENCODER_LAYER):
         raw = _read_config(path / "config.json" if path.is_dir() else path)
     if "text_config" not in raw or "vision_config" not in raw:
         raise CheckpointError("A Qwen3-VL config needs 'text_config' and 'vision_config'.")
-    available = int(raw["text_config"].get("num_hidden_layers", 0))
-    if available < layers:
-        raise CheckpointError(
-            f"H3 reads the state after decoder layer {layers}, but this Qwen3-VL config has {available} layers."
-        )
-    text = dict(raw["text_config"], num_hidden_layers=layers)
-    top = {
-        k: raw[k]
-        for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-        if k in raw
-    }
-    return Qwen3VLConfig(text_config=text, vision_config=dict(raw["vision_config"]), tie_word_embeddings=False, **top)
+    with config_errors(f"The Qwen3-VL config{'' if config is None or isinstance(config, dict) else f' at {config}'}"):
+        available = int(raw["text_config"].get("num_hidden_layers", 0))
+        if available < layers:
+            raise CheckpointError(
+                f"H3 reads the state after decoder layer {layers}, but this Qwen3-VL config has {available} layers."
+            )
+        text = dict(raw["text_config"], num_hidden_layers=layers)
+        top = {
+            k: raw[k]
+            for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+            if k in raw
+        }
+        return Qwen3VLConfig(text_config=text, vision_config=dict(raw["vision_config"]), tie_word_embeddings=False,
+                             **top)
 
 
 def load_qwen3vl(

@@ -34,6 +34,7 @@ from .weights import (
     Item,
     assign_strictly,
     check_safetensors_file,
+    config_errors,
     open_safetensors,
     read_headers,
     read_json,
@@ -326,10 +327,11 @@ def load_audio_vae(
     release is fp32, and a community bf16 / fp16 file run as stored decodes audibly worse (see `vae_audio`), so
     it is widened. `dtype=None` keeps the checkpoint's dtypes. `device="meta"` reads the headers only
     (`check_audio_vae`)."""
-    source = locate_audio_vae(path)
-    config = source.config or infer_config(source)
-    with torch.device("meta"):
-        model = AudioVAE(config)
+    with config_errors(f"The audio VAE at {path}"):
+        source = locate_audio_vae(path)
+        config = source.config or infer_config(source)
+        with torch.device("meta"):
+            model = AudioVAE(config)
     headers_only = torch.device(device).type == "meta"
 
     def items() -> Iterator[Item]:

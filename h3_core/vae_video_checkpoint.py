@@ -38,6 +38,7 @@ from .weights import (
     Item,
     assign_strictly,
     check_safetensors_file,
+    config_errors,
     open_safetensors,
     read_headers,
     read_json,
@@ -344,14 +345,15 @@ def load_video_vae(
     checkpoint's (single files have none: the release's is the default). `device="meta"` reads the headers only
     (`check_video_vae`).
     """
-    source = locate_video_vae(path)
-    config = config or source.config or VideoVAEConfig()
-    drop: tuple[str, ...] = ()
-    if source.config is None:
-        config = _single_file_stats(source, config)
-        drop = SINGLE_FILE_STATS
-    with torch.device("meta"):
-        model = VideoVAE(config)
+    with config_errors(f"The video VAE at {path}"):
+        source = locate_video_vae(path)
+        config = config or source.config or VideoVAEConfig()
+        drop: tuple[str, ...] = ()
+        if source.config is None:
+            config = _single_file_stats(source, config)
+            drop = SINGLE_FILE_STATS
+        with torch.device("meta"):
+            model = VideoVAE(config)
 
     def policy(name: str) -> torch.dtype | None:
         if dtype is None:

@@ -53,6 +53,19 @@ def open_safetensors(path: Path | str):
         raise _not_safetensors(path, error) from None
 
 
+@contextlib.contextmanager
+def config_errors(where):
+    """A malformed config (a null, a string where a number goes, a tensor of the wrong rank read as one) fails in
+    Python's own words while it is read or a model is built from it: said as one CheckpointError naming `where`."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, ZeroDivisionError, AttributeError) as error:
+        raise CheckpointError(f"{where} does not describe a model H3 can build ({type(error).__name__}: {error}); "
+                              "is its config damaged or another model's?") from None
+
+
 def _not_safetensors(path: Path | str, error: Exception) -> CheckpointError:
     size = Path(path).stat().st_size
     return CheckpointError(f"{path} is not a readable safetensors file ({error}; {size:,} bytes: an interrupted "

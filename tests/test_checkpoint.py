@@ -455,3 +455,21 @@ def test_a_file_this_user_may_not_read_is_said_so(tmp_path):
     with pytest.raises(CheckpointError, match="missing.safetensors cannot be read \\(No such file or directory\\)"):
         with weights.open_safetensors(tmp_path / "missing.safetensors"):
             pass
+
+
+def test_configs_that_do_not_describe_a_model_are_clear_refusals(tmp_path):
+    """Malformed configs failed in Python's words (IndexError, ZeroDivisionError, TypeError): tracebacks from the
+    command line. A single DiT file's config comes from its shapes; a text encoder's from its config.json."""
+    from h3_core.text_checkpoint import qwen3vl_config
+    from h3_core.tiny import tiny_random_dit
+
+    tensors = {key: value.contiguous() for key, value in tiny_random_dit().state_dict().items()}
+    tensors["condition_proj.weight"] = torch.tensor(1.0)  # 0-d where the text projection's matrix goes
+    save_file(tensors, str(tmp_path / "odd.safetensors"))
+    with pytest.raises(CheckpointError, match=r"The DiT in odd.safetensors does not describe a model H3 can build "
+                                              r"\(IndexError"):
+        checkpoint.with_config(locate_dit(tmp_path / "odd.safetensors"))
+    for text_config, error in (({"num_hidden_layers": None}, "TypeError"), (None, "AttributeError"),
+                               ({"num_hidden_layers": "fifty"}, "ValueError")):
+        with pytest.raises(CheckpointError, match=f"does not describe a model H3 can build \\({error}"):
+            qwen3vl_config({"text_config": text_config, "vision_config": {}})

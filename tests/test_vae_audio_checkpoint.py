@@ -211,3 +211,15 @@ def test_pickles_are_refused(tmp_path, reference):
     (folder / "diffusion_pytorch_model.safetensors").rename(folder / "diffusion_pytorch_model.bin")
     with pytest.raises(CheckpointError, match="diffusion_pytorch_model.bin is a pickle"):
         load_audio_vae(tmp_path)
+
+
+def test_a_tensor_of_the_wrong_rank_in_a_single_file_is_a_clear_refusal(tmp_path, reference):
+    """A single file's config is read off its tensors' shapes: a 1-D tensor where a kernel goes raised a bare
+    IndexError (a traceback from the command line)."""
+    tensors = comfy_state_dict(reference)
+    key = next(key for key in tensors if key.startswith("decoder.ups.0") and key.endswith("weight"))
+    tensors[key] = tensors[key].flatten()
+    save_file(tensors, str(tmp_path / "odd.safetensors"))
+    with pytest.raises(CheckpointError, match=r"The audio VAE at .*odd.safetensors does not describe a model H3 can "
+                                              r"build \(IndexError"):
+        load_audio_vae(tmp_path / "odd.safetensors")

@@ -197,6 +197,17 @@ def test_other_architecture_in_the_source_config_is_refused(tmp_path, reference,
         load_video_vae(folder)
 
 
+@pytest.mark.parametrize("field, value", [("ch_mult", None), ("num_res_blocks", 1.5), ("vit_decoder_kwargs", None)])
+def test_a_config_value_of_the_wrong_kind_is_a_clear_refusal(tmp_path, reference, config, field, value):
+    """A null or a float where the model builder wants a list or an integer raised a bare TypeError."""
+    folder = write_original_partition(tmp_path, reference.state_dict(), config)
+    _, source = original_configs(config)
+    source[field] = value
+    (folder / "source" / "config.json").write_text(json.dumps(source))
+    with pytest.raises(CheckpointError, match=r"The video VAE at .* does not describe a model H3 can build \(TypeError"):
+        load_video_vae(folder)
+
+
 @pytest.mark.parametrize("name", ["minimax_h3_video_vae.ckpt", "video_vae.pt"])
 def test_pickles_are_refused(tmp_path, name):
     path = tmp_path / name
