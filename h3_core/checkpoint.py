@@ -203,6 +203,11 @@ def _folder(folder: Path) -> DiTSource:
                                                                             for name in names))
     except (ValueError, TypeError, AttributeError) as error:
         raise CheckpointError(f"{folder / 'config.json'}: {error}") from None
+    blocks = {int(m.group(1)) for name in names if (m := re.match(r"(?:.+\.)?(?:transformer_)?blocks\.(\d+)\.", name))
+              and "refiner" not in name}
+    if len(blocks) != config.num_layers:  # said from the headers, before a model of the config's size is built
+        raise CheckpointError(f"{folder / 'config.json'} says {config.num_layers} transformer blocks, but the folder's "
+                              f"files hold {len(blocks)}: the config and the weights come from different models.")
     if naming == "diffusers":
         return DiTSource(files, naming, "stacked", config, "diffusers folder")
     return DiTSource(files, naming, "interleaved", config, "original partition folder")

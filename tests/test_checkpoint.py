@@ -47,6 +47,19 @@ def test_original_partition_layouts(tmp_path, reference, expected, tiny_config, 
     assert_same_weights(load_dit(path), expected)
 
 
+def test_a_config_naming_more_blocks_than_the_files_hold_is_refused_at_once(tmp_path, reference, tiny_config):
+    """A config.json of another model (num_layers 200000) built that model on meta first (minutes) before the
+    tensors were found missing."""
+    folder = write_original_partition(tmp_path, reference.state_dict(), tiny_config)
+    raw = json.loads((folder / "config.json").read_text())
+    key = next(key for key in raw if key in ("num_layers", "depth", "num_hidden_layers"))
+    raw[key] = 200000
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=f"says 200000 transformer blocks, but the folder's files hold "
+                                              f"{tiny_config.num_layers}"):
+        locate_dit(folder)
+
+
 def test_ref2va_partition_is_chosen_by_name(tmp_path, reference, expected, tiny_config):
     other = reference_dit(tiny_config, seed=99)
     write_original_partition(tmp_path, other.state_dict(), tiny_config, partition="FL2VA")
