@@ -189,14 +189,15 @@ def plan_memory(
     segments, which strands freed activation memory in pieces too small for the next block's; one
     block's activations more are kept free for it (measured, a whole 1344x768 5 s request streamed for
     24 GiB: 4.7 GiB reserved beyond the 22.4 allocated; with expandable segments 1.1 GiB)."""
+    if prefetch < 1:
+        raise ValueError(f"prefetch must be at least 1 block, got {prefetch}.")
     blocks = config.num_layers
     budget_bytes = usable_bytes(budget_bytes)
-    if fixed_segments:
-        budget_bytes -= activation_bytes(config, rows, dtype_bytes, held)
+    reserve = activation_bytes(config, rows, dtype_bytes, held) if fixed_segments else 0  # counted in the peak
 
     def peak(resident: int, streaming: int, offload_adaln: bool) -> int:
-        return expected_peak(config, rows, resident, streaming, offload_adaln, steps, timesteps_per_step, dtype_bytes, held,
-                             adaln_bytes)
+        return reserve + expected_peak(config, rows, resident, streaming, offload_adaln, steps, timesteps_per_step,
+                                     dtype_bytes, held, adaln_bytes)
 
     for offload_adaln in (False, True):
         if peak(blocks, 0, offload_adaln) <= budget_bytes:

@@ -871,7 +871,8 @@ def load_text_encoder_for(source, settings: GenerateSettings, notes, on_tensor=N
             counts = _text_encoder_spread(settings, rest, layer_bytes)
             spread = ", ".join(f"{d} ({n})" for d, n in zip(settings.devices, counts or ()) if n)
             where = f"its layers are spread over {spread}" if counts else "its layers stream from CPU memory"
-            notes(f"text encoder: {need / GIB:.1f} GiB does not fit in {budget / GIB:.1f} GiB; {where}")
+            notes(f"text encoder: {need / GIB:.1f} GiB does not fit in {budget / GIB:.1f} GiB (less the allocator's "
+                  f"headroom: {usable_bytes(budget) / GIB:.1f}); {where}")
             loaded = load_text_encoder(source.text_encoder, settings.dtype, "cpu", tokenizer=source.tokenizer,
                                        on_tensor=on_tensor)
             return loaded.spread_layers(settings.devices, counts) if counts else loaded.stream_layers(device)

@@ -261,11 +261,12 @@ class DiTPlacement(Placement):
             away += self.streamer.offloaded_bytes
         return self.size - away
 
-    def plan_request(self, layout, steps: int, free_bytes: int | None = None):
+    def plan_request(self, layout, steps: int, free_bytes: int | None = None, other_bytes: int = 0):
         """The plan for sampling `layout` (the largest a request samples) with a `steps`-point ladder,
         within `budget_gib`, else within `free_bytes` (what the host reports free on the device) plus what
-        this model already holds there (None: what torch reports; the CPU is not limited). A request that
-        does not fit even with every block streamed is refused here, before anything moves."""
+        this model already holds there (None: what torch reports; the CPU is not limited); `other_bytes` of
+        that held for the run besides (hooked LoRA factors). A request that does not fit even with every block
+        streamed is refused here, before anything moves."""
         from .conditioning import RequestError
         from .fp8 import held_format
         from .memory_plan import plan_for
@@ -275,13 +276,15 @@ class DiTPlacement(Placement):
             budget = max(free_bytes + self.loaded_bytes, 1) / GIB
         plan = plan_for(self.dit.config, layout, steps, self.load_device, budget,
                         torch.empty(0, dtype=self.dit.dtype).element_size(), held=held_format(self.dit),
-                        adaln_bytes=module_bytes(self.dit.adaln_modules()))
+                        adaln_bytes=module_bytes(self.dit.adaln_modules()), other_bytes=other_bytes)
         if not plan.fits:
             given = "the budget set" if self.budget_gib is not None else "what is free"
+            amount = "" if budget is None else f"{budget:.2f} GiB "
+            besides = f", {other_bytes / GIB:.2f} GiB of it held by LoRA factors" if other_bytes else ""
             raise RequestError(
                 f"This request needs about {plan.expected_peak_bytes / GIB:.2f} GiB on {self.load_device} even with "
-                f"every DiT block streamed from the CPU, more than {given} ({budget:.2f} GiB less the allocator's "
-                "headroom); shorten it, use a smaller canvas, or allow more GPU memory.")
+                f"every DiT block streamed from the CPU, more than {given} ({amount}less the allocator's "
+                f"headroom{besides}); shorten it, use a smaller canvas, or allow more GPU memory.")
         return plan
 
     def use(self, plan) -> None:

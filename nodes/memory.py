@@ -93,8 +93,9 @@ def text_encoder_streams(nbytes: int, device, budget_gib: float | None) -> bool:
         room = mm.get_free_memory(device) - mm.extra_reserved_memory()
         if nbytes <= usable_bytes(room):
             return False
-    logging.getLogger("h3").info("H3: text encoder: %.2f GiB does not fit in %.2f GiB on %s; its decoder layers "
-                                 "will stream from CPU memory", nbytes / GIB, room / GIB, device)
+    logging.getLogger("h3").info("H3: text encoder: %.2f GiB does not fit in %.2f GiB on %s (less the allocator's "
+                                 "headroom: %.2f); its decoder layers will stream from CPU memory", nbytes / GIB,
+                                 room / GIB, device, usable_bytes(room) / GIB)
     return True
 
 
@@ -242,8 +243,8 @@ def dit_for_run(model, layout, steps: int):
         wanted = int(placement.budget_gib * GIB) if placement.budget_gib else placement.size + working
         ours = [m for m in mm.current_loaded_models if m.model is patcher]
         mm.free_memory(max(0, wanted - placement.loaded_bytes), placement.load_device, keep_loaded=ours)
-        free = mm.get_free_memory(placement.load_device) - mm.extra_reserved_memory() - adapters
-    plan = placement.plan_request(layout, steps, free)
+        free = mm.get_free_memory(placement.load_device) - mm.extra_reserved_memory()
+    plan = placement.plan_request(layout, steps, free, other_bytes=adapters)
     placement.use(plan)
     with read_progress(placement):
         place([patcher], working)

@@ -473,7 +473,7 @@ def test_a_small_text_encoder_budget_streams_its_layers_and_free_unloads_them(se
     assert history["status"]["status_str"] == "success", json.dumps(history["status"]["messages"])[-4000:]
     assert len(_mp4s(history)) == 1
     log = _log(work)
-    assert "does not fit in 1.00 GiB on cpu; its decoder layers will stream" in log, log[-4000:]
+    assert "does not fit in 1.00 GiB on cpu (less the allocator's headroom: 0.70); its decoder layers will stream" in log, log[-4000:]
     assert "decoder layers stay in CPU memory" in log, log[-4000:]
     log = _free_until(base, work, "layer streaming removed")
     assert any("H3 text encoder" in line and "unloaded from cpu" in line and "layer streaming removed" in line

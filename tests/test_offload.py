@@ -134,7 +134,13 @@ def test_fixed_allocator_segments_keep_one_block_of_activations_spare():
     plain, fixed = plan_memory(REAL, ROWS_124F, 24 * GIB), plan_memory(REAL, ROWS_124F, 24 * GIB, fixed_segments=True)
     spare = activation_bytes(REAL, ROWS_124F, 2)
     assert fixed.resident_blocks < plain.resident_blocks
-    assert fixed.expected_peak_bytes <= usable_bytes(24 * GIB) - spare < plain.expected_peak_bytes
+    assert fixed.expected_peak_bytes <= usable_bytes(24 * GIB)  # its peak counts the block kept spare
+    assert fixed.expected_peak_bytes - spare <= usable_bytes(24 * GIB) - spare < plain.expected_peak_bytes
+    # a refusal quotes a need above the budget (it quoted 9.41 GiB against 11.15 usable, the spare block unsaid)
+    small = plan_memory(REAL, ROWS_124F, 12 * GIB, fixed_segments=True)
+    assert not small.fits and small.expected_peak_bytes > usable_bytes(12 * GIB)
+    with pytest.raises(ValueError, match="prefetch must be at least 1 block, got 0"):
+        plan_memory(REAL, ROWS_124F, 24 * GIB, prefetch=0)  # it planned resident blocks with nothing streaming
     assert fixed_allocator_segments({})
     assert fixed_allocator_segments({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"})
     assert not fixed_allocator_segments({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
@@ -344,3 +350,17 @@ def test_spread_counts_fill_the_devices_in_order(room, counts):
     from h3_core.text import spread_counts
 
     assert spread_counts(10, 100, [int(r * 100) for r in room]) == counts
+
+
+def test_a_placement_plan_counts_hooked_factors_within_a_set_budget():
+    """ComfyUI's loader with gpu_memory_gb set planned the DiT for the whole budget, the LoRA factors hooked on
+    its resident blocks uncounted (without a budget they were taken from the free memory)."""
+    from h3_core.conditioning import RequestError
+    from h3_core.placement import DiTPlacement
+
+    layout = build_request_layout(128, 64, 124, torch.ones(6, dtype=torch.long))
+    placement = DiTPlacement("tiny", tiny_random_dit(), "cpu", "cpu", budget_gib=0.5)
+    assert placement.plan_request(layout, 3).fits
+    with pytest.raises(RequestError, match=r"more than the budget set \(0.50 GiB less the allocator's headroom, 0.49 "
+                                           r"GiB of it held by LoRA factors\)"):
+        placement.plan_request(layout, 3, other_bytes=int(0.49 * GIB))
