@@ -379,10 +379,12 @@ class _DeltaHook:
     def __call__(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
         x = args[0]
         out = output.clone() if torch.is_grad_enabled() else output  # in place only where autograd cannot see it
+        if any(t is not None and t.device != x.device for term in self.terms for t in term[3:]):
+            # hooked while the model was elsewhere (the CPU, before placing): moved once, not at every forward
+            self.terms = [(*term[:3], *(None if t is None else t.to(x.device) for t in term[3:])) for term in self.terms]
         for param, rows, scale, down, up, delta in self.terms:
             if down is not None:
                 h = x.to(down.dtype)
-                down, up = down.to(h.device), up.to(h.device)
                 contribution = F.linear(F.linear(h, down), up) * scale
             elif param == "bias":
                 contribution = delta.to(out.device) * scale

@@ -289,3 +289,17 @@ def test_lora_factors_stored_as_integers_are_refused(tmp_path):
     save_file(tensors, str(path))
     with pytest.raises(LoRAError, match=f"'{key}' of ints.safetensors is stored as int32; LoRA factors"):
         load_lora(path)
+
+
+def test_hooked_factors_follow_the_activations_device_once(tmp_path):
+    """h3 generate hooks adapters while the DiT is still in CPU memory, then places it on the GPU: the factors
+    stayed in (pageable) CPU memory and were copied to the GPU at every forward of every hooked module."""
+    model = tiny_random_dit()
+    adapter = load_lora(write_peft(tmp_path / "style.safetensors", random_spec(TINY_DIT)))
+    apply_loras(model, [(adapter, 1.0)], partition="fl2va", mode="dynamic")
+    module = model.blocks[0].attn.qkv_proj
+    (hook,) = [hook for hook in module._forward_hooks.values() if isinstance(hook, lora_module._DeltaHook)]
+    x = torch.empty(1, 3, module.in_features, device="meta")
+    hook(module, (x,), torch.empty(1, 3, module.out_features, device="meta"))
+    factors = [t for term in hook.terms for t in term[3:] if t is not None]
+    assert factors and all(t.device.type == "meta" for t in factors)  # kept there for the next forward
