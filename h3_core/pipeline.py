@@ -522,12 +522,17 @@ def generate_batch(
     progress("text encoder", 0, 1)
     text_encoder = load_text_encoder_for(source, settings, notes,
                                          lambda done, total: progress("read text encoder", done, total))
+    progress("text encoder", 1, 1)
     video_vae, audio_vae = load_vaes(source, device, settings.vae_dtype or model_dtype(source, settings))
     notes(f"video VAE: decoder linears in {str(video_vae.dtype).removeprefix('torch.')} (encoder and norms float32)")
     conditionings = [None] * len(prepared)  # None: the job failed
     for number, item in enumerate(prepared):
+        stage = f"encode job {number + 1}/{len(prepared)}" if len(prepared) > 1 else "encode"
+        staged = {} if item.encode is not encode_request else {  # the prompt, then each picture or sound
+            "on_stage": lambda done, total, stage=stage: progress(stage, done, total)}
         try:
-            conditioning = item.encode(item.request, text_encoder, video_vae, audio_vae, rules=source.canvas)
+            conditioning = item.encode(item.request, text_encoder, video_vae, audio_vae, rules=source.canvas,
+                                       **staged)
             for media in item.guide_media:
                 conditioning = add_guide(conditioning, media.frame_index, video_vae, audio_vae, media.frames,
                                          media.waveform, media.sample_rate)

@@ -67,3 +67,19 @@ def test_making_the_tiny_models_leaves_the_callers_random_sequence_alone():
         torch.manual_seed(0)
         make()
         assert torch.equal(torch.rand(4), expected), make.__name__
+
+
+def test_generate_reports_the_encoding_as_it_goes(tmp_path):
+    """The "text encoder" stage stayed at (0, 1), and encoding a request's prompt, keyframes and references
+    (tens of seconds for a video reference) reported nothing."""
+    import numpy as np
+
+    from h3_core.conditioning import Request
+    from h3_core.pipeline import GenerateSettings, generate
+
+    seen = []
+    first = np.full((128, 224, 3), 90, np.uint8)
+    generate(Request("fl2va", "a fox", first_image=first, duration=4), "tiny-random", GenerateSettings(steps=2),
+             save_latents=tmp_path / "fox.safetensors", progress=lambda stage, done, total: seen.append((stage, done, total)))
+    assert ("text encoder", 1, 1) in seen
+    assert [entry for entry in seen if entry[0] == "encode"][-1] == ("encode", 2, 2)  # the prompt, then the keyframe
