@@ -123,7 +123,8 @@ def euler_step(
 
 @dataclass
 class StepState:
-    """What a per-step callback sees: progress, the current rows (for previews), and the ladders."""
+    """What a per-step callback sees: progress, the current rows (for previews), and the ladders. The row
+    tensors are the loop's own, updated in place by the next step: clone what a callback keeps."""
 
     step: int
     total: int
