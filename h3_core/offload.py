@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .dit import H3DiT
+from .runtime import empty_host_cache
 
 ALIGN = 256  # bytes; every weight starts on an aligned offset inside its block's flat buffer
 
@@ -195,14 +196,17 @@ def place(dit: H3DiT, device: torch.device | str, plan) -> BlockStreamer | None:
 
 def unplace(dit: H3DiT, device: torch.device | str, streamer: BlockStreamer | None = None) -> None:
     """Undo `place`: remove the streamer's hooks, give every streamed block its weights back in ordinary
-    (pageable) CPU memory, block by block so the pinned buffers go as they empty, then move the whole
-    model to `device`. Safe after a failed forward (a block may still point into a slot)."""
+    (pageable) CPU memory, block by block so the pinned buffers go as they empty (torch's host allocator
+    would keep them all until the end: the streamed blocks twice in CPU memory), then move the whole model
+    to `device`. Safe after a failed forward (a block may still point into a slot)."""
     if streamer is not None:
         streamer.remove()
         for index in list(streamer.home):
             views = streamer.home.pop(index)
             for param, view in zip(_streamed_parameters(streamer.blocks[index]), views):
                 param.data = torch.empty(view.shape, dtype=view.dtype).copy_(view) if view.is_pinned() else view
+            views = view = None  # the last view too: it holds the pinned buffer
+            empty_host_cache()
     dit.to(device)
 
 

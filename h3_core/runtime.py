@@ -60,6 +60,13 @@ def empty_caches(device: torch.device | None = None) -> None:
     if device is not None and device.type != "cuda" or not torch.cuda.is_initialized():
         return
     torch.cuda.empty_cache()
+    empty_host_cache()
+
+
+def empty_host_cache() -> None:
+    """Hand back the pinned CPU blocks torch's host allocator keeps after their tensors are freed."""
+    if not torch.cuda.is_initialized():
+        return
     empty_host = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or \
         getattr(torch._C, "_host_emptyCache", None)
     if empty_host is not None:
