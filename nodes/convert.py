@@ -469,8 +469,8 @@ def to_core_av(latent: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """An H3_LATENT -> (video [1, 24, L, h, w], audio [1, 32, 2, A]): the layout of ComfyUI's own H3 AV
     latents, whose stereo channel sits after the 32 latent channels (ours carries it as the batch). Both
     normalize with the release's per-channel statistics, so the values carry over unchanged."""
-    latents = unpack_latents(latent)
-    return latents.video, latents.audio.permute(1, 0, 2).unsqueeze(0).contiguous()
+    latents = unpack_latents(latent)  # copies: a core node changing its LATENT in place leaves ours (cached) alone
+    return latents.video.clone(), latents.audio.permute(1, 0, 2).unsqueeze(0).contiguous()
 
 
 def from_core_av(video, audio) -> list[dict]:

@@ -4,6 +4,7 @@ H3 Latent to LATENT / LATENT to H3 Latent: the same latent in the layout of Comf
 
 from __future__ import annotations
 
+import torch
 from comfy_api.latest import io
 
 from h3_core import geometry
@@ -37,6 +38,7 @@ class H3EmptyAVLatent(io.ComfyNode):
                              tooltip="Canvas width in pixels, a multiple of 32. Ignored when conditioning is connected."),
                 io.Int.Input("height", default=768, min=32, max=geometry.MAX_CANVAS_EDGE, step=32,
                              tooltip="Canvas height in pixels, a multiple of 32. Ignored when conditioning is connected."),
+                # min 1, not 91: saved workflows with conditioning connected (then unused) may hold any count
                 io.Int.Input("num_frames", default=124, min=1, max=geometry.FRAMES_PER_CHUNK * 21 + 5,
                              tooltip="Frames at 24 fps, snapped up to 17n + 5 (124 = 5.2 s); H3 takes 4-15 s "
                                      f"({MIN_REQUESTED_FRAMES}..{MAX_FRAMES} frames). Ignored when conditioning is "
@@ -200,8 +202,16 @@ class H3LatentFromLatent(io.ComfyNode):
     def execute(cls, latent) -> io.NodeOutput:
         samples = latent.get("samples") if isinstance(latent, dict) else None
         if not getattr(samples, "is_nested", False) or len(samples.unbind()) != 2:
-            raise ValueError("LATENT to H3 Latent: the LATENT must hold MiniMax H3's video and audio together (an AV "
-                             "latent); join a separate video and audio latent with Concat AV Latent first.")
+            got = (f"a plain latent {list(samples.shape)}" if isinstance(samples, torch.Tensor) and not samples.is_nested
+                   else "something else")
+            part = isinstance(samples, torch.Tensor) and not samples.is_nested and samples.ndim in (4, 5) and \
+                samples.shape[1] in (24, 32)  # an H3 video or audio part alone
+            raise ValueError(f"LATENT to H3 Latent: the LATENT must hold MiniMax H3's video and audio together (an AV "
+                             f"latent); got {got}" + ("; join a separate H3 video and audio latent with Concat AV Latent "
+                                                      "first." if part else ", not a MiniMax H3 latent."))
+        if latent.get("noise_mask") is not None:  # else the whole clip would be sampled, silently
+            raise ValueError("LATENT to H3 Latent: this LATENT carries a noise mask; H3 sampling does not take one. "
+                             "To keep part of a clip, use the H3 sampler's keep or H3 Add Guide.")
         try:
             return io.NodeOutput(from_core_av(*samples.unbind()))
         except ValueError as error:

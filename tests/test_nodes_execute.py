@@ -224,6 +224,16 @@ def test_latents_cross_to_and_from_comfyuis_own_h3_latent(comfy):
         c.latent.H3LatentFromLatent.execute({"samples": video})
     with pytest.raises(ValueError, match=r"LATENT to H3 Latent: The audio part must be \[B, 32, 2, A\]"):
         c.latent.H3LatentFromLatent.execute({"samples": nested((video, audio[:, :, 0]))})
+    # another model's latent is named as such (it was told to join an H3 video and audio latent)
+    with pytest.raises(ValueError, match=r"got a plain latent \[1, 4, 16, 16\], not a MiniMax H3 latent\.$"):
+        c.latent.H3LatentFromLatent.execute({"samples": torch.zeros(1, 4, 16, 16)})
+    # a noise mask (SetLatentNoiseMask) is refused: the whole clip was sampled again, silently
+    with pytest.raises(ValueError, match="carries a noise mask; H3 sampling does not take one"):
+        c.latent.H3LatentFromLatent.execute({**core, "noise_mask": torch.zeros(1, 1, 8, 14)})
+    # the core LATENT is a copy: a node changing it in place leaves the H3 latent (cached by ComfyUI) as it was
+    before = sampled["video"].clone()
+    video.add_(1)
+    assert torch.equal(sampled["video"], before)
 
 
 def test_sampler_keeps_a_clips_video_and_makes_its_sound(comfy):
