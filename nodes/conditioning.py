@@ -206,6 +206,10 @@ class H3AddGuide(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, input_types=None) -> bool | str:
+        return validate_guide_links(cls, input_types)
+
+    @classmethod
     def execute(cls, conditioning, vae, frame_index, image=None, audio=None, video=None) -> io.NodeOutput:
         room = clip_room(int(frame_index), conditioning.num_frames)
         media = guide_media(frame_index, image, audio, video, (conditioning.width, conditioning.height), room)
@@ -235,16 +239,32 @@ def guide_media_inputs() -> list:
     ]
 
 
+def guide_source_problem(image: bool, audio: bool, video: bool) -> str | None:
+    """What is wrong with which of a guide's sockets are connected (None: nothing)."""
+    if image and video:
+        return "Connect an image or a video to one guide, not both."
+    if not (image or audio or video):
+        return "A guide needs an image, a video or a sound: connect at least one."
+    return None
+
+
+def validate_guide_links(node_class, input_types) -> bool | str:
+    """A guide node's wiring at queue time (the links' types, and which of image / audio / video are connected),
+    so a wrong one is refused before the loaders and the text encoder above it run."""
+    types = input_types if isinstance(input_types, dict) else {}
+    return (wrong_link(node_class, types)
+            or guide_source_problem("image" in types, "audio" in types, "video" in types) or True)
+
+
 def guide_media(frame_index, image=None, audio=None, video=None, canvas: tuple[int, int] | None = None,
                 room: int | None = None) -> GuideMedia:
     """A guide's sockets as the engine's GuideMedia (frames uint8 at 24 fps, sound at its own rate). A VIDEO
     gives at most `room` frames (what is left of the video from the anchor; None: not known yet, as for a long
     video's guide) and at most MAX_FRAMES (no window is longer), each cover-cropped onto `canvas` (width,
     height) as it is read from its file when known; its soundtrack runs on past the clip, `room` frames long."""
-    if image is not None and video is not None:
-        raise ValueError("Connect an image or a video to one guide, not both.")
-    if image is None and audio is None and video is None:
-        raise ValueError("A guide needs an image, a video or a sound: connect at least one.")
+    problem = guide_source_problem(image is not None, audio is not None, video is not None)
+    if problem:
+        raise ValueError(problem)
     frames = None if image is None else image_to_uint8(image, "image")
     sound = None if audio is None else audio_to_decoded(audio, "audio")
     waveform, rate = (None, None) if sound is None else (sound.waveform, sound.sample_rate)

@@ -43,7 +43,8 @@ from .common import (
     check_prefix, decode_inputs, decode_options, decode_progress, device, prefix_problem, preview_settings, progress_bar,
     saved_file_metadata, shift_inputs, step_preview,
 )
-from .conditioning import guide_media, guide_media_inputs, linked_media, reference_images_input, reference_input
+from .conditioning import (guide_media, guide_media_inputs, linked_media, reference_images_input, reference_input,
+                           validate_guide_links)
 from .convert import (audio_to_decoded, build_request, media_problem, ordered_references, pack_latents,
                       refuse_empty_latent, refuse_extra_inputs, unpack_latents)
 from .memory import decode_working_bytes, dit_for_run, drop_loras, place, place_for_encoding, use_loras
@@ -237,6 +238,10 @@ class H3ContinuationGuide(io.ComfyNode):
                                      tooltip="The guides so far with this one added: connect to H3 Continuation's "
                                              "guides, or to another H3 Continuation Guide.")],
         )
+
+    @classmethod
+    def validate_inputs(cls, input_types=None) -> bool | str:
+        return validate_guide_links(cls, input_types)
 
     @classmethod
     def execute(cls, frame_index, image=None, audio=None, video=None, guides=None) -> io.NodeOutput:

@@ -343,6 +343,18 @@ def test_bad_prompt_is_a_node_error_and_server_goes_on(server):
     status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
     assert status == 400 and "or a video, got neither" in json.dumps(body.get("node_errors", {}).get(save)), body
 
+    # a wrong link into a guide is named by it at queue time (asking for input_types, it checks them itself)
+    graph = json.loads((PACK / "workflows" / "api" / "t2va_guides.json").read_text())
+    guide = _node(graph, "H3AddGuide")
+    graph[guide]["inputs"].update(image=[_node(graph, "EmptyImage"), 0], video=[_node(graph, "EmptyImage"), 0])
+    status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
+    errors = json.dumps(body.get("node_errors", {}).get(guide))
+    assert status == 400 and "video takes VIDEO, got IMAGE" in errors, body
+    graph[guide]["inputs"].pop("video")
+    graph[guide]["inputs"]["audio"] = [_node(graph, "EmptyImage"), 0]
+    status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
+    assert status == 400 and "audio takes AUDIO, got IMAGE" in json.dumps(body.get("node_errors", {}).get(guide)), body
+
     # H3 Continuation's wiring is refused at queue time too (before the loaders run), its ranges still by ComfyUI
     graph = json.loads((PACK / "workflows" / "api" / "extend_video.json").read_text())
     continuation = _node(graph, "H3Continuation")

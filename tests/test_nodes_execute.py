@@ -1019,6 +1019,18 @@ def test_values_comfyui_lets_through_are_refused_at_their_node(comfy):
     assert len(c.record.loaded) == loaded
 
 
+def test_guide_wiring_is_checked_at_queue_time(comfy):
+    """H3 Add Guide / H3 Continuation Guide: an image and a video together, or nothing, was said only when the node
+    ran, after the loaders and the text encoder above it."""
+    for node in (comfy.conditioning.H3AddGuide, importlib.import_module("nodes.long_video").H3ContinuationGuide):
+        check = node.validate_inputs
+        assert check(input_types={"image": "IMAGE"}) is True
+        assert check(input_types={"audio": "AUDIO", "video": "VIDEO"}) is True
+        assert "not both" in check(input_types={"image": "IMAGE", "video": "VIDEO"})
+        assert "connect at least one" in check(input_types={})
+        assert "image takes IMAGE, got AUDIO" in check(input_types={"image": "AUDIO"})
+
+
 def test_av_save_wiring_is_checked_at_queue_time(comfy):
     """H3 AV Save runs last: images or a video (one of them), and its links' types, checked before anything runs."""
     check = comfy.output.H3AVSave.validate_inputs
