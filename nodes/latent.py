@@ -16,7 +16,8 @@ from h3_core.media import MediaError
 from h3_core.conditioning import MAX_FRAMES, MIN_REQUESTED_FRAMES, RequestError, resolve_num_frames
 from h3_core.placement import freed_on_failure
 
-from .common import CATEGORY, H3VAE, H3Cond, H3Latent, check_interrupt, device, progress_and_interrupt, progress_bar
+from .common import (CATEGORY, H3VAE, H3Cond, H3Latent, check_interrupt, device, progress_and_interrupt, progress_bar,
+                     wrong_link)
 from .convert import (
     audio_to_decoded, empty_latent, from_core_av, image_to_uint8, pack_latents, to_core_av, trim_frames, video_file,
     video_to_decoded,
@@ -104,9 +105,16 @@ class H3VAEEncode(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, input_types=None) -> bool | str:
+        """Its links at queue time: a video or images, one of them, of the right types."""
+        types = input_types if isinstance(input_types, dict) else {}
+        return wrong_link(cls, types) or _clip_source_problem("video" in types, "images" in types) or True
+
+    @classmethod
     def execute(cls, vae, video=None, images=None, frame_rate=24.0, audio=None, width=0, height=0) -> io.NodeOutput:
-        if (video is None) == (images is None):
-            raise ValueError("Connect a video or images (frames) to H3 VAE Encode, one of them.")
+        problem = _clip_source_problem(video is not None, images is not None)
+        if problem:
+            raise ValueError(problem)
         if bool(width) != bool(height):
             raise ValueError(f"Give width and height together (or both 0: from the clip); got {width}x{height}.")
         if width:
@@ -216,6 +224,10 @@ class H3LatentFromLatent(io.ComfyNode):
             return io.NodeOutput(from_core_av(*samples.unbind()))
         except ValueError as error:
             raise ValueError(f"LATENT to H3 Latent: {error}") from None
+
+
+def _clip_source_problem(video: bool, images: bool) -> str | None:
+    return None if video != images else "Connect a video or images (frames) to H3 VAE Encode, one of them."
 
 
 NODES = [H3EmptyAVLatent, H3VAEEncode, H3LatentToLatent, H3LatentFromLatent]

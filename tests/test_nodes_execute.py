@@ -1029,6 +1029,11 @@ def test_guide_wiring_is_checked_at_queue_time(comfy):
         assert "not both" in check(input_types={"image": "IMAGE", "video": "VIDEO"})
         assert "connect at least one" in check(input_types={})
         assert "image takes IMAGE, got AUDIO" in check(input_types={"image": "AUDIO"})
+    check = comfy.latent.H3VAEEncode.validate_inputs  # the same for H3 VAE Encode's clip
+    assert check(input_types={"video": "VIDEO", "audio": "AUDIO"}) is True and check(input_types={"images": "IMAGE"})
+    assert "one of them" in check(input_types={"video": "VIDEO", "images": "IMAGE"})
+    assert "one of them" in check(input_types={"audio": "AUDIO"})
+    assert "video takes VIDEO, got IMAGE" in check(input_types={"video": "IMAGE"})
 
 
 def test_av_save_wiring_is_checked_at_queue_time(comfy):
@@ -1091,7 +1096,7 @@ def test_another_length_of_a_prompt_does_not_run_the_text_encoder_again(comfy):
     before = len(c.record.loaded)
     longer = c.conditioning.H3Conditioning.execute(text, "a fox on a beach", "t2va", "1:1", 0, 0, 5.0, vae=vae).values[0]
     assert longer.num_frames > first.num_frames and longer.width == longer.height
-    assert longer.text_states is first.text_states
+    assert torch.equal(longer.text_states, first.text_states)  # remembered (a copy: each request owns its states)
     assert [names for names, _ in c.record.loaded[before:]] == [["H3 VAEs (tiny-random + tiny-random)"]]
     other = c.conditioning.H3Conditioning.execute(text, "a cat", "t2va", "auto", 0, 0, 4.0, vae=vae).values[0]
     assert not torch.equal(other.text_states, first.text_states)
