@@ -78,9 +78,16 @@ def held_linears(source: DiTSource | None, mode: str) -> str:
     return max(held, key=("int4", "nvfp4", "fp8").index)
 
 
+def holds_stored_linears(source: DiTSource | None) -> bool:
+    """Whether a file keeps some linears quantized as it stores them (FP8, int8, int4, NVFP4, GGUF blocks), anywhere
+    in the model: LoRAs are then hooked, their factors held beside the weights (lora.run_mode), not merged."""
+    return source is not None and bool(source.fp8_layers or source.nvfp4_layers
+                                       or any(entry.quantized for entry in source.gguf_tensors.values()))
+
+
 def _every_block_linear(layers: dict, config: DiTConfig | None) -> bool:
-    """Whether `layers` (quantized layer names) hold every block's four linears; without a config, of the
-    blocks they name."""
+    """Whether `layers` (quantized layer names) hold every block's four linears; without a config (a single file
+    not yet read with `with_config`), of the blocks they name."""
     indices = [int(name.split(".")[1]) for name in layers if name.startswith("blocks.")]
     count = config.num_layers if config is not None else 1 + max(indices, default=-1)
     return count > 0 and all(f"blocks.{index}.{leaf}" in layers for index in range(count) for leaf in fp8.BLOCK_LINEARS)

@@ -24,7 +24,9 @@ import torch
 
 from . import geometry, media_read
 from .attention import resolve_backend
-from .checkpoint import DiTReader, held_linears, load_dit, locate_dit, vsa_student, with_config  # noqa: F401 (load_dit: engine API, above)
+from .checkpoint import (  # noqa: F401 (load_dit: engine API, above)
+    DiTReader, held_linears, holds_stored_linears, load_dit, locate_dit, vsa_student, with_config,
+)
 from .config import TINY_DIT
 from .memory_plan import (
     GIB, HEADROOM_BYTES, HEADROOM_FRACTION, MemoryPlan, check_budget, free_bytes, plan_for, usable_bytes,
@@ -580,7 +582,7 @@ def generate_batch(
                 )
                 seconds = {**timings, "sample": time.perf_counter() - clock}
                 if number == running[-1] and index == item.outputs - 1:  # DiT's memory free before the last decode
-                    _release_dit(dit, streamer)
+                    _release_dit(dit, streamer, reader)
                     dit = streamer = None  # the streamer holds the resident blocks too
                     empty_caches(device)  # once nothing holds the DiT: its pinned blocks leave the host cache
                 latents_path = numbered(job.save_latents, index, item.outputs)
@@ -612,19 +614,22 @@ def generate_batch(
                 notes("the DiT's worker processes stopped with that job; starting them again for the next")
                 dit, plan, streamer = sampling_dit()
     if dit is not None:  # the last job failed before its DiT was let go
-        _release_dit(dit, streamer)
+        _release_dit(dit, streamer, reader)
         dit = streamer = None
         empty_caches(device)
     return results
 
 
-def _release_dit(dit, streamer) -> None:
+def _release_dit(dit, streamer, reader: DiTReader | None) -> None:
     """The DiT's device memory handed back: its streaming hooks removed (with their slots), parallel workers
-    stopped. The caller then drops its own references and empties the caches."""
+    stopped, the weights its reader holds let go of. The caller then drops its own references and empties the
+    caches."""
     if streamer is not None:
         streamer.remove()
     if hasattr(dit, "close"):
         dit.close()  # the parallel workers
+    if reader is not None:
+        reader.drop()  # it holds the model it read (a checkpoint on disk; tiny-random has none)
 
 
 def _job_failed(name: str, job: Job, error: Exception, device: torch.device, on_failure, notes) -> None:
@@ -969,7 +974,7 @@ def sampling_plan(config, dit_source, partition: str, settings: GenerateSettings
     device = torch.device(settings.device)
     # LoRAs are hooked (their factors on the device) into linears held as the file stores them, else merged
     read_linears = read_mode(settings.linears, bool(loras))
-    stored = read_linears == "checkpoint" and held_linears(dit_source, "checkpoint") != "dense"
+    stored = read_linears == "checkpoint" and holds_stored_linears(dit_source)  # as lora.run_mode will find it
     plan = plan_for(config, layout, steps, device, settings.gpu_memory,
                     held=held_linears(dit_source, settings.linears),
                     adaln_bytes=None if reader is None else reader.adaln_nbytes,

@@ -397,6 +397,13 @@ def test_a_file_with_some_blocks_left_dense_streams_and_is_planned_dense(tmp_pat
     check_streamed_blocks_equal_resident(path)
     assert fp8.held_format(load_dit(path)) == "dense"
     assert held_linears(with_config(locate_dit(path)), "checkpoint") == "dense"
+    from h3_core.checkpoint import holds_stored_linears
+    from h3_core.lora import run_mode
+    from h3_core.parallel.workers import ModelSpec
+
+    # LoRAs are hooked into such a file (its FP8 linears stay stored): the plan counts their factors as run_mode does
+    assert holds_stored_linears(locate_dit(path)) and run_mode(load_dit(path)) == "dynamic"
+    assert ModelSpec(str(path)).held_linears() == "dense"  # split workers plan every block too (the last was missed)
     every = tmp_path / "every.safetensors"
     write_fp8_scaled(every, tiny_random_dit(torch.bfloat16), "comfy_quant",
                      layers=[f"blocks.{index}.{leaf}" for index in (0, 1) for leaf in BLOCK_LINEARS])

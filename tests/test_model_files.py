@@ -423,3 +423,34 @@ def test_a_gguf_text_encoder_generates_what_its_weights_do(model_sets, tmp_path,
     assert info["vision_tower"] is True and info["vision_tower_file"].endswith("mmproj-Qwen3-VL-32B-Instruct-F16.gguf")
     assert set(info["vision_tower_sizes"]["gib_by_type"]) == {"F16", "F32"} and info["vision_tower_sizes"]["tensors"] == \
         len(tiny_qwen.mmproj_keys(text.state_dict(), text.config.vision_config.deepstack_visual_indexes))
+
+
+def test_a_dit_read_from_disk_is_let_go_of_before_the_last_decode(model_sets, tmp_path, monkeypatch):
+    """generate() dropped its own names for the DiT before the last decode, but its reader (a checkpoint on disk)
+    still held the weights: the streamed blocks' pinned memory through the decode, and in torch's host cache
+    after generate returned."""
+    import weakref
+
+    from h3_core.conditioning import Request
+    from h3_core.memory_plan import MemoryPlan
+    from h3_core.output import AVLatents
+
+    placed, held_at_save = [], []
+    real_place, real_save = pipeline.place, AVLatents.save
+
+    def place(dit, *args):
+        placed.append(weakref.ref(dit))
+        return real_place(dit, *args)
+
+    def save(latents, *args, **kwargs):  # after the sampling, before the decode
+        dit = placed[-1]()
+        held_at_save.append(dit is not None and not next(dit.blocks[1].parameters()).is_meta)
+        return real_save(latents, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "plan_for", lambda *args, **kwargs: MemoryPlan(1, 1, True, 0, True))
+    monkeypatch.setattr(pipeline, "place", place)
+    monkeypatch.setattr(AVLatents, "save", save)
+    request = Request("t2va", "a fox on the beach", width=224, height=128, duration=4)
+    pipeline.generate(request, str(model_sets["release"]), pipeline.GenerateSettings(steps=3),
+                      save_latents=tmp_path / "fox.safetensors")
+    assert held_at_save == [False]

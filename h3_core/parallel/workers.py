@@ -77,9 +77,11 @@ class ModelSpec:
 
     def held_linears(self) -> str:
         """How the workers will hold the block linears (memory_plan.HELD_FORMATS), from the headers."""
-        from ..checkpoint import held_linears, locate_dit
+        from ..checkpoint import held_linears, locate_dit, with_config
 
-        return held_linears(None if self.source == TINY_RANDOM else locate_dit(self.source, self.partition), self.linears)
+        if self.source == TINY_RANDOM:
+            return held_linears(None, self.linears)
+        return held_linears(with_config(locate_dit(self.source, self.partition)), self.linears)  # every block counted
 
     def adaln_bytes(self) -> int | None:
         """What the timestep-only weights take on each worker as it will hold them, from the headers (None:
