@@ -180,6 +180,10 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[st
     with open_safetensors(path) as handle:
         metadata = dict(handle.metadata() or {})
         keys = list(handle.keys())
+        lycoris = [key for key in keys if re.search(r"\.(lokr|hada)_", key)]
+        if lycoris:
+            raise LoRAError(f"{path.name} is a LyCORIS LoKr / LoHa adapter ('{lycoris[0]}'); H3 takes plain LoRAs "
+                            "(low-rank A / B factors) and dense deltas.")
         if keys and not any(key.endswith(suffix) for key in keys for suffix, _ in _SUFFIXES):
             # a model file picked as a LoRA: said from its names, before its tens of GB are read
             raise LoRAError(f"{path.name} holds no LoRA factors: none of its {len(keys)} tensor names ends as a "

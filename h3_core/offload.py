@@ -124,6 +124,8 @@ class BlockStreamer:
         """At a forward's first block: a forward that failed part way left blocks marked as in their slots (their
         `_after` never ran) while later copies may have overwritten those slots; they are read again. The slots
         are free once the GPU is past the failed forward's work."""
+        if not self.loaded:  # the last forward finished: its slots' events stand
+            return
         for index in list(self.loaded):
             for param, view in zip(_streamed_parameters(self.blocks[index]), self.home[index]):
                 param.data = view

@@ -511,9 +511,8 @@ def _used_tensors(source: TextEncoderSource, layers: int, data: bool = True):
             yield from source.vision.tensors()
         return
     if not data:
-        for key, tensor, path in read_headers(source.files):
-            if (name := model_name(key, layers)) is not None:
-                yield name, tensor, path
+        for key, tensor, path in read_headers(source.files, only=lambda key: model_name(key, layers) is not None):
+            yield model_name(key, layers), tensor, path
         return
     for path in source.files:
         with open_safetensors(path) as handle:

@@ -63,7 +63,7 @@ def config_errors(where):
         raise
     except (TypeError, ValueError, KeyError, IndexError, ZeroDivisionError, AttributeError) as error:
         raise CheckpointError(f"{where} does not describe a model H3 can build ({type(error).__name__}: {error}); "
-                              "is its config damaged or another model's?") from None
+                              "is its config damaged or another model's?") from error
 
 
 def _not_safetensors(path: Path | str, error: Exception) -> CheckpointError:
@@ -162,12 +162,14 @@ HEADER_DTYPES = {
 }
 
 
-def read_headers(files: Iterable[Path]) -> Iterator[Item]:
+def read_headers(files: Iterable[Path], only: Callable[[str], bool] | None = None) -> Iterator[Item]:
     """`read_tensors` without the data: each tensor on the meta device with the shape and dtype its file's
-    header gives, to check a checkpoint against a model before anything is read."""
+    header gives, to check a checkpoint against a model before anything is read. `only(key)`: the keys wanted."""
     for path in files:
         with open_safetensors(path) as handle:
             for key in handle.keys():
+                if only is not None and not only(key):
+                    continue
                 piece = handle.get_slice(key)
                 dtype = HEADER_DTYPES.get(piece.get_dtype())
                 if dtype is None:

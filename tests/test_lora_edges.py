@@ -303,3 +303,11 @@ def test_hooked_factors_follow_the_activations_device_once(tmp_path):
     hook(module, (x,), torch.empty(1, 3, module.out_features, device="meta"))
     factors = [t for term in hook.terms for t in term[3:] if t is not None]
     assert factors and all(t.device.type == "meta" for t in factors)  # kept there for the next forward
+
+
+def test_a_lycoris_adapter_is_named_as_such(tmp_path):
+    """LoKr / LoHa files were told they looked like a model file rather than a LoRA."""
+    save_file({"lora_unet_blocks_0_attn_qkv_proj.lokr_w1": torch.zeros(2, 2),
+               "lora_unet_blocks_0_attn_qkv_proj.lokr_w2": torch.zeros(2, 2)}, str(tmp_path / "lokr.safetensors"))
+    with pytest.raises(LoRAError, match="lokr.safetensors is a LyCORIS LoKr / LoHa adapter"):
+        load_lora(tmp_path / "lokr.safetensors")

@@ -1064,6 +1064,11 @@ def test_a_wrong_tensor_is_found_from_the_headers_before_any_is_read(tiny, tmp_p
     bad = tmp_path / "qwen3vl_bad.safetensors"
     save_file(tensors, str(bad))
     read = []
+    extra = load_file(str(tiny["single"]))  # a tensor H3 never reads, in a dtype it has no use for, is not looked at
+    extra["lm_head.weight"] = torch.zeros(4, 4, dtype=torch.uint16)
+    tolerated = tmp_path / "qwen3vl_extra.safetensors"
+    save_file(extra, str(tolerated))
+    load_text_encoder(tolerated, torch.float32, tokenizer=tiny["partition"], config=tiny["config"])
     with pytest.raises(CheckpointError, match=r"layers.49.self_attn.v_proj.weight' .* has shape \[3, "):
         load_text_encoder(bad, torch.float32, tokenizer=tiny["partition"], config=tiny["config"],
                           on_tensor=lambda done, total: read.append(done))

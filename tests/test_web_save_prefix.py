@@ -49,3 +49,10 @@ def test_the_h3_save_nodes_expand_their_prefix_as_core_save_nodes_do(tmp_path):
     assert "/scripts/utils.js\"" not in (WEB / "h3_save_prefix.js").read_text()  # internal: the frontend warns on it
     interface = json.loads((ROOT / "tools" / "node_interface.json").read_text())  # every node's inputs, kept current
     assert set(out["listed"]) == {node for node, spec in interface.items() if "filename_prefix" in spec["inputs"]}
+
+    # a frontend without window.comfyAPI: the prefix goes as typed (the queueing must not fail on it)
+    start, end = RUN.index("globalThis.window"), RUN.index("import { app }")
+    (tmp_path / "run.mjs").write_text(RUN[:start] + "globalThis.window = {};\n" + RUN[end:])
+    out = json.loads(subprocess.run(["node", str(tmp_path / "run.mjs")], capture_output=True, text=True, check=True,
+                                    timeout=60).stdout)
+    assert out["results"]["H3AVSave"] == {"created": True, "sent": "H3/%date:yyyy-MM-dd%/s%H3Sampler.seed%"}

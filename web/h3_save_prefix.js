@@ -3,7 +3,8 @@
 // frontend's own expansion is taken from window.comfyAPI (importing scripts/utils.js logs that it is internal).
 import { app } from "../../scripts/app.js";
 
-const applyTextReplacements = (...args) => window.comfyAPI.utils.applyTextReplacements(...args);
+// a frontend without it sends the prefix as typed rather than failing to queue
+const applyTextReplacements = (app, value) => window.comfyAPI?.utils?.applyTextReplacements?.(app, value) ?? value;
 
 export const SAVE_NODES = new Set(["H3AVSave", "H3SaveMP4"]);
 
