@@ -40,10 +40,10 @@ from .weights import (
     PICKLE_SUFFIXES,
     CheckpointError,
     assign_strictly,
-    config_errors,
-    read_headers,
     check_safetensors_file,
+    config_errors,
     open_safetensors,
+    read_headers,
     read_json,
     read_weight_map,
     tensor_names,
@@ -360,7 +360,8 @@ def qwen3vl_config(config, layers: int = TEXT_ENCODER_LAYER):
         raw = _read_config(path / "config.json" if path.is_dir() else path)
     if "text_config" not in raw or "vision_config" not in raw:
         raise CheckpointError("A Qwen3-VL config needs 'text_config' and 'vision_config'.")
-    with config_errors(f"The Qwen3-VL config{'' if config is None or isinstance(config, dict) else f' at {config}'}"):
+    where = "" if config is None or isinstance(config, dict) else f" at {config}"
+    with config_errors(f"The text encoder (Qwen3-VL){where}"):
         available = int(raw["text_config"].get("num_hidden_layers", 0))
         if available < layers:
             raise CheckpointError(
