@@ -534,7 +534,7 @@ def generate_batch(
             "on_stage": lambda done, total, stage=stage: progress(stage, done, total)}
         try:
             conditioning = item.encode(item.request, text_encoder, video_vae, audio_vae, rules=source.canvas,
-                                       **staged)
+                                       before_models=room_to_encode(text_encoder, settings, notes), **staged)
             for media in item.guide_media:
                 conditioning = add_guide(conditioning, media.frame_index, video_vae, audio_vae, media.frames,
                                          media.waveform, media.sample_rate)
@@ -888,6 +888,28 @@ def load_text_encoder_for(source, settings: GenerateSettings, notes, on_tensor=N
             return loaded.spread_layers(settings.devices, counts) if counts else loaded.stream_layers(device)
     return load_text_encoder(source.text_encoder, settings.dtype, device, tokenizer=source.tokenizer,
                              on_tensor=on_tensor)
+
+
+def room_to_encode(text_encoder, settings: GenerateSettings, notes) -> Callable[[int], None]:
+    """`before_models` for a request's encode: an encoder resident on a CUDA device without room left for
+    encoding `rows` rows (`TextEncoder.encoding_bytes`: a long prompt with many pictures takes far more than the
+    short prompt's allowance it was placed with) goes back to CPU memory and streams its layers from then on."""
+    device = torch.device(settings.device)
+
+    def check(rows: int) -> None:
+        weights = text_encoder.resident_bytes
+        if not rows or device.type != "cuda" or weights is None:
+            return
+        need = text_encoder.encoding_bytes(rows)
+        room = _budget_bytes(settings, device) if settings.gpu_memory else free_bytes(device) + weights
+        if weights + need <= usable_bytes(room):
+            return
+        notes(f"text encoder: encoding {rows:,} rows takes about {need / GIB:.1f} GiB beside its "
+              f"{weights / GIB:.1f} GiB of weights, more than {room / GIB:.1f} GiB holds; its layers stream from CPU "
+              "memory from now on")
+        text_encoder.to("cpu").stream_layers(device)
+
+    return check
 
 
 def _text_encoder_spread(settings: GenerateSettings, rest: int, layer_bytes: int) -> list[int] | None:

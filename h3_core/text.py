@@ -103,6 +103,14 @@ class TextEncoder:
         return max(ENCODING_FLOOR_BYTES, rows * self._row_bytes)
 
     @property
+    def resident_bytes(self) -> int | None:
+        """The weights' bytes when the whole encoder sits on its device (None: its layers stream or are spread, or
+        it is released)."""
+        if self.model is None or self._visits is not None or self._spread is not None:
+            return None
+        return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+
+    @property
     def device(self) -> torch.device:
         return self._loaded().language_model.embed_tokens.weight.device
 

@@ -1073,3 +1073,39 @@ def test_a_wrong_tensor_is_found_from_the_headers_before_any_is_read(tiny, tmp_p
         load_text_encoder(bad, torch.float32, tokenizer=tiny["partition"], config=tiny["config"],
                           on_tensor=lambda done, total: read.append(done))
     assert read == []  # not one tensor read
+
+
+def test_a_resident_encoder_streams_when_a_prompt_needs_more_room_than_is_left(tiny, monkeypatch):
+    """h3 generate chose resident or streamed at load with a short prompt's allowance (2 GiB): a long prompt with
+    many pictures (~12 GiB of activations for nine release-size images on the 32B) ran out of memory beside a
+    resident encoder. Before such an encode, the encoder goes back to CPU memory and streams its layers."""
+    from h3_core import pipeline
+
+    encoder = load_text_encoder(tiny["partition"], torch.float32)
+    streamed, notes = [], []
+    monkeypatch.setattr(encoder, "stream_layers", lambda device: streamed.append(str(device)) or encoder)
+    weights = encoder.resident_bytes
+    budget_gib = (weights + encoder.encoding_bytes(10)) / 2**30 / 0.95 + 0.3  # a short prompt's room, and headroom
+    check = pipeline.room_to_encode(encoder, pipeline.GenerateSettings(device="cuda", gpu_memory=budget_gib),
+                                    notes.append)
+    check(0)  # a remembered prompt runs no encoder
+    check(10)
+    assert streamed == [] and notes == []
+    rows = 10
+    while encoder.encoding_bytes(rows) <= budget_gib * 2**30:  # a prompt whose encoding the budget cannot hold
+        rows *= 2
+    check(rows)
+    assert streamed == ["cuda"] and f"encoding {rows:,} rows takes about" in notes[0]
+    assert encoder.device.type == "cpu"
+
+
+def test_generate_makes_room_before_each_encode(monkeypatch, tmp_path):
+    """generate hands each request's encode the room check, which hears the rows the encoder will run."""
+    from h3_core import pipeline
+    from h3_core.conditioning import Request
+
+    heard = []
+    monkeypatch.setattr(pipeline, "room_to_encode", lambda encoder, settings, notes: heard.append)
+    pipeline.generate(Request("t2va", "a fox", duration=4), "tiny-random", pipeline.GenerateSettings(steps=2),
+                      save_latents=tmp_path / "fox.safetensors")
+    assert len(heard) == 1 and heard[0] > 0
