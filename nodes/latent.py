@@ -4,6 +4,8 @@ H3 Latent to LATENT / LATENT to H3 Latent: the same latent in the layout of Comf
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from comfy_api.latest import io
 
@@ -217,9 +219,10 @@ class H3LatentFromLatent(io.ComfyNode):
             raise ValueError(f"LATENT to H3 Latent: the LATENT must hold MiniMax H3's video and audio together (an AV "
                              f"latent); got {got}" + ("; join a separate H3 video and audio latent with Concat AV Latent "
                                                       "first." if part else ", not a MiniMax H3 latent."))
-        if latent.get("noise_mask") is not None:  # else the whole clip would be sampled, silently
-            raise ValueError("LATENT to H3 Latent: this LATENT carries a noise mask; H3 sampling does not take one. "
-                             "To keep part of a clip, use the H3 sampler's keep or H3 Add Guide.")
+        if latent.get("noise_mask") is not None:  # a core sampler's output keeps the mask it used: decoding is fine
+            logging.getLogger("h3").warning(
+                "H3: LATENT to H3 Latent: the LATENT's noise mask is not carried over (H3 sampling takes none): a "
+                "refine with the H3 sampler samples the whole clip; keep part of a clip with its keep or H3 Add Guide.")
         try:
             return io.NodeOutput(from_core_av(*samples.unbind()))
         except ValueError as error:
