@@ -217,8 +217,8 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--gpu-memory", type=float, metavar="GIB",
                      help="GPU memory the text encoder, then the DiT, may use (default: what is free); a DiT that "
                           "does not fit keeps its leading blocks on the GPU and streams the rest from CPU memory, a "
-                          "text encoder that does not fit streams its layers (with --device cpu: the DiT's memory there, streamed the "
-                          "same way)")
+                          "text encoder that does not fit streams its layers (with --device cpu: the DiT's memory "
+                          "there, streamed the same way)")
     gen.add_argument("--devices", metavar="DEV,DEV[,...]",
                      help="split the DiT over several devices, e.g. cuda:0,cuda:1 (one worker process each, sequence "
                           "parallel; 2, 4, 7 or 8 of them); the text encoder and VAEs run on the first (replaces --device)")

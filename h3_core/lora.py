@@ -387,11 +387,11 @@ class _DeltaHook:
                 h = x.to(down.dtype)
                 contribution = F.linear(F.linear(h, down), up) * scale
             elif param == "bias":
-                contribution = delta.to(out.device) * scale
+                contribution = delta * scale
             elif isinstance(module, LINEARS):
-                contribution = F.linear(x.to(delta.dtype), delta.to(x.device)) * scale
+                contribution = F.linear(x.to(delta.dtype), delta) * scale
             else:
-                contribution = F.rms_norm(x, module.normalized_shape, delta.to(x.device, x.dtype), module.eps) * scale
+                contribution = F.rms_norm(x, module.normalized_shape, delta.to(x.dtype), module.eps) * scale
             out[..., rows] += contribution.to(out.dtype)
         return out
 

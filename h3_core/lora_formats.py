@@ -224,11 +224,14 @@ def parse_lora(
     if not tensors:
         raise LoRAError(f"{Path(path).name or 'The LoRA'} holds no tensors.")
     for key, tensor in tensors.items():  # alphas are checked with their own rule below
-        if not key.endswith("alpha") and not tensor.is_floating_point():
-            raise LoRAError(f"'{key}' of {Path(path).name or 'the LoRA'} is stored as {str(tensor.dtype).removeprefix('torch.')}"
-                            "; LoRA factors and deltas are floating point (a damaged or foreign file).")
+        if key.endswith("alpha"):
+            continue
+        if not tensor.is_floating_point():
+            stored = str(tensor.dtype).removeprefix("torch.")
+            raise LoRAError(f"'{key}' of {Path(path).name or 'the LoRA'} is stored as {stored}; LoRA factors and "
+                            "deltas are floating point (a damaged or foreign file).")
         values = tensor.float() if tensor.element_size() == 1 else tensor  # FP8: no isfinite of its own
-        if not key.endswith("alpha") and tensor.is_floating_point() and not bool(torch.isfinite(values).all()):
+        if not bool(torch.isfinite(values).all()):
             raise LoRAError(f"'{key}' of {Path(path).name or 'the LoRA'} holds NaN or infinite values (a damaged "
                             "file, or one saved from a diverged training run): every output would be NaN.")
     path = Path(path)

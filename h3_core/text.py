@@ -39,6 +39,7 @@ from .prompt import (
     VisionProcessor,
     load_tokenizer,
 )
+from .placement import module_bytes
 from .runtime import empty_caches
 from .text_checkpoint import (
     GGUF_NO_VISION,
@@ -108,7 +109,7 @@ class TextEncoder:
         it is released)."""
         if self.model is None or self._visits is not None or self._spread is not None:
             return None
-        return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        return module_bytes([self.model])
 
     @property
     def device(self) -> torch.device:

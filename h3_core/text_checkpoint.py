@@ -42,9 +42,9 @@ from .weights import (
     assign_strictly,
     check_safetensors_file,
     config_errors,
-    open_safetensors,
     read_headers,
     read_json,
+    read_tensors,
     read_weight_map,
     tensor_names,
 )
@@ -497,30 +497,19 @@ class MissingVisionTower(torch.nn.Module):
 def _used_tensors(source: TextEncoderSource, layers: int, data: bool = True):
     """(model name, tensor, file) for the tensors H3 uses; the others are never read from disk. `data=False`:
     meta tensors from the headers instead."""
+    def used(key: str) -> bool:
+        return model_name(key, layers) is not None
+
     if source.gguf_tensors:
         path = source.files[0]
-        if not data:
-            for key, entry in source.gguf_tensors.items():
-                if (name := model_name(key, layers)) is not None:
-                    yield name, entry.read_as(), path
-            if source.vision is not None:
-                yield from source.vision.headers()
-            return
-        for key, tensor, where in gguf_file.read_gguf(path, only=lambda key: model_name(key, layers) is not None):
-            yield model_name(key, layers), tensor, where
-        if source.vision is not None:
-            yield from source.vision.tensors()
-        return
-    if not data:
-        for key, tensor, path in read_headers(source.files, only=lambda key: model_name(key, layers) is not None):
-            yield model_name(key, layers), tensor, path
-        return
-    for path in source.files:
-        with open_safetensors(path) as handle:
-            for key in handle.keys():
-                name = model_name(key, layers)
-                if name is not None:
-                    yield name, handle.get_tensor(key), path
+        items = (gguf_file.read_gguf(path, only=used) if data else
+                 ((key, entry.read_as(), path) for key, entry in source.gguf_tensors.items() if used(key)))
+    else:
+        items = (read_tensors if data else read_headers)(source.files, only=used)
+    for key, tensor, where in items:
+        yield model_name(key, layers), tensor, where
+    if source.vision is not None:  # a GGUF file's mmproj beside it
+        yield from source.vision.tensors(data)
 
 
 def all_model_names(keys: list[str]) -> list[str]:

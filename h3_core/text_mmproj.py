@@ -82,25 +82,19 @@ class VisionTowerFile:
         """Our name -> entry of its quantized tensors (dequantized as they load)."""
         return {self.names[key]: entry for key, entry in self.entries.items() if entry.quantized}
 
-    def tensors(self) -> Iterator[Item]:
-        """(our name, tensor, path), one at a time; the patch kernel's two frames stacked into the Conv3d's."""
+    def tensors(self, data: bool = True) -> Iterator[Item]:
+        """(our name, tensor, path), one at a time; the patch kernel's two frames stacked into the Conv3d's.
+        `data=False`: meta tensors in the shapes and dtypes the data would come in (from the headers)."""
+        items = (gguf_file.read_gguf(self.path, only=lambda key: key in self.names) if data
+                 else ((key, entry.read_as(), self.path) for key, entry in self.entries.items()))
         frames = {}
-        for key, tensor, where in gguf_file.read_gguf(self.path, only=lambda key: key in self.names):
+        for key, tensor, where in items:
             if key in PATCH_KERNEL_FRAMES:
                 frames[key] = tensor
                 if len(frames) == len(PATCH_KERNEL_FRAMES):
                     yield PATCH_KERNEL, torch.stack([frames[k] for k in PATCH_KERNEL_FRAMES], dim=2), where
                 continue
             yield self.names[key], tensor, where
-
-
-    def headers(self) -> Iterator[Item]:
-        """`tensors` without the data: meta tensors in the shapes and dtypes it yields."""
-        frames = [self.entries[key].read_as() for key in PATCH_KERNEL_FRAMES]
-        yield PATCH_KERNEL, torch.stack(frames, dim=2), self.path
-        for key, entry in self.entries.items():
-            if key not in PATCH_KERNEL_FRAMES:
-                yield self.names[key], entry.read_as(), self.path
 
 
 def _first_difference(held: dict, wanted: dict) -> str | None:

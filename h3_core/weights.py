@@ -146,12 +146,14 @@ def tensor_names(files: Iterable[Path]) -> list[str]:
     return names
 
 
-def read_tensors(files: Iterable[Path]) -> Iterator[Item]:
-    """Yield (name, tensor, file) one tensor at a time, file by file."""
+def read_tensors(files: Iterable[Path], only: Callable[[str], bool] | None = None) -> Iterator[Item]:
+    """Yield (name, tensor, file) one tensor at a time, file by file; `only(key)`: the keys read (the others are
+    not)."""
     for path in files:
         with open_safetensors(path) as handle:
             for key in handle.keys():
-                yield key, handle.get_tensor(key), path
+                if only is None or only(key):
+                    yield key, handle.get_tensor(key), path
 
 
 # safetensors header dtypes

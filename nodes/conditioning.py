@@ -4,6 +4,8 @@ H3 Add Guide: an image, clip or sound anchored at any frame of an H3_COND's vide
 
 from __future__ import annotations
 
+import functools
+
 from comfy_api.latest import io
 
 from h3_core.conditioning import (
@@ -159,8 +161,7 @@ class H3Conditioning(io.ComfyNode):
             # the encoder is loaded only to run: another length or canvas of a prompt reuses its states
             cond = encode_request(request, text_encoder.encoder, video_vae, audio_vae, rules=text_encoder.canvas,
                                   on_stage=on_stage,
-                                  before_models=lambda rows: place_for_encoding(text_encoder if rows else None, vae,
-                                                                                rows))
+                                  before_models=functools.partial(place_for_encoding, text_encoder, vae))
         return io.NodeOutput(cond, cond.width, cond.height, cond.num_frames)
 
 

@@ -266,7 +266,7 @@ class H3TextEncoderLoader(io.ComfyNode):
         check_budget(budget)  # NaN passes ComfyUI's range check
         if text_encoder == TINY_RANDOM and not clean_path(folder):  # tiny: fits anywhere unless a budget says not
             encoder, name, canvas = tiny_random_text_encoder(device="cpu"), TINY_RANDOM, TINY_CANVAS
-            stream = bool(budget) and text_encoder_streams(_weight_bytes(encoder) + TEXT_WORKING_BYTES, target, budget)
+            stream = bool(budget) and text_encoder_streams(encoder.resident_bytes + TEXT_WORKING_BYTES, target, budget)
             if not stream:
                 encoder.to(target)
         else:
@@ -286,10 +286,6 @@ class H3TextEncoderLoader(io.ComfyNode):
             name, canvas = str(path), RELEASE_CANVAS
         patcher = manage_text_encoder(f"H3 text encoder ({Path(name).name})", encoder, target, stream)
         return io.NodeOutput(TextEncoderHandle(encoder, name, canvas, patcher=patcher))
-
-
-def _weight_bytes(encoder) -> int:
-    return sum(t.numel() * t.element_size() for t in list(encoder.model.parameters()) + list(encoder.model.buffers()))
 
 
 class H3VAELoader(io.ComfyNode):

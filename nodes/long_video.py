@@ -7,6 +7,7 @@ decodes the latent chunk by chunk straight into the file (h3_core.output.write_m
 
 from __future__ import annotations
 
+import functools
 import os
 
 import folder_paths
@@ -184,8 +185,7 @@ class H3Continuation(io.ComfyNode):
             cond = encode_long_video(request, text_encoder.encoder, None if vae is None else vae.video,
                                      None if vae is None else vae.audio, rules=text_encoder.canvas,
                                      between_calls=check_interrupt,
-                                     before_models=lambda rows: place_for_encoding(text_encoder if rows else None,
-                                                                                   vae, rows))
+                                     before_models=functools.partial(place_for_encoding, text_encoder, vae))
 
         dit = model.dit
         settings = model.sampler_settings(task, steps or None, video_shift or None, audio_shift or None)

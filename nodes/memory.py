@@ -159,8 +159,9 @@ def read_progress(placement):
 def place_for_encoding(text_encoder, vae=None, rows: int = 0) -> None:
     """The text encoder (and the VAE, for keyframes and references) on the device, with room for what encoding
     a presentation of `rows` rows needs besides (the activations, and a streaming encoder's layers in flight):
-    ComfyUI unloads other models for it. `text_encoder` None: only the VAE (the encoder remembers the prompt)."""
-    patcher = None if text_encoder is None else text_encoder.patcher
+    ComfyUI unloads other models for it. `rows` 0 (the encoder remembers the prompt) or `text_encoder` None: only
+    the VAE. An encode's `before_models`."""
+    patcher = None if text_encoder is None or not rows else text_encoder.patcher
     placement = getattr(patcher, "model", None)
     encoder = getattr(placement, "encoder", None)  # a handle made outside the loaders may have no placement
     working = getattr(placement, "working_bytes", 0) + (encoder.encoding_bytes(rows) if rows and encoder else 0)
