@@ -862,9 +862,6 @@ def _check_batch(prepared: list[_Prepared], names: list[str]) -> None:
                                      "an output may not be one of the run's input files: write it elsewhere.")
 
 
-TEXT_WORKING_BYTES = ENCODING_FLOOR_BYTES  # a short prompt's activations: where the encoder goes is chosen with it
-
-
 def load_text_encoder_for(source, settings: GenerateSettings, notes, on_tensor=None):
     """The text encoder on the device when it fits (in `settings.gpu_memory` or what is free); else, with
     several `settings.devices` that hold it between them, its decoder layers spread over them
@@ -875,7 +872,7 @@ def load_text_encoder_for(source, settings: GenerateSettings, notes, on_tensor=N
         return tiny_random_text_encoder(device=device)
     if device.type == "cuda":
         rest, layer_bytes = text_encoder_sizes(source.text_encoder, settings.dtype)
-        need = rest + TEXT_ENCODER_LAYER * layer_bytes + TEXT_WORKING_BYTES
+        need = rest + TEXT_ENCODER_LAYER * layer_bytes + ENCODING_FLOOR_BYTES
         budget = _budget_bytes(settings, device)
         if need > usable_bytes(budget):
             counts = _text_encoder_spread(settings, rest, layer_bytes)
@@ -918,7 +915,7 @@ def _text_encoder_spread(settings: GenerateSettings, rest: int, layer_bytes: int
     devices = [torch.device(d) for d in settings.devices]
     if len(devices) < 2 or any(d.type != "cuda" for d in devices):
         return None
-    room = [usable_bytes(_budget_bytes(settings, d)) - TEXT_WORKING_BYTES - (rest if i == 0 else 0)
+    room = [usable_bytes(_budget_bytes(settings, d)) - ENCODING_FLOOR_BYTES - (rest if i == 0 else 0)
             for i, d in enumerate(devices)]
     return spread_counts(TEXT_ENCODER_LAYER, layer_bytes, room)
 

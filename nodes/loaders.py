@@ -17,10 +17,10 @@ from h3_core.local_attention import check_setting as check_window_setting
 from h3_core.memory_plan import check_budget
 from h3_core.parallel import ModelSpec
 from h3_core.placement import freed_on_failure
-from h3_core.pipeline import TEXT_WORKING_BYTES, TINY_CANVAS
+from h3_core.pipeline import TINY_CANVAS
 from h3_core.references import RELEASE_CANVAS
 from h3_core.weights import file_bytes
-from h3_core.text import load_text_encoder, locate_text_encoder_files, text_encoder_bytes
+from h3_core.text import ENCODING_FLOOR_BYTES, load_text_encoder, locate_text_encoder_files, text_encoder_bytes
 from h3_core.text_mmproj import MARKER as MMPROJ_MARKER
 from h3_core.text_mmproj import companions as mmproj_companions
 from h3_core.tiny import (
@@ -266,7 +266,8 @@ class H3TextEncoderLoader(io.ComfyNode):
         check_budget(budget)  # NaN passes ComfyUI's range check
         if text_encoder == TINY_RANDOM and not clean_path(folder):  # tiny: fits anywhere unless a budget says not
             encoder, name, canvas = tiny_random_text_encoder(device="cpu"), TINY_RANDOM, TINY_CANVAS
-            stream = bool(budget) and text_encoder_streams(encoder.resident_bytes + TEXT_WORKING_BYTES, target, budget)
+            stream = bool(budget) and text_encoder_streams(encoder.resident_bytes + ENCODING_FLOOR_BYTES, target,
+                                                           budget)
             if not stream:
                 encoder.to(target)
         else:
@@ -276,7 +277,7 @@ class H3TextEncoderLoader(io.ComfyNode):
             found = locate_text_encoder_files(path, tokenizer)
             dtype = DTYPES[weight_dtype]
             weight_bytes = text_encoder_bytes(path, dtype)
-            stream = text_encoder_streams(weight_bytes + TEXT_WORKING_BYTES, target, budget)
+            stream = text_encoder_streams(weight_bytes + ENCODING_FLOOR_BYTES, target, budget)
             home = text_encoder_offload_device() if stream else target  # streamed layers wait in CPU memory
             if stream:  # our other models may let go of CPU memory for it (host_memory)
                 warn_unless_room(weight_bytes, "The text encoder")

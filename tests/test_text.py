@@ -945,7 +945,7 @@ def test_generate_spreads_a_text_encoder_over_devices_that_hold_it_together(tiny
     monkeypatch.setattr(pipeline, "free_bytes", lambda device: free[str(device)])
     monkeypatch.setattr(pipeline, "usable_bytes", lambda budget: budget)  # no allocator headroom: exact counts
     source = pipeline.ModelSource("release", tiny["partition"])
-    work = pipeline.TEXT_WORKING_BYTES
+    work = pipeline.ENCODING_FLOOR_BYTES
     settings = pipeline.GenerateSettings(device="cuda:0", devices=("cuda:0", "cuda:1", "cuda:2"))
     free.update({"cuda:0": rest + work + 30 * layer_bytes, "cuda:1": work + 5 * layer_bytes,
                  "cuda:2": work + 40 * layer_bytes})
