@@ -44,7 +44,7 @@ from .parallel.workers import ParallelWorkerError
 from .placement import check_devices
 from .pipeline import TINY_CANVAS, GenerateSettings, Job, ModelFiles, check_writable, encode_clip_file, generate_batch, sample
 from .references import REFERENCE_IMAGE_MODES, MediaReference
-from .runtime import return_freed_memory_to_os, use_expandable_segments
+from .runtime import compile_failed, return_freed_memory_to_os, use_expandable_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, check_shift
 from .text_checkpoint import all_model_names, checkpoint_layers, locate_text_encoder, source_tensor_names
 from .tiny import TINY_RANDOM, tiny_random_dit
@@ -83,14 +83,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"h3: error: {error}", file=sys.stderr)
         return 2
     except ParallelWorkerError as error:  # names the rank, with its traceback
+        if getattr(args, "compile", False) and error.compile_failed:
+            return _compile_refused(error.summary)
         print(f"h3: error: {error}", file=sys.stderr)
         return 1
     except RuntimeError as error:
-        if not (getattr(args, "compile", False) and _compile_failed(error)):
+        if not (getattr(args, "compile", False) and compile_failed(error)):
             raise
-        print(f"h3: error: --compile: torch.compile cannot build the DiT's blocks here "
-              f"({str(error).strip().splitlines()[0]}); drop --compile (it only speeds the steps up).", file=sys.stderr)
-        return 2
+        return _compile_refused(str(error))
     except KeyboardInterrupt:
         print("h3: stopped; nothing more was written.", file=sys.stderr)
         return 130
@@ -103,11 +103,10 @@ def _stop(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _compile_failed(error: RuntimeError) -> bool:
-    """Whether torch.compile failed to build a graph (no C++ compiler, no Triton, an Inductor bug)."""
-    from torch._dynamo.exc import BackendCompilerFailed  # imported already by --compile's torch.compile
-
-    return isinstance(error, BackendCompilerFailed)  # torch._inductor.exc.InductorError is one
+def _compile_refused(why: str) -> int:
+    print(f"h3: error: --compile: torch.compile cannot build the DiT's blocks here ({why.strip().splitlines()[0]}); "
+          "drop --compile (it only speeds the steps up).", file=sys.stderr)
+    return 2
 
 
 def add_dit_speed_options(parser: argparse.ArgumentParser) -> None:
@@ -218,7 +217,8 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
                      help="GPU memory the text encoder, then the DiT, may use (default: what is free); a DiT that "
                           "does not fit keeps its leading blocks on the GPU and streams the rest from CPU memory, a "
                           "text encoder that does not fit streams its layers (with --device cpu: the DiT's memory "
-                          "there, streamed the same way)")
+                          "there, streamed the same way; with --devices: the text encoder's only, the split DiT is not "
+                          "streamed)")
     gen.add_argument("--devices", metavar="DEV,DEV[,...]",
                      help="split the DiT over several devices, e.g. cuda:0,cuda:1 (one worker process each, sequence "
                           "parallel; 2, 4, 7 or 8 of them); the text encoder and VAEs run on the first (replaces --device)")

@@ -1018,6 +1018,9 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
     if len(settings.devices) > 1:  # one worker process per device holds the DiT; encode and decode stay here
         from .parallel import ModelSpec, ParallelRunner
 
+        if settings.gpu_memory:  # said before the workers start: the split DiT is not planned against it
+            notes("memory: --gpu-memory (gpu_memory) placed the text encoder only; split over devices, the DiT is not "
+                  "streamed: each device holds its share whole (with --shard-weights 1/N of every block)")
         dit = ParallelRunner(ModelSpec(
             TINY_RANDOM if source.tiny else str(source.root), partition,
             model_dtype(source, settings), settings.attention,

@@ -396,20 +396,35 @@ def _host_main_hidden():
 def check_devices(devices, split: bool = False) -> list[torch.device]:
     """`devices` as torch devices, each one that exists here (a missing GPU is named before anything runs).
     `split`: the devices a DiT is split over, whose worker processes share one collective backend: at least one,
-    all CUDA or all 'cpu'."""
-    try:
-        devices = [torch.device(d) for d in devices]
-    except RuntimeError:
-        raise ValueError(f"{', '.join(map(str, devices))}: not device names such as cpu, cuda or cuda:1.") from None
+    all CUDA or all 'cpu', no GPU twice. A string is a comma-separated list ("cuda:0,cuda:1")."""
+    if isinstance(devices, str):
+        devices = [name.strip() for name in devices.split(",") if name.strip()]
+    bad = [name for name in devices if not _device_name(name)]
+    if bad:
+        raise ValueError(f"{', '.join(map(repr, bad))}: not a device name such as cpu, cuda or cuda:1.")
+    devices = [torch.device(d) for d in devices]
     kinds = {device.type for device in devices}
     if split and (len(kinds) != 1 or not kinds <= {"cpu", "cuda"}):
         raise ValueError(f"Devices to split the DiT over must be all CUDA devices or all 'cpu'; got "
                          f"{', '.join(map(str, devices)) or 'none'}.")
+    gpus = [device.index or 0 for device in devices if device.type == "cuda"]  # "cuda" is the current GPU, cuda:0
+    twice = sorted({index for index in gpus if gpus.count(index) > 1})
+    if split and twice:
+        raise ValueError(f"cuda:{twice[0]} is named more than once in {', '.join(map(str, devices))}; each worker "
+                         "needs a GPU of its own.")
     for device in devices:
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"{device} does not exist here: this machine has {torch.cuda.device_count()} CUDA "
                              "device(s).")
     return devices
+
+
+def _device_name(name) -> bool:
+    try:
+        torch.device(name)
+    except (RuntimeError, TypeError):
+        return False
+    return True
 
 
 class RunnerPlacement(Placement):

@@ -16,6 +16,14 @@ ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the o
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 
+def compile_failed(error: BaseException) -> bool:
+    """Whether torch.compile failed to build a graph (no C++ compiler, no Triton, an Inductor bug)."""
+    import sys
+
+    dynamo = sys.modules.get("torch._dynamo.exc")  # imported by any torch.compile that ran
+    return dynamo is not None and isinstance(error, dynamo.BackendCompilerFailed)  # InductorError is one
+
+
 def return_freed_memory_to_os(threshold_bytes: int = 1 << 20) -> bool:
     """Make glibc serve allocations above `threshold_bytes` with mmap, so freed activations go back to
     the OS. By default glibc raises that threshold after the first large free and then keeps freed

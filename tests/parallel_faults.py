@@ -14,10 +14,15 @@ class FailingSpec(ModelSpec):
 
     fail_rank: int = 1
     fail_call: int = 0
+    compiling: bool = False  # fail as torch.compile does without a C++ compiler (Inductor's error) while loading
 
     def load(self, device):
         if dist.get_rank() != self.fail_rank:
             return super().load(device)
+        if self.compiling:
+            from torch._inductor.exc import InductorError
+
+            raise InductorError(RuntimeError("No working C++ compiler found"), None)
         if self.fail_call == 0:
             raise RuntimeError("injected failure while loading")
         model, calls = super().load(device), []

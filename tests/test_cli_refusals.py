@@ -42,9 +42,11 @@ def files(tmp_path):
     (["--seed", str(MAX_SEED + 1)], f"seed must be an integer from 0 to {MAX_SEED}; got {MAX_SEED + 1}"),
     (["--seed", "-1"], "seed must be an integer from 0"),
     (["--seed", str(MAX_SEED), "--outputs", "2"], r"\(and seed \+ 1 for 2 outputs\)"),
-    (["--device", "bogus"], "bogus: not device names such as cpu, cuda or cuda:1"),
+    (["--device", "bogus"], "'bogus': not a device name such as cpu, cuda or cuda:1"),
+    (["--devices", "cpu,gpu"], r"^h3: error: 'gpu': not a device name such as cpu, cuda or cuda:1\.$"),
     (["--device", f"cuda:{torch.cuda.device_count()}"], "does not exist here: this machine has"),
-    (["--devices", "cpu,cpu,cpu"], "3 ranks cannot split the model's 2 attention heads"),
+    (["--devices", "cpu,cpu,cpu"], r"3 devices cannot split the model's 2 attention heads evenly \(each takes an equal "
+                                   r"share\); use 2 devices\."),
     (["--gpu-memory", "-5"], "GPU memory budget must be a positive number of GiB, got -5"),
     (["--gpu-memory", "1e300"], r"GPU memory budget must be a positive number of GiB, got 1e\+300 \(at most 1,048,576\)"),
     (["--attention-window-dense-steps", "3"], "give the window too"),

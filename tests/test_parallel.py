@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import multiprocessing
 import os
+import re
 import signal
 import types
 
@@ -28,6 +29,7 @@ from h3_core.layout import build_request_layout
 from h3_core.parallel import ModelSpec, ParallelRunner, ParallelWorkerError
 from h3_core.parallel.sharding import shard_blocks
 from h3_core.pipeline import sample
+from h3_core.placement import check_devices
 from h3_core.tiny import TINY_RANDOM
 
 HEADS4 = dataclasses.replace(TINY_DIT, num_attention_heads=4)  # TINY_DIT has 2 heads; 4 ranks need 4
@@ -198,6 +200,66 @@ def test_a_failure_while_loading_is_a_clear_error_and_no_worker_is_left(two_rank
     assert set(left) <= set(two_ranks.processes)
 
 
+def test_a_worker_that_cannot_compile_is_said_as_compile_failing(monkeypatch, capsys):
+    """torch.compile failing in a worker (no C++ compiler) reaches `h3 --compile` as the one-line --compile
+    refusal a single device gives, not a worker traceback."""
+    from h3_core.cli import main as h3
+
+    spec = FailingSpec(TINY_RANDOM, dtype=torch.float32, attention="sdpa", config=HEADS4, compiling=True)
+    with pytest.raises(ParallelWorkerError, match="rank 1 on cpu failed: InductorError") as caught:
+        ParallelRunner(spec, ["cpu", "cpu"], threads=1)
+    assert caught.value.compile_failed and caught.value.summary.startswith("InductorError: RuntimeError: No working C++")
+    monkeypatch.setattr("h3_core.cli.generate_batch", lambda *a, **k: (_ for _ in ()).throw(caught.value))
+    argv = ["generate", "--prompt", "x", "--save-latents", "x.safetensors", "--devices", "cpu,cpu"]
+    assert h3(argv + ["--compile"]) == 2
+    assert capsys.readouterr().err == ("h3: error: --compile: torch.compile cannot build the DiT's blocks here "
+                                       "(InductorError: RuntimeError: No working C++ compiler found); drop --compile "
+                                       "(it only speeds the steps up).\n")
+    assert h3(argv) == 1  # without --compile the worker's error stays as it is
+    assert "traceback in the worker" in capsys.readouterr().err
+
+
+def test_a_script_that_starts_workers_at_import_is_told_to_guard_it(tmp_path):
+    """Each spawned worker imports the caller's script again: one without `if __name__ == "__main__":` makes the
+    workers fail before they can report; the error says why, not 'out of memory?'."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("import torch\n"
+                      "from h3_core.parallel import ModelSpec, ParallelRunner\n"
+                      "ParallelRunner(ModelSpec('tiny-random', dtype=torch.float32, attention='sdpa'), ['cpu', 'cpu'], "
+                      "threads=1).close()\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 1
+    assert re.search(r"ParallelWorkerError: H3 worker rank \d on cpu failed: the worker process exited with code 1 "
+                     r"before it could report \(its output above says why\)\. A script that splits the DiT must "
+                     r"start it under `if __name__ == \"__main__\":`", run.stderr), run.stderr[-3000:]
+    assert "out of memory" not in run.stderr
+
+
+def test_a_second_ctrl_c_while_stopping_still_ends_every_worker_and_the_rendezvous(tmp_path):
+    """Ctrl-C, then Ctrl-C again while the workers are asked to finish: the second interrupt goes on up, and
+    no worker or private rendezvous folder is left behind."""
+    from h3_core.parallel.workers import RENDEZVOUS_PREFIX, _Pool, _Setup
+
+    folder = tmp_path / f"{RENDEZVOUS_PREFIX}x"
+    folder.mkdir()
+    setups = [_Setup(rank, 2, "cpu", "file://" + str(folder / "store"), SPEC, False, 1, os.getpid()) for rank in (0, 1)]
+    pool = _Pool(setups, str(folder))
+    pool.start()
+
+    def interrupted(*message):
+        raise KeyboardInterrupt
+
+    pool.put = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        pool.stop()
+    assert not folder.exists()
+    for process in pool.processes:
+        assert not process.is_alive() and process.exitcode is not None
+
+
 def test_a_failure_mid_sample_stops_every_worker(references):
     spec = FailingSpec(TINY_RANDOM, dtype=torch.float32, attention="sdpa", config=HEADS4, fail_call=2)
     runner = ParallelRunner(spec, ["cpu", "cpu"], threads=1)
@@ -224,8 +286,8 @@ def test_a_killed_worker_is_named_not_the_survivor_it_took_down(references):
         if state.step == 1:
             os.kill(runner.processes[1].pid, signal.SIGKILL)
 
-    with pytest.raises(ParallelWorkerError, match=r"rank 1 on cpu (was killed \(SIGKILL; out of memory\?\)|failed: "
-                                                  r"the worker process exited with code -9)"):
+    with pytest.raises(ParallelWorkerError, match=r"rank 1 on cpu (was killed \(SIGKILL; out of memory\?\), so|failed: "
+                                                  r"the worker process was killed \(SIGKILL; out of memory\?\))"):
         runner.sample(conditioning(False), 3, 30, callback=kill_rank_1)
     assert runner.closed
     assert_all_gone(runner)
@@ -245,17 +307,23 @@ def test_bad_device_lists_are_refused_before_any_process_starts(monkeypatch, cap
     from h3_core.cli import main as h3
     from h3_core.parallel import serve_ranks
 
-    with pytest.raises(ValueError, match="2 attention heads.*use one of 1, 2 devices"):
+    with pytest.raises(ValueError, match=r"2 attention heads evenly \(each takes an equal share\); use 2 devices\."):
         ParallelRunner(ModelSpec(TINY_RANDOM), ["cpu"] * 4)
     with pytest.raises(ValueError, match="all CUDA devices or all 'cpu'"):
         ParallelRunner(SPEC, ["cpu", "cuda:0"])
     with pytest.raises(ValueError, match="world_size 2 counts ranks on other machines.*give it"):
         ParallelRunner(SPEC, ["cpu"], world_size=2)  # no rendezvous for them: it would wait forever
+    with pytest.raises(ValueError, match="cuda:0 is named more than once in cuda:1, cuda:0, cuda; each worker needs "
+                                         "a GPU of its own"):  # before asking whether they exist: none do here
+        ParallelRunner(SPEC, ["cuda:1", "cuda:0", "cuda"])
+    assert check_devices(" cpu, cpu ,", split=True) == [torch.device("cpu")] * 2  # a string is a comma-separated list
+    with pytest.raises(ValueError, match=r"^'gpu', 'cuda:x': not a device name such as cpu, cuda or cuda:1\.$"):
+        check_devices(["cpu", "gpu", "cuda:x"])
     with pytest.raises(ValueError, match="must be all CUDA devices or all 'cpu'; got cpu, meta"):
         pipeline.check_settings(pipeline.GenerateSettings(devices=["cpu", "meta"]))  # before any model loads
     with pytest.raises(ValueError, match="No devices to serve"):
         serve_ranks(SPEC, [], "tcp://127.0.0.1:1", 2, 1)
-    with pytest.raises(ValueError, match="2 attention heads.*use one of 1, 2 devices"):
+    with pytest.raises(ValueError, match=r"2 attention heads evenly \(each takes an equal share\); use 2 devices\."):
         serve_ranks(ModelSpec(TINY_RANDOM), ["cpu"], "tcp://127.0.0.1:1", 3, 1)
     assert h3(["generate", "--prompt", "x", "--save-latents", "x.safetensors", "--devices", "cpu"]) == 2
     assert "h3: error: --devices splits the DiT over two or more devices, got 'cpu'" in capsys.readouterr().err
@@ -286,6 +354,26 @@ def test_cli_shard_weights_needs_devices(capsys):
 
     assert h3(["generate", "--prompt", "x", "--save-latents", "x.safetensors", "--shard-weights"]) == 2
     assert "give them with --devices" in capsys.readouterr().err
+
+
+def test_gpu_memory_with_devices_says_it_does_not_limit_the_split_dit(monkeypatch, capsys, tmp_path):
+    """--gpu-memory places the text encoder; the split DiT is not streamed against it: said before the workers
+    start (it was silently ignored)."""
+    from h3_core import parallel
+    from h3_core.cli import main as h3
+
+    class Started(Exception):
+        pass
+
+    def runner(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(parallel, "ParallelRunner", runner)
+    with pytest.raises(Started):
+        h3(["generate", "--prompt", "x", "--steps", "2", "--save-latents", str(tmp_path / "x.safetensors"), "--devices",
+            "cpu,cpu", "--gpu-memory", "0.001"])
+    assert ("h3: memory: --gpu-memory (gpu_memory) placed the text encoder only; split over devices, the DiT is not "
+            "streamed: each device holds its share whole") in capsys.readouterr().err
 
 
 def test_loras_hooked_into_the_workers_match_one_process(two_ranks):

@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 from ..config import TINY_DIT, DiTConfig
 from ..dit import H3DiT
 from ..placement import check_devices
+from ..runtime import compile_failed
 from ..sampler import AUDIO_SHIFT, VIDEO_SHIFT, StepState
 from ..tiny import TINY_RANDOM, TINY_SEED, seeded_random_weights
 from . import sequence, sharding
@@ -47,7 +48,11 @@ RENDEZVOUS_PREFIX = "h3-rendezvous-"  # the private rendezvous folder of a runne
 
 
 class ParallelWorkerError(RuntimeError):
-    """A worker failed or died; by the time this is raised every worker has been stopped."""
+    """A worker failed or died; by the time this is raised every worker has been stopped. `summary`: the worker's
+    error in one line; `compile_failed`: it was torch.compile failing to build a graph."""
+
+    summary: str = ""
+    compile_failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -187,7 +192,8 @@ def _worker(setup: _Setup, requests, results, interrupt) -> None:
     try:
         _serve(setup, requests, send, interrupt)
     except BaseException as error:  # noqa: BLE001  every failure must reach the caller
-        send("error", setup.rank, setup.device, f"{type(error).__name__}: {error}", traceback.format_exc())
+        send("error", setup.rank, setup.device, f"{type(error).__name__}: {error}", traceback.format_exc(),
+             compile_failed(error))
         if results is None:
             traceback.print_exc()
         else:
@@ -360,15 +366,14 @@ class _Pool:
                     return self._checked(pickle.loads(self.results.get(timeout=1.0)))
                 except queue.Empty:
                     rank, code = dead[0]
-                    self._fail(rank, self.devices[rank], f"the worker process exited with code {code} without a report "
-                               "(killed, e.g. out of memory?)", "")
+                    self._fail(rank, self.devices[rank], _silent_exit(code), "")
 
     def _checked(self, message: tuple) -> tuple:
         if message[0] == "error":
             self._fail(*message[1:])
         return message
 
-    def _fail(self, rank: int, device: str, summary: str, worker_traceback: str) -> None:
+    def _fail(self, rank: int, device: str, summary: str, worker_traceback: str, compiling: bool = False) -> None:
         late = self._late_reports()
         killed = [(other, process.exitcode) for other, process in enumerate(self.processes)
                   if other != rank and process.exitcode is not None and process.exitcode < 0]
@@ -384,6 +389,7 @@ class _Pool:
             + "All workers have been stopped."
         )
         error.late_steps = [message[1:] for message in late if message[0] == "step"]
+        error.summary, error.compile_failed = summary, compiling
         raise error
 
     def _late_reports(self, quiet: float = 0.5) -> list[tuple]:
@@ -403,38 +409,52 @@ class _Pool:
             return
         self.stopped = True
         alive = lambda: [p for p in self.processes if p.is_alive()]  # noqa: E731
-        if graceful and alive():
-            self.interrupt.set()
-            self.put("stop")
-            deadline = time.monotonic() + timeout
-            while alive() and time.monotonic() < deadline:
-                try:  # keep draining: a worker cannot exit while its last message waits in a full pipe
-                    self.results.get(timeout=0.1)
-                except queue.Empty:
-                    pass
-        for process in alive():
-            process.terminate()
-        for process in self.processes:
-            if process.pid is not None:
-                process.join(5.0)
-                if process.is_alive():
-                    process.kill()
-                    process.join()
-        for channel in (self.requests, self.results):
-            channel.cancel_join_thread()
-            channel.close()
-        if self.tempdir is not None:
-            shutil.rmtree(self.tempdir, ignore_errors=True)
+        try:  # a second Ctrl-C while waiting still ends every worker and removes the rendezvous folder
+            try:
+                if graceful and alive():
+                    self.interrupt.set()
+                    self.put("stop")
+                    deadline = time.monotonic() + timeout
+                    while alive() and time.monotonic() < deadline:
+                        try:  # keep draining: a worker cannot exit while its last message waits in a full pipe
+                            self.results.get(timeout=0.1)
+                        except queue.Empty:
+                            pass
+            finally:
+                for process in alive():
+                    process.terminate()
+                for process in self.processes:
+                    if process.pid is not None:
+                        process.join(5.0)
+                        if process.is_alive():
+                            process.kill()
+                            process.join()
+                for channel in (self.requests, self.results):
+                    channel.cancel_join_thread()
+                    channel.close()
+        finally:
+            if self.tempdir is not None:
+                shutil.rmtree(self.tempdir, ignore_errors=True)
+
+
+def _silent_exit(code: int) -> str:
+    """Why a worker that exited without reporting did: killed by a signal, or stopped before our code ran (its own
+    output says why; most often a script that starts the workers at import, which every spawned worker repeats)."""
+    if code < 0:
+        return f"the worker process was killed ({signal.Signals(-code).name}; out of memory?) without a report"
+    return (f"the worker process exited with code {code} before it could report (its output above says why). A script "
+            "that splits the DiT must start it under `if __name__ == \"__main__\":`, since each worker process imports "
+            "the script again.")
 
 
 def check_degree(config: DiTConfig, world: int) -> None:
     """Sequence parallel trades rows for attention heads: the ranks must divide the model's heads."""
     heads = config.num_attention_heads
     if heads % world:
-        raise ValueError(
-            f"{world} ranks cannot split the model's {heads} attention heads; use one of "
-            f"{', '.join(str(p) for p in range(1, heads + 1) if heads % p == 0)} devices."
-        )
+        counts = [str(p) for p in range(2, heads + 1) if heads % p == 0]
+        listed = counts[0] if len(counts) == 1 else f"{', '.join(counts[:-1])} or {counts[-1]}"
+        raise ValueError(f"{world} devices cannot split the model's {heads} attention heads evenly (each takes an equal "
+                         f"share); use {listed} devices.")
 
 
 class ParallelRunner:
