@@ -577,6 +577,19 @@ def _without_comment(line: str) -> str:
     return line
 
 
+CANVAS_OPTIONS = ("aspect_ratio", "width", "height")
+
+
+def _unless_replaced(given: dict) -> dict:
+    """The command line's options that a --batch line's `given` ones replace as a whole, cleared: a line's canvas
+    (a ratio, or width and height) replaces the command line's canvas, and a line keeping a clip of yours (--keep,
+    --from) takes that clip's canvas and length."""
+    cleared = CANVAS_OPTIONS if given.keys() & set(CANVAS_OPTIONS) else ()
+    if given.keys() & {"keep", "given"}:
+        cleared = (*CANVAS_OPTIONS, "duration")
+    return dict.fromkeys(cleared)
+
+
 def _batch_jobs(args) -> list[Job]:
     """--batch FILE: a job a line, written as the request options of an h3 generate command (blank lines and
     comments from #, as in a shell, skipped). A line's options override the command line's for that job."""
@@ -605,7 +618,7 @@ def _batch_jobs(args) -> list[Job]:
             options = ", ".join("--" + dest.replace("_", "-") for dest in shared)
             raise ValueError(f"{where}: {options} apply to the whole batch; give them on the command line (a line "
                              f"takes {', '.join('--' + d.replace('_', '-') for d in JOB_OPTIONS if d != 'given')}, --from).")
-        merged = argparse.Namespace(**{**vars(args), **given})
+        merged = argparse.Namespace(**{**vars(args), **_unless_replaced(given), **given})
         try:
             jobs.append(dataclasses.replace(_job(merged), name=where))
         except ValueError as error:

@@ -92,6 +92,34 @@ def test_the_readme_batch_file_reads_as_its_jobs(tmp_path):
     assert fox.name.endswith("line 1") and door.name.endswith("line 3")
 
 
+def test_a_batch_lines_canvas_or_kept_clip_replaces_the_command_lines_canvas_and_length(tmp_path):
+    """A line's --aspect-ratio replaces the command line's --width/--height (and the reverse), and a line keeping a
+    clip (--keep, --from) takes the clip's canvas and length over the command line's --duration and canvas: the
+    README's batch command gives those to every job (they had been refused as given twice)."""
+    import torch
+
+    from h3_core.cli import _batch_jobs, build_parser
+    from h3_core.output import AVLatents
+
+    AVLatents(torch.zeros(1, 24, 37, 2, 4), torch.zeros(2, 32, 207)).save(tmp_path / "mine.safetensors")
+    jobs_file = tmp_path / "jobs.txt"
+    jobs_file.write_text("--prompt a --out a.mp4\n"
+                         "--prompt b --aspect-ratio 1:1 --out b.mp4\n"
+                         f"--prompt c --keep video --from {tmp_path / 'mine.safetensors'} --out c.mp4\n")
+    args = build_parser().parse_args(["generate", "--batch", str(jobs_file), "--duration", "5", "--width", "256",
+                                      "--height", "128"])
+    plain, square, kept = _batch_jobs(args)
+    assert (plain.request.width, plain.request.height, plain.request.aspect_ratio, plain.request.duration) == (256, 128, None, 5)
+    assert (square.request.width, square.request.height, square.request.aspect_ratio) == (None, None, "1:1")
+    assert square.request.duration == 5
+    assert (kept.keep, kept.request.width, kept.request.height, kept.request.num_frames) == ("video", 64, 32, 124)
+    args = build_parser().parse_args(["generate", "--batch", str(jobs_file), "--aspect-ratio", "9:16"])
+    jobs_file.write_text("--prompt a --width 64 --height 128 --out a.mp4\n--prompt b --out b.mp4\n")
+    tall, inherited = _batch_jobs(args)
+    assert (tall.request.width, tall.request.height, tall.request.aspect_ratio) == (64, 128, None)
+    assert inherited.request.aspect_ratio == "9:16"
+
+
 def test_a_long_video_and_a_guided_job_in_one_batch_equal_their_own_runs(tmp_path):
     """Jobs of other kinds share the loaded models too: a long video (windows) and a request with a guide
     image give, in one batch, the latents each gives alone."""
