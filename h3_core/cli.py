@@ -270,18 +270,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     den = sub.add_parser("denoise", help="run the dual-clock denoise of a T2VA request and save the latents")
     den.add_argument("--model", default=TINY_RANDOM, help=f"checkpoint path or '{TINY_RANDOM}' (default)")
-    den.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"])
+    den.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"],
+                     help="which DiT of a release root to load (default fl2va, the one T2VA runs on)")
     den.add_argument("--text-states", type=Path,
                      help="safetensors with 'prompt_embeds' [1, T, text_dim] (and optional 'text_token_tags' [T])")
-    den.add_argument("--aspect-ratio", default="16:9",
+    den.add_argument("--aspect-ratio",
                      help=f"one of {', '.join(geometry.ASPECT_RATIOS)} (default 16:9; on tiny-random, generate's "
-                          "small canvas)")
+                          "small canvas); or --width and --height")
     den.add_argument("--width", type=int, help="explicit width (multiple of 32; with --height)")
     den.add_argument("--height", type=int, help="explicit height (multiple of 32; with --width)")
     den.add_argument("--duration", type=float, default=5.0, help="seconds (snapped up to 17n+5 frames at 24 fps)")
     den.add_argument("--steps", type=int, default=50, help="sigma points including the final 0 (50 -> 49 model calls)")
-    den.add_argument("--video-shift", type=float, default=VIDEO_SHIFT)
-    den.add_argument("--audio-shift", type=float, default=AUDIO_SHIFT)
+    den.add_argument("--video-shift", type=float, default=VIDEO_SHIFT, help=f"0.01-100 (default {VIDEO_SHIFT:g})")
+    den.add_argument("--audio-shift", type=float, default=AUDIO_SHIFT, help=f"0.01-100 (default {AUDIO_SHIFT:g})")
     den.add_argument("--seed", type=int, default=0, help="noise seed, 0 to 2^64-1 (default 0). " + SEED_BITS)
     den.add_argument("--save-latents", type=Path, required=True, help="output .safetensors: 'video' and 'audio'")
     den.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
@@ -453,10 +454,14 @@ def run_encode(args) -> int:
     return 0
 
 
-def run_generate(args) -> int:
+def _check_dense_steps(args) -> None:
     if args.attention_window_dense_steps and not args.attention_window_lossy:
         raise ValueError("--attention-window-dense-steps counts the steps before --attention-window-lossy's window "
                          "starts; give the window too (or drop it).")
+
+
+def run_generate(args) -> int:
+    _check_dense_steps(args)
     devices = [d.strip() for d in (args.devices or "").split(",") if d.strip()]
     if args.devices is not None and len(devices) < 2:
         raise ValueError(f"--devices splits the DiT over two or more devices, got {args.devices!r}; for one, use "
@@ -725,11 +730,15 @@ def _canvas(args) -> tuple[int, int]:
     if (args.width is None) != (args.height is None):
         raise ValueError("--width and --height go together; give both or neither (then --aspect-ratio is used).")
     if args.width is not None:
+        if args.aspect_ratio is not None:
+            raise ValueError(f"Give either --aspect-ratio ({args.aspect_ratio}) or --width and --height "
+                             f"({args.width}x{args.height}), not both.")
         geometry.check_canvas(args.width, args.height)
         return args.width, args.height
+    ratio = args.aspect_ratio or "16:9"
     if args.model == TINY_RANDOM:  # the small canvas generate gives it
-        return geometry.canvas_size(args.aspect_ratio, TINY_CANVAS.short_edge, TINY_CANVAS.max_pixels)
-    return geometry.canvas_size(args.aspect_ratio)
+        return geometry.canvas_size(ratio, TINY_CANVAS.short_edge, TINY_CANVAS.max_pixels)
+    return geometry.canvas_size(ratio)
 
 
 def _text_states(args, text_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -747,7 +756,11 @@ def _text_states(args, text_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         if tags.shape != (text.shape[1],):
             raise ValueError(f"--text-states {args.text_states}: 'text_token_tags' must be [T] = [{text.shape[1]}] "
                              f"as 'prompt_embeds', got {list(tags.shape)}.")
-        return text, tags
+        odd = sorted({value for value in tags.tolist() if value not in (0, 1)})
+        if odd:
+            raise ValueError(f"--text-states {args.text_states}: 'text_token_tags' hold 1 (text) or 0 (rows of a vision "
+                             f"block), got {', '.join(map(str, odd[:5]))}.")
+        return text, tags.long()
     generator = torch.Generator().manual_seed(args.seed)
     return torch.randn(1, 16, text_dim, generator=generator), torch.ones(16, dtype=torch.long)
 
@@ -769,6 +782,7 @@ def run_denoise(args) -> int:
     check_writable(args.save_latents)
     if args.model != TINY_RANDOM and args.text_states is None:
         raise ValueError("A real model needs --text-states (prompt embeddings); `h3 generate` runs the text encoder.")
+    _check_dense_steps(args)
     check_window_setting(args.attention_window_lossy, args.attention_window_dense_steps)
     # an unavailable backend (or one that cannot run the window) fails before any loading
     resolve_backend(args.attention, device, window=args.attention_window_lossy > 0)
@@ -777,6 +791,7 @@ def run_denoise(args) -> int:
         raise FileNotFoundError(f"--text-states {args.text_states} does not exist.")
     config = TINY_DIT if args.model == TINY_RANDOM else _dit_config(args.model, args.partition)[1]  # from headers
     text, tags = _text_states(args, config.text_dim)  # checked before the DiT loads
+    layout = build_request_layout(width, height, frames, tags)
     timings = {}
 
     started = time.perf_counter()
@@ -789,7 +804,6 @@ def run_denoise(args) -> int:
     if args.compile:
         model.compile_blocks()
     timings["load"] = time.perf_counter() - started
-    layout = build_request_layout(width, height, frames, tags)
     conditioning = Conditioning("t2va", width, height, frames, layout, text, tags)
 
     started = time.perf_counter()

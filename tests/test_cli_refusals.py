@@ -359,12 +359,19 @@ def test_h3_denoise_checks_the_seed_and_text_states_before_reading_the_dit(tmp_p
     save_file({"prompt_embeds": torch.zeros(1, 5, 47)}, str(tmp_path / "narrow.safetensors"))
     save_file({"prompt_embeds": torch.zeros(1, 5, 48), "text_token_tags": torch.ones(4, dtype=torch.long)},
               str(tmp_path / "tags.safetensors"))
+    save_file({"prompt_embeds": torch.zeros(1, 2, 48), "text_token_tags": torch.tensor([1.0, 7.5])},
+              str(tmp_path / "values.safetensors"))
     real = ["--model", str(tmp_path / "ckpt"), "--text-states"]
     for argv, message in (
         (["--seed", str(MAX_SEED + 1)], f"seed must be an integer from 0 to {MAX_SEED}; got {MAX_SEED + 1}"),
         ([*real, str(tmp_path / "narrow.safetensors")], r"'prompt_embeds' must be \[1, T >= 1, 48\] for this model, "
                                                         r"got \[1, 5, 47\]"),
         ([*real, str(tmp_path / "tags.safetensors")], r"'text_token_tags' must be \[T\] = \[5\] .* got \[4\]"),
+        ([*real, str(tmp_path / "values.safetensors")], r"values.safetensors: 'text_token_tags' hold 1 \(text\) or 0 "
+                                                        r"\(rows of a vision block\), got 7.5\."),
+        (["--attention-window-dense-steps", "3"], "give the window too"),
+        (["--width", "256", "--height", "128", "--aspect-ratio", "1:1"], r"Give either --aspect-ratio \(1:1\) or "
+                                                                         r"--width and --height \(256x128\), not both"),
     ):
         assert main(["denoise", "--steps", "2", *argv, "--save-latents", str(tmp_path / "x.safetensors")]) == 2, argv
         error = capsys.readouterr().err
