@@ -718,9 +718,10 @@ def _check_setting_types(settings: GenerateSettings) -> None:
 
 
 def check_writable(path: Path, option: str = "") -> None:
-    """An output file can be written where it is asked for: its folder made now (as the run would), not a
-    folder itself, and a file can be created there. Found out before the models run, not after. `option`
-    (e.g. "--out") names it in the messages."""
+    """An output file can be written where it is asked for: not a folder itself, and a file (or the folders it
+    needs, which the run makes when it writes) can be created there. Found out before the models run, not after,
+    and without leaving anything behind for a run refused later. `option` (e.g. "--out") names it in the
+    messages."""
     path = Path(path).expanduser()
     named = f"{option} {path}".strip()
     if path.is_dir():
@@ -728,9 +729,8 @@ def check_writable(path: Path, option: str = "") -> None:
     above = next((parent for parent in path.parents if parent.exists()), None)
     if above is not None and not above.is_dir():
         raise ValueError(f"Cannot write {named}: {above} is a file, not a folder.")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".check"):
+    try:  # where the first missing folder (or the file) will be made
+        with tempfile.NamedTemporaryFile(dir=above or Path.cwd(), prefix=f".{path.name}.", suffix=".check"):
             pass
     except OSError as error:
         raise ValueError(f"Cannot write {named}: {error.strerror or error}.") from None

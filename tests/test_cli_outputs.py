@@ -83,6 +83,24 @@ def test_a_bad_out_name_says_so_with_the_option(tmp_path, no_model_loads, capsys
     assert re.fullmatch(f"h3: error: {message}\n", error), error
 
 
+def test_a_refused_run_makes_no_output_folder(tmp_path, no_model_loads, capsys):
+    """The output's folders are made when it is written: a run refused after the output check (a missing guide, a
+    missing sound to encode) leaves none behind; a folder that cannot be made is still said before the run."""
+    for argv in (["generate", "--prompt", "x", "--steps", "2", "--out", str(tmp_path / "new" / "deeper" / "x.mp4"),
+                  "--guide", f"0:image={tmp_path / 'missing.png'}"],
+                 ["generate", "--prompt", "x", "--steps", "2", "--save-latents", str(tmp_path / "new" / "x.safetensors"),
+                  "--lora", str(tmp_path / "missing.safetensors")],
+                 ["encode", str(tmp_path / "missing.mp4"), "--out", str(tmp_path / "new" / "x.safetensors")]):
+        assert main(argv) == 2, argv
+        assert "missing" in capsys.readouterr().err
+        assert not (tmp_path / "new").exists(), argv
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if not os.access(locked, os.W_OK):  # root writes anywhere
+        assert main(["generate", "--prompt", "x", "--out", str(locked / "new" / "x.mp4")]) == 2
+        assert re.search(r"Cannot write --out \S*locked/new/x.mp4: Permission denied", capsys.readouterr().err)
+
+
 def test_an_upper_case_mp4_is_taken(tmp_path, monkeypatch, capsys):
     def stop(*args, **kwargs):
         raise ValueError("stopped before the text encoder")
