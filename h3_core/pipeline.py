@@ -295,7 +295,7 @@ def resolve_model_source(model: str | None, partition: str, files: ModelFiles = 
         check_safetensors_file(path, "DiT", " (or GGUF, .gguf)")  # a pickle is refused first, whatever else is missing
     if path is None or path.is_file():
         missing = [name for name in parts if name not in given and name != "tokenizer"]
-        where = ("no --model was given to hold them" if path is None
+        where = ("Without --model each model is given on its own" if path is None
                  else f"--model {model} is a single DiT file: the other models are not in it")
         if missing:
             raise CheckpointError(
@@ -314,7 +314,7 @@ def resolve_model_source(model: str | None, partition: str, files: ModelFiles = 
         return ModelSource(model, Path(snapshot_download(model, allow_patterns=[f"{folder}/*"])), files)
     except Exception as error:  # offline, no such repo, no access: said with the path it also is not
         raise CheckpointError(f"--model {model}: no such local path, and fetching it as a Hugging Face Hub repo "
-                              f"failed ({type(error).__name__}: {error}).") from None
+                              f"failed ({type(error).__name__}: {' '.join(str(error).split())}).") from None
 
 
 @dataclass

@@ -86,14 +86,15 @@ def test_a_hub_id_that_cannot_be_fetched_says_it_is_no_local_path_either(tmp_pat
     import huggingface_hub
 
     def offline(*args, **kwargs):
-        raise ConnectionError("Name or service not known")
+        raise ConnectionError("Name or service not known\nCheck your internet connection.")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     monkeypatch.chdir(tmp_path)
     assert main(["generate", "--prompt", "x", "--model", "models/MiniMax-H3", "--out", "o.mp4"]) == 2
     error = capsys.readouterr().err
     assert "--model models/MiniMax-H3: no such local path, and fetching it as a Hugging Face Hub repo failed " \
-           "(ConnectionError: Name or service not known)" in error
+           "(ConnectionError: Name or service not known Check your internet connection.).\n" in error
+    assert error.count("\n") == 1  # one line
 
 
 @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])

@@ -145,7 +145,7 @@ def test_encode_reads_the_given_vae_files(model_sets, tmp_path):
     (["generate", "--video-vae", "{video_vae}"], "--video-vae: tiny-random makes its own text encoder and VAEs"),
     (["generate", "--model", "{release}", "--audio-vae", "{release}/nowhere.safetensors"],
      "--audio-vae .*nowhere.safetensors does not exist"),
-    (["encode", "{dit}", "--video-vae", "{video_vae}"], "no --model was given to hold them. Give --audio-vae"),
+    (["encode", "{dit}", "--video-vae", "{video_vae}"], "Without --model each model is given on its own. Give --audio-vae"),
 ])
 def test_an_incomplete_set_is_refused_before_loading(model_sets, tmp_path, monkeypatch, capsys, argv, message):
     for name in ("load_text_encoder", "load_video_vae", "load_audio_vae", "locate_dit"):
