@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import resource
 import shlex
@@ -77,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         use_expandable_segments()
     main_thread = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGTERM, _stop) if main_thread else None  # a kill unwinds like Ctrl-C: no
-    try:                                                                    # half-written file is left behind
+    said = _WarningNotes()                                                  # half-written file is left behind
+    for name in WARNING_LOGGERS:
+        logging.getLogger(name).addHandler(said)
+    try:
         return args.run(args)
     except (CheckpointError, ValueError, OSError, MediaError) as error:  # LoRAError is a ValueError
         print(f"h3: error: {error}", file=sys.stderr)
@@ -95,8 +99,25 @@ def main(argv: list[str] | None = None) -> int:
         print("h3: stopped; nothing more was written.", file=sys.stderr)
         return 130
     finally:
+        for name in WARNING_LOGGERS:
+            logging.getLogger(name).removeHandler(said)
         if main_thread:
             signal.signal(signal.SIGTERM, before)
+
+
+WARNING_LOGGERS = ("h3", "h3_core")  # the engine's loggers (placement, media, attention; h3_core.lora)
+
+
+class _WarningNotes(logging.Handler):
+    """The engine's warnings as the command's status lines ("h3: ..." above the progress bars) instead of Python's
+    bare last-resort print; a LoRA's are left out: they are in the LoRA report the command prints."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not record.name.startswith("h3_core.lora"):
+            _note(record.getMessage().removeprefix("H3: "))
 
 
 def _stop(signum, frame) -> None:

@@ -1031,6 +1031,8 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
         ), settings.devices, settings.shard_weights)
         notes(f"DiT split over {', '.join(map(str, settings.devices))} (sequence parallel"
               + (", sharded weights)" if settings.shard_weights else ")"))
+        for line in dit.load_notes:
+            notes(line)
         if dit.config.vsa_gates:
             notes(VSA_NOTE)
         return dit, MemoryPlan(0, 0, False, 0, True), None

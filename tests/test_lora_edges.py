@@ -311,3 +311,24 @@ def test_a_lycoris_adapter_is_named_as_such(tmp_path):
                "lora_unet_blocks_0_attn_qkv_proj.lokr_w2": torch.zeros(2, 2)}, str(tmp_path / "lokr.safetensors"))
     with pytest.raises(LoRAError, match="lokr.safetensors is a LyCORIS LoKr / LoHa adapter"):
         load_lora(tmp_path / "lokr.safetensors")
+
+
+def test_a_lora_warning_is_said_once_by_the_command_and_by_split_workers(tmp_path, capsys, monkeypatch):
+    """The command prints the LoRA report (its warnings included) as status lines; the engine's logger does not
+    print the same warning again underneath. Split over devices, rank 0's report and attention kernel come back
+    to the caller as one device's load says them (each worker had printed the warning itself)."""
+    from h3_core.cli import main
+    from h3_core.parallel import ModelSpec
+    from h3_core.tiny import TINY_RANDOM
+
+    import logging
+
+    monkeypatch.setattr(logging.root, "handlers", [])  # as a command has it: no handler but Python's last resort
+    style = write_peft(tmp_path / "style.safetensors", random_spec(TINY_DIT))
+    warning = "style.safetensors: no schedule found in its metadata or name; applied as a plain LoRA"
+    assert main(["generate", "--prompt", "A fox.", "--steps", "2", "--lora", str(style),
+                 "--save-latents", str(tmp_path / "o.safetensors")]) == 0
+    error = capsys.readouterr().err
+    assert error.count(warning) == 1 and f"h3:   warning: {warning}" in error, error
+    notes = ModelSpec(TINY_RANDOM, loras=((str(style), 1.0),), dtype=torch.float32, attention="sdpa").load("cpu").load_notes
+    assert notes[0] == "LoRA on fl2va (merge):" and f"  warning: {warning}" in notes and notes[-1] == "attention: sdpa"

@@ -184,6 +184,10 @@ def test_a_raising_callback_stops_every_rank_and_the_runner_stays_usable(two_ran
     assert_close(two_ranks.sample(conditioning(False), 3, STEPS), references[False])
 
 
+def test_the_runner_says_what_rank_0_loaded_as_one_device_would(two_ranks):
+    assert two_ranks.load_notes == ["attention: sdpa"]
+
+
 def test_preview_steps_carry_the_rows(two_ranks):
     seen = []
     two_ranks.sample(conditioning(False), 3, STEPS, preview=True, callback=seen.append)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import logging
 import os
 import pickle
 import queue
@@ -121,15 +122,17 @@ class ModelSpec:
 
         adapters = [(load_lora(path, unknown=self.lora_unknown_keys), float(strength)) for path, strength in self.loras]
         lora_mode = run_mode(model)  # as pipeline.load_sampling_dit: stored linears get the LoRAs hooked
+        notes = []
         if adapters and lora_mode == "merge":
-            apply_loras(model, adapters, partition=self.partition, mode="merge", backup=False)
+            notes += apply_loras(model, adapters, partition=self.partition, mode="merge", backup=False).lines()
         if quantize_later and self.linears != "checkpoint":
             from ..fp8 import apply_linear_mode
 
             apply_linear_mode(model, self.linears, device)
         if adapters and lora_mode == "dynamic":
-            apply_loras(model, adapters, partition=self.partition, mode="dynamic")
-        model.set_attention(self.attention, self.attention_window, self.attention_window_dense_steps)
+            notes += apply_loras(model, adapters, partition=self.partition, mode="dynamic").lines()
+        backend = model.set_attention(self.attention, self.attention_window, self.attention_window_dense_steps)
+        model.load_notes = [*notes, f"attention: {backend}"]  # what a load on one device says: rank 0 sends them
         if self.compile:
             model.compile_blocks()
         return model
@@ -183,6 +186,7 @@ def _watch_parent(parent: int, init_method: str) -> None:
 def _worker(setup: _Setup, requests, results, interrupt) -> None:
     """Process entry point: serve until told to stop; on any failure report it and exit."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the caller, which then stops us
+    logging.getLogger("h3_core.lora").addHandler(logging.NullHandler())  # in rank 0's load_notes, said by the caller
     _watch_parent(setup.parent, setup.init_method)
 
     def send(*message) -> None:
@@ -210,7 +214,8 @@ def _load(setup: _Setup, device: torch.device, control, weights):
             if turn == setup.rank:
                 dit = setup.spec.load("cpu")
                 sharding.shard_blocks(dit, weights, device)
-                dit.set_attention_backend(setup.spec.attention)  # "auto" chosen for the device, not the CPU
+                backend = dit.set_attention_backend(setup.spec.attention)  # "auto" chosen for the device, not the CPU
+                dit.load_notes[-1] = f"attention: {backend}"
             dist.barrier(group=control)
     if setup.world > 1:
         sequence.enable(dit)
@@ -264,7 +269,7 @@ def _serve(setup: _Setup, requests, send, interrupt) -> None:
     weights = dist.new_group() if setup.shard_weights else None  # weight gathers don't queue behind attention
     dit = _load(setup, device, control, weights)
     _check_same_options(setup, control, dit.config)
-    send("ready", setup.rank, dit.config)
+    send("ready", setup.rank, dit.config, getattr(dit, "load_notes", []))
 
     from ..pipeline import sample
 
@@ -499,15 +504,15 @@ class ParallelRunner:
         self._pool = _Pool(setups, tempdir)
         self._finalizer = weakref.finalize(self, self._pool.stop)  # on close(), garbage collection or exit
         self._pool.start()
-        configs = {}
+        configs, notes = {}, {}
         try:
             while len(configs) < len(self.devices):
-                _, rank, config = self._pool.receive()
-                configs[rank] = config
+                _, rank, configs[rank], notes[rank] = self._pool.receive()
         except BaseException:
             self.close()
             raise
         self.config: DiTConfig = configs[0]
+        self.load_notes: list[str] = notes[0]  # rank 0's LoRA report and attention kernel, as one device says them
         self._loras: tuple = ((), None)  # what the workers have hooked in: ((LoRA, strength), ...), partition
 
     def use_loras(self, loras: Sequence[tuple], partition: str) -> None:
