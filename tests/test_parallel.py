@@ -184,6 +184,20 @@ def test_a_raising_callback_stops_every_rank_and_the_runner_stays_usable(two_ran
     assert_close(two_ranks.sample(conditioning(False), 3, STEPS), references[False])
 
 
+def test_a_temporary_folder_with_url_characters_holds_the_rendezvous(tmp_path, monkeypatch, references):
+    """The private rendezvous is opened as a path: a '?' or '#' in TMPDIR is part of the name (as a file:// URL
+    it had cut the path and failed in the workers with an IndexError)."""
+    import tempfile
+
+    odd = tmp_path / "a?b#c %20"
+    odd.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(odd))
+    with ParallelRunner(SPEC, ["cpu", "cpu"], threads=1) as runner:
+        assert [p.name for p in odd.iterdir()][0].startswith("h3-rendezvous-")
+        assert_close(sample(runner, conditioning(False), 3, STEPS), references[False])
+    assert not list(odd.iterdir())
+
+
 def test_the_runner_says_what_rank_0_loaded_as_one_device_would(two_ranks):
     assert two_ranks.load_notes == ["attention: sdpa"]
 

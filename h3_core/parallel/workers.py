@@ -167,16 +167,21 @@ class _Stop(Exception):
         self.step = step
 
 
+def _private_store(init_method: str) -> str | None:
+    """The store file of a runner's own private rendezvous (`file://` in a folder it made), else None."""
+    store = init_method.removeprefix("file://") if init_method.startswith("file://") else None
+    return store if store is not None and os.path.basename(os.path.dirname(store)).startswith(RENDEZVOUS_PREFIX) else None
+
+
 def _watch_parent(parent: int, init_method: str) -> None:
     """Exit as soon as the process that started us is gone (killed, crashed): never linger, nor leave the
     private rendezvous folder it made (it would have removed it on a normal stop)."""
-    store = init_method.removeprefix("file://") if init_method.startswith("file://") else None
-    private = store is not None and os.path.basename(os.path.dirname(store)).startswith(RENDEZVOUS_PREFIX)
+    store = _private_store(init_method)
 
     def watch():
         while os.getppid() == parent:
             time.sleep(0.5)
-        if private:
+        if store is not None:
             shutil.rmtree(os.path.dirname(store), ignore_errors=True)
         os._exit(3)
 
@@ -263,7 +268,9 @@ def _serve(setup: _Setup, requests, send, interrupt) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=setup.init_method, rank=setup.rank, world_size=setup.world)
+    store = _private_store(setup.init_method)  # opened as a path: a URL would cut it at a '?' in TMPDIR
+    meeting = dict(store=dist.FileStore(store, setup.world)) if store else dict(init_method=setup.init_method)
+    dist.init_process_group(backend, rank=setup.rank, world_size=setup.world, **meeting)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     _check_same_options(setup, control)
     weights = dist.new_group() if setup.shard_weights else None  # weight gathers don't queue behind attention
