@@ -482,8 +482,8 @@ def apply_loras(
         notes = list(lora.notes)
         if len(lora.parts) > 1:
             notes.append(f"layers for {', '.join(p for p in lora.parts if p != partition)} not applied (file holds both partitions)")
-        if lora.contract is None:
-            report.warnings.append(f"{lora.name}: no schedule found in its metadata or name; applied as a plain LoRA")
+        if lora.contract is None:  # the usual case (a style LoRA): its report line says so, not a warning
+            logger.info("%s: no schedule found in its metadata or name; applied as a plain LoRA", lora.name)
         elif float(strength) != 0.0:
             report.contracts.append(lora.contract)
         modules = {t.target for t in terms}

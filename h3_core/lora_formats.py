@@ -248,7 +248,7 @@ def parse_lora(
             listed = ", ".join(unmapped[:8]) + (f" and {len(unmapped) - 8} more" if len(unmapped) > 8 else "")
             message = (f"{len(unmapped)} tensor(s) of {path.name or 'the LoRA'} name no MiniMax-H3 module: {listed}. "
                        "H3 LoRAs target our attention/FFN/AdaLN/projection modules in the native, diffusers, "
-                       "kohya (lora_unet_) or DiffSynth spelling (h3-model.md H.2).")
+                       "kohya (lora_unet_) or DiffSynth spelling.")
             if unknown == "error":
                 raise LoRAError(message + " To load the rest and report these: unknown='warn' (h3 generate "
                                 "--lora-unknown-keys warn; H3 LoRA / Turbo Apply's unknown_keys).")
@@ -257,6 +257,9 @@ def parse_lora(
         rows = qkv_layout or ("interleaved" if fmt == "diffsynth" else QKV_ROWS.get(declared, "stacked"))
         context = _AlphaContext(alpha, metadata, partition, fmt, lightx2v)
         parts[partition] = _terms(modules, rows, context, alpha_sources)
+    if not any(parts.values()):  # every key skipped under unknown="warn": nothing would change
+        raise LoRAError(f"None of the {len(tensors)} tensor(s) of {path.name or 'the LoRA'} name a MiniMax-H3 module: "
+                        "it is not an H3 LoRA (an SDXL, Flux or Wan one, say), and would change nothing.")
     if len(formats) != 1:
         raise LoRAError(f"{path.name} mixes layouts {sorted(formats)} across its partitions; one file must use one layout.")
     fmt = formats.pop()

@@ -439,8 +439,8 @@ def test_unknown_file_is_a_plain_lora_and_overrides_are_reported(tmp_path):
     model = ours_from(reference_dit(TINY_DIT), TINY_DIT)
     report = apply_loras(model, [lora], partition="ref2va")  # a plain LoRA may go on either partition
     assert report.contract is None
-    assert any("no schedule found" in w for w in report.warnings)
-    assert any("no schedule found" in line for line in report.lines())
+    assert not report.warnings  # a plain LoRA is the usual case: said in its report line, not warned about
+    assert "    schedule: no schedule found (plain LoRA)" in report.lines()
     settings = report.sampler_settings()
     assert (settings.steps, settings.video_shift, settings.audio_shift) == (50, 12.0, 3.0)
     assert settings.source.startswith("base model defaults")

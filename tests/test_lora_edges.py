@@ -186,6 +186,14 @@ def test_a_kohya_file_with_text_encoder_keys_follows_the_unknown_keys_rule(tmp_p
     loaded = load_lora(path, unknown="warn")
     assert loaded.format.startswith("kohya") and sum(len(terms) for terms in loaded.parts.values()) > 0
     assert any(note.startswith("NOT LOADED") and "lora_te_text_model" in note for note in loaded.notes)
+    # a file none of whose keys name an H3 module (an SDXL LoRA) is no H3 LoRA, even with unknown keys allowed
+    sdxl = {"lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.zeros(4, 8),
+            "lora_unet_down_blocks_0_attentions_0_proj_in.lora_up.weight": torch.zeros(8, 4),
+            "lora_unet_down_blocks_0_attentions_0_proj_in.alpha": torch.tensor(4.0)}
+    save_file(sdxl, str(tmp_path / "sdxl_style.safetensors"))
+    with pytest.raises(LoRAError, match=r"None of the 3 tensor\(s\) of sdxl_style.safetensors name a MiniMax-H3 "
+                                        r"module: it is not an H3 LoRA"):
+        load_lora(tmp_path / "sdxl_style.safetensors", unknown="warn")
 
 
 def test_a_pruned_model_refuses_a_time_embedder_delta_saying_why(tmp_path):
@@ -325,10 +333,11 @@ def test_a_lora_warning_is_said_once_by_the_command_and_by_split_workers(tmp_pat
 
     monkeypatch.setattr(logging.root, "handlers", [])  # as a command has it: no handler but Python's last resort
     style = write_peft(tmp_path / "style.safetensors", random_spec(TINY_DIT))
-    warning = "style.safetensors: no schedule found in its metadata or name; applied as a plain LoRA"
-    assert main(["generate", "--prompt", "A fox.", "--steps", "2", "--lora", str(style),
+    warning = "style.safetensors is applied 2 times: its deltas add up"
+    assert main(["generate", "--prompt", "A fox.", "--steps", "2", "--lora", str(style), "--lora", str(style),
                  "--save-latents", str(tmp_path / "o.safetensors")]) == 0
     error = capsys.readouterr().err
     assert error.count(warning) == 1 and f"h3:   warning: {warning}" in error, error
-    notes = ModelSpec(TINY_RANDOM, loras=((str(style), 1.0),), dtype=torch.float32, attention="sdpa").load("cpu").load_notes
+    twice = ((str(style), 1.0), (str(style), 1.0))
+    notes = ModelSpec(TINY_RANDOM, loras=twice, dtype=torch.float32, attention="sdpa").load("cpu").load_notes
     assert notes[0] == "LoRA on fl2va (merge):" and f"  warning: {warning}" in notes and notes[-1] == "attention: sdpa"
