@@ -527,6 +527,14 @@ def check_a_served_rank(local: str, served: str, tolerance: float = TOLERANCE, o
     assert server.returncode == 0, output
 
 
+def test_the_serving_command_help_shows_its_whole_example(capsys):
+    from h3_core.parallel.__main__ import main as serve
+
+    with pytest.raises(SystemExit):
+        serve(["--help"])
+    assert "--init-method tcp://NODE0:29500 --world-size 8 --first-rank 4" in capsys.readouterr().out
+
+
 def test_ranks_served_from_another_process_join_over_tcp_and_match_one_process():
     check_a_served_rank("cpu", "cpu")
 

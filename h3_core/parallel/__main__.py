@@ -26,7 +26,8 @@ def _lora(spec: str) -> tuple[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m h3_core.parallel", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m h3_core.parallel", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="the same checkpoint path the caller's node loads")
     parser.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"])
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
