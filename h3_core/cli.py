@@ -642,7 +642,8 @@ def _batch_jobs(args) -> list[Job]:
         shared = [dest for dest in given if dest not in JOB_OPTIONS]
         if shared:
             options = ", ".join("--" + dest.replace("_", "-") for dest in shared)
-            raise ValueError(f"{where}: {options} apply to the whole batch; give them on the command line (a line "
+            raise ValueError(f"{where}: {options} appl{'ies' if len(shared) == 1 else 'y'} to the whole batch; give "
+                             f"{'it' if len(shared) == 1 else 'them'} on the command line (a line "
                              f"takes {', '.join('--' + d.replace('_', '-') for d in JOB_OPTIONS if d != 'given')}, --from).")
         merged = argparse.Namespace(**{**vars(args), **_unless_replaced(given), **given})
         try:

@@ -758,6 +758,8 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
         if not path.name or path.name.lower() == suffix:  # Path("") is "."; ".mp4" is a hidden file's name
             name = repr(path.name) if path.name else "an empty name"
             raise ValueError(f"{option} must name a file such as clip{suffix}; got {name}.")
+        if path.is_dir():
+            raise ValueError(f"{option} {path} is a folder; give the output file's name.")
         mp4 = suffix == ".mp4"  # latents are saved as .safetensors exactly (AVLatents.save)
         if (path.suffix.lower() if mp4 else path.suffix) != suffix:
             raise ValueError(f"{option} {path} must end in {suffix}{' (any case)' if mp4 else ''}.")
@@ -771,7 +773,7 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
                            "which clip to keep.")
     plan = check(request, rules)
     for option, path in (("--out", job.out), ("--save-latents", job.save_latents)):
-        if path is not None:  # its folder is made: only for a request that passed its checks
+        if path is not None:  # only for a request that passed its checks
             check_writable(path, option)
     if keep is not None:
         if long_video:
@@ -851,7 +853,10 @@ def _check_batch(prepared: list[_Prepared], names: list[str]) -> None:
                     continue
                 key = Path(path).expanduser().resolve()
                 if key in written:
-                    raise ValueError(f"{written[key]} and {name} both write {path}.")
+                    first, _, line = written[key].partition(", line ")
+                    both = (f"{first}, lines {line} and {name.partition(', line ')[2]}" if line and name.startswith(f"{first}, line ")
+                            else f"{written[key]} and {name}")
+                    raise ValueError(f"{both} both write {path}.")
                 written[key] = name
                 stat = key.stat() if key.exists() else None
                 if stat is not None and (stat.st_dev, stat.st_ino) in read:

@@ -49,10 +49,10 @@ def test_a_batch_equals_its_jobs_run_one_by_one_and_loads_each_model_once(tmp_pa
 
 
 @pytest.mark.parametrize("lines, message", [
-    (["--prompt x --model tiny-random --out {tmp}/a.mp4"], r"line 1: --model apply to the whole batch"),
+    (["--prompt x --model tiny-random --out {tmp}/a.mp4"], r"line 1: --model applies to the whole batch; give it on the command line"),
     (["--prompt x --out {tmp}/a.mp4", "--prompt y --steps 8 --lora a.safetensors --out {tmp}/b.mp4"],
-     r"line 2: --steps, --lora apply to the whole batch"),
-    (["--prompt x --out {tmp}/a.mp4", "--prompt y --out {tmp}/a.mp4"], r"line 1 and --batch .*, line 2 both write .*a.mp4"),
+     r"line 2: --steps, --lora apply to the whole batch; give them on the command line"),
+    (["--prompt x --out {tmp}/a.mp4", "--prompt y --out {tmp}/a.mp4"], r"--batch \S*jobs.txt, lines 1 and 2 both write \S*a.mp4"),
     (["--prompt x --out {tmp}/a.mp4", "--task ref2va --ref image={tmp}/i.png --prompt y --out {tmp}/b.mp4"],
      "A batch runs one DiT"),
     (["--prompt x --out {tmp}/a.mp4", "--prompt 'unclosed --out {tmp}/b.mp4"], r"line 2: not the request options"),

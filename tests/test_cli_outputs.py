@@ -73,11 +73,13 @@ def test_a_batch_never_overwrites_its_file_or_another_jobs_input(inputs, no_mode
     ("{tmp}/.MP4", "--out must name a file such as clip.mp4; got '.MP4'."),
     ("", "--out must name a file such as clip.mp4; got an empty name."),
     ("{tmp}/clip.mov", r"--out \S*clip.mov must end in .mp4 \(any case\)."),
+    ("{tmp}/afolder", r"--out \S*afolder is a folder; give the output file's name."),
     ("{tmp}/afile/b.mp4", r"Cannot write --out \S*afile/b.mp4: \S*afile is a file, not a folder."),
     ("{tmp}/afile/deeper/b.mp4", r"Cannot write --out \S*afile/deeper/b.mp4: \S*afile is a file, not a folder."),
 ])
 def test_a_bad_out_name_says_so_with_the_option(tmp_path, no_model_loads, capsys, out, message):
     (tmp_path / "afile").write_text("x")
+    (tmp_path / "afolder").mkdir()
     assert main(["generate", "--prompt", "a fox", "--steps", "2", "--out", out.format(tmp=tmp_path)]) == 2
     error = capsys.readouterr().err
     assert re.fullmatch(f"h3: error: {message}\n", error), error
