@@ -518,7 +518,7 @@ def run_generate(args) -> int:
         written = result.video_path or result.latents_path
         stages = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in result.seconds.items())
         print(f"{written}: {result.task}, seed {result.seed}, {result.latents.num_frames} frames; {stages}; "
-              f"{_peak(device)}")
+              f"{_peak(device)}{' in this process (the DiT ran in the workers)' if devices else ''}")
     if failed:
         print(f"h3: {len(jobs) - len(failed)} of {len(jobs)} jobs done, {len(failed)} failed:", file=sys.stderr)
         for line in failed:

@@ -259,7 +259,9 @@ def test_a_vsa_student_runs_on_its_ladder_with_sparse_attention(model_sets, tmp_
     one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
     assert main(argv + ["--save-latents", str(one)]) == 0
     assert main(argv + ["--devices", "cpu,cpu", "--compile", "--save-latents", str(two)]) == 0
-    assert "Video Sparse Attention, sparsity 0.8" in capsys.readouterr().err
+    said = capsys.readouterr()
+    assert "Video Sparse Attention, sparsity 0.8" in said.err
+    assert "peak RSS" in said.out and "in this process (the DiT ran in the workers)" in said.out
     for key, value in load_file(str(one)).items():
         assert torch.allclose(load_file(str(two))[key], value, rtol=1e-4, atol=1e-5), key
     monkeypatch.setattr(pipeline, "load_text_encoder", lambda *a, **k: pytest.fail("loaded before the refusal"))
