@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import resource
 import shlex
 import signal
@@ -72,7 +73,7 @@ COMPILE_HELP = ("torch.compile the repeated block: ~10%% faster per step on an H
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_negative_guides(sys.argv[1:] if argv is None else argv))
     # one device (worker processes keep torch's default); `h3 env` reports the user's own settings
     if "," not in (getattr(args, "devices", None) or "") and args.run is not run_env:
         use_expandable_segments()
@@ -118,6 +119,18 @@ class _WarningNotes(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if not record.name.startswith("h3_core.lora"):
             _note(record.getMessage().removeprefix("H3: "))
+
+
+def _negative_guides(argv: list[str]) -> list[str]:
+    """`--guide -1:image=c.png` as `--guide=-1:image=c.png`: argparse takes a word after an option that starts with
+    '-' for another option (and says only 'expected one argument'); a guide counted from the end starts so."""
+    out = []
+    for word in argv:
+        if out and out[-1] == "--guide" and re.match(r"-\d+:", word):
+            out[-1] = f"--guide={word}"
+        else:
+            out.append(word)
+    return out
 
 
 def _stop(signum, frame) -> None:
@@ -227,7 +240,9 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
                                                          "the same clip on any device. " + SEED_BITS)
     gen.add_argument("--outputs", type=int, default=1, help="number of results, seeds seed, seed+1, ...")
     gen.add_argument("--out", type=Path, help="output .mp4 (several outputs: name_00000.mp4, ...)")
-    gen.add_argument("--save-latents", type=Path, help="also save the final latents ('video', 'audio') as .safetensors")
+    gen.add_argument("--save-latents", type=Path,
+                     help="also save the final latents ('video', 'audio') as .safetensors (numbered _00000, _00001, "
+                          "... with --outputs above 1, as --out is)")
     gen.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
     gen.add_argument("--dtype", default=None, choices=list(DTYPES), help="model dtype (default: bf16 on GPU, fp32 on CPU)")
     gen.add_argument("--vae-dtype", default=None, choices=list(DTYPES),
@@ -635,7 +650,7 @@ def _batch_jobs(args) -> list[Job]:
             continue
         where = f"--batch {path}, line {number}"
         try:
-            given = _options_given(parser, shlex.split(line))
+            given = _options_given(parser, _negative_guides(shlex.split(line)))
         except (ValueError, SystemExit) as error:
             raise ValueError(f"{where}: not the request options of an h3 generate command ({error}): "
                              f"{line.strip()}") from None
@@ -676,6 +691,8 @@ def run_info(args) -> int:
         print(json.dumps({"dit": {"origin": f"{TINY_RANDOM}: made on the fly from a fixed seed (no files), the real "
                                             "structure at tiny sizes", "config": TINY_DIT.to_dict()}}, indent=2))
         return 0
+    if not args.path.strip():
+        raise ValueError("h3 info takes a path: a release root, a partition or diffusers folder, or a model file.")
     found, reasons = {}, []
     for kind, describe in (("dit", lambda path: _dit_info(path, args.partition)), ("text_encoder", _text_encoder_info),
                            ("video_vae", _video_vae_info), ("audio_vae", _audio_vae_info)):

@@ -403,3 +403,20 @@ def test_compile_that_cannot_work_here_says_to_drop_it(tmp_path, monkeypatch, ca
     monkeypatch.setattr(torch, "compile", compiled(RuntimeError("a bug of ours")))
     with pytest.raises(RuntimeError, match="a bug of ours"):
         main(argv)
+
+
+def test_a_guide_counted_from_the_end_needs_no_equals_sign(tmp_path, no_model_loads, capsys):
+    """`--guide -1:image=c.png` (as written after other options, on the command line or a batch line) is the guide,
+    not argparse's 'expected one argument'; `h3 info ''` names what it takes."""
+    missing = tmp_path / "c.png"
+    assert main(["generate", "--prompt", "a fox", "--out", str(tmp_path / "o.mp4"), "--guide", f"-1:image={missing}"]) == 2
+    error = capsys.readouterr().err
+    assert "expected one argument" not in error and re.search(r"c\.png", error), error
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"--prompt x --out {tmp_path / 'o.mp4'} --guide -1:image={missing}\n")
+    assert main(["generate", "--batch", str(jobs)]) == 2
+    error = capsys.readouterr().err
+    assert "line 1" in error and "not the request options" not in error and "c.png" in error, error
+    assert main(["info", " "]) == 2
+    assert capsys.readouterr().err == ("h3: error: h3 info takes a path: a release root, a partition or diffusers "
+                                       "folder, or a model file.\n")
