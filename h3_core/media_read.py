@@ -212,6 +212,18 @@ def _demuxed_seconds(path: Path, index: int) -> float:
     return 0.0 if first is None else float(last - first)
 
 
+def readable_video_seconds(path: str | os.PathLike) -> float:
+    """How long a file's video can really be read: its packets' span (demuxed, not decoded). A file cut short (a
+    broken download or copy) keeps its header, which still states the whole length."""
+    path = Path(path)
+    with _open_media(path) as container:
+        stream = _video_stream(container)
+        if stream is None:
+            return 0.0
+        index = stream.index
+    return _demuxed_seconds(path, index)
+
+
 def probe(path: str | os.PathLike) -> MediaInfo:
     """Duration, video size/fps/rotation and audio rate/channels of a file, decoding one frame at most (and
     demuxing the video's packets where the file states no trustworthy length for it besides a soundtrack)."""

@@ -720,6 +720,18 @@ def test_a_video_reference_is_as_long_as_its_picture_not_its_soundtrack(tmp_path
     assert validate(Request("ref2va", PROMPT, references=[IMAGE, ("video", fine)])).references[1].kind == "video"
 
 
+def test_a_video_cut_short_is_refused_before_any_model_loads(tmp_path):
+    """A file cut short (a broken download) keeps its header's length: it passed the checks and failed only after
+    the text encoder ran, naming no file. Its packets say how much of it can be read."""
+    whole = tmp_path / "whole.mp4"
+    write_mp4(whole, np.random.default_rng(0).integers(0, 255, (120, 64, 96, 3), dtype=np.uint8), sound(5.0, 2, 1))
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 3])
+    assert validate(Request("ref2va", PROMPT, references=[IMAGE, ("video", whole)])).references[1].kind == "video"
+    assert_rejected(Request("ref2va", PROMPT, references=[IMAGE, ("video", cut)]), "references[1] (video)",
+                    "cut.mp4 holds", "though its header says 5.00 s: the file is cut short or damaged")
+
+
 def test_accepts_files_within_the_limits(tmp_path):
     png = tmp_path / "still.png"
     Image.new("RGB", (120, 90)).save(png)
