@@ -215,8 +215,9 @@ def _media_kinds(request: Request) -> list[str]:
 
 
 def prompt_label_warnings(request: Request) -> list[str]:
-    """`prompt.label_warnings` for a request: fl2va keyframes are its pictures, references what they are."""
-    return label_warnings(request.prompt, _media_kinds(request))
+    """`prompt.label_warnings` for a request: fl2va keyframes are its pictures, references what they are. A long
+    video's window prompts may leave the request's own prompt out (None): nothing to say then."""
+    return label_warnings(request.prompt, _media_kinds(request)) if isinstance(request.prompt, str) else []
 
 
 def shows_pictures(request: Request) -> bool:

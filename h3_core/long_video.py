@@ -197,6 +197,11 @@ def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_
     except ValueError as error:
         raise RequestError(str(error)) from None
     new = sampled(windows)
+    if isinstance(request.window_prompts, str) or not all(isinstance(p, str) for p in request.window_prompts or ()):
+        raise RequestError(f"window_prompts is a list of prompts, one per window (text each), got "
+                           f"{type(request.window_prompts).__name__}"
+                           + ("" if isinstance(request.window_prompts, str) else " holding something else than text")
+                           + ".")
     prompts = tuple(request.window_prompts or ())
     if prompts:
         if len(prompts) != len(new):

@@ -420,6 +420,10 @@ def generate(
     """Prompt and references to MP4s: `generate_batch` with one job. `keep` ("video" or "audio") holds
     that part of the `given` clip's latents and generates the other (`sample`'s keep; one plain request
     of the clip's size)."""
+    from .long_video import LongVideoRequest
+
+    if not isinstance(request, (Request, LongVideoRequest)):
+        raise RequestError(f"generate takes a Request (or a long_video.LongVideoRequest), got {type(request).__name__}.")
     return generate_batch([Job(request, out, save_latents, given=given, keep=keep)], model, settings, progress,
                           notes, files)
 
@@ -451,6 +455,10 @@ def generate_batch(
     and a job that fails the checks still refuses the whole batch before any model loads."""
     if not jobs:
         raise ValueError("Nothing to generate: no jobs.")
+    strays = [f"{type(job).__name__} (job {number})" for number, job in enumerate(jobs, 1) if not isinstance(job, Job)]
+    if strays:
+        raise RequestError(f"generate_batch takes Jobs (a request with where its results go: Job(request, out=...)), "
+                           f"got {', '.join(strays[:3])}.")
     progress = progress or (lambda stage, done, total: None)
     notes = notes or (lambda line: None)
     window = check_settings(settings)
@@ -744,6 +752,8 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
     job = dataclasses.replace(job, out=_as_path(job.out), save_latents=_as_path(job.save_latents))
     request, keep, given = job.request, job.keep, job.given
     long_video = isinstance(request, LongVideoRequest)
+    if not (long_video or isinstance(request, Request)):
+        raise RequestError(f"A job's request is a Request (or a long_video.LongVideoRequest), got {type(request).__name__}.")
     check, encode, run = (
         (validate_long_video, encode_long_video, sample_long_video) if long_video else (validate, encode_request, sample)
     )

@@ -189,13 +189,18 @@ def tiny_random_text_encoder(hidden: int = 48, device="cpu", seed: int = 7):
     from .text_checkpoint import check_transformers
 
     check_transformers()  # the random model below is made with its classes
+    bars = transformers_logging.is_progress_bar_enabled()
     transformers_logging.disable_progress_bar()  # no "Writing model shards" bar in the demo's output
-    with tempfile.TemporaryDirectory(prefix="h3-tiny-text-", ignore_cleanup_errors=True) as name:
-        folder = Path(name)
-        write_tokenizer(folder)
-        write_processor(folder, nested=True)
-        model = random_model(config_dict(folder, layers=50, hidden=hidden), seed)
-        model.save_pretrained(str(folder), safe_serialization=True)
-        encoder = load_text_encoder(folder, dtype=torch.float32, device=device)
+    try:
+        with tempfile.TemporaryDirectory(prefix="h3-tiny-text-", ignore_cleanup_errors=True) as name:
+            folder = Path(name)
+            write_tokenizer(folder)
+            write_processor(folder, nested=True)
+            model = random_model(config_dict(folder, layers=50, hidden=hidden), seed)
+            model.save_pretrained(str(folder), safe_serialization=True)
+            encoder = load_text_encoder(folder, dtype=torch.float32, device=device)
+    finally:  # the caller's setting back: a library leaves transformers' bars as it found them
+        if bars:
+            transformers_logging.enable_progress_bar()
     encoder.reader = None  # its files are gone: it cannot be let go of and read again
     return encoder

@@ -51,6 +51,44 @@ def test_bad_request_is_refused_before_any_model_loads(tmp_path, monkeypatch):
         generate(Request(task="t2va", prompt="a fox", first_image=tmp_path / "a.png"), model="tiny-random",
                  settings=GenerateSettings(steps=8), out=tmp_path / "x.mp4")
     assert not (tmp_path / "x.mp4").exists()
+    from h3_core.long_video import LongVideoRequest
+    from h3_core.pipeline import Job, generate_batch
+
+    settings = GenerateSettings(steps=8)
+    for bad, message in (({"task": "t2va", "prompt": "a fox"}, "generate takes a Request .* got dict"),
+                         ("a fox", "generate takes a Request .* got str")):
+        with pytest.raises(RequestError, match=message):
+            generate(bad, model="tiny-random", settings=settings, out=tmp_path / "x.mp4")
+    with pytest.raises(RequestError, match=r"generate_batch takes Jobs .* got Request \(job 1\)"):
+        generate_batch([Request(task="t2va", prompt="a fox")], model="tiny-random", settings=settings)
+    with pytest.raises(RequestError, match="A job's request is a Request .* got dict"):
+        generate_batch([Job({"task": "t2va"}, out=tmp_path / "x.mp4")], model="tiny-random", settings=settings)
+    windows = dict(window_frames=107, overlap_frames=22)
+    with pytest.raises(RequestError, match="window_prompts is a list of prompts, one per window .*, got str."):
+        generate(LongVideoRequest(Request(task="t2va", prompt="x", duration=9), window_prompts="A. B.", **windows),
+                 model="tiny-random", settings=settings, out=tmp_path / "x.mp4")
+
+
+def test_window_prompts_without_a_request_prompt_run(tmp_path):
+    """A long video's window prompts may leave the request's prompt out (None), as its docstring says (a TypeError
+    in the prompt-label check had stopped it)."""
+    from h3_core.long_video import LongVideoRequest
+
+    request = LongVideoRequest(Request(task="t2va", prompt=None, duration=9), window_frames=107, overlap_frames=22,
+                               window_prompts=["A fox on a beach.", "The fox runs.", "The fox stops."])
+    (result,) = generate(request, model="tiny-random", settings=GenerateSettings(steps=2),
+                         save_latents=tmp_path / "w.safetensors")
+    assert result.latents.num_frames >= 9 * 24
+
+
+def test_the_tiny_text_encoder_leaves_transformers_progress_bars_as_it_found_them():
+    from transformers.utils import logging as transformers_logging
+
+    from h3_core.tiny_text import tiny_random_text_encoder
+
+    transformers_logging.enable_progress_bar()
+    tiny_random_text_encoder()
+    assert transformers_logging.is_progress_bar_enabled()
 
 
 def test_making_the_tiny_models_leaves_the_callers_random_sequence_alone():
