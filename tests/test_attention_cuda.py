@@ -75,6 +75,6 @@ def test_dit_with_flash4_eager_and_compiled_matches_sdpa():
     for reference in expected:
         assert torch.isfinite(reference).all()
     for got in (eager, compiled):
-        for a, b in zip(expected, got):
+        for a, b in zip(expected, got, strict=True):
             assert F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item() > 0.9999
             assert (a - b).abs().max().item() < 0.05 * a.abs().max().item()

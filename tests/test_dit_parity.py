@@ -79,7 +79,7 @@ def test_fp32_parity_diffusers_naming(tiny_config, anchors):
     with torch.no_grad():
         expected = run_reference(reference, inputs, timesteps, indices)
         got = run_ours(ours, inputs, timesteps, indices)
-    for e, g in zip(expected, got):
+    for e, g in zip(expected, got, strict=True):
         assert e.shape == g.shape and g.dtype == torch.float32
         assert max_diff(e, g) <= FP32_TOLERANCE
 
@@ -100,7 +100,7 @@ def test_fp32_parity_many_timesteps_per_row(tiny_config):
         moved = indices.clone()
         moved[inputs["video_indices"][0]] = (moved[inputs["video_indices"][0]] + 1) % 4
         changed = run_ours(ours, inputs, timesteps, moved)
-    for e, g in zip(expected, got):
+    for e, g in zip(expected, got, strict=True):
         assert max_diff(e, g) <= FP32_TOLERANCE
     assert max_diff(changed[0], got[0]) > 1e-4
 
@@ -117,7 +117,7 @@ def test_fp32_parity_original_partition_on_disk(tmp_path, tiny_config):
     with torch.no_grad():
         expected = run_reference(reference, inputs, timesteps, indices)
         got = run_ours(ours, inputs, timesteps, indices)
-    for e, g in zip(expected, got):
+    for e, g in zip(expected, got, strict=True):
         assert max_diff(e, g) <= FP32_TOLERANCE
 
 
@@ -136,6 +136,6 @@ def test_bf16_mixed_precision_matches_reference(tmp_path, tiny_config):
     with torch.no_grad():
         expected = run_reference(reference_bf16, inputs, timesteps, indices)
         got = run_ours(ours, inputs, timesteps, indices)
-    for e, g in zip(expected, got):
+    for e, g in zip(expected, got, strict=True):
         assert g.dtype == torch.float32
         assert max_diff(e, g) == 0.0

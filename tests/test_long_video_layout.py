@@ -105,6 +105,20 @@ def test_the_offset_moves_media_rows_only():
     assert bool((moved.position_ids[image_rows, 0] == T + 120).all())  # the image sits at the cursor after the video
 
 
+def test_an_offset_between_latent_positions_is_not_rounded():
+    """Windows of 141 frames (overlap 22) start at frame 119: an offset of 119 * 40/24 = 198.33 RoPE units, which
+    media rows take as it is (the default windows start at multiples of 255, whose offsets are whole numbers)."""
+    window = plan_windows(long_video_frames(10), 141, 22)[1]
+    assert window.start == 119 and window.time_offset == 119 * 40 / 24
+    still = build_window_layout(tags(), REFERENCES, window.latent_frames, *LATENT, window.audio_latents)
+    moved = build_window_layout(tags(), REFERENCES, window.latent_frames, *LATENT, window.audio_latents,
+                                time_offset=window.time_offset)
+    shift = (moved.position_ids[:, 0] - still.position_ids[:, 0]).double()
+    assert bool((shift[:T] == 0).all())
+    target = shift[-window.latent_frames * ROWS_PER_FRAME:]  # the target video, last
+    assert torch.allclose(target, torch.full_like(target, 119 * 40 / 24), rtol=0, atol=1e-4)
+
+
 def test_guide_rows_sit_at_the_new_origin():
     """Window 2 of a 20 s clip: [text | 7 guide frames | 2 x 37 guide audio | target audio | target video]."""
     _, window = plan_windows(long_video_frames(20))

@@ -40,7 +40,7 @@ def test_streamed_equals_resident(resident, prefetch):
     real_fetch = streamer._fetch
     streamer._fetch = lambda i: (fetched.append(i), real_fetch(i))[1]
     got = run(model)
-    for a, b in zip(expected, got):
+    for a, b in zip(expected, got, strict=True):
         assert torch.equal(a, b)
     # Every streamed block was fetched in each of the 3 forwards, and is back home afterwards.
     assert sorted(set(fetched)) == list(range(4))
@@ -185,7 +185,7 @@ def test_place_follows_the_plan(streams):
     streamer = place(model, "cpu", plan)
     assert (streamer is not None) == streams
     got = run(model, offload_adaln=True)
-    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
     if streamer is not None:
         assert sorted(streamer.home) == [1]
         streamer.remove()

@@ -44,7 +44,7 @@ def test_streamed_on_cuda_equals_resident_and_unplace_cleans_up(resident):
         view.is_pinned() for views in streamer.home.values() for view in views
     )
     got = _sample(model, offload_adaln=True)
-    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
     unplace(model, "cpu", streamer)
     assert not any(block._forward_pre_hooks for block in model.blocks)
     assert all(p.device.type == "cpu" and not p.is_pinned() for p in model.parameters())
