@@ -251,6 +251,29 @@ def test_audio_at_another_rate_is_cut_natively_then_resampled_once():
     assert np.corrcoef(ours[0, 1000:-1000].numpy(), tone[1000:-1000])[0, 1] > 0.99
 
 
+@pytest.mark.parametrize("rate, tolerance", [(44100, 3e-3), (48000, 3e-3), (16000, 2e-2), (22050, 2e-2)])
+def test_audio_at_another_rate_sounds_as_the_references_resampler_makes_it(rate, tolerance):
+    """The release resamples reference audio once with torchaudio's default `resample` (a windowed sinc); ours is
+    FFmpeg's swresample, not the same bits: on band-limited noise (below 60% of the lower Nyquist frequency) the two
+    agree to `tolerance` of the signal's RMS (the differences are the two filters' transition bands; -50 dB for
+    44.1 and 48 kHz, which most sound comes at), and in time: a sample's shift or a filter without anti-aliasing
+    is 100x that. Needs torchaudio (ComfyUI's Python has it; no build loads beside the CPU torch 2.13.0)."""
+    resample = pytest.importorskip("torchaudio.functional", reason="torchaudio, the reference's resampler").resample
+    from h3_core.media import resample_audio
+
+    count = 2 * rate
+    noise = np.random.default_rng(rate).standard_normal((2, count))
+    spectrum = np.fft.rfft(noise, axis=1)
+    spectrum[:, np.fft.rfftfreq(count, 1 / rate) > 0.6 * min(rate, 32000) / 2] = 0
+    signal = (0.3 * np.fft.irfft(spectrum, count, axis=1)).astype(np.float32)
+    ours = resample_audio(signal, rate)
+    reference = resample(torch.from_numpy(signal), rate, 32000).numpy()
+    assert ours.shape == reference.shape
+    inner = slice(200, -200)  # the edges: each filter pads the ends its own way
+    error = ours[:, inner] - reference[:, inner]
+    assert np.sqrt((error**2).mean()) < tolerance * np.sqrt((reference[:, inner] ** 2).mean())
+
+
 def test_start_offsets_of_decoded_media():
     clip, sound = frames(90, 64, 64, seed=8), waveform(3.0, 2, seed=9)
     later = prepare_reference(MediaReference("video", DecodedVideo(clip, 30.0, sound, 32000), 1.0), 124, TINY_RULES)
