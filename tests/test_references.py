@@ -10,6 +10,7 @@ agrees to that in test_vae_audio; observed equal here).
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -303,6 +304,33 @@ def test_files_are_read_at_24fps_from_their_start(tmp_path):
     assert torch.equal(prepared.audio, torch.from_numpy(decoded.audio))
     voice = prepare_reference(MediaReference("audio", path, 0.5), 124, TINY_RULES)
     assert torch.equal(voice.audio, torch.from_numpy(read_audio(path, 0.5, 124 / 24)))
+
+
+@pytest.mark.parametrize("fps", [30, 12, Fraction(30000, 1001)])
+def test_a_video_file_at_another_rate_reads_as_the_references_decoder_reads_it(tmp_path, fps):
+    """A file's frames, read and put on 24 fps by us, equal diffusers' own file decoder (its from_file) followed
+    by its setup step's normalization: the decode (colour conversion, frame order, the rate the container states)
+    and the 24 fps grid. (In-memory clips are compared with the setup step above.)"""
+    import av
+
+    path = tmp_path / "clip.mp4"
+    pictures = frames(45, 96, 64, seed=12)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
+        for index, picture in enumerate(pictures):
+            frame = av.VideoFrame.from_ndarray(picture, format="rgb24")
+            frame.pts = index
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    theirs = diffusers_refs.MiniMaxH3VideoReference.from_file(str(path))
+    assert theirs.fps == pytest.approx(float(fps))
+    expected = Setup._normalize_video_condition(theirs.frames, theirs.fps, 124, 32, 768, 768 * 1344, 24.0)
+    ours = prepare_reference(MediaReference("video", path), 124).frames
+    assert ours.shape == expected.shape
+    assert np.array_equal(ours, np.asarray(expected))
 
 
 def test_vae_frame_count_snaps_down_to_17n_plus_5():
