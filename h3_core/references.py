@@ -304,7 +304,7 @@ def inspect_video(source, start_seconds: float = 0.0, what: str = "video") -> Me
             readable = media_read.readable_video_seconds(source)
         except MediaError as error:
             raise MediaInputError(f"{what}: {error} (corrupt, truncated or not a media file).") from error
-        if readable < duration - 2.0 / info.video.fps:
+        if readable < duration - 3.0 / info.video.fps:  # packets without durations end a frame early
             raise MediaInputError(f"{what}: {Path(source).name} holds {readable:.2f} s of video, though its header "
                                   f"says {duration:.2f} s: the file is cut short or damaged (a broken download or copy?).")
         return MediaFacts(info.video.width, info.video.height, duration - start, info.audio is not None)

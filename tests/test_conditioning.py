@@ -730,6 +730,25 @@ def test_a_video_cut_short_is_refused_before_any_model_loads(tmp_path):
     assert validate(Request("ref2va", PROMPT, references=[IMAGE, ("video", whole)])).references[1].kind == "video"
     assert_rejected(Request("ref2va", PROMPT, references=[IMAGE, ("video", cut)]), "references[1] (video)",
                     "cut.mp4 holds", "though its header says 5.00 s: the file is cut short or damaged")
+    # a whole video that starts late, in a container that counts its stated length from 0 s (Matroska, WebM, FLV)
+    import fractions
+
+    import av
+
+    for fmt in ("matroska", "flv"):
+        late = tmp_path / f"late.{'mkv' if fmt == 'matroska' else 'flv'}"
+        with av.open(str(late), "w", format=fmt) as container:
+            stream = container.add_stream("libx264", rate=30)
+            stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
+            stream.codec_context.time_base = stream.time_base = fractions.Fraction(1, 1000)
+            for index in range(75):
+                frame = av.VideoFrame.from_ndarray(np.full((64, 96, 3), index, np.uint8), format="rgb24")
+                frame.pts, frame.time_base = 1000 + index * 33, fractions.Fraction(1, 1000)
+                for packet in stream.encode(frame):
+                    container.mux(packet)
+            for packet in stream.encode():
+                container.mux(packet)
+        assert validate(Request("ref2va", PROMPT, references=[IMAGE, ("video", late)])).references[1].kind == "video"
 
 
 def test_accepts_files_within_the_limits(tmp_path):
