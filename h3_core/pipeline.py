@@ -605,7 +605,7 @@ def generate_batch(
                     write_mp4(
                         video_path, latents, video_vae, audio_vae,
                         metadata={"comment": f"MiniMax-H3 {request.task}, seed {seed}",
-                                  "title": request.prompt[:200]},
+                                  "title": _title(request)},
                         on_frames=lambda done, total: progress(decode_stage, done, total),
                         on_sound=lambda done, total: progress(sound_stage, done, total),  # before the first frame
                         # video chunks split over the devices once the DiT's workers have left them (the last output)
@@ -626,6 +626,13 @@ def generate_batch(
         dit = streamer = None
         empty_caches(device)
     return results
+
+
+def _title(request) -> str:
+    """An MP4's title: the prompt, or a long video's first window prompt when it gives one a window instead."""
+    prompts = getattr(request, "window_prompts", ()) or ()
+    prompt = getattr(request, "request", request).prompt or (prompts[0] if prompts else "")
+    return prompt[:200]
 
 
 def _release_dit(dit, streamer, reader: DiTReader | None) -> None:

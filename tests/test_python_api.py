@@ -76,9 +76,10 @@ def test_window_prompts_without_a_request_prompt_run(tmp_path):
 
     request = LongVideoRequest(Request(task="t2va", prompt=None, duration=9), window_frames=107, overlap_frames=22,
                                window_prompts=["A fox on a beach.", "The fox runs.", "The fox stops."])
-    (result,) = generate(request, model="tiny-random", settings=GenerateSettings(steps=2),
-                         save_latents=tmp_path / "w.safetensors")
+    (result,) = generate(request, model="tiny-random", settings=GenerateSettings(steps=2), out=tmp_path / "w.mp4")
     assert result.latents.num_frames >= 9 * 24
+    with av.open(str(tmp_path / "w.mp4")) as container:  # titled by the first window's prompt
+        assert container.metadata.get("title") == "A fox on a beach."
 
 
 def test_the_tiny_text_encoder_leaves_transformers_progress_bars_as_it_found_them():
