@@ -397,8 +397,7 @@ def check_devices(devices, split: bool = False) -> list[torch.device]:
     """`devices` as torch devices, each one that exists here (a missing GPU is named before anything runs).
     `split`: the devices a DiT is split over, whose worker processes share one collective backend: at least one,
     all CUDA or all 'cpu', no GPU twice. A string is a comma-separated list ("cuda:0,cuda:1")."""
-    if isinstance(devices, str):
-        devices = [name.strip() for name in devices.split(",") if name.strip()]
+    devices = [name.strip() for name in devices.split(",") if name.strip()] if isinstance(devices, str) else list(devices)
     bad = [name for name in devices if not _device_name(name)]
     if bad:
         raise ValueError(f"{', '.join(map(repr, bad))}: not a device name such as cpu, cuda or cuda:1.")

@@ -321,6 +321,13 @@ def test_bad_sample_arguments_leave_the_runner_running(two_ranks, references):
     assert_close(sample(two_ranks, conditioning(False), 3, STEPS), references[False])
 
 
+def test_a_worker_killed_by_a_real_time_signal_is_named_by_its_number():
+    from h3_core.parallel.workers import _silent_exit
+
+    assert "killed (signal 40; out of memory?)" in _silent_exit(-40)
+    assert "killed (SIGKILL; out of memory?)" in _silent_exit(-9)
+
+
 def test_bad_device_lists_are_refused_before_any_process_starts(monkeypatch, capsys):
     from h3_core.cli import main as h3
     from h3_core.parallel import serve_ranks
@@ -335,6 +342,7 @@ def test_bad_device_lists_are_refused_before_any_process_starts(monkeypatch, cap
                                          "a GPU of its own"):  # before asking whether they exist: none do here
         ParallelRunner(SPEC, ["cuda:1", "cuda:0", "cuda"])
     assert check_devices(" cpu, cpu ,", split=True) == [torch.device("cpu")] * 2  # a string is a comma-separated list
+    assert check_devices(iter(["cpu", "cpu"]), split=True) == [torch.device("cpu")] * 2  # any iterable, read once
     with pytest.raises(ValueError, match=r"^'gpu', 'cuda:x': not a device name such as cpu, cuda or cuda:1\.$"):
         check_devices(["cpu", "gpu", "cuda:x"])
     with pytest.raises(ValueError, match="must be all CUDA devices or all 'cpu'; got cpu, meta"):
@@ -419,6 +427,18 @@ def test_loras_hooked_into_the_workers_match_one_process(two_ranks):
     assert_close(sample(two_ranks, conditioning(False), seed=3, steps=STEPS), expected)
     two_ranks.use_loras([], "fl2va")
     assert_close(sample(two_ranks, conditioning(False), seed=3, steps=STEPS), plain)
+    import logging
+
+    warned = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("h3_core.lora").addHandler(handler)
+    try:  # the workers' warnings are said once, in this process's log (ComfyUI's), as a one-device run says them
+        two_ranks.use_loras([(good, 0.5), (good, 0.5)], "fl2va")
+    finally:
+        logging.getLogger("h3_core.lora").removeHandler(handler)
+    assert warned == ["good.safetensors is applied 2 times: its deltas add up"]
+    two_ranks.use_loras([], "fl2va")
     with pytest.raises(LoRAError):
         two_ranks.use_loras([(bad, 1.0)], "fl2va")
     assert all(p.is_alive() for p in two_ranks.processes)

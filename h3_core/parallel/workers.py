@@ -34,6 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.constants import default_pg_timeout
 
 from ..config import TINY_DIT, DiTConfig
 from ..dit import H3DiT
@@ -191,7 +192,7 @@ def _watch_parent(parent: int, init_method: str) -> None:
 def _worker(setup: _Setup, requests, results, interrupt) -> None:
     """Process entry point: serve until told to stop; on any failure report it and exit."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the caller, which then stops us
-    logging.getLogger("h3_core.lora").addHandler(logging.NullHandler())  # in rank 0's load_notes, said by the caller
+    logging.getLogger("h3_core.lora").addHandler(logging.NullHandler())  # sent to the caller, which says them
     _watch_parent(setup.parent, setup.init_method)
 
     def send(*message) -> None:
@@ -269,7 +270,10 @@ def _serve(setup: _Setup, requests, send, interrupt) -> None:
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     store = _private_store(setup.init_method)  # opened as a path: a URL would cut it at a '?' in TMPDIR
-    meeting = dict(store=dist.FileStore(store, setup.world)) if store else dict(init_method=setup.init_method)
+    meeting = dict(init_method=setup.init_method)
+    if store:  # the timeout a file:// rendezvous would give its store (a given store keeps its own 5 minutes)
+        meeting = dict(store=dist.FileStore(store, setup.world))
+        meeting["store"].set_timeout(default_pg_timeout)
     dist.init_process_group(backend, rank=setup.rank, world_size=setup.world, **meeting)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     _check_same_options(setup, control)
@@ -318,15 +322,16 @@ def _use_loras(dit: H3DiT, adapters: list, partition: str, send) -> None:
     from ..lora import LoRAError, apply_loras, remove_loras
 
     remove_loras(dit)
+    warnings = []
     try:
         if adapters:
-            apply_loras(dit, adapters, partition=partition, mode="dynamic")
+            warnings = apply_loras(dit, adapters, partition=partition, mode="dynamic").warnings
     except LoRAError as error:
         if send is not None:
-            send("loras", str(error))
+            send("loras", str(error), [])
         return
-    if send is not None:
-        send("loras", None)
+    if send is not None:  # the host logs the warnings: workers keep theirs quiet (one copy, in the host's log)
+        send("loras", None, warnings)
 
 
 class _Pool:
@@ -393,7 +398,7 @@ class _Pool:
         cause = ""
         if killed:  # the report is a survivor's (its collective lost a peer): name the rank that died first
             other, code = killed[0]
-            cause = (f"H3 worker rank {other} on {self.devices[other]} was killed ({signal.Signals(-code).name}; out "
+            cause = (f"H3 worker rank {other} on {self.devices[other]} was killed ({_signal_name(-code)}; out "
                      "of memory?), so ")
         error = ParallelWorkerError(
             f"{cause}H3 worker rank {rank} on {device} failed: {summary}\n"
@@ -449,11 +454,18 @@ class _Pool:
                 shutil.rmtree(self.tempdir, ignore_errors=True)
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name
+        return f"signal {number}"
+
+
 def _silent_exit(code: int) -> str:
     """Why a worker that exited without reporting did: killed by a signal, or stopped before our code ran (its own
     output says why; most often a script that starts the workers at import, which every spawned worker repeats)."""
     if code < 0:
-        return f"the worker process was killed ({signal.Signals(-code).name}; out of memory?) without a report"
+        return f"the worker process was killed ({_signal_name(-code)}; out of memory?) without a report"
     return (f"the worker process exited with code {code} before it could report (its output above says why). A script "
             "that splits the DiT must start it under `if __name__ == \"__main__\":`, since each worker process imports "
             "the script again.")
@@ -463,7 +475,7 @@ def check_degree(config: DiTConfig, world: int) -> None:
     """Sequence parallel trades rows for attention heads: the ranks must divide the model's heads."""
     heads = config.num_attention_heads
     if heads % world:
-        counts = [str(p) for p in range(2, heads + 1) if heads % p == 0]
+        counts = [str(p) for p in range(2, heads + 1) if heads % p == 0] or ["1"]
         listed = counts[0] if len(counts) == 1 else f"{', '.join(counts[:-1])} or {counts[-1]}"
         raise ValueError(f"{world} devices cannot split the model's {heads} attention heads evenly (each takes an equal "
                          f"share); use {listed} devices.")
@@ -537,9 +549,11 @@ class ParallelRunner:
             raise ParallelWorkerError("This parallel runner has been closed (after close() or a worker failure).")
         self._pool.put("loras", list(wanted[0]), partition)
         self._loras = ((), None)
-        _, problem = self._pool.receive()
+        _, problem, warnings = self._pool.receive()
         if problem is not None:
             raise LoRAError(problem)
+        for line in warnings:
+            logging.getLogger("h3_core.lora").warning(line)
         self._loras = wanted  # holding the objects: an identity match can never be a recycled id
 
     @property
@@ -646,7 +660,7 @@ def serve_ranks(
     until their timeout)."""
     if not devices:
         raise ValueError("No devices to serve ranks on: give them, e.g. cuda:0,cuda:1.")
-    check_devices(devices, split=True)
+    devices = check_devices(devices, split=True)
     if first_rank < 1 or first_rank + len(devices) > world_size:
         raise ValueError(f"Ranks {first_rank}..{first_rank + len(devices) - 1} do not fit a world of {world_size} "
                          "whose rank 0 is the caller's first device.")
