@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from . import geometry
@@ -69,7 +70,11 @@ class AVLatents:
 
     @classmethod
     def load(cls, path: str | Path) -> "AVLatents":
-        tensors = load_file(str(path))
+        try:
+            tensors = load_file(str(path))
+        except SafetensorError as error:  # an MP4 given for its latents, say
+            raise ValueError(f"{path} is not a safetensors file of latents ({error}); give the .safetensors that "
+                             "--save-latents, h3 encode or AVLatents.save wrote.") from None
         missing = {"video", "audio"} - set(tensors)
         if missing:
             raise ValueError(f"{path} lacks the tensor(s) {', '.join(sorted(missing))}; expected 'video' and 'audio'.")

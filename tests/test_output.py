@@ -154,6 +154,13 @@ def test_latents_files_in_float8_are_widened_and_integer_ones_refused(tmp_path):
         AVLatents(latents.video, latents.audio.long()).check()
 
 
+def test_a_file_that_is_not_safetensors_is_no_latents_file(tmp_path):
+    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(64))
+    with pytest.raises(ValueError, match=r"clip.mp4 is not a safetensors file of latents \(.*\); give the "
+                                         r".safetensors that --save-latents, h3 encode or AVLatents.save wrote"):
+        AVLatents.load(tmp_path / "clip.mp4")
+
+
 def test_extreme_latents_from_elsewhere_are_named_as_a_cause_of_a_non_finite_decode(tmp_path, vaes):
     latents = random_latents(124)
     latents.video.mul_(1e30)  # finite, far beyond anything a sampler makes
