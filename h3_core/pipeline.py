@@ -348,6 +348,11 @@ class GenerateSettings:
 
 @dataclass
 class GenerateResult:
+    """One output of a job: its `seed`, the files written (None where not asked for), the final `latents`
+    (normalized, as `AVLatents.save` writes them and `--continue-from` reads them), the `task`, and `seconds` by
+    stage: "encode" (text encoder and VAE encodes of the whole batch) and "load" (the DiT, once for the batch), then
+    this output's own "sample" and, when an MP4 was written, "decode"."""
+
     seed: int
     video_path: Path | None
     latents_path: Path | None
