@@ -199,22 +199,22 @@ def _stream_seconds(stream) -> float | None:
 def _demuxed_seconds(path: Path, index: int) -> float:
     """A stream's length from its packets' timestamps (demuxed, not decoded): Matroska / WebM state none per
     stream, or the file's (its longest stream's, a soundtrack's say) for each."""
-    first, last = _demuxed_span(path, index)
+    with _open_media(path) as container:
+        first, last = _demuxed_span(container, container.streams[index])
     return last - first
 
 
-def _demuxed_span(path: Path, index: int) -> tuple[float, float]:
-    """(first packet's start, last packet's end) of a stream, in seconds of its timestamps ((0, 0): no packets)."""
+def _demuxed_span(container, stream) -> tuple[float, float]:
+    """(first packet's start, last packet's end) of a stream of an open container, in seconds of its timestamps
+    ((0, 0): no packets)."""
     first = last = None
-    with _open_media(path) as container:
-        stream = container.streams[index]
-        for packet in container.demux(stream):
-            if packet.pts is None:  # the demuxer's closing empty packet
-                continue
-            start = packet.pts * packet.time_base
-            stop = start + (packet.duration or 0) * packet.time_base
-            first = start if first is None else min(first, start)
-            last = stop if last is None else max(last, stop)
+    for packet in container.demux(stream):
+        if packet.pts is None:  # the demuxer's closing empty packet
+            continue
+        start = packet.pts * packet.time_base
+        stop = start + (packet.duration or 0) * packet.time_base
+        first = start if first is None else min(first, start)
+        last = stop if last is None else max(last, stop)
     return (0.0, 0.0) if first is None else (float(first), float(last))
 
 
@@ -223,13 +223,11 @@ def readable_video_seconds(path: str | os.PathLike) -> float:
     0 s, or from its first packet when that is earlier. A file cut short (a broken download or copy) keeps its
     header, which still states the whole length. Counted from 0 s, as some containers count their stated length
     (Matroska, WebM, FLV), a video starting late is not taken for a short one."""
-    path = Path(path)
-    with _open_media(path) as container:
+    with _open_media(Path(path)) as container:  # opened once: the stream found and its packets demuxed
         stream = _video_stream(container)
         if stream is None:
             return 0.0
-        index = stream.index
-    first, last = _demuxed_span(path, index)
+        first, last = _demuxed_span(container, stream)
     return last - min(first, 0.0)
 
 

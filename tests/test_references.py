@@ -311,20 +311,10 @@ def test_a_video_file_at_another_rate_reads_as_the_references_decoder_reads_it(t
     """A file's frames, read and put on 24 fps by us, equal diffusers' own file decoder (its from_file) followed
     by its setup step's normalization: the decode (colour conversion, frame order, the rate the container states)
     and the 24 fps grid. (In-memory clips are compared with the setup step above.)"""
-    import av
+    from test_media import write_index_clip  # a colour a frame: frame order shows in the pixels
 
     path = tmp_path / "clip.mp4"
-    pictures = frames(45, 96, 64, seed=12)
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
-        for index, picture in enumerate(pictures):
-            frame = av.VideoFrame.from_ndarray(picture, format="rgb24")
-            frame.pts = index
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
+    write_index_clip(path, fps, 45)
     theirs = diffusers_refs.MiniMaxH3VideoReference.from_file(str(path))
     assert theirs.fps == pytest.approx(float(fps))
     expected = Setup._normalize_video_condition(theirs.frames, theirs.fps, 124, 32, 768, 768 * 1344, 24.0)

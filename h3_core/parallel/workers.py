@@ -270,10 +270,12 @@ def _serve(setup: _Setup, requests, send, interrupt) -> None:
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     store = _private_store(setup.init_method)  # opened as a path: a URL would cut it at a '?' in TMPDIR
-    meeting = dict(init_method=setup.init_method)
-    if store:  # the timeout a file:// rendezvous would give its store (a given store keeps its own 5 minutes)
-        meeting = dict(store=dist.FileStore(store, setup.world))
-        meeting["store"].set_timeout(default_pg_timeout)
+    if store:
+        file_store = dist.FileStore(store, setup.world)
+        file_store.set_timeout(default_pg_timeout)  # a file:// rendezvous's; a given store keeps its own 5 minutes
+        meeting = dict(store=file_store)
+    else:
+        meeting = dict(init_method=setup.init_method)
     dist.init_process_group(backend, rank=setup.rank, world_size=setup.world, **meeting)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     _check_same_options(setup, control)
