@@ -281,6 +281,23 @@ def canvas_inputs(auto: str) -> list:
     ]
 
 
+def canvas_problem(width, height, zero: str | None = None) -> str | None:
+    """The width and height widgets at queue time (None: linked, known when the node runs). Naming them in
+    validate_inputs turns ComfyUI's own min/max check off for them, so this is that check and the model's
+    (multiples of 32, each side at most 4096, 1:4 to 4:1). `zero` says what 0 means where 0 is allowed."""
+    if width is None or height is None:
+        return None
+    if zero is not None and not width and not height:
+        return None
+    if zero is not None and (not width or not height):
+        return f"Give width and height together, or both 0 ({zero}); got {width}x{height}."
+    try:
+        geometry.check_canvas(int(width), int(height))
+    except (TypeError, ValueError) as error:
+        return str(error)
+    return None
+
+
 def wrong_link(node_class, input_types) -> str | None:
     """A node whose validate_inputs asks for `input_types` turns ComfyUI's own link-type check off for all its
     inputs: the same check, with ComfyUI's own rule, against the socket types of the node's schema."""

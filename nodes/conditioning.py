@@ -29,6 +29,7 @@ from .common import (
     H3Cond,
     H3TextEncoder,
     canvas_inputs,
+    canvas_problem,
     check_interrupt,
     device,
     progress_bar,
@@ -111,13 +112,15 @@ class H3Conditioning(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, input_types=None, task=None, references=None, prompt=None) -> bool | str:
-        """Which media are wired, and an empty prompt, are known before anything runs (the text encoder's load
-        included): a node error at queue time. It names only `input_types`, `task`, `references` (ComfyUI hands
-        the grown reference list to it anyway) and `prompt` (a text: no range), so ComfyUI still checks every
-        other input's range and options; its link-type check, off for every input once `input_types` is named,
-        is redone by `linked_media`."""
+    def validate_inputs(cls, input_types=None, task=None, references=None, prompt=None, width=None,
+                        height=None) -> bool | str:
+        """Which media are wired, an empty prompt and a canvas the model cannot make are known before anything
+        runs (the text encoder's load included): a node error at queue time. ComfyUI still checks the range and
+        options of every input not named here (it hands the grown reference list over anyway; the prompt is a
+        text: no range; `canvas_problem` redoes the canvas's range check); its link-type check, off for every
+        input once `input_types` is named, is redone by `linked_media`."""
         types, kinds, problem = linked_media(cls, input_types)
+        problem = problem or canvas_problem(width, height, zero="from the aspect ratio")
         if problem:
             return problem
         if isinstance(prompt, str) and not prompt.strip():  # None: linked, known when it runs

@@ -18,8 +18,8 @@ from h3_core.media import MediaError
 from h3_core.conditioning import MAX_FRAMES, MIN_REQUESTED_FRAMES, RequestError, resolve_num_frames
 from h3_core.placement import freed_on_failure
 
-from .common import (CATEGORY, H3VAE, H3Cond, H3Latent, check_interrupt, device, progress_and_interrupt, progress_bar,
-                     wrong_link)
+from .common import (CATEGORY, H3VAE, H3Cond, H3Latent, canvas_problem, check_interrupt, device,
+                     progress_and_interrupt, progress_bar, wrong_link)
 from .convert import (
     audio_to_decoded, empty_latent, from_core_av, image_to_uint8, pack_latents, to_core_av, trim_frames, video_file,
     video_to_decoded,
@@ -54,6 +54,13 @@ class H3EmptyAVLatent(io.ComfyNode):
                                      tooltip="An all-zero H3 latent that only fixes the size (canvas and frames): "
                                              "connect to H3 Dual-Clock Sampler's latent, which fills it with noise.")],
         )
+
+    @classmethod
+    def validate_inputs(cls, input_types=None, width=None, height=None) -> bool | str:
+        """A canvas the model cannot make is a node error at queue time, unless conditioning (which sets the
+        size) is linked; naming width and height turns ComfyUI's own range and link-type checks off: redone."""
+        types = input_types if isinstance(input_types, dict) else {}
+        return wrong_link(cls, types) or (None if "conditioning" in types else canvas_problem(width, height)) or True
 
     @classmethod
     def execute(cls, width, height, num_frames, conditioning=None) -> io.NodeOutput:
@@ -107,10 +114,12 @@ class H3VAEEncode(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, input_types=None) -> bool | str:
-        """Its links at queue time: a video or images, one of them, of the right types."""
+    def validate_inputs(cls, input_types=None, width=None, height=None) -> bool | str:
+        """Its links and canvas at queue time: a video or images, one of them, of the right types; a canvas the
+        model can make (naming width and height turns ComfyUI's range check off for them: redone here)."""
         types = input_types if isinstance(input_types, dict) else {}
-        return wrong_link(cls, types) or _clip_source_problem("video" in types, "images" in types) or True
+        return (wrong_link(cls, types) or _clip_source_problem("video" in types, "images" in types)
+                or canvas_problem(width, height, zero="from the clip") or True)
 
     @classmethod
     def execute(cls, vae, video=None, images=None, frame_rate=24.0, audio=None, width=0, height=0) -> io.NodeOutput:

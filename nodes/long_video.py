@@ -40,9 +40,9 @@ from h3_core.pipeline import TASK_PARTITION, largest_layout
 from h3_core.placement import freed_on_failure
 
 from .common import (
-    CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, canvas_inputs, check_interrupt,
-    check_prefix, decode_inputs, decode_options, decode_progress, device, prefix_problem, preview_settings, progress_bar,
-    saved_file_metadata, shift_inputs, step_preview,
+    CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, canvas_inputs, canvas_problem,
+    check_interrupt, check_prefix, decode_inputs, decode_options, decode_progress, device, prefix_problem,
+    preview_settings, progress_bar, saved_file_metadata, shift_inputs, step_preview,
 )
 from .conditioning import (guide_media, guide_media_inputs, linked_media, reference_images_input, reference_input,
                            validate_guide_links)
@@ -125,12 +125,13 @@ class H3Continuation(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, input_types=None, task=None, references=None, prompt=None,
-                        window_prompts=None) -> bool | str:
-        """What is wired, and an empty prompt, are known before anything runs (the model loader included): a
-        node error at queue time. ComfyUI still checks the other inputs' ranges and options (the two prompts are
-        texts: no range); its link-type check, off for every input once `input_types` is named, is redone by
-        `linked_media`."""
+                        window_prompts=None, width=None, height=None) -> bool | str:
+        """What is wired, an empty prompt and a canvas the model cannot make are known before anything runs (the
+        model loader included): a node error at queue time. ComfyUI still checks the other inputs' ranges and
+        options (the two prompts are texts: no range; `canvas_problem` redoes the canvas's); its link-type
+        check, off for every input once `input_types` is named, is redone by `linked_media`."""
         types, kinds, problem = linked_media(cls, input_types)
+        problem = problem or canvas_problem(width, height, zero="from the aspect ratio")
         texts = (prompt, window_prompts or "")  # a linked one (None) is known when the node runs
         if not problem and "window_prompts" not in types and all(isinstance(t, str) and not t.strip() for t in texts):
             return EMPTY_PROMPT  # window prompts are counted against the plan when it runs

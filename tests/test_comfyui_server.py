@@ -322,6 +322,16 @@ def test_bad_prompt_is_a_node_error_and_server_goes_on(server):
     errors = json.dumps(body.get("node_errors", {}).get(cond))
     assert status == 400 and "bigger than max" in errors and "prompt takes STRING, got H3_VAE" in errors, body
 
+    # a canvas the model cannot make is refused at queue time, its range too (ComfyUI's check is off for it)
+    graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
+    cond = _node(graph, "H3Conditioning")
+    graph[cond]["inputs"].update(width=100, height=768)
+    status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
+    assert status == 400 and "multiples of 32" in json.dumps(body.get("node_errors", {}).get(cond)), body
+    graph[cond]["inputs"].update(width=8192, height=4096)
+    status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
+    assert status == 400 and "at most 4096" in json.dumps(body.get("node_errors", {}).get(cond)), body
+
     # an empty prompt, the default of a fresh node, is refused before the text encoder is read
     graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
     cond = _node(graph, "H3Conditioning")

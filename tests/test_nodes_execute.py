@@ -161,13 +161,41 @@ def test_a_wrong_link_into_any_input_is_refused_at_queue_time(comfy):
     """validate_inputs turns ComfyUI's own link-type check off, so the nodes that have one check every input's
     link against the type their schema gives it (but the reference list, whose slots are checked as media)."""
     long_video = importlib.import_module("nodes.long_video")
-    for node in (comfy.conditioning.H3Conditioning, long_video.H3Continuation, comfy.output.H3AVSave):
+    for node in (comfy.conditioning.H3Conditioning, long_video.H3Continuation, comfy.output.H3AVSave,
+                 comfy.latent.H3EmptyAVLatent, comfy.latent.H3VAEEncode):
         ports = fake_comfy.schema_of(node)["inputs"]
         for name, port in ports.items():
             if port.type == "COMFY_AUTOGROW_V3":
                 continue
             assert node.validate_inputs(input_types={name: "WRONG"}) == f"{name} takes {port.type}, got WRONG.", name
             assert "takes" not in str(node.validate_inputs(input_types={name: port.type})), name
+
+
+def test_a_canvas_the_model_cannot_make_is_refused_at_queue_time(comfy):
+    """Width and height widgets are checked by validate_inputs (ComfyUI's min/max check is off for inputs it
+    names, so it redoes that too): a multiple of 32, each side at most 4096, 1:4 to 4:1, both or neither."""
+    long_video = importlib.import_module("nodes.long_video")
+    task, clip = {"task": "t2va", "prompt": "rain"}, {"input_types": {"video": "VIDEO"}}
+    for node, given, zero in ((comfy.conditioning.H3Conditioning, task, "from the aspect ratio"),
+                              (long_video.H3Continuation, task, "from the aspect ratio"),
+                              (comfy.latent.H3VAEEncode, clip, "from the clip"),
+                              (comfy.latent.H3EmptyAVLatent, {}, None)):
+        def check(width, height):
+            return node.validate_inputs(**{"input_types": {}, **given}, width=width, height=height)
+
+        assert check(1344, 768) is True and check(None, 100) is True, node  # None: linked, checked at run time
+        assert "positive multiples of 32" in check(100, 768) and "width=100" in check(100, 768), node
+        assert "positive multiples of 32" in check(-32, -32), node
+        assert "each side is at most 4096" in check(4128, 2048), node
+        assert "the model supports 1:4 to 4:1" in check(2048, 256), node
+        if zero:
+            assert check(0, 0) is True, node
+            assert check(1344, 0) == f"Give width and height together, or both 0 ({zero}); got 1344x0.", node
+        else:  # no 0 here: the schema's min is 32
+            assert "positive multiples of 32" in check(0, 0), node
+    # H3 Empty AV Latent takes the size from linked conditioning, whatever its widgets say
+    empty = comfy.latent.H3EmptyAVLatent.validate_inputs
+    assert empty(input_types={"conditioning": "H3_COND"}, width=100, height=0) is True
 
 
 def test_sampler_sigmas_denoise_and_latent_checks(comfy):
