@@ -24,6 +24,7 @@ from .config import DiTConfig
 from .dit import H3DiT, fp32_modules, rope_inverse_frequencies
 from .memory_plan import gguf_held
 from .placement import module_bytes
+from .tiny import TINY_RANDOM, tiny_model_dtype, tiny_random_dit
 from .weights import (
     CheckpointError,
     assign_strictly,
@@ -392,7 +393,12 @@ def load_dit(
     """Load a DiT strictly. `dtype=None` keeps each tensor's checkpoint dtype; else the release policy
     (fp32 projections/heads, `dtype` elsewhere) is applied tensor by tensor while streaming.
     `linears` (fp8.LINEAR_MODES): FP8 weights of an fp8_scaled file stay FP8 ("checkpoint") or are
-    dequantized ("dense"); the "fp8-*-lossy" modes also quantize dense block linears as they stream in."""
+    dequantized ("dense"); the "fp8-*-lossy" modes also quantize dense block linears as they stream in.
+    `tiny-random`: the embedded demo model (one for both partitions; float32 on the CPU), made, not read."""
+    if str(path) == TINY_RANDOM:
+        if partition not in PARTITIONS:
+            raise ValueError(f"Unknown partition {partition!r}; choose one of {', '.join(PARTITIONS)}.")
+        return tiny_random_dit(tiny_model_dtype(device, dtype), device)
     return DiTReader(path, partition, dtype, config, linears, device).read(device)
 
 

@@ -41,6 +41,7 @@ from .prompt import (
 )
 from .placement import module_bytes
 from .runtime import empty_caches
+from .tiny import TINY_RANDOM
 from .text_checkpoint import (
     GGUF_NO_VISION,
     TEXT_ENCODER_LAYER,
@@ -348,7 +349,11 @@ def load_text_encoder(
     layer      the decoder layer whose output H3 reads: 50 for the released checkpoints.
     on_tensor  called (done, total) after each tensor read: a progress bar.
     Only the embedding, the first `layer` decoder layers and the vision tower are read, cast to
-    `dtype` and put on `device` one tensor at a time."""
+    `dtype` and put on `device` one tensor at a time. `tiny-random`: the embedded demo encoder (float32)."""
+    if str(path) == TINY_RANDOM:
+        from .tiny_text import tiny_random_text_encoder  # it loads its files through this function
+
+        return tiny_random_text_encoder(device=device)
     source = locate_text_encoder_files(path, tokenizer, processor, layer)
     presenter = Presenter(load_tokenizer(source.tokenizer_folder), VisionProcessor.from_folder(source.processor_folder))
     qwen_config = qwen3vl_config(config if config is not None else source.config, layer)

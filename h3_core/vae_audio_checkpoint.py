@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from .tiny import TINY_RANDOM, tiny_random_audio_vae
 from .vae_audio import AudioVAE, AudioVAEConfig
 from .weights import (
     PICKLE_SUFFIXES,
@@ -326,7 +327,9 @@ def load_audio_vae(
     """Load the audio VAE strictly from any accepted layout, in fp32 by default whatever the file stores: the
     release is fp32, and a community bf16 / fp16 file run as stored decodes audibly worse (see `vae_audio`), so
     it is widened. `dtype=None` keeps the checkpoint's dtypes. `device="meta"` reads the headers only
-    (`check_audio_vae`)."""
+    (`check_audio_vae`). `tiny-random`: the embedded demo VAE (float32), made, not read."""
+    if str(path) == TINY_RANDOM:
+        return tiny_random_audio_vae(device)
     with config_errors(f"The audio VAE at {path}"):
         source = locate_audio_vae(path)
         config = source.config or infer_config(source)

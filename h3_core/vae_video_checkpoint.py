@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from . import keymap
+from .tiny import TINY_RANDOM, tiny_random_video_vae
 from .vae_video import VideoVAE, VideoVAEConfig, keeps_fp32
 from .weights import (
     CheckpointError,
@@ -343,8 +344,10 @@ def load_video_vae(
     `dtype=None` keeps each tensor's checkpoint dtype (but float8, in which no convolution runs: bf16, or fp32
     for `FP32_MODULES`); else `FP32_MODULES` are float32 and the rest `dtype`. `config` overrides the
     checkpoint's (single files have none: the release's is the default). `device="meta"` reads the headers only
-    (`check_video_vae`).
+    (`check_video_vae`). `tiny-random`: the embedded demo VAE (float32), made, not read.
     """
+    if str(path) == TINY_RANDOM:
+        return tiny_random_video_vae(device)
     with config_errors(f"The video VAE at {path}"):
         source = locate_video_vae(path)
         config = config or source.config or VideoVAEConfig()

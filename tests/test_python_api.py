@@ -24,7 +24,7 @@ def streams(path: Path) -> tuple[str, int, int, str, int, int]:
 
 
 def test_readme_python_example_runs(tmp_path, monkeypatch, capsys):
-    (example,) = readme_python_blocks()
+    example, _ = readme_python_blocks()
     monkeypatch.chdir(tmp_path)
     (tmp_path / "readme_example.py").write_text(example)  # run as a user's script would be (and no exec here:
     runpy.run_path(str(tmp_path / "readme_example.py"), run_name="__main__")  # the registry's checks flag it)
@@ -35,6 +35,22 @@ def test_readme_python_example_runs(tmp_path, monkeypatch, capsys):
     assert streams(tmp_path / "out/fox.mp4") == ("h264", 24, 124, "aac", 32000, 2)
     for name in ("rain", "city"):
         assert streams(tmp_path / f"out/{name}.mp4") == ("h264", 24, 107, "aac", 32000, 2)  # 4 s -> 17n+5 = 107 frames
+
+
+def test_readme_step_by_step_example_runs_and_makes_what_generate_makes(tmp_path, monkeypatch, capsys):
+    """The loaders take tiny-random, and the engine's steps called one by one give generate's latents."""
+    import torch
+
+    _, example = readme_python_blocks()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "steps.py").write_text(example)
+    names = runpy.run_path(str(tmp_path / "steps.py"), run_name="__main__")
+    assert capsys.readouterr().out.splitlines() == [f"step {step}/7" for step in range(1, 8)]
+    assert streams(tmp_path / "rain_steps.mp4") == ("h264", 24, 107, "aac", 32000, 2)
+    (result,) = generate(names["request"], model="tiny-random", settings=GenerateSettings(seed=1, steps=8),
+                         out=tmp_path / "same.mp4")
+    assert torch.equal(names["latents"].video, result.latents.video)
+    assert torch.equal(names["latents"].audio, result.latents.audio)
 
 
 def test_bad_request_is_refused_before_any_model_loads(tmp_path, monkeypatch):
