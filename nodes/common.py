@@ -208,6 +208,21 @@ def device_list(text: str, purpose: str) -> list[torch.device]:
 
 
 SAVE_HIDDEN = [io.Hidden.prompt, io.Hidden.extra_pnginfo]  # what a saving node embeds in its file
+LINK_HIDDEN = [io.Hidden.prompt, io.Hidden.unique_id]  # what `refuse_empty_links` reads
+
+
+def refuse_empty_links(hidden, **given) -> None:
+    """ComfyUI hands execute None both for an unconnected input and for one linked to an output that holds
+    nothing (Get Video Components' audio of a video without sound): a wired soundtrack would be left out
+    unseen. The node's inputs in the queued prompt (a link is a [node, output] pair) tell the two apart."""
+    prompt = getattr(hidden, "prompt", None)
+    node = prompt.get(str(getattr(hidden, "unique_id", None))) if isinstance(prompt, dict) else None
+    inputs = node.get("inputs", {}) if isinstance(node, dict) else {}
+    for name, value in given.items():
+        if value is None and isinstance(inputs.get(name), list):
+            raise ValueError(f"{name} is connected, but the node feeding it gave nothing (such as Get Video "
+                             f"Components' audio of a video without sound): connect one that holds it, or "
+                             f"disconnect {name}.")
 MAX_NAME_BYTES = 255  # a file or folder name, on the file systems ComfyUI runs on
 MAX_PREFIX_NAME_BYTES = 200  # a file name is at most 255 bytes, and the counter adds "_00001_.mp4"
 

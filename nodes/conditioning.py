@@ -25,6 +25,7 @@ from h3_core.references import REFERENCE_IMAGE_MODES, frame_on_canvas
 
 from .common import (
     CATEGORY,
+    LINK_HIDDEN,
     H3VAE,
     H3Cond,
     H3TextEncoder,
@@ -33,6 +34,7 @@ from .common import (
     check_interrupt,
     device,
     progress_bar,
+    refuse_empty_links,
     wrong_link,
 )
 from .convert import (
@@ -109,6 +111,7 @@ class H3Conditioning(io.ComfyNode):
                               tooltip="The frame count the duration resolved to, at 24 fps (17n + 5: 5 s -> 124 "
                                       "frames)."),
             ],
+            hidden=LINK_HIDDEN,
         )
 
     @classmethod
@@ -140,6 +143,7 @@ class H3Conditioning(io.ComfyNode):
                 first_image=None, last_image=None, references=None, reference_images="release",
                 **extra) -> io.NodeOutput:
         refuse_extra_inputs(extra)
+        refuse_empty_links(cls.hidden, vae=vae, first_image=first_image, last_image=last_image)
         references = ordered_references(references)
         keyframes = (first_image is not None) + (last_image is not None)
         problem = media_problem(task, [kind for kind, _ in references], keyframes)
@@ -207,6 +211,7 @@ class H3AddGuide(io.ComfyNode):
             outputs=[H3Cond.Output(display_name="conditioning",
                                    tooltip="The request with this guide added: connect to H3 Dual-Clock Sampler's "
                                            "conditioning, or to another H3 Add Guide.")],
+            hidden=LINK_HIDDEN,
         )
 
     @classmethod
@@ -215,6 +220,7 @@ class H3AddGuide(io.ComfyNode):
 
     @classmethod
     def execute(cls, conditioning, vae, frame_index, image=None, audio=None, video=None) -> io.NodeOutput:
+        refuse_empty_links(cls.hidden, image=image, audio=audio, video=video)
         room = clip_room(int(frame_index), conditioning.num_frames)
         media = guide_media(frame_index, image, audio, video, (conditioning.width, conditioning.height), room)
         # every check before the VAE moves

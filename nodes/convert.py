@@ -336,9 +336,15 @@ SOCKET_KINDS = {"IMAGE": "image", "VIDEO": "video", "AUDIO": "audio"}
 
 
 def ordered_references(values: dict | None) -> list[tuple[str, Any]]:
-    """A growing input's {"ref0": v, "ref1": v, ...} -> [(kind, value), ...] in slot order, gaps skipped."""
-    items = [(int("".join(ch for ch in name if ch.isdigit()) or 0), value) for name, value in (values or {}).items()
-             if value is not None]
+    """A growing input's {"ref0": v, "ref1": v, ...} -> [(kind, value), ...] in slot order, gaps skipped. ComfyUI
+    lists only the connected slots, so one holding None is linked to an output that gave nothing (Get Video
+    Components' audio of a video without sound): refused, not left out unseen."""
+    empty = [name for name, value in (values or {}).items() if value is None]
+    if empty:
+        raise ValueError(f"references.{empty[0]} is connected, but the node feeding it gave nothing (such as Get "
+                         f"Video Components' audio of a video without sound): connect one that holds it, or "
+                         f"disconnect the slot.")
+    items = [(int("".join(ch for ch in name if ch.isdigit()) or 0), value) for name, value in (values or {}).items()]
     return [(reference_kind(value), value) for _, value in sorted(items, key=lambda item: item[0])]
 
 

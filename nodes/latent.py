@@ -18,8 +18,8 @@ from h3_core.media import MediaError
 from h3_core.conditioning import MAX_FRAMES, MIN_REQUESTED_FRAMES, RequestError, resolve_num_frames
 from h3_core.placement import freed_on_failure
 
-from .common import (CATEGORY, H3VAE, H3Cond, H3Latent, canvas_problem, check_interrupt, device,
-                     progress_and_interrupt, progress_bar, wrong_link)
+from .common import (CATEGORY, LINK_HIDDEN, H3VAE, H3Cond, H3Latent, canvas_problem, check_interrupt, device,
+                     progress_and_interrupt, progress_bar, refuse_empty_links, wrong_link)
 from .convert import (
     audio_to_decoded, empty_latent, from_core_av, image_to_uint8, pack_latents, to_core_av, trim_frames, video_file,
     video_to_decoded,
@@ -111,6 +111,7 @@ class H3VAEEncode(io.ComfyNode):
                               tooltip="The clip's frame count as encoded, at 24 fps: cut down to 17n + 5 (its last "
                                       "few frames may be dropped)."),
             ],
+            hidden=LINK_HIDDEN,
         )
 
     @classmethod
@@ -123,6 +124,7 @@ class H3VAEEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, vae, video=None, images=None, frame_rate=24.0, audio=None, width=0, height=0) -> io.NodeOutput:
+        refuse_empty_links(cls.hidden, video=video, images=images, audio=audio)
         problem = _clip_source_problem(video is not None, images is not None)
         if problem:
             raise ValueError(problem)

@@ -40,9 +40,9 @@ from h3_core.pipeline import TASK_PARTITION, largest_layout
 from h3_core.placement import freed_on_failure
 
 from .common import (
-    CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, canvas_inputs, canvas_problem,
-    check_interrupt, check_prefix, decode_inputs, decode_options, decode_progress, device, prefix_problem,
-    preview_settings, progress_bar, saved_file_metadata, shift_inputs, step_preview,
+    CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, LINK_HIDDEN, canvas_inputs,
+    canvas_problem, check_interrupt, check_prefix, decode_inputs, decode_options, decode_progress, device, prefix_problem,
+    preview_settings, progress_bar, refuse_empty_links, saved_file_metadata, shift_inputs, step_preview,
 )
 from .conditioning import (guide_media, guide_media_inputs, linked_media, reference_images_input, reference_input,
                            validate_guide_links)
@@ -121,6 +121,7 @@ class H3Continuation(io.ComfyNode):
                 io.Int.Output(display_name="num_frames",
                               tooltip="The whole clip's frame count at 24 fps (continue_from included)."),
             ],
+            hidden=LINK_HIDDEN,
         )
 
     @classmethod
@@ -151,6 +152,8 @@ class H3Continuation(io.ComfyNode):
                 references=None, guides=None, continue_from=None, reference_images="release",
                 keep_video=None, **extra) -> io.NodeOutput:
         refuse_extra_inputs(extra)
+        refuse_empty_links(cls.hidden, vae=vae, drive_audio=drive_audio, guides=guides, continue_from=continue_from,
+                           keep_video=keep_video)
         problem = _task_problem(task)  # a linked task is known only now
         if problem:
             raise ValueError(problem)
@@ -238,6 +241,7 @@ class H3ContinuationGuide(io.ComfyNode):
             outputs=[H3Guides.Output(display_name="guides",
                                      tooltip="The guides so far with this one added: connect to H3 Continuation's "
                                              "guides, or to another H3 Continuation Guide.")],
+            hidden=LINK_HIDDEN,
         )
 
     @classmethod
@@ -246,6 +250,7 @@ class H3ContinuationGuide(io.ComfyNode):
 
     @classmethod
     def execute(cls, frame_index, image=None, audio=None, video=None, guides=None) -> io.NodeOutput:
+        refuse_empty_links(cls.hidden, image=image, audio=audio, video=video, guides=guides)
         # checked against the clip and its windows by H3 Continuation, before any model moves
         longest = geometry.frames_for_duration(MAX_CONTINUATION_SECONDS)  # the clip's length is not known here
         return io.NodeOutput((*(guides or ()), guide_media(frame_index, image, audio, video, room=longest)))

@@ -79,12 +79,13 @@ class NodeOutput:
 
 
 class ComfyNode:
-    hidden = None  # ComfyUI sets the hidden values (prompt, extra_pnginfo) on the class while it executes
+    hidden = None  # ComfyUI sets the hidden values (prompt, unique_id, ...) on the class while it executes
 
 
 class Hidden(str, enum.Enum):
     prompt = "PROMPT"
     extra_pnginfo = "EXTRA_PNGINFO"
+    unique_id = "UNIQUE_ID"
 
 
 class FolderType(str, enum.Enum):

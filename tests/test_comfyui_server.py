@@ -376,6 +376,17 @@ def test_bad_prompt_is_a_node_error_and_server_goes_on(server):
     errors = json.dumps(body.get("node_errors", {}).get(continuation))
     assert status == 400 and "it cannot go with continue_from" in errors and "bigger than max" in errors, body
 
+    # a sound socket linked to an output that holds none (a video without sound) is refused, not left out
+    graph = json.loads((PACK / "workflows" / "api" / "ref2va_video.json").read_text())
+    cond, video = _node(graph, "H3Conditioning"), _node(graph, "CreateVideo")
+    graph[video]["inputs"].pop("audio")
+    graph["90"] = {"class_type": "GetVideoComponents", "inputs": {"video": [video, 0]}}
+    graph[cond]["inputs"]["references.ref1"] = ["90", 1]
+    history = _wait(base, _queue(base, graph, "x"))
+    assert history["status"]["status_str"] == "error"
+    assert "references.ref1 is connected, but the node feeding it gave nothing" in json.dumps(
+        history["status"]["messages"]), history["status"]
+
     # a slot past ref11: ComfyUI drops it from its checks and hands it to the node, which names it
     graph = json.loads((PACK / "workflows" / "api" / "ref2va_images.json").read_text())
     cond = _node(graph, "H3Conditioning")

@@ -1049,6 +1049,38 @@ def test_values_comfyui_lets_through_are_refused_at_their_node(comfy):
     assert len(c.record.loaded) == loaded
 
 
+def test_a_link_that_delivers_nothing_is_refused_not_left_out(comfy, monkeypatch):
+    """Get Video Components' audio of a silent video is None: execute sees what an unconnected input gives. The
+    queued prompt says the input is linked, so the node refuses rather than running without the sound."""
+    c = comfy
+    long_video = importlib.import_module("nodes.long_video")
+    linked = {"inputs": {"drive_audio": ["4", 2], "audio": ["4", 2], "first_image": ["2", 0], "prompt": "rain"}}
+    for node in (long_video.H3Continuation, long_video.H3ContinuationGuide, c.conditioning.H3Conditioning,
+                 c.conditioning.H3AddGuide, c.latent.H3VAEEncode):
+        monkeypatch.setattr(node, "hidden", SimpleNamespace(prompt={"9": linked}, unique_id="9"), raising=False)
+    image = torch.rand(1, 64, 96, 3)
+    message = "is connected, but the node feeding it gave nothing"
+    with pytest.raises(ValueError, match=f"drive_audio {message}"):
+        long_video.H3Continuation.execute(None, None, "rain", "t2va", 20.0, "continue", 277, 22, 0, 0, 0.0, 0.0,
+                                          "auto", 0, 0, drive_audio=None)
+    with pytest.raises(ValueError, match=f"audio {message}"):
+        long_video.H3ContinuationGuide.execute(10, image=image, audio=None)
+    with pytest.raises(ValueError, match=f"first_image {message}"):
+        c.conditioning.H3Conditioning.execute(None, "rain", "fl2va", "auto", 0, 0, 4.0, first_image=None)
+    with pytest.raises(ValueError, match=f"audio {message}"):
+        c.conditioning.H3AddGuide.execute(None, None, 0, image=image, audio=None)
+    with pytest.raises(ValueError, match=f"audio {message}"):
+        c.latent.H3VAEEncode.execute(None, images=image, audio=None)
+    c.conditioning.H3Conditioning.hidden = None  # a grown slot is listed only when linked: no prompt needed
+    with pytest.raises(ValueError, match=f"references.ref1 {message}"):
+        c.conditioning.H3Conditioning.execute(None, "rain", "ref2va", "auto", 0, 0, 4.0,
+                                              references={"ref0": image, "ref1": None})
+    # unconnected (not in the prompt's inputs) is not refused: the guide runs with its image alone
+    long_video.H3ContinuationGuide.hidden = SimpleNamespace(prompt={"9": {"inputs": {"image": ["2", 0]}}},
+                                                           unique_id="9")
+    assert long_video.H3ContinuationGuide.execute(10, image=image, audio=None, video=None).values[0]
+
+
 def test_guide_wiring_is_checked_at_queue_time(comfy):
     """H3 Add Guide / H3 Continuation Guide: an image and a video together, or nothing, was said only when the node
     ran, after the loaders and the text encoder above it."""
