@@ -278,7 +278,8 @@ def check_ratio(width: int, height: int, what: str) -> None:
     would grow to gigabytes before its crop."""
     ratio = width / height
     if not geometry.MIN_ASPECT_RATIO <= ratio <= geometry.MAX_ASPECT_RATIO:
-        raise RequestError(f"{what} is {width}x{height} (aspect ratio {ratio:.3g}); H3 takes 1:4 to 4:1.")
+        raise RequestError(f"{what} is {width}x{height} (aspect ratio {ratio:.3g}); H3 takes 1:4 to 4:1: crop it to "
+                           f"within that first.")
 
 
 def _check_clip(seconds: float, start: float, what: str) -> None:

@@ -12,9 +12,11 @@ Pure functions: no ComfyUI import, so the tests run them on a machine without Co
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -131,7 +133,9 @@ def _check_image(image: torch.Tensor, what: str) -> torch.Tensor:
         raise ValueError(f"{what} must be a ComfyUI IMAGE tensor [B, H, W, C], got {type(image).__name__}.")  # noqa: TRY004 (one error type for bad node inputs)
     if image.ndim == 3:
         image = image[None]
-    if image.ndim != 4 or image.shape[-1] not in (1, 3, 4) or image.shape[0] < 1:
+    if image.ndim == 4 and image.shape[0] == 0:
+        raise ValueError(f"{what} holds no pictures (an empty batch, {list(image.shape)}): connect one that has some.")
+    if image.ndim != 4 or image.shape[-1] not in (1, 3, 4):
         raise ValueError(f"{what} must be a ComfyUI IMAGE [B, H, W, C] with C = 1, 3 or 4; got {list(image.shape)}.")
     return image
 
@@ -183,6 +187,11 @@ def _check_audio(audio: dict, what: str) -> tuple[torch.Tensor, int]:
         raise ValueError(f"{what}: H3 takes sound of 1 to {max(DEFAULT_LAYOUTS)} channels; got {waveform.shape[1]}.")
     if rate <= 0:
         raise ValueError(f"{what}: sample_rate must be positive, got {rate}.")
+    if waveform.dtype in (torch.int16, torch.int32):  # PCM samples, as a few nodes hand them: to -1..1
+        waveform = waveform.float() / -torch.iinfo(waveform.dtype).min
+    elif not waveform.is_floating_point():
+        raise ValueError(f"{what}: waveform samples must be floats in -1..1 (or int16 / int32 PCM); got "
+                         f"{waveform.dtype}.")
     return waveform, rate
 
 
@@ -344,8 +353,31 @@ def ordered_references(values: dict | None) -> list[tuple[str, Any]]:
         raise ValueError(f"references.{empty[0]} is connected, but the node feeding it gave nothing (such as Get "
                          f"Video Components' audio of a video without sound): connect one that holds it, or "
                          f"disconnect the slot.")
-    items = [(int("".join(ch for ch in name if ch.isdigit()) or 0), value) for name, value in (values or {}).items()]
+    items = [(_slot_number(name), value) for name, value in (values or {}).items()]
     return [(reference_kind(value), value) for _, value in sorted(items, key=lambda item: item[0])]
+
+
+@contextlib.contextmanager
+def slot_names_in_errors(values: dict | None):
+    """The engine names a request's references by their place in its list (`references[1]`); a node's slots are
+    ref0, ref1, ... with gaps allowed, so its errors name the slot (`references.ref3`) the artist can find."""
+    names = sorted((name for name, value in (values or {}).items() if value is not None), key=_slot_number)
+
+    def slot(match: re.Match) -> str:
+        index = int(match.group(1))
+        return f"references.{names[index]}" if index < len(names) else match.group(0)
+
+    try:
+        yield
+    except (ValueError, MediaError) as error:
+        message = re.sub(r"references\[(\d+)\]", slot, str(error))
+        if message == str(error):
+            raise
+        raise type(error)(message) from None
+
+
+def _slot_number(name: str) -> int:
+    return int("".join(ch for ch in name if ch.isdigit()) or 0)
 
 
 def refuse_empty_latent(latent: dict) -> None:
@@ -487,7 +519,9 @@ def from_core_av(video, audio) -> list[dict]:
         raise ValueError(f"The video part must be [B, 24, L, h, w] (a MiniMax H3 latent); got {shape}.")
     if not isinstance(audio, torch.Tensor) or audio.ndim != 4 or audio.shape[1:3] != (32, geometry.AUDIO_CHANNELS):
         shape = list(audio.shape) if isinstance(audio, torch.Tensor) else type(audio).__name__
-        raise ValueError(f"The audio part must be [B, 32, 2, A] (a MiniMax H3 stereo latent); got {shape}.")
+        raise ValueError(f"The audio part must be [B, 32, 2, A] (a MiniMax H3 stereo latent); got {shape}. ComfyUI's "
+                         f"latent edits (Trim Video Latent, Upscale, Batch) do not keep a joint video + audio latent "
+                         f"whole: edit the parts after Separate AV Latent, then join them with Concat AV Latent.")
     if video.shape[0] != audio.shape[0]:
         raise ValueError(f"The video and audio parts hold {video.shape[0]} and {audio.shape[0]} items; they must agree.")
     latent_height, latent_width = video.shape[3:]

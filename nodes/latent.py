@@ -183,7 +183,9 @@ class H3LatentToLatent(io.ComfyNode):
             category=CATEGORY,
             description="An H3 latent as ComfyUI's own MiniMax H3 AV LATENT (video [1, 24, L, H/16, W/16], audio "
                         "[1, 32, 2, 40 per second]), for the core nodes: Separate AV Latent, then VAE Decode and "
-                        "VAE Decode Audio with the MiniMax H3 VAEs (or a TAEH3 preview decoder). Same values.",
+                        "VAE Decode Audio with the MiniMax H3 VAEs (or a TAEH3 preview decoder). Same values. "
+                        "Core latent edits (Trim Video Latent, Upscale, Batch, Save Latent) do not keep a joint "
+                        "latent whole: edit its parts after Separate AV Latent.",
             inputs=[H3Latent.Input("latent", tooltip="From an H3 sampler, H3 Continuation or H3 VAE Encode.")],
             outputs=[io.Latent.Output(display_name="LATENT",
                                       tooltip="The same latent as ComfyUI's own MiniMax H3 AV LATENT: connect to "

@@ -41,13 +41,14 @@ from h3_core.placement import freed_on_failure
 
 from .common import (
     CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, LINK_HIDDEN, canvas_inputs,
-    canvas_problem, check_interrupt, check_prefix, decode_inputs, decode_options, decode_progress, device, prefix_problem,
-    preview_settings, progress_bar, refuse_empty_links, saved_file_metadata, shift_inputs, step_preview,
+    canvas_problem, check_interrupt, check_prefix, decode_inputs, decode_options, decode_progress, device,
+    prefix_problem, preview_settings, progress_bar, refuse_empty_links, saved_file_metadata, shift_inputs,
+    step_preview,
 )
 from .conditioning import (guide_media, guide_media_inputs, linked_media, reference_images_input, reference_input,
                            validate_guide_links)
 from .convert import (audio_to_decoded, build_request, media_problem, ordered_references, pack_latents,
-                      refuse_empty_latent, refuse_extra_inputs, unpack_latents)
+                      refuse_empty_latent, refuse_extra_inputs, slot_names_in_errors, unpack_latents)
 from .memory import decode_working_bytes, dit_for_run, drop_loras, place, place_for_encoding, use_loras
 
 STEP = geometry.FRAMES_PER_CHUNK  # window and overlap stay on the 17n + 5 grid
@@ -161,7 +162,7 @@ class H3Continuation(io.ComfyNode):
         if wanted != model.partition:
             raise ValueError(f"{task} runs on the {wanted} partition, but this model was loaded as "
                              f"{model.partition}; set the loader's partition to {wanted}.")
-        references = ordered_references(references)
+        slots, references = references, ordered_references(references)
         problem = media_problem(task, [kind for kind, _ in references], 0)
         if problem:
             raise ValueError(problem)
@@ -184,8 +185,8 @@ class H3Continuation(io.ComfyNode):
             None if drive_audio is None else audio_to_decoded(drive_audio, "drive_audio"), tuple(guides or ()),
             given, kept,
         )
-        validate_long_video(request, text_encoder.canvas)  # every limit and the plan, before any model moves
-        with freed_on_failure(device()):
+        with slot_names_in_errors(slots), freed_on_failure(device()):  # references[i] named as their slots
+            validate_long_video(request, text_encoder.canvas)  # every limit and the plan, before any model moves
             cond = encode_long_video(request, text_encoder.encoder, None if vae is None else vae.video,
                                      None if vae is None else vae.audio, rules=text_encoder.canvas,
                                      between_calls=check_interrupt,

@@ -37,6 +37,8 @@ def test_image_round_trip_and_channels():
         convert.image_to_uint8(torch.full((1, 4, 4, 3), float("nan")), "last_image")
     with pytest.raises(ValueError, match=r"\[B, H, W, C\]"):
         convert.image_to_pil(torch.rand(1, 3, 16, 24, 2))
+    with pytest.raises(ValueError, match=r"^first_image holds no pictures \(an empty batch, \[0, 16, 24, 3\]\)"):
+        convert.image_to_pil(torch.rand(0, 16, 24, 3), "first_image")
 
 
 def test_audio_conversions():
@@ -53,6 +55,13 @@ def test_audio_conversions():
         convert.audio_to_decoded({"waveform": torch.zeros(1, 9, 100), "sample_rate": 48000})
     with pytest.raises(ValueError, match="drive_audio is a batch of 2 sounds; H3 takes one here"):
         convert.audio_to_decoded({"waveform": torch.zeros(2, 2, 100), "sample_rate": 48000}, "drive_audio")
+    pcm = (waveform * 32768).round().to(torch.int16)  # a few nodes hand PCM samples on (they came out +-3000)
+    as_pcm = convert.audio_to_decoded({"waveform": pcm, "sample_rate": 16000}).waveform
+    assert as_pcm.dtype == torch.float32 and (as_pcm - waveform[0]).abs().max() <= 0.5 / 32768 + 1e-7
+    wide = convert.audio_to_decoded({"waveform": pcm.int() << 16, "sample_rate": 16000}).waveform
+    assert torch.equal(wide, as_pcm)
+    with pytest.raises(ValueError, match=r"samples must be floats in -1..1 \(or int16 / int32 PCM\); got torch.uint8"):
+        convert.audio_to_decoded({"waveform": torch.zeros(1, 1, 100, dtype=torch.uint8), "sample_rate": 8000})
 
 
 @pytest.mark.parametrize("channels, layout", [(6, "5.1"), (3, "2.1"), (8, "7.1")])

@@ -1061,7 +1061,7 @@ def test_a_link_that_delivers_nothing_is_refused_not_left_out(comfy, monkeypatch
     image = torch.rand(1, 64, 96, 3)
     message = "is connected, but the node feeding it gave nothing"
     with pytest.raises(ValueError, match=f"drive_audio {message}"):
-        long_video.H3Continuation.execute(None, None, "rain", "t2va", 20.0, "continue", 277, 22, 0, 0, 0.0, 0.0,
+        long_video.H3Continuation.execute(None, None, "rain", "t2va", 20.0, "continuation", 277, 22, 0, 0, 0.0, 0.0,
                                           "auto", 0, 0, drive_audio=None)
     with pytest.raises(ValueError, match=f"audio {message}"):
         long_video.H3ContinuationGuide.execute(10, image=image, audio=None)
@@ -1079,6 +1079,22 @@ def test_a_link_that_delivers_nothing_is_refused_not_left_out(comfy, monkeypatch
     long_video.H3ContinuationGuide.hidden = SimpleNamespace(prompt={"9": {"inputs": {"image": ["2", 0]}}},
                                                            unique_id="9")
     assert long_video.H3ContinuationGuide.execute(10, image=image, audio=None, video=None).values[0]
+
+
+def test_a_reference_problem_names_its_slot(comfy):
+    """The engine counts references in list order; the node's slots have gaps (ref0, ref3): errors name the slot."""
+    c = comfy
+    _, text, vae = _models(c)
+    short = {"waveform": torch.zeros(1, 2, 16000), "sample_rate": 32000}  # 0.5 s: reference clips are 2-15 s
+    long_video = importlib.import_module("nodes.long_video")
+    model = c.loaders.H3ModelLoader.execute("tiny-random", "", "ref2va", "bf16", "auto").values[0]
+    with pytest.raises(ValueError, match=r"^references.ref3 \(audio\) runs 0.500 s; reference clips must be 2-15 s"):
+        c.conditioning.H3Conditioning.execute(text, "a fox", "ref2va", "auto", 0, 0, 4.0, vae=vae,
+                                              references={"ref0": torch.rand(1, 64, 96, 3), "ref3": short})
+    with pytest.raises(ValueError, match=r"references.ref3 \(audio\) runs 0.500 s"):
+        long_video.H3Continuation.execute(model, text, "a fox", "ref2va", 20.0, "continuation", 277, 22, 0, 2, 0.0, 0.0,
+                                          "auto", 0, 0, vae=vae,
+                                          references={"ref0": torch.rand(1, 64, 96, 3), "ref3": short})
 
 
 def test_guide_wiring_is_checked_at_queue_time(comfy):
