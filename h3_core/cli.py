@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import logging
 import math
@@ -73,7 +74,9 @@ COMPILE_HELP = ("torch.compile the repeated block: ~10%% faster per step on an H
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(_negative_guides(sys.argv[1:] if argv is None else argv))
+    args, unknown = parser.parse_known_args(_negative_guides(sys.argv[1:] if argv is None else argv))
+    if unknown:  # said by the command's own parser, with its usage, and the option meant if one is close
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}{_close_option(args.parser, unknown)}")
     # one device (worker processes keep torch's default); `h3 env` reports the user's own settings
     if "," not in (getattr(args, "devices", None) or "") and args.run is not run_env:
         use_expandable_segments()
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (CheckpointError, ValueError, OSError, MediaError) as error:  # LoRAError is a ValueError
-        print(f"h3: error: {error}", file=sys.stderr)
+        print(f"h3: error: {_option_words(str(error))}", file=sys.stderr)
         return 2
     except ParallelWorkerError as error:  # names the rank, with its traceback
         if getattr(args, "compile", False) and error.compile_failed:
@@ -119,6 +122,36 @@ class _WarningNotes(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if not record.name.startswith("h3_core.lora"):
             _note(record.getMessage().removeprefix("H3: "))
+
+
+FIELD_OPTIONS = (  # the engine's names for a request's parts (not inside a file name) -> the options giving them
+    (re.compile(r"\breferences\[(\d+)\]"), lambda match: f"--ref #{int(match.group(1)) + 1}"),
+    (re.compile(r"(?<![\w.-])(first|last)_image(?![\w.])"), lambda match: f"--{match.group(1)}-image"),
+    (re.compile(r"\bset the task\b"), lambda match: "set --task"),
+    (re.compile(r"\bin long-video mode\b"), lambda match: "with --long-video"),
+)
+
+
+def _option_words(message: str) -> str:
+    """The engine names a request's parts as Python does (first_image, references[0]); the command's errors
+    name the options that gave them (--first-image, --ref #1)."""
+    for pattern, option in FIELD_OPTIONS:
+        message = pattern.sub(option, message)
+    return message
+
+
+def _close_option(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """' (did you mean --prompt?)' for the first unknown option that is a near miss of one of the command's, or
+    the start of just one (abbreviations are not taken: --output once meant --outputs)."""
+    options = list(parser._option_string_actions)
+    for token in unknown:
+        if token.startswith("--"):
+            name = token.split("=", 1)[0]
+            starts = [option for option in options if option.startswith(name)]
+            near = starts if len(starts) == 1 else difflib.get_close_matches(name, options, n=1, cutoff=0.75)
+            if near:
+                return f" (did you mean {near[0]}?)"
+    return ""
 
 
 def _negative_guides(argv: list[str]) -> list[str]:
@@ -239,7 +272,7 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--seed", type=int, default=0, help="noise seed, 0 to 2^64-1 (default 0): the same seed gives "
                                                          "the same clip on any device. " + SEED_BITS)
     gen.add_argument("--outputs", type=int, default=1, help="number of results, seeds seed, seed+1, ...")
-    gen.add_argument("--out", type=Path, help="output .mp4 (several outputs: name_00000.mp4, ...)")
+    gen.add_argument("--out", "--output", type=Path, help="output .mp4 (several outputs: name_00000.mp4, ...)")
     gen.add_argument("--save-latents", type=Path,
                      help="also save the final latents ('video', 'audio') as .safetensors (numbered _00000, _00001, "
                           "... with --outputs above 1, as --out is)")
@@ -270,18 +303,18 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="h3", description="MiniMax-H3 engine (h3_core).")
+    parser = argparse.ArgumentParser(prog="h3", description="MiniMax-H3 engine (h3_core).", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    gen = sub.add_parser("generate", help="prompt (+ keyframes / references) to an MP4 with sound")
+    gen = sub.add_parser("generate", allow_abbrev=False, help="prompt (+ keyframes / references) to an MP4 with sound")
     add_generate_options(gen)
-    gen.set_defaults(run=run_generate)
+    gen.set_defaults(run=run_generate, parser=gen)
 
-    enc = sub.add_parser("encode", help="a video file (and its sound) to H3 latents: extend it with "
+    enc = sub.add_parser("encode", allow_abbrev=False, help="a video file (and its sound) to H3 latents: extend it with "
                                         "generate --long-video --continue-from")
     enc.add_argument("video", type=Path, help="any video PyAV reads (brought to 24 fps, cut to 17n+5 frames)")
-    enc.add_argument("--out", type=Path, required=True, help="the latents, .safetensors")
+    enc.add_argument("--out", "--output", type=Path, required=True, help="the latents, .safetensors")
     enc.add_argument("--model", help=f"where the VAEs are: as generate's --model (default {TINY_RANDOM}, or none "
                                       "with --video-vae and --audio-vae)")
     add_model_file_options(enc, text_encoder=False)
@@ -291,20 +324,20 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument("--height", type=int, help="canvas height (multiple of 32; with --width)")
     enc.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
     enc.add_argument("--vae-dtype", default=None, choices=list(DTYPES), help="video VAE linears (default bf16; tiny-random on the CPU: fp32)")
-    enc.set_defaults(run=run_encode)
+    enc.set_defaults(run=run_encode, parser=enc)
 
-    info = sub.add_parser("info", help="what H3 models a path holds (DiT, text encoder, VAEs), without loading them")
+    info = sub.add_parser("info", allow_abbrev=False, help="what H3 models a path holds (DiT, text encoder, VAEs), without loading them")
     info.add_argument("path", help="release root, partition folder, diffusers folder or single .safetensors (or "
                                    "DiT .gguf) file")
     info.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"],
                       help="which DiT of a release to describe: fl2va (default; t2va and fl2va) or ref2va")
-    info.set_defaults(run=run_info)
+    info.set_defaults(run=run_info, parser=info)
 
-    env = sub.add_parser("env", help="what this machine gives H3: versions, GPUs, attention kernels, media encoders, "
+    env = sub.add_parser("env", allow_abbrev=False, help="what this machine gives H3: versions, GPUs, attention kernels, media encoders, "
                                      "memory (JSON; paste it into a bug report)")
-    env.set_defaults(run=run_env)
+    env.set_defaults(run=run_env, parser=env)
 
-    den = sub.add_parser("denoise", help="run the dual-clock denoise of a T2VA request and save the latents")
+    den = sub.add_parser("denoise", allow_abbrev=False, help="run the dual-clock denoise of a T2VA request and save the latents")
     den.add_argument("--model", default=TINY_RANDOM, help=f"checkpoint path or '{TINY_RANDOM}' (default)")
     den.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"],
                      help="which DiT of a release root to load (default fl2va, the one T2VA runs on)")
@@ -325,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     den.add_argument("--dtype", default=None, choices=list(DTYPES),
                      help="model dtype (default: bf16 on GPU, fp32 on CPU; fp32 heads stay fp32)")
     add_dit_speed_options(den)
-    den.set_defaults(run=run_denoise)
+    den.set_defaults(run=run_denoise, parser=den)
     return parser
 
 
@@ -641,7 +674,7 @@ def _batch_jobs(args) -> list[Job]:
         text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not part of line 1
     except UnicodeDecodeError as error:
         raise ValueError(f"--batch {path} is not UTF-8 text (byte {error.start}); save it as UTF-8.") from None
-    parser = _QuietParser(prog="h3 generate --batch line", add_help=False)
+    parser = _QuietParser(prog="h3 generate --batch line", add_help=False, allow_abbrev=False)
     add_generate_options(parser)
     jobs = []
     for number, line in enumerate(text.splitlines(), 1):

@@ -167,7 +167,8 @@ def resolve_num_frames(duration: float | None = None, num_frames: int | None = N
         raise RequestError(f"The duration is a number of seconds, got {seconds!r}.")
     if not math.isfinite(seconds) or not MIN_SECONDS <= seconds <= MAX_SECONDS:
         raise RequestError(
-            f"The duration must be between {MIN_SECONDS:g} and {MAX_SECONDS:g} seconds, got {seconds!r}."
+            f"The duration must be between {MIN_SECONDS:g} and {MAX_SECONDS:g} seconds, got {seconds!r} (longer clips "
+            f"are made window by window in long-video mode)."
         )
     return geometry.frames_for_duration(float(seconds))
 
@@ -252,7 +253,8 @@ def _check_task_media(request: Request, references: list[MediaReference]) -> lis
     ]
     if request.task == "t2va" and (keyframes or references):
         raise RequestError(
-            "t2va takes a prompt only: first_image/last_image are fl2va keyframes and references are ref2va."
+            "t2va takes a prompt only: first_image/last_image are fl2va keyframes and references are ref2va (set the "
+            "task to the one they are for)."
         )
     if request.task == "fl2va":
         if not keyframes:

@@ -142,6 +142,47 @@ def test_a_bad_batch_line_is_said_without_the_usage_text(tmp_path, no_model_load
     assert "usage:" not in error
 
 
+def test_a_mistyped_option_is_said_by_its_command_with_the_one_meant(tmp_path, no_model_loads, capsys):
+    """No abbreviations (--output was taken as --outputs, --step as --steps); an unknown option is said with the
+    command's own usage and the option it is close to; --output is --out."""
+    for options, said in ((["--promt", "x"], "unrecognized arguments: --promt x (did you mean --prompt?)"),
+                          (["--prompt", "x", "--step", "8"], "unrecognized arguments: --step 8 (did you mean --steps?)"),
+                          (["--prompt", "x", "--colour", "red"], "unrecognized arguments: --colour red\n")):
+        with pytest.raises(SystemExit) as stop:
+            main(["generate", "--out", str(tmp_path / "a.mp4"), *options])
+        error = capsys.readouterr().err
+        assert stop.value.code == 2 and "usage: h3 generate" in error and f"h3 generate: error: {said}" in error + "\n"
+    assert main(["generate", "--prompt", "x", "--output", str(tmp_path)]) == 2
+    assert f"--out {tmp_path} is a folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["info", "tiny-random", "--part", "fl2va"])
+    assert "h3 info: error: unrecognized arguments: --part fl2va (did you mean --partition?)" in capsys.readouterr().err
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"--prompt x --step 8 --out {tmp_path}/b.mp4\n")  # a --batch line takes no abbreviation either
+    assert main(["generate", "--batch", str(jobs)]) == 2
+    assert "line 1: not the request options of an h3 generate command (unrecognized arguments: --step 8)" in (
+        capsys.readouterr().err)
+
+
+def test_errors_name_the_options_not_the_engine_fields(tmp_path, no_model_loads, capsys):
+    """The engine says first_image, references[0], 'the task'; the command's errors say its options, but not
+    inside a file's name."""
+    (tmp_path / "first_image.txt").write_text("not a picture")
+    out = ["--prompt", "x", "--out", str(tmp_path / "a.mp4")]
+    for options, said in (
+            (["--ref", "image=a.png"], "t2va takes a prompt only: --first-image/--last-image are fl2va keyframes and "
+                                       "references are ref2va (set --task to the one they are for)."),
+            (["--task", "ref2va", "--ref", f"image={tmp_path}/first_image.txt"],
+             "--ref #1 (image): first_image.txt is not an image Pillow can read"),
+            (["--task", "fl2va", "--last-image", f"{tmp_path}/first_image.txt"],
+             "--last-image: first_image.txt is not an image Pillow can read"),
+            (["--duration", "30"], "The duration must be between 4 and 15 seconds, got 30.0 (longer clips are made "
+                                   "window by window with --long-video)."),
+    ):
+        assert main(["generate", *out, *options]) == 2
+        assert f"h3: error: {said}" in capsys.readouterr().err
+
+
 def test_info_and_version_say_what_they_are(capsys):
     assert main(["info", "tiny-random"]) == 0
     assert '"origin": "tiny-random: made on the fly' in capsys.readouterr().out
@@ -159,7 +200,7 @@ def test_a_reference_started_past_its_end_says_so(tmp_path, no_model_loads, caps
     argv = ["generate", "--task", "ref2va", "--ref", f"image={tmp_path}/cat.png", "--ref",
             f"audio={tmp_path}/voice.wav@100", "--prompt", "x", "--out", str(tmp_path / "o.mp4")]
     assert main(argv) == 2
-    assert "references[1] (audio) starts at 100 s, past its end (5.000 s long)" in capsys.readouterr().err
+    assert "--ref #2 (audio) starts at 100 s, past its end (5.000 s long)" in capsys.readouterr().err
 
 
 def test_prompt_labels_no_reference_carries_are_warned_of(tmp_path, monkeypatch, capsys):

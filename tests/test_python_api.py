@@ -30,9 +30,9 @@ def test_readme_python_example_runs(tmp_path, monkeypatch, capsys):
     runpy.run_path(str(tmp_path / "readme_example.py"), run_name="__main__")  # the registry's checks flag it)
     printed = capsys.readouterr().out.splitlines()
     assert "sample 1/1: 7/7" in printed and "decode 1/1: 124/124" in printed  # progress reached the end
-    assert "out/fox.mp4 7 (1, 24, 37, 8, 14) (2, 32, 207)" in printed
+    assert "out/fox_py.mp4 7 (1, 24, 37, 8, 14) (2, 32, 207)" in printed
     assert printed[-2:] == ["out/rain.mp4 1", "out/city.mp4 1"]
-    assert streams(tmp_path / "out/fox.mp4") == ("h264", 24, 124, "aac", 32000, 2)
+    assert streams(tmp_path / "out/fox_py.mp4") == ("h264", 24, 124, "aac", 32000, 2)
     for name in ("rain", "city"):
         assert streams(tmp_path / f"out/{name}.mp4") == ("h264", 24, 107, "aac", 32000, 2)  # 4 s -> 17n+5 = 107 frames
 
