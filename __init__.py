@@ -10,7 +10,11 @@ WEB_DIRECTORY = "./web"
 
 
 async def comfy_entrypoint():
-    from comfy_api.latest import ComfyExtension  # only importable inside ComfyUI
+    from comfy_api.latest import ComfyExtension, io  # only importable inside ComfyUI
+
+    if not hasattr(io, "Autogrow"):  # said once at start-up, instead of a bare AttributeError from a node module
+        raise RuntimeError("comfyui-h3 needs ComfyUI 0.33 or newer (its reference inputs grow as they are "
+                           "connected: io.Autogrow); update ComfyUI.")
 
     class H3Extension(ComfyExtension):
         async def get_node_list(self):

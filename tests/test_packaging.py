@@ -3,6 +3,8 @@ registry) and the license they name."""
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -72,6 +74,25 @@ def test_comfyui_entry_names_another_copy_of_the_engine_it_would_use(tmp_path, m
     (record,) = caplog.records
     assert f"another copy of the engine, {elsewhere}, before" in record.getMessage()
     assert f"pip install --no-deps -e {ROOT}" in record.getMessage()
+
+
+def test_comfyui_entry_says_an_older_comfyui_is_too_old(tmp_path, monkeypatch):
+    """ComfyUI before 0.33 has no io.Autogrow: the pack says what it needs (pyproject's requires-comfyui too)."""
+    import asyncio
+    import importlib.util
+    import sys
+
+    import fake_comfy
+
+    assert pyproject()["tool"]["comfy"]["requires-comfyui"] == ">=0.33.0"
+    spec = importlib.util.spec_from_file_location("comfyui_h3_old", ROOT / "__init__.py",
+                                                  submodule_search_locations=[str(ROOT)])
+    with fake_comfy.installed(tmp_path):
+        monkeypatch.delattr(sys.modules["comfy_api.latest"].io, "Autogrow")
+        pack = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(pack)
+        with pytest.raises(RuntimeError, match=r"comfyui-h3 needs ComfyUI 0.33 or newer"):
+            asyncio.run(pack.comfy_entrypoint())
 
 
 def test_the_registry_archive_leaves_out_what_develops_the_pack():
