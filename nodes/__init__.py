@@ -4,6 +4,7 @@ by the pack's `comfy_entrypoint`; `convert` holds the ComfyUI-free adapters (tes
 
 def node_list() -> list:
     """Every node class of the pack, in menu order (imports ComfyUI: call it only inside ComfyUI)."""
-    from . import conditioning, latent, loaders, long_video, output, sampler
+    from . import conditioning, latent, latent_files, loaders, long_video, output, sampler
 
-    return [*loaders.NODES, *conditioning.NODES, *latent.NODES, *sampler.NODES, *output.NODES, *long_video.NODES]
+    return [*loaders.NODES, *conditioning.NODES, *latent.NODES, *sampler.NODES, *output.NODES, *long_video.NODES,
+            *latent_files.NODES]

@@ -165,8 +165,9 @@ def validate_node_input(received, wanted) -> bool:
 def install(tmp_path: Path, loras: list[str] = (), previews: bool = True) -> Recorder:
     """Fake ComfyUI modules into sys.modules (the test removes our node modules first)."""
     record = Recorder()
-    output_dir = tmp_path / "output"
+    output_dir, input_dir = tmp_path / "output", tmp_path / "input"
     output_dir.mkdir(exist_ok=True)
+    input_dir.mkdir(exist_ok=True)
     loras_dir = tmp_path / "loras"
     loras_dir.mkdir(exist_ok=True)
 
@@ -278,6 +279,7 @@ def install(tmp_path: Path, loras: list[str] = (), previews: bool = True) -> Rec
 
     folder_paths.get_full_path_or_raise = full_path
     folder_paths.get_output_directory = lambda: str(output_dir)
+    folder_paths.get_input_directory = lambda: str(input_dir)
 
     def save_path(prefix, output_dir, width=0, height=0):
         subfolder, name = os.path.split(prefix)

@@ -30,7 +30,7 @@ WORKFLOWS = sorted((PACK / "workflows" / "api").glob("*.json"))
 TEMPLATES = sorted((PACK / "example_workflows").glob("*.json"))
 NODE_IDS = ["H3ModelLoader", "H3TextEncoderLoader", "H3VAELoader", "H3Conditioning", "H3EmptyAVLatent", "H3Sampler",
             "H3LoRAApply", "H3VAEDecode", "H3AVSave", "H3AddGuide", "H3Continuation", "H3ContinuationGuide", "H3SaveMP4",
-            "H3VAEEncode", "H3LatentToLatent", "H3LatentFromLatent"]
+            "H3VAEEncode", "H3LatentToLatent", "H3LatentFromLatent", "H3SaveLatent", "H3LoadLatent"]
 TURBO_LORA = "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors"
 COMFYUI = os.environ.get("COMFYUI_PATH")
 PREVIEW_EVENTS = (1, 4)  # ComfyUI's binary PREVIEW_IMAGE and PREVIEW_IMAGE_WITH_METADATA
@@ -147,6 +147,7 @@ def server():
     process = subprocess.Popen(
         [python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch",
          "--disable-api-nodes", "--extra-model-paths-config", str(config), "--output-directory", str(work / "output"),
+         "--input-directory", str(work / "input"),
          "--disable-all-custom-nodes", "--whitelist-custom-nodes", "comfyui-h3", "--preview-method", "auto"],
         cwd=root, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -579,6 +580,39 @@ def test_latents_cross_comfyuis_own_av_latent_nodes(server):
     (item,) = _mp4s(history)
     with av.open(str(work / "output" / item["subfolder"] / item["filename"])) as container:
         assert sum(1 for _ in container.decode(video=0)) == 107
+
+
+def test_a_saved_latent_loads_again_in_the_next_run(server):
+    """H3 Save Latent after the sampler; the file, moved to the input folder, is offered by H3 Load Latent and
+    decodes to the same clip as the sampled latent did."""
+    import av
+
+    base, work = server
+    graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
+    sampler = _node(graph, "H3Sampler")
+    graph[sampler]["inputs"]["steps"] = 3
+    graph["s1"] = {"class_type": "H3SaveLatent", "inputs": {"latent": [sampler, 0], "filename_prefix": "H3/kept"}}
+    history = _wait(base, _queue(base, graph, "save"))
+    assert history["status"]["status_str"] == "success", json.dumps(history["status"]["messages"])[-4000:]
+    (saved,) = history["outputs"]["s1"]["latents"]
+    (first,) = _mp4s(history)
+    (work / "input").mkdir(exist_ok=True)
+    shutil.copy(work / "output" / saved["subfolder"] / saved["filename"], work / "input" / "kept.safetensors")
+    options = _get(f"{base}/object_info/H3LoadLatent")["H3LoadLatent"]["input"]["required"]["latent_file"]
+    assert "kept.safetensors" in options[1]["options"]
+
+    vae, decode, save = _node(graph, "H3VAELoader"), _node(graph, "H3VAEDecode"), _node(graph, "H3AVSave")
+    again = {vae: graph[vae], decode: graph[decode], save: graph[save],  # no model, text encoder or sampler
+             "l1": {"class_type": "H3LoadLatent", "inputs": {"latent_file": "kept.safetensors"}}}
+    again[decode]["inputs"]["latent"] = ["l1", 0]
+    history = _wait(base, _queue(base, again, "load"))
+    assert history["status"]["status_str"] == "success", json.dumps(history["status"]["messages"])[-4000:]
+    (second,) = _mp4s(history)
+    frames = []
+    for item in (first, second):
+        with av.open(str(work / "output" / item["subfolder"] / item["filename"])) as container:
+            frames.append([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
+    assert len(frames[1]) == 107 and all((a == b).all() for a, b in zip(*frames, strict=True))
 
 
 def test_the_sampler_makes_the_sound_for_a_clip_it_keeps(server):

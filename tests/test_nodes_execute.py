@@ -228,6 +228,58 @@ def test_sampler_sigmas_denoise_and_latent_checks(comfy):
         c.latent.H3EmptyAVLatent.execute(256, 128, 50)
 
 
+def test_a_latent_saved_and_loaded_again_is_the_same_and_cli_files_load_too(comfy):
+    """H3 Save Latent writes what --save-latents writes; H3 Load Latent reads it (and h3's own files) from the
+    input folder, gives the size it decodes to, and reads a file saved over again."""
+    import shutil
+
+    from h3_core.output import AVLatents
+    from safetensors import safe_open
+
+    c = comfy
+    files = importlib.import_module("nodes.latent_files")
+    model, text, vae = _models(c)
+    sampled = c.sampler.H3Sampler.execute(model, _cond(c, text, vae).values[0], 5, 3, 0.0, 0.0).values[0][0]
+    files.H3SaveLatent.hidden = SimpleNamespace(prompt={"1": {"class_type": "H3Sampler"}}, extra_pnginfo=None)
+    result = files.H3SaveLatent.execute(sampled, "H3/keep")
+    (saved,) = result.ui["latents"]
+    assert result.values[0] is sampled and (saved.filename, saved.subfolder) == ("keep_00001_.safetensors", "H3")
+    path = c.tmp / "output" / "H3" / saved.filename
+    with safe_open(str(path), "pt") as file:
+        metadata = file.metadata()
+    assert {key: metadata[key] for key in ("width", "height", "frames", "seed", "task")} == {
+        "width": "224", "height": "128", "frames": "107", "seed": "5", "task": "t2va"}
+    assert '"class_type": "H3Sampler"' in metadata["prompt"]
+
+    (c.tmp / "input" / "mine").mkdir()
+    shutil.copy(path, c.tmp / "input" / "mine" / "clip.safetensors")
+    schema = fake_comfy.schema_of(files.H3LoadLatent)["inputs"]["latent_file"]
+    assert schema.options["options"] == ["mine/clip.safetensors"]
+    latent, width, height, frames = files.H3LoadLatent.execute("mine/clip.safetensors").values
+    assert torch.equal(latent["video"], sampled["video"]) and torch.equal(latent["audio"], sampled["audio"])
+    assert (width, height, frames, latent["seed"], latent["task"]) == (224, 128, 107, 5, "t2va")
+    images, _ = c.output.H3VAEDecode.execute(vae, latent).values
+    assert images.shape == (107, 128, 224, 3)
+
+    # a file h3 encode wrote (no seed), saved over the first: read again, as the fingerprint changes
+    before = files.H3LoadLatent.fingerprint_inputs("mine/clip.safetensors")
+    AVLatents(sampled["video"] * 0.5, sampled["audio"]).save(c.tmp / "input" / "mine" / "clip.safetensors",
+                                                             {"source": "mine.mp4", "width": "224"})
+    assert files.H3LoadLatent.fingerprint_inputs("mine/clip.safetensors") != before
+    latent = files.H3LoadLatent.execute("mine/clip.safetensors").values[0]
+    assert torch.equal(latent["video"], sampled["video"] * 0.5) and "seed" not in latent
+
+    check = files.H3LoadLatent.validate_inputs
+    assert check("mine/clip.safetensors") is True and check(None) is True
+    for name in ("gone.safetensors", "../output/H3/keep_00001_.safetensors"):
+        assert check(name).startswith(f"No latent file {name!r} in ComfyUI's input folder"), name
+    (c.tmp / "input" / "lora.safetensors").write_bytes((c.tmp / "output" / "H3" / saved.filename).read_bytes()[:8])
+    with pytest.raises(ValueError, match="is not a safetensors file of latents"):
+        files.H3LoadLatent.execute("lora.safetensors")
+    with pytest.raises(ValueError, match="holds an empty latent"):
+        files.H3SaveLatent.execute(c.latent.H3EmptyAVLatent.execute(224, 128, 107).values[0], "H3/empty")
+
+
 def test_latents_cross_to_and_from_comfyuis_own_h3_latent(comfy, caplog):
     c = comfy
     model, text, vae = _models(c)

@@ -1,0 +1,150 @@
+"""H3 Save Latent / H3 Load Latent: an H3_LATENT as a .safetensors file ('video' [1, 24, L, h, w] and 'audio'
+[2, 32, A]), the file `h3 generate --save-latents`, `h3 encode` and `AVLatents.save` write and read: a clip sampled
+once can be decoded, extended or given its sound in another session, or moved between ComfyUI and the `h3`
+command, without going through an MP4 (whose re-encoding loses detail)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import folder_paths
+from comfy_api.latest import io, ui
+
+from h3_core.output import AVLatents
+
+from .common import (CATEGORY, SAVE_HIDDEN, H3Latent, check_prefix, files_fingerprint, prefix_problem,
+                     saved_file_metadata)
+from .convert import pack_latents, refuse_empty_latent, unpack_latents
+
+KEPT_FACTS = ("seed", "task", "steps")  # the facts of a sampled latent its file keeps (as text)
+
+
+def latent_files() -> list[str]:
+    """The .safetensors files in ComfyUI's input folder and its subfolders, as paths relative to it."""
+    root = folder_paths.get_input_directory()
+    found = []
+    for folder, folders, files in os.walk(root):
+        folders[:] = sorted(name for name in folders if not name.startswith("."))
+        found += [os.path.relpath(os.path.join(folder, name), root).replace(os.sep, "/") for name in files
+                  if name.endswith(".safetensors")]
+    return sorted(found)
+
+
+def input_file(name) -> Path | None:
+    """A latent file chosen from the list, inside the input folder (None: not there, or it leads outside)."""
+    if not isinstance(name, str) or not name:
+        return None
+    root = Path(folder_paths.get_input_directory()).resolve()
+    path = (root / name).resolve()
+    return path if path.is_relative_to(root) and path.is_file() else None
+
+
+class H3SaveLatent(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3SaveLatent",
+            display_name="H3 Save Latent",
+            category=CATEGORY,
+            description="Saves an H3 latent (video and sound) as .safetensors in the output folder, as h3 generate "
+                        "--save-latents does: decode, extend or re-sample it later without an MP4 in between. "
+                        "H3 Load Latent reads it back from the input folder.",
+            inputs=[
+                H3Latent.Input("latent", tooltip="From H3 Dual-Clock Sampler, H3 Continuation or H3 VAE Encode."),
+                io.String.Input("filename_prefix", default="H3/latent",
+                                tooltip="File name prefix inside the output folder; a subfolder may be given."),
+            ],
+            outputs=[H3Latent.Output(display_name="latent", tooltip="The same latent, passed on.")],
+            hidden=SAVE_HIDDEN,
+            is_output_node=True,
+        )
+
+    @classmethod
+    def validate_inputs(cls, filename_prefix=None) -> bool | str:
+        """A usable file name, known at queue time (before the sampling above this node)."""
+        return prefix_problem(filename_prefix) or True
+
+    @classmethod
+    def execute(cls, latent, filename_prefix) -> io.NodeOutput:
+        check_prefix(filename_prefix)
+        refuse_empty_latent(latent)
+        latents = unpack_latents(latent)
+        width, height = latents.canvas
+        folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(
+            filename_prefix, folder_paths.get_output_directory(), width, height)
+        file = f"{filename}_{counter:05}_.safetensors"
+        facts = {key: str(latent[key]) for key in KEPT_FACTS if latent.get(key) is not None}
+        metadata = {"width": str(width), "height": str(height), "frames": str(latents.num_frames), **facts,
+                    **saved_file_metadata(cls.hidden, latents.num_frames)}
+        latents.save(os.path.join(folder, file), metadata)
+        saved = ui.SavedResult(file, subfolder, io.FolderType.output)
+        return io.NodeOutput(latent, ui={"latents": [saved]})
+
+
+class H3LoadLatent(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3LoadLatent",
+            display_name="H3 Load Latent",
+            category=CATEGORY,
+            description="Reads an H3 latent file (.safetensors with 'video' and 'audio': from H3 Save Latent, h3 "
+                        "generate --save-latents or h3 encode) from the input folder.",
+            inputs=[
+                io.Combo.Input("latent_file", options=latent_files(),
+                               tooltip="A .safetensors latent file in ComfyUI's input folder (move a saved one "
+                                       "there from the output folder)."),
+            ],
+            outputs=[
+                H3Latent.Output(display_name="latent",
+                                tooltip="The clip's latent: connect to H3 VAE Decode, H3 Save MP4, H3 Continuation's "
+                                        "continue_from or keep_video, or H3 Dual-Clock Sampler's latent."),
+                io.Int.Output(display_name="width", tooltip="The canvas width in pixels it decodes to."),
+                io.Int.Output(display_name="height", tooltip="The canvas height in pixels it decodes to."),
+                io.Int.Output(display_name="num_frames", tooltip="The frame count it decodes to, at 24 fps."),
+            ],
+        )
+
+    @classmethod
+    def validate_inputs(cls, latent_file=None) -> bool | str:
+        """A file that is there, inside the input folder (the list may be older than the folder)."""
+        if latent_file is None or input_file(latent_file) is not None:  # None: linked, known when it runs
+            return True
+        return f"No latent file {latent_file!r} in ComfyUI's input folder; refresh the list (R) or move it there."
+
+    @classmethod
+    def fingerprint_inputs(cls, latent_file=None) -> str:
+        """The file as it is on disk now: saved over under the same name, it is read again."""
+        path = input_file(latent_file)
+        return files_fingerprint(path) if path else ""
+
+    @classmethod
+    def execute(cls, latent_file) -> io.NodeOutput:
+        path = input_file(latent_file)
+        if path is None:
+            raise ValueError(f"No latent file {latent_file!r} in ComfyUI's input folder.")
+        latents = AVLatents.load(path).check()
+        facts = _kept_facts(path)
+        width, height = latents.canvas
+        latent = pack_latents(latents, width=width, height=height, **facts)
+        return io.NodeOutput(latent, width, height, latents.num_frames)
+
+
+def _kept_facts(path: Path) -> dict:
+    """The seed, task and steps its saver wrote, where it wrote them (h3 encode's files have none)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as file:
+        metadata = file.metadata() or {}
+    facts = {key: metadata[key] for key in KEPT_FACTS if key in metadata}
+    for key in ("seed", "steps"):
+        if key in facts:
+            try:
+                facts[key] = int(facts[key])
+            except ValueError:
+                del facts[key]
+    return facts
+
+
+NODES = [H3SaveLatent, H3LoadLatent]
