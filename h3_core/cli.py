@@ -721,8 +721,7 @@ def run_info(args) -> int:
     video VAE and the audio VAE (a release root or partition folder holds all four; a single file one, or a
     ComfyUI bundle both VAEs)."""
     if args.path == TINY_RANDOM:
-        print(json.dumps({"dit": {"origin": f"{TINY_RANDOM}: made on the fly from a fixed seed (no files), the real "
-                                            "structure at tiny sizes", "config": TINY_DIT.to_dict()}}, indent=2))
+        print(json.dumps(_tiny_info(), indent=2))
         return 0
     if not args.path.strip():
         raise ValueError("h3 info takes a path: a release root, a partition or diffusers folder, or a model file.")
@@ -739,6 +738,21 @@ def run_info(args) -> int:
         raise CheckpointError(f"{args.path} holds no H3 model. " + " ".join(f"{k}: {r}" for k, r in reasons))
     print(json.dumps(found, indent=2))
     return 0
+
+
+def _tiny_info() -> dict:
+    """The four tiny-random models: made on the fly, so their sizes, not files."""
+    from .text_checkpoint import TEXT_ENCODER_LAYER
+    from .tiny import tiny_audio_vae_config
+    from .tiny_text import TINY_TEXT_HIDDEN
+    from .vae_video import TINY_VIDEO_VAE
+
+    made = f"{TINY_RANDOM}: made on the fly from a fixed seed (no files), the real structure at tiny sizes"
+    return {"dit": {"origin": made, "config": TINY_DIT.to_dict()},
+            "text_encoder": {"origin": f"{made}; the embedded tiny tokenizer", "decoder_layers": TEXT_ENCODER_LAYER,
+                             "hidden_size": TINY_TEXT_HIDDEN},
+            "video_vae": {"origin": made, "config": dataclasses.asdict(TINY_VIDEO_VAE)},
+            "audio_vae": {"origin": made, "config": dataclasses.asdict(tiny_audio_vae_config())}}
 
 
 def _dit_config(path: str, partition: str):

@@ -62,12 +62,18 @@ def tiny_random_video_vae(device="cpu") -> "VideoVAE":
     return model.to(device).eval().requires_grad_(False)
 
 
+def tiny_audio_vae_config():
+    """The tiny audio VAE's sizes (the release's rates and hop)."""
+    from .vae_audio import AudioVAEConfig
+
+    return AudioVAEConfig(encoder_dim=4, latent_dim=64, latent_channels=32, num_attention_heads=8, decoder_dim=256)
+
+
 def tiny_random_audio_vae(device="cpu") -> "AudioVAE":
     """The audio VAE at a tiny width that keeps hop 800 (40 latents per second at 32 kHz)."""
-    from .vae_audio import AudioVAE, AudioVAEConfig
+    from .vae_audio import AudioVAE
 
-    config = AudioVAEConfig(encoder_dim=4, latent_dim=64, latent_channels=32, num_attention_heads=8, decoder_dim=256)
     # gain 0.5 keeps the random decoder out of its chaotic, clipped regime (a quiet but faithful signal)
     with own_random_state():
-        model = seeded_random_weights(AudioVAE(config), TINY_SEED + 2, gain=0.5)
+        model = seeded_random_weights(AudioVAE(tiny_audio_vae_config()), TINY_SEED + 2, gain=0.5)
     return model.to(device).eval().requires_grad_(False)

@@ -179,7 +179,10 @@ def random_model(config: dict, seed: int = 7):
 
 
 
-def tiny_random_text_encoder(hidden: int = 48, device="cpu", seed: int = 7):
+TINY_TEXT_HIDDEN = 48
+
+
+def tiny_random_text_encoder(hidden: int = TINY_TEXT_HIDDEN, device="cpu", seed: int = 7):
     """The demo's text encoder, written to a temporary folder and loaded through the real loader (so the
     demo runs the same code path as real weights). The folder is removed once loaded: every demo run and
     every ComfyUI load of the tiny model would otherwise leave 3.5 MB behind in the temp directory."""

@@ -184,8 +184,17 @@ def test_errors_name_the_options_not_the_engine_fields(tmp_path, no_model_loads,
 
 
 def test_info_and_version_say_what_they_are(capsys):
+    import dataclasses
+    import json
+
+    from h3_core.tiny import tiny_random_audio_vae, tiny_random_video_vae
+
     assert main(["info", "tiny-random"]) == 0
-    assert '"origin": "tiny-random: made on the fly' in capsys.readouterr().out
+    info = json.loads(capsys.readouterr().out)
+    assert list(info) == ["dit", "text_encoder", "video_vae", "audio_vae"]  # all four, as for a release root
+    assert all(part["origin"].startswith("tiny-random: made on the fly") for part in info.values())
+    assert info["video_vae"]["config"] == json.loads(json.dumps(dataclasses.asdict(tiny_random_video_vae().config)))
+    assert info["audio_vae"]["config"] == json.loads(json.dumps(dataclasses.asdict(tiny_random_audio_vae().config)))
     with pytest.raises(SystemExit) as stop:
         main(["--version"])
     assert stop.value.code == 0 and re.fullmatch(r"h3 (\d+\.\d+\S*|\(not installed\))\n", capsys.readouterr().out)
