@@ -252,6 +252,14 @@ def prefix_problem(prefix) -> str | None:
     return None
 
 
+class PrefixCheckedSave(io.ComfyNode):
+    """A save node whose filename_prefix is checked at queue time, before the long work above it runs."""
+
+    @classmethod
+    def validate_inputs(cls, filename_prefix=None) -> bool | str:
+        return prefix_problem(filename_prefix) or True
+
+
 def check_prefix(prefix) -> None:
     """`prefix_problem` as an error, for a save node's execute: a linked filename_prefix is known only then."""
     problem = prefix_problem(prefix)

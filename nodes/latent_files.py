@@ -13,7 +13,7 @@ from comfy_api.latest import io, ui
 
 from h3_core.output import AVLatents
 
-from .common import (CATEGORY, SAVE_HIDDEN, H3Latent, check_prefix, files_fingerprint, prefix_problem,
+from .common import (CATEGORY, SAVE_HIDDEN, H3Latent, PrefixCheckedSave, check_prefix, files_fingerprint,
                      saved_file_metadata)
 from .convert import pack_latents, refuse_empty_latent, unpack_latents
 
@@ -40,7 +40,7 @@ def input_file(name) -> Path | None:
     return path if path.is_relative_to(root) and path.is_file() else None
 
 
-class H3SaveLatent(io.ComfyNode):
+class H3SaveLatent(PrefixCheckedSave):
     @classmethod
     def define_schema(cls):
         return io.Schema(
@@ -59,11 +59,6 @@ class H3SaveLatent(io.ComfyNode):
             hidden=SAVE_HIDDEN,
             is_output_node=True,
         )
-
-    @classmethod
-    def validate_inputs(cls, filename_prefix=None) -> bool | str:
-        """A usable file name, known at queue time (before the sampling above this node)."""
-        return prefix_problem(filename_prefix) or True
 
     @classmethod
     def execute(cls, latent, filename_prefix) -> io.NodeOutput:

@@ -40,10 +40,9 @@ from h3_core.pipeline import TASK_PARTITION, largest_layout
 from h3_core.placement import freed_on_failure
 
 from .common import (
-    CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, LINK_HIDDEN, canvas_inputs,
-    canvas_problem, check_interrupt, check_prefix, decode_inputs, decode_options, decode_progress, device,
-    prefix_problem, preview_settings, progress_bar, refuse_empty_links, saved_file_metadata, shift_inputs,
-    step_preview,
+    CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, LINK_HIDDEN, PrefixCheckedSave,
+    canvas_inputs, canvas_problem, check_interrupt, check_prefix, decode_inputs, decode_options, decode_progress,
+    device, preview_settings, progress_bar, refuse_empty_links, saved_file_metadata, shift_inputs, step_preview,
 )
 from .conditioning import (guide_media, guide_media_inputs, linked_media, reference_images_input, reference_input,
                            validate_guide_links)
@@ -257,7 +256,7 @@ class H3ContinuationGuide(io.ComfyNode):
         return io.NodeOutput((*(guides or ()), guide_media(frame_index, image, audio, video, room=longest)))
 
 
-class H3SaveMP4(io.ComfyNode):
+class H3SaveMP4(PrefixCheckedSave):
     @classmethod
     def define_schema(cls):
         return io.Schema(
@@ -279,11 +278,6 @@ class H3SaveMP4(io.ComfyNode):
             hidden=SAVE_HIDDEN,
             is_output_node=True,
         )
-
-    @classmethod
-    def validate_inputs(cls, filename_prefix=None) -> bool | str:
-        """A usable file name, known at queue time (before the long run above this node)."""
-        return prefix_problem(filename_prefix) or True
 
     @classmethod
     def execute(cls, vae, latent, filename_prefix, tiling="release", devices="") -> io.NodeOutput:

@@ -1208,7 +1208,8 @@ def test_a_save_prefix_is_checked_at_queue_time(comfy, prefix, problem):
     '._00001_.mp4'. None: a linked prefix, not known at queue time; the node checks it when it runs."""
     av_save = comfy.output.H3AVSave.validate_inputs(input_types={"images": "IMAGE"}, filename_prefix=prefix)
     streamed = importlib.import_module("nodes.long_video").H3SaveMP4.validate_inputs(filename_prefix=prefix)
-    for result in (av_save, streamed):
+    latent = importlib.import_module("nodes.latent_files").H3SaveLatent.validate_inputs(filename_prefix=prefix)
+    for result in (av_save, streamed, latent):
         assert result is True if problem is None else problem in result
     if problem is not None:  # linked: the same message when the node runs, before it decodes or writes anything
         with pytest.raises(ValueError, match=re.escape(problem)):
