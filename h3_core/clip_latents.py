@@ -57,7 +57,14 @@ def stream_clip(path, rules: CanvasRules, width: int | None = None, height: int 
     """A video file's frames at 24 fps from `start_seconds`, each cover-cropped onto the canvas (width x height,
     or the video's own aspect ratio under `rules`) as it is decoded, as an iterator for `encode_clip_frames`:
     a long clip is never in memory whole. The first 22 frames are decoded now, so a file that cannot be read
-    or is too short is refused before any VAE loads. Returns (frames, width, height)."""
+    or is too short, or cut short before the part it uses (its header stating more), is refused before any VAE
+    loads. Returns (frames, width, height)."""
+    info = media_read.probe(path)
+    stated, fps = info.video_seconds, info.video.fps if info.video is not None else None
+    used_until = None if stated is None else min(stated, start_seconds + max_frames / geometry.FPS)
+    problem = media_read.cut_short(path, stated, fps, used_until) if stated and fps else None
+    if problem:
+        raise MediaError(problem)
     frames = media_read.iter_video_frames(path, start_seconds, max_frames)
     first = list(itertools.islice(frames, MIN_CLIP_FRAMES))
     if not first:

@@ -398,6 +398,17 @@ class Conditioning:
     keyframe_anchors: tuple[str, ...] = ()  # fl2va: "first" / "last" in packed order
     guides: tuple[GuideBlock, ...] = ()  # guides.add_guide's blocks in packed order
 
+    def __repr__(self) -> str:
+        """One line: a host prints a failed node's inputs into its error report (ComfyUI keeps each in its
+        history), and the tensors made that kilobytes long."""
+        layout = self.layout
+        parts = [self.task, f"{self.width}x{self.height}", f"{self.num_frames} frames",
+                 f"{layout.sequence_length} rows ({layout.num_text_rows} text)"]
+        parts += [f"{len(items)} {name}" for name, items in (("keyframes", self.keyframe_anchors),
+                                                              ("references", self.reference_blocks),
+                                                              ("guides", self.guides)) if items]
+        return f"Conditioning({', '.join(parts)})"
+
     def __post_init__(self):
         if self.audio_condition_rows is None:
             object.__setattr__(self, "audio_condition_rows", torch.zeros(1, 0, AudioVAEConfig().latent_channels))

@@ -231,6 +231,17 @@ def readable_video_seconds(path: str | os.PathLike) -> float:
     return last - min(first, 0.0)
 
 
+def cut_short(path: str | os.PathLike, stated_seconds: float, fps: float, until: float | None = None) -> str | None:
+    """What is wrong with a video file whose packets end before `until` seconds (default: the `stated_seconds` its
+    header gives), or None: a file cut short (a broken download or copy) keeps its header. Three frames of
+    slack: packets without durations end a frame early. Raises MediaError for a file that cannot be demuxed."""
+    readable = readable_video_seconds(path)
+    if readable < (stated_seconds if until is None else until) - 3.0 / fps:
+        return (f"{Path(path).name} holds {readable:.2f} s of video, though its header says {stated_seconds:.2f} s: "
+                f"the file is cut short or damaged (a broken download or copy?).")
+    return None
+
+
 def probe(path: str | os.PathLike) -> MediaInfo:
     """Duration, video size/fps/rotation and audio rate/channels of a file, decoding one frame at most (and
     demuxing the video's packets where the file states no trustworthy length for it besides a soundtrack)."""

@@ -208,6 +208,23 @@ def plan_memory(
     return MemoryPlan(int(resident), prefetch, True, peak(resident, prefetch, True), peak(resident, prefetch, True) <= budget_bytes)
 
 
+def size_text(nbytes: float) -> str:
+    """An amount of memory for a message: GiB, or MiB below 0.1 GiB (a small budget's '0.00 GiB' said nothing)."""
+    return f"{nbytes / GIB:.2f} GiB" if abs(nbytes) >= 0.1 * GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def does_not_fit(plan: MemoryPlan, where: str, budget: str, budget_bytes: int | None, other_bytes: int = 0) -> str:
+    """Why a request is refused when even every block streamed does not fit: what it needs, the budget, and
+    what of that a plan may fill once the allocator's headroom is kept and LoRA factors have theirs."""
+    lora = f", {size_text(other_bytes)} of that taken by LoRA factors" if other_bytes else ""
+    room = "" if budget_bytes is None else (
+        f" ({size_text(budget_bytes)}: {size_text(max(usable_bytes(budget_bytes), 0))} usable once the allocator's "
+        f"headroom, {HEADROOM_FRACTION:.0%} and {HEADROOM_BYTES // 2**20} MiB, is kept{lora})")
+    return (f"This request needs about {size_text(plan.expected_peak_bytes)} on {where} even with every DiT block "
+            f"streamed from the CPU, more than {budget}{room}; shorten it, use a smaller canvas, or allow more GPU "
+            "memory.")
+
+
 def usable_bytes(budget_bytes: int) -> int:
     """What a plan may fill of `budget_bytes`: the rest is the allocator's headroom."""
     return int(budget_bytes * (1 - HEADROOM_FRACTION)) - HEADROOM_BYTES

@@ -29,7 +29,7 @@ from .checkpoint import (  # noqa: F401 (load_dit: engine API, above)
 )
 from .config import TINY_DIT
 from .memory_plan import (
-    GIB, HEADROOM_BYTES, HEADROOM_FRACTION, MemoryPlan, check_budget, free_bytes, plan_for, usable_bytes,
+    GIB, MemoryPlan, does_not_fit, check_budget, free_bytes, plan_for, usable_bytes,
 )
 from .offload import load_device, place
 from .placement import check_devices
@@ -1021,17 +1021,15 @@ def sampling_plan(config, dit_source, partition: str, settings: GenerateSettings
     # LoRAs are hooked (their factors on the device) into linears held as the file stores them, else merged
     read_linears = read_mode(settings.linears, bool(loras))
     stored = read_linears == "checkpoint" and holds_stored_linears(dit_source)  # as lora.run_mode will find it
+    other = hooked_bytes(loras, partition, 2) if stored else 0
     plan = plan_for(config, layout, steps, device, settings.gpu_memory,
                     held=held_linears(dit_source, settings.linears),
                     adaln_bytes=None if reader is None else reader.adaln_nbytes,
-                    other_bytes=hooked_bytes(loras, partition, 2) if stored else 0)
+                    other_bytes=other)
     if not plan.fits:
-        budget = f"the --gpu-memory {settings.gpu_memory:g} GiB" if settings.gpu_memory else "what is free"
-        raise RequestError(
-            f"This request needs about {plan.expected_peak_bytes / GIB:.3g} GiB on {device}{before} even with every "
-            f"DiT block streamed from the CPU, more than {budget} holds once the allocator's headroom "
-            f"({HEADROOM_FRACTION:.0%} and {HEADROOM_BYTES // 2**20} MiB) is kept; shorten it, use a smaller canvas, "
-            "or give it more memory.")
+        budget = "--gpu-memory" if settings.gpu_memory else "what is free"
+        budget_bytes = int(settings.gpu_memory * GIB) if settings.gpu_memory else None
+        raise RequestError(does_not_fit(plan, f"{device}{before}", budget, budget_bytes, other))
     return plan
 
 

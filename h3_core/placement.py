@@ -269,7 +269,7 @@ class DiTPlacement(Placement):
         streamed is refused here, before anything moves."""
         from .conditioning import RequestError
         from .fp8 import held_format
-        from .memory_plan import plan_for
+        from .memory_plan import does_not_fit, plan_for
 
         budget = self.budget_gib
         if budget is None and free_bytes is not None:
@@ -279,12 +279,8 @@ class DiTPlacement(Placement):
                         adaln_bytes=module_bytes(self.dit.adaln_modules()), other_bytes=other_bytes)
         if not plan.fits:
             given = "the budget set" if self.budget_gib is not None else "what is free"
-            amount = "" if budget is None else f"{budget:.2f} GiB "
-            besides = f", {other_bytes / GIB:.2f} GiB of it held by LoRA factors" if other_bytes else ""
-            raise RequestError(
-                f"This request needs about {plan.expected_peak_bytes / GIB:.2f} GiB on {self.load_device} even with "
-                f"every DiT block streamed from the CPU, more than {given} ({amount}less the allocator's "
-                f"headroom{besides}); shorten it, use a smaller canvas, or allow more GPU memory.")
+            raise RequestError(does_not_fit(plan, str(self.load_device), given,
+                                            None if budget is None else int(budget * GIB), other_bytes))
         return plan
 
     def use(self, plan) -> None:

@@ -301,12 +301,11 @@ def inspect_video(source, start_seconds: float = 0.0, what: str = "video") -> Me
         if duration is None:
             raise MediaInputError(f"{what}: the length of {Path(source).name} is unknown (no duration in the file).")
         try:  # read after the models load: a cut file fails now
-            readable = media_read.readable_video_seconds(source)
+            problem = media_read.cut_short(source, duration, info.video.fps)
         except MediaError as error:
             raise MediaInputError(f"{what}: {error} (corrupt, truncated or not a media file).") from error
-        if readable < duration - 3.0 / info.video.fps:  # packets without durations end a frame early
-            raise MediaInputError(f"{what}: {Path(source).name} holds {readable:.2f} s of video, though its header "
-                                  f"says {duration:.2f} s: the file is cut short or damaged (a broken download or copy?).")
+        if problem:
+            raise MediaInputError(f"{what}: {problem}")
         return MediaFacts(info.video.width, info.video.height, duration - start, info.audio is not None)
     if not isinstance(source, (DecodedVideo, media_read.VideoClip)):
         raise MediaInputError(

@@ -94,6 +94,15 @@ def test_a_short_or_unreadable_file_is_refused_from_its_first_frames(tmp_path):
         stream_clip(path, RELEASE_CANVAS)  # the file named (h3 encode said only "A clip to encode...")
     with pytest.raises(MediaError, match="no video frames at or after 5"):
         stream_clip(path, RELEASE_CANVAS, start_seconds=5.0)
+    # cut short (a broken upload keeps its header's length): refused, not encoded as a shorter clip, unless the
+    # part it uses is whole
+    whole = tmp_path / "whole.mp4"
+    write_mp4(whole, clip(120)[:, :96, :176])
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    assert stream_clip(whole, RELEASE_CANVAS)[1:] == stream_clip(cut, RELEASE_CANVAS, max_frames=22)[1:]
+    with pytest.raises(MediaError, match=r"cut\.mp4 holds \d\.\d\d s of video, though its header says 5\.00 s"):
+        stream_clip(cut, RELEASE_CANVAS)
 
 
 def test_bad_clips_are_refused_before_a_vae_runs():

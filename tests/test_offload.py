@@ -255,11 +255,12 @@ def test_a_budget_too_small_for_the_sampling_is_refused_before_the_text_encoder(
 
     monkeypatch.setattr(pipeline, "load_text_encoder_for",
                         lambda *a, **k: pytest.fail("the text encoder loaded for a request that cannot fit"))
-    for budget in (1e-6, 0.05):  # needs less than 0.05 GiB, but not less than what 0.05 holds past the headroom
-        with pytest.raises(RequestError, match=r"needs about 0\.0\d+ GiB on cpu, before any model loads, even with "
-                                               r"every DiT block streamed from the CPU, more than the --gpu-memory "
-                                               rf"{budget:g} GiB holds once the allocator's headroom "
-                                               r"\(5% and 256 MiB\)"):
+    for budget, said in ((1e-6, "0.0 MiB"), (0.05, "51.2 MiB")):  # needs less than 0.05 GiB, not less than it
+        # holds past the headroom; amounts below 0.1 GiB in MiB (they read "0.00 GiB")
+        with pytest.raises(RequestError, match=r"needs about \d+\.\d MiB on cpu, before any model loads, even with "
+                                               r"every DiT block streamed from the CPU, more than --gpu-memory "
+                                               rf"\({said}: 0\.0 MiB usable once the allocator's headroom, 5% and "
+                                               r"256 MiB, is kept\)"):
             _tiny_generate(tmp_path, gpu_memory=budget)
 
 
@@ -361,8 +362,9 @@ def test_a_placement_plan_counts_hooked_factors_within_a_set_budget():
     layout = build_request_layout(128, 64, 124, torch.ones(6, dtype=torch.long))
     placement = DiTPlacement("tiny", tiny_random_dit(), "cpu", "cpu", budget_gib=0.5)
     assert placement.plan_request(layout, 3).fits
-    with pytest.raises(RequestError, match=r"more than the budget set \(0.50 GiB less the allocator's headroom, 0.49 "
-                                           r"GiB of it held by LoRA factors\)"):
+    with pytest.raises(RequestError, match=r"needs about \d\.\d MiB on cpu .* more than the budget set \(0\.50 GiB: "
+                                           r"0\.22 GiB usable once the allocator's headroom, 5% and 256 MiB, is kept, "
+                                           r"0\.49 GiB of that taken by LoRA factors\)"):
         placement.plan_request(layout, 3, other_bytes=int(0.49 * GIB))
 
 

@@ -51,6 +51,8 @@ def test_readme_step_by_step_example_runs_and_makes_what_generate_makes(tmp_path
                          out=tmp_path / "same.mp4")
     assert torch.equal(names["latents"].video, result.latents.video)
     assert torch.equal(names["latents"].audio, result.latents.audio)
+    # one line, not the tensors (ComfyUI prints a failed node's inputs into the error it keeps in its history)
+    assert re.fullmatch(r"Conditioning\(t2va, 224x128, 107 frames, \d+ rows \(\d+ text\)\)", repr(names["cond"]))
 
 
 def test_bad_request_is_refused_before_any_model_loads(tmp_path, monkeypatch):
