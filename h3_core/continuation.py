@@ -114,7 +114,8 @@ def plan_windows(
     sizes = [("total", total_frames), ("window", window_frames), ("overlap", overlap_frames)]
     for name, value in sizes + ([("given clip's", given_frames)] if given_frames else []):
         if value % geometry.FRAMES_PER_CHUNK != geometry.LATENTS_PER_CHUNK:
-            raise ValueError(f"The {name} frame count must be of the form 17n + 5 (e.g. 22, 107, 277); got {value}.")
+            examples = "107, 124, 277" if name == "window" else "22, 107, 277"
+            raise ValueError(f"The {name} frame count must be of the form 17n + 5 (e.g. {examples}); got {value}.")
     if not MIN_WINDOW_FRAMES <= window_frames <= MAX_WINDOW_FRAMES:
         raise ValueError(f"Windows must be {MIN_WINDOW_FRAMES}-{MAX_WINDOW_FRAMES} frames; got {window_frames}.")
     if overlap_frames >= window_frames:
@@ -123,8 +124,8 @@ def plan_windows(
         if given_frames >= total_frames:
             raise ValueError(f"The whole clip ({total_frames} frames, {total_frames / geometry.FPS:.2f} s) must be "
                              f"longer than the clip it continues ({given_frames} frames, "
-                             f"{given_frames / geometry.FPS:.2f} s): the duration counts the whole result, the "
-                             "continued clip included.")
+                             f"{given_frames / geometry.FPS:.2f} s as encoded: cut to 17n + 5 frames): the duration "
+                             "counts the whole result, the continued clip included.")
         if overlap_frames >= given_frames:
             raise ValueError(f"The overlap ({overlap_frames} frames) must be shorter than the clip it continues "
                              f"({given_frames} frames).")

@@ -141,6 +141,18 @@ def split_window_prompts(text: str) -> tuple[str, ...]:
     return tuple(prompt for prompt in ("\n".join(part).strip() for separator, part in parts if not separator) if prompt)
 
 
+def _starts(windows) -> str:
+    """Where windows start, in frames and seconds: the first three and the last of a long plan."""
+    said = [f"{w.start} ({w.start / geometry.FPS:.1f} s)" for w in windows]
+    return ", ".join(said) if len(said) <= 5 else ", ".join(said[:3]) + f", ... {said[-1]}"
+
+
+def _shown(prompts) -> str:
+    """Prompts as they were read (the first words of each), so a box split otherwise than meant shows how."""
+    said = [repr(p if len(p) <= 24 else p[:23] + "…") for p in prompts[:5]]
+    return ", ".join(said) + (f" and {len(prompts) - 5} more" if len(prompts) > 5 else "")
+
+
 def _total_frames(request: Request, mode: str, kept_frames: int = 0) -> int:
     """The whole clip's frames from the request's duration; with a kept clip of `kept_frames`, all of it when
     no duration is given, else its first seconds."""
@@ -155,8 +167,9 @@ def _total_frames(request: Request, mode: str, kept_frames: int = 0) -> int:
             raise RequestError(str(error)) from None
         if kept_frames > longest:
             raise RequestError(f"The kept clip lasts {kept_frames} frames ({kept_frames / geometry.FPS:.2f} s); a "
-                               f"{mode} long video makes at most {longest} frames ({mode_seconds(mode):g} s): give a "
-                               "duration to keep its first seconds.")
+                               f"{mode} long video makes at most {longest} frames ({mode_seconds(mode):g} s): ask "
+                               f"for at most {mode_seconds(mode):g} s to keep its first seconds"
+                               + (", or use continuation mode." if mode == "full" else "."))
         return kept_frames
     if request.num_frames is not None or request.duration is None:
         raise RequestError(
@@ -206,8 +219,8 @@ def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_
     if prompts:
         if len(prompts) != len(new):
             raise RequestError(
-                f"Give one window prompt per window: this {total}-frame plan has {len(new)} window(s) "
-                f"(starting at frames {', '.join(str(w.start) for w in new)}), got {len(prompts)} prompt(s)."
+                f"Give one window prompt per window: this {total}-frame plan has {len(new)} window(s) (starting at "
+                f"{_starts(new)}), got {len(prompts)} prompt(s): {_shown(prompts)}."
             )
         for index, prompt in enumerate(prompts):
             if blank(prompt):

@@ -247,7 +247,8 @@ def test_cli_makes_the_sound_for_a_long_clip_window_by_window(tmp_path, capsys):
     (25.0, {}, r"The kept clip lasts 481 frames \(20.04 s\); 25 s would need 600 frames"),
     (None, {"drive_audio": "song.wav"}, "cannot go with drive_audio"),
     (None, {"mode": "full"}, r"The kept clip lasts 753 frames \(31.38 s\); a full long video makes at most 736 frames "
-                             r"\(30 s\): give a duration to keep its first seconds\."),
+                             r"\(30 s\): ask for at most 30 s to keep its first seconds, or use continuation "
+                             r"mode\."),
     (None, {"frames": 56}, r"The kept clip lasts 56 frames \(2.33 s, as encoded: .*at least 107 frames \(4.46 s\)"),
     (None, {"guides": (GuideMedia(0, np.zeros((1, 128, 224, 3), np.uint8)),)}, "Guide 1 holds a picture, but the kept"),
 ])

@@ -207,7 +207,8 @@ def test_ref2va_references_stay_in_every_window(models):
     ("t2va", 20, {"window_frames": 276}, "17n \\+ 5"),
     ("t2va", 20, {"window_frames": 362}, "107-345"),
     ("t2va", 20, {"overlap_frames": 277}, "shorter than the window"),
-    ("t2va", 20, {"window_prompts": ["one"]}, "has 2 window\\(s\\) \\(starting at frames 0, 255\\), got 1"),
+    ("t2va", 20, {"window_prompts": ["one"]},
+     "has 2 window\\(s\\) \\(starting at 0 \\(0.0 s\\), 255 \\(10.6 s\\)\\), got 1 prompt\\(s\\): 'one'\\."),
     ("t2va", 20, {"window_prompts": ["one", " "]}, "Window prompt 2 is empty"),
     ("t2va", 20, {"window_prompts": ["one", "\u200b\ufeff"]}, "Window prompt 2 is empty"),  # invisible only
     ("t2va", 20, {"window_prompts": ["one", "a <|image_pad|> cat"]},  # was found only after the models loaded
@@ -311,11 +312,11 @@ def test_a_given_clip_is_kept_and_continued_from_its_tail(models):
 
 @pytest.mark.parametrize("options, message", [
     ({"mode": "full"}, "cannot continue a given clip; use continuation mode"),
-    ({"seconds": 5.0}, r"must be longer than the clip it continues \(124 frames, 5.17 s\): the duration counts the "
-                       "whole result"),
+    ({"seconds": 5.0}, r"must be longer than the clip it continues \(124 frames, 5.17 s as encoded: cut to 17n \+ 5 "
+                       r"frames\): the duration counts the whole result"),
     ({"width": 256, "height": 128}, "keeps its canvas, 224x128; this request asks for 256x128"),
     ({"aspect_ratio": "1:1"}, "keeps its canvas, 224x128; this request asks for 1:1"),
-    ({"window_prompts": ["one"]}, r"has 2 window\(s\) \(starting at frames 102, 357\), got 1"),
+    ({"window_prompts": ["one"]}, r"has 2 window\(s\) \(starting at 102 \(4.2 s\), 357 \(14.9 s\)\), got 1"),
     ({"overlap_frames": 124}, r"overlap \(124 frames\) must be shorter than the clip it continues"),
     ({"drive_audio": "track.wav"}, "a continued clip already has its sound"),
     ({"guides": [GuideMedia(100, frames=np.zeros((128, 224, 3), np.uint8))]},
