@@ -302,16 +302,23 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
                           "before it runs (FSDP-style), so N smaller cards hold the model together")
 
 
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated options: --output was taken for --outputs, and a new option could change what one meant."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="h3", description="MiniMax-H3 engine (h3_core).", allow_abbrev=False)
+    parser = _Parser(prog="h3", description="MiniMax-H3 engine (h3_core).")  # its commands' parsers: the same class
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    gen = sub.add_parser("generate", allow_abbrev=False, help="prompt (+ keyframes / references) to an MP4 with sound")
+    gen = sub.add_parser("generate", help="prompt (+ keyframes / references) to an MP4 with sound")
     add_generate_options(gen)
     gen.set_defaults(run=run_generate, parser=gen)
 
-    enc = sub.add_parser("encode", allow_abbrev=False, help="a video file (and its sound) to H3 latents: extend it with "
+    enc = sub.add_parser("encode", help="a video file (and its sound) to H3 latents: extend it with "
                                         "generate --long-video --continue-from")
     enc.add_argument("video", type=Path, help="any video PyAV reads (brought to 24 fps, cut to 17n+5 frames)")
     enc.add_argument("--out", "--output", type=Path, required=True, help="the latents, .safetensors")
@@ -326,18 +333,18 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument("--vae-dtype", default=None, choices=list(DTYPES), help="video VAE linears (default bf16; tiny-random on the CPU: fp32)")
     enc.set_defaults(run=run_encode, parser=enc)
 
-    info = sub.add_parser("info", allow_abbrev=False, help="what H3 models a path holds (DiT, text encoder, VAEs), without loading them")
+    info = sub.add_parser("info", help="what H3 models a path holds (DiT, text encoder, VAEs), without loading them")
     info.add_argument("path", help="release root, partition folder, diffusers folder or single .safetensors (or "
                                    "DiT .gguf) file")
     info.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"],
                       help="which DiT of a release to describe: fl2va (default; t2va and fl2va) or ref2va")
     info.set_defaults(run=run_info, parser=info)
 
-    env = sub.add_parser("env", allow_abbrev=False, help="what this machine gives H3: versions, GPUs, attention kernels, media encoders, "
+    env = sub.add_parser("env", help="what this machine gives H3: versions, GPUs, attention kernels, media encoders, "
                                      "memory (JSON; paste it into a bug report)")
     env.set_defaults(run=run_env, parser=env)
 
-    den = sub.add_parser("denoise", allow_abbrev=False, help="run the dual-clock denoise of a T2VA request and save the latents")
+    den = sub.add_parser("denoise", help="run the dual-clock denoise of a T2VA request and save the latents")
     den.add_argument("--model", default=TINY_RANDOM, help=f"checkpoint path or '{TINY_RANDOM}' (default)")
     den.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"],
                      help="which DiT of a release root to load (default fl2va, the one T2VA runs on)")
@@ -624,7 +631,7 @@ def _options_given(parser: argparse.ArgumentParser, tokens: list[str]) -> dict:
     return {dest: value for dest, value in parsed.items() if not (isinstance(value, _NotGiven) and not value)}
 
 
-class _QuietParser(argparse.ArgumentParser):
+class _QuietParser(_Parser):
     """A --batch line's parser: a bad line is the caller's error to word, without the whole usage text."""
 
     def error(self, message):
@@ -674,7 +681,7 @@ def _batch_jobs(args) -> list[Job]:
         text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not part of line 1
     except UnicodeDecodeError as error:
         raise ValueError(f"--batch {path} is not UTF-8 text (byte {error.start}); save it as UTF-8.") from None
-    parser = _QuietParser(prog="h3 generate --batch line", add_help=False, allow_abbrev=False)
+    parser = _QuietParser(prog="h3 generate --batch line", add_help=False)
     add_generate_options(parser)
     jobs = []
     for number, line in enumerate(text.splitlines(), 1):

@@ -13,6 +13,8 @@ from comfy_api.latest import io
 from h3_core import geometry
 from h3_core.media import SAMPLE_RATE
 
+from .convert import nothing_delivered
+
 CATEGORY = "H3"
 H3Model = io.Custom("H3_MODEL")
 H3TextEncoder = io.Custom("H3_TEXT_ENCODER")
@@ -220,9 +222,7 @@ def refuse_empty_links(hidden, **given) -> None:
     inputs = node.get("inputs", {}) if isinstance(node, dict) else {}
     for name, value in given.items():
         if value is None and isinstance(inputs.get(name), list):
-            raise ValueError(f"{name} is connected, but the node feeding it gave nothing (such as Get Video "
-                             f"Components' audio of a video without sound): connect one that holds it, or "
-                             f"disconnect {name}.")
+            raise ValueError(nothing_delivered(name))
 MAX_NAME_BYTES = 255  # a file or folder name, on the file systems ComfyUI runs on
 MAX_PREFIX_NAME_BYTES = 200  # a file name is at most 255 bytes, and the counter adds "_00001_.mp4"
 

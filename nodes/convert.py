@@ -350,11 +350,15 @@ def ordered_references(values: dict | None) -> list[tuple[str, Any]]:
     Components' audio of a video without sound): refused, not left out unseen."""
     empty = [name for name, value in (values or {}).items() if value is None]
     if empty:
-        raise ValueError(f"references.{empty[0]} is connected, but the node feeding it gave nothing (such as Get "
-                         f"Video Components' audio of a video without sound): connect one that holds it, or "
-                         f"disconnect the slot.")
+        raise ValueError(nothing_delivered(f"references.{empty[0]}"))
     items = [(_slot_number(name), value) for name, value in (values or {}).items()]
     return [(reference_kind(value), value) for _, value in sorted(items, key=lambda item: item[0])]
+
+
+def nothing_delivered(name: str) -> str:
+    """The refusal of an input linked to an output that held nothing (ComfyUI hands None on for it)."""
+    return (f"{name} is connected, but the node feeding it gave nothing (such as Get Video Components' audio of a "
+            f"video without sound): connect one that holds it, or disconnect {name}.")
 
 
 @contextlib.contextmanager
