@@ -124,11 +124,13 @@ class _WarningNotes(logging.Handler):
             _note(record.getMessage().removeprefix("H3: "))
 
 
-FIELD_OPTIONS = (  # the engine's names for a request's parts (not inside a file name) -> the options giving them
-    (re.compile(r"\breferences\[(\d+)\]"), lambda match: f"--ref #{int(match.group(1)) + 1}"),
-    (re.compile(r"(?<![\w.-])(first|last)_image(?![\w.])"), lambda match: f"--{match.group(1)}-image"),
-    (re.compile(r"\bset the task\b"), lambda match: "set --task"),
-    (re.compile(r"\bin long-video mode\b"), lambda match: "with --long-video"),
+FIELD_OPTIONS = (  # the engine's words for a request's parts -> the options giving them: a part named where a
+    # message (or a --batch line's part of one) starts, or in one of the engine's phrases, never inside a file name
+    (re.compile(r"(?:^|(?<=: ))references\[(\d+)\](?= \()"), lambda match: f"--ref #{int(match.group(1)) + 1}"),
+    (re.compile(r"(?:^|(?<=: ))(first|last)_image(?=: )"), lambda match: f"--{match.group(1)}-image"),
+    (re.compile(r"(?<= )first_image(/|, )last_image(?= )"), lambda match: f"--first-image{match.group(1)}--last-image"),
+    (re.compile(r"\(set the task to the one they are for\)"), lambda match: "(set --task to the one they are for)"),
+    (re.compile(r"window by window in long-video mode\)"), lambda match: "window by window with --long-video)"),
 )
 
 

@@ -204,9 +204,9 @@ def _demuxed_seconds(path: Path, index: int) -> float:
     return last - first
 
 
-def _demuxed_span(container, stream) -> tuple[float, float]:
+def _demuxed_span(container, stream, until: float | None = None) -> tuple[float, float]:
     """(first packet's start, last packet's end) of a stream of an open container, in seconds of its timestamps
-    ((0, 0): no packets)."""
+    ((0, 0): no packets); with `until`, only as far as a packet ending there or later."""
     first = last = None
     for packet in container.demux(stream):
         if packet.pts is None:  # the demuxer's closing empty packet
@@ -215,19 +215,22 @@ def _demuxed_span(container, stream) -> tuple[float, float]:
         stop = start + (packet.duration or 0) * packet.time_base
         first = start if first is None else min(first, start)
         last = stop if last is None else max(last, stop)
+        if until is not None and last >= until:
+            break
     return (0.0, 0.0) if first is None else (float(first), float(last))
 
 
-def readable_video_seconds(path: str | os.PathLike) -> float:
+def readable_video_seconds(path: str | os.PathLike, until: float | None = None) -> float:
     """How long a file's video can really be read: where its last packet ends (demuxed, not decoded), counted from
     0 s, or from its first packet when that is earlier. A file cut short (a broken download or copy) keeps its
     header, which still states the whole length. Counted from 0 s, as some containers count their stated length
-    (Matroska, WebM, FLV), a video starting late is not taken for a short one."""
+    (Matroska, WebM, FLV), a video starting late is not taken for a short one. `until`: enough to know whether
+    it reaches that far (the packets after are not read)."""
     with _open_media(Path(path)) as container:  # opened once: the stream found and its packets demuxed
         stream = _video_stream(container)
         if stream is None:
             return 0.0
-        first, last = _demuxed_span(container, stream)
+        first, last = _demuxed_span(container, stream, until)
     return last - min(first, 0.0)
 
 
@@ -235,8 +238,9 @@ def cut_short(path: str | os.PathLike, stated_seconds: float, fps: float, until:
     """What is wrong with a video file whose packets end before `until` seconds (default: the `stated_seconds` its
     header gives), or None: a file cut short (a broken download or copy) keeps its header. Three frames of
     slack: packets without durations end a frame early. Raises MediaError for a file that cannot be demuxed."""
-    readable = readable_video_seconds(path)
-    if readable < (stated_seconds if until is None else until) - 3.0 / fps:
+    until = stated_seconds if until is None else until
+    readable = readable_video_seconds(path, until)
+    if readable < until - 3.0 / fps:
         return (f"{Path(path).name} holds {readable:.2f} s of video, though its header says {stated_seconds:.2f} s: "
                 f"the file is cut short or damaged (a broken download or copy?).")
     return None

@@ -215,11 +215,13 @@ def size_text(nbytes: float) -> str:
 
 def does_not_fit(plan: MemoryPlan, where: str, budget: str, budget_bytes: int | None, other_bytes: int = 0) -> str:
     """Why a request is refused when even every block streamed does not fit: what it needs, the budget, and
-    what of that a plan may fill once the allocator's headroom is kept and LoRA factors have theirs."""
-    lora = f", {size_text(other_bytes)} of that taken by LoRA factors" if other_bytes else ""
+    what of it is left for the DiT after LoRA factors (they come off the budget first, as `plan_for` counts)
+    and the allocator's headroom."""
+    after = (f"LoRA factors' {size_text(other_bytes)} and " if other_bytes else "") + (
+        f"the allocator's headroom ({HEADROOM_FRACTION:.0%} and {HEADROOM_BYTES // 2**20} MiB)")
     room = "" if budget_bytes is None else (
-        f" ({size_text(budget_bytes)}: {size_text(max(usable_bytes(budget_bytes), 0))} usable once the allocator's "
-        f"headroom, {HEADROOM_FRACTION:.0%} and {HEADROOM_BYTES // 2**20} MiB, is kept{lora})")
+        f" ({size_text(budget_bytes)}: {size_text(max(usable_bytes(budget_bytes - other_bytes), 0))} left for the "
+        f"DiT after {after})")
     return (f"This request needs about {size_text(plan.expected_peak_bytes)} on {where} even with every DiT block "
             f"streamed from the CPU, more than {budget}{room}; shorten it, use a smaller canvas, or allow more GPU "
             "memory.")

@@ -29,7 +29,7 @@ from .checkpoint import (  # noqa: F401 (load_dit: engine API, above)
 )
 from .config import TINY_DIT
 from .memory_plan import (
-    GIB, MemoryPlan, does_not_fit, check_budget, free_bytes, plan_for, usable_bytes,
+    GIB, MemoryPlan, check_budget, does_not_fit, free_bytes, plan_for, usable_bytes,
 )
 from .offload import load_device, place
 from .placement import check_devices

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -12,8 +13,6 @@ from comfy_api.latest import io
 
 from h3_core import geometry
 from h3_core.media import SAMPLE_RATE
-
-from .convert import nothing_delivered
 
 CATEGORY = "H3"
 H3Model = io.Custom("H3_MODEL")
@@ -213,16 +212,30 @@ SAVE_HIDDEN = [io.Hidden.prompt, io.Hidden.extra_pnginfo]  # what a saving node 
 LINK_HIDDEN = [io.Hidden.prompt, io.Hidden.unique_id]  # what `refuse_empty_links` reads
 
 
+NOTHING_MEANS_MISSING = ("GetVideoComponents",)  # nodes whose None output is media a clip lacks (its sound)
+
+
 def refuse_empty_links(hidden, **given) -> None:
     """ComfyUI hands execute None both for an unconnected input and for one linked to an output that holds
-    nothing (Get Video Components' audio of a video without sound): a wired soundtrack would be left out
-    unseen. The node's inputs in the queued prompt (a link is a [node, output] pair) tell the two apart."""
+    nothing: the node's inputs in the queued prompt (a link is a [node, output] pair) tell the two apart. From
+    Get Video Components (the audio of a video without sound) it is refused: a soundtrack the artist wired
+    would be left out unseen. From any other node (a switch with its inputs muted: a way to turn an input off)
+    the run goes on without it, saying so in the log."""
     prompt = getattr(hidden, "prompt", None)
-    node = prompt.get(str(getattr(hidden, "unique_id", None))) if isinstance(prompt, dict) else None
+    prompt = prompt if isinstance(prompt, dict) else {}
+    node = prompt.get(str(getattr(hidden, "unique_id", None)))
     inputs = node.get("inputs", {}) if isinstance(node, dict) else {}
     for name, value in given.items():
-        if value is None and isinstance(inputs.get(name), list):
-            raise ValueError(nothing_delivered(name))
+        link = inputs.get(name)
+        if value is None and isinstance(link, list) and link:
+            source = (prompt.get(str(link[0])) or {}).get("class_type")
+            if source in NOTHING_MEANS_MISSING:
+                raise ValueError(f"{name} is connected, but {source} gave nothing for it (the audio of a video "
+                                 f"without sound?): connect one that holds it, or disconnect {name}.")
+            logging.getLogger("h3").warning("%s is connected, but %s gave nothing: running without it.", name,
+                                            source or "the node feeding it")
+
+
 MAX_NAME_BYTES = 255  # a file or folder name, on the file systems ComfyUI runs on
 MAX_PREFIX_NAME_BYTES = 200  # a file name is at most 255 bytes, and the counter adds "_00001_.mp4"
 
@@ -268,8 +281,9 @@ def check_prefix(prefix) -> None:
 
 
 def saved_file_metadata(hidden, num_frames: int) -> dict[str, str]:
-    """MP4 tags: a comment, and (as ComfyUI's own SaveVideo does, unless it runs with --disable-metadata)
-    the prompt and the workflow as JSON, so dropping the MP4 on the canvas brings the graph back."""
+    """A saved file's metadata (MP4 tags, safetensors metadata): a comment, and (as ComfyUI's own save nodes
+    do, unless it runs with --disable-metadata) the prompt and the workflow as JSON, so dropping an MP4 on the
+    canvas brings the graph back."""
     from comfy.cli_args import args
 
     tags = {"comment": f"MiniMax-H3, {num_frames} frames at {geometry.FPS} fps, {SAMPLE_RATE} Hz audio"}

@@ -144,7 +144,8 @@ class H3Conditioning(io.ComfyNode):
                 first_image=None, last_image=None, references=None, reference_images="release",
                 **extra) -> io.NodeOutput:
         refuse_extra_inputs(extra)
-        refuse_empty_links(cls.hidden, vae=vae, first_image=first_image, last_image=last_image)
+        refuse_empty_links(cls.hidden, vae=vae, first_image=first_image, last_image=last_image,
+                           **{f"references.{slot}": value for slot, value in (references or {}).items()})
         slots, references = references, ordered_references(references)
         keyframes = (first_image is not None) + (last_image is not None)
         problem = media_problem(task, [kind for kind, _ in references], keyframes)

@@ -345,20 +345,10 @@ SOCKET_KINDS = {"IMAGE": "image", "VIDEO": "video", "AUDIO": "audio"}
 
 
 def ordered_references(values: dict | None) -> list[tuple[str, Any]]:
-    """A growing input's {"ref0": v, "ref1": v, ...} -> [(kind, value), ...] in slot order, gaps skipped. ComfyUI
-    lists only the connected slots, so one holding None is linked to an output that gave nothing (Get Video
-    Components' audio of a video without sound): refused, not left out unseen."""
-    empty = [name for name, value in (values or {}).items() if value is None]
-    if empty:
-        raise ValueError(nothing_delivered(f"references.{empty[0]}"))
-    items = [(_slot_number(name), value) for name, value in (values or {}).items()]
+    """A growing input's {"ref0": v, "ref1": v, ...} -> [(kind, value), ...] in slot order, gaps and slots that
+    brought nothing skipped (`refuse_empty_links` first says why)."""
+    items = [(_slot_number(name), value) for name, value in (values or {}).items() if value is not None]
     return [(reference_kind(value), value) for _, value in sorted(items, key=lambda item: item[0])]
-
-
-def nothing_delivered(name: str) -> str:
-    """The refusal of an input linked to an output that held nothing (ComfyUI hands None on for it)."""
-    return (f"{name} is connected, but the node feeding it gave nothing (such as Get Video Components' audio of a "
-            f"video without sound): connect one that holds it, or disconnect {name}.")
 
 
 @contextlib.contextmanager
@@ -375,9 +365,9 @@ def slot_names_in_errors(values: dict | None):
         yield
     except (ValueError, MediaError) as error:
         message = re.sub(r"references\[(\d+)\]", slot, str(error))
-        if message == str(error):
-            raise
-        raise type(error)(message) from None
+        if message != str(error):
+            error.args = (message,)
+        raise
 
 
 def _slot_number(name: str) -> int:
@@ -434,12 +424,13 @@ def build_request(
     reference_images: str = "release",
 ) -> Request:
     """The node's inputs -> an h3_core Request. `references`: ((kind, ComfyUI value), ...) in the order
-    the model reads them (None values skipped). width/height 0 = not given: the aspect ratio (or, for
+    the model reads them (None values skipped; call it inside `slot_names_in_errors`). width/height 0 = not given: the aspect ratio (or, for
     "auto", the task's default) decides the canvas. h3_core validates everything else."""
     refs = []
     for kind, value in references:
         if value is not None:
-            refs.append(media_reference(kind, value, f"{kind} reference {len(refs) + 1}"))
+            refs.append(media_reference(kind, value, f"references[{len(refs)}] ({kind})"))  # the engine's naming,
+            # which `slot_names_in_errors` turns into the slot's
     explicit = bool(width) or bool(height)  # 0 = not given: one of them alone is refused, naming it
     return Request(
         task=task,

@@ -128,10 +128,9 @@ class H3VAEEncode(io.ComfyNode):
         problem = _clip_source_problem(video is not None, images is not None)
         if problem:
             raise ValueError(problem)
-        if bool(width) != bool(height):
-            raise ValueError(f"Give width and height together (or both 0: from the clip); got {width}x{height}.")
-        if width:
-            geometry.check_canvas(int(width), int(height))
+        problem = canvas_problem(width, height, zero="from the clip")  # validate_inputs' check, for linked values
+        if problem:
+            raise ValueError(problem)
         given = None if audio is None else audio_to_decoded(audio, "audio")
         on_disk = None if video is None else video_file(video)
         if on_disk is not None:  # streamed from its file onto the canvas, as h3 encode does: ~22 frames held

@@ -153,7 +153,8 @@ class H3Continuation(io.ComfyNode):
                 keep_video=None, **extra) -> io.NodeOutput:
         refuse_extra_inputs(extra)
         refuse_empty_links(cls.hidden, vae=vae, drive_audio=drive_audio, guides=guides, continue_from=continue_from,
-                           keep_video=keep_video)
+                           keep_video=keep_video,
+                           **{f"references.{slot}": value for slot, value in (references or {}).items()})
         problem = _task_problem(task)  # a linked task is known only now
         if problem:
             raise ValueError(problem)
@@ -177,14 +178,14 @@ class H3Continuation(io.ComfyNode):
             duration = None  # the whole clip
         if guides and vae is None:
             raise ValueError("Guides are encoded with the VAE: connect H3 VAE Loader's vae to H3 Continuation.")
-        request = LongVideoRequest(
-            build_request(task, prompt, None, None, references, aspect_ratio, width, height, duration,
-                          reference_images),
-            mode, int(window_frames), int(overlap_frames), split_window_prompts(window_prompts or ""),
-            None if drive_audio is None else audio_to_decoded(drive_audio, "drive_audio"), tuple(guides or ()),
-            given, kept,
-        )
         with slot_names_in_errors(slots), freed_on_failure(device()):  # references[i] named as their slots
+            request = LongVideoRequest(
+                build_request(task, prompt, None, None, references, aspect_ratio, width, height, duration,
+                              reference_images),
+                mode, int(window_frames), int(overlap_frames), split_window_prompts(window_prompts or ""),
+                None if drive_audio is None else audio_to_decoded(drive_audio, "drive_audio"), tuple(guides or ()),
+                given, kept,
+            )
             validate_long_video(request, text_encoder.canvas)  # every limit and the plan, before any model moves
             cond = encode_long_video(request, text_encoder.encoder, None if vae is None else vae.video,
                                      None if vae is None else vae.audio, rules=text_encoder.canvas,

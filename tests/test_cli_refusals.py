@@ -146,7 +146,8 @@ def test_a_mistyped_option_is_said_by_its_command_with_the_one_meant(tmp_path, n
     """No abbreviations (--output was taken as --outputs, --step as --steps); an unknown option is said with the
     command's own usage and the option it is close to; --output is --out."""
     for options, said in ((["--promt", "x"], "unrecognized arguments: --promt x (did you mean --prompt?)"),
-                          (["--prompt", "x", "--step", "8"], "unrecognized arguments: --step 8 (did you mean --steps?)"),
+                          (["--prompt", "x", "--step", "8"],
+                           "unrecognized arguments: --step 8 (did you mean --steps?)"),
                           (["--prompt", "x", "--colour", "red"], "unrecognized arguments: --colour red\n")):
         with pytest.raises(SystemExit) as stop:
             main(["generate", "--out", str(tmp_path / "a.mp4"), *options])
@@ -181,6 +182,12 @@ def test_errors_name_the_options_not_the_engine_fields(tmp_path, no_model_loads,
     ):
         assert main(["generate", *out, *options]) == 2
         assert f"h3: error: {said}" in capsys.readouterr().err
+    from h3_core.cli import _option_words
+
+    for path in (f"{tmp_path}/first_image/last_image/a.png", "last_image (1).png", "first_image-2.png",
+                 "/data/references[0]/a.png", "C:\\clips\\first_image\\a.png"):  # file names are left alone
+        assert _option_words(f"{path}: not an image") == f"{path}: not an image"
+        assert _option_words(f"first_image: {path} is not an image") == f"--first-image: {path} is not an image"
 
 
 def test_info_and_version_say_what_they_are(capsys):

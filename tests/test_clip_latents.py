@@ -103,6 +103,9 @@ def test_a_short_or_unreadable_file_is_refused_from_its_first_frames(tmp_path):
     assert stream_clip(whole, RELEASE_CANVAS)[1:] == stream_clip(cut, RELEASE_CANVAS, max_frames=22)[1:]
     with pytest.raises(MediaError, match=r"cut\.mp4 holds \d\.\d\d s of video, though its header says 5\.00 s"):
         stream_clip(cut, RELEASE_CANVAS)
+    assert stream_clip(cut, RELEASE_CANVAS, start_seconds=0.5, max_frames=22)[1:] == (1376, 736)  # inside
+    with pytest.raises(MediaError, match="the file is cut short or damaged"):  # the part from 2 s runs past the cut
+        stream_clip(cut, RELEASE_CANVAS, start_seconds=2.0, max_frames=60)
 
 
 def test_bad_clips_are_refused_before_a_vae_runs():

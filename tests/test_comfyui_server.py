@@ -385,7 +385,7 @@ def test_bad_prompt_is_a_node_error_and_server_goes_on(server):
     graph[cond]["inputs"]["references.ref1"] = ["90", 1]
     history = _wait(base, _queue(base, graph, "x"))
     assert history["status"]["status_str"] == "error"
-    assert "references.ref1 is connected, but the node feeding it gave nothing" in json.dumps(
+    assert "references.ref1 is connected, but GetVideoComponents gave nothing for it" in json.dumps(
         history["status"]["messages"]), history["status"]
 
     # a slot past ref11: ComfyUI drops it from its checks and hands it to the node, which names it

@@ -173,7 +173,8 @@ def test_guide_inputs_are_checked_before_any_model_runs(models):
     with pytest.raises(RequestError, match="must be uint8 RGB"):
         add_guide(plain, 0, video_vae, frames=np.zeros((HEIGHT, WIDTH), np.uint8))
     # scaled whole to cover the canvas before its crop: an 8000x2 picture would grow to gigabytes
-    with pytest.raises(RequestError, match=r"The guide picture is 8000x2 \(aspect ratio 4e\+03\); H3 takes 1:4 to 4:1: crop it to within that first\."):
+    with pytest.raises(RequestError, match=r"The guide picture is 8000x2 \(aspect ratio 4e\+03\); H3 takes 1:4 to 4:1: "
+                                           r"crop it to within that first\."):
         add_guide(plain, 0, video_vae, frames=np.zeros((2, 8000, 3), np.uint8))
     with pytest.raises(RequestError, match="The guide sound holds no samples"):
         add_guide(plain, 0, audio_vae=audio_vae, waveform=torch.zeros(2, 0), sample_rate=32000)

@@ -113,7 +113,7 @@ def test_build_request_maps_inputs():
                                                              ("audio", {"waveform": torch.zeros(1, 1, 64000),
                                                                         "sample_rate": 32000})])
     assert [r.kind for r in refs.references] == ["image", "audio"]
-    with pytest.raises(ValueError, match="image reference 1 is a batch of 5 images; a reference slot takes one picture"):
+    with pytest.raises(ValueError, match=r"references\[0\] \(image\) is a batch of 5 images; a reference slot takes one picture"):
         convert.build_request("ref2va", "x", references=[("image", torch.rand(5, 64, 96, 3))])
 
 

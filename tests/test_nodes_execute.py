@@ -271,7 +271,8 @@ def test_a_latent_saved_and_loaded_again_is_the_same_and_cli_files_load_too(comf
 
     check = files.H3LoadLatent.validate_inputs
     assert check("mine/clip.safetensors") is True and check(None) is True
-    for name in ("gone.safetensors", "../output/H3/keep_00001_.safetensors"):
+    (c.tmp / "input" / "picture.png").write_bytes(b"png")
+    for name in ("gone.safetensors", "../output/H3/keep_00001_.safetensors", "picture.png"):
         assert check(name).startswith(f"No latent file {name!r} in ComfyUI's input folder"), name
     (c.tmp / "input" / "lora.safetensors").write_bytes((c.tmp / "output" / "H3" / saved.filename).read_bytes()[:8])
     with pytest.raises(ValueError, match="is not a safetensors file of latents"):
@@ -1101,17 +1102,20 @@ def test_values_comfyui_lets_through_are_refused_at_their_node(comfy):
     assert len(c.record.loaded) == loaded
 
 
-def test_a_link_that_delivers_nothing_is_refused_not_left_out(comfy, monkeypatch):
+def test_a_link_that_delivers_nothing_is_refused_not_left_out(comfy, monkeypatch, caplog):
     """Get Video Components' audio of a silent video is None: execute sees what an unconnected input gives. The
-    queued prompt says the input is linked, so the node refuses rather than running without the sound."""
+    queued prompt says the input is linked, and to what: from Get Video Components the node refuses rather than
+    running without the sound; from another node (a switch with its inputs muted) it runs on, saying so."""
     c = comfy
     long_video = importlib.import_module("nodes.long_video")
-    linked = {"inputs": {"drive_audio": ["4", 2], "audio": ["4", 2], "first_image": ["2", 0], "prompt": "rain"}}
+    linked = {"inputs": {"drive_audio": ["4", 2], "audio": ["4", 2], "first_image": ["4", 0], "prompt": "rain",
+                         "references.ref1": ["4", 2]}}
+    prompt = {"9": linked, "4": {"class_type": "GetVideoComponents", "inputs": {}}}
     for node in (long_video.H3Continuation, long_video.H3ContinuationGuide, c.conditioning.H3Conditioning,
                  c.conditioning.H3AddGuide, c.latent.H3VAEEncode):
-        monkeypatch.setattr(node, "hidden", SimpleNamespace(prompt={"9": linked}, unique_id="9"), raising=False)
+        monkeypatch.setattr(node, "hidden", SimpleNamespace(prompt=prompt, unique_id="9"), raising=False)
     image = torch.rand(1, 64, 96, 3)
-    message = "is connected, but the node feeding it gave nothing"
+    message = "is connected, but GetVideoComponents gave nothing for it"
     with pytest.raises(ValueError, match=f"drive_audio {message}"):
         long_video.H3Continuation.execute(None, None, "rain", "t2va", 20.0, "continuation", 277, 22, 0, 0, 0.0, 0.0,
                                           "auto", 0, 0, drive_audio=None)
@@ -1123,14 +1127,19 @@ def test_a_link_that_delivers_nothing_is_refused_not_left_out(comfy, monkeypatch
         c.conditioning.H3AddGuide.execute(None, None, 0, image=image, audio=None)
     with pytest.raises(ValueError, match=f"audio {message}"):
         c.latent.H3VAEEncode.execute(None, images=image, audio=None)
-    c.conditioning.H3Conditioning.hidden = None  # a grown slot is listed only when linked: no prompt needed
-    with pytest.raises(ValueError, match=f"references.ref1 {message}"):
+    linked["inputs"].pop("first_image")
+    with pytest.raises(ValueError, match=f"references.ref1 {message}"):  # a grown slot, as the prompt names it
         c.conditioning.H3Conditioning.execute(None, "rain", "ref2va", "auto", 0, 0, 4.0,
                                               references={"ref0": image, "ref1": None})
-    # unconnected (not in the prompt's inputs) is not refused: the guide runs with its image alone
-    long_video.H3ContinuationGuide.hidden = SimpleNamespace(prompt={"9": {"inputs": {"image": ["2", 0]}}},
-                                                           unique_id="9")
-    assert long_video.H3ContinuationGuide.execute(10, image=image, audio=None, video=None).values[0]
+    # from a switch: the guide runs with its image alone, and the log says the sound was left out
+    prompt["4"]["class_type"] = "Any Switch (rgthree)"
+    with caplog.at_level("WARNING", logger="h3"):
+        assert long_video.H3ContinuationGuide.execute(10, image=image, audio=None).values[0]
+    assert "audio is connected, but Any Switch (rgthree) gave nothing: running without it." in caplog.text
+    # unconnected (not in the prompt's inputs) is neither refused nor said
+    caplog.clear()
+    linked["inputs"].pop("audio")
+    assert long_video.H3ContinuationGuide.execute(10, image=image, audio=None).values[0] and not caplog.text
 
 
 def test_a_reference_problem_names_its_slot(comfy):
@@ -1147,6 +1156,14 @@ def test_a_reference_problem_names_its_slot(comfy):
         long_video.H3Continuation.execute(model, text, "a fox", "ref2va", 20.0, "continuation", 277, 22, 0, 2, 0.0, 0.0,
                                           "auto", 0, 0, vae=vae,
                                           references={"ref0": torch.rand(1, 64, 96, 3), "ref3": short})
+    # refused by the node's own conversion, before the engine sees it
+    two = torch.rand(2, 64, 96, 3)
+    with pytest.raises(ValueError, match=r"^references.ref3 \(image\) is a batch of 2 images"):
+        c.conditioning.H3Conditioning.execute(text, "a fox", "ref2va", "auto", 0, 0, 4.0, vae=vae,
+                                              references={"ref1": torch.rand(1, 64, 96, 3), "ref3": two})
+    with pytest.raises(ValueError, match=r"^references.ref3 \(image\) is a batch of 2 images"):
+        long_video.H3Continuation.execute(model, text, "a fox", "ref2va", 20.0, "continuation", 277, 22, 0, 2, 0.0, 0.0,
+                                          "auto", 0, 0, vae=vae, references={"ref1": short, "ref3": two})
 
 
 def test_guide_wiring_is_checked_at_queue_time(comfy):

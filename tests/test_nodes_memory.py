@@ -209,7 +209,7 @@ def test_a_budget_too_small_is_refused_before_anything_moves(comfy):
     model = _load(c, gpu_memory_gb=0.25)  # less than the allocator's headroom alone
     loads = len(c.record.loaded)
     with pytest.raises(ValueError, match=r"needs about \d+\.\d MiB on cpu even with every DiT block streamed.*the "
-                                         r"budget set \(0\.25 GiB: 0\.0 MiB usable once the allocator's headroom"):
+                                         r"budget set \(0\.25 GiB: 0\.0 MiB left for the DiT after the allocator's headroom"):
         _sample(c, model, cond)
     assert len(c.record.loaded) == loads and model.patcher.model.plan is None  # nothing was placed
 

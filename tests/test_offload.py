@@ -259,8 +259,8 @@ def test_a_budget_too_small_for_the_sampling_is_refused_before_the_text_encoder(
         # holds past the headroom; amounts below 0.1 GiB in MiB (they read "0.00 GiB")
         with pytest.raises(RequestError, match=r"needs about \d+\.\d MiB on cpu, before any model loads, even with "
                                                r"every DiT block streamed from the CPU, more than --gpu-memory "
-                                               rf"\({said}: 0\.0 MiB usable once the allocator's headroom, 5% and "
-                                               r"256 MiB, is kept\)"):
+                                               rf"\({said}: 0\.0 MiB left for the DiT after the allocator's "
+                                               r"headroom \(5% and 256 MiB\)\)"):
             _tiny_generate(tmp_path, gpu_memory=budget)
 
 
@@ -363,8 +363,8 @@ def test_a_placement_plan_counts_hooked_factors_within_a_set_budget():
     placement = DiTPlacement("tiny", tiny_random_dit(), "cpu", "cpu", budget_gib=0.5)
     assert placement.plan_request(layout, 3).fits
     with pytest.raises(RequestError, match=r"needs about \d\.\d MiB on cpu .* more than the budget set \(0\.50 GiB: "
-                                           r"0\.22 GiB usable once the allocator's headroom, 5% and 256 MiB, is kept, "
-                                           r"0\.49 GiB of that taken by LoRA factors\)"):
+                                           r"0\.0 MiB left for the DiT after LoRA factors' 0\.49 GiB and the "
+                                           r"allocator's headroom \(5% and 256 MiB\)\)"):
         placement.plan_request(layout, 3, other_bytes=int(0.49 * GIB))
 
 
