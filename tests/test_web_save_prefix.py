@@ -21,7 +21,7 @@ import { app } from "./scripts/app.js";
 const { SAVE_NODES } = await import("./extensions/h3/h3_save_prefix.js");
 const [extension] = app.extensions;
 const results = {};
-for (const name of ["H3AVSave", "H3SaveMP4", "SaveImage"]) {
+for (const name of ["H3AVSave", "H3SaveMP4", "H3SaveLatent", "SaveImage"]) {
   function Node() { this.widgets = [{ name: "filename_prefix", value: "H3/%date:yyyy-MM-dd%/s%H3Sampler.seed%" }]; }
   Node.prototype.onNodeCreated = function () { this.created = true; };
   await extension.beforeRegisterNodeDef(Node, { name });
@@ -44,7 +44,7 @@ def test_the_h3_save_nodes_expand_their_prefix_as_core_save_nodes_do(tmp_path):
     out = json.loads(subprocess.run(["node", str(tmp_path / "run.mjs")], capture_output=True, text=True, check=True,
                                     timeout=60).stdout)
     expanded = {"created": True, "sent": "H3/2026-12-01/s7"}
-    assert out["results"] == {"H3AVSave": expanded, "H3SaveMP4": expanded,
+    assert out["results"] == {"H3AVSave": expanded, "H3SaveMP4": expanded, "H3SaveLatent": expanded,
                               "SaveImage": {"created": True, "sent": "H3/%date:yyyy-MM-dd%/s%H3Sampler.seed%"}}
     assert "/scripts/utils.js\"" not in (WEB / "h3_save_prefix.js").read_text()  # internal: the frontend warns on it
     interface = json.loads((ROOT / "tools" / "node_interface.json").read_text())  # every node's inputs, kept current

@@ -6,7 +6,7 @@ import { app } from "../../scripts/app.js";
 // a frontend without it sends the prefix as typed rather than failing to queue
 const applyTextReplacements = (app, value) => window.comfyAPI?.utils?.applyTextReplacements?.(app, value) ?? value;
 
-export const SAVE_NODES = new Set(["H3AVSave", "H3SaveMP4"]);
+export const SAVE_NODES = new Set(["H3AVSave", "H3SaveMP4", "H3SaveLatent"]);
 
 app.registerExtension({
   name: "comfyui-h3.save-prefix",
