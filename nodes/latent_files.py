@@ -22,13 +22,8 @@ KEPT_FACTS = ("seed", "task", "steps")  # the facts of a sampled latent its file
 
 def latent_files() -> list[str]:
     """The .safetensors files in ComfyUI's input folder and its subfolders, as paths relative to it."""
-    root = folder_paths.get_input_directory()
-    found = []
-    for folder, folders, files in os.walk(root):
-        folders[:] = sorted(name for name in folders if not name.startswith("."))
-        found += [os.path.relpath(os.path.join(folder, name), root).replace(os.sep, "/") for name in files
-                  if name.endswith(".safetensors")]
-    return sorted(found)
+    found, _ = folder_paths.recursive_search(folder_paths.get_input_directory(), excluded_dir_names=[".git"])
+    return [name.replace(os.sep, "/") for name in folder_paths.filter_files_extensions(found, [".safetensors"])]
 
 
 def input_file(name) -> Path | None:
