@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(_negative_guides(sys.argv[1:] if argv is None else argv))
     if unknown:  # said by the command's own parser, with its usage, and the option meant if one is close
-        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}{_close_option(args.parser, unknown)}")
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}{_unknown_hint(args.parser, unknown)}")
     # one device (worker processes keep torch's default); `h3 env` reports the user's own settings
     if "," not in (getattr(args, "devices", None) or "") and args.run is not run_env:
         use_expandable_segments()
@@ -142,9 +142,10 @@ def _option_words(message: str) -> str:
     return message
 
 
-def _close_option(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+def _unknown_hint(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
     """' (did you mean --prompt?)' for the first unknown option that is a near miss of one of the command's, or
-    the start of just one (abbreviations are not taken: --output once meant --outputs)."""
+    the start of just one (abbreviations are not taken: --output once meant --outputs); for stray words first (the
+    rest of an unquoted prompt, most often), how to quote a prompt."""
     options = list(parser._option_string_actions)
     for token in unknown:
         if token.startswith("--"):
@@ -153,6 +154,8 @@ def _close_option(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
             near = starts if len(starts) == 1 else difflib.get_close_matches(name, options, n=1, cutoff=0.75)
             if near:
                 return f" (did you mean {near[0]}?)"
+    if "--prompt" in options and not unknown[0].startswith("-"):  # not an unknown option's value
+        return ' (a prompt of several words goes in quotes: --prompt "a red fox runs")'
     return ""
 
 
@@ -638,6 +641,12 @@ class _QuietParser(_Parser):
 
     def error(self, message):
         raise ValueError(message)
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{_unknown_hint(self, unknown)}")
+        return parsed
 
 
 def _without_comment(line: str) -> str:

@@ -161,8 +161,24 @@ def test_a_mistyped_option_is_said_by_its_command_with_the_one_meant(tmp_path, n
     jobs = tmp_path / "jobs.txt"
     jobs.write_text(f"--prompt x --step 8 --out {tmp_path}/b.mp4\n")  # a --batch line takes no abbreviation either
     assert main(["generate", "--batch", str(jobs)]) == 2
-    assert "line 1: not the request options of an h3 generate command (unrecognized arguments: --step 8)" in (
-        capsys.readouterr().err)
+    assert ("line 1: not the request options of an h3 generate command (unrecognized arguments: --step 8 (did you "
+            "mean --steps?))") in capsys.readouterr().err
+
+
+def test_an_unquoted_prompt_is_said_with_how_to_quote_it(tmp_path, no_model_loads, capsys):
+    """`--prompt a red fox` gives the prompt 'a' and two stray words: the error says to quote it, on the command
+    line and on a --batch line alike."""
+    hint = '(a prompt of several words goes in quotes: --prompt "a red fox runs")'
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "a", "red", "fox", "--out", str(tmp_path / "a.mp4")])
+    assert f"h3 generate: error: unrecognized arguments: red fox {hint}" in capsys.readouterr().err
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"--prompt a red fox --out {tmp_path}/b.mp4\n")
+    assert main(["generate", "--batch", str(jobs)]) == 2
+    assert f"(unrecognized arguments: red fox {hint})" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["info", "tiny-random", "extra"])  # a command without a prompt says nothing of one
+    assert capsys.readouterr().err.rstrip().endswith("h3 info: error: unrecognized arguments: extra")
 
 
 def test_errors_name_the_options_not_the_engine_fields(tmp_path, no_model_loads, capsys):
