@@ -34,7 +34,7 @@ from .attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
 from .local_attention import check_setting as check_window_setting
 from .checkpoint import CheckpointError, infer_config, load_dit, locate_dit
 from .config import TINY_DIT
-from .conditioning import MAX_FRAMES, MIN_FRAMES, Conditioning, Request, resolve_num_frames
+from .conditioning import MAX_FRAMES, MIN_FRAMES, Conditioning, PartNames, Request, resolve_num_frames
 from .continuation import DEFAULT_OVERLAP_FRAMES, DEFAULT_WINDOW_FRAMES
 from .fp8 import LINEAR_MODES, apply_linear_mode
 from .guides import GUIDE_KINDS, GuideFile
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (CheckpointError, ValueError, OSError, MediaError) as error:  # LoRAError is a ValueError
-        print(f"h3: error: {_option_words(str(error))}", file=sys.stderr)
+        print(f"h3: error: {error}", file=sys.stderr)
         return 2
     except ParallelWorkerError as error:  # names the rank, with its traceback
         if getattr(args, "compile", False) and error.compile_failed:
@@ -122,24 +122,6 @@ class _WarningNotes(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if not record.name.startswith("h3_core.lora"):
             _note(record.getMessage().removeprefix("H3: "))
-
-
-FIELD_OPTIONS = (  # the engine's words for a request's parts -> the options giving them: a part named where a
-    # message (or a --batch line's part of one) starts, or in one of the engine's phrases, never inside a file name
-    (re.compile(r"(?:^|(?<=: ))references\[(\d+)\](?= \()"), lambda match: f"--ref #{int(match.group(1)) + 1}"),
-    (re.compile(r"(?:^|(?<=: ))(first|last)_image(?=: )"), lambda match: f"--{match.group(1)}-image"),
-    (re.compile(r"(?<= )first_image(/|, )last_image(?= )"), lambda match: f"--first-image{match.group(1)}--last-image"),
-    (re.compile(r"\(set the task to the one they are for\)"), lambda match: "(set --task to the one they are for)"),
-    (re.compile(r"window by window in long-video mode\)"), lambda match: "window by window with --long-video)"),
-)
-
-
-def _option_words(message: str) -> str:
-    """The engine names a request's parts as Python does (first_image, references[0]); the command's errors
-    name the options that gave them (--first-image, --ref #1)."""
-    for pattern, option in FIELD_OPTIONS:
-        message = pattern.sub(option, message)
-    return message
 
 
 def _unknown_hint(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
@@ -441,7 +423,7 @@ def _long_video(args, request: Request, kept: AVLatents | None = None) -> Reques
             raise ValueError(f"{', '.join(given)}: only with --long-video.")
         if args.drive_audio is None:
             return request
-        resolve_num_frames(request.duration)  # a plain request keeps its 4-15 s range
+        resolve_num_frames(request.duration, long_video=request.names.long_video)  # a plain request: 4-15 s
         return LongVideoRequest(request, mode="full", drive_audio=args.drive_audio)
     mode = args.long_video_mode or "continuation"
     if mode == "full" and (args.window_frames is not None or args.overlap_frames is not None):
@@ -594,6 +576,12 @@ def _note(line: str) -> None:
     tqdm.write(f"h3: {line}", file=sys.stderr)
 
 
+def option_names(references: int) -> PartNames:
+    """The command's errors name the options that gave a request's parts (--first-image, --ref #2)."""
+    return PartNames("--first-image", "--last-image", tuple(f"--ref #{index + 1}" for index in range(references)),
+                     "--task", "with --long-video")
+
+
 def _job(args) -> Job:
     """The request options of a generate command line (or of a --batch line over it) as one job."""
     if args.out is None and args.save_latents is None:
@@ -603,7 +591,7 @@ def _job(args) -> Job:
         references=[_reference(spec) for spec in args.ref], aspect_ratio=args.aspect_ratio,
         width=args.width, height=args.height, duration=DEFAULT_DURATION if args.duration is None else args.duration,
         guides=[_guide(spec) for spec in args.guide],
-        reference_images=args.reference_images,
+        reference_images=args.reference_images, names=option_names(len(args.ref)),
     )
     request, given = _kept(args, request)
     if args.long_video:  # the long request holds the kept clip

@@ -86,6 +86,25 @@ class RequestError(ValueError):
     """A request H3 cannot run: says what was wrong and what is allowed."""
 
 
+@dataclass(frozen=True)
+class PartNames:
+    """What a request's errors call its parts. The defaults are the Request's own field names; a front end
+    passes the names its user gave them by (the CLI its options, a node its sockets), so an error points at
+    the option or socket to change."""
+
+    first_image: str = "first_image"
+    last_image: str = "last_image"
+    references: tuple[str, ...] = ()  # one a reference, in order; one not named is references[i]
+    task: str = "the task"
+    long_video: str = "in long-video mode"  # how clips over 15 s are asked for
+
+    def keyframe(self, anchor: str) -> str:
+        return self.first_image if anchor == "first" else self.last_image
+
+    def reference(self, index: int) -> str:
+        return self.references[index] if index < len(self.references) else f"references[{index}]"
+
+
 @dataclass
 class Request:
     """One generation request.
@@ -103,6 +122,7 @@ class Request:
                   refuses them: see guides.py)
     reference_images  "release" (image references at the release's 2048 short edge) or "canvas-lossy"
                   (scaled down to the output's pixel area: fewer rows, faster steps, less detail)
+    names         what errors call the parts above (`PartNames`: the field names unless a front end gives its own)
     """
 
     task: str
@@ -117,6 +137,7 @@ class Request:
     num_frames: int | None = None
     guides: Sequence[Any] = ()
     reference_images: str = "release"
+    names: PartNames = PartNames()
 
 
 @dataclass(frozen=True)
@@ -131,6 +152,7 @@ class RequestPlan:
     keyframes: tuple[tuple[str, Any], ...] = ()  # (anchor "first" | "last", image source)
     references: tuple[MediaReference, ...] = ()
     reference_rules: CanvasRules = RELEASE_CANVAS  # what the references are prepared with
+    names: PartNames = PartNames()  # the request's, for errors found while preparing its media
 
     @property
     def seconds(self) -> float:
@@ -141,8 +163,10 @@ class RequestPlan:
 # Validation
 
 
-def resolve_num_frames(duration: float | None = None, num_frames: int | None = None) -> int:
-    """The 17n + 5 frame count of a request, checked against the 4-15 s range (see the module docstring)."""
+def resolve_num_frames(duration: float | None = None, num_frames: int | None = None,
+                       long_video: str = PartNames.long_video) -> int:
+    """The 17n + 5 frame count of a request, checked against the 4-15 s range (see the module docstring);
+    `long_video` names what makes longer clips, for the refusal."""
     if duration is not None and num_frames is not None:
         raise RequestError(f"Give the duration or num_frames, not both (got {duration} s and {num_frames} frames).")
     if num_frames is not None:
@@ -168,7 +192,7 @@ def resolve_num_frames(duration: float | None = None, num_frames: int | None = N
     if not math.isfinite(seconds) or not MIN_SECONDS <= seconds <= MAX_SECONDS:
         raise RequestError(
             f"The duration must be between {MIN_SECONDS:g} and {MAX_SECONDS:g} seconds, got {seconds!r} (longer clips "
-            f"are made window by window in long-video mode)."
+            f"are made window by window {long_video})."
         )
     return geometry.frames_for_duration(float(seconds))
 
@@ -212,7 +236,8 @@ def _media_kinds(request: Request) -> list[str]:
     reference's kind."""
     if request.task == "fl2va":
         return ["image" for image in (request.first_image, request.last_image) if image is not None]
-    return [_as_reference(item, index).kind for index, item in enumerate(request.references or ())]
+    return [_as_reference(item, request.names.reference(index)).kind
+            for index, item in enumerate(request.references or ())]
 
 
 def prompt_label_warnings(request: Request) -> list[str]:
@@ -227,23 +252,22 @@ def shows_pictures(request: Request) -> bool:
     return any(kind != "audio" for kind in _media_kinds(request))
 
 
-def _as_reference(item, index: int) -> MediaReference:
+def _as_reference(item, name: str) -> MediaReference:
     if isinstance(item, MediaReference):
         reference = item
     elif isinstance(item, tuple) and len(item) in (2, 3):
         reference = MediaReference(*item)
     else:
         raise RequestError(
-            f"references[{index}] must be a MediaReference or a tuple (kind, source[, start_seconds]), "
-            f"got {type(item).__name__}."
+            f"{name} must be a MediaReference or a tuple (kind, source[, start_seconds]), got {type(item).__name__}."
         )
     if reference.kind not in REFERENCE_KINDS:
-        raise RequestError(f"references[{index}] has kind {reference.kind!r}; a reference is one of {REFERENCE_KINDS}.")
+        raise RequestError(f"{name} has kind {reference.kind!r}; a reference is one of {REFERENCE_KINDS}.")
     start = reference.start_seconds
     if not isinstance(start, (int, float)) or not math.isfinite(start) or start < 0:
-        raise RequestError(f"references[{index}] start_seconds must be a finite number >= 0, got {start!r}.")
+        raise RequestError(f"{name} start_seconds must be a finite number >= 0, got {start!r}.")
     if reference.kind == "image" and start:
-        raise RequestError(f"references[{index}] is an image; start_seconds applies to video and audio clips only.")
+        raise RequestError(f"{name} is an image; start_seconds applies to video and audio clips only.")
     return reference
 
 
@@ -251,21 +275,22 @@ def _check_task_media(request: Request, references: list[MediaReference]) -> lis
     keyframes = [
         (anchor, getattr(request, name)) for anchor, name in KEYFRAME_FIELDS if getattr(request, name) is not None
     ]
+    names = request.names
+    pair = f"{names.first_image}/{names.last_image}"
     if request.task == "t2va" and (keyframes or references):
         raise RequestError(
-            "t2va takes a prompt only: first_image/last_image are fl2va keyframes and references are ref2va (set the "
-            "task to the one they are for)."
+            f"t2va takes a prompt only: {pair} are fl2va keyframes and references are ref2va (set {names.task} to the "
+            "one they are for)."
         )
     if request.task == "fl2va":
         if not keyframes:
-            raise RequestError(
-                f"fl2va needs 1 to {MAX_KEYFRAMES} keyframes: first_image, last_image or both; a prompt alone is t2va."
-            )
+            raise RequestError(f"fl2va needs 1 to {MAX_KEYFRAMES} keyframes: {names.first_image}, {names.last_image} or "
+                               "both; a prompt alone is t2va.")
         if references:
-            raise RequestError("fl2va takes first_image/last_image keyframes, not references (those are ref2va).")
+            raise RequestError(f"fl2va takes {pair} keyframes, not references (those are ref2va).")
     if request.task == "ref2va":
         if keyframes:
-            raise RequestError("ref2va takes references, not first_image/last_image (those are fl2va keyframes).")
+            raise RequestError(f"ref2va takes references, not {pair} (those are fl2va keyframes).")
         if not references:
             raise RequestError("ref2va needs at least one image, video or audio reference; a prompt alone is t2va.")
         problem = reference_mix_problem([reference.kind for reference in references])
@@ -295,10 +320,10 @@ def _check_clip(seconds: float, start: float, what: str) -> None:
         )
 
 
-def _check_references(references: list[MediaReference]) -> None:
+def _check_references(references: list[MediaReference], names: PartNames) -> None:
     totals = {"video": 0.0, "audio": 0.0}
     for index, reference in enumerate(references):
-        what = f"references[{index}] ({reference.kind})"
+        what = f"{names.reference(index)} ({reference.kind})"
         if reference.kind == "image":
             facts = inspect_image(reference.source, what)
             check_ratio(facts.width, facts.height, what)
@@ -345,24 +370,27 @@ def validate(request: Request, rules: CanvasRules = RELEASE_CANVAS) -> RequestPl
     if blank(request.prompt):
         raise RequestError(EMPTY_PROMPT)
     check_prompt_markers(request.prompt)
-    num_frames = resolve_num_frames(request.duration, request.num_frames)
+    if not isinstance(request.names, PartNames):
+        raise RequestError(f"names must be a PartNames, got {type(request.names).__name__}.")
+    num_frames = resolve_num_frames(request.duration, request.num_frames, request.names.long_video)
     size = _explicit_size(request)
     named = _named_canvas(request, rules)
     items = () if request.references is None else request.references
     if isinstance(items, (str, MediaReference)) or not isinstance(items, Sequence):
         raise RequestError("references must be a list of (kind, source[, start_seconds]) or MediaReference entries.")
-    references = [_as_reference(item, index) for index, item in enumerate(items)]
+    references = [_as_reference(item, request.names.reference(index)) for index, item in enumerate(items)]
     keyframes = _check_task_media(request, references)
 
     try:
         anchor_size = None
         for index, (anchor, source) in enumerate(keyframes):
-            facts = inspect_image(source, f"{anchor}_image")
+            what = request.names.keyframe(anchor)
+            facts = inspect_image(source, what)
             sets_canvas = index == 0 and size is None and named is None
-            check_ratio(facts.width, facts.height, f"{anchor}_image" + (" (it sets the canvas)" if sets_canvas else ""))
+            check_ratio(facts.width, facts.height, what + (" (it sets the canvas)" if sets_canvas else ""))
             if index == 0:
                 anchor_size = (facts.width, facts.height)
-        _check_references(references)
+        _check_references(references, request.names)
     except MediaInputError as error:
         raise RequestError(str(error)) from None
 
@@ -374,7 +402,7 @@ def validate(request: Request, rules: CanvasRules = RELEASE_CANVAS) -> RequestPl
     except MediaInputError as error:
         raise RequestError(str(error)) from None
     return RequestPlan(request.task, request.prompt, width, height, num_frames, tuple(keyframes), tuple(references),
-                       reference_rules)
+                       reference_rules, request.names)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -514,11 +542,12 @@ def encode_request(
     # Decode and normalize every piece of media (no model yet).
     try:
         keyframes = fit_keyframes(
-            [load_image(source, f"{anchor}_image") for anchor, source in plan.keyframes], plan.width, plan.height
+            [load_image(source, plan.names.keyframe(anchor)) for anchor, source in plan.keyframes], plan.width,
+            plan.height
         )
         prepared: list[PreparedReference] = [
             prepare_reference(reference, plan.num_frames, plan.reference_rules,
-                              f"references[{index}] ({reference.kind})")
+                              f"{plan.names.reference(index)} ({reference.kind})")
             for index, reference in enumerate(plan.references)
         ]
     except MediaInputError as error:

@@ -401,7 +401,7 @@ def encode_long_video(
         checked = plan.first_plan
         shown = [
             prepare_reference(reference, checked.num_frames, checked.reference_rules,
-                              f"references[{i}]").for_presentation()
+                              checked.names.reference(i)).for_presentation()
             for i, reference in enumerate(checked.references)
         ]
         presented = {prompt: text_encoder.present(plan.task, prompt, (), shown) for prompt in others}

@@ -45,7 +45,6 @@ from .convert import (
     media_problem,
     ordered_references,
     refuse_extra_inputs,
-    slot_names_in_errors,
     video_at_24fps,
 )
 from .memory import place, place_for_encoding
@@ -146,33 +145,31 @@ class H3Conditioning(io.ComfyNode):
         refuse_extra_inputs(extra)
         refuse_empty_links(cls.hidden, vae=vae, first_image=first_image, last_image=last_image,
                            **{f"references.{slot}": value for slot, value in (references or {}).items()})
-        slots, references = references, ordered_references(references)
         keyframes = (first_image is not None) + (last_image is not None)
-        problem = media_problem(task, [kind for kind, _ in references], keyframes)
+        problem = media_problem(task, [kind for _, kind, _ in ordered_references(references)], keyframes)
         if problem:
             raise ValueError(problem)
-        with slot_names_in_errors(slots):  # the engine's references[i] named as the slot they came in
-            request = build_request(task, prompt, first_image, last_image, references, aspect_ratio, width, height,
-                                    duration, reference_images)
-            video_vae = None if vae is None else vae.video
-            audio_vae = None if vae is None else vae.audio
-            validate(request, text_encoder.canvas)  # every limit, before any model moves
-            bar, shown = None, 0
+        request = build_request(task, prompt, first_image, last_image, references, aspect_ratio, width, height,
+                                duration, reference_images)
+        video_vae = None if vae is None else vae.video
+        audio_vae = None if vae is None else vae.audio
+        validate(request, text_encoder.canvas)  # every limit, before any model moves
+        bar, shown = None, 0
 
-            def on_stage(done: int, total: int) -> None:  # after each model call, and between text encoder layers
-                nonlocal bar, shown
-                bar = bar or progress_bar(total)
-                if done != shown:
-                    bar.update_absolute(done, total)
-                    shown = done
-                check_interrupt()
+        def on_stage(done: int, total: int) -> None:  # after each model call, and between text encoder layers
+            nonlocal bar, shown
+            bar = bar or progress_bar(total)
+            if done != shown:
+                bar.update_absolute(done, total)
+                shown = done
+            check_interrupt()
 
-            with freed_on_failure(device()):
-                # the encoder is loaded only to run: another length or canvas of a prompt reuses its states
-                cond = encode_request(request, text_encoder.encoder, video_vae, audio_vae,
-                                      rules=text_encoder.canvas, on_stage=on_stage,
-                                      before_models=functools.partial(place_for_encoding, text_encoder, vae))
-            return io.NodeOutput(cond, cond.width, cond.height, cond.num_frames)
+        with freed_on_failure(device()):
+            # the encoder is loaded only to run: another length or canvas of a prompt reuses its states
+            cond = encode_request(request, text_encoder.encoder, video_vae, audio_vae,
+                                  rules=text_encoder.canvas, on_stage=on_stage,
+                                  before_models=functools.partial(place_for_encoding, text_encoder, vae))
+        return io.NodeOutput(cond, cond.width, cond.height, cond.num_frames)
 
 
 def linked_media(node_class, input_types) -> tuple[dict, list[str], str | None]:

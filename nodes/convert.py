@@ -12,11 +12,9 @@ Pure functions: no ComfyUI import, so the tests run them on a machine without Co
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
-import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ import torch
 from PIL import Image
 
 from h3_core import geometry, media_read
-from h3_core.conditioning import Request
+from h3_core.conditioning import PartNames, Request
 from h3_core.media import (
     DEFAULT_LAYOUTS,
     SAMPLE_RATE,
@@ -344,30 +342,13 @@ def reference_kind(value) -> str:
 SOCKET_KINDS = {"IMAGE": "image", "VIDEO": "video", "AUDIO": "audio"}
 
 
-def ordered_references(values: dict | None) -> list[tuple[str, Any]]:
-    """A growing input's {"ref0": v, "ref1": v, ...} -> [(kind, value), ...] in slot order, gaps and slots that
-    brought nothing skipped (`refuse_empty_links` first says why)."""
-    items = [(_slot_number(name), value) for name, value in (values or {}).items() if value is not None]
-    return [(reference_kind(value), value) for _, value in sorted(items, key=lambda item: item[0])]
-
-
-@contextlib.contextmanager
-def slot_names_in_errors(values: dict | None):
-    """The engine names a request's references by their place in its list (`references[1]`); a node's slots are
-    ref0, ref1, ... with gaps allowed, so its errors name the slot (`references.ref3`) the artist can find."""
-    names = sorted((name for name, value in (values or {}).items() if value is not None), key=_slot_number)
-
-    def slot(match: re.Match) -> str:
-        index = int(match.group(1))
-        return f"references.{names[index]}" if index < len(names) else match.group(0)
-
-    try:
-        yield
-    except (ValueError, MediaError) as error:
-        message = re.sub(r"references\[(\d+)\]", slot, str(error))
-        if message != str(error):
-            error.args = (message,)
-        raise
+def ordered_references(values: dict | None) -> list[tuple[str, str, Any]]:
+    """A growing input's {"ref0": v, "ref1": v, ...} -> [(socket, kind, value), ...] in slot order, the socket
+    named as the prompt names it ("references.ref3"); gaps and slots that brought nothing skipped
+    (`refuse_empty_links` first says why)."""
+    items = sorted(((name, value) for name, value in (values or {}).items() if value is not None),
+                   key=lambda item: _slot_number(item[0]))
+    return [(f"references.{name}", reference_kind(value), value) for name, value in items]
 
 
 def _slot_number(name: str) -> int:
@@ -416,21 +397,18 @@ def build_request(
     prompt: str,
     first_image=None,
     last_image=None,
-    references=(),
+    references: dict | None = None,
     aspect_ratio: str = "auto",
     width: int = 0,
     height: int = 0,
     duration: float | None = None,
     reference_images: str = "release",
 ) -> Request:
-    """The node's inputs -> an h3_core Request. `references`: ((kind, ComfyUI value), ...) in the order
-    the model reads them (None values skipped; call it inside `slot_names_in_errors`). width/height 0 = not given: the aspect ratio (or, for
-    "auto", the task's default) decides the canvas. h3_core validates everything else."""
-    refs = []
-    for kind, value in references:
-        if value is not None:
-            refs.append(media_reference(kind, value, f"references[{len(refs)}] ({kind})"))  # the engine's naming,
-            # which `slot_names_in_errors` turns into the slot's
+    """The node's inputs -> an h3_core Request whose errors name the node's sockets. `references`: the growing
+    input's {"ref0": value, ...} (slots that brought nothing skipped). width/height 0 = not given: the aspect
+    ratio (or, for "auto", the task's default) decides the canvas. h3_core validates everything else."""
+    named = ordered_references(references)
+    refs = [media_reference(kind, value, f"{name} ({kind})") for name, kind, value in named]
     explicit = bool(width) or bool(height)  # 0 = not given: one of them alone is refused, naming it
     return Request(
         task=task,
@@ -443,6 +421,7 @@ def build_request(
         height=int(height) if height else None,
         duration=duration,
         reference_images=reference_images,
+        names=PartNames(references=tuple(name for name, _, _ in named), long_video="with H3 Continuation"),
     )
 
 

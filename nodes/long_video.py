@@ -47,7 +47,7 @@ from .common import (
 from .conditioning import (guide_media, guide_media_inputs, linked_media, reference_images_input, reference_input,
                            validate_guide_links)
 from .convert import (audio_to_decoded, build_request, media_problem, ordered_references, pack_latents,
-                      refuse_empty_latent, refuse_extra_inputs, slot_names_in_errors, unpack_latents)
+                      refuse_empty_latent, refuse_extra_inputs, unpack_latents)
 from .memory import decode_working_bytes, dit_for_run, drop_loras, place, place_for_encoding, use_loras
 
 STEP = geometry.FRAMES_PER_CHUNK  # window and overlap stay on the 17n + 5 grid
@@ -162,8 +162,7 @@ class H3Continuation(io.ComfyNode):
         if wanted != model.partition:
             raise ValueError(f"{task} runs on the {wanted} partition, but this model was loaded as "
                              f"{model.partition}; set the loader's partition to {wanted}.")
-        slots, references = references, ordered_references(references)
-        problem = media_problem(task, [kind for kind, _ in references], 0)
+        problem = media_problem(task, [kind for _, kind, _ in ordered_references(references)], 0)
         if problem:
             raise ValueError(problem)
         if continue_from is not None and continue_from.get("empty"):
@@ -178,7 +177,7 @@ class H3Continuation(io.ComfyNode):
             duration = None  # the whole clip
         if guides and vae is None:
             raise ValueError("Guides are encoded with the VAE: connect H3 VAE Loader's vae to H3 Continuation.")
-        with slot_names_in_errors(slots), freed_on_failure(device()):  # references[i] named as their slots
+        with freed_on_failure(device()):
             request = LongVideoRequest(
                 build_request(task, prompt, None, None, references, aspect_ratio, width, height, duration,
                               reference_images),

@@ -38,6 +38,7 @@ from h3_core.conditioning import (
     MIN_FRAMES,
     MIN_REQUESTED_FRAMES,
     Conditioning,
+    PartNames,
     Request,
     RequestError,
     encode_request,
@@ -572,6 +573,36 @@ def test_fl2va_needs_one_or_two_keyframes_and_no_references():
     assert_rejected(
         Request("fl2va", PROMPT, first_image=Image.new("RGB", (64, 64)), references=[IMAGE]), "not references"
     )
+
+
+def test_errors_name_the_parts_as_the_requests_front_end_named_them(tmp_path):
+    """A Request's errors say its field names (first_image, references[1], the task), or the names a front end
+    gave (the CLI's options, a node's sockets); the plan keeps them for errors found while encoding."""
+    (tmp_path / "notes.txt").write_text("not a picture")
+    bad = str(tmp_path / "notes.txt")
+    front = PartNames("--start", "--end", ("ref A", "ref B"), "--mode", "with the long-clip tool")
+    cases = (
+        (dict(task="t2va", first_image=bad), "t2va takes a prompt only: first_image/last_image are fl2va keyframes and "
+         "references are ref2va (set the task to", "--start/--end are fl2va keyframes and references are ref2va (set "
+         "--mode to"),
+        (dict(task="fl2va"), "keyframes: first_image, last_image or both", "keyframes: --start, --end or both"),
+        (dict(task="fl2va", last_image=bad), "last_image: notes.txt is not an image", "--end: notes.txt is not an image"),
+        (dict(task="ref2va", references=[IMAGE, ("image", bad)]), "references[1] (image): notes.txt",
+         "ref B (image): notes.txt"),
+        (dict(task="ref2va", references=[IMAGE, IMAGE, ("picture", bad)]), "references[2] has kind 'picture'",
+         "references[2] has kind 'picture'"),  # a part the front end did not name keeps the field's name
+        (dict(task="t2va", duration=30.0), "window by window in long-video mode)",
+         "window by window with the long-clip tool)"),
+    )
+    for fields, plain, named in cases:
+        for names, said in ((PartNames(), plain), (front, named)):
+            with pytest.raises(RequestError) as refused:
+                validate(Request(prompt=PROMPT, names=names, **fields))
+            assert said in str(refused.value), (said, str(refused.value))
+    request = Request("ref2va", PROMPT, references=[IMAGE], names=front)
+    assert validate(request).names is front
+    with pytest.raises(RequestError, match="names must be a PartNames, got dict"):
+        validate(Request("t2va", PROMPT, names={"first_image": "--start"}))
 
 
 def test_fl2va_keyframe_must_fit_the_ratio_range():

@@ -109,12 +109,14 @@ def test_build_request_maps_inputs():
     assert request.aspect_ratio is None and request.width is None and request.references == []
     sized = convert.build_request("t2va", "x", width=256, height=128, aspect_ratio="16:9")
     assert (sized.width, sized.height, sized.aspect_ratio) == (256, 128, None)
-    refs = convert.build_request("ref2va", "x", references=[("image", first), ("image", None),
-                                                             ("audio", {"waveform": torch.zeros(1, 1, 64000),
-                                                                        "sample_rate": 32000})])
-    assert [r.kind for r in refs.references] == ["image", "audio"]
-    with pytest.raises(ValueError, match=r"references\[0\] \(image\) is a batch of 5 images; a reference slot takes one picture"):
-        convert.build_request("ref2va", "x", references=[("image", torch.rand(5, 64, 96, 3))])
+    refs = convert.build_request("ref2va", "x", references={"ref10": {"waveform": torch.zeros(1, 1, 64000),
+                                                                      "sample_rate": 32000},
+                                                            "ref1": None, "ref2": first})
+    assert [r.kind for r in refs.references] == ["image", "audio"]  # slot order (ref2 before ref10), empty skipped
+    assert refs.names.references == ("references.ref2", "references.ref10")  # the engine's errors name the sockets
+    with pytest.raises(ValueError, match=r"^references.ref3 \(image\) is a batch of 5 images; a reference slot takes one "
+                                         r"picture"):
+        convert.build_request("ref2va", "x", references={"ref3": torch.rand(5, 64, 96, 3)})
 
 
 def test_a_loaded_video_reference_is_read_from_its_file(tmp_path):
@@ -136,7 +138,7 @@ def test_a_loaded_video_reference_is_read_from_its_file(tmp_path):
                                get_components=lambda: decoded.append(source) or parts)
 
     def reference(value):
-        (ref,) = convert.build_request("ref2va", "x", references=[("video", value)]).references
+        (ref,) = convert.build_request("ref2va", "x", references={"ref0": value}).references
         return ref
 
     from_file = reference(video(str(path), (1.5, 0.0)))
