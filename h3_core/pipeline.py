@@ -16,6 +16,7 @@ import numbers
 import re
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -533,104 +534,127 @@ def generate_batch(
         sampling_plan(TINY_DIT if source.tiny else dit_source.config, dit_source, partition, settings, loras, least,
                       schedule.steps, reader, ", before any model loads,")
 
-    clock = time.perf_counter()
-    progress("text encoder", 0, 1)
-    text_encoder = load_text_encoder_for(source, settings, notes,
-                                         lambda done, total: progress("read text encoder", done, total))
-    progress("text encoder", 1, 1)
-    video_vae, audio_vae = load_vaes(source, device, settings.vae_dtype or model_dtype(source, settings))
-    notes(f"video VAE: decoder linears in {str(video_vae.dtype).removeprefix('torch.')} (encoder and norms float32)")
-    conditionings = [None] * len(prepared)  # None: the job failed
-    for number, item in enumerate(prepared):
-        stage = f"encode job {number + 1}/{len(prepared)}" if len(prepared) > 1 else "encode"
-        staged = {} if item.encode is not encode_request else {  # the prompt, then each picture or sound
-            "on_stage": lambda done, total, stage=stage: progress(stage, done, total)}
-        try:
-            conditioning = item.encode(item.request, text_encoder, video_vae, audio_vae, rules=source.canvas,
-                                       before_models=room_to_encode(text_encoder, settings, notes), **staged)
-            for media in item.guide_media:
-                conditioning = add_guide(conditioning, media.frame_index, video_vae, audio_vae, media.frames,
-                                         media.waveform, media.sample_rate)
-            conditionings[number] = conditioning
-        except Exception as error:
-            if on_failure is None:
-                raise
-            _job_failed(names[number], item.job, error, device, on_failure, notes)
-    text_encoder.release()  # its ~51 GB leave before the DiT arrives
-    del text_encoder
-    video_vae.to("cpu"), audio_vae.to("cpu")  # back on the device only for the decode
-    empty_caches(device)
-    timings["encode"] = time.perf_counter() - clock
+    held, failures = [], []  # the loaded DiT (with its plan and streamer); the errors handed to on_failure
 
-    running = [number for number, conditioning in enumerate(conditionings) if conditioning is not None]
-    if not running:
-        return []  # every job failed, each reported
-    clock = time.perf_counter()
-    largest = max((conditionings[n] for n in running), key=lambda c: largest_layout(c).sequence_length)
+    def release_dit() -> None:
+        """The DiT's device memory and worker processes handed back (once nothing else holds the DiT, its
+        pinned blocks leave the host cache too)."""
+        if held:
+            dit, _, streamer = held.pop()
+            _release_dit(dit, streamer, reader)
+            empty_caches(device)
 
-    def sampling_dit():
-        return load_sampling_dit(source, dit_source, partition, settings, loras, largest, schedule.steps, notes,
-                                 lambda done, total: progress("read DiT", done, total), reader)
-
-    dit, plan, streamer = sampling_dit()
-    timings["load"] = time.perf_counter() - clock
-
-    results = []
-    for number in running:
-        item, conditioning = prepared[number], conditionings[number]
-        job, request = item.job, item.request
-        label = f"job {number + 1}/{len(prepared)}, " if len(prepared) > 1 else ""
-        try:
-            for index in range(item.outputs):
-                seed = item.seed + index
-                step_stage, sound_stage, decode_stage = (f"{what} {label}{index + 1}/{item.outputs}"
-                                                         for what in ("sample", "decode sound", "decode"))
-                clock = time.perf_counter()
-                latents = item.run(
-                    dit, conditioning, seed, schedule.steps, schedule.video_shift, schedule.audio_shift,
-                    schedule.video_sigmas, schedule.audio_sigmas,
-                    callback=lambda state: progress(step_stage, state.step, state.total),
-                    offload_adaln=plan.offload_adaln,
-                    **({"init": job.given, "keep": job.keep} if job.keep is not None else {}),
-                )
-                seconds = {**timings, "sample": time.perf_counter() - clock}
-                if number == running[-1] and index == item.outputs - 1:  # DiT's memory free before the last decode
-                    _release_dit(dit, streamer, reader)
-                    dit = streamer = None  # the streamer holds the resident blocks too
-                    empty_caches(device)  # once nothing holds the DiT: its pinned blocks leave the host cache
-                latents_path = numbered(job.save_latents, index, item.outputs)
-                if latents_path is not None:
-                    Path(latents_path).parent.mkdir(parents=True, exist_ok=True)
-                    latents.save(latents_path, {"seed": str(seed), "task": request.task, "model": source.name})
-                video_path = numbered(job.out, index, item.outputs)
-                if video_path is not None:
-                    clock = time.perf_counter()
-                    video_vae.to(device), audio_vae.to(device)
-                    Path(video_path).parent.mkdir(parents=True, exist_ok=True)
-                    write_mp4(
-                        video_path, latents, video_vae, audio_vae,
-                        metadata={"comment": f"MiniMax-H3 {request.task}, seed {seed}",
-                                  "title": _title(request)},
-                        on_frames=lambda done, total: progress(decode_stage, done, total),
-                        on_sound=lambda done, total: progress(sound_stage, done, total),  # before the first frame
-                        # video chunks split over the devices once the DiT's workers have left them (the last output)
-                        devices=settings.devices if len(settings.devices) > 1 and dit is None else None,
-                    )
-                    seconds["decode"] = time.perf_counter() - clock
-                results.append(GenerateResult(seed, video_path, latents_path, latents, seconds, request.task))
-        except Exception as error:
-            if on_failure is None:
-                raise
-            latents = conditioning = conditionings[number] = None
-            _job_failed(names[number], job, error, device, on_failure, notes)
-            if getattr(dit, "closed", False) and number != running[-1]:  # a worker's failure ended the runner
-                notes("the DiT's worker processes stopped with that job; starting them again for the next")
-                dit, plan, streamer = sampling_dit()
-    if dit is not None:  # the last job failed before its DiT was let go
-        _release_dit(dit, streamer, reader)
-        dit = streamer = None
+    def run() -> list[GenerateResult]:
+        clock = time.perf_counter()
+        progress("text encoder", 0, 1)
+        text_encoder = load_text_encoder_for(source, settings, notes,
+                                             lambda done, total: progress("read text encoder", done, total))
+        progress("text encoder", 1, 1)
+        video_vae, audio_vae = load_vaes(source, device, settings.vae_dtype or model_dtype(source, settings))
+        notes(f"video VAE: decoder linears in {str(video_vae.dtype).removeprefix('torch.')} (encoder and norms float32)")
+        conditionings = [None] * len(prepared)  # None: the job failed
+        for number, item in enumerate(prepared):
+            stage = f"encode job {number + 1}/{len(prepared)}" if len(prepared) > 1 else "encode"
+            staged = {} if item.encode is not encode_request else {  # the prompt, then each picture or sound
+                "on_stage": lambda done, total, stage=stage: progress(stage, done, total)}
+            try:
+                conditioning = item.encode(item.request, text_encoder, video_vae, audio_vae, rules=source.canvas,
+                                           before_models=room_to_encode(text_encoder, settings, notes), **staged)
+                for media in item.guide_media:
+                    conditioning = add_guide(conditioning, media.frame_index, video_vae, audio_vae, media.frames,
+                                             media.waveform, media.sample_rate)
+                conditionings[number] = conditioning
+            except Exception as error:
+                if on_failure is None:
+                    raise
+                failures.append(error)
+                _job_failed(names[number], item.job, error, device, on_failure, notes)
+        text_encoder.release()  # its ~51 GB leave before the DiT arrives
+        del text_encoder
+        video_vae.to("cpu"), audio_vae.to("cpu")  # back on the device only for the decode
         empty_caches(device)
-    return results
+        timings["encode"] = time.perf_counter() - clock
+
+        running = [number for number, conditioning in enumerate(conditionings) if conditioning is not None]
+        if not running:
+            return []  # every job failed, each reported
+        clock = time.perf_counter()
+        largest = max((conditionings[n] for n in running), key=lambda c: largest_layout(c).sequence_length)
+
+        def sampling_dit():
+            loaded = load_sampling_dit(source, dit_source, partition, settings, loras, largest, schedule.steps, notes,
+                                       lambda done, total: progress("read DiT", done, total), reader)
+            held[:] = [loaded]
+            return loaded
+
+        dit, plan, streamer = sampling_dit()
+        timings["load"] = time.perf_counter() - clock
+
+        results = []
+        for number in running:
+            item, conditioning = prepared[number], conditionings[number]
+            job, request = item.job, item.request
+            label = f"job {number + 1}/{len(prepared)}, " if len(prepared) > 1 else ""
+            try:
+                for index in range(item.outputs):
+                    seed = item.seed + index
+                    step_stage, sound_stage, decode_stage = (f"{what} {label}{index + 1}/{item.outputs}"
+                                                             for what in ("sample", "decode sound", "decode"))
+                    clock = time.perf_counter()
+                    latents = item.run(
+                        dit, conditioning, seed, schedule.steps, schedule.video_shift, schedule.audio_shift,
+                        schedule.video_sigmas, schedule.audio_sigmas,
+                        callback=lambda state: progress(step_stage, state.step, state.total),
+                        offload_adaln=plan.offload_adaln,
+                        **({"init": job.given, "keep": job.keep} if job.keep is not None else {}),
+                    )
+                    seconds = {**timings, "sample": time.perf_counter() - clock}
+                    if number == running[-1] and index == item.outputs - 1:  # DiT's memory free before the last decode
+                        dit = streamer = None  # the streamer holds the resident blocks too
+                        release_dit()
+                    latents_path = numbered(job.save_latents, index, item.outputs)
+                    if latents_path is not None:
+                        Path(latents_path).parent.mkdir(parents=True, exist_ok=True)
+                        latents.save(latents_path, {"seed": str(seed), "task": request.task, "model": source.name})
+                    video_path = numbered(job.out, index, item.outputs)
+                    if video_path is not None:
+                        clock = time.perf_counter()
+                        video_vae.to(device), audio_vae.to(device)
+                        Path(video_path).parent.mkdir(parents=True, exist_ok=True)
+                        write_mp4(
+                            video_path, latents, video_vae, audio_vae,
+                            metadata={"comment": f"MiniMax-H3 {request.task}, seed {seed}",
+                                      "title": _title(request)},
+                            on_frames=lambda done, total: progress(decode_stage, done, total),
+                            on_sound=lambda done, total: progress(sound_stage, done, total),  # before the first frame
+                            # video chunks split over the devices once the DiT's workers have left them (the last output)
+                            devices=settings.devices if len(settings.devices) > 1 and dit is None else None,
+                        )
+                        seconds["decode"] = time.perf_counter() - clock
+                    results.append(GenerateResult(seed, video_path, latents_path, latents, seconds, request.task))
+            except Exception as error:
+                if on_failure is None:
+                    raise
+                latents = conditioning = conditionings[number] = None
+                failures.append(error)
+                _job_failed(names[number], job, error, device, on_failure, notes)
+                if getattr(dit, "closed", False) and number != running[-1]:  # a worker's failure ended the runner
+                    notes("the DiT's worker processes stopped with that job; starting them again for the next")
+                    dit, plan, streamer = sampling_dit()
+        return results
+
+    try:
+        return run()
+    except BaseException as error:
+        traceback.clear_frames(error.__traceback__)  # the run's models and tensors, not kept by a kept exception
+        raise
+    finally:  # however the run ends: the DiT let go of (a caller keeping the error keeps no models or workers)
+        release_dit()
+        if reader is not None:
+            reader.drop()
+        for error in failures:  # the errors on_failure kept hold the finished run's frame (its VAEs, latents)
+            traceback.clear_frames(error.__traceback__)
+        loras = None  # noqa: F841 (the adapters' factors, held by this frame while an exception is kept)
 
 
 def _title(request) -> str:
@@ -655,8 +679,6 @@ def _release_dit(dit, streamer, reader: DiTReader | None) -> None:
 def _job_failed(name: str, job: Job, error: Exception, device: torch.device, on_failure, notes) -> None:
     """A job that failed while its batch runs: its memory handed back (the tensors its finished frames hold,
     as placement.freed_on_failure does), then said (which job, what it writes, why) and handed to the host."""
-    import traceback
-
     traceback.clear_frames(error.__traceback__)
     empty_caches(device)
     written = job.out or job.save_latents

@@ -118,3 +118,36 @@ def test_a_last_job_that_fails_still_lets_the_dit_go(tmp_path, monkeypatch):
                                       on_failure=lambda *failure: None)
     assert [result.latents_path.name for result in results] == ["a.safetensors"]
     assert len(released) == 1 and released[0] is not None
+
+
+def live(kind) -> int:
+    import gc
+
+    gc.collect()
+    return sum(isinstance(thing, kind) for thing in gc.get_objects())
+
+
+@pytest.mark.parametrize("collect", [False, True], ids=["raised", "on_failure"])
+def test_an_error_kept_by_the_caller_keeps_no_model(tmp_path, collect):
+    """A script or notebook keeps the last error (sys.last_value, a log of failures): it must not keep the
+    run's DiT (its device memory, a multi-GPU run's worker processes), VAEs or text encoder with it."""
+    from h3_core.dit import H3DiT
+    from h3_core.text import TextEncoder
+    from h3_core.vae_video import VideoVAE
+
+    def fail_sampling(stage, done, total):
+        if stage.startswith("sample") and done == 1:
+            raise RuntimeError("boom")
+
+    jobs = [pipeline.Job(Request("t2va", prompt=f"clip {n}", duration=4), out=tmp_path / f"{n}.mp4") for n in "ab"]
+    settings = pipeline.GenerateSettings(steps=3, dtype=torch.float32)
+    kept = []
+    if collect:
+        assert pipeline.generate_batch(jobs, "tiny-random", settings, progress=fail_sampling,
+                                       on_failure=lambda name, job, error: kept.append(error)) == []
+    else:
+        with pytest.raises(RuntimeError, match="boom") as raised:
+            pipeline.generate_batch(jobs, "tiny-random", settings, progress=fail_sampling)
+        kept.append(raised.value)
+    assert len(kept) == (2 if collect else 1)
+    assert (live(H3DiT), live(VideoVAE), live(TextEncoder)) == (0, 0, 0)
