@@ -394,11 +394,14 @@ def load_dit(
     (fp32 projections/heads, `dtype` elsewhere) is applied tensor by tensor while streaming.
     `linears` (fp8.LINEAR_MODES): FP8 weights of an fp8_scaled file stay FP8 ("checkpoint") or are
     dequantized ("dense"); the "fp8-*-lossy" modes also quantize dense block linears as they stream in.
-    `tiny-random`: the embedded demo model (one for both partitions; float32 on the CPU), made, not read."""
+    `tiny-random`: the embedded demo model (the same weights for both partitions, float32 on the CPU), made, not
+    read; labelled with `partition` as a read DiT is, so sample() refuses the other partition's tasks alike."""
     if str(path) == TINY_RANDOM:
         if partition not in PARTITIONS:
             raise ValueError(f"Unknown partition {partition!r}; choose one of {', '.join(PARTITIONS)}.")
-        return tiny_random_dit(tiny_model_dtype(device, dtype), device)
+        dit = tiny_random_dit(tiny_model_dtype(device, dtype), device)
+        dit.partition = partition
+        return dit
     return DiTReader(path, partition, dtype, config, linears, device).read(device)
 
 

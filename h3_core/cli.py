@@ -61,7 +61,8 @@ ATTENTION_HELP = (f"attention kernel: auto (the fastest exact one installed: Fla
                   f"else sdpa), "
                   f"{', '.join(EXACT_BACKENDS)} (exact), {', '.join(LOSSY_BACKENDS)} (lossy, only when named)")
 WINDOW_HELP = ("lossy speed-up, 0 = off: each target video row attends only the video within FRAMES latent frames "
-               "(4 pixel frames each) of itself, plus all text, conditioning and audio rows; fast with FlashAttention 3 "
+               "(about 3.4 pixel frames each) of itself, plus every row before the target video (text, keyframes, "
+               "references) and the audio; fast with FlashAttention 3 "
                "(8 frames: a compiled 5 s forward 3.8 s instead of 5.6 s on an H200), correct but slower on sdpa")
 DENSE_HELP = ("with --attention-window-lossy: the first N steps keep full attention (the noisiest steps set the "
               "layout; training-free sparse attention for video DiTs commonly keeps ~20%% of them dense); default 0")
@@ -219,7 +220,8 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
                      help="repeatable: an image, video (clip of 17n+5 frames, with its sound) or "
                           "audio file anchored at video frame FRAME (negative: from the end, written --guide=-1:image=b.png), "
                           "e.g. 60:image=a.png; with --long-video FRAME counts frames of the whole clip")
-    gen.add_argument("--aspect-ratio", help=f"one of {', '.join(geometry.ASPECT_RATIOS)} (default 16:9; fl2va: the keyframe's)")
+    gen.add_argument("--aspect-ratio", help=f"one of {', '.join(geometry.ASPECT_RATIOS)}, or auto: 16:9, for fl2va the "
+                                            "keyframe's (the default)")
     gen.add_argument("--width", type=int, help="explicit width (multiple of 32; with --height)")
     gen.add_argument("--height", type=int, help="explicit height (multiple of 32; with --width)")
     gen.add_argument("--duration", type=float,

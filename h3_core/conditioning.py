@@ -185,8 +185,9 @@ def resolve_num_frames(duration: float | None = None, num_frames: int | None = N
     seconds = DEFAULT_SECONDS if duration is None else duration
     if isinstance(seconds, numbers.Real) and not isinstance(seconds, bool):  # numpy's and torch's scalars too
         seconds = float(seconds)
-    elif isinstance(seconds, torch.Tensor) and seconds.numel() == 1 and seconds.is_floating_point():
-        seconds = seconds.item()
+    elif (isinstance(seconds, torch.Tensor) and seconds.numel() == 1 and seconds.dtype != torch.bool
+          and not seconds.is_complex()):
+        seconds = float(seconds.item())
     else:
         raise RequestError(f"The duration is a number of seconds, got {seconds!r}.")
     if not math.isfinite(seconds) or not MIN_SECONDS <= seconds <= MAX_SECONDS:
@@ -264,7 +265,7 @@ def _as_reference(item, name: str) -> MediaReference:
     if reference.kind not in REFERENCE_KINDS:
         raise RequestError(f"{name} has kind {reference.kind!r}; a reference is one of {REFERENCE_KINDS}.")
     start = reference.start_seconds
-    if not isinstance(start, (int, float)) or not math.isfinite(start) or start < 0:
+    if isinstance(start, bool) or not isinstance(start, numbers.Real) or not math.isfinite(start) or start < 0:
         raise RequestError(f"{name} start_seconds must be a finite number >= 0, got {start!r}.")
     if reference.kind == "image" and start:
         raise RequestError(f"{name} is an image; start_seconds applies to video and audio clips only.")
@@ -501,6 +502,19 @@ def _precomputed_text(text_states, text_tags) -> tuple[torch.Tensor, torch.Tenso
     return text_states, tags
 
 
+def check_vaes(video_vae, audio_vae) -> None:
+    """The VAEs given as such, in their places (swapped, they would fail deep in the first encode, after the
+    text encoder's run)."""
+    from .vae_audio import AudioVAE
+    from .vae_video import VideoVAE
+
+    for given, kind, name in ((video_vae, VideoVAE, "video_vae"), (audio_vae, AudioVAE, "audio_vae")):
+        if given is not None and not isinstance(given, kind):
+            swapped = " (the VAEs swapped?)" if isinstance(given, (VideoVAE, AudioVAE)) else ""
+            raise TypeError(f"{name} must be a {kind.__module__.rsplit('.', 1)[-1]}.{kind.__name__}, got "
+                            f"{type(given).__name__}{swapped}.")
+
+
 def encode_request(
     request: Request,
     text_encoder=None,
@@ -528,6 +542,7 @@ def encode_request(
     Everything is validated and decoded before the first model runs; models are used in the order
     text encoder, video VAE, audio VAE (so a caller can place one at a time)."""
     plan = validate(request, rules)
+    check_vaes(video_vae, audio_vae)
     if request.guides:
         raise RequestError("encode_request does not read guide files: add each to its result with "
                            "guides.add_guide (pipeline.generate does both).")

@@ -140,6 +140,8 @@ class Mp4Writer:
         self.path = Path(path)
         if self.path.is_dir():
             raise ValueError(f"Cannot write {self.path}: it is a folder; give the MP4 file's name.")
+        if self.path.suffix.lower() != ".mp4":  # the file is an MP4 whatever its name says
+            raise ValueError(f"Cannot write {self.path}: the file is an MP4 (H.264 + AAC); name it .mp4.")
         if not self.path.parent.is_dir():
             raise FileNotFoundError(f"Cannot write {self.path}: the folder {self.path.parent} does not exist.")
         self._temp_path = self.path.with_name(f".{self.path.name}.{secrets.token_hex(4)}.part")

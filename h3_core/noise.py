@@ -8,6 +8,8 @@ noise on every device.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .layout import PackedLayout, patchify
@@ -21,8 +23,9 @@ SEED_BITS = ("Only a seed's low 32 bits set the noise: seeds 2^32 apart draw the
 
 
 def check_seeds(seed: int, count: int = 1) -> None:
-    """Seeds seed .. seed + count - 1 must all be generator seeds: checked before any model runs."""
-    if int(seed) != seed or not 0 <= seed <= MAX_SEED - (count - 1):
+    """Seeds seed .. seed + count - 1 must all be generator seeds: checked before any model runs. Only a seed's
+    low 32 bits set the noise (torch's CPU generator, as in diffusers and ComfyUI's samplers)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= MAX_SEED - (count - 1):
         last = f" (and seed + {count - 1} for {count} outputs)" if count > 1 else ""
         raise ValueError(f"seed must be an integer from 0 to {MAX_SEED}{last}; got {seed!r}.")
 

@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from . import geometry
+from .conditioning import check_vaes
 from .media_write import Mp4Writer
 from .vae_audio import DECODE_WINDOW_LATENTS, AudioVAE, context_windows
 from .vae_video import VideoVAE, model_space_to_frames
@@ -131,6 +132,10 @@ def write_mp4(
     the writer interleaves it as the video chunks arrive. `on_sound(done, total)` reports the soundtrack's
     windows, then `on_frames(done, total)` the frames; `devices` (two or more) share the video decode and
     `tiled` picks its spatial tiles (`decode_video`)."""
+    if not isinstance(latents, AVLatents):
+        raise TypeError(f"write_mp4(path, latents, video_vae, audio_vae): latents must be AVLatents (from sample), got "
+                        f"{type(latents).__name__}.")
+    check_vaes(video_vae, audio_vae)
     latents.check(video_vae.config.latent_channels)
     total = latents.num_frames
     with Mp4Writer(path, metadata=metadata) as writer:

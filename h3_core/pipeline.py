@@ -96,6 +96,9 @@ def sample(
     has them.
     `dit` may be a `parallel.ParallelRunner`: its workers then run this function on their devices (a bad
     argument is refused here first: in a worker it would end the runner)."""
+    if getattr(conditioning, "layout", None) is None:  # else an AttributeError deep in the run
+        raise TypeError(f"sample takes a Conditioning (from encode_request), got {type(conditioning).__name__}"
+                        + (": encode the request first." if isinstance(conditioning, Request) else "."))
     made_for, task = getattr(dit, "partition", None), getattr(conditioning, "task", None)
     if made_for is not None and TASK_PARTITION.get(task, made_for) != made_for:  # same shapes: it would just run
         raise RequestError(f"A {task} conditioning runs on the {TASK_PARTITION[task]} DiT; this one was loaded as "
@@ -322,7 +325,7 @@ def resolve_model_source(model: str | None, partition: str, files: ModelFiles = 
 class GenerateSettings:
     """None for steps / shifts: a Turbo adapter's distilled schedule if one is applied, else 50 / 12 / 3."""
 
-    seed: int = 0
+    seed: int = 0  # 0 to 2^64 - 1; only its low 32 bits set the noise (as in diffusers and ComfyUI)
     outputs: int = 1  # seeds seed, seed + 1, ...
     steps: int | None = None
     video_shift: float | None = None
@@ -542,6 +545,7 @@ def generate_batch(
         if held:
             dit, _, streamer = held.pop()
             _release_dit(dit, streamer, reader)
+            dit = streamer = None  # this frame's names too, before the emptying (else the blocks stay cached)
             empty_caches(device)
 
     def run() -> list[GenerateResult]:
@@ -808,8 +812,8 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
         if (path.suffix.lower() if mp4 else path.suffix) != suffix:
             raise ValueError(f"{option} {path} must end in {suffix}{' (any case)' if mp4 else ''}.")
     outputs = settings.outputs if job.outputs is None else job.outputs
-    if outputs < 1:
-        raise ValueError(f"outputs must be at least 1, got {outputs}.")
+    if isinstance(outputs, bool) or not isinstance(outputs, numbers.Integral) or outputs < 1:
+        raise ValueError(f"outputs must be an integer of at least 1, got {outputs!r}.")
     seed = settings.seed if job.seed is None else job.seed
     check_seeds(seed, outputs)
     if (keep is None) != (given is None):

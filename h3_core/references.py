@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -182,7 +183,8 @@ def _probe(path: Path, what: str) -> media_read.MediaInfo:
 
 
 def _check_start(start_seconds, what: str) -> float:
-    if not isinstance(start_seconds, (int, float)) or not math.isfinite(start_seconds) or start_seconds < 0:
+    if (isinstance(start_seconds, bool) or not isinstance(start_seconds, numbers.Real)
+            or not math.isfinite(start_seconds) or start_seconds < 0):
         raise MediaInputError(f"{what}: start_seconds must be a finite number >= 0, got {start_seconds!r}.")
     return float(start_seconds)
 

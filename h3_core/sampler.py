@@ -49,6 +49,8 @@ def check_steps(points: int) -> None:
 def check_shift(shift: float, name: str = "shift", bounded: bool = False) -> None:
     """The shift formula takes any positive number (the reference's parity tests use 1e9); `bounded`: a user's
     setting, within MIN_SHIFT..MAX_SHIFT."""
+    if isinstance(shift, bool) or not isinstance(shift, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {shift!r}.")
     if bounded and not (math.isfinite(shift) and MIN_SHIFT <= shift <= MAX_SHIFT):
         raise ValueError(f"{name} must be a number from {MIN_SHIFT:g} to {MAX_SHIFT:g}, got {shift}.")
     if not (math.isfinite(shift) and shift > 0):
@@ -84,8 +86,10 @@ class DualClockSchedule:
     ) -> "DualClockSchedule":
         """`denoise` < 1 runs only the last `steps` points of a longer ladder (steps / denoise points), the
         way image samplers refine a given latent; explicit ladders say where they start themselves."""
-        if not 0.0 < denoise <= 1.0:
-            raise ValueError(f"denoise must be in (0, 1], got {denoise}.")
+        for name, shift in (("video_shift", video_shift), ("audio_shift", audio_shift)):
+            check_shift(shift, name)
+        if isinstance(denoise, bool) or not isinstance(denoise, numbers.Real) or not 0.0 < denoise <= 1.0:
+            raise ValueError(f"denoise must be in (0, 1], got {denoise!r}.")
         if denoise < 1.0 and (video_sigmas is not None or audio_sigmas is not None):
             raise ValueError("denoise < 1 cuts the automatic ladders; with explicit sigmas (custom ones, or a Turbo "
                              "adapter's own ladder) start the ladder lower instead and keep denoise at 1.")

@@ -351,8 +351,10 @@ def load_text_encoder(
     Only the embedding, the first `layer` decoder layers and the vision tower are read, cast to
     `dtype` and put on `device` one tensor at a time. `tiny-random`: the embedded demo encoder (float32)."""
     if str(path) == TINY_RANDOM:
+        from .tiny import tiny_model_dtype
         from .tiny_text import tiny_random_text_encoder  # it loads its files through this function
 
+        tiny_model_dtype(device, dtype)  # float32 whatever is asked, but a dtype that is none is refused
         return tiny_random_text_encoder(device=device)
     source = locate_text_encoder_files(path, tokenizer, processor, layer)
     presenter = Presenter(load_tokenizer(source.tokenizer_folder), VisionProcessor.from_folder(source.processor_folder))

@@ -42,7 +42,11 @@ def own_random_state():
 
 def tiny_model_dtype(device, requested: torch.dtype | None) -> torch.dtype:
     """The dtype the tiny random model computes in: float32 on the CPU (bf16 kernels there are slow, and it
-    needs none), else the requested one (bf16 when none is)."""
+    needs none), else the requested one (bf16 when none is). A request that is no dtype is refused as the
+    checkpoint readers refuse it, so a script finds it before it has real weights."""
+    if requested is not None and not (isinstance(requested, torch.dtype) and requested.is_floating_point):
+        raise ValueError(f"dtype is a floating point torch dtype (torch.bfloat16, torch.float16, torch.float32) or "
+                         f"None; got {requested!r}.")
     return torch.float32 if torch.device(device).type == "cpu" else (requested or torch.bfloat16)
 
 

@@ -95,7 +95,8 @@ class H3VAEEncode(io.ComfyNode):
                                tooltip="The sound (instead of the video's soundtrack); silence when there is none."),
                 io.Int.Input("width", default=0, min=0, max=geometry.MAX_CANVAS_EDGE, step=32, optional=True,
                              tooltip="Canvas width (multiple of 32); 0 with height 0: the clip's own aspect ratio on "
-                                     "the model's canvas (768 px short edge). The frames are cover-cropped onto it."),
+                                     "the model's canvas (768 px short edge, 1344x768's area at most). The frames are "
+                                     "cover-cropped onto it."),
                 io.Int.Input("height", default=0, min=0, max=geometry.MAX_CANVAS_EDGE, step=32, optional=True,
                              tooltip="Canvas height (multiple of 32); 0 with width 0: from the clip."),
             ],

@@ -110,8 +110,8 @@ class H3ModelLoader(io.ComfyNode):
                                          "Blocks carrying a LoRA run uncompiled."),
                 io.Int.Input("attention_window_lossy", default=0, min=0, max=256, optional=True,
                              tooltip="Lossy speed-up, 0 = off (full attention, as the model was trained). N > 0: "
-                                     "each video token attends only the video within N latent frames (4 frames "
-                                     "each) of itself, plus all text and audio. With FlashAttention 3 (a build with "
+                                     "each video token attends only the video within N latent frames (about 3.4 "
+                                     "frames each) of itself, plus all text, keyframes, references and audio. With FlashAttention 3 (a build with "
                                      "sliding-window kernels) 8 frames took a compiled 5 s forward from 5.6 to 3.8 s on an H200; "
                                      "what it costs in quality depends on the clip: compare before relying on it."),
                 io.Int.Input("attention_window_dense_steps", default=0, min=0, max=1000, optional=True,

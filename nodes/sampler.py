@@ -57,7 +57,8 @@ class H3Sampler(io.ComfyNode):
                 *shift_inputs(),
                 io.Float.Input("denoise", default=1.0, min=0.01, max=1.0, step=0.01,
                                tooltip="1.0: generate from noise. Below 1: refine the connected latent, running the "
-                                       "last steps of a ladder of steps / denoise points (automatic ladders only)."),
+                                       "last steps of a ladder of steps / denoise points (automatic ladders only: with "
+                                       "a Turbo adapter's own ladder or custom sigmas, start those lower instead)."),
                 io.Int.Input("outputs", default=1, min=1, max=64,
                              tooltip="How many videos to make, with seeds seed, seed + 1, ...; they leave as a list."),
                 H3Latent.Input("latent", optional=True,

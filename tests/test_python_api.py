@@ -140,3 +140,67 @@ def test_generate_reports_the_encoding_as_it_goes(tmp_path):
              save_latents=tmp_path / "fox.safetensors", progress=lambda stage, done, total: seen.append((stage, done, total)))
     assert ("text encoder", 1, 1) in seen
     assert [entry for entry in seen if entry[0] == "encode"][-1] == ("encode", 2, 2)  # the prompt, then the keyframe
+
+
+def test_a_script_passing_the_wrong_thing_is_told_what_to_pass(tmp_path):
+    """Wrong types and swapped arguments are refused naming what is wanted, before the work they would break
+    (not a bare TypeError from int() or an AttributeError deep in a run)."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from h3_core.pipeline import (TINY_CANVAS, Job, encode_request, generate_batch, load_audio_vae, load_dit,
+                                  load_text_encoder, load_video_vae, sample, write_mp4)
+
+    request = Request(task="t2va", prompt="Rain.", duration=4)
+    for job, said in ((Job(request, out=tmp_path / "a.mp4", seed="x"), "seed must be an integer from 0"),
+                      (Job(request, out=tmp_path / "a.mp4", seed=True), "seed must be an integer from 0"),
+                      (Job(request, out=tmp_path / "a.mp4", outputs="2"), "outputs must be an integer of at least 1")):
+        with pytest.raises(ValueError, match=said):
+            generate_batch([job], "tiny-random", GenerateSettings())
+    video_vae, audio_vae = load_video_vae("tiny-random"), load_audio_vae("tiny-random")
+    text_encoder = load_text_encoder("tiny-random")
+    with pytest.raises(TypeError, match=r"video_vae must be a vae_video.VideoVAE, got AudioVAE \(the VAEs swapped\?\)"):
+        encode_request(request, text_encoder, audio_vae, video_vae, rules=TINY_CANVAS)
+    cond = encode_request(request, text_encoder, video_vae, audio_vae, rules=TINY_CANVAS)
+    dit = load_dit("tiny-random")
+    for kwargs, error, said in (({"seed": None}, ValueError, "seed must be an integer"),
+                                ({"seed": True}, ValueError, "seed must be an integer"),
+                                ({"seed": 1, "video_shift": "12"}, ValueError, "video_shift must be a number, got '12'")):
+        with pytest.raises(error, match=said):
+            sample(dit, cond, steps=2, **kwargs)
+    with pytest.raises(TypeError, match="sample takes a Conditioning .from encode_request., got Request: encode the "
+                                        "request first"):
+        sample(dit, request, seed=1, steps=2)
+    ref2va = encode_request(Request("ref2va", "A fox.", references=[("image", Image.new("RGB", (96, 64)))],
+                                    duration=4), text_encoder, video_vae, audio_vae, rules=TINY_CANVAS)
+    with pytest.raises(RequestError, match="runs on the ref2va DiT; this one was loaded as the fl2va partition"):
+        sample(dit, ref2va, seed=1, steps=2)  # the tiny DiT is labelled with its partition, as a read one is
+    sample(load_dit("tiny-random", partition="ref2va"), ref2va, seed=1, steps=2)
+    with pytest.raises(ValueError, match="dtype is a floating point torch dtype"):
+        load_dit("tiny-random", dtype="bfloat16")
+    with pytest.raises(ValueError, match="dtype is a floating point torch dtype"):
+        load_text_encoder("tiny-random", dtype="fp16")
+    latents = sample(dit, cond, seed=np.int64(1), steps=2)  # numpy's integers are seeds too
+    with pytest.raises(TypeError, match=r"latents must be AVLatents \(from sample\), got str"):
+        write_mp4(latents, str(tmp_path / "a.mp4"), video_vae, audio_vae)  # the design sketch's order
+    with pytest.raises(TypeError, match="the VAEs swapped"):
+        write_mp4(tmp_path / "a.mp4", latents, audio_vae, video_vae)
+    with pytest.raises(ValueError, match=r"a.webm: the file is an MP4 \(H.264 \+ AAC\); name it .mp4"):
+        write_mp4(tmp_path / "a.webm", latents, video_vae, audio_vae)
+    assert not list(tmp_path.iterdir())
+    # numbers of numpy's and torch's kinds are taken where Python's are
+    from h3_core.conditioning import validate
+
+    plan = validate(Request("ref2va", "A fox.", duration=torch.tensor(5),
+                            references=[("image", Image.new("RGB", (96, 64))),
+                                        ("audio", str(write_tone(tmp_path / "tone.wav")), np.float32(0.5))]),
+                    TINY_CANVAS)
+    assert plan.num_frames == 124 and plan.references[1].start_seconds == np.float32(0.5)
+
+
+def write_tone(path):
+    from wav_files import write_wav
+
+    write_wav(path, 4.0)
+    return path
