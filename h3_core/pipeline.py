@@ -33,7 +33,7 @@ from .memory_plan import (
     GIB, MemoryPlan, check_budget, does_not_fit, free_bytes, plan_for, usable_bytes,
 )
 from .offload import load_device, place
-from .placement import check_devices
+from .placement import check_devices, module_bytes
 from .conditioning import Request, RequestError, encode_request, prompt_label_warnings, shows_pictures, validate
 from .clip_latents import MAX_CLIP_FRAMES, encode_clip_frames, expected_clip_frames, file_soundtrack, stream_clip
 from .layout import build_request_layout, pack_audio, patchify, unpack_audio, unpatchify
@@ -57,6 +57,7 @@ from .text_checkpoint import GGUF_NO_VISION, TEXT_ENCODER_LAYER
 from .tiny import TINY_RANDOM, tiny_model_dtype, tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
 from .tiny_text import tiny_random_text_encoder
 from .vae_audio_checkpoint import check_audio_vae, load_audio_vae, locate_audio_vae
+from .vae_video import decode_working_bytes
 from .vae_video_checkpoint import check_video_vae, load_video_vae, locate_video_vae
 from .weights import CheckpointError, check_safetensors_file
 
@@ -449,11 +450,12 @@ def generate_batch(
     """Requests to MP4s, each model loaded once for them all. Validation of every job runs first (no model
     is loaded for a bad one); then, one model at a time on the device: text encoder (released after
     encoding every job), VAEs for the conditionings, the DiT for sampling (planned for the largest job),
-    the VAEs again for the streamed decodes (the very last output's video chunks on all of
-    `settings.devices` when several are given). A `LongVideoRequest` runs window by window (long_video.py)
-    and its whole clip is decoded once. `model` is the DiT's path (a release root holds the other models
-    too); `files` names the others where they are elsewhere (ComfyUI's single files). Results in job order,
-    each job's outputs in seed order.
+    the VAEs again for the streamed decodes: each output's as it is sampled where the decode fits beside
+    the DiT (decode_fits_beside_dit), else all after the DiT has left, in order (the video chunks of those,
+    and of the very last output, on all of `settings.devices` when several are given). A
+    `LongVideoRequest` runs window by window (long_video.py) and its whole clip is decoded once. `model` is
+    the DiT's path (a release root holds the other models too); `files` names the others where they are
+    elsewhere (ComfyUI's single files). Results in job order, each job's outputs in seed order.
 
     A job that fails once the batch runs (an Exception from its encode, sampling, decode or writing) ends the
     batch, raised as a single `generate`'s would be, unless `on_failure` is given: so that an overnight batch
@@ -594,7 +596,39 @@ def generate_batch(
         dit, plan, streamer = sampling_dit()
         timings["load"] = time.perf_counter() - clock
 
-        results = []
+        results, waiting = {}, []  # (job, output) -> result; outputs whose decode waits for the DiT to leave
+
+        def write(number: int, index: int, latents: AVLatents, latents_path, seconds: dict) -> None:
+            """An output's MP4 (where its job asks for one), the VAEs on the device for it, then its result."""
+            item, request, seed = prepared[number], prepared[number].request, prepared[number].seed + index
+            label = f"job {number + 1}/{len(prepared)}, " if len(prepared) > 1 else ""
+            sound_stage, decode_stage = (f"{what} {label}{index + 1}/{item.outputs}"
+                                         for what in ("decode sound", "decode"))
+            video_path = numbered(item.job.out, index, item.outputs)
+            if video_path is not None:
+                clock = time.perf_counter()
+                video_vae.to(device), audio_vae.to(device)
+                Path(video_path).parent.mkdir(parents=True, exist_ok=True)
+                write_mp4(
+                    video_path, latents, video_vae, audio_vae,
+                    metadata={"comment": f"MiniMax-H3 {request.task}, seed {seed}", "title": _title(request)},
+                    on_frames=lambda done, total: progress(decode_stage, done, total),
+                    on_sound=lambda done, total: progress(sound_stage, done, total),  # before the first frame
+                    # video chunks split over the devices once the DiT's workers have left them
+                    devices=settings.devices if len(settings.devices) > 1 and dit is None else None,
+                )
+                seconds["decode"] = time.perf_counter() - clock
+                if dit is not None:  # the DiT samples again next: the VAEs' memory is its plan's again
+                    video_vae.to("cpu"), audio_vae.to("cpu")
+                    empty_caches(device)
+            results[number, index] = GenerateResult(seed, video_path, latents_path, latents, seconds, request.task)
+
+        def failed(number: int, error: Exception) -> None:
+            if on_failure is None:
+                raise error
+            failures.append(error)
+            _job_failed(names[number], prepared[number].job, error, device, on_failure, notes)
+
         for number in running:
             item, conditioning = prepared[number], conditionings[number]
             job, request = item.job, item.request
@@ -602,8 +636,7 @@ def generate_batch(
             try:
                 for index in range(item.outputs):
                     seed = item.seed + index
-                    step_stage, sound_stage, decode_stage = (f"{what} {label}{index + 1}/{item.outputs}"
-                                                             for what in ("sample", "decode sound", "decode"))
+                    step_stage = f"sample {label}{index + 1}/{item.outputs}"
                     clock = time.perf_counter()
                     latents = item.run(
                         dit, conditioning, seed, schedule.steps, schedule.video_shift, schedule.audio_shift,
@@ -620,32 +653,33 @@ def generate_batch(
                     if latents_path is not None:
                         Path(latents_path).parent.mkdir(parents=True, exist_ok=True)
                         latents.save(latents_path, {"seed": str(seed), "task": request.task, "model": source.name})
-                    video_path = numbered(job.out, index, item.outputs)
-                    if video_path is not None:
-                        clock = time.perf_counter()
-                        video_vae.to(device), audio_vae.to(device)
-                        Path(video_path).parent.mkdir(parents=True, exist_ok=True)
-                        write_mp4(
-                            video_path, latents, video_vae, audio_vae,
-                            metadata={"comment": f"MiniMax-H3 {request.task}, seed {seed}",
-                                      "title": _title(request)},
-                            on_frames=lambda done, total: progress(decode_stage, done, total),
-                            on_sound=lambda done, total: progress(sound_stage, done, total),  # before the first frame
-                            # video chunks split over the devices once the DiT's workers have left them (the last output)
-                            devices=settings.devices if len(settings.devices) > 1 and dit is None else None,
-                        )
-                        seconds["decode"] = time.perf_counter() - clock
-                    results.append(GenerateResult(seed, video_path, latents_path, latents, seconds, request.task))
+                    if not waiting and (dit is None or job.out is None or decode_fits_beside_dit(
+                            video_vae, audio_vae, latents, settings, device)):
+                        write(number, index, latents, latents_path, seconds)
+                    else:  # a decode now would take memory the DiT's plan counts on: after it has left, in order
+                        waiting.append((number, index, AVLatents(latents.video.cpu(), latents.audio.cpu()),
+                                        latents_path, seconds))
             except Exception as error:
-                if on_failure is None:
-                    raise
                 latents = conditioning = conditionings[number] = None
-                failures.append(error)
-                _job_failed(names[number], job, error, device, on_failure, notes)
+                failed(number, error)
                 if getattr(dit, "closed", False) and number != running[-1]:  # a worker's failure ended the runner
                     notes("the DiT's worker processes stopped with that job; starting them again for the next")
                     dit, plan, streamer = sampling_dit()
-        return results
+        if waiting:
+            notes(f"memory: a decode did not fit beside the DiT; {len(waiting)} output(s) decoded after it left")
+            dit = None  # (the last job may have failed before it was released)
+            del streamer
+            release_dit()
+        broken = set()  # jobs whose decode failed after the DiT left: their other outputs are skipped
+        for entry in waiting:
+            if entry[0] in broken:
+                continue
+            try:
+                write(*entry)
+            except Exception as error:
+                broken.add(entry[0])
+                failed(entry[0], error)
+        return [results[key] for key in sorted(results)]
 
     try:
         return run()
@@ -659,6 +693,22 @@ def generate_batch(
         for error in failures:  # the errors on_failure kept hold the finished run's frame (its VAEs, latents)
             traceback.clear_frames(error.__traceback__)
         loras = None  # noqa: F841 (the adapters' factors, held by this frame while an exception is kept)
+
+
+def decode_fits_beside_dit(video_vae, audio_vae, latents: AVLatents, settings: GenerateSettings,
+                           device: torch.device) -> bool:
+    """Whether an output's decode fits on `device` while the DiT stays there for the next output: both VAEs'
+    weights and the decode's working memory (vae_video.decode_working_bytes) within what is free, and within
+    `settings.gpu_memory` less what this process holds there. The DiT's plan did not count them."""
+    if device.type != "cuda":
+        return True
+    _, _, frames, height, width = latents.video.shape
+    need = module_bytes([video_vae, audio_vae]) + decode_working_bytes(
+        video_vae.config, frames, height, width, video_vae.decoder.proj_out.weight.element_size())
+    room = usable_bytes(free_bytes(device))
+    if settings.gpu_memory:
+        room = min(room, usable_bytes(int(settings.gpu_memory * GIB)) - torch.cuda.memory_allocated(device))
+    return need <= room
 
 
 def _title(request) -> str:
