@@ -112,6 +112,8 @@ def as_stereo_waveform(waveform: Any) -> np.ndarray:
         hint = ""
         if array.ndim == 3:
             hint = " A ComfyUI AUDIO waveform is [batch, channels, samples]: pass one item, waveform[0]."
+        elif array.ndim == 2 and array.shape[1] in (1, 2):
+            hint = " Channels last ([samples, channels], as soundfile reads it)? Pass it transposed, waveform.T."
         raise ValueError(
             f"Audio waveform must be [samples], [1, samples] or [2, samples] (mono or stereo), "
             f"got shape {tuple(array.shape)}.{hint}"

@@ -236,8 +236,14 @@ def load_image(source, what: str = "image") -> Image.Image:
         image = as_rgb(source)
     elif isinstance(source, (np.ndarray, torch.Tensor)):
         if source.ndim != 3 or source.shape[-1] != 3:
+            shape = tuple(source.shape)
+            hint = ""
+            if source.ndim == 4 and shape[0] == 1 and shape[-1] == 3:  # a ComfyUI IMAGE batch of one
+                hint = " (a batch of one: give image[0])"
+            elif source.ndim == 3 and shape[0] == 3:
+                hint = " (channels first: give it permuted to [H, W, 3])"
             raise MediaInputError(
-                f"{what}: an image array must be [H, W, 3] RGB, channels last, got shape {tuple(source.shape)}."
+                f"{what}: an image array must be [H, W, 3] RGB, channels last, got shape {shape}{hint}."
             )
         try:
             image = Image.fromarray(as_uint8_frames(source[None], "its pixels")[0])

@@ -80,7 +80,7 @@ class H3Continuation(io.ComfyNode):
                 io.Int.Input("window_frames", default=DEFAULT_WINDOW_FRAMES, min=MIN_WINDOW_FRAMES,
                              max=MAX_WINDOW_FRAMES, step=STEP,
                              tooltip="Frames per window, 17n + 5 (277 = 11.5 s); the last window may be shorter."),
-                io.Int.Input("overlap_frames", default=DEFAULT_OVERLAP_FRAMES, min=22, max=MAX_WINDOW_FRAMES - STEP,
+                io.Int.Input("overlap_frames", default=DEFAULT_OVERLAP_FRAMES, min=5, max=MAX_WINDOW_FRAMES - STEP,
                              step=STEP,
                              tooltip="Frames each window repeats from the one before as its guide, 17n + 5."),
                 io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,

@@ -189,6 +189,20 @@ def test_a_script_passing_the_wrong_thing_is_told_what_to_pass(tmp_path):
     with pytest.raises(ValueError, match=r"a.webm: the file is an MP4 \(H.264 \+ AAC\); name it .mp4"):
         write_mp4(tmp_path / "a.webm", latents, video_vae, audio_vae)
     assert not list(tmp_path.iterdir())
+    # arrays in a neighbouring layout are told the one step that fixes them
+    from h3_core.references import DecodedAudio
+
+    channels_last = DecodedAudio(np.zeros((64000, 2), np.float32), 32000)
+    for kwargs, said in (
+            ({"task": "fl2va", "first_image": torch.rand(1, 64, 96, 3)},
+             r"got shape \(1, 64, 96, 3\) \(a batch of one: give image\[0\]\)"),
+            ({"task": "fl2va", "first_image": torch.rand(3, 64, 96)}, r"channels first: give it permuted to \[H, W, 3\]"),
+            ({"task": "ref2va", "references": [("image", Image.new("RGB", (96, 64))), ("audio", channels_last)]},
+             r"got shape \(64000, 2\)\. Channels last \(\[samples, channels\], as soundfile reads it\)\? Pass it "
+             r"transposed, waveform\.T")):
+        with pytest.raises(ValueError, match=said):
+            encode_request(Request(prompt="A fox.", duration=4, **kwargs), text_encoder, video_vae, audio_vae,
+                           rules=TINY_CANVAS)
     # numbers of numpy's and torch's kinds are taken where Python's are
     from h3_core.conditioning import validate
 
