@@ -348,6 +348,21 @@ def wrong_link(node_class, input_types) -> str | None:
     return None
 
 
+def range_problem(node_class, **values) -> str | None:
+    """ComfyUI's own min/max check of number widgets, which naming them in validate_inputs turns off (None: a
+    linked value, known when the node runs), against the node's schema, in ComfyUI's words."""
+    inputs = {port.id: port for port in node_class.define_schema().inputs}
+    for name, value in values.items():
+        low, high = getattr(inputs[name], "min", None), getattr(inputs[name], "max", None)
+        if value is None or not isinstance(value, (int, float)):
+            continue
+        if low is not None and value < low:
+            return f"{name}: Value {value} smaller than min of {low}."
+        if high is not None and value > high:
+            return f"{name}: Value {value} bigger than max of {high}."
+    return None
+
+
 @functools.cache
 def socket_types(node_class) -> dict[str, str]:
     """Each input's socket type in a node's schema (read once: the types never change, a combo's files do)."""

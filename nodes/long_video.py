@@ -14,7 +14,7 @@ import folder_paths
 from comfy_api.latest import InputImpl, io, ui
 
 from h3_core import geometry
-from h3_core.conditioning import EMPTY_PROMPT
+from h3_core.conditioning import EMPTY_PROMPT, Request, RequestError
 from h3_core.continuation import (
     DEFAULT_OVERLAP_FRAMES,
     DEFAULT_WINDOW_FRAMES,
@@ -42,7 +42,8 @@ from h3_core.placement import freed_on_failure
 from .common import (
     CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, LINK_HIDDEN, PrefixCheckedSave,
     canvas_inputs, canvas_problem, check_interrupt, check_prefix, decode_inputs, decode_options, decode_progress,
-    device, preview_settings, progress_bar, refuse_empty_links, saved_file_metadata, shift_inputs, step_preview,
+    device, preview_settings, progress_bar, range_problem, refuse_empty_links, saved_file_metadata, shift_inputs,
+    step_preview,
 )
 from .conditioning import (guide_media, guide_media_inputs, linked_media, reference_images_input, reference_input,
                            validate_guide_links)
@@ -125,14 +126,21 @@ class H3Continuation(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, input_types=None, task=None, references=None, prompt=None,
-                        window_prompts=None, width=None, height=None) -> bool | str:
-        """What is wired, an empty prompt and a canvas the model cannot make are known before anything runs (the
-        model loader included): a node error at queue time. ComfyUI still checks the other inputs' ranges and
-        options (the two prompts are texts: no range; `canvas_problem` redoes the canvas's); its link-type
-        check, off for every input once `input_types` is named, is redone by `linked_media`."""
+    def validate_inputs(cls, input_types=None, task=None, references=None, prompt=None, window_prompts=None,
+                        width=None, height=None, duration=None, mode=None, window_frames=None,
+                        overlap_frames=None) -> bool | str:
+        """What is wired, an empty prompt, a canvas the model cannot make and a window plan that cannot be made
+        are known before anything runs (the model loader included): a node error at queue time. ComfyUI still
+        checks the other inputs' ranges and options (the two prompts are texts: no range; `canvas_problem` and
+        `range_problem` redo the named numbers'); its link-type check, off for every input once `input_types`
+        is named, is redone by `linked_media`."""
         types, kinds, problem = linked_media(cls, input_types)
         problem = problem or canvas_problem(width, height, zero="from the aspect ratio")
+        problem = problem or range_problem(cls, duration=duration, window_frames=window_frames,
+                                           overlap_frames=overlap_frames)
+        if not problem and not {"continue_from", "keep_video"} & set(types):  # else a given clip sets the length
+            problem = _plan_problem(duration, mode, window_frames, overlap_frames,
+                                    None if "window_prompts" in types else window_prompts)
         texts = (prompt, window_prompts or "")  # a linked one (None) is known when the node runs
         if not problem and "window_prompts" not in types and all(isinstance(t, str) and not t.strip() for t in texts):
             return EMPTY_PROMPT  # window prompts are counted against the plan when it runs
@@ -215,6 +223,20 @@ class H3Continuation(io.ComfyNode):
         latent = pack_latents(latents, seed=int(seed), task=task, steps=settings.steps, width=cond.width,
                               height=cond.height)
         return io.NodeOutput(latent, latents.num_frames)
+
+
+def _plan_problem(duration, mode, window_frames, overlap_frames, window_prompts) -> str | None:
+    """The windows the widgets plan (and a window prompt for each, when they are typed in), as the run will
+    plan them (long_video.validate_long_video), at queue time; None where a value is linked."""
+    if None in (duration, mode, window_frames, overlap_frames):
+        return None
+    prompts = split_window_prompts(window_prompts) if isinstance(window_prompts, str) else ()
+    try:
+        validate_long_video(LongVideoRequest(Request("t2va", "a plan", duration=duration), mode, int(window_frames),
+                                             int(overlap_frames), prompts))
+    except RequestError as error:
+        return str(error)
+    return None
 
 
 def _task_problem(task) -> str | None:

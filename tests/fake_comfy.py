@@ -28,6 +28,14 @@ class Port:
     def optional(self) -> bool:
         return bool(self.options.get("optional"))
 
+    @property
+    def min(self):  # a number widget's bounds, as ComfyUI's inputs hold them
+        return self.options.get("min")
+
+    @property
+    def max(self):
+        return self.options.get("max")
+
     def get_io_type(self) -> str:
         return self.type
 

@@ -81,7 +81,7 @@ def test_a_loaded_dit_refuses_the_other_partitions_conditioning(tmp_path, refere
     assert dit.partition == "ref2va"
     with pytest.raises(RequestError, match="A t2va conditioning runs on the fl2va DiT; this one was loaded as the "
                                            "ref2va partition"):
-        sample(dit, SimpleNamespace(task="t2va"), 0)
+        sample(dit, SimpleNamespace(task="t2va", layout="never read: the partition is refused first"), 0)
 
 
 def test_repository_root_gives_each_partition_its_own_folder(tmp_path, reference, expected, tiny_config):

@@ -157,6 +157,32 @@ def test_continuation_wiring_checks_at_queue_time(comfy):
     assert check(input_types={"prompt": "STRING"}, task="t2va", prompt=None) is True  # linked: at run time
 
 
+def test_a_window_plan_that_cannot_be_made_is_refused_at_queue_time(comfy):
+    """H3 Continuation plans its windows from the widgets at queue time, as the run will (the loaders feeding it
+    not run yet), redoing ComfyUI's own range check of the numbers it names; linked values and a given clip's
+    length wait for the run."""
+    node = importlib.import_module("nodes.long_video").H3Continuation
+
+    def check(types=None, **given):
+        widgets = dict(task="t2va", prompt="rain", duration=20.0, mode="continuation", window_frames=277,
+                       overlap_frames=22)
+        return node.validate_inputs(input_types=types or {}, **{**widgets, **given})
+
+    assert check() is True and check(overlap_frames=5) is True and check(mode="full", duration=30.0) is True
+    assert "The overlap frame count must be of the form 17n + 5 (e.g. 22, 107, 277); got 30" in check(overlap_frames=30)
+    assert "The overlap (277 frames) must be shorter than the window (277)" in check(overlap_frames=277)
+    assert check(window_frames=400) == "window_frames: Value 400 bigger than max of 345."
+    assert check(overlap_frames=-12) == "overlap_frames: Value -12 smaller than min of 5."
+    assert check(duration=301.0) == "duration: Value 301.0 bigger than max of 300.0."
+    assert "30" in check(mode="full", duration=40.0)
+    assert "Give one window prompt per window: this 481-frame plan has 2 window(s)" in check(
+        prompt="", window_prompts="rain\nsun\nsnow")
+    assert check(prompt="", window_prompts="rain\nsun") is True
+    assert check(duration=None, overlap_frames=30) == check(window_frames=None, overlap_frames=30) is True  # linked
+    assert check({"continue_from": "H3_LATENT"}, overlap_frames=277) is True  # the clip's length: at run time
+    assert check({"window_prompts": "STRING"}, window_prompts=None) is True
+
+
 def test_a_wrong_link_into_any_input_is_refused_at_queue_time(comfy):
     """validate_inputs turns ComfyUI's own link-type check off, so the nodes that have one check every input's
     link against the type their schema gives it (but the reference list, whose slots are checked as media)."""
