@@ -407,7 +407,7 @@ class _Prepared:
     partition: str
     seed: int
     outputs: int
-    canvas: tuple[int, int, int]  # (width, height, frames) of the largest window it samples
+    canvas: tuple[int, int, int, tuple[str, ...]]  # (width, height, frames, keyframe anchors) of its largest window
 
     @property
     def plain_request(self) -> Request:
@@ -532,9 +532,10 @@ def generate_batch(
             check_video_vae(source.video_vae)  # headers against the model, as the DiT's above
         with _part_of(source, "audio_vae"):
             check_audio_vae(source.audio_vae)
-    if len(settings.devices) < 2:  # the sampling rows without the prompt's: a budget too small for them is said now
+    if len(settings.devices) < 2:  # the sampling rows but the prompt's and references': too many are said now
         text = torch.ones(1, dtype=torch.long)
-        least = max((build_request_layout(*canvas, text) for canvas in {item.canvas for item in prepared}),
+        least = max((build_request_layout(width, height, frames, text, anchors)
+                     for width, height, frames, anchors in {item.canvas for item in prepared}),
                     key=lambda layout: layout.sequence_length)  # the job with the most rows, planned once
         sampling_plan(TINY_DIT if source.tiny else dit_source.config, dit_source, partition, settings, loras, least,
                       schedule.steps, reader, ", before any model loads,")
@@ -898,7 +899,7 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
         request = dataclasses.replace(request, guides=())
     sized = plan.first_plan if long_video else plan  # a long video's longest window
     return _Prepared(job, request, encode, run, guide_media, partition, seed, outputs,
-                     (sized.width, sized.height, sized.num_frames))
+                     (sized.width, sized.height, sized.num_frames, tuple(anchor for anchor, _ in sized.keyframes)))
 
 
 def _guide_media(guide, num_frames: int, clip_frames: int | None) -> GuideMedia:

@@ -136,14 +136,11 @@ class H3Continuation(io.ComfyNode):
         is named, is redone by `linked_media`."""
         types, kinds, problem = linked_media(cls, input_types)
         problem = problem or canvas_problem(width, height, zero="from the aspect ratio")
-        problem = problem or range_problem(cls, duration=duration, window_frames=window_frames,
-                                           overlap_frames=overlap_frames)
-        if not problem and not {"continue_from", "keep_video"} & set(types):  # else a given clip sets the length
-            problem = _plan_problem(duration, mode, window_frames, overlap_frames,
-                                    None if "window_prompts" in types else window_prompts)
+        # said beside the others, as ComfyUI says its own range errors beside a node's
+        ranged = range_problem(cls, duration=duration, window_frames=window_frames, overlap_frames=overlap_frames)
         texts = (prompt, window_prompts or "")  # a linked one (None) is known when the node runs
         if not problem and "window_prompts" not in types and all(isinstance(t, str) and not t.strip() for t in texts):
-            return EMPTY_PROMPT  # window prompts are counted against the plan when it runs
+            problem = EMPTY_PROMPT
         problem = problem or given_clips_clash(*(name in types for name in ("continue_from", "drive_audio",
                                                                              "keep_video")))
         if not problem and task is not None:  # a linked task is checked when the node runs
@@ -152,7 +149,10 @@ class H3Continuation(io.ComfyNode):
                                              ("guides", "guides" in types)) if given]
         if not problem and encoded and "vae" not in types:
             problem = f"The VAEs encode {' and '.join(encoded)}: connect H3 VAE Loader's vae."
-        return problem or True
+        if not (problem or ranged) and not {"continue_from", "keep_video"} & set(types):  # else the clip's length
+            problem = _plan_problem(duration, mode, window_frames, overlap_frames,
+                                    None if "window_prompts" in types else window_prompts)
+        return " ".join(said for said in (problem, ranged) if said) or True
 
     @classmethod
     def execute(cls, model, text_encoder, prompt, task, duration, mode, window_frames, overlap_frames, seed, steps,

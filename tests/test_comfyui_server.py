@@ -376,6 +376,13 @@ def test_bad_prompt_is_a_node_error_and_server_goes_on(server):
     status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
     errors = json.dumps(body.get("node_errors", {}).get(continuation))
     assert status == 400 and "it cannot go with continue_from" in errors and "bigger than max" in errors, body
+    # and a window plan the widgets cannot make, before the model loader reads a byte
+    graph = json.loads((PACK / "workflows" / "api" / "long_video.json").read_text())
+    continuation = _node(graph, "H3Continuation")
+    graph[continuation]["inputs"]["overlap_frames"] = 30
+    status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
+    errors = json.dumps(body.get("node_errors", {}).get(continuation))
+    assert status == 400 and "The overlap frame count must be of the form 17n + 5" in errors, body
 
     # a sound socket linked to an output that holds none (a video without sound) is refused, not left out
     graph = json.loads((PACK / "workflows" / "api" / "ref2va_video.json").read_text())

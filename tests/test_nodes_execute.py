@@ -181,6 +181,8 @@ def test_a_window_plan_that_cannot_be_made_is_refused_at_queue_time(comfy):
     assert check(duration=None, overlap_frames=30) == check(window_frames=None, overlap_frames=30) is True  # linked
     assert check({"continue_from": "H3_LATENT"}, overlap_frames=277) is True  # the clip's length: at run time
     assert check({"window_prompts": "STRING"}, window_prompts=None) is True
+    assert check({"continue_from": "H3_LATENT", "keep_video": "H3_LATENT"}, window_frames=400).endswith(
+        "continue_from extends a clip). window_frames: Value 400 bigger than max of 345.")  # both said
 
 
 def test_a_wrong_link_into_any_input_is_refused_at_queue_time(comfy):

@@ -264,6 +264,25 @@ def test_a_budget_too_small_for_the_sampling_is_refused_before_the_text_encoder(
             _tiny_generate(tmp_path, gpu_memory=budget)
 
 
+def test_the_plan_before_any_model_counts_the_keyframes_rows(tmp_path, monkeypatch):
+    """fl2va's keyframes are rows of the sampling too (a latent frame each): the plan made before any model
+    loads counts them, so it differs from the one after encoding by the prompt's rows alone."""
+    from PIL import Image
+
+    from h3_core import pipeline
+    from h3_core.conditioning import Request
+
+    planned, real_plan = [], pipeline.sampling_plan
+    monkeypatch.setattr(pipeline, "sampling_plan", lambda config, source, partition, settings, loras, layout, *rest:
+                        planned.append(layout) or real_plan(config, source, partition, settings, loras, layout, *rest))
+    picture = Image.new("RGB", (96, 64), "teal")
+    request = Request("fl2va", "a fox on the beach", first_image=picture, last_image=picture, duration=4)
+    pipeline.generate(request, "tiny-random", pipeline.GenerateSettings(steps=2), save_latents=tmp_path / "a.safetensors")
+    before, after = planned[0], planned[-1]
+    assert len(planned) == 2 and before.num_condition_video_rows == after.num_condition_video_rows > 0
+    assert before.sequence_length == after.sequence_length - after.num_text_rows + 1
+
+
 def test_text_encoder_layers_visit_the_device_one_at_a_time():
     """stream_layers: the same prompt states as the resident encoder, every one of the 50 layers visited
     once per prompt, and the layers' weights still at home afterwards; to() ends the streaming."""
