@@ -201,7 +201,7 @@ def main():
 
     rows.append(stage("release text encoder, park VAEs", device, release)[1])
     config = TINY_DIT if args.tiny else DiTConfig()
-    held = "fp8" if args.linears.startswith("fp8") else "dense"
+    held = {"fp8-lossy": "fp8-scaled", "fp8-weights-lossy": "fp8"}.get(args.linears, "dense")
     plan = plan_for(config, conditioning.layout, args.steps, device, args.gpu_memory, held=held) if capped else None
     if plan is not None:
         print(json.dumps({"memory_plan": plan.describe(config.num_layers), "fits": plan.fits,

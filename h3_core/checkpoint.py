@@ -22,7 +22,7 @@ import torch
 from . import fp8, gguf_file, keymap, nvfp4
 from .config import DiTConfig
 from .dit import H3DiT, fp32_modules, rope_inverse_frequencies
-from .memory_plan import gguf_held
+from .memory_plan import HELD_COST_ORDER, gguf_held
 from .placement import module_bytes
 from .tiny import TINY_RANDOM, tiny_model_dtype, tiny_random_dit
 from .weights import (
@@ -65,7 +65,7 @@ def held_linears(source: DiTSource | None, mode: str) -> str:
     block linears (memory_plan.HELD_FORMATS): as the file stores them unless dequantized ("dense") or
     requantized to FP8 ("fp8-lossy"); a dense file's as the mode makes them."""
     if mode == "fp8-lossy":
-        return "fp8"
+        return "fp8-scaled"
     dense = "fp8" if mode == "fp8-weights-lossy" else "dense"
     if source is None or mode == "dense":
         return dense
@@ -74,9 +74,9 @@ def held_linears(source: DiTSource | None, mode: str) -> str:
     layers = {**source.fp8_layers, **source.nvfp4_layers}
     if not layers or not _every_block_linear(layers, source.config):  # blocks the file left dense cost the most
         return dense
-    held = {"int4" if getattr(entry, "packed", False) else "nvfp4" if name in source.nvfp4_layers else "fp8"
-            for name, entry in layers.items()}
-    return max(held, key=("int4", "nvfp4", "fp8").index)
+    held = {"int4" if getattr(entry, "packed", False) else "nvfp4" if name in source.nvfp4_layers
+            else "int8" if entry.rotation else "fp8" for name, entry in layers.items()}
+    return max(held, key=HELD_COST_ORDER.index)
 
 
 def holds_stored_linears(source: DiTSource | None) -> bool:

@@ -242,8 +242,13 @@ class FP8Linear(StoredLinear):
 
     @property
     def held(self) -> str:
-        """memory_plan.HELD_FORMATS: a byte a weight (e4m3 or int8), or half a byte (int4)."""
-        return "int4" if self.packed else "fp8"
+        """memory_plan.HELD_FORMATS: half a byte a weight (int4), else a byte (e4m3 or int8) in FP8 matmuls, or
+        rebuilt for each (ConvRot-rotated int8 costs more to rebuild)."""
+        if self.packed:
+            return "int4"
+        if self.matmul == "scaled":
+            return "fp8-scaled"
+        return "int8" if self.rotation else "fp8"
 
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize(self.weight, self.weight_scale, self.compute_dtype, self.rotation, self.packed)
@@ -315,14 +320,14 @@ def read_mode(linears: str, loras: bool) -> str:
 
 
 def held_format(model: nn.Module) -> str:
-    """How the blocks' linears are held (memory_plan.HELD_FORMATS): "dense", "fp8" (e4m3 or int8), "int4",
+    """How the blocks' linears are held (memory_plan.HELD_FORMATS): "dense", "fp8", "fp8-scaled", "int8", "int4",
     "nvfp4", or GGUF's "gguf:<bytes a weight>"; the costliest of every block's linears (a file may leave some
     blocks dense, and a GGUF file's GGML types may differ by block)."""
+    from .memory_plan import HELD_COST_ORDER, gguf_held
+
     held = {getattr(block.get_submodule(leaf), "held", "dense") for block in model.blocks for leaf in BLOCK_LINEARS}
     if "gguf" not in held:
-        return max(held, key=("int4", "nvfp4", "fp8", "dense").index)
-    from .memory_plan import gguf_held
-
+        return max(held, key=HELD_COST_ORDER.index)
     return gguf_held(_block_sizes([block.get_submodule(leaf) for leaf in BLOCK_LINEARS]) for block in model.blocks)
 
 

@@ -27,6 +27,10 @@ HEADROOM_FRACTION, HEADROOM_BYTES = 0.05, 256 * 2**20
 # and the codes; measured at fc1's size on an H200, the bf16 result aside: 4-5 for the Q and K types, 7.2 for
 # IQ4_XS, whose codes are looked up as int32)
 GGUF_REBUILD_BYTES = 8
+# bytes a weight a weight-only stored linear holds at the peak of rebuilding it, uncompiled, measured at fc1's
+# size on an H200 (bf16 compute): e4m3 8 (its fp32 copy and the scaled product), ConvRot int8 and int4 12 (the
+# rotation's integers besides), NVFP4 10.13 (the codes' index and values in bf16 besides)
+REBUILD_BYTES = {"fp8": 8, "int8": 12, "int4": 12, "nvfp4": 10.25}
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,11 @@ class MemoryPlan:
         return f"{mode}, {adaln}; expected peak {self.expected_peak_bytes / GIB:.2f} GiB"
 
 
-HELD_FORMATS = ("dense", "fp8", "int4", "nvfp4", "gguf")  # how the block linears are held (fp8.held_format)
+# How the block linears are held (fp8.held_format): "fp8" a byte a weight (e4m3, or int8), rebuilt for each
+# matmul; "fp8-scaled" e4m3 in FP8 matmuls, their inputs quantized instead; "int8" ComfyUI's ConvRot-rotated int8
+HELD_FORMATS = ("dense", "fp8", "fp8-scaled", "int8", "int4", "nvfp4", "gguf")
+# the order in which a model whose blocks differ is planned: the last format any block holds
+HELD_COST_ORDER = ("int4", "nvfp4", "fp8", "int8", "fp8-scaled", "dense")
 
 
 def gguf_held(blocks) -> str:
@@ -71,7 +79,7 @@ def _gguf_bytes_per_weight(held: str) -> float:
 def block_weight_bytes(config: DiTConfig, dtype_bytes: int, held: str = "dense", refiner: bool = False) -> int:
     """Attention + FFN + norms of one block (what streams; its AdaLN projection does not), with its VSA gate
     (`config.vsa_gates`, never quantized) unless it is a `refiner` block. `held` (HELD_FORMATS): the four
-    linears in the model dtype; as FP8 or int8 (fp8.FP8Linear: a byte a weight plus an fp32 scale per output
+    linears in the model dtype; as FP8 or int8 (fp8.FP8Linear, fp8-scaled too: a byte a weight plus an fp32 scale per output
     channel); as int4 (the same, half a byte a weight); as NVFP4 (nvfp4.NVFP4Linear: half a byte a weight, an
     e4m3 scale per 16, an fp32 tensor scale, and room for an AWQ input scale); or as GGML blocks ("gguf:<bytes a
     weight>", scales included)."""
@@ -81,7 +89,7 @@ def block_weight_bytes(config: DiTConfig, dtype_bytes: int, held: str = "dense",
     gate = dtype_bytes * h * inner if config.vsa_gates and not refiner else 0
     if check_held(held) == "gguf":
         return math.ceil(linears * _gguf_bytes_per_weight(held)) + norms + gate
-    if held in ("fp8", "int4"):
+    if held in ("fp8", "fp8-scaled", "int8", "int4"):
         weights = linears // 2 if held == "int4" else linears
         return weights + 4 * (3 * inner + h + 2 * ffn + h) + norms + gate
     if held == "nvfp4":
@@ -113,11 +121,12 @@ def adaln_weight_bytes(config: DiTConfig, dtype_bytes: int) -> int:
 
 
 def activation_bytes(config: DiTConfig, rows: int, dtype_bytes: int, held: str = "dense") -> int:
-    """Peak live activations of one block forward over `rows` packed rows (batch 1). Stored linears (`held`)
-    add what they hold besides (uncompiled): FP8 (int8 and int4 weight-only), fc2's input quantized (an fp32
-    copy and the e4m3 result, 5 bytes a value) or, weight-only, fc1's weight rebuilt (an fp32 product, then the
-    compute dtype); NVFP4, fc1's weight rebuilt (its values in the compute dtype, an fp32 product, then the
-    compute dtype); GGUF, fc1's weight rebuilt (fp32 codes and values, then the compute dtype)."""
+    """Peak live activations of one block forward over `rows` packed rows (batch 1): its attention half's, or
+    with stored linears (`held`) its FFN half's where that costs more (uncompiled). Weight-only linears
+    rebuild fc1's weight beside the rows the FFN starts from (REBUILD_BYTES a weight), then fc2's beside fc1's
+    output and the SwiGLU product; FP8 matmuls ("fp8-scaled") quantize fc2's input there instead (an fp32 copy
+    and the e4m3 result). Measured on an H200 for each format at 1,034-38,222 rows (bench/held_block_peak.py):
+    from 5 MiB below to 19 MiB above; GGUF up to 588 MiB above (every GGML type planned as the costliest)."""
     h, rope_width = config.hidden_size, 6 * config.rope_freq_dim
     # Video Sparse Attention (a VSA-trained model) also holds q, k, v, the gate and the output in padded tile
     # buffers, and the gate itself: measured 5.2 values a row more at the real size on an H200 (2.65 GiB, 38,222
@@ -126,15 +135,16 @@ def activation_bytes(config: DiTConfig, rows: int, dtype_bytes: int, held: str =
     per_row = dtype_bytes * (3 * h + max(9 * config.inner_dim + 2 * rope_width + sparse, 4 * config.ffn_dim))
     rope = 2 * 4 * rope_width + 8  # cos and sin (fp32), and the int64 AdaLN row index
     fc1_weights = 2 * config.ffn_dim * config.hidden_size
+    attention = rows * (per_row + rope)
     kind = check_held(held)
-    if kind == "nvfp4":
-        return rows * (per_row + rope) + (4 + 2 * dtype_bytes) * fc1_weights
-    if kind == "gguf":
-        return rows * (per_row + rope) + (GGUF_REBUILD_BYTES + dtype_bytes) * fc1_weights
     if kind == "dense":
-        return rows * (per_row + rope)
-    quantized_input = rows * 5 * config.ffn_dim
-    return rows * (per_row + rope) + max(quantized_input, (4 + dtype_bytes) * fc1_weights)
+        return attention
+    ffn_input = rows * (dtype_bytes * 4 * h + rope)  # the block input, the residual stream, the normed and modulated rows
+    swiglu = rows * dtype_bytes * 3 * config.ffn_dim  # fc1's output (gate and value) and their product
+    if kind == "fp8-scaled":
+        return max(attention, ffn_input + swiglu + rows * 5 * config.ffn_dim)
+    rebuild = GGUF_REBUILD_BYTES + dtype_bytes if kind == "gguf" else REBUILD_BYTES[kind]
+    return math.ceil(max(attention, ffn_input + rebuild * fc1_weights, ffn_input + swiglu + rebuild * fc1_weights / 2))
 
 
 def modulation_bytes(config: DiTConfig, steps: int, timesteps_per_step: int, dtype_bytes: int) -> int:

@@ -448,6 +448,7 @@ def test_memory_plan_counts_one_byte_per_fp8_weight():
     assert fp8.held_format(block_model) == "dense"
     quantize_blocks(block_model, "dequantize")
     assert fp8.held_format(block_model) == "fp8"
+    assert block_weight_bytes(real, 2, "fp8-scaled") == block_weight_bytes(real, 2, "int8") == quantized
     streamed = [p for n, p in block_model.blocks[0].named_parameters() if not n.startswith("adaln_proj.")]
     assert sum(p.numel() * p.element_size() for p in streamed) == quantized
 
@@ -539,6 +540,8 @@ def test_an_int8_convrot_file_is_turned_back_and_dequantized_at_load(tmp_path):
         assert error < 0.02  # int8 rounding only: a weight left rotated would be ~1.4 away
     assert torch.equal(forward(kept)[0], forward(dense)[0])
     assert cosine(forward(kept)[0], forward(model)[0]) > 0.999
+    # planned as a rotated int8 rebuild (12 bytes a weight against e4m3's 8), before the load and after
+    assert fp8.held_format(kept) == "int8" == held_linears(with_config(locate_dit(path)), "checkpoint")
 
 
 @CPU_SCALED
@@ -557,6 +560,7 @@ def test_an_int8_file_under_fp8_lossy_is_requantized_to_fp8(tmp_path):
         weight, scale = fp8.quantize_weight(dense.get_submodule(layer).weight)
         assert torch.equal(module.weight, weight) and torch.equal(module.weight_scale, scale), layer
     assert cosine(forward(lossy)[0], forward(dense)[0]) > 0.99
+    assert fp8.held_format(lossy) == "fp8-scaled" == held_linears(with_config(locate_dit(path)), "fp8-lossy")
     weights_only = load_dit(path, dtype=torch.float32, linears="fp8-weights-lossy")
     assert {weights_only.get_submodule(layer).weight.dtype for layer in layers} == {torch.int8}
 

@@ -96,7 +96,7 @@ def test_nvfp4_under_the_lossy_fp8_modes(tmp_path):
         assert torch.equal(module.weight, weight) and torch.equal(module.weight_scale, scale), layer
         assert torch.equal(after.get_submodule(layer).weight, weight), layer
     assert all(isinstance(lossy.get_submodule(layer), NVFP4Linear) for layer in KEPT_OTHERS)
-    assert held_linears(locate_dit(path), "fp8-lossy") == "fp8" and held_linears(locate_dit(path), "dense") == "dense"
+    assert held_linears(locate_dit(path), "fp8-lossy") == "fp8-scaled" and held_linears(locate_dit(path), "dense") == "dense"
     assert cosine(forward(lossy)[0], forward(dense)[0]) > 0.99
 
 
@@ -141,7 +141,7 @@ def test_memory_plan_counts_what_nvfp4_blocks_hold():
     budget = 24 * 2**30
     assert (plan_memory(real, 38_222, budget, held="nvfp4").resident_blocks
             > plan_memory(real, 38_222, budget, held="fp8").resident_blocks)
-    with pytest.raises(ValueError, match="held as one of dense, fp8, int4, nvfp4"):
+    with pytest.raises(ValueError, match="held as one of dense, fp8, fp8-scaled, int8, int4, nvfp4"):
         block_weight_bytes(real, 2, "mxfp8")
 
 
