@@ -32,11 +32,11 @@ from safetensors.torch import load_file
 from . import geometry
 from .attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
 from .local_attention import check_setting as check_window_setting
-from .checkpoint import CheckpointError, infer_config, load_dit, locate_dit
+from .checkpoint import CheckpointError, infer_config, locate_dit, with_config
 from .config import TINY_DIT
 from .conditioning import MAX_FRAMES, MIN_FRAMES, Conditioning, PartNames, Request, resolve_num_frames
 from .continuation import DEFAULT_OVERLAP_FRAMES, DEFAULT_WINDOW_FRAMES
-from .fp8 import LINEAR_MODES, apply_linear_mode
+from .fp8 import LINEAR_MODES
 from .guides import GUIDE_KINDS, GuideFile
 from .layout import build_request_layout
 from .long_video import LongVideoRequest
@@ -45,12 +45,14 @@ from .noise import SEED_BITS, check_seeds
 from .output import AVLatents
 from .parallel.workers import ParallelWorkerError
 from .placement import check_devices
-from .pipeline import TINY_CANVAS, GenerateSettings, Job, ModelFiles, check_writable, encode_clip_file, generate_batch, sample
+from .memory_plan import check_budget
+from .pipeline import (TINY_CANVAS, GenerateSettings, Job, ModelFiles, check_writable, encode_clip_file, generate_batch,
+                       load_sampling_dit, resolve_model_source, sample)
 from .references import REFERENCE_IMAGE_MODES, MediaReference
 from .runtime import compile_failed, return_freed_memory_to_os, use_expandable_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, check_shift
 from .text_checkpoint import all_model_names, checkpoint_layers, locate_text_encoder, source_tensor_names
-from .tiny import TINY_RANDOM, tiny_random_dit
+from .tiny import TINY_RANDOM
 from .vae_audio_checkpoint import locate_audio_vae
 from .vae_video_checkpoint import locate_video_vae
 from .weights import HEADER_DTYPES, read_headers
@@ -71,6 +73,7 @@ DEFAULT_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DEVICE_HELP = f"where the models run: cpu, cuda or cuda:N (default here: {DEFAULT_DEVICE})"
 COMPILE_HELP = ("torch.compile the repeated block: ~10%% faster per step on an H200, the first step pays the compile; "
                 "not bitwise exact")
+STREAM_HELP = "a DiT that does not fit keeps its leading blocks on the GPU and streams the rest from CPU memory"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,9 +275,8 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
                           "and norms fp32); fp32 decodes ~7.5x slower on an H200")
     add_dit_speed_options(gen)
     gen.add_argument("--gpu-memory", type=float, metavar="GIB",
-                     help="GPU memory the text encoder, then the DiT, may use (default: what is free); a DiT that "
-                          "does not fit keeps its leading blocks on the GPU and streams the rest from CPU memory, a "
-                          "text encoder that does not fit streams its layers (with --device cpu: the DiT's memory "
+                     help="GPU memory the text encoder, then the DiT, may use (default: what is free); " + STREAM_HELP
+                          + ", a text encoder that does not fit streams its layers (with --device cpu: the DiT's memory "
                           "there, streamed the same way; with --devices: the text encoder's only, the split DiT is not "
                           "streamed)")
     gen.add_argument("--devices", metavar="DEV,DEV[,...]",
@@ -354,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     den.add_argument("--dtype", default=None, choices=list(DTYPES),
                      help="model dtype (default: bf16 on GPU, fp32 on CPU; fp32 heads stay fp32)")
     add_dit_speed_options(den)
+    den.add_argument("--gpu-memory", type=float, metavar="GIB",
+                     help="GPU memory the DiT may use (default: what is free); " + STREAM_HELP)
     den.set_defaults(run=run_denoise, parser=den)
     return parser
 
@@ -861,7 +865,8 @@ def _text_states(args, text_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run_denoise(args) -> int:
     """The DiT alone on a T2VA layout: `pipeline.sample` over precomputed (or, for tiny-random, seeded
-    random) text states, the latents saved as `h3 generate --save-latents` saves them."""
+    random) text states, the latents saved as `h3 generate --save-latents` saves them. The DiT is placed by
+    the request's memory plan, as generate places it (streamed where it does not fit)."""
     from tqdm import tqdm
 
     device = check_devices([args.device])[0]
@@ -881,24 +886,26 @@ def run_denoise(args) -> int:
     # an unavailable backend (or one that cannot run the window) fails before any loading
     resolve_backend(args.attention, device, window=args.attention_window_lossy > 0)
     check_seeds(args.seed)
+    check_budget(args.gpu_memory)
     if args.text_states is not None and not args.text_states.is_file():
         raise FileNotFoundError(f"--text-states {args.text_states} does not exist.")
-    config = TINY_DIT if args.model == TINY_RANDOM else _dit_config(args.model, args.partition)[1]  # from headers
+    source = resolve_model_source(args.model, args.partition, parts=())  # the DiT alone
+    dit_source = None if source.tiny else with_config(locate_dit(source.root, args.partition))  # from headers
+    config = TINY_DIT if source.tiny else dit_source.config
     text, tags = _text_states(args, config.text_dim)  # checked before the DiT loads
     layout = build_request_layout(width, height, frames, tags)
+    conditioning = Conditioning("t2va", width, height, frames, layout, text, tags)
+    settings = GenerateSettings(device=str(device), dtype=dtype, attention=args.attention, linears=args.linears,
+                                gpu_memory=args.gpu_memory, compile=args.compile,
+                                attention_window=args.attention_window_lossy,
+                                attention_window_dense_steps=args.attention_window_dense_steps)
     timings = {}
 
     started = time.perf_counter()
-    if args.model == TINY_RANDOM:
-        model = tiny_random_dit(dtype, device)
-        apply_linear_mode(model, args.linears, device)
-    else:
-        model = load_dit(args.model, args.partition, dtype=dtype, device=device, linears=args.linears)
-    backend = model.set_attention(args.attention, args.attention_window_lossy, args.attention_window_dense_steps)
-    if args.compile:
-        model.compile_blocks()
+    model, _, streamer = load_sampling_dit(source, dit_source, args.partition, settings, (), conditioning, args.steps,
+                                           _note)
+    backend = model.blocks[0].attn.backend
     timings["load"] = time.perf_counter() - started
-    conditioning = Conditioning("t2va", width, height, frames, layout, text, tags)
 
     started = time.perf_counter()
     bar = tqdm(total=schedule.num_calls, desc="denoise", unit="step", file=sys.stderr)
@@ -906,6 +913,8 @@ def run_denoise(args) -> int:
                      callback=lambda state: bar.update(1))
     bar.close()
     timings["denoise"] = time.perf_counter() - started
+    if streamer is not None:
+        streamer.remove()
 
     started = time.perf_counter()
     latents.save(args.save_latents, {"width": str(width), "height": str(height), "frames": str(frames),
