@@ -422,8 +422,11 @@ def test_h3_denoise_checks_the_seed_and_text_states_before_reading_the_dit(tmp_p
     from safetensors.torch import save_file
 
     write_diffusers_folder(tmp_path / "ckpt" / "transformer", reference_dit(tiny_config))
-    for name in ("load_dit", "tiny_random_dit"):
-        monkeypatch.setattr(cli, name, lambda *a, **k: pytest.fail("the DiT was read"))
+    from h3_core import pipeline
+
+    monkeypatch.setattr(cli, "load_sampling_dit", lambda *a, **k: pytest.fail("the DiT was read"))
+    for name in ("DiTReader", "tiny_random_dit"):
+        monkeypatch.setattr(pipeline, name, lambda *a, **k: pytest.fail("the DiT was read"))
     save_file({"prompt_embeds": torch.zeros(1, 5, 47)}, str(tmp_path / "narrow.safetensors"))
     save_file({"prompt_embeds": torch.zeros(1, 5, 48), "text_token_tags": torch.ones(4, dtype=torch.long)},
               str(tmp_path / "tags.safetensors"))
