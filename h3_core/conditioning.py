@@ -62,6 +62,7 @@ from .references import (
     inspect_video,
     load_image,
     prepare_reference,
+    vae_frame_count,
 )
 from .vae_audio import AudioVAEConfig
 
@@ -153,6 +154,8 @@ class RequestPlan:
     references: tuple[MediaReference, ...] = ()
     reference_rules: CanvasRules = RELEASE_CANVAS  # what the references are prepared with
     names: PartNames = PartNames()  # the request's, for errors found while preparing its media
+    # the reference blocks the media's sizes already fix, for planning memory before encoding (_sized_blocks)
+    reference_blocks: tuple[ReferenceBlock, ...] = ()
 
     @property
     def seconds(self) -> float:
@@ -321,13 +324,15 @@ def _check_clip(seconds: float, start: float, what: str) -> None:
         )
 
 
-def _check_references(references: list[MediaReference], names: PartNames) -> None:
-    totals = {"video": 0.0, "audio": 0.0}
+def _check_references(references: list[MediaReference], names: PartNames) -> list:
+    """Each reference's MediaFacts, once its own limits and the clips' total length are checked."""
+    totals, found = {"video": 0.0, "audio": 0.0}, []
     for index, reference in enumerate(references):
         what = f"{names.reference(index)} ({reference.kind})"
         if reference.kind == "image":
             facts = inspect_image(reference.source, what)
             check_ratio(facts.width, facts.height, what)
+            found.append(facts)
             continue
         inspect = inspect_video if reference.kind == "video" else inspect_audio
         facts = inspect(reference.source, reference.start_seconds, what)
@@ -335,12 +340,33 @@ def _check_references(references: list[MediaReference], names: PartNames) -> Non
         if reference.kind == "video":
             check_ratio(facts.width, facts.height, what)
         totals[reference.kind] += facts.seconds
+        found.append(facts)
     for kind, total in totals.items():
         if total > MAX_TOTAL_CLIP_SECONDS + CLIP_SECONDS_SLACK:
             raise RequestError(
                 f"The {kind} references run {total:.3f} s together; H3 takes at most {MAX_TOTAL_CLIP_SECONDS:g} s "
                 f"of {kind} references in total."
             )
+    return found
+
+
+def _sized_blocks(references: list[MediaReference], found: list, rules: CanvasRules,
+                  num_frames: int) -> tuple[ReferenceBlock, ...]:
+    """The reference blocks the media's sizes fix before anything is encoded, for a memory plan made before any
+    model loads: an image's exactly; a video's picture at the frames its seconds surely hold (a second short, for
+    any frame rate, snapped down as the VAE snaps it); soundtracks and audio references left out. So never more
+    rows than the encoded request has."""
+    blocks = []
+    for reference, facts in zip(references, found):
+        if reference.kind == "image":
+            height, width = geometry.latent_size(*rules.reference_image_size(facts.width, facts.height))
+            blocks.append(ReferenceBlock.image(height, width))
+            continue
+        frames = min(num_frames, math.floor(facts.seconds * geometry.FPS) - geometry.FPS)
+        if reference.kind == "video" and frames >= vae_frame_count(1):  # the fewest the VAE takes (22)
+            height, width = geometry.latent_size(*rules.canvas(facts.width, facts.height))
+            blocks.append(ReferenceBlock.video(geometry.latent_frames(vae_frame_count(frames)), height, width))
+    return tuple(blocks)
 
 
 def blank(prompt) -> bool:
@@ -391,7 +417,7 @@ def validate(request: Request, rules: CanvasRules = RELEASE_CANVAS) -> RequestPl
             check_ratio(facts.width, facts.height, what + (" (it sets the canvas)" if sets_canvas else ""))
             if index == 0:
                 anchor_size = (facts.width, facts.height)
-        _check_references(references, request.names)
+        found = _check_references(references, request.names)
     except MediaInputError as error:
         raise RequestError(str(error)) from None
 
@@ -403,7 +429,7 @@ def validate(request: Request, rules: CanvasRules = RELEASE_CANVAS) -> RequestPl
     except MediaInputError as error:
         raise RequestError(str(error)) from None
     return RequestPlan(request.task, request.prompt, width, height, num_frames, tuple(keyframes), tuple(references),
-                       reference_rules, request.names)
+                       reference_rules, request.names, _sized_blocks(references, found, reference_rules, num_frames))
 
 
 # ----------------------------------------------------------------------------------------------

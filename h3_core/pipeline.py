@@ -36,7 +36,7 @@ from .offload import load_device, place
 from .placement import check_devices, module_bytes
 from .conditioning import Request, RequestError, encode_request, prompt_label_warnings, shows_pictures, validate
 from .clip_latents import MAX_CLIP_FRAMES, encode_clip_frames, expected_clip_frames, file_soundtrack, stream_clip
-from .layout import build_request_layout, pack_audio, patchify, unpack_audio, unpatchify
+from .layout import build_ref2va_layout, build_request_layout, pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, read_mode
 from .guides import GuideFile, GuideMedia, add_guide, check_guide, read_guide
@@ -407,7 +407,8 @@ class _Prepared:
     partition: str
     seed: int
     outputs: int
-    canvas: tuple[int, int, int, tuple[str, ...]]  # (width, height, frames, keyframe anchors) of its largest window
+    # of its largest window: (width, height, frames, keyframe anchors, the reference blocks its media's sizes fix)
+    canvas: tuple[int, int, int, tuple[str, ...], tuple]
 
     @property
     def plain_request(self) -> Request:
@@ -532,10 +533,8 @@ def generate_batch(
             check_video_vae(source.video_vae)  # headers against the model, as the DiT's above
         with _part_of(source, "audio_vae"):
             check_audio_vae(source.audio_vae)
-    if len(settings.devices) < 2:  # the sampling rows but the prompt's and references': too many are said now
-        text = torch.ones(1, dtype=torch.long)
-        least = max((build_request_layout(width, height, frames, text, anchors)
-                     for width, height, frames, anchors in {item.canvas for item in prepared}),
+    if len(settings.devices) < 2:  # the sampling rows but the prompt's (and references' not yet sized): too many are said now
+        least = max((rows_before_encoding(*canvas) for canvas in {item.canvas for item in prepared}),
                     key=lambda layout: layout.sequence_length)  # the job with the most rows, planned once
         sampling_plan(TINY_DIT if source.tiny else dit_source.config, dit_source, partition, settings, loras, least,
                       schedule.steps, reader, ", before any model loads,")
@@ -899,7 +898,18 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
         request = dataclasses.replace(request, guides=())
     sized = plan.first_plan if long_video else plan  # a long video's longest window
     return _Prepared(job, request, encode, run, guide_media, partition, seed, outputs,
-                     (sized.width, sized.height, sized.num_frames, tuple(anchor for anchor, _ in sized.keyframes)))
+                     (sized.width, sized.height, sized.num_frames, tuple(anchor for anchor, _ in sized.keyframes),
+                      sized.reference_blocks))
+
+
+def rows_before_encoding(width: int, height: int, frames: int, anchors: tuple[str, ...], references: tuple):
+    """The packed layout of a job's largest window as far as its sizes fix it before encoding: a one-row prompt,
+    its keyframes, and the `references` blocks (conditioning._sized_blocks)."""
+    text = torch.ones(1, dtype=torch.long)
+    if not references:
+        return build_request_layout(width, height, frames, text, anchors)
+    return build_ref2va_layout(text, references, geometry.latent_frames(frames), *geometry.latent_size(width, height),
+                               geometry.audio_latents(frames))
 
 
 def _guide_media(guide, num_frames: int, clip_frames: int | None) -> GuideMedia:

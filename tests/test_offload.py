@@ -310,6 +310,41 @@ def test_the_plan_before_any_model_counts_the_keyframes_rows(tmp_path, monkeypat
     assert before.sequence_length == after.sequence_length - after.num_text_rows + 1
 
 
+def test_the_plan_before_any_model_counts_the_references_their_sizes_fix(tmp_path, monkeypatch):
+    """ref2va's references are rows of the sampling too (up to 7,296 an image at the release's size; a video
+    reference as many as the clip): the plan made before any model loads counted none. Images are counted
+    exactly (the prompt's rows are then the only difference); a video at the frames its seconds surely hold,
+    never more than it gets."""
+    import numpy as np
+    from PIL import Image
+
+    from h3_core import pipeline
+    from h3_core.conditioning import Request
+    from h3_core.references import DecodedAudio, DecodedVideo
+
+    planned, real_plan = [], pipeline.sampling_plan
+    monkeypatch.setattr(pipeline, "sampling_plan", lambda config, source, partition, settings, loras, layout, *rest:
+                        planned.append(layout) or real_plan(config, source, partition, settings, loras, layout, *rest))
+    wide, tall = Image.new("RGB", (120, 64), "teal"), Image.new("RGB", (64, 96), "tan")
+    clip = DecodedVideo(np.full((90, 48, 80, 3), 90, dtype=np.uint8), 30.0)  # 3 s at 30 fps
+    voice = DecodedAudio(np.zeros(32000 * 2, dtype=np.float32), 32000)
+
+    def plans(references):
+        planned.clear()
+        request = Request("ref2va", "a fox on the beach", references=references, duration=4)
+        pipeline.generate(request, "tiny-random", pipeline.GenerateSettings(steps=2),
+                          save_latents=tmp_path / f"{len(list(tmp_path.iterdir()))}.safetensors")
+        assert len(planned) == 2
+        return planned[0], planned[-1]
+
+    before, after = plans([("image", wide), ("image", tall)])
+    assert before.num_condition_video_rows == after.num_condition_video_rows > 0
+    assert before.sequence_length == after.sequence_length - after.num_text_rows + 1
+    images = before.sequence_length
+    before, after = plans([("image", wide), ("image", tall), ("video", clip), ("audio", voice)])
+    assert images < before.sequence_length <= after.sequence_length - after.num_text_rows + 1
+
+
 def test_text_encoder_layers_visit_the_device_one_at_a_time():
     """stream_layers: the same prompt states as the resident encoder, every one of the 50 layers visited
     once per prompt, and the layers' weights still at home afterwards; to() ends the streaming."""
