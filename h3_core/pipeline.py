@@ -36,10 +36,10 @@ from .offload import load_device, place
 from .placement import check_devices, module_bytes
 from .conditioning import Request, RequestError, encode_request, prompt_label_warnings, shows_pictures, validate
 from .clip_latents import MAX_CLIP_FRAMES, encode_clip_frames, expected_clip_frames, file_soundtrack, stream_clip
-from .layout import build_ref2va_layout, build_request_layout, pack_audio, patchify, unpack_audio, unpatchify
+from .layout import GuideBlock, build_ref2va_layout, build_t2va_layout, pack_audio, patchify, unpack_audio, unpatchify
 from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, read_mode
-from .guides import GuideFile, GuideMedia, add_guide, check_guide, read_guide
+from .guides import GuideFile, GuideMedia, add_guide, check_guide, guide_frame_count, read_guide
 from .lora import (
     VSA_STUDENT_CONTRACT, applied_contracts, apply_loras, check_loras, hooked_bytes, load_lora, run_mode,
     sampler_settings, task_warnings,
@@ -407,8 +407,9 @@ class _Prepared:
     partition: str
     seed: int
     outputs: int
-    # of its largest window: (width, height, frames, keyframe anchors, the reference blocks its media's sizes fix)
-    canvas: tuple[int, int, int, tuple[str, ...], tuple]
+    # of its largest window: (width, height, frames, keyframe anchors, and the reference and guide blocks its
+    # media's sizes fix): rows_before_encoding's arguments
+    canvas: tuple[int, int, int, tuple[str, ...], tuple, tuple]
 
     @property
     def plain_request(self) -> Request:
@@ -891,25 +892,30 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
                                       guides=tuple(guide_media))
         check(request, rules)
         guide_media = []
-    elif guide_media:  # checked now, added to the conditioning once it is encoded
+    guide_blocks = []
+    if guide_media:  # checked now, added to the conditioning once it is encoded
         for media in guide_media:
-            check_guide(request.task, plan.num_frames, media.frame_index, media.frames, media.waveform,
-                        media.sample_rate)
+            pixels, anchor, _ = check_guide(request.task, plan.num_frames, media.frame_index, media.frames,
+                                            media.waveform, media.sample_rate)
+            if pixels is not None:  # its picture's latent frames, for the plan (its sound's fewer rows left out)
+                count = guide_frame_count(pixels.shape[0])
+                guide_blocks.append(GuideBlock(anchor, 1 if count == 1 else geometry.latent_frames(count)))
         request = dataclasses.replace(request, guides=())
     sized = plan.first_plan if long_video else plan  # a long video's longest window
     return _Prepared(job, request, encode, run, guide_media, partition, seed, outputs,
                      (sized.width, sized.height, sized.num_frames, tuple(anchor for anchor, _ in sized.keyframes),
-                      sized.reference_blocks))
+                      sized.reference_blocks, tuple(guide_blocks)))
 
 
-def rows_before_encoding(width: int, height: int, frames: int, anchors: tuple[str, ...], references: tuple):
+def rows_before_encoding(width: int, height: int, frames: int, anchors: tuple[str, ...], references: tuple,
+                         guides: tuple):
     """The packed layout of a job's largest window as far as its sizes fix it before encoding: a one-row prompt,
-    its keyframes, and the `references` blocks (conditioning._sized_blocks)."""
+    its keyframes, the `references` blocks (conditioning._sized_blocks) and the guides' pictures."""
     text = torch.ones(1, dtype=torch.long)
-    if not references:
-        return build_request_layout(width, height, frames, text, anchors)
-    return build_ref2va_layout(text, references, geometry.latent_frames(frames), *geometry.latent_size(width, height),
-                               geometry.audio_latents(frames))
+    target = (geometry.latent_frames(frames), *geometry.latent_size(width, height), geometry.audio_latents(frames))
+    if references:
+        return build_ref2va_layout(text, references, *target, guides=guides)
+    return build_t2va_layout(text, *target, anchors, guides=guides)
 
 
 def _guide_media(guide, num_frames: int, clip_frames: int | None) -> GuideMedia:

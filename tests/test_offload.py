@@ -345,6 +345,35 @@ def test_the_plan_before_any_model_counts_the_references_their_sizes_fix(tmp_pat
     assert images < before.sequence_length <= after.sequence_length - after.num_text_rows + 1
 
 
+def test_the_plan_before_any_model_counts_the_guides_pictures(tmp_path, monkeypatch):
+    """A guide's picture is rows of the sampling too (an image one latent frame, a clip its own): the plan made
+    before any model loads counts them, so with pictures alone it differs from the one after encoding by the
+    prompt's rows; a guide's sound (a few rows) is left out, never over-counted."""
+    import numpy as np
+    from PIL import Image
+
+    from h3_core import pipeline
+    from h3_core.conditioning import Request
+    from h3_core.guides import GuideMedia
+
+    planned, real_plan = [], pipeline.sampling_plan
+    monkeypatch.setattr(pipeline, "sampling_plan", lambda config, source, partition, settings, loras, layout, *rest:
+                        planned.append(layout) or real_plan(config, source, partition, settings, loras, layout, *rest))
+    still = GuideMedia(30, Image.new("RGB", (96, 64), "teal"))
+    clip = GuideMedia(-22, np.full((22, 64, 96, 3), 90, dtype=np.uint8))
+    sound = GuideMedia(60, waveform=np.zeros((2, 32000), dtype=np.float32), sample_rate=32000)
+    for guides, exact in (([still, clip], True), ([still, clip, sound], False)):
+        planned.clear()
+        request = Request("t2va", "a fox on the beach", guides=guides, duration=4)
+        pipeline.generate(request, "tiny-random", pipeline.GenerateSettings(steps=2),
+                          save_latents=tmp_path / f"{len(guides)}.safetensors")
+        before, after = planned[0], planned[-1]
+        assert len(planned) == 2 and before.num_condition_video_rows == after.num_condition_video_rows > 0
+        prompt = after.num_text_rows - 1
+        assert (before.sequence_length == after.sequence_length - prompt) if exact else (
+            before.sequence_length < after.sequence_length - prompt)
+
+
 def test_text_encoder_layers_visit_the_device_one_at_a_time():
     """stream_layers: the same prompt states as the resident encoder, every one of the 50 layers visited
     once per prompt, and the layers' weights still at home afterwards; to() ends the streaming."""
