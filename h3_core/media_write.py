@@ -9,13 +9,18 @@ On close the audio is cut or zero-padded to `round(frames * 32000 / 24)` samples
 last frames/24 s (AAC's last frame is padded by the encoder, < 1024 samples).
 
 The file appears only on success: it is written under a hidden temporary name in the same folder
-and renamed into place by `close()`; a failed or aborted write removes the temporary file.
+and renamed into place by `close()`; a failed or aborted write removes the temporary file. A process
+killed outright (SIGKILL, the OOM killer) cannot: its temporary file carries its process id, and the
+next write of the same name removes it once that process is gone.
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import secrets
+import sys
 from collections.abc import Mapping
 from fractions import Fraction
 from pathlib import Path
@@ -95,6 +100,33 @@ def pick_aac_encoder() -> str:
     raise EncoderUnavailableError(f"No AAC encoder in this PyAV build (looked for {', '.join(AAC_ENCODERS)}).")
 
 
+def remove_orphaned_parts(path: Path) -> list[Path]:
+    """Remove the temporary files that writes of `path` by processes no longer running left behind (their
+    process ids, in their names, checked on this machine); returns them."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)-[0-9a-f]{{8}}\.part")
+    removed = []
+    for candidate in path.parent.glob(f".{glob.escape(path.name)}.*.part"):
+        found = pattern.fullmatch(candidate.name)
+        if found and not process_running(int(found[1])):
+            candidate.unlink(missing_ok=True)
+            removed.append(candidate)
+    return removed
+
+
+def process_running(pid: int) -> bool:
+    """Whether process `pid` runs on this machine. On Windows (where signal 0 would be a Ctrl-C) it is assumed
+    to, so nothing is removed there."""
+    if sys.platform == "win32":
+        return True
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 class Mp4Writer:
     """Incremental MP4 writer; use as a context manager (an exception inside aborts the file).
 
@@ -144,7 +176,8 @@ class Mp4Writer:
             raise ValueError(f"Cannot write {self.path}: the file is an MP4 (H.264 + AAC); name it .mp4.")
         if not self.path.parent.is_dir():
             raise FileNotFoundError(f"Cannot write {self.path}: the folder {self.path.parent} does not exist.")
-        self._temp_path = self.path.with_name(f".{self.path.name}.{secrets.token_hex(4)}.part")
+        remove_orphaned_parts(self.path)
+        self._temp_path = self.path.with_name(f".{self.path.name}.{os.getpid()}-{secrets.token_hex(4)}.part")
         self._crf, self._preset, self._encoder_name = int(crf), preset, encoder
         self._metadata, self._audio_bitrate = metadata, audio_bitrate
         self._container = None

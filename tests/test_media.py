@@ -408,3 +408,28 @@ def test_corrupt_or_missing_files_raise_errors_naming_the_file(tmp_path):
         read_video(tmp_path / "nowhere.mp4")
     with pytest.raises(ValueError, match="start_seconds"):
         read_audio(junk, start_seconds=-1.0)
+
+
+def test_a_killed_writers_temporary_file_goes_with_the_next_write_of_its_name(tmp_path):
+    """A process killed outright (SIGKILL, the OOM killer) left its hidden temporary MP4 behind for good. Its
+    name carries the writer's process id: the next write of the same name removes it once that process is gone,
+    and leaves a running writer's, and other names', alone."""
+    import os
+    import subprocess
+    import sys
+
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True)
+    gone = int(finished.stdout)
+    orphan = tmp_path / f".out.mp4.{gone}-0123abcd.part"
+    running = tmp_path / f".out.mp4.{os.getpid()}-89abcdef.part"
+    other = tmp_path / f".other.mp4.{gone}-0123abcd.part"
+    for path in (orphan, running, other):
+        path.write_bytes(b"half an mp4")
+    rng = np.random.default_rng(0)
+    with Mp4Writer(tmp_path / "out.mp4") as writer:
+        names = [path.name for path in tmp_path.iterdir()]
+        assert orphan.name not in names and running.name in names  # removed before this write began
+        writer.write_video_frames(rng.integers(0, 256, (3, HEIGHT, WIDTH, 3), dtype=np.uint8))
+        assert writer._temp_path.name.startswith(f".out.mp4.{os.getpid()}-")  # its own, named the same way
+    assert files_in(tmp_path) == sorted(["out.mp4", running.name, other.name])
