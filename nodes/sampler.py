@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import folder_paths
 from comfy_api.latest import io
@@ -141,6 +142,19 @@ class H3Sampler(io.ComfyNode):
         return io.NodeOutput(results)
 
 
+# LoRAs read, while anything (the model ComfyUI keeps as a node's output) still holds them: a strength changed
+# reads the file again only where it changed on disk (as ComfyUI's own LoRA loader keeps the last file read)
+_read_loras: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def read_lora(path: str, unknown_keys: str):
+    key = (path, unknown_keys, files_fingerprint(path))
+    lora = _read_loras.get(key)
+    if lora is None:
+        lora = _read_loras[key] = load_lora(path, unknown=unknown_keys)
+    return lora
+
+
 class H3LoRAApply(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -175,7 +189,7 @@ class H3LoRAApply(io.ComfyNode):
     def execute(cls, model, lora_name, strength, unknown_keys="error") -> io.NodeOutput:
         if not math.isfinite(float(strength)):  # NaN passes ComfyUI's range check
             raise ValueError(f"strength must be a finite number, got {strength!r}.")
-        lora = load_lora(folder_paths.get_full_path_or_raise("loras", lora_name), unknown=unknown_keys)
+        lora = read_lora(folder_paths.get_full_path_or_raise("loras", lora_name), unknown_keys)
         # an adapter for the other partition or another model's shapes is refused here, before the DiT is read
         check_loras(model.dit.config if model.split else model.dit, [(lora, strength)], model.partition)
         return io.NodeOutput(model.with_lora(lora, strength))

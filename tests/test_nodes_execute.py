@@ -1277,3 +1277,36 @@ def test_another_length_of_a_prompt_does_not_run_the_text_encoder_again(comfy):
     other = c.conditioning.H3Conditioning.execute(text, "a cat", "t2va", "auto", 0, 0, 4.0, vae=vae).values[0]
     assert not torch.equal(other.text_states, first.text_states)
     assert c.record.loaded[-1][0] == ["H3 text encoder (tiny-random)", "H3 VAEs (tiny-random + tiny-random)"]
+
+
+def test_a_strength_change_does_not_read_the_lora_file_again(comfy, monkeypatch):
+    """Changing only the strength re-ran H3 LoRA / Turbo Apply, which read the whole file again (a LoRA of
+    the 33B DiT is up to a few GB). While the model ComfyUI keeps still holds the adapter it is reused; a file
+    saved over under its name, or the other unknown_keys choice, is read again."""
+    import os
+
+    from lora_files import fused, random_spec, write_native
+
+    from h3_core import lora as lora_module
+    from h3_core.config import TINY_DIT
+
+    c = comfy
+    path = write_native(c.tmp / "loras" / "style.safetensors", fused(random_spec(TINY_DIT), block_diagonal=True),
+                        prefix="diffusion_model.")
+    reads = []
+    monkeypatch.setattr(c.sampler, "load_lora", lambda *a, **k: reads.append(a[0]) or lora_module.load_lora(*a, **k))
+    model = c.loaders.H3ModelLoader.execute("tiny-random", "", "fl2va", "bf16", "auto").values[0]
+    first = c.sampler.H3LoRAApply.execute(model, "style.safetensors", 1.0).values[0]
+    second = c.sampler.H3LoRAApply.execute(model, "style.safetensors", 0.5).values[0]
+    assert len(reads) == 1 and second.loras[0][0] is first.loras[0][0] and second.loras[0][1] == 0.5
+    c.sampler.H3LoRAApply.execute(model, "style.safetensors", 0.5, "warn")
+    assert len(reads) == 2
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # saved over: read again
+    c.sampler.H3LoRAApply.execute(model, "style.safetensors", 0.5)
+    assert len(reads) == 3
+    del first, second
+    import gc
+
+    gc.collect()  # nothing holds the adapters any more: nothing kept
+    assert not c.sampler._read_loras
