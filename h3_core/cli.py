@@ -276,9 +276,9 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
     add_dit_speed_options(gen)
     gen.add_argument("--gpu-memory", type=float, metavar="GIB",
                      help="GPU memory the text encoder, then the DiT, may use (default: what is free); " + STREAM_HELP
-                          + ", a text encoder that does not fit streams its layers (with --device cpu: the DiT's memory "
-                          "there, streamed the same way; with --devices: the text encoder's only, the split DiT is not "
-                          "streamed)")
+                          + ", a text encoder that does not fit streams its layers (with --device cpu: the DiT's "
+                          "memory there, streamed the same way; with --devices: the text encoder's only, the split DiT "
+                          "is not streamed)")
     gen.add_argument("--devices", metavar="DEV,DEV[,...]",
                      help="split the DiT over several devices, e.g. cuda:0,cuda:1 (one worker process each, sequence "
                           "parallel; 2, 4, 7 or 8 of them); the text encoder and VAEs run on the first (replaces --device)")

@@ -54,7 +54,7 @@ class MemoryPlan:
 # How the block linears are held (fp8.held_format): "fp8" a byte a weight (e4m3, or int8), rebuilt for each
 # matmul; "fp8-scaled" e4m3 in FP8 matmuls, their inputs quantized instead; "int8" ComfyUI's ConvRot-rotated int8
 HELD_FORMATS = ("dense", "fp8", "fp8-scaled", "int8", "int4", "nvfp4", "gguf")
-# the order in which a model whose blocks differ is planned: the last format any block holds
+# cheapest to costliest: a model whose blocks are held differently is planned as its costliest
 HELD_COST_ORDER = ("int4", "nvfp4", "fp8", "int8", "fp8-scaled", "dense")
 
 
@@ -79,8 +79,8 @@ def _gguf_bytes_per_weight(held: str) -> float:
 def block_weight_bytes(config: DiTConfig, dtype_bytes: int, held: str = "dense", refiner: bool = False) -> int:
     """Attention + FFN + norms of one block (what streams; its AdaLN projection does not), with its VSA gate
     (`config.vsa_gates`, never quantized) unless it is a `refiner` block. `held` (HELD_FORMATS): the four
-    linears in the model dtype; as FP8 or int8 (fp8.FP8Linear, fp8-scaled too: a byte a weight plus an fp32 scale per output
-    channel); as int4 (the same, half a byte a weight); as NVFP4 (nvfp4.NVFP4Linear: half a byte a weight, an
+    linears in the model dtype; as FP8 or int8, in FP8 matmuls or not (fp8.FP8Linear: a byte a weight plus an fp32
+    scale per output channel); as int4 (the same, half a byte a weight); as NVFP4 (nvfp4.NVFP4Linear: half a byte a weight, an
     e4m3 scale per 16, an fp32 tensor scale, and room for an AWQ input scale); or as GGML blocks ("gguf:<bytes a
     weight>", scales included)."""
     h, inner, ffn, d = config.hidden_size, config.inner_dim, config.ffn_dim, config.attention_head_dim
@@ -139,7 +139,7 @@ def activation_bytes(config: DiTConfig, rows: int, dtype_bytes: int, held: str =
     kind = check_held(held)
     if kind == "dense":
         return attention
-    ffn_input = rows * (dtype_bytes * 4 * h + rope)  # the block input, the residual stream, the normed and modulated rows
+    ffn_input = rows * (dtype_bytes * 4 * h + rope)  # the block's input, the residual, the normed and modulated rows
     swiglu = rows * dtype_bytes * 3 * config.ffn_dim  # fc1's output (gate and value) and their product
     if kind == "fp8-scaled":
         return max(attention, ffn_input + swiglu + rows * 5 * config.ffn_dim)

@@ -534,7 +534,7 @@ def generate_batch(
             check_video_vae(source.video_vae)  # headers against the model, as the DiT's above
         with _part_of(source, "audio_vae"):
             check_audio_vae(source.audio_vae)
-    if len(settings.devices) < 2:  # the sampling rows but the prompt's (and references' not yet sized): too many are said now
+    if len(settings.devices) < 2:  # the sampling's rows as far as known before encoding: too many are said now
         least = max((rows_before_encoding(*canvas) for canvas in {item.canvas for item in prepared}),
                     key=lambda layout: layout.sequence_length)  # the job with the most rows, planned once
         sampling_plan(TINY_DIT if source.tiny else dit_source.config, dit_source, partition, settings, loras, least,

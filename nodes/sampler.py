@@ -142,8 +142,8 @@ class H3Sampler(io.ComfyNode):
         return io.NodeOutput(results)
 
 
-# LoRAs read, while anything (the model ComfyUI keeps as a node's output) still holds them: a strength changed
-# reads the file again only where it changed on disk (as ComfyUI's own LoRA loader keeps the last file read)
+# LoRAs read, kept while anything (the model ComfyUI keeps as a node's output) holds them: a new strength reads
+# no file unless it changed on disk (as ComfyUI's own LoRA loader keeps the last file it read)
 _read_loras: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 

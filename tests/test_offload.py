@@ -99,8 +99,8 @@ def test_real_config_sizes_match_the_fact_sheet():
 
 
 # One real-config block on an H200 (bench/held_block_peak.py, 2026-12-03): peak allocated above its input, plus the
-# input, cos/sin and row index, by how its linears are held; (packed rows, bytes) at 768x768 x 39 and 61 frames
-# and 1344x768 x 124. GGUF: Q4_K (0.5625 bytes a weight) and IQ4_XS (0.53125).
+# input, cos/sin and row index, by how its linears are held; (packed rows, bytes) at 512x512 x 39 frames, 768x768
+# x 56 and 1344x768 x 124. GGUF: Q4_K (0.5625 bytes a weight) and IQ4_XS (0.53125).
 BLOCK_PEAKS_H200 = {
     "dense": [(3714, 603302416), (10490, 1708573136), (38222, 6209570928)],
     "fp8-scaled": [(3714, 750187536), (10490, 2116259792), (38222, 7701750384)],
