@@ -46,9 +46,13 @@ class BlockStreamer:
     device: the compute device. resident: how many leading blocks stay on it. prefetch: how many
     blocks ahead are copied; the GPU holds prefetch + 2 slots, each the size of the largest streamed
     block (blocks may differ: a GGUF file mixing quant types, an FP8 file with some blocks dense).
+    pin_bytes: at most this much of the streamed blocks' CPU memory is pinned (None: all of it, on a
+    CUDA device); the others are copied from ordinary memory, correct but slower (a host's budget for
+    pinned memory, e.g. ComfyUI's, which Windows needs kept to under half the RAM).
     """
 
-    def __init__(self, dit: H3DiT, device: torch.device | str, resident: int, prefetch: int = 1):
+    def __init__(self, dit: H3DiT, device: torch.device | str, resident: int, prefetch: int = 1,
+                 pin_bytes: int | None = None):
         self.device = torch.device(device)
         self.blocks = list(dit.blocks)
         if not 0 <= resident <= len(self.blocks):
@@ -60,7 +64,8 @@ class BlockStreamer:
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.home: dict[int, list[torch.Tensor]] = {}  # CPU views of each streamed block's weights
         self.offsets: dict[int, list[int]] = {}  # each streamed block's own packing
-        slot_bytes = 0
+        self.pinned_blocks = 0
+        slot_bytes, pin_room = 0, pin_bytes
         for index, block in enumerate(self.blocks):
             params = _streamed_parameters(block)
             if index < resident:
@@ -69,7 +74,11 @@ class BlockStreamer:
                 continue
             self.offsets[index], size = _packing(params)
             slot_bytes = max(slot_bytes, size)
-            flat = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+            pinned = cuda and (pin_room is None or size <= pin_room)
+            if pinned and pin_room is not None:
+                pin_room -= size
+            self.pinned_blocks += pinned
+            flat = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
             self.home[index] = _views(flat, params, self.offsets[index])
             for param, view in zip(params, self.home[index]):
                 view.copy_(param.data)
@@ -163,7 +172,8 @@ class BlockStreamer:
         return home - sum(slot.numel() for slot in self.slots)
 
 
-def stream_blocks(dit: H3DiT, device: torch.device | str, resident: int, prefetch: int = 1) -> BlockStreamer:
+def stream_blocks(dit: H3DiT, device: torch.device | str, resident: int, prefetch: int = 1,
+                  pin_bytes: int | None = None) -> BlockStreamer:
     """Put the small shared parts on `device`, keep the AdaLN weights on the CPU (the sampler's
     `modulation_schedule` brings each over once) and stream the blocks; see BlockStreamer."""
     adaln = set(map(id, dit.adaln_modules()))
@@ -176,16 +186,17 @@ def stream_blocks(dit: H3DiT, device: torch.device | str, resident: int, prefetc
     for block in dit.blocks:
         block.adaln_proj.to("cpu")
     dit.rope_inv_freq = dit.rope_inv_freq.to(device)
-    return BlockStreamer(dit, device, resident, prefetch)
+    return BlockStreamer(dit, device, resident, prefetch, pin_bytes)
 
 
-def place(dit: H3DiT, device: torch.device | str, plan) -> BlockStreamer | None:
+def place(dit: H3DiT, device: torch.device | str, plan, pin_bytes: int | None = None) -> BlockStreamer | None:
     """Put `dit` (loaded anywhere, e.g. on the CPU) where a `memory_plan.MemoryPlan` says. Returns the
     streamer (`remove()` it when done) or None when every block is resident. AdaLN weights the plan
-    leaves on the CPU stay there; the sampler's `offload_adaln` brings each over once."""
+    leaves on the CPU stay there; the sampler's `offload_adaln` brings each over once. `pin_bytes`: as
+    BlockStreamer's."""
     device = torch.device(device)
     if plan.streams:
-        return stream_blocks(dit, device, plan.resident_blocks, plan.prefetch)
+        return stream_blocks(dit, device, plan.resident_blocks, plan.prefetch, pin_bytes)
     kept = {id(p) for module in dit.adaln_modules() for p in module.parameters()} if plan.offload_adaln else set()
     for module in dit.modules():
         for param in module.parameters(recurse=False):

@@ -20,7 +20,7 @@ import logging
 import sys
 import traceback
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -239,7 +239,9 @@ class DiTPlacement(Placement):
 
     `budget_gib`: the device memory the DiT may use (None: what the host reports free). `reader`: the
     `checkpoint.DiTReader` whose model `dit` is; its weights are then read at the first load (straight
-    onto the device when the plan keeps everything there), and may be released and read again."""
+    onto the device when the plan keeps everything there), and may be released and read again. `pin_room`:
+    asked at each streamed load, how much pinned CPU memory the host allows the streamed blocks (None: no
+    limit; offload.BlockStreamer's pin_bytes)."""
 
     def __init__(self, name: str, dit, load_device, offload_device, loaded: bool = False,
                  budget_gib: float | None = None, reader=None):
@@ -248,6 +250,7 @@ class DiTPlacement(Placement):
         self.dit, self.budget_gib, self.reader = dit, budget_gib, reader
         self.plan = None  # the plan of the next load, and of the model while loaded (None: whole)
         self.streamer = None
+        self.pin_room: Callable[[], int | None] | None = None
         super().__init__(name, [dit], load_device, offload_device, loaded)
 
     @property
@@ -331,7 +334,9 @@ class DiTPlacement(Placement):
             if self.plan is None:
                 self.dit.to(self.load_device)
             else:
-                self.streamer = place(self.dit, self.load_device, self.plan)
+                self.streamer = place(self.dit, self.load_device, self.plan,
+                                      pin_bytes=None if self.pin_room is None else self.pin_room())
+                self._say_pinned()
             return self.loaded_bytes
         moved = self.loaded_bytes
         if self._parks_released(moved):
@@ -340,6 +345,13 @@ class DiTPlacement(Placement):
         self.streamer, self.loaded = None, False
         empty_caches(self.load_device)
         return moved
+
+    def _say_pinned(self) -> None:
+        streamer = self.streamer
+        streamed = 0 if streamer is None else len(streamer.home)
+        if streamed and streamer.pinned_blocks < streamed and streamer.copy_stream is not None:
+            log.warning("H3: %s: %d of its %d streamed blocks fit the host's pinned-memory budget; the others are "
+                        "copied from ordinary memory each step (slower)", self.name, streamer.pinned_blocks, streamed)
 
     def load(self) -> int:
         moved = self._move(True)

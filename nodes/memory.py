@@ -187,11 +187,21 @@ def manage_dit(name: str, dit, device, loaded: bool, budget_gib: float | None, r
     another of our models needs the CPU memory (host_memory)."""
     placement = DiTPlacement(name, dit, device, mm.unet_offload_device(), loaded=loaded, budget_gib=budget_gib,
                              reader=reader)
+    placement.pin_room = pin_room
     track(placement)
     patcher = H3Patcher(placement)
     if loaded:
         place([patcher])
     return patcher
+
+
+def pin_room() -> int | None:
+    """The pinned CPU memory ComfyUI's budget leaves for streamed DiT blocks: none with --disable-pinned-memory
+    (or off NVIDIA and AMD); None (no limit) in a ComfyUI without such a budget."""
+    most = getattr(mm, "MAX_PINNED_MEMORY", None)
+    if most is None:
+        return None
+    return max(0, int(most - getattr(mm, "TOTAL_PINNED_MEMORY", 0)))
 
 
 def manage_runner(name: str, spec, devices, shard_weights: bool) -> H3Patcher:

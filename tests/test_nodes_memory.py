@@ -123,6 +123,29 @@ def test_a_small_budget_streams_blocks_with_the_resident_results(comfy, caplog):
     assert placement.streamer is not None
 
 
+def test_streamed_blocks_are_pinned_within_comfyuis_pinned_memory_budget(comfy, monkeypatch):
+    """The streamed blocks' CPU homes were all pinned whatever ComfyUI allowed (its budget keeps pinned memory
+    under half the RAM on Windows; --disable-pinned-memory allows none). A streamed load now asks ComfyUI what
+    is left of it and pins that much at most (offload.BlockStreamer's pin_bytes)."""
+    from h3_core import offload
+
+    c = comfy
+    assert not hasattr(c.mm, "MAX_PINNED_MEMORY") and c.memory.pin_room() is None  # a ComfyUI without the budget
+    monkeypatch.setattr(c.mm, "MAX_PINNED_MEMORY", -1, raising=False)  # --disable-pinned-memory, or no NVIDIA/AMD
+    monkeypatch.setattr(c.mm, "TOTAL_PINNED_MEMORY", 0, raising=False)
+    assert c.memory.pin_room() == 0
+    monkeypatch.setattr(c.mm, "MAX_PINNED_MEMORY", 10 * GIB)
+    monkeypatch.setattr(c.mm, "TOTAL_PINNED_MEMORY", 4 * GIB)  # other models' pins
+    assert c.memory.pin_room() == 6 * GIB
+    asked, real_place = [], offload.place
+    monkeypatch.setattr(offload, "place", lambda *args, pin_bytes=None: asked.append(pin_bytes) or real_place(
+        *args, pin_bytes=pin_bytes))
+    cond = _cond(c)
+    model = _load(c, gpu_memory_gb=streaming_budget(cond.layout))
+    _sample(c, model, cond)
+    assert model.patcher.model.streamer is not None and asked == [6 * GIB]
+
+
 def test_a_plan_that_only_keeps_the_adaln_weights_home_moves_only_them(comfy, caplog):
     c = comfy
     cond = _cond(c)

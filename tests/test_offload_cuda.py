@@ -53,6 +53,25 @@ def test_streamed_on_cuda_equals_resident_and_unplace_cleans_up(resident):
     assert all(torch.equal(a, b) for a, b in zip(expected, _sample(model, offload_adaln=False)))
 
 
+def test_streamed_blocks_beyond_the_pinned_budget_copy_from_ordinary_memory():
+    """A host's pinned-memory budget (ComfyUI's: under half the RAM on Windows, none with
+    --disable-pinned-memory) pins only the streamed blocks that fit it; the rest copy from pageable memory,
+    and the outputs are still the resident model's."""
+    from h3_core.offload import _packing, _streamed_parameters
+
+    expected = _sample(_model().cuda(), offload_adaln=False)
+    model = _model()
+    block = _packing(_streamed_parameters(model.blocks[1]))[1]  # a streamed block's CPU home, as packed
+    for budget, pinned in ((int(2.5 * block), 2), (0, 0)):
+        streamer = place(model, "cuda", MemoryPlan(1, 1, True, 0, True), pin_bytes=budget)
+        homes = [views[0].is_pinned() for _, views in sorted(streamer.home.items())]
+        assert streamer.pinned_blocks == pinned and homes == [True] * pinned + [False] * (3 - pinned)
+        got = _sample(model, offload_adaln=True)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+        unplace(model, "cpu", streamer)
+        assert all(p.device.type == "cpu" and not p.is_pinned() for p in model.parameters())
+
+
 def test_text_encoder_streams_its_layers_through_the_gpu():
     from h3_core.tiny_text import tiny_random_text_encoder
 
