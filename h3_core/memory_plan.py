@@ -79,10 +79,10 @@ def _gguf_bytes_per_weight(held: str) -> float:
 def block_weight_bytes(config: DiTConfig, dtype_bytes: int, held: str = "dense", refiner: bool = False) -> int:
     """Attention + FFN + norms of one block (what streams; its AdaLN projection does not), with its VSA gate
     (`config.vsa_gates`, never quantized) unless it is a `refiner` block. `held` (HELD_FORMATS): the four
-    linears in the model dtype; as FP8 or int8, in FP8 matmuls or not (fp8.FP8Linear: a byte a weight plus an fp32
-    scale per output channel); as int4 (the same, half a byte a weight); as NVFP4 (nvfp4.NVFP4Linear: half a byte a weight, an
-    e4m3 scale per 16, an fp32 tensor scale, and room for an AWQ input scale); or as GGML blocks ("gguf:<bytes a
-    weight>", scales included)."""
+    linears in the model dtype; as FP8 or int8, in FP8 matmuls or not (fp8.FP8Linear: a byte a weight plus an
+    fp32 scale per output channel); as int4 (the same, half a byte a weight); as NVFP4 (nvfp4.NVFP4Linear: half a
+    byte a weight, an e4m3 scale per 16, an fp32 tensor scale, and room for an AWQ input scale); or as GGML blocks
+    ("gguf:<bytes a weight>", scales included)."""
     h, inner, ffn, d = config.hidden_size, config.inner_dim, config.ffn_dim, config.attention_head_dim
     linears = h * 3 * inner + inner * h + h * 2 * ffn + ffn * h
     norms = dtype_bytes * (2 * h + 2 * d)

@@ -47,8 +47,8 @@ class BlockStreamer:
     blocks ahead are copied; the GPU holds prefetch + 2 slots, each the size of the largest streamed
     block (blocks may differ: a GGUF file mixing quant types, an FP8 file with some blocks dense).
     pin_bytes: at most this much of the streamed blocks' CPU memory is pinned (None: all of it, on a
-    CUDA device); the others are copied from ordinary memory, the same values, the copy no longer overlapping the
-    CPU's work (a host's budget for pinned memory, e.g. ComfyUI's, which Windows needs kept to under half the RAM;
+    CUDA device); the others are copied from ordinary memory, the same values, the CPU waiting on each
+    copy (a host's pinned-memory budget, e.g. ComfyUI's, which Windows needs under half the RAM;
     bench/pinned_stream.py: no slower at 1344x768 x 124 on an H200).
     """
 

@@ -350,8 +350,9 @@ class DiTPlacement(Placement):
         streamer = self.streamer
         streamed = 0 if streamer is None else len(streamer.home)
         if streamed and streamer.pinned_blocks < streamed and streamer.copy_stream is not None:
-            log.warning("H3: %s: %d of its %d streamed blocks fit the host's pinned-memory budget; the others are "
-                        "copied from ordinary memory each step (slower where the copies outlast a block's compute)", self.name, streamer.pinned_blocks, streamed)
+            log.info("H3: %s: %d of its %d streamed blocks fit the host's pinned-memory budget; the others are copied "
+                     "from ordinary memory each step (slower where the copies outlast a block's compute)", self.name,
+                     streamer.pinned_blocks, streamed)
 
     def load(self) -> int:
         moved = self._move(True)
