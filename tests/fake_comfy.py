@@ -151,6 +151,8 @@ def installed(tmp_path: Path, **options):
     """`install` for the block, then every faked module and our node modules leave sys.modules again, and
     what was there before comes back (so the tests around see no fake)."""
     saved = {name: module for name, module in sys.modules.items() if name.split(".")[0] in FAKED}
+    for name in saved:  # a real ComfyUI imported by an earlier test must not mix with the fakes
+        del sys.modules[name]
     try:
         yield install(tmp_path, **options)
     finally:

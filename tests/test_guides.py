@@ -6,7 +6,6 @@ against diffusers in test_end_to_end: a guide image at frame 0 must be exactly a
 
 import dataclasses
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -86,8 +85,8 @@ def test_guide_rows_sit_where_the_native_layout_puts_them():
 
 
 @pytest.mark.skipif(not os.environ.get("COMFYUI_PATH"), reason="COMFYUI_PATH not set: no native ComfyUI layout to compare")
-def test_guide_positions_equal_comfyuis_native_layout():
-    sys.path.insert(0, os.environ["COMFYUI_PATH"])
+def test_guide_positions_equal_comfyuis_native_layout(monkeypatch):
+    monkeypatch.syspath_prepend(os.environ["COMFYUI_PATH"])  # only for this test: its nodes.py would hide ours
     pytest.importorskip("comfy.cli_args").args.cpu = True  # before comfy.model_management looks for a GPU
     native = pytest.importorskip("comfy.ldm.minimax.model")
     keyframes = [{"resolved_frame_index": 0, "latent": torch.zeros(1, 24, 1, 8, 14)},
