@@ -166,12 +166,14 @@ def read_gguf(path: Path, only: Callable[[str], bool] | None = None) -> Iterator
     """(key, tensor, path) for each tensor of the file (whose key `only` accepts), one at a time, as
     `GGUFEntry.read_as` describes it: F32 / F16 / BF16 tensors as themselves, quantized ones as their stored
     bytes."""
-    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    # copy-on-write: each tensor stays a view of the file's pages (the OS's file cache, as safetensors reads), and
+    # one written to would get its own copy, never change the file
+    mapped = np.memmap(path, dtype=np.uint8, mode="c")
     for tensor in _header(path).tensors:
         if only is not None and not only(tensor.name):
             continue
         like = _entry(tensor, path).read_as()
-        raw = torch.from_numpy(np.array(mapped[tensor.offset:tensor.offset + tensor.nbytes]))  # a copy, out of the map
+        raw = torch.from_numpy(mapped[tensor.offset:tensor.offset + tensor.nbytes])
         yield tensor.name, raw.view(like.dtype).reshape(like.shape), path
 
 

@@ -11,13 +11,16 @@ of the resident model: the same kernels run on the same values.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 from torch import nn
 
 from .dit import H3DiT
-from .runtime import empty_host_cache
+from .runtime import empty_host_cache, file_mapped_ranges, in_mapped_file, pinnable_bytes, read_ahead
 
 ALIGN = 256  # bytes; every weight starts on an aligned offset inside its block's flat buffer
+READ_AHEAD_BLOCKS = 2  # how many blocks past those being copied the disk is asked to read, where they are a file's
 
 
 def _streamed_parameters(block: nn.Module) -> list[nn.Parameter]:
@@ -47,9 +50,11 @@ class BlockStreamer:
     blocks ahead are copied; the GPU holds prefetch + 2 slots, each the size of the largest streamed
     block (blocks may differ: a GGUF file mixing quant types, an FP8 file with some blocks dense).
     pin_bytes: at most this much of the streamed blocks' CPU memory is pinned (None: all of it, on a
-    CUDA device); the others are copied from ordinary memory, the same values, the CPU waiting on each
+    CUDA device); the others are copied from where they are, the same values, the CPU waiting on each
     copy (a host's pinned-memory budget, e.g. ComfyUI's, which Windows needs under half the RAM;
-    bench/pinned_stream.py: no slower at 1344x768 x 124 on an H200).
+    bench/pinned_stream.py: no slower at 1344x768 x 124 on an H200). Where they are is, for weights read
+    as stored, the file's pages in the OS's cache: a host short of memory reads them from disk again
+    instead of swapping.
     """
 
     def __init__(self, dit: H3DiT, device: torch.device | str, resident: int, prefetch: int = 1,
@@ -64,9 +69,14 @@ class BlockStreamer:
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.home: dict[int, list[torch.Tensor]] = {}  # CPU views of each streamed block's weights
+        # a pinned block's weights as read, where they are views of a mapped file (None where not): unplace
+        # gives them back instead of copying the pinned ones again
+        self.as_read: dict[int, list[torch.Tensor | None]] = {}
         self.offsets: dict[int, list[int]] = {}  # each streamed block's own packing
+        self.on_file: dict[int, list[torch.Tensor]] = {}  # an unpinned block's weights in a mapped file
         self.pinned_blocks = 0
         slot_bytes, pin_room = 0, pin_bytes
+        mapped = file_mapped_ranges()
         for index, block in enumerate(self.blocks):
             params = _streamed_parameters(block)
             if index < resident:
@@ -79,11 +89,21 @@ class BlockStreamer:
             if pinned and pin_room is not None:
                 pin_room -= size
             self.pinned_blocks += pinned
-            flat = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+            if not pinned:  # copied from where it is: a block read from a file stays the OS's file cache
+                self.home[index] = [param.data.to("cpu") for param in params]
+                for param, home in zip(params, self.home[index]):
+                    param.data = home
+                on_file = [home for home in self.home[index] if in_mapped_file(home, mapped)]
+                if on_file:
+                    self.on_file[index] = on_file
+                continue
+            self.as_read[index] = [p.data if in_mapped_file(p.data, mapped) else None for p in params]
+            flat = torch.empty(size, dtype=torch.uint8, pin_memory=True)
             self.home[index] = _views(flat, params, self.offsets[index])
             for param, view in zip(params, self.home[index]):
                 view.copy_(param.data)
                 param.data = view
+        self.reader = ThreadPoolExecutor(1, "h3-read-ahead") if self.on_file else None
         streamed = len(self.blocks) - resident
         self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(min(streamed, prefetch + 2))]
         self.slot_free: list[torch.cuda.Event | None] = [None] * len(self.slots)
@@ -127,8 +147,16 @@ class BlockStreamer:
                     param.data = view
             for ahead in range(index + 1, min(index + 1 + self.prefetch, len(self.blocks))):
                 self._fetch(ahead)
+            # a block fetched soon (in the next forward too) that copies from a file's pages: the disk reads it
+            # meanwhile
+            self._advise((index + self.prefetch + READ_AHEAD_BLOCKS) % len(self.blocks))
 
         return hook
+
+    def _advise(self, index: int) -> None:
+        """Have the OS read block `index`'s file pages on the side thread (madvise waits on the disk queue)."""
+        if index in self.on_file:
+            self.reader.submit(read_ahead, self.on_file[index])
 
     def _forget_stale(self) -> None:
         """At a forward's first block: a forward that failed part way left blocks marked as in their slots (their
@@ -165,6 +193,15 @@ class BlockStreamer:
             hook.remove()
         self.hooks = []
         self.slots, self.slot_free, self.loaded = [], [], {}
+        if self.reader is not None:
+            self.reader.shutdown(wait=True, cancel_futures=True)  # no madvise left on a mapping about to go
+            self.reader = None
+
+    def let_go(self) -> None:
+        """Drop every reference to the streamed blocks' CPU weights (the model lets go of its weights)."""
+        self.home.clear()
+        self.as_read.clear()
+        self.on_file.clear()
 
     @property
     def offloaded_bytes(self) -> int:
@@ -194,10 +231,10 @@ def place(dit: H3DiT, device: torch.device | str, plan, pin_bytes: int | None = 
     """Put `dit` (loaded anywhere, e.g. on the CPU) where a `memory_plan.MemoryPlan` says. Returns the
     streamer (`remove()` it when done) or None when every block is resident. AdaLN weights the plan
     leaves on the CPU stay there; the sampler's `offload_adaln` brings each over once. `pin_bytes`: as
-    BlockStreamer's."""
+    BlockStreamer's, within what the system has available (runtime.pinnable_bytes)."""
     device = torch.device(device)
     if plan.streams:
-        return stream_blocks(dit, device, plan.resident_blocks, plan.prefetch, pin_bytes)
+        return stream_blocks(dit, device, plan.resident_blocks, plan.prefetch, pinnable_bytes(pin_bytes))
     kept = {id(p) for module in dit.adaln_modules() for p in module.parameters()} if plan.offload_adaln else set()
     for module in dit.modules():
         for param in module.parameters(recurse=False):
@@ -210,15 +247,20 @@ def place(dit: H3DiT, device: torch.device | str, plan, pin_bytes: int | None = 
 
 def unplace(dit: H3DiT, device: torch.device | str, streamer: BlockStreamer | None = None) -> None:
     """Undo `place`: remove the streamer's hooks, give every streamed block its weights back in ordinary
-    (pageable) CPU memory, block by block so the pinned buffers go as they empty (torch's host allocator
-    would keep them all until the end: the streamed blocks twice in CPU memory), then move the whole model
-    to `device`. Safe after a failed forward (a block may still point into a slot)."""
+    (pageable) CPU memory (a pinned block: its weights as read where those are a mapped file's, else a
+    copy), block by block so the pinned buffers go as they empty (torch's host allocator would keep them
+    all until the end: the streamed blocks twice in CPU memory), then move the whole model to `device`.
+    Safe after a failed forward (a block may still point into a slot)."""
     if streamer is not None:
         streamer.remove()
         for index in list(streamer.home):
-            views = streamer.home.pop(index)
-            for param, view in zip(_streamed_parameters(streamer.blocks[index]), views):
-                param.data = torch.empty(view.shape, dtype=view.dtype).copy_(view) if view.is_pinned() else view
+            views, as_read = streamer.home.pop(index), streamer.as_read.pop(index, None)
+            for param, view, read in zip(_streamed_parameters(streamer.blocks[index]), views,
+                                         as_read or [None] * len(views)):
+                if read is not None:
+                    param.data = read
+                else:
+                    param.data = torch.empty(view.shape, dtype=view.dtype).copy_(view) if view.is_pinned() else view
             views = view = None  # the last view too: it holds the pinned buffer
             empty_host_cache()
     dit.to(device)

@@ -310,7 +310,7 @@ class DiTPlacement(Placement):
         freed = self.host_bytes
         if self.streamer is not None:  # its hooks off; the pinned homes and the slots go with the weights
             self.streamer.remove()
-            self.streamer.home.clear()
+            self.streamer.let_go()
             self.streamer = None
         self.reader.drop()
         self.loaded = False
@@ -350,9 +350,10 @@ class DiTPlacement(Placement):
         streamer = self.streamer
         streamed = 0 if streamer is None else len(streamer.home)
         if streamed and streamer.pinned_blocks < streamed and streamer.copy_stream is not None:
-            log.info("H3: %s: %d of its %d streamed blocks fit the host's pinned-memory budget; the others are copied "
-                     "from ordinary memory each step (slower where the copies outlast a block's compute)", self.name,
-                     streamer.pinned_blocks, streamed)
+            log.info("H3: %s: %d of its %d streamed blocks fit the host's pinned-memory budget and free memory; the "
+                     "others are copied each step from where they were read (the file's pages where stored as held: "
+                     "the OS reads from disk again what it did not keep; slower where the copies outlast a block's "
+                     "compute)", self.name, streamer.pinned_blocks, streamed)
 
     def load(self) -> int:
         moved = self._move(True)

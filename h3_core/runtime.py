@@ -3,8 +3,10 @@ allocator grows (set before CUDA is first used)."""
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
 from pathlib import Path
@@ -14,6 +16,9 @@ import torch
 ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the old name and torch 2.9's
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+MADV_WILLNEED = 3  # Linux madvise advice: read these pages in now, without waiting for them
+PIN_RESERVE_BYTES = 4 << 30  # CPU memory pinning leaves free for everything else (as ComfyUI's budget does)
+READ_AHEAD_CHUNK = 128 << 10  # bytes a madvise call asks for: a disk's smallest read-ahead size, so none is cut
 
 
 def compile_failed(error: BaseException) -> bool:
@@ -92,6 +97,17 @@ def host_memory_available() -> int | None:
     return None
 
 
+def pinnable_bytes(budget: int | None) -> int | None:
+    """At most `budget` (None: no limit) and what the system has available less PIN_RESERVE_BYTES: pinned
+    memory can be neither swapped nor dropped, so pinning past what is free pushes everything else out (the
+    streamed blocks not pinned are copied from where they are instead)."""
+    available = host_memory_available()
+    if available is None:
+        return budget
+    room = max(0, available - PIN_RESERVE_BYTES)
+    return room if budget is None else min(budget, room)
+
+
 def host_memory_warning(nbytes: int, what: str) -> str | None:
     """A warning when reading `nbytes` into CPU memory would take more than the system has available (it
     would swap, or the system would stop the process), else None."""
@@ -101,3 +117,54 @@ def host_memory_warning(nbytes: int, what: str) -> str | None:
     return (f"{what} needs about {nbytes / 2**30:.1f} GiB of CPU memory and {available / 2**30:.1f} GiB is "
             "available: expect swapping, or the system stopping this process. Free other models first, or load a "
             "smaller (FP8) file.")
+
+
+def file_mapped_ranges() -> list[tuple[int, int]]:
+    """The address ranges this process maps from files (Linux /proc/self/maps; none known elsewhere), sorted.
+    safetensors reads a tensor as a view of the file mapped into memory, so weights kept as read are the OS's
+    file cache: pages it can drop and read again, not memory the process holds."""
+    ranges = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                path = fields[5] if len(fields) == 6 else ""
+                # a file with an inode; not a device (the GPU driver's) or a memfd (memory under a name)
+                if fields[4] != "0" and path.startswith("/") and not path.startswith(("/dev/", "/memfd:")):
+                    start, end = fields[0].split("-")
+                    ranges.append((int(start, 16), int(end, 16)))
+    except OSError:
+        return []
+    return sorted(ranges)
+
+
+def in_mapped_file(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
+    """Whether a CPU tensor's data lies in one of `ranges` (`file_mapped_ranges`)."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return False
+    start = tensor.data_ptr()
+    at = bisect.bisect_right(ranges, (start, float("inf"))) - 1
+    return at >= 0 and ranges[at][0] <= start and start + tensor.numel() * tensor.element_size() <= ranges[at][1]
+
+
+@functools.cache
+def _libc():
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name, use_errno=True) if name else None
+
+
+def read_ahead(tensors) -> bool:
+    """Ask the OS to start reading these tensors' pages of a mapped file (`in_mapped_file`) from disk now, and
+    return at once: a streamed block read this way before its copy does not wait on one page fault at a time.
+    Only a hint (False where it was not taken: no libc with madvise, or an address the OS refused)."""
+    libc = _libc() if os.name == "posix" else None
+    madvise = getattr(libc, "madvise", None)
+    if madvise is None:
+        return False
+    page, advised = os.sysconf("SC_PAGE_SIZE"), True
+    for tensor in tensors:
+        start = tensor.data_ptr() // page * page
+        end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+        for at in range(start, end, READ_AHEAD_CHUNK):  # Linux reads at most its read-ahead size a call
+            advised &= madvise(ctypes.c_void_p(at), ctypes.c_size_t(min(READ_AHEAD_CHUNK, end - at)), MADV_WILLNEED) == 0
+    return advised

@@ -320,3 +320,23 @@ def test_a_pruned_gguf_file_loads_as_its_safetensors_form(tmp_path):
     assert isinstance(got.blocks[0].mlp.fc1, GGUFLinear) and got.config.curve_form
     want = load_dit(tmp_path / "pruned.safetensors", dtype=torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(forward(got), forward(want)))
+
+
+def test_held_blocks_stay_the_files_pages_and_writes_never_reach_the_file(tmp_path):
+    """GGUF blocks held as stored are views of the file mapped into memory (the OS's file cache, as safetensors
+    reads): a streamed block copies from there, a host short of memory reads it from disk again instead of
+    swapping (they were copied out of the map into memory the process holds). The map is copy-on-write."""
+    import hashlib
+
+    from h3_core.runtime import file_mapped_ranges, in_mapped_file
+
+    path = tmp_path / "dit.gguf"
+    write(path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    model = DiTReader(path).read("cpu")
+    mapped = file_mapped_ranges()
+    for block in model.blocks:
+        for layer in (block.attn.qkv_proj, block.attn.out_proj, block.mlp.fc1, block.mlp.fc2):
+            assert isinstance(layer, GGUFLinear) and in_mapped_file(layer.weight, mapped)
+    model.blocks[0].mlp.fc1.weight.data.fill_(7)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == digest

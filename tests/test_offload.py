@@ -1,6 +1,7 @@
 """Block streaming gives the resident model's outputs; the memory planner's choices."""
 
 import gc
+import sys
 import weakref
 from dataclasses import replace
 
@@ -72,6 +73,139 @@ def test_a_forward_that_failed_part_way_leaves_no_stale_block_in_the_slots():
     for a, b in zip(expected, run(model)):
         assert torch.equal(a, b)
     streamer.remove()
+
+
+def test_streamed_blocks_not_pinned_stay_the_files_pages(tmp_path):
+    """Weights read as stored are views of the file mapped into memory (safetensors): the OS's file cache,
+    which a host short of memory drops and reads from disk again. Blocks streamed unpinned (past a host's
+    pinned budget; every block on a CPU device) copy from there: before, each was copied into memory the
+    process holds (a 32 GB host with the bf16 DiT streamed: swapping or stopped). Same outputs."""
+    from safetensors.torch import save_file
+
+    from h3_core.checkpoint import DiTReader
+    from h3_core.offload import _streamed_parameters, unplace
+    from h3_core.runtime import file_mapped_ranges, in_mapped_file
+
+    config = replace(TINY_DIT, num_layers=4)
+    expected = run(seeded_random_weights(H3DiT(config), 1).eval().requires_grad_(False))
+    path = tmp_path / "dit.safetensors"
+    save_file(seeded_random_weights(H3DiT(config), 1).state_dict(), str(path))
+    model = DiTReader(path, config=config).read("cpu")
+    as_read = {i: [p.data for p in _streamed_parameters(block)] for i, block in enumerate(model.blocks)}
+    mapped = file_mapped_ranges()
+    assert all(in_mapped_file(t, mapped) for weights in as_read.values() for t in weights)
+    assert not in_mapped_file(torch.ones(1 << 16), mapped) and not in_mapped_file(torch.empty(0), mapped)
+
+    streamer = stream_blocks(model, "cpu", resident=1)
+    assert streamer.pinned_blocks == 0 and sorted(streamer.home) == [1, 2, 3]
+    for index, homes in streamer.home.items():
+        assert [t.data_ptr() for t in homes] == [t.data_ptr() for t in as_read[index]]
+    assert all(torch.equal(a, b) for a, b in zip(expected, run(model), strict=True))
+    unplace(model, "cpu", streamer)
+    for index in (1, 2, 3):
+        now = _streamed_parameters(model.blocks[index])
+        assert [p.data_ptr() for p in now] == [t.data_ptr() for t in as_read[index]]
+
+
+def _resident_pages(tensor) -> float:
+    """The share of a mapped tensor's pages in the OS's file cache (mincore)."""
+    import ctypes
+    import os
+
+    libc, page = ctypes.CDLL(None, use_errno=True), os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr() // page * page
+    pages = -(-(tensor.data_ptr() + tensor.numel() * tensor.element_size() - start) // page)
+    vector = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page), vector) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vector) / pages
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="read-ahead advice and mincore are Linux's")
+def test_read_ahead_brings_a_mapped_files_pages_in(tmp_path):
+    """The advice covers the whole tensor: Linux reads at most its read-ahead size (often 128 KiB) a call, and
+    one call for the whole range had brought in 16 of 256 MiB here."""
+    import os
+    import time
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from h3_core.runtime import read_ahead
+
+    path = tmp_path / "weights.safetensors"
+    save_file({"w": torch.randn(16, 1024, 1024)}, str(path))  # 64 MiB
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+        with safe_open(path, "pt") as handle:
+            tensor = handle.get_tensor("w")
+        if _resident_pages(tensor) > 0.1:
+            pytest.skip(f"the OS kept {path}'s pages when asked to drop them (a memory file system?)")
+        assert read_ahead([tensor])
+        deadline = time.monotonic() + 10
+        while _resident_pages(tensor) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _resident_pages(tensor) == 1
+    finally:
+        os.close(descriptor)
+
+
+def test_streamed_blocks_on_file_are_read_ahead_before_their_copy(tmp_path, monkeypatch):
+    """Each unpinned block whose weights are a file's pages is advised READ_AHEAD_BLOCKS blocks before it is
+    copied (into the next forward too), once a forward; blocks not on a file are not."""
+    from safetensors.torch import save_file
+
+    from h3_core import offload
+    from h3_core.checkpoint import DiTReader
+
+    config = replace(TINY_DIT, num_layers=6)
+    path = tmp_path / "dit.safetensors"
+    save_file(seeded_random_weights(H3DiT(config), 1).state_dict(), str(path))
+    model = DiTReader(path, config=config).read("cpu")
+    events = []
+    monkeypatch.setattr(offload, "read_ahead", lambda tensors: events.append(("read", len(tensors))) or True)
+    streamer = stream_blocks(model, "cpu", resident=1)
+    assert sorted(streamer.on_file) == [1, 2, 3, 4, 5]
+    real_advise, real_fetch = streamer._advise, streamer._fetch
+    streamer._advise = lambda i: (events.append(("advise", i)), real_advise(i))
+    streamer._fetch = lambda i: (events.append(("fetch", i)) if i in streamer.home and i not in streamer.loaded
+                                 else None, real_fetch(i))
+    for index, block in enumerate(model.blocks):  # after the streamer's own hooks
+        block.register_forward_pre_hook(lambda module, args, index=index: events.append(("run", index)))
+    run(model)
+    streamer.reader.shutdown(wait=True)
+    advised = [i for kind, i in events if kind == "advise" and i in streamer.on_file]
+    fetched = [i for kind, i in events if kind == "fetch"]
+    assert fetched == [1, 2, 3, 4, 5] * 3  # three forwards
+    assert sorted(advised) == sorted([1, 2, 3, 4, 5] * 3)  # once a forward each
+    for index in (1, 2, 3, 4, 5):  # after the first forward, each copy is advised since the one before, while
+        copies = [n for n, event in enumerate(events) if event == ("fetch", index)]  # two blocks run
+        for before, copy in zip(copies, copies[1:]):
+            advice = max(n for n in range(before, copy) if events[n] == ("advise", index))
+            assert sum(kind == "run" for kind, _ in events[advice:copy]) == offload.READ_AHEAD_BLOCKS == 2
+    weights = len(offload._streamed_parameters(model.blocks[1]))
+    assert [event for event in events if event[0] == "read"] == [("read", weights)] * 15
+    offload.unplace(model, "cpu", streamer)
+    assert streamer.reader is None
+
+
+def test_streamed_blocks_are_pinned_only_within_the_memory_the_system_has_available(monkeypatch):
+    """Pinned memory can be neither swapped nor dropped: `h3 generate` pinned every streamed block (~25 GB of a
+    bf16 DiT on a 24 GB card) whatever the host had. place() now pins at most what is available less 4 GiB,
+    within a host's own budget too; where the system does not say, the budget alone."""
+    from h3_core import offload, runtime
+    from h3_core.memory_plan import MemoryPlan
+
+    asked = []
+    monkeypatch.setattr(offload, "stream_blocks", lambda *args: asked.append(args[-1]))
+    plan = MemoryPlan(1, 1, True, 0, True)
+    for available, budget, pinned in ((10 * GIB, None, 6 * GIB), (10 * GIB, 2 * GIB, 2 * GIB),
+                                      (10 * GIB, 9 * GIB, 6 * GIB), (3 * GIB, None, 0), (None, None, None),
+                                      (None, 5 * GIB, 5 * GIB)):
+        monkeypatch.setattr(runtime, "host_memory_available", lambda: available)
+        offload.place(tiny_random_dit(), "cpu", plan, pin_bytes=budget)
+        assert asked.pop() == pinned
 
 
 def test_streamer_rejects_bad_counts():

@@ -72,6 +72,33 @@ def test_streamed_blocks_beyond_the_pinned_budget_copy_from_ordinary_memory():
         assert all(p.device.type == "cpu" and not p.is_pinned() for p in model.parameters())
 
 
+def test_streamed_blocks_read_from_a_file_stream_from_its_pages_and_go_back_to_them(tmp_path):
+    """A DiT read onto the CPU holds its file's pages (safetensors maps the file). Pinned blocks are copies,
+    and unplace gives each its weights as read again (not a third copy); unpinned ones stream from those pages,
+    read ahead by the OS. Outputs are the resident model's either way."""
+    from safetensors.torch import save_file
+
+    from h3_core.checkpoint import DiTReader
+    from h3_core.offload import _streamed_parameters
+    from h3_core.runtime import file_mapped_ranges, in_mapped_file
+
+    expected = _sample(_model().cuda(), offload_adaln=False)
+    path = tmp_path / "dit.safetensors"
+    save_file(_model().state_dict(), str(path))
+    model = DiTReader(path, config=_model().config).read("cpu")
+    read = {i: [p.data_ptr() for p in _streamed_parameters(block)] for i, block in enumerate(model.blocks)}
+    for pin_bytes, pinned in ((None, 3), (0, 0)):
+        streamer = place(model, "cuda", MemoryPlan(1, 1, True, 0, True), pin_bytes=pin_bytes)
+        assert streamer.pinned_blocks == pinned and sorted(streamer.on_file) == ([] if pinned else [1, 2, 3])
+        assert all(torch.equal(a, b) for a, b in zip(expected, _sample(model, offload_adaln=True), strict=True))
+        unplace(model, "cpu", streamer)
+        mapped = file_mapped_ranges()
+        for index in (1, 2, 3):
+            weights = _streamed_parameters(model.blocks[index])
+            assert [p.data_ptr() for p in weights] == read[index]
+            assert all(in_mapped_file(p.data, mapped) and not p.is_pinned() for p in weights)
+
+
 def test_text_encoder_streams_its_layers_through_the_gpu():
     from h3_core.tiny_text import tiny_random_text_encoder
 
