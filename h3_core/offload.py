@@ -275,22 +275,33 @@ class LayerVisits:
     """For a one-shot forward through a model larger than the GPU (the 51 GB text encoder on a 24 GB
     card): each of `layers` keeps its weights where they are (the CPU) and computes on `device` from a
     copy made just before it runs and dropped just after, so the GPU holds one layer at a time. Same
-    kernels on the same values as a resident model; `remove()` takes the hooks off."""
+    kernels on the same values as a resident model; `remove()` takes the hooks off. Weights read as stored
+    are the file's pages: each layer's are asked of the disk two layers early (a host short of memory)."""
 
     def __init__(self, layers, device: torch.device | str):
         self.device = torch.device(device)
+        self.layers = list(layers)
         self.homes: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = {}
         self.visits = 0
         self.hooks = []
-        for layer in layers:
-            self.hooks.append(layer.register_forward_pre_hook(self._arrive))
+        self.reader = ThreadPoolExecutor(1, "h3-read-ahead")
+        for index, layer in enumerate(self.layers):
+            self.hooks.append(layer.register_forward_pre_hook(self._arrive(index)))
             self.hooks.append(layer.register_forward_hook(self._leave))
 
-    def _arrive(self, module, args):
-        self.homes[id(module)] = [(p, p.data) for p in module.parameters()]
-        for param, home in self.homes[id(module)]:
-            param.data = home.to(self.device, non_blocking=True)
-        self.visits += 1
+    def _arrive(self, index: int):
+        def hook(module, args):
+            self.homes[id(module)] = [(p, p.data) for p in module.parameters()]
+            for param, home in self.homes[id(module)]:
+                param.data = home.to(self.device, non_blocking=True)
+            self.visits += 1
+            # the layer after next, where its weights are a file's pages (a host short of memory): the disk
+            # reads them while these two run
+            if index + 2 < len(self.layers) and self.reader is not None:
+                ahead = [p.data for p in self.layers[index + 2].parameters() if p.device.type == "cpu"]
+                self.reader.submit(_read_ahead_mapped, ahead)
+
+        return hook
 
     def _leave(self, module, args, output):
         for param, home in self.homes.pop(id(module)):
@@ -307,3 +318,14 @@ class LayerVisits:
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
+        if self.reader is not None:
+            self.reader.shutdown(wait=True, cancel_futures=True)
+            self.reader = None
+
+
+def _read_ahead_mapped(tensors: list[torch.Tensor]) -> None:
+    """`read_ahead` for those of `tensors` that are a mapped file's pages (read as stored)."""
+    mapped = file_mapped_ranges()
+    on_file = [t for t in tensors if in_mapped_file(t, mapped)]
+    if on_file:
+        read_ahead(on_file)

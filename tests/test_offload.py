@@ -4,6 +4,7 @@ import gc
 import sys
 import weakref
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -525,6 +526,44 @@ def test_text_encoder_layers_visit_the_device_one_at_a_time():
     assert [p.data_ptr() for p in layers.parameters()] == homes
     encoder.to("cpu")
     assert not any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers)
+
+
+def test_text_encoder_layers_are_read_ahead_two_layers_early(monkeypatch, tmp_path):
+    """Arriving at a layer asks the disk for the layer after next, those of its weights that are a mapped file's
+    pages only (a streamed encoder read as stored, on a host short of memory)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from h3_core import offload
+    from h3_core.tiny_text import tiny_random_text_encoder
+
+    encoder = tiny_random_text_encoder()
+    layers = encoder.model.language_model.layers
+    events = []
+    monkeypatch.setattr(offload, "_read_ahead_mapped", lambda tensors: events.append(
+        ("ahead", next(i for i, layer in enumerate(layers) if {p.data_ptr() for p in layer.parameters()}
+                       == {t.data_ptr() for t in tensors}))))
+    for index, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda module, args, index=index: events.append(("run", index)))
+    visits = encoder.stream_layers("cpu").forget()._visits
+    threaded = visits.reader
+    visits.reader = SimpleNamespace(submit=lambda call, *args: call(*args))  # in order, for the record
+    encoder.encode(encoder.present("t2va", "a fox trots along the beach"))
+    assert events == [event for i in range(50) for event in [("run", i)] + ([("ahead", i + 2)] if i < 48 else [])]
+    visits.reader = threaded
+    encoder.to("cpu")
+    assert visits.reader is None and not visits.hooks
+
+    path = tmp_path / "w.safetensors"
+    save_file({"w": torch.ones(1 << 16)}, str(path))
+    with safe_open(path, "pt") as handle:
+        mapped = handle.get_tensor("w")
+    advised = []
+    monkeypatch.undo()
+    monkeypatch.setattr(offload, "read_ahead", lambda tensors: advised.append(tensors))
+    offload._read_ahead_mapped([torch.ones(1 << 16), mapped])
+    offload._read_ahead_mapped([torch.ones(1 << 16)])
+    assert len(advised) == 1 and len(advised[0]) == 1 and advised[0][0] is mapped
 
 
 def test_a_stopped_streamed_encode_leaves_no_layer_visiting():
