@@ -109,14 +109,16 @@ def pinnable_bytes(budget: int | None) -> int | None:
 
 
 def host_memory_warning(nbytes: int, what: str) -> str | None:
-    """A warning when reading `nbytes` into CPU memory would take more than the system has available (it
-    would swap, or the system would stop the process), else None."""
+    """A warning when reading `nbytes` into CPU memory would take more than the system has available (what is
+    read as stored only makes the OS read the file again; the rest swaps, or the system stops the process),
+    else None."""
     available = host_memory_available()
     if available is None or nbytes <= available:
         return None
     return (f"{what} needs about {nbytes / 2**30:.1f} GiB of CPU memory and {available / 2**30:.1f} GiB is "
-            "available: expect swapping, or the system stopping this process. Free other models first, or load a "
-            "smaller (FP8) file.")
+            "available. Weights read as stored (a bf16 file in bf16, FP8 and GGUF linears) stay the file's pages, "
+            "which the OS reads from disk again when short (slower); the others may swap, or the system may stop "
+            "this process. Free other models first, or load a smaller (FP8) file.")
 
 
 def file_mapped_ranges() -> list[tuple[int, int]]:

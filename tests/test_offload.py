@@ -101,7 +101,10 @@ def test_streamed_blocks_not_pinned_stay_the_files_pages(tmp_path):
     assert streamer.pinned_blocks == 0 and sorted(streamer.home) == [1, 2, 3]
     for index, homes in streamer.home.items():
         assert [t.data_ptr() for t in homes] == [t.data_ptr() for t in as_read[index]]
-    assert all(torch.equal(a, b) for a, b in zip(expected, run(model), strict=True))
+    # Close, not bit-equal: a safetensors file aligns its tensors to 8 bytes, not 64, and on some CPUs (AVX2)
+    # MKL's matmul sums such inputs in another order: 1e-6 apart unstreamed too, equal once cloned to aligned memory.
+    for a, b in zip(expected, run(model), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     unplace(model, "cpu", streamer)
     for index in (1, 2, 3):
         now = _streamed_parameters(model.blocks[index])
