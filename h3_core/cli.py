@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import re
-import resource
 import shlex
 import signal
 import sys
@@ -718,7 +717,12 @@ def _batch_jobs(args) -> list[Job]:
 def _peak(device: torch.device) -> str:
     if device.type == "cuda":
         return f"peak GPU {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
-    return f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+    try:
+        import resource  # Unix only: on Windows the CPU line names no peak
+    except ImportError:
+        return "peak RSS not measured here"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return f"peak RSS {peak / (2**30 if sys.platform == 'darwin' else 2**20):.2f} GiB"
 
 
 def run_env(args) -> int:

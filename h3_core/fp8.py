@@ -168,7 +168,7 @@ def scaled_mm_supported(device_type: str, index: int | None = None) -> bool:
         ones = torch.ones(16, 1, device=device_type)
         torch._scaled_mm(a, a.t(), scale_a=ones, scale_b=ones.t().contiguous(), out_dtype=torch.float32)
         return True
-    except (RuntimeError, NotImplementedError):
+    except (RuntimeError, NotImplementedError, TypeError):  # MPS: no FP8 tensors at all (TypeError)
         return False
 
 

@@ -274,7 +274,7 @@ def read_processor_configs(folder: str | Path) -> tuple[dict, dict]:
         if not path.is_file():
             return None
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as error:
             raise ValueError(f"{path} is not valid JSON: {error}.") from None
         if not isinstance(data, dict):

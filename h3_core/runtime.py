@@ -87,14 +87,19 @@ def empty_host_cache() -> None:
 
 
 def host_memory_available() -> int | None:
-    """Bytes the system can give without swapping (Linux MemAvailable), or None where it does not say."""
+    """Bytes the system can give without swapping: Linux MemAvailable; elsewhere (Windows, macOS) psutil's
+    `available` where psutil is installed (ComfyUI needs it); else None (not known)."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     except OSError:
+        pass
+    try:
+        import psutil
+    except ImportError:
         return None
-    return None
+    return int(psutil.virtual_memory().available)
 
 
 def pinnable_bytes(budget: int | None) -> int | None:

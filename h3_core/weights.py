@@ -94,7 +94,7 @@ def file_bytes(paths: Iterable[Path | str]) -> int:
 def read_json(path: Path) -> dict:
     """A JSON object from a checkpoint's config or index file; anything else is a CheckpointError."""
     try:
-        raw = json.loads(Path(path).read_text())
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
         raise CheckpointError(f"{path} is not valid JSON: {error}.") from None
     except FileNotFoundError:

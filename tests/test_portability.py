@@ -1,0 +1,71 @@
+"""Windows and macOS: what the engine reads of the system where Linux's /proc and Unix's `resource` are absent,
+FP8 on a device with no FP8 tensors (MPS), and JSON read as UTF-8 whatever the locale's encoding."""
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+
+from h3_core import fp8, runtime
+
+
+def _no_proc(monkeypatch):
+    real = Path.read_text
+
+    def read_text(self, *args, **kwargs):
+        if str(self).startswith("/proc/"):
+            raise FileNotFoundError(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+
+
+def test_available_memory_comes_from_psutil_where_there_is_no_proc(monkeypatch):
+    """Without it the host-memory room, warning and pinning cap all thought memory unlimited (Windows, macOS)."""
+    _no_proc(monkeypatch)
+    monkeypatch.setitem(sys.modules, "psutil", types.SimpleNamespace(
+        virtual_memory=lambda: types.SimpleNamespace(available=12 * 2**30)))
+    assert runtime.host_memory_available() == 12 * 2**30
+    assert runtime.pinnable_bytes(None) == 8 * 2**30  # less the 4 GiB reserve
+    assert "12.0 GiB is available" in runtime.host_memory_warning(20 * 2**30, "The DiT")
+    monkeypatch.setitem(sys.modules, "psutil", None)  # not installed: not known
+    assert runtime.host_memory_available() is None
+
+
+def test_the_command_line_imports_without_unix_resource_module():
+    """`import resource` at the top of the CLI stopped `h3` (and python -m h3_core.parallel) on Windows."""
+    code = ("import sys; sys.modules['resource'] = None\n"
+            "import torch, h3_core.cli as cli, h3_core.parallel.__main__\n"
+            "print(cli._peak(torch.device('cpu')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "peak RSS not measured here"
+
+
+def test_fp8_matmuls_are_unsupported_where_fp8_tensors_raise_type_error(monkeypatch):
+    """MPS makes no FP8 tensor (a TypeError): the check answered with a traceback, not False."""
+    def no_fp8(*args, dtype=None, **kwargs):
+        raise TypeError("Trying to convert Float8_e4m3fn to the MPS backend but it does not have support for that dtype.")
+
+    monkeypatch.setattr(fp8.torch, "zeros", no_fp8)
+    assert fp8.scaled_mm_supported("mps") is False
+
+
+def test_json_is_read_as_utf8_whatever_the_locale(tmp_path):
+    """Windows' default text encoding is cp1252: a config with non-ASCII UTF-8 was garbled or refused. Python's
+    warning for a file opened in the locale's encoding, made an error for the engine's modules, shows it here."""
+    (tmp_path / "config.json").write_text(json.dumps({"note": "модель 模型"}, ensure_ascii=False), encoding="utf-8")
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"note": "模型"}, ensure_ascii=False),
+                                                      encoding="utf-8")
+    code = ("import warnings, pathlib\n"
+            "from h3_core.weights import read_json\n"
+            "from h3_core.prompt import read_processor_configs\n"
+            "warnings.simplefilter('error', EncodingWarning)\n"
+            f"folder = pathlib.Path({str(tmp_path)!r})\n"
+            "assert read_json(folder / 'config.json')['note'] == 'модель 模型'\n"
+            "assert read_processor_configs(folder)[0]['note'] == '模型'\n")
+    done = subprocess.run([sys.executable, "-X", "warn_default_encoding", "-c", code], capture_output=True, text=True,
+                          encoding="utf-8", timeout=300)
+    assert done.returncode == 0, done.stderr
