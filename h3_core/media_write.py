@@ -11,12 +11,14 @@ last frames/24 s (AAC's last frame is padded by the encoder, < 1024 samples).
 The file appears only on success: it is written under a hidden temporary name in the same folder
 and renamed into place by `close()`; a failed or aborted write removes the temporary file. A process
 killed outright (SIGKILL, the OOM killer) cannot: its temporary file carries its process id, and the
-next write of the same name removes it once that process is gone.
+next write of the same name removes it once that process is gone. Where the name cannot be replaced
+(Windows, the old file open in a player) the clip is kept as `name (n).mp4`; `path` says which.
 """
 
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import re
 import secrets
@@ -38,6 +40,8 @@ from .media import (
     as_uint8_frames,
     audio_samples_for_frames,
 )
+
+log = logging.getLogger("h3")
 
 # Tried in order; the first this FFmpeg build has and can open wins. libx264 is the only one with a
 # constant-quality (crf) mode here; the others get a bitrate scaled from the frame size.
@@ -111,6 +115,14 @@ def remove_orphaned_parts(path: Path) -> list[Path]:
             candidate.unlink(missing_ok=True)
             removed.append(candidate)
     return removed
+
+
+def free_name(path: Path) -> Path:
+    """`name (1).mp4`, `name (2).mp4`, ...: the first that no file has."""
+    number = 1
+    while (candidate := path.with_name(f"{path.stem} ({number}){path.suffix}")).exists():
+        number += 1
+    return candidate
 
 
 def process_running(pid: int) -> bool:
@@ -252,10 +264,29 @@ class Mp4Writer:
             self._container.close()
             self._container = None
             self._closed = True
-            os.replace(self._temp_path, self.path)
         except BaseException:
             self.abort()
             raise
+        self._move_into_place()
+
+    def _move_into_place(self) -> None:
+        """The finished file takes its name. Where another program holds a file of that name open (Windows
+        refuses to replace it), the clip is kept under the first free name `name (n).mp4`, which `path` then
+        gives, rather than deleted with the temporary file."""
+        try:
+            os.replace(self._temp_path, self.path)
+            return
+        except PermissionError as error:
+            refused = error
+        kept = free_name(self.path)
+        try:
+            os.replace(self._temp_path, kept)
+        except OSError as error:
+            raise MediaError(f"Could not write {self.path} ({refused}) nor {kept} ({error}); the finished clip is "
+                             f"{self._temp_path}.") from error
+        log.warning("Could not replace %s (%s; is it open in another program?): the clip was saved as %s.",
+                    self.path, refused.strerror or refused, kept)
+        self.path = kept
 
     def abort(self) -> None:
         """Stop without a file: close the container if open and remove the temporary file."""

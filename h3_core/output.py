@@ -131,7 +131,7 @@ def write_mp4(
     """Decode and mux in one pass. The soundtrack is decoded first (it is small: 15 MB a minute);
     the writer interleaves it as the video chunks arrive. `on_sound(done, total)` reports the soundtrack's
     windows, then `on_frames(done, total)` the frames; `devices` (two or more) share the video decode and
-    `tiled` picks its spatial tiles (`decode_video`)."""
+    `tiled` picks its spatial tiles (`decode_video`). Returns the path written."""
     if not isinstance(latents, AVLatents):
         raise TypeError(f"write_mp4(path, latents, video_vae, audio_vae): latents must be AVLatents (from sample), got "
                         f"{type(latents).__name__}.")
@@ -147,4 +147,4 @@ def write_mp4(
             done += frames.shape[0]
             if on_frames is not None:
                 on_frames(done, total)
-    return Path(path)
+    return writer.path  # another name where the asked one could not be replaced (Mp4Writer)

@@ -610,7 +610,7 @@ def generate_batch(
                 clock = time.perf_counter()
                 video_vae.to(device), audio_vae.to(device)
                 Path(video_path).parent.mkdir(parents=True, exist_ok=True)
-                write_mp4(
+                video_path = write_mp4(
                     video_path, latents, video_vae, audio_vae,
                     metadata={"comment": f"MiniMax-H3 {request.task}, seed {seed}", "title": _title(request)},
                     on_frames=lambda done, total: progress(decode_stage, done, total),

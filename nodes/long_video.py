@@ -311,14 +311,15 @@ class H3SaveMP4(PrefixCheckedSave):
         folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(
             filename_prefix, folder_paths.get_output_directory(), width, height)
         file = f"{filename}_{counter:05}_.mp4"
-        path = os.path.join(folder, file)
         on_sound, on_frames = decode_progress(latents.num_frames)
         place([vae.patcher], decode_working_bytes(vae, latents.video, tiled))
         with freed_on_failure(vae.device):
-            write_mp4(path, latents, vae.video, vae.audio, on_frames=on_frames, devices=decode_devices, tiled=tiled,
-                      metadata=saved_file_metadata(cls.hidden, latents.num_frames), on_sound=on_sound)
+            path = write_mp4(os.path.join(folder, file), latents, vae.video, vae.audio, on_frames=on_frames,
+                             devices=decode_devices, tiled=tiled,
+                             metadata=saved_file_metadata(cls.hidden, latents.num_frames), on_sound=on_sound)
+        file = path.name  # another where a program holds that name open (Windows)
         preview = ui.PreviewVideo([ui.SavedResult(file, subfolder, io.FolderType.output)])
-        return io.NodeOutput(InputImpl.VideoFromFile(path), ui=preview)
+        return io.NodeOutput(InputImpl.VideoFromFile(str(path)), ui=preview)
 
 
 NODES = [H3Continuation, H3ContinuationGuide, H3SaveMP4]

@@ -113,10 +113,11 @@ class H3AVSave(io.ComfyNode):
         folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(
             filename_prefix, folder_paths.get_output_directory(), width, height)
         file = f"{filename}_{counter:05}_.mp4"
-        path = os.path.join(folder, file)
-        write_mp4(path, frames, waveform, metadata=saved_file_metadata(cls.hidden, count))
+        path = write_mp4(os.path.join(folder, file), frames, waveform,
+                         metadata=saved_file_metadata(cls.hidden, count))
+        file = path.name  # another where a program holds that name open (Windows)
         preview = ui.PreviewVideo([ui.SavedResult(file, subfolder, io.FolderType.output)])
-        return io.NodeOutput(InputImpl.VideoFromFile(path), ui=preview)
+        return io.NodeOutput(InputImpl.VideoFromFile(str(path)), ui=preview)
 
 
 def _source_problem(images: bool, video: bool) -> str | None:

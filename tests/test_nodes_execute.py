@@ -1006,6 +1006,29 @@ def test_av_save_takes_a_video_with_its_soundtrack(comfy):
         save.execute(filename_prefix="H3/video")
 
 
+def test_av_save_shows_the_file_it_kept_where_its_name_is_held_open(comfy, monkeypatch):
+    """Windows refuses to replace a file a program holds open: the clip is kept under a free name (Mp4Writer),
+    and the save nodes' preview and VIDEO are that file, not the name asked for."""
+    from h3_core import media_write
+
+    real = media_write.os.replace
+
+    def replace(source, target):
+        if Path(target).name.endswith("_.mp4"):
+            raise PermissionError(13, "being used by another process", str(target))
+        return real(source, target)
+
+    monkeypatch.setattr(media_write.os, "replace", replace)
+    c = comfy
+    model, text, vae = _models(c)
+    out = c.sampler.H3Sampler.execute(model, _cond(c, text, vae).values[0], 0, 2, 0.0, 0.0).values[0][0]
+    for saved in (c.output.H3AVSave.execute(torch.rand(3, 32, 48, 3), "H3/held"),
+                  importlib.import_module("nodes.long_video").H3SaveMP4.execute(vae, out, "H3/held_latent")):
+        path = Path(saved.values[0][1])
+        assert path.name.endswith("_ (1).mp4") and path.is_file()
+        assert saved.ui["videos"][0].filename == path.name
+
+
 def test_conditioning_shows_progress_per_model_call_and_stops_on_interrupt(comfy):
     c = comfy
     _, text, vae = _models(c)

@@ -7,8 +7,11 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 
-from h3_core import fp8, runtime
+from h3_core import fp8, media_write, runtime
+from h3_core.cli import main
+from h3_core.media_read import probe
 
 
 def _no_proc(monkeypatch):
@@ -69,3 +72,45 @@ def test_json_is_read_as_utf8_whatever_the_locale(tmp_path):
     done = subprocess.run([sys.executable, "-X", "warn_default_encoding", "-c", code], capture_output=True, text=True,
                           encoding="utf-8", timeout=300)
     assert done.returncode == 0, done.stderr
+
+
+def _held_open(monkeypatch, held: Path):
+    """os.replace as Windows does it onto a file another program has open (a player showing the last clip)."""
+    real = media_write.os.replace
+
+    def replace(source, target):
+        if Path(target) == held:
+            raise PermissionError(13, "The process cannot access the file because it is being used by another "
+                                      "process", str(target))
+        return real(source, target)
+
+    monkeypatch.setattr(media_write.os, "replace", replace)
+
+
+def test_a_finished_clip_is_kept_under_a_free_name_where_its_own_is_held_open(tmp_path, monkeypatch, caplog):
+    """The finished temporary file was deleted with the failed replace: the whole render lost."""
+    held = tmp_path / "clip.mp4"
+    held.write_bytes(b"the last clip")
+    (tmp_path / "clip (1).mp4").write_bytes(b"an earlier one")
+    _held_open(monkeypatch, held)
+    frames = np.random.default_rng(0).integers(0, 256, (3, 64, 96, 3), dtype=np.uint8)
+    written = media_write.write_mp4(held, frames)
+    assert written == tmp_path / "clip (2).mp4"
+    assert probe(written).video.frame_count == 3
+    assert held.read_bytes() == b"the last clip" and (tmp_path / "clip (1).mp4").read_bytes() == b"an earlier one"
+    assert not list(tmp_path.glob("*.part"))
+    assert "Could not replace" in caplog.text and "clip (2).mp4" in caplog.text
+
+
+def test_generate_says_where_its_clip_went_when_the_out_file_is_held_open(tmp_path, monkeypatch, capsys):
+    from test_cli import readme_main_command, with_option
+
+    held = tmp_path / "fox.mp4"
+    held.write_bytes(b"the last clip")
+    _held_open(monkeypatch, held)
+    argv = with_option(readme_main_command(), "--out", str(held)) + ["--steps", "2", "--duration", "4"]
+    assert main(argv) == 0
+    said = capsys.readouterr()
+    kept = tmp_path / "fox (1).mp4"
+    assert said.out.startswith(f"{kept}: ") and "the clip was saved as" in said.err
+    assert f", {probe(kept).video.frame_count} frames; " in said.out and held.read_bytes() == b"the last clip"
