@@ -76,6 +76,8 @@ STREAM_HELP = "a DiT that does not fit keeps its leading blocks on the GPU and s
 
 
 def main(argv: list[str] | None = None) -> int:
+    if hasattr(sys.stdout, "reconfigure"):  # a name the output's encoding lacks (Windows' cp1252 when redirected)
+        sys.stdout.reconfigure(errors="backslashreplace")  # is escaped, not an error once the run is done
     parser = build_parser()
     args, unknown = parser.parse_known_args(_negative_guides(sys.argv[1:] if argv is None else argv))
     if unknown:  # said by the command's own parser, with its usage, and the option meant if one is close

@@ -2,6 +2,7 @@
 FP8 on a device with no FP8 tensors (MPS), and JSON read as UTF-8 whatever the locale's encoding."""
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -114,3 +115,12 @@ def test_generate_says_where_its_clip_went_when_the_out_file_is_held_open(tmp_pa
     kept = tmp_path / "fox (1).mp4"
     assert said.out.startswith(f"{kept}: ") and "the clip was saved as" in said.err
     assert f", {probe(kept).video.frame_count} frames; " in said.out and held.read_bytes() == b"the last clip"
+
+
+def test_a_name_the_output_encoding_lacks_is_escaped_not_an_error(tmp_path):
+    """Windows writes redirected output in cp1252: printing a Chinese file name failed the finished run."""
+    out = tmp_path / "模型.safetensors"
+    done = subprocess.run([sys.executable, "-m", "h3_core.cli", "denoise", "--steps", "2", "--save-latents", str(out)],
+                          capture_output=True, env={**os.environ, "PYTHONIOENCODING": "cp1252"}, timeout=300)
+    assert done.returncode == 0, done.stderr.decode("cp1252", "replace")
+    assert done.stdout.decode("cp1252").startswith(f"{tmp_path}/\\u6a21\\u578b.safetensors: ") and out.is_file()
