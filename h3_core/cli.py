@@ -16,6 +16,7 @@ import difflib
 import json
 import logging
 import math
+import os
 import re
 import shlex
 import signal
@@ -644,6 +645,17 @@ class _QuietParser(_Parser):
         return parsed
 
 
+# A batch line's words are split as a shell splits them; on Windows a backslash is a path's, not an escape
+# (C:\clips\a.png), as in its own command prompt: a quote inside a prompt then takes the other kind of quotes.
+BATCH_ESCAPE = "" if os.name == "nt" else "\\"
+
+
+def _batch_words(line: str) -> list[str]:
+    lexer = shlex.shlex(line, posix=True)
+    lexer.whitespace_split, lexer.commenters, lexer.escape = True, "", BATCH_ESCAPE
+    return list(lexer)
+
+
 def _without_comment(line: str) -> str:
     """A batch line without its comment: from a '#' that starts a word outside quotes, as in a shell
     (`--out take#2.mp4` and `--prompt "shot #2"` keep theirs)."""
@@ -652,7 +664,7 @@ def _without_comment(line: str) -> str:
         literal = escaped
         if escaped:
             escaped = False
-        elif char == "\\" and quote != "'":
+        elif char in BATCH_ESCAPE and quote != "'":
             escaped = True
         elif quote:
             quote = None if char == quote else quote
@@ -696,7 +708,7 @@ def _batch_jobs(args) -> list[Job]:
             continue
         where = f"--batch {path}, line {number}"
         try:
-            given = _options_given(parser, _negative_guides(shlex.split(line)))
+            given = _options_given(parser, _negative_guides(_batch_words(line)))
         except (ValueError, SystemExit) as error:
             raise ValueError(f"{where}: not the request options of an h3 generate command ({error}): "
                              f"{line.strip()}") from None

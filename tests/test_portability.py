@@ -124,3 +124,17 @@ def test_a_name_the_output_encoding_lacks_is_escaped_not_an_error(tmp_path):
                           capture_output=True, env={**os.environ, "PYTHONIOENCODING": "cp1252"}, timeout=300)
     assert done.returncode == 0, done.stderr.decode("cp1252", "replace")
     assert done.stdout.decode("cp1252").startswith(f"{tmp_path}/\\u6a21\\u578b.safetensors: ") and out.is_file()
+
+
+def test_a_batch_lines_windows_paths_keep_their_backslashes(tmp_path, monkeypatch):
+    """Batch lines were split as a POSIX shell splits them everywhere: on Windows C:\\clips\\fox.mp4 became
+    C:clipsfox.mp4. There a backslash is a path's, as in its own command prompt; the comment rule agrees."""
+    from h3_core import cli
+
+    monkeypatch.setattr(cli, "BATCH_ESCAPE", "")  # as on Windows
+    jobs_file = tmp_path / "jobs.txt"
+    jobs_file.write_text('--out C:\\clips\\fox.mp4 --prompt "files in C:\\dir\\" --seed 4  # take #1\n'
+                         '--prompt \'he said "hi"\' --out b.mp4\n')
+    fox, quoted = cli._batch_jobs(cli.build_parser().parse_args(["generate", "--batch", str(jobs_file)]))
+    assert (fox.request.prompt, str(fox.out), fox.seed) == ("files in C:\\dir\\", "C:\\clips\\fox.mp4", 4)
+    assert quoted.request.prompt == 'he said "hi"'
