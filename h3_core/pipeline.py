@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import numbers
+import os
 import re
 import tempfile
 import time
@@ -966,14 +967,15 @@ def _check_batch(prepared: list[_Prepared], names: list[str]) -> None:
                                  ("--save-latents", numbered(item.job.save_latents, index, item.outputs))):
                 if path is None:
                     continue
-                key = Path(path).expanduser().resolve()
+                resolved = Path(path).expanduser().resolve()
+                key = os.path.normcase(resolved)  # one file whatever its case, where names ignore case (Windows)
                 if key in written:
                     first, _, line = written[key].partition(", line ")
                     both = (f"{first}, lines {line} and {name.partition(', line ')[2]}" if line and name.startswith(f"{first}, line ")
                             else f"{written[key]} and {name}")
                     raise ValueError(f"{both} both write {path}.")
                 written[key] = name
-                stat = key.stat() if key.exists() else None
+                stat = resolved.stat() if resolved.exists() else None
                 if stat is not None and (stat.st_dev, stat.st_ino) in read:
                     reader, read_option, read_path = read[stat.st_dev, stat.st_ino]
                     where = f"{name}: " if len(prepared) > 1 or item.job.name else ""

@@ -1,14 +1,17 @@
 """Windows and macOS: what the engine reads of the system where Linux's /proc and Unix's `resource` are absent,
-FP8 on a device with no FP8 tensors (MPS), and JSON read as UTF-8 whatever the locale's encoding."""
+FP8 on a device with no FP8 tensors (MPS), JSON read as UTF-8 whatever the locale's encoding, and Windows' files
+(one held open cannot be replaced; names ignore case; backslashes in paths; output in cp1252)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from h3_core import fp8, media_write, runtime
 from h3_core.cli import main
@@ -138,3 +141,17 @@ def test_a_batch_lines_windows_paths_keep_their_backslashes(tmp_path, monkeypatc
     fox, quoted = cli._batch_jobs(cli.build_parser().parse_args(["generate", "--batch", str(jobs_file)]))
     assert (fox.request.prompt, str(fox.out), fox.seed) == ("files in C:\\dir\\", "C:\\clips\\fox.mp4", 4)
     assert quoted.request.prompt == 'he said "hi"'
+
+
+def test_two_batch_lines_writing_one_name_in_two_cases_are_refused_where_names_ignore_case(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """Windows names ignore case: Take.mp4 and take.mp4 are one file, and the second job overwrote the first."""
+    from h3_core import pipeline
+
+    for name in ("load_text_encoder_for", "load_vaes", "load_sampling_dit"):
+        monkeypatch.setattr(pipeline, name, lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(os.path, "normcase", lambda path: os.fspath(path).lower())  # ntpath's, less its slashes
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"--prompt x --out {tmp_path}/Take.mp4\n--prompt y --out {tmp_path}/take.mp4\n")
+    assert main(["generate", "--batch", str(jobs), "--steps", "2", "--duration", "4"]) == 2
+    assert re.search(r"lines 1 and 2 both write \S*take.mp4", capsys.readouterr().err)
