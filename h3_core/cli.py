@@ -397,7 +397,8 @@ def _guide(spec: str) -> GuideFile:
     return GuideFile(index, kind, Path(path).expanduser())  # no shell expands a '~' after KIND=
 
 
-def _lora(spec: str) -> tuple[Path, float]:
+def lora_option(spec: str) -> tuple[Path, float]:
+    """--lora PATH[:STRENGTH]; a Windows drive's colon (C:\\loras\\a.safetensors) is the path's."""
     path, sep, strength = spec.rpartition(":")
     if not sep or Path(spec).exists():
         return Path(spec), 1.0
@@ -542,7 +543,7 @@ def run_generate(args) -> int:
     device = check_devices([devices[0] if devices else args.device])[0]  # a bad name or a missing GPU: said now
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     settings = GenerateSettings(args.seed, args.outputs, args.steps, args.video_shift, args.audio_shift,
-                                str(device), dtype, args.attention, [_lora(spec) for spec in args.lora],
+                                str(device), dtype, args.attention, [lora_option(spec) for spec in args.lora],
                                 lora_unknown_keys=args.lora_unknown_keys,
                                 linears=args.linears, devices=devices, shard_weights=args.shard_weights,
                                 gpu_memory=args.gpu_memory, compile=args.compile,

@@ -155,3 +155,19 @@ def test_two_batch_lines_writing_one_name_in_two_cases_are_refused_where_names_i
     jobs.write_text(f"--prompt x --out {tmp_path}/Take.mp4\n--prompt y --out {tmp_path}/take.mp4\n")
     assert main(["generate", "--batch", str(jobs), "--steps", "2", "--duration", "4"]) == 2
     assert re.search(r"lines 1 and 2 both write \S*take.mp4", capsys.readouterr().err)
+
+
+def test_a_ranks_lora_keeps_its_windows_drive(monkeypatch):
+    """python -m h3_core.parallel split --lora at its last colon: C:\\loras\\a.safetensors became path 'C' and a
+    traceback for its 'strength'. It reads --lora as h3 generate does."""
+    import importlib
+
+    ranks = importlib.import_module("h3_core.parallel.__main__")
+    seen = []
+    monkeypatch.setattr(ranks, "serve_ranks", lambda spec, *rest: seen.append(spec.loras) or 0)
+    common = ["--model", "tiny-random", "--devices", "cpu", "--init-method", "tcp://a:1", "--world-size", "2",
+              "--first-rank", "1"]
+    assert ranks.main(common + ["--lora", "C:\\loras\\a.safetensors", "--lora", "C:\\loras\\b.safetensors:0.5"]) == 0
+    assert seen == [(("C:\\loras\\a.safetensors", 1.0), ("C:\\loras\\b.safetensors", 0.5))]
+    with pytest.raises(SystemExit):  # said by its parser, with its usage
+        ranks.main(common + ["--lora", "b.safetensors:strong"])

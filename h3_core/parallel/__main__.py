@@ -13,16 +13,11 @@ import argparse
 
 import torch
 
-from ..cli import add_dit_speed_options
+from ..cli import add_dit_speed_options, lora_option
 from ..local_attention import check_setting as check_window_setting
 from .workers import ModelSpec, serve_ranks
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _lora(spec: str) -> tuple[str, float]:
-    path, sep, strength = spec.rpartition(":")
-    return (path, float(strength)) if sep else (spec, 1.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-rank", type=int, required=True, help="rank of this machine's first device")
     parser.add_argument("--shard-weights", action="store_true", help="as the caller: FSDP-style block sharding")
     args = parser.parse_args(argv)
-    loras = tuple(_lora(spec) for spec in args.lora)
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     try:
+        loras = tuple((str(path), strength) for path, strength in map(lora_option, args.lora))
         window, dense_steps = check_window_setting(args.attention_window_lossy, args.attention_window_dense_steps)
         spec = ModelSpec(args.model, args.partition, DTYPES[args.dtype], args.attention, loras, args.linears,
                          compile=args.compile, attention_window=window, attention_window_dense_steps=dense_steps,
