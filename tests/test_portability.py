@@ -2,11 +2,14 @@
 FP8 on a device with no FP8 tensors (MPS), JSON read as UTF-8 whatever the locale's encoding, and Windows' files
 (one held open cannot be replaced; names ignore case; backslashes in paths; output in cp1252)."""
 
+import contextlib
 import json
+import multiprocessing
 import os
 import re
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -171,3 +174,44 @@ def test_a_ranks_lora_keeps_its_windows_drive(monkeypatch):
     assert seen == [(("C:\\loras\\a.safetensors", 1.0), ("C:\\loras\\b.safetensors", 0.5))]
     with pytest.raises(SystemExit):  # said by its parser, with its usage
         ranks.main(common + ["--lora", "b.safetensors:strong"])
+
+
+def _watched_worker(ready):
+    """A worker whose parent's id never changes, as on Windows, where an ended process's id stays its child's
+    getppid."""
+    from h3_core.parallel import workers
+
+    parent = os.getppid()
+    workers.os.getppid = lambda: parent
+    workers._watch_parent(parent, "tcp://127.0.0.1:1")
+    ready.set()
+    time.sleep(120)
+
+
+def _launcher(ready, pid):
+    child = multiprocessing.get_context("spawn").Process(target=_watched_worker, args=(ready,))
+    child.start()
+    pid.value = child.pid
+    ready.wait(120)
+    os._exit(0)  # gone without stopping its worker (killed, crashed)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the worker's state from /proc")
+def test_a_worker_exits_when_its_parent_is_gone_though_the_parent_id_stays():
+    """Workers watched getppid, which on Windows keeps the ended parent's id: they outlived it for good."""
+    context = multiprocessing.get_context("spawn")
+    ready, pid = context.Event(), context.Value("i", 0)
+    launcher = context.Process(target=_launcher, args=(ready, pid))
+    launcher.start()
+    launcher.join(120)
+    assert ready.is_set()
+    status = Path(f"/proc/{pid.value}/stat")
+    deadline = time.monotonic() + 20
+    try:
+        while status.exists() and status.read_text().split(") ")[-1][0] != "Z" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not status.exists() or status.read_text().split(") ")[-1][0] == "Z", "the worker outlived its parent"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid.value, 9)
+

@@ -180,8 +180,12 @@ def _watch_parent(parent: int, init_method: str) -> None:
     store = _private_store(init_method)
 
     def watch():
-        while os.getppid() == parent:
-            time.sleep(0.5)
+        launcher = mp.parent_process()  # spawned: the parent's handle, which ends with it (on Windows a
+        if launcher is not None:        # parent's id stays its own after it ends: getppid cannot tell)
+            launcher.join()
+        else:
+            while os.getppid() == parent:
+                time.sleep(0.5)
         if store is not None:
             shutil.rmtree(os.path.dirname(store), ignore_errors=True)
         os._exit(3)
