@@ -540,7 +540,8 @@ def run_generate(args) -> int:
                          "--device.")
     jobs = _batch_jobs(args) if args.batch is not None else [_job(args)]
     return_freed_memory_to_os()
-    device = check_devices([devices[0] if devices else args.device])[0]  # a bad name or a missing GPU: said now
+    # a bad name, a missing GPU or a split this machine cannot run: said now
+    device = (check_devices(devices, split=True) if devices else check_devices([args.device]))[0]
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     settings = GenerateSettings(args.seed, args.outputs, args.steps, args.video_shift, args.audio_shift,
                                 str(device), dtype, args.attention, [lora_option(spec) for spec in args.lora],

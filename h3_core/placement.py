@@ -421,6 +421,9 @@ def check_devices(devices, split: bool = False) -> list[torch.device]:
     if split and twice:
         raise ValueError(f"cuda:{twice[0]} is named more than once in {', '.join(map(str, devices))}; each worker "
                          "needs a GPU of its own.")
+    if split and gpus and not (torch.distributed.is_available() and torch.distributed.is_nccl_available()):
+        raise ValueError("Splitting the DiT over GPUs needs NCCL, which this torch build lacks (Windows and macOS "
+                         "builds have none): run it on one GPU (blocks that do not fit are streamed), or on Linux.")
     for device in devices:
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"{device} does not exist here: this machine has {torch.cuda.device_count()} CUDA "

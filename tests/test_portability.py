@@ -215,3 +215,17 @@ def test_a_worker_exits_when_its_parent_is_gone_though_the_parent_id_stays():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid.value, 9)
 
+
+def test_a_dit_split_over_gpus_is_refused_at_once_without_nccl(monkeypatch, tmp_path, capsys):
+    """Windows' and macOS' torch have no NCCL: the workers started, loaded, then failed in their process group."""
+    import torch
+
+    from h3_core.placement import check_devices
+
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
+    with pytest.raises(ValueError, match="Splitting the DiT over GPUs needs NCCL, which this torch build lacks"):
+        check_devices("cuda:0,cuda:1", split=True)
+    assert check_devices("cpu,cpu", split=True) == [torch.device("cpu")] * 2  # gloo, everywhere
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a Windows machine's two GPUs
+    argv = ["generate", "--prompt", "x", "--devices", "cuda:0,cuda:1", "--out", str(tmp_path / "x.mp4")]
+    assert main(argv) == 2 and "needs NCCL" in capsys.readouterr().err
