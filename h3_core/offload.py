@@ -66,8 +66,7 @@ class BlockStreamer:
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1 block, got {prefetch}.")
         self.resident, self.prefetch = resident, prefetch
-        cuda = self.device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.home: dict[int, list[torch.Tensor]] = {}  # CPU views of each streamed block's weights
         # a pinned block's weights as read, where they are views of a mapped file (None where not): unplace
         # gives them back instead of copying the pinned ones again
@@ -75,6 +74,15 @@ class BlockStreamer:
         self.offsets: dict[int, list[int]] = {}  # each streamed block's own packing
         self.on_file: dict[int, list[torch.Tensor]] = {}  # an unpinned block's weights in a mapped file
         self.pinned_blocks = 0
+        self.hooks, self.reader, self.slots = [], None, []
+        try:
+            self._place(dit, pin_bytes)
+        except BaseException:  # out of memory partway: every block back in CPU memory as it was, no pins held
+            unplace(dit, "cpu", self)
+            raise
+
+    def _place(self, dit: H3DiT, pin_bytes: int | None) -> None:
+        resident, cuda = self.resident, self.device.type == "cuda"
         slot_bytes, pin_room = 0, pin_bytes
         mapped = file_mapped_ranges()
         for index, block in enumerate(self.blocks):
@@ -105,14 +113,17 @@ class BlockStreamer:
                 param.data = view
         self.reader = ThreadPoolExecutor(1, "h3-read-ahead") if self.on_file else None
         streamed = len(self.blocks) - resident
-        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(min(streamed, prefetch + 2))]
+        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)
+                      for _ in range(min(streamed, self.prefetch + 2))]
         self.slot_free: list[torch.cuda.Event | None] = [None] * len(self.slots)
         self.next_slot = 0
         self.loaded: dict[int, tuple[int, torch.cuda.Event | None]] = {}  # block -> (slot, copy done)
-        self.hooks = [block.register_forward_pre_hook(self._before(i)) for i, block in enumerate(self.blocks)]
+        for i, block in enumerate(self.blocks):  # one at a time: each handle kept, to take off if one fails
+            self.hooks.append(block.register_forward_pre_hook(self._before(i)))
         self.hooks.append(self.blocks[0].register_forward_pre_hook(lambda module, args: self._forget_stale(),
                                                                    prepend=True))
-        self.hooks += [block.register_forward_hook(self._after(i)) for i, block in enumerate(self.blocks)]
+        for i, block in enumerate(self.blocks):
+            self.hooks.append(block.register_forward_hook(self._after(i)))
 
     def _fetch(self, index: int) -> None:
         """Start copying block `index` into the next slot, once the GPU is done with its last user."""

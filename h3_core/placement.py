@@ -120,12 +120,14 @@ class Placement:
         if self.loaded == loaded:
             return 0
         previous = self.device
-        self.loaded = loaded
+        target = self.load_device if loaded else self.offload_device
         if self.load_device != self.offload_device:
-            for part in self.parts:
-                if _modules(part):  # a released text encoder has nothing left to move
-                    part.to(self.device)
+            with _undone_on_failure(self, previous):
+                for part in self.parts:
+                    if _modules(part):  # a released text encoder has nothing left to move
+                        part.to(target)
             empty_caches(previous)
+        self.loaded = loaded
         return self.size
 
     def load(self) -> int:
@@ -187,12 +189,13 @@ class TextEncoderPlacement(Placement):
         if self.loaded == loaded or self.encoder.model is None:  # a released encoder has nothing to move
             self.loaded = loaded
             return 0
-        self.loaded = loaded
         if loaded:
-            self.encoder.stream_layers(self.load_device)
+            with _undone_on_failure(self, self.offload_device):  # `to` takes the hooks off too
+                self.encoder.stream_layers(self.load_device)
         else:
             self.encoder.to(self.offload_device)
             empty_caches(self.load_device)
+        self.loaded = loaded
         return self.size
 
     def load(self) -> int:
@@ -210,6 +213,21 @@ class TextEncoderPlacement(Placement):
             log.info("H3: %s unloaded from %s to %s (%.2f GiB)%s", self.name, self.load_device, self.offload_device,
                      self.size / GIB, "; layer streaming removed" if self.stream else "")
         return moved
+
+
+@contextlib.contextmanager
+def _undone_on_failure(placement: Placement, home: torch.device):
+    """A move that fails partway (out of memory with half the parts moved) is undone: every part back on
+    `home`, the `loaded` state unchanged, the failed device's cache freed. A model left half-placed but marked
+    loaded made each later run of it fail until the host let it go."""
+    try:
+        yield
+    except BaseException:
+        for part in placement.parts:
+            if _modules(part):
+                part.to(home)
+        empty_caches(placement.load_device)
+        raise
 
 
 @contextlib.contextmanager
@@ -330,13 +348,14 @@ class DiTPlacement(Placement):
                 self._before_read(home, self.size)
                 log.info("H3: %s: reading its weights onto %s (%.2f GiB)", self.name, home, self.size / GIB)
                 self.reader.read(home, self.on_read)
+            with _undone_on_failure(self, self.offload_device):  # a failed streamer undoes its own blocks
+                if self.plan is None:
+                    self.dit.to(self.load_device)
+                else:
+                    self.streamer = place(self.dit, self.load_device, self.plan,
+                                          pin_bytes=None if self.pin_room is None else self.pin_room())
             self.loaded = True
-            if self.plan is None:
-                self.dit.to(self.load_device)
-            else:
-                self.streamer = place(self.dit, self.load_device, self.plan,
-                                      pin_bytes=None if self.pin_room is None else self.pin_room())
-                self._say_pinned()
+            self._say_pinned()
             return self.loaded_bytes
         moved = self.loaded_bytes
         if self._parks_released(moved):

@@ -666,3 +666,64 @@ def test_unplace_hands_back_each_blocks_pinned_home_as_it_empties(monkeypatch):
     monkeypatch.setattr(offload, "empty_host_cache", lambda: homes.append(len(streamer.home)))
     offload.unplace(model, "cpu", streamer)
     assert homes == [2, 1, 0]  # after each of the 3 streamed blocks, not once at the end
+
+
+@pytest.mark.parametrize("failing", ["_packing", "hooks"])
+def test_a_placement_that_fails_partway_is_undone_and_loads_again(monkeypatch, failing):
+    """Out of memory partway through placing the blocks (a slot, a pinned buffer) left the DiT marked loaded but
+    half-placed, without the streaming hooks: the host saw nothing to load, so every later run of it failed
+    (blocks on two devices) until the host let the model go. Now the move is undone: not loaded, every weight
+    home, no hooks; the next load places it and samples as the resident model."""
+    from h3_core import offload
+    from h3_core.memory_plan import MemoryPlan
+    from h3_core.placement import DiTPlacement
+
+    def fresh():
+        return seeded_random_weights(H3DiT(replace(TINY_DIT, num_layers=4)), 1).eval().requires_grad_(False)
+
+    expected = run(fresh())
+    model = fresh()
+    weights = {name: param.data for name, param in model.named_parameters()}
+    placement = DiTPlacement("H3 DiT", model, "cpu", "cpu")
+    placement.use(MemoryPlan(1, 1, True, 0, True))
+    # the third block's packing (before its pinned buffer), or its forward hook (the others' hooks on)
+    real = offload._packing if failing == "_packing" else offload.BlockStreamer._after
+    calls = []
+
+    def out_of_memory_at_the_third_block(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real(*args)
+
+    where = offload if failing == "_packing" else offload.BlockStreamer
+    monkeypatch.setattr(where, "_packing" if failing == "_packing" else "_after", out_of_memory_at_the_third_block)
+    with pytest.raises(torch.OutOfMemoryError):
+        placement.load()
+    assert not placement.loaded and placement.streamer is None and placement.loaded_bytes == 0
+    assert all(not block._forward_pre_hooks and not block._forward_hooks for block in model.blocks)
+    assert all(torch.equal(param, weights[name]) for name, param in model.named_parameters())
+    monkeypatch.undo()
+    assert placement.load() > 0 and placement.streamer is not None
+    for a, b in zip(expected, run(model), strict=True):
+        assert torch.equal(a, b)
+
+
+class _FailingMove(torch.nn.Linear):
+    def to(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+
+def test_a_model_whose_move_fails_partway_stays_where_it_was(monkeypatch):
+    """The same for a model moved whole (a VAE, a text encoder that fits): `loaded` unchanged, each part that
+    had moved sent back."""
+    from h3_core.placement import Placement
+
+    first, second = torch.nn.Linear(2, 2), _FailingMove(2, 2)
+    moves = []
+    real_to = torch.nn.Linear.to
+    monkeypatch.setattr(torch.nn.Linear, "to", lambda self, device: moves.append(str(device)) or real_to(self, device))
+    placement = Placement("H3 VAEs", [first, second], "cpu:0", "cpu")
+    with pytest.raises(torch.OutOfMemoryError):
+        placement.load()
+    assert not placement.loaded and moves == ["cpu:0", "cpu"]
