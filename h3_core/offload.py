@@ -18,6 +18,7 @@ from torch import nn
 
 from .dit import H3DiT
 from .runtime import empty_host_cache, file_mapped_ranges, in_mapped_file, pinnable_bytes, read_ahead
+from .pinned import PinnedSlabs
 
 ALIGN = 256  # bytes; every weight starts on an aligned offset inside its block's flat buffer
 READ_AHEAD_BLOCKS = 2  # how many blocks past those being copied the disk is asked to read, where they are a file's
@@ -49,8 +50,8 @@ class BlockStreamer:
     device: the compute device. resident: how many leading blocks stay on it. prefetch: how many
     blocks ahead are copied; the GPU holds prefetch + 2 slots, each the size of the largest streamed
     block (blocks may differ: a GGUF file mixing quant types, an FP8 file with some blocks dense).
-    pin_bytes: at most this much of the streamed blocks' CPU memory is pinned (None: all of it, on a
-    CUDA device); the others are copied from where they are, the same values, the CPU waiting on each
+    pin_bytes: at most this much of the streamed blocks' CPU memory is pinned, as the allocator holds it
+    (pinned.PinnedSlabs; None: all of it, on a CUDA device); the others are copied from where they are, the same values, the CPU waiting on each
     copy (a host's pinned-memory budget, e.g. ComfyUI's, which Windows needs under half the RAM;
     bench/pinned_stream.py: no slower at 1344x768 x 124 on an H200). Where they are is, for weights read
     as stored, the file's pages in the OS's cache: a host short of memory reads them from disk again
@@ -82,8 +83,9 @@ class BlockStreamer:
             raise
 
     def _place(self, dit: H3DiT, pin_bytes: int | None) -> None:
-        resident, cuda = self.resident, self.device.type == "cuda"
-        slot_bytes, pin_room = 0, pin_bytes
+        resident = self.resident
+        slabs = PinnedSlabs(pin_bytes) if self.device.type == "cuda" else None
+        slot_bytes = 0
         mapped = file_mapped_ranges()
         for index, block in enumerate(self.blocks):
             params = _streamed_parameters(block)
@@ -93,9 +95,8 @@ class BlockStreamer:
                 continue
             self.offsets[index], size = _packing(params)
             slot_bytes = max(slot_bytes, size)
-            pinned = cuda and (pin_room is None or size <= pin_room)
-            if pinned and pin_room is not None:
-                pin_room -= size
+            flat = None if slabs is None else slabs.take(size, len(self.blocks) - index)
+            pinned = flat is not None
             self.pinned_blocks += pinned
             if not pinned:  # copied from where it is: a block read from a file stays the OS's file cache
                 self.home[index] = [param.data.to("cpu") for param in params]
@@ -106,7 +107,6 @@ class BlockStreamer:
                     self.on_file[index] = on_file
                 continue
             self.as_read[index] = [p.data if in_mapped_file(p.data, mapped) else None for p in params]
-            flat = torch.empty(size, dtype=torch.uint8, pin_memory=True)
             self.home[index] = _views(flat, params, self.offsets[index])
             for param, view in zip(params, self.home[index]):
                 view.copy_(param.data)
@@ -259,8 +259,9 @@ def place(dit: H3DiT, device: torch.device | str, plan, pin_bytes: int | None = 
 def unplace(dit: H3DiT, device: torch.device | str, streamer: BlockStreamer | None = None) -> None:
     """Undo `place`: remove the streamer's hooks, give every streamed block its weights back in ordinary
     (pageable) CPU memory (a pinned block: its weights as read where those are a mapped file's, else a
-    copy), block by block so the pinned buffers go as they empty (torch's host allocator would keep them
-    all until the end: the streamed blocks twice in CPU memory), then move the whole model to `device`.
+    copy), block by block so each pinned slab goes once its blocks have left it (torch's host allocator
+    would keep them all until the end: the streamed blocks twice in CPU memory), then move the whole model
+    to `device`.
     Safe after a failed forward (a block may still point into a slot)."""
     if streamer is not None:
         streamer.remove()

@@ -58,11 +58,13 @@ def test_streamed_blocks_beyond_the_pinned_budget_copy_from_ordinary_memory():
     --disable-pinned-memory) pins only the streamed blocks that fit it; the rest copy from pageable memory,
     and the outputs are still the resident model's."""
     from h3_core.offload import _packing, _streamed_parameters
+    from h3_core.pinned import slab_bytes
 
     expected = _sample(_model().cuda(), offload_adaln=False)
     model = _model()
     block = _packing(_streamed_parameters(model.blocks[1]))[1]  # a streamed block's CPU home, as packed
-    for budget, pinned in ((int(2.5 * block), 2), (0, 0)):
+    one = slab_bytes(block, 1, None)  # what pinning one block alone takes
+    for budget, pinned in ((one, 1), (one - 1, 0), (0, 0)):
         streamer = place(model, "cuda", MemoryPlan(1, 1, True, 0, True), pin_bytes=budget)
         homes = [views[0].is_pinned() for _, views in sorted(streamer.home.items())]
         assert streamer.pinned_blocks == pinned and homes == [True] * pinned + [False] * (3 - pinned)
@@ -220,3 +222,52 @@ def test_a_released_dit_frees_its_pinned_memory_and_is_read_again_onto_the_gpu(t
     placement.load()
     assert all(p.device.type == "cuda" for p in reader.model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(expected, _sample(reader.model, offload_adaln=False)))
+
+
+def test_pinned_blocks_take_no_more_than_the_budget_counts():
+    """torch's pinned allocator rounds each request up to a power of two: a real bf16 block (735 MiB) pinned
+    alone took 1 GiB, so a 3 GiB budget pinned four blocks in 4 GiB. Carved from slabs, the budget is what is
+    pinned: three blocks here (2 + 1 GiB), and a budget of none pins six in 5 GiB, not 6."""
+    from h3_core.config import DiTConfig
+    from h3_core.runtime import empty_caches
+
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    key = "allocated_bytes.current"
+    if stats is None or key not in stats():
+        pytest.skip("this torch reports no host allocator statistics")
+    with torch.device("meta"):  # the real width, six blocks; their values do not matter here
+        model = H3DiT(replace(DiTConfig(), num_layers=6)).set_dtype(torch.bfloat16)
+    model = model.to_empty(device="cpu").eval().requires_grad_(False)
+    empty_caches(torch.device("cuda"))
+    before = stats()[key]
+    for budget, pinned, held in ((3 * 2**30, 3, 3 * 2**30), (None, 6, 5 * 2**30)):
+        streamer = place(model, "cuda", MemoryPlan(0, 1, False, 0, True), pin_bytes=budget)
+        assert streamer.pinned_blocks == pinned and stats()[key] - before == held
+        unplace(model, "cpu", streamer)
+        empty_caches(torch.device("cuda"))
+        assert stats()[key] == before
+
+
+def test_a_placement_out_of_memory_at_its_slots_holds_no_pinned_memory(monkeypatch):
+    """The blocks were pinned before the GPU slots ran out of memory: the failed placement kept them pinned (and
+    the model marked loaded). Undone, nothing stays pinned, hooked or on the GPU."""
+    from h3_core.runtime import empty_caches
+
+    model = _model()
+    empty_caches(torch.device("cuda"))
+    allocated = torch.cuda.memory_allocated()
+    real_empty = torch.empty
+
+    def no_room_on_the_gpu(*args, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            raise torch.OutOfMemoryError("CUDA out of memory (the slots)")
+        return real_empty(*args, device=device, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", no_room_on_the_gpu)
+    with pytest.raises(torch.OutOfMemoryError):
+        place(model, "cuda", MemoryPlan(1, 1, True, 0, True))
+    monkeypatch.undo()
+    assert all(p.device.type == "cpu" and not p.is_pinned() for p in model.parameters())
+    assert not any(block._forward_pre_hooks or block._forward_hooks for block in model.blocks)
+    empty_caches(torch.device("cuda"))
+    assert torch.cuda.memory_allocated() == allocated
