@@ -68,3 +68,4 @@ def _release_comfy_cache(target: int) -> None:
     if release is not None:
         release(target)
         gc.collect()
+        runtime.empty_host_cache()  # a dropped DiT's pinned blocks: torch's host allocator keeps them till this
