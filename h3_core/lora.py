@@ -60,6 +60,7 @@ from .lora_formats import (
     parse_lora,
     read_safetensors,
 )
+from .runtime import file_mapped_ranges, in_mapped_file
 from .sampler import AUDIO_SHIFT, MAX_STEPS, VIDEO_SHIFT, DualClockSchedule
 
 __all__ = [
@@ -583,12 +584,16 @@ def _merge(by_module: dict, backup: bool) -> _Application:
                         "without quantizing again; apply it dynamically (as ComfyUI's LoRA node does), or load with "
                         "linears 'dense'.")
     application = _Application("merge", [], [])
+    mapped = file_mapped_ranges()
     try:
         for (_, param_name), resolved in by_module.items():
             param = getattr(resolved[0].module, param_name)
             saved = param.detach().to("cpu", copy=True) if backup else None
             merged = (param.float() + _summed_delta(param, resolved)).to(param.dtype)
-            param.copy_(merged)
+            if in_mapped_file(param, mapped):  # a safetensors / GGUF file's pages, mapped copy-on-write:
+                param.data = merged  # written, each would become the process's own until the file is unmapped
+            else:
+                param.copy_(merged)
             application.entries.append((resolved[0].module, param_name, None if backup else resolved, saved))
     except BaseException:  # out of memory part way, say: the parameters done so far go back
         _undo(application)

@@ -6,6 +6,7 @@ their names, and the options a split DiT's workers load adapters with. Forwards 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -341,3 +342,43 @@ def test_a_lora_warning_is_said_once_by_the_command_and_by_split_workers(tmp_pat
     twice = ((str(style), 1.0), (str(style), 1.0))
     notes = ModelSpec(TINY_RANDOM, loras=twice, dtype=torch.float32, attention="sdpa").load("cpu").load_notes
     assert notes[0] == "LoRA on fl2va (merge):" and f"  warning: {warning}" in notes and notes[-1] == "attention: sdpa"
+
+
+def _copied_pages_kib(path) -> int:
+    """Pages of `path`'s mappings this process has written: each became its own anonymous copy, held until the
+    file is unmapped (smaps' Anonymous; not Private_Dirty, which also counts a freshly written file's pages)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            if not line[0].isupper():  # a mapping's header: address range, ..., path
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Anonymous:"):
+                total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the mappings' pages from /proc")
+def test_a_merge_into_weights_read_from_a_file_writes_none_of_its_pages(tmp_path):
+    """A DiT read from safetensors is the file's pages, mapped copy-on-write: merging a LoRA into them in place
+    made each merged page the process's own, kept for as long as the file stayed mapped (the streamed blocks'
+    copies went to the GPU or pinned memory, the merged pages stayed: tens of GB at the real size). The merged
+    weights are new tensors instead; the same values."""
+    from h3_core.checkpoint import DiTReader
+    from h3_core.dit import H3DiT
+    from h3_core.tiny import seeded_random_weights
+
+    config = dataclasses.replace(TINY_DIT, hidden_size=512, attention_head_dim=64, num_attention_heads=8,
+                                 ffn_dim=1024, num_layers=2)
+    path = tmp_path / "dit.safetensors"
+    save_file(seeded_random_weights(H3DiT(config), 1).state_dict(), str(path))
+    lora = load_lora(write_peft(tmp_path / "lora.safetensors", random_spec(config)))
+    in_memory = seeded_random_weights(H3DiT(config), 1)
+    apply_loras(in_memory, [(lora, 1.0)], partition="fl2va", mode="merge", backup=False)
+    model = DiTReader(path, config=config).read("cpu")
+    apply_loras(model, [(lora, 1.0)], partition="fl2va", mode="merge", backup=False)
+    assert _copied_pages_kib(path) == 0
+    merged = dict(in_memory.named_parameters())
+    assert all(torch.equal(param, merged[name]) for name, param in model.named_parameters())
+    remove_loras(model)  # taken out again from the new tensors
+    base = dict(DiTReader(path, config=config).read("cpu").named_parameters())
+    assert all(torch.allclose(param, base[name], atol=1e-2) for name, param in model.named_parameters())
