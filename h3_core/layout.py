@@ -231,10 +231,14 @@ class PackedLayout:
         return None if self.target_audio_indices.numel() else "audio"
 
     def to(self, device: torch.device | str) -> PackedLayout:
+        """The layout's tensors on `device`. MPS has no float64: there the positions go as float32, the
+        precision the DiT reads them in (`dit.rope_tables`), so the tables are the same."""
+        device = torch.device(device)
+        narrow = device.type == "mps"
         moved = {
-            field.name: getattr(self, field.name).to(device)
+            field.name: (value.float() if narrow and value.dtype == torch.float64 else value).to(device)
             for field in dataclasses.fields(self)
-            if isinstance(getattr(self, field.name), torch.Tensor)
+            if isinstance(value := getattr(self, field.name), torch.Tensor)
         }
         return dataclasses.replace(self, **moved)
 

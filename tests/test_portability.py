@@ -229,3 +229,34 @@ def test_a_dit_split_over_gpus_is_refused_at_once_without_nccl(monkeypatch, tmp_
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a Windows machine's two GPUs
     argv = ["generate", "--prompt", "x", "--devices", "cuda:0,cuda:1", "--out", str(tmp_path / "x.mp4")]
     assert main(argv) == 2 and "needs NCCL" in capsys.readouterr().err
+
+
+def test_a_layout_goes_to_mps_without_float64_and_gives_the_same_rotary_tables(monkeypatch):
+    """MPS has no float64: moving the layout's float64 positions there raised a TypeError at the first step.
+    They go as float32, which is what the DiT reads them in: the same tables."""
+    import torch
+
+    from h3_core.dit import rope_tables
+    from h3_core.layout import build_request_layout
+
+    layout = build_request_layout(128, 64, 124, torch.ones(6, dtype=torch.long))
+    moved_dtypes = []
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        device = args[0] if args else kwargs.get("device")
+        if isinstance(device, (str, torch.device)) and torch.device(device).type == "mps":
+            if self.dtype == torch.float64:
+                raise TypeError("Cannot convert a MPS Tensor to float64 dtype as the MPS framework doesn't "
+                                "support float64. Please use float32 instead.")
+            moved_dtypes.append(self.dtype)
+            return real_to(self, "cpu")  # stands in for the Mac's GPU
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    on_mps = layout.to("mps")
+    monkeypatch.undo()
+    assert torch.float32 in moved_dtypes and on_mps.position_ids.dtype == torch.float32
+    inv_freq = torch.rand(8)
+    for ours, theirs in zip(rope_tables(on_mps.position_ids, inv_freq), rope_tables(layout.position_ids, inv_freq)):
+        assert torch.equal(ours, theirs)
