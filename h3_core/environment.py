@@ -82,7 +82,9 @@ def report() -> dict:
 
 def _allocator() -> str:
     """The CUDA allocator a one-device `h3 generate` runs with (runtime.use_expandable_segments)."""
-    from .runtime import ALLOCATOR_VARIABLES
+    from .runtime import ALLOCATOR_VARIABLES, EXPANDABLE_SEGMENTS
 
     configured = [f"{name}={os.environ[name]}" for name in ALLOCATOR_VARIABLES if os.environ.get(name)]
-    return ", ".join(configured) + " (yours)" if configured else "expandable_segments:True (set by h3)"
+    if configured:
+        return ", ".join(configured) + " (yours)"
+    return "expandable_segments:True (set by h3)" if EXPANDABLE_SEGMENTS else "torch's default (fixed segments)"

@@ -49,7 +49,7 @@ from .noise import check_seeds, condition_rows, request_generator, target_noise
 from .media import SAMPLE_RATE, MediaError, naming
 from .output import AVLatents, write_mp4
 from .references import RELEASE_CANVAS, CanvasRules, DecodedAudio, MediaReference
-from .runtime import empty_caches, fixed_allocator_segments, host_memory_warning
+from .runtime import EXPANDABLE_SEGMENTS, empty_caches, fixed_allocator_segments, host_memory_warning
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback, check_shift, check_steps
 from .sampler import denoise as denoise_loop
 from .sparse_attention import STUDENT_SPARSITY
@@ -1166,9 +1166,10 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
     if device.type == "cuda":
         notes(f"memory: {plan.describe(config.num_layers)}")
         if plan.streams and fixed_allocator_segments():
+            better = ("expandable_segments:True (the h3 command's default)" if EXPANDABLE_SEGMENTS
+                      else "backend:cudaMallocAsync (no expandable segments here)")
             notes("memory: torch's allocator has fixed-size segments, so the plan keeps one block's activations "
-                  "spare for fragmentation; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the h3 command's "
-                  "default) leaves more room for resident blocks")
+                  f"spare for fragmentation; PYTORCH_CUDA_ALLOC_CONF={better} leaves more room for resident blocks")
     home = load_device(plan, device)
     if source.tiny:
         dit = tiny_random_dit(model_dtype(source, settings), home)

@@ -9,11 +9,13 @@ import ctypes.util
 import functools
 import gc
 import os
+import sys
 from pathlib import Path
 
 import torch
 
 ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the old name and torch 2.9's
+EXPANDABLE_SEGMENTS = sys.platform.startswith("linux")  # where torch's CUDA allocator has them
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 MADV_WILLNEED = 3  # Linux madvise advice: read these pages in now, without waiting for them
@@ -23,8 +25,6 @@ READ_AHEAD_CHUNK = 128 << 10  # bytes a madvise call asks for: a disk's smallest
 
 def compile_failed(error: BaseException) -> bool:
     """Whether torch.compile failed to build a graph (no C++ compiler, no Triton, an Inductor bug)."""
-    import sys
-
     dynamo = sys.modules.get("torch._dynamo.exc")  # imported by any torch.compile that ran
     return dynamo is not None and isinstance(error, dynamo.BackendCompilerFailed)  # InductorError is one
 
@@ -49,8 +49,9 @@ def use_expandable_segments(environ=os.environ) -> bool:
     the user configured the allocator. With fixed segments, a streamed DiT on a 24 GiB budget ran out of
     memory with 1.9 GiB reserved but unusable (freed pieces too small for the next 1 GiB activation);
     with expandable segments the same request fit at 24 and 16 GiB. Only effective before CUDA's first
-    allocation in this process. Returns whether it set the variable."""
-    if any(environ.get(name) for name in ALLOCATOR_VARIABLES):
+    allocation in this process. Returns whether it set the variable: not on Windows or macOS, where torch
+    has no expandable segments (it warns and keeps fixed ones)."""
+    if not EXPANDABLE_SEGMENTS or any(environ.get(name) for name in ALLOCATOR_VARIABLES):
         return False
     environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return True
@@ -59,9 +60,11 @@ def use_expandable_segments(environ=os.environ) -> bool:
 def fixed_allocator_segments(environ=os.environ) -> bool:
     """Whether torch's CUDA allocator runs with fixed-size segments (its default): neither expandable
     segments nor CUDA's own pool (`backend:cudaMallocAsync`, ComfyUI's default) are set in the
-    environment, where torch reads them. Memory plans leave more room then (memory_plan.py)."""
+    environment, where torch reads them (expandable segments only on Linux: elsewhere torch keeps fixed
+    ones). Memory plans leave more room then (memory_plan.py)."""
     settings = ",".join(environ.get(name, "") for name in ALLOCATOR_VARIABLES).replace(" ", "").lower()
-    return "expandable_segments:true" not in settings and "backend:cudamallocasync" not in settings
+    expandable = EXPANDABLE_SEGMENTS and "expandable_segments:true" in settings
+    return not expandable and "backend:cudamallocasync" not in settings
 
 
 def empty_caches(device: torch.device | None = None) -> None:

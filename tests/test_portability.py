@@ -260,3 +260,18 @@ def test_a_layout_goes_to_mps_without_float64_and_gives_the_same_rotary_tables(m
     inv_freq = torch.rand(8)
     for ours, theirs in zip(rope_tables(on_mps.position_ids, inv_freq), rope_tables(layout.position_ids, inv_freq)):
         assert torch.equal(ours, theirs)
+
+
+def test_windows_and_macos_have_no_expandable_segments(monkeypatch):
+    """torch's CUDA allocator has expandable segments on Linux only: elsewhere h3 set the variable anyway (torch
+    warned and kept fixed segments), and memory plans trusted it and left no room for fragmentation."""
+    from h3_core import environment
+
+    monkeypatch.setattr(runtime, "EXPANDABLE_SEGMENTS", False)  # as on Windows
+    environ = {}
+    assert not runtime.use_expandable_segments(environ) and environ == {}
+    assert runtime.fixed_allocator_segments({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert not runtime.fixed_allocator_segments({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+    for name in runtime.ALLOCATOR_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert environment._allocator() == "torch's default (fixed segments)"
