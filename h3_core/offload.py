@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from .dit import H3DiT
-from .runtime import empty_host_cache, file_mapped_ranges, in_mapped_file, pinnable_bytes, read_ahead
 from .pinned import PinnedSlabs
+from .runtime import empty_host_cache, file_mapped_ranges, in_mapped_file, pinnable_bytes, read_ahead
 
 ALIGN = 256  # bytes; every weight starts on an aligned offset inside its block's flat buffer
 READ_AHEAD_BLOCKS = 2  # how many blocks past those being copied the disk is asked to read, where they are a file's
@@ -51,11 +51,11 @@ class BlockStreamer:
     blocks ahead are copied; the GPU holds prefetch + 2 slots, each the size of the largest streamed
     block (blocks may differ: a GGUF file mixing quant types, an FP8 file with some blocks dense).
     pin_bytes: at most this much of the streamed blocks' CPU memory is pinned, as the allocator holds it
-    (pinned.PinnedSlabs; None: all of it, on a CUDA device); the others are copied from where they are, the same values, the CPU waiting on each
-    copy (a host's pinned-memory budget, e.g. ComfyUI's, which Windows needs under half the RAM;
-    bench/pinned_stream.py: no slower at 1344x768 x 124 on an H200). Where they are is, for weights read
-    as stored, the file's pages in the OS's cache: a host short of memory reads them from disk again
-    instead of swapping.
+    (pinned.PinnedSlabs; None: all of it, on a CUDA device); the others are copied from where they are, the
+    same values, the CPU waiting on each copy (a host's pinned-memory budget, e.g. ComfyUI's, which Windows
+    needs under half the RAM; bench/pinned_stream.py: no slower at 1344x768 x 124 on an H200). Where they
+    are is, for weights read as stored, the file's pages in the OS's cache: a host short of memory reads
+    them from disk again instead of swapping.
     """
 
     def __init__(self, dit: H3DiT, device: torch.device | str, resident: int, prefetch: int = 1,
