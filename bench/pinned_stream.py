@@ -12,6 +12,7 @@ import torch
 from dit_forward import build_ours
 from h3_core.config import DiTConfig
 from h3_core.offload import stream_blocks, unplace
+from h3_core.runtime import empty_caches
 from offload_bench import step_call
 
 config = DiTConfig()
@@ -29,8 +30,10 @@ for label, pin in (("pinned", None), ("pageable", 0), ("half pinned", 20 * 2**30
             torch.cuda.synchronize(); start = time.perf_counter()
             call()
             torch.cuda.synchronize(); times.append(time.perf_counter() - start)
+    held = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)  # pinned bytes the allocator holds
     print(json.dumps({"streamed": label, "pinned_blocks": streamer.pinned_blocks, "streamed_blocks": len(streamer.home),
-                      "seconds": [round(t, 3) for t in times]}), flush=True)
+                      "pinned_gib": round(held / 2**30, 2), "seconds": [round(t, 3) for t in times]}), flush=True)
     unplace(model, "cuda", streamer)
+    empty_caches(torch.device("cuda"))
     for module in model.adaln_modules():
         module.to("cpu")
