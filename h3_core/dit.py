@@ -40,6 +40,7 @@ from .sparse_attention import STUDENT_SPARSITY, SparsePlan, VSATiles, check_spar
 from .config import DiTConfig
 from .fp8 import compute_dtype
 from .layout import RowClock
+from .pinned import PinnedSlabs, park_table
 
 MODALITIES = 3  # AdaLN table rows per timestep: 0 video, 1 text, 2 audio
 _COMPILED_TABLE_ROWS = MODALITIES * len(RowClock)  # a step has at most one distinct timestep per row clock
@@ -470,17 +471,24 @@ class H3DiT(nn.Module):
         """Every step's tables, bitwise what `modulation` computes per step on the timesteps' device.
         Done module by module, so AdaLN weights kept elsewhere visit the compute device one at a time.
         `park_on_cpu`: each module's tables go to pinned CPU memory as soon as they are made (a 49-step
-        schedule's are ~1.8 GiB at the real config); the sampler brings one step's back at a time."""
+        schedule's are ~1.8 GiB at the real config), slices of a few slabs (a table pinned alone would be
+        rounded up to a power of two); the sampler brings one step's back at a time."""
         device = timesteps_per_step[0].device
-        park = (lambda table: table.to("cpu").pin_memory() if device.type == "cuda" else table) if park_on_cpu else (lambda table: table)
+        slabs = PinnedSlabs(None) if park_on_cpu and device.type == "cuda" else None
+
+        def park(table: torch.Tensor, left: int) -> torch.Tensor:
+            """`table` pinned, one of `left` more of its size (what the slabs are planned for)."""
+            return table if slabs is None else park_table(slabs, table, left)
+
         with _visiting(self.time_embedder, device):
             tembs = [self.time_embedder(t) for t in timesteps_per_step]
         per_block = []
-        for block in self.blocks:
+        for index, block in enumerate(self.blocks):
+            left = (len(self.blocks) - index) * len(tembs)  # block tables still to park, this one's included
             with _visiting(block.adaln_proj, device):
-                per_block.append([park(self._block_table(block, temb)) for temb in tembs])
+                per_block.append([park(self._block_table(block, temb), left - s) for s, temb in enumerate(tembs)])
         with _visiting(self.final_layer.adaln_proj, device):
-            finals = [park(self.final_layer.adaln_proj(temb)) for temb in tembs]
+            finals = [park(self.final_layer.adaln_proj(temb), len(tembs) - s) for s, temb in enumerate(tembs)]
         return [Modulation([tables[s] for tables in per_block], finals[s]) for s in range(len(tembs))]
 
     def forward(

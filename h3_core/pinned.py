@@ -65,3 +65,10 @@ class PinnedSlabs:
         piece = self.slab[self.used : self.used + size]
         self.used += aligned(size)
         return piece
+
+
+
+def park_table(slabs: PinnedSlabs, table: torch.Tensor, left: int) -> torch.Tensor:
+    """`table` (an AdaLN table made on the GPU) copied into a slice of `slabs`, one of `left` more of its size."""
+    piece = slabs.take(table.numel() * table.element_size(), left)
+    return piece.view(table.dtype).view(table.shape).copy_(table)

@@ -271,3 +271,34 @@ def test_a_placement_out_of_memory_at_its_slots_holds_no_pinned_memory(monkeypat
     assert not any(block._forward_pre_hooks or block._forward_hooks for block in model.blocks)
     empty_caches(torch.device("cuda"))
     assert torch.cuda.memory_allocated() == allocated
+
+
+def test_parked_adaln_tables_are_the_tables_in_pinned_slabs():
+    """A 49-step schedule parks ~2,500 AdaLN tables in pinned memory; pinned one by one, each was rounded up to a
+    power of two. In slices of slabs they take little more than their size, and are the same tables."""
+    from h3_core.config import DiTConfig
+    from h3_core.runtime import empty_caches
+
+    model = _model().cuda()
+    steps = [torch.tensor([0.1 * s, 0.2], device="cuda") for s in range(5)]
+    with torch.inference_mode():
+        kept, parked = model.modulation_schedule(steps), model.modulation_schedule(steps, park_on_cpu=True)
+    for ours, theirs in zip(parked, kept):
+        assert all(a.is_pinned() and torch.equal(a.cuda(), b) for a, b in zip(ours.blocks, theirs.blocks))
+        assert ours.final.is_pinned() and torch.equal(ours.final.cuda(), theirs.final)
+
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    key = "allocated_bytes.current"
+    if stats is None or key not in stats():
+        pytest.skip("this torch reports no host allocator statistics")
+    with torch.device("meta"):  # the real width, six blocks: real tables' sizes
+        real = H3DiT(replace(DiTConfig(), num_layers=6)).set_dtype(torch.bfloat16)
+    real = real.to_empty(device="cuda").eval().requires_grad_(False)
+    del parked, kept
+    empty_caches(torch.device("cuda"))
+    before = stats()[key]
+    with torch.inference_mode():
+        parked = real.modulation_schedule([torch.tensor([0.02 * s, 0.5], device="cuda") for s in range(49)],
+                                          park_on_cpu=True)
+    tables = sum(t.numel() * t.element_size() for m in parked for t in [*m.blocks, m.final])
+    assert tables <= stats()[key] - before <= 1.1 * tables

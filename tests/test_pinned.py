@@ -52,3 +52,15 @@ def test_no_room_limit_pins_every_block():
     assert all(slabs.take(BF16_BLOCK, 20 - i) is not None for i in range(20))
     assert sum(taken) == 16 * GIB  # 8 + 8 (11 + 9 blocks), the fewest powers of two that hold 20; 20 GiB a block
     # at a time
+
+
+def test_tables_are_parked_as_they_are_in_slices_of_a_few_slabs():
+    from h3_core.pinned import park_table
+
+    taken = []
+    slabs = PinnedSlabs(None, _fake_pin(taken))
+    tables = [torch.randn(2, 6 * 96, dtype=dtype) for dtype in (torch.bfloat16, torch.float32) for _ in range(15)]
+    parked = [park_table(slabs, table, 15 - index % 15) for index, table in enumerate(tables)]
+    assert all(p.dtype == t.dtype and torch.equal(p, t) for p, t in zip(parked, tables))
+    assert len({p.untyped_storage().data_ptr() for p in parked}) == len(taken) < 10  # slabs, not 30 buffers
+    assert sum(taken) == 15 * 4096 + 15 * 8192  # each table a page or two: nothing rounded up past that
