@@ -486,6 +486,8 @@ def apply_loras(
         raise LoRAError(f"mode must be 'merge' or 'dynamic', got {mode!r}.")
     if partition not in PARTITIONS:
         raise LoRAError(f"partition must be one of {', '.join(PARTITIONS)}, got {partition!r}.")
+    if mode == "merge":
+        _refuse_streamed(model, "merged into")
     pairs = [(item, 1.0) if isinstance(item, LoRA) else tuple(item) for item in loras]
     report = LoRAReport(partition, mode, [], [])
     by_module: dict[tuple[str, str], list[_Resolved]] = {}
@@ -601,6 +603,16 @@ def _merge(by_module: dict, backup: bool) -> _Application:
     return application
 
 
+def _refuse_streamed(model: nn.Module, what: str) -> None:
+    """A merge changes weights in place, but a streamed block's weights are the streamer's copies (its pinned or
+    file-backed homes, given back as read when it is unplaced): the change would be lost, or lost later."""
+    from .offload import is_streamed
+
+    if is_streamed(model):
+        raise LoRAError(f"A LoRA cannot be {what} a DiT whose blocks are streamed: unplace it first (offload.unplace), "
+                        "or apply the LoRA with mode='dynamic'.")
+
+
 def _hook(by_module: dict, backup: bool) -> _Application:
     grouped: dict[nn.Module, list[_Resolved]] = {}
     for resolved in by_module.values():
@@ -632,6 +644,8 @@ def _undo(application: _Application) -> None:
 def remove_loras(model: nn.Module) -> int:
     """Undo every `apply_loras` on `model`, newest first; returns how many applications were undone."""
     stack = model.__dict__.get(_STATE, [])
+    if any(application.mode == "merge" for application in stack):
+        _refuse_streamed(model, "taken out of")
     count = len(stack)
     with torch.no_grad():
         while stack:

@@ -11,6 +11,7 @@ of the resident model: the same kernels run on the same values.
 
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -21,6 +22,7 @@ from .pinned import PinnedSlabs
 from .runtime import empty_host_cache, file_mapped_ranges, in_mapped_file, pinnable_bytes, read_ahead
 
 ALIGN = 256  # bytes; every weight starts on an aligned offset inside its block's flat buffer
+STREAMER = "_h3_block_streamer"  # the model's entry naming its streamer (weakly)
 READ_AHEAD_BLOCKS = 2  # how many blocks past those being copied the disk is asked to read, where they are a file's
 
 
@@ -81,6 +83,8 @@ class BlockStreamer:
         except BaseException:  # out of memory partway: every block back in CPU memory as it was, no pins held
             unplace(dit, "cpu", self)
             raise
+        self.model = weakref.ref(dit)
+        dit.__dict__[STREAMER] = weakref.ref(self)  # what `is_streamed` reads
 
     def _place(self, dit: H3DiT, pin_bytes: int | None) -> None:
         resident = self.resident
@@ -203,6 +207,9 @@ class BlockStreamer:
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
+        model = getattr(self, "model", lambda: None)()
+        if model is not None and model.__dict__.get(STREAMER, lambda: None)() is self:
+            del model.__dict__[STREAMER]
         self.slots, self.slot_free, self.loaded = [], [], {}
         if self.reader is not None:
             self.reader.shutdown(wait=True, cancel_futures=True)  # no madvise left on a mapping about to go
@@ -219,6 +226,12 @@ class BlockStreamer:
         """Block weights this streamer keeps off the device, less the slots they stream through."""
         home = sum(view.numel() * view.element_size() for views in self.home.values() for view in views)
         return home - sum(slot.numel() for slot in self.slots)
+
+
+def is_streamed(dit: nn.Module) -> bool:
+    """Whether `dit`'s blocks stream now (a BlockStreamer's hooks on, its weights at the streamer's homes)."""
+    streamer = dit.__dict__.get(STREAMER, lambda: None)()
+    return streamer is not None and bool(streamer.hooks)
 
 
 def stream_blocks(dit: H3DiT, device: torch.device | str, resident: int, prefetch: int = 1,

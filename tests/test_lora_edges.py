@@ -382,3 +382,24 @@ def test_a_merge_into_weights_read_from_a_file_writes_none_of_its_pages(tmp_path
     remove_loras(model)  # taken out again from the new tensors
     base = dict(DiTReader(path, config=config).read("cpu").named_parameters())
     assert all(torch.allclose(param, base[name], atol=1e-2) for name, param in model.named_parameters())
+
+
+def test_a_merge_into_a_streamed_dit_is_refused_and_allowed_once_it_is_unplaced(tmp_path):
+    """A streamed block's weights are the streamer's homes: a merge written elsewhere (a file's pages get new
+    tensors) never reached the forward, and one written into a pinned home was undone when the DiT was unplaced
+    (its weights given back as read), while `applied_loras` still listed it. Refused, with what to do instead."""
+    from h3_core.offload import is_streamed, stream_blocks, unplace
+
+    model = tiny_random_dit()
+    lora = load_lora(write_peft(tmp_path / "lora.safetensors", random_spec(TINY_DIT)))
+    apply_loras(model, [(lora, 1.0)], partition="fl2va", mode="merge", backup=False)
+    streamer = stream_blocks(model, "cpu", resident=1)
+    assert is_streamed(model)
+    with pytest.raises(LoRAError, match="cannot be taken out of a DiT whose blocks are streamed: unplace it first"):
+        remove_loras(model)
+    with pytest.raises(LoRAError, match="cannot be merged into a DiT whose blocks are streamed"):
+        apply_loras(model, [(lora, 1.0)], partition="fl2va", mode="merge")
+    apply_loras(model, [(lora, 1.0)], partition="fl2va", mode="dynamic")  # hooks: fine while streamed
+    unplace(model, "cpu", streamer)
+    assert not is_streamed(model) and remove_loras(model) == 2
+    apply_loras(model, [(lora, 1.0)], partition="fl2va", mode="merge")
