@@ -78,12 +78,12 @@ class BlockStreamer:
         self.on_file: dict[int, list[torch.Tensor]] = {}  # an unpinned block's weights in a mapped file
         self.pinned_blocks = 0
         self.hooks, self.reader, self.slots = [], None, []
+        self.model = weakref.ref(dit)
         try:
             self._place(dit, pin_bytes)
         except BaseException:  # out of memory partway: every block back in CPU memory as it was, no pins held
             unplace(dit, "cpu", self)
             raise
-        self.model = weakref.ref(dit)
         dit.__dict__[STREAMER] = weakref.ref(self)  # what `is_streamed` reads
 
     def _place(self, dit: H3DiT, pin_bytes: int | None) -> None:
@@ -207,7 +207,7 @@ class BlockStreamer:
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
-        model = getattr(self, "model", lambda: None)()
+        model = self.model()
         if model is not None and model.__dict__.get(STREAMER, lambda: None)() is self:
             del model.__dict__[STREAMER]
         self.slots, self.slot_free, self.loaded = [], [], {}

@@ -67,7 +67,6 @@ class PinnedSlabs:
         return piece
 
 
-
 def park_table(slabs: PinnedSlabs, table: torch.Tensor, left: int) -> torch.Tensor:
     """`table` (an AdaLN table made on the GPU) copied into a slice of `slabs`, one of `left` more of its size."""
     piece = slabs.take(table.numel() * table.element_size(), left)
