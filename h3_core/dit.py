@@ -40,7 +40,8 @@ from .sparse_attention import STUDENT_SPARSITY, SparsePlan, VSATiles, check_spar
 from .config import DiTConfig
 from .fp8 import compute_dtype
 from .layout import RowClock
-from .pinned import PinnedSlabs, park_table
+from .pinned import PinnedSlabs, host_room, park_table
+from .runtime import pinnable_bytes
 
 MODALITIES = 3  # AdaLN table rows per timestep: 0 video, 1 text, 2 audio
 _COMPILED_TABLE_ROWS = MODALITIES * len(RowClock)  # a step has at most one distinct timestep per row clock
@@ -472,9 +473,10 @@ class H3DiT(nn.Module):
         Done module by module, so AdaLN weights kept elsewhere visit the compute device one at a time.
         `park_on_cpu`: each module's tables go to pinned CPU memory as soon as they are made (a 49-step
         schedule's are ~1.8 GiB at the real config), slices of a few slabs (a table pinned alone would be
-        rounded up to a power of two); the sampler brings one step's back at a time."""
+        rounded up to a power of two), within the host's pinned-memory room (the rest in ordinary CPU memory);
+        the sampler brings one step's back at a time."""
         device = timesteps_per_step[0].device
-        slabs = PinnedSlabs(None) if park_on_cpu and device.type == "cuda" else None
+        slabs = PinnedSlabs(pinnable_bytes(host_room())) if park_on_cpu and device.type == "cuda" else None
 
         def park(table: torch.Tensor, left: int) -> torch.Tensor:
             """`table` pinned, one of `left` more of its size (what the slabs are planned for)."""

@@ -7,13 +7,32 @@ several blocks waste little (eleven bf16 blocks in 8 GiB: 1.3%), and are what th
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 GIB = 2**30
 MAX_SLAB = 8 * GIB  # the largest buffer asked for: the most an unload holds twice while its blocks get copies
 SLAB_ALIGN = 4096  # each block starts on a page
+
+
+@dataclass(frozen=True)
+class HostPins:
+    """A host that budgets pinned memory itself (ComfyUI): `room()`, the bytes it leaves H3 (None: no limit);
+    `count(n)`, told of each slab taken (+n) and given back (-n), so that its own pins leave room for ours."""
+
+    room: Callable[[], int | None]
+    count: Callable[[int], None]
+
+
+host: HostPins | None = None  # set by the host (the ComfyUI nodes); None for the CLI and the Python API
+
+
+def host_room() -> int | None:
+    """The pinned bytes the host leaves H3 now (None: no host, or no limit)."""
+    return None if host is None else host.room()
 
 
 def pin(nbytes: int) -> torch.Tensor:
@@ -43,7 +62,7 @@ def aligned(size: int) -> int:
 class PinnedSlabs:
     """Hands out pinned buffers for blocks, each a slice of the current slab, a new slab taken when it is full.
     `room`: the pinned bytes allowed in all (None: no limit), charged a whole slab at a time. A slab is freed
-    when the last block in it lets go of its slice."""
+    when the last block in it lets go of its slice; the host (if any) is told of each then, and when taken."""
 
     def __init__(self, room: int | None, allocate: Callable[[int], torch.Tensor] = pin):
         self.room, self.allocate = room, allocate
@@ -60,6 +79,9 @@ class PinnedSlabs:
                 return None
             self.slab, self.used = self.allocate(capacity), 0
             self.pinned_bytes += capacity
+            if host is not None:
+                host.count(capacity)
+                weakref.finalize(self.slab.untyped_storage(), host.count, -capacity)
             if self.room is not None:
                 self.room -= capacity
         piece = self.slab[self.used : self.used + size]
@@ -68,6 +90,9 @@ class PinnedSlabs:
 
 
 def park_table(slabs: PinnedSlabs, table: torch.Tensor, left: int) -> torch.Tensor:
-    """`table` (an AdaLN table made on the GPU) copied into a slice of `slabs`, one of `left` more of its size."""
+    """`table` (an AdaLN table made on the GPU) copied into a slice of `slabs`, one of `left` more of its size;
+    into ordinary CPU memory where their room is spent."""
     piece = slabs.take(table.numel() * table.element_size(), left)
+    if piece is None:
+        return table.to("cpu")
     return piece.view(table.dtype).view(table.shape).copy_(table)

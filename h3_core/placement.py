@@ -20,10 +20,11 @@ import logging
 import sys
 import traceback
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
+from .pinned import host_room
 from .runtime import empty_caches, host_memory_warning
 
 log = logging.getLogger("h3")
@@ -257,9 +258,8 @@ class DiTPlacement(Placement):
 
     `budget_gib`: the device memory the DiT may use (None: what the host reports free). `reader`: the
     `checkpoint.DiTReader` whose model `dit` is; its weights are then read at the first load (straight
-    onto the device when the plan keeps everything there), and may be released and read again. `pin_room`:
-    asked at each streamed load, how much pinned CPU memory the host allows the streamed blocks (None: no
-    limit; offload.BlockStreamer's pin_bytes)."""
+    onto the device when the plan keeps everything there), and may be released and read again. A streamed load
+    pins at most what the host leaves (pinned.host_room: offload.BlockStreamer's pin_bytes)."""
 
     def __init__(self, name: str, dit, load_device, offload_device, loaded: bool = False,
                  budget_gib: float | None = None, reader=None):
@@ -268,7 +268,6 @@ class DiTPlacement(Placement):
         self.dit, self.budget_gib, self.reader = dit, budget_gib, reader
         self.plan = None  # the plan of the next load, and of the model while loaded (None: whole)
         self.streamer = None
-        self.pin_room: Callable[[], int | None] | None = None
         super().__init__(name, [dit], load_device, offload_device, loaded)
 
     @property
@@ -352,8 +351,7 @@ class DiTPlacement(Placement):
                 if self.plan is None:
                     self.dit.to(self.load_device)
                 else:
-                    self.streamer = place(self.dit, self.load_device, self.plan,
-                                          pin_bytes=None if self.pin_room is None else self.pin_room())
+                    self.streamer = place(self.dit, self.load_device, self.plan, pin_bytes=host_room())
             self.loaded = True
             self._say_pinned()
             return self.loaded_bytes

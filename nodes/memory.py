@@ -22,6 +22,7 @@ import comfy.model_management as mm
 import comfy.model_patcher
 import torch
 
+from h3_core import pinned
 from h3_core.lora import apply_loras, hooked_bytes, remove_loras
 from h3_core.memory_plan import GIB, usable_bytes, working_bytes
 from h3_core.placement import DiTPlacement, Placement, RunnerPlacement, TextEncoderPlacement
@@ -187,7 +188,6 @@ def manage_dit(name: str, dit, device, loaded: bool, budget_gib: float | None, r
     another of our models needs the CPU memory (host_memory)."""
     placement = DiTPlacement(name, dit, device, mm.unet_offload_device(), loaded=loaded, budget_gib=budget_gib,
                              reader=reader)
-    placement.pin_room = pin_room
     track(placement)
     patcher = H3Patcher(placement)
     if loaded:
@@ -196,12 +196,22 @@ def manage_dit(name: str, dit, device, loaded: bool, budget_gib: float | None, r
 
 
 def pin_room() -> int | None:
-    """The pinned CPU memory ComfyUI's budget leaves for streamed DiT blocks: none with --disable-pinned-memory
-    (or off NVIDIA and AMD); None (no limit) in a ComfyUI without such a budget."""
+    """The pinned CPU memory ComfyUI's budget leaves for streamed DiT blocks and parked AdaLN tables: none with
+    --disable-pinned-memory (or off NVIDIA and AMD); None (no limit) in a ComfyUI without such a budget."""
     most = getattr(mm, "MAX_PINNED_MEMORY", None)
     if most is None:
         return None
     return max(0, int(most - getattr(mm, "TOTAL_PINNED_MEMORY", 0)))
+
+
+def count_pins(nbytes: int) -> None:
+    """H3's pinned slabs taken (+) and given back (-) counted in ComfyUI's pinned total, which its own pinning
+    keeps within its budget: without them there, ComfyUI's pins and ours could each take the whole budget."""
+    if hasattr(mm, "TOTAL_PINNED_MEMORY"):
+        mm.TOTAL_PINNED_MEMORY = max(0, mm.TOTAL_PINNED_MEMORY + nbytes)
+
+
+pinned.host = pinned.HostPins(pin_room, count_pins)
 
 
 def manage_runner(name: str, spec, devices, shard_weights: bool) -> H3Patcher:

@@ -150,15 +150,19 @@ FAKED = ("comfy", "comfy_api", "comfy_execution", "folder_paths", "nodes")  # to
 def installed(tmp_path: Path, **options):
     """`install` for the block, then every faked module and our node modules leave sys.modules again, and
     what was there before comes back (so the tests around see no fake)."""
+    from h3_core import pinned
+
     saved = {name: module for name, module in sys.modules.items() if name.split(".")[0] in FAKED}
     for name in saved:  # a real ComfyUI imported by an earlier test must not mix with the fakes
         del sys.modules[name]
+    host = pinned.host  # the nodes set it on import
     try:
         yield install(tmp_path, **options)
     finally:
         for name in [name for name in sys.modules if name.split(".")[0] in FAKED]:
             del sys.modules[name]
         sys.modules.update(saved)
+        pinned.host = host
 
 
 def validate_node_input(received, wanted) -> bool:

@@ -146,6 +146,32 @@ def test_streamed_blocks_are_pinned_within_comfyuis_pinned_memory_budget(comfy, 
     assert model.patcher.model.streamer is not None and asked == [6 * GIB]
 
 
+def test_h3s_pinned_slabs_are_counted_in_comfyuis_pinned_total(comfy, monkeypatch):
+    """ComfyUI keeps its own pins within its budget by its count of them; H3's streamed blocks and parked AdaLN
+    tables were pinned outside that count, so ComfyUI's pins and ours could each take the whole budget."""
+    from h3_core import pinned
+
+    c = comfy
+    monkeypatch.setattr(c.mm, "MAX_PINNED_MEMORY", 10 * GIB, raising=False)
+    monkeypatch.setattr(c.mm, "TOTAL_PINNED_MEMORY", 4 * GIB, raising=False)  # other models' pins
+    slabs = pinned.PinnedSlabs(pinned.host_room(), allocate=lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
+    assert slabs.room == 6 * GIB
+    piece = slabs.take(GIB, 1)
+    assert c.mm.TOTAL_PINNED_MEMORY == 5 * GIB and c.memory.pin_room() == 5 * GIB
+    slabs = piece = None
+    assert c.mm.TOTAL_PINNED_MEMORY == 4 * GIB
+
+
+def test_a_comfyui_leaves_no_pinned_memory_host_behind(tmp_path):
+    """The nodes tell the engine of ComfyUI's pinned-memory budget while they are loaded, not after."""
+    from h3_core import pinned
+
+    with fake_comfy.installed(tmp_path):
+        importlib.import_module("nodes.memory")
+        assert pinned.host is not None and pinned.host.room() is None  # this ComfyUI has no budget
+    assert pinned.host is None
+
+
 def test_a_plan_that_only_keeps_the_adaln_weights_home_moves_only_them(comfy, caplog):
     c = comfy
     cond = _cond(c)

@@ -302,3 +302,34 @@ def test_parked_adaln_tables_are_the_tables_in_pinned_slabs():
                                           park_on_cpu=True)
     tables = sum(t.numel() * t.element_size() for m in parked for t in [*m.blocks, m.final])
     assert tables <= stats()[key] - before <= 1.1 * tables
+
+
+def test_a_hosts_pinned_memory_count_and_room_cover_streamed_blocks_and_parked_tables(monkeypatch):
+    """A host that budgets pinned memory (ComfyUI) is told of every slab H3 pins, the streamed blocks' and the
+    parked AdaLN tables', and of its release; tables past its room wait in ordinary memory (they were pinned
+    whatever it allowed), the same outputs either way."""
+    from h3_core import pinned
+
+    expected = _sample(_model().cuda(), offload_adaln=False)
+    counted, room = [], [None]
+    monkeypatch.setattr(pinned, "host", pinned.HostPins(lambda: room[0], counted.append))
+    model = _model()
+    streamer = place(model, "cuda", MemoryPlan(1, 1, True, 0, True), pin_bytes=pinned.host_room())
+    assert streamer.pinned_blocks == 3 and sum(counted) > 0
+    held = sum(counted)
+    steps = [torch.tensor([0.1 * s, 0.2], device="cuda") for s in range(5)]
+    with torch.inference_mode():
+        tables = model.modulation_schedule(steps, park_on_cpu=True)
+    assert tables[0].final.is_pinned() and sum(counted) > held  # the tables' slabs counted too
+    tables = None
+    assert sum(counted) == held
+    assert all(torch.equal(a, b) for a, b in zip(expected, _sample(model, offload_adaln=True), strict=True))
+    assert sum(counted) == held  # a run's parked tables given back at its end
+    unplace(model, "cpu", streamer)
+    assert sum(counted) == 0 and min(counted) < 0
+
+    room[0] = 0  # ComfyUI's --disable-pinned-memory
+    with torch.inference_mode():
+        tables = model.cuda().modulation_schedule(steps, park_on_cpu=True)
+    assert not any(t.is_pinned() for m in tables for t in [*m.blocks, m.final]) and sum(counted) == 0
+    assert all(torch.equal(a, b) for a, b in zip(expected, _sample(model, offload_adaln=True), strict=True))

@@ -64,3 +64,39 @@ def test_tables_are_parked_as_they_are_in_slices_of_a_few_slabs():
     assert all(p.dtype == t.dtype and torch.equal(p, t) for p, t in zip(parked, tables))
     assert len({p.untyped_storage().data_ptr() for p in parked}) == len(taken) < 10  # slabs, not 30 buffers
     assert sum(taken) == 15 * 4096 + 15 * 8192  # each table a page or two: nothing rounded up past that
+
+
+def test_a_host_is_told_of_each_slab_taken_and_given_back(monkeypatch):
+    """ComfyUI budgets pinned memory itself: H3's slabs were pinned beside its count, so its own pins and ours
+    could each take the whole budget. The host is now told of each slab when taken and when its last slice goes."""
+    from h3_core import pinned
+
+    counted = []
+    monkeypatch.setattr(pinned, "host", pinned.HostPins(lambda: None, counted.append))
+    taken = []
+    slabs = PinnedSlabs(None, _fake_pin(taken))
+    pieces = [slabs.take(BF16_BLOCK, 14 - i) for i in range(14)]
+    assert counted == taken and sum(taken) == slabs.pinned_bytes and taken[0] == 8 * GIB  # eleven blocks, then 3
+    del slabs
+    held = pieces[:11]  # the first slab's blocks
+    pieces = None
+    assert counted[:len(taken)] == taken and sorted(counted[len(taken):]) == sorted(-n for n in taken[1:])
+    view = held[-1][:10].view(torch.int16)
+    held = None
+    assert sum(counted) == taken[0]  # a view of a slice keeps its slab counted
+    view = None
+    assert sum(counted) == 0 and len(counted) == 2 * len(taken)
+
+
+def test_a_table_past_the_room_is_parked_in_ordinary_memory():
+    """A schedule's tables ignored the host's pinned-memory room (ComfyUI's --disable-pinned-memory too): those
+    the room cannot hold now wait in ordinary CPU memory, the same values."""
+    from h3_core.pinned import park_table
+
+    taken = []
+    slabs = PinnedSlabs(8192, _fake_pin(taken))  # two tables, a page each
+    tables = [torch.randn(2, 6 * 96, dtype=torch.bfloat16) for _ in range(4)]
+    parked = [park_table(slabs, table, 4 - index) for index, table in enumerate(tables)]
+    assert taken == [8192] and all(torch.equal(p, t) for p, t in zip(parked, tables))
+    in_slab = {p.untyped_storage().data_ptr() for p in parked[:2]}
+    assert len(in_slab) == 1 and all(p.untyped_storage().data_ptr() not in in_slab for p in parked[2:])
