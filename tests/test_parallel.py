@@ -132,7 +132,9 @@ def test_a_pruned_file_splits_with_sharded_weights_like_one_process(tmp_path):
 
 
 def test_a_gguf_file_splits_with_sharded_weights_like_one_process(tmp_path):
-    """A GGUF file (Q4_K block linears, held as their GGML blocks) read by each worker, its bytes sharded."""
+    """A GGUF file (Q4_K block linears, held as their GGML blocks) read by each worker, its bytes sharded. One
+    block's fc2 is Q6_K, as llama.cpp's *_M mixes have it: the blocks differ in size (every gather used the first
+    block's, and the collective failed)."""
     pytest.importorskip("gguf", reason="GGUF files are written with the gguf package (a dependency)")
     import gguf_files
 
@@ -143,7 +145,8 @@ def test_a_gguf_file_splits_with_sharded_weights_like_one_process(tmp_path):
     model = seeded_random_weights(H3DiT(config), 1)
     linears = {f"blocks.{i}.{leaf}.weight": "Q4_K" for i in range(config.num_layers)
                for leaf in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")}
-    path = tmp_path / "h3_fl2va-Q4_K.gguf"
+    linears["blocks.1.mlp.fc2.weight"] = "Q6_K"
+    path = tmp_path / "h3_fl2va-Q4_K_M.gguf"
     gguf_files.write_gguf(path, model.state_dict(), linears)
     spec = dataclasses.replace(SPEC, source=str(path), config=None)
     loaded = spec.load("cpu")

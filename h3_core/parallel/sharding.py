@@ -32,7 +32,8 @@ class _Unit:
         offsets, size = _packing(params)
         self.places = [(offset, p.dtype, p.shape) for offset, p in zip(offsets, params)]  # kept: shapes go empty
         self.shard_bytes = -(-size // world)
-        whole = torch.zeros(self.shard_bytes * world, dtype=torch.uint8, device=params[0].device)
+        self.whole_bytes = self.shard_bytes * world  # what a gather fills: the front of a buffer for the largest
+        whole = torch.zeros(self.whole_bytes, dtype=torch.uint8, device=params[0].device)
         for view, param in zip(self._views(whole), params):
             view.copy_(param.data)
         self.shard = whole[rank * self.shard_bytes : (rank + 1) * self.shard_bytes].to(device, copy=True)
@@ -67,7 +68,8 @@ class BlockSharder:
             weights = [p for name, p in block.named_parameters() if not name.startswith("adaln_proj.")]
             self.main.append(_Unit(weights, self.world, rank, device))
             self.adaln.append(_Unit(list(block.adaln_proj.parameters()), self.world, rank, device))
-        full = lambda units: torch.empty(self.world * units[0].shard_bytes, dtype=torch.uint8, device=device)  # noqa: E731
+        # blocks may differ in size (a GGUF *_M mix, blocks a file leaves dense): buffers fit the largest
+        full = lambda units: torch.empty(max(u.whole_bytes for u in units), dtype=torch.uint8, device=device)  # noqa: E731
         self.block_buffers = [full(self.main), full(self.main)]
         self.adaln_buffer = full(self.adaln)
         self.pending: dict[int, dist.Work] = {}  # block index -> its gather in flight
@@ -79,11 +81,12 @@ class BlockSharder:
             block.adaln_proj.register_forward_hook(lambda module, args, out, unit=adaln: unit.release())
 
     def _gather(self, index: int, async_op: bool):
-        buffer = self.block_buffers[index % 2]
-        return all_gather_single(buffer, self.main[index].shard, group=self.group, async_op=async_op)
+        unit = self.main[index]
+        buffer = self.block_buffers[index % 2][: unit.whole_bytes]
+        return all_gather_single(buffer, unit.shard, group=self.group, async_op=async_op)
 
     def _gather_now(self, unit: _Unit) -> None:
-        all_gather_single(self.adaln_buffer, unit.shard, group=self.group)
+        all_gather_single(self.adaln_buffer[: unit.whole_bytes], unit.shard, group=self.group)
         unit.point_into(self.adaln_buffer)
 
     def _before_block(self, index: int):
