@@ -1182,7 +1182,7 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
     if loras and lora_mode == "merge":
         _note_lines(notes, apply_loras(dit, loras, partition=partition, mode="merge", backup=False))
     if quantize_later:
-        apply_linear_mode(dit, settings.linears, home)
+        apply_linear_mode(dit, settings.linears, device)  # checked where it runs, not where it waits (home)
     if loras and lora_mode == "dynamic":
         _note_lines(notes, apply_loras(dit, loras, partition=partition, mode="dynamic"))
     if settings.linears != "checkpoint":

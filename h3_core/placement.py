@@ -445,7 +445,21 @@ def check_devices(devices, split: bool = False) -> list[torch.device]:
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"{device} does not exist here: this machine has {torch.cuda.device_count()} CUDA "
                              "device(s).")
+        if device.type not in ("cpu", "cuda", "meta") and not _available(device.type):
+            raise ValueError(f"{device}: this torch build has no {device.type} device here; use cpu or cuda"
+                             f"{' (mps on a Mac)' if device.type != 'mps' else ''}.")
+    if split:  # a worker's GPU by its index: torch.cuda.set_device takes no bare "cuda"
+        devices = [torch.device("cuda", device.index or 0) if device.type == "cuda" else device for device in devices]
     return devices
+
+
+def _available(kind: str) -> bool:
+    """Whether torch can use a device of this kind here (mps: a Mac with Metal; xpu: an Intel GPU build)."""
+    backend = getattr(torch.backends, kind, None) if kind == "mps" else getattr(torch, kind, None)
+    try:
+        return bool(backend.is_available())
+    except AttributeError:
+        return False
 
 
 def _device_name(name) -> bool:

@@ -333,3 +333,24 @@ def test_a_hosts_pinned_memory_count_and_room_cover_streamed_blocks_and_parked_t
         tables = model.cuda().modulation_schedule(steps, park_on_cpu=True)
     assert not any(t.is_pinned() for m in tables for t in [*m.blocks, m.final]) and sum(counted) == 0
     assert all(torch.equal(a, b) for a, b in zip(expected, _sample(model, offload_adaln=True), strict=True))
+
+
+def test_a_dit_waiting_on_the_cpu_is_checked_for_fp8_matmuls_where_it_runs(monkeypatch):
+    """A streamed (or AdaLN-offloaded) DiT is read into CPU memory first; `fp8-lossy` linears made after the load
+    (tiny-random, or with LoRAs merged) were checked for FP8 matmuls on the CPU, which torch 2.11's lacks, so the
+    run was refused on a GPU that has them."""
+    from test_parallel import conditioning
+
+    from h3_core import fp8, pipeline
+    from h3_core.offload import unplace
+
+    monkeypatch.setattr(fp8, "scaled_mm_supported", lambda kind, index=None: kind == "cuda")  # torch 2.11's CPU
+    monkeypatch.setattr(pipeline, "sampling_plan", lambda *args, **kwargs: MemoryPlan(1, 1, True, 0, True))
+    source = pipeline.resolve_model_source("tiny-random", "fl2va")
+    settings = pipeline.GenerateSettings(device="cuda", linears="fp8-lossy")
+    request = conditioning(False)
+    dit, plan, streamer = pipeline.load_sampling_dit(source, None, "fl2va", settings, (), request, 3, lambda line: None)
+    try:
+        assert plan.streams and isinstance(dit.blocks[1].mlp.fc1, fp8.FP8Linear)
+    finally:
+        unplace(dit, "cpu", streamer)

@@ -348,6 +348,18 @@ def test_bad_device_lists_are_refused_before_any_process_starts(monkeypatch, cap
     assert check_devices(iter(["cpu", "cpu"]), split=True) == [torch.device("cpu")] * 2  # any iterable, read once
     with pytest.raises(ValueError, match=r"^'gpu', 'cuda:x': not a device name such as cpu, cuda or cuda:1\.$"):
         check_devices(["cpu", "gpu", "cuda:x"])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a worker's GPU is named by its index: set_device
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)  # refused a bare "cuda" after the workers started
+    assert check_devices("cuda, cuda:1", split=True) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert check_devices(["cuda"]) == [torch.device("cuda")]  # one device: as given
+    monkeypatch.undo()
+    for kind in ("mps", "xpu"):  # a kind this torch cannot use: said at once, not a traceback from a model's load
+        if not getattr(torch.backends if kind == "mps" else torch, kind).is_available():
+            with pytest.raises(ValueError, match=f"^{kind}: this torch build has no {kind} device here; use cpu or "
+                                                 "cuda"):
+                check_devices([kind])
+            assert h3(["generate", "--prompt", "x", "--save-latents", "x.safetensors", "--device", kind]) == 2
+            assert f"h3: error: {kind}: this torch build has no {kind} device here" in capsys.readouterr().err
     with pytest.raises(ValueError, match="must be all CUDA devices or all 'cpu'; got cpu, meta"):
         pipeline.check_settings(pipeline.GenerateSettings(devices=["cpu", "meta"]))  # before any model loads
     with pytest.raises(ValueError, match="No devices to serve"):
@@ -453,6 +465,37 @@ def test_loras_hooked_into_the_workers_match_one_process(two_ranks):
         assert_close(sample(sharded, conditioning(False), seed=3, steps=STEPS), expected)
     finally:
         sharded.close()
+
+
+def test_a_sharded_worker_reads_onto_the_cpu_and_checks_fp8_matmuls_where_it_runs(monkeypatch, tmp_path):
+    """Sharded workers read their model into CPU memory first: `fp8-lossy` was checked for FP8 matmuls there,
+    which torch 2.11's CPU lacks, so every GPU worker refused it. The check is for the device it runs on."""
+    from safetensors.torch import save_file
+
+    from h3_core import fp8
+
+    monkeypatch.setattr(fp8, "scaled_mm_supported", lambda kind, index=None: kind == "cuda")  # torch 2.11's CPU
+    path = tmp_path / "h3_fl2va_bf16.safetensors"
+    save_file({k: v.to(torch.bfloat16) for k, v in SPEC.load("cpu").state_dict().items()}, str(path))
+    for source in (TINY_RANDOM, str(path)):  # quantized after the load; as the file is read
+        spec = dataclasses.replace(SPEC, source=source, dtype=torch.bfloat16, linears="fp8-lossy")
+        with pytest.raises(ValueError, match="FP8 matmuls are not supported on cpu"):
+            spec.load("cpu")
+        model = spec.load("cpu", compute=torch.device("cuda", 0))
+        fc1 = model.blocks[0].mlp.fc1
+        assert isinstance(fc1, fp8.FP8Linear) and fc1.matmul == "scaled" and fc1.weight.device.type == "cpu"
+
+    from h3_core.parallel import workers  # a sharded worker's load, as one rank of one (its GPU's sharding faked)
+
+    sharded = []
+    monkeypatch.setattr(workers.sharding, "shard_blocks", lambda dit, group, device: sharded.append(device))
+    setup = workers._Setup(0, 1, "cuda:0", "", spec, True, None, os.getpid())
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert isinstance(workers._load(setup, torch.device("cuda", 0), None, None).blocks[0].mlp.fc1, fp8.FP8Linear)
+    finally:
+        dist.destroy_process_group()
+    assert sharded == [torch.device("cuda", 0)]
 
 
 def test_fp8_linears_with_sharded_weights_match_one_process():

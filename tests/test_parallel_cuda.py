@@ -13,11 +13,13 @@ import torch
 from test_parallel import SPEC, STEPS, assert_all_gone, check_a_served_rank, conditioning
 
 from h3_core import pipeline
+from h3_core.conditioning import Conditioning
+from h3_core.layout import build_request_layout
 from h3_core.parallel import ParallelRunner
 
 TOLERANCE = 1e-4
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two or more CUDA devices (CI has none)")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two or more CUDA devices (CI has none)")
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +31,7 @@ def one_gpu():
     return results
 
 
+@two_gpus
 @pytest.mark.parametrize("gpus", [2, 4], ids=["2gpus", "4gpus"])
 @pytest.mark.parametrize("shard", [False, True], ids=["sequence", "sharded"])
 def test_gpu_ranks_match_one_gpu(one_gpu, gpus, shard):
@@ -49,7 +52,27 @@ def test_gpu_ranks_match_one_gpu(one_gpu, gpus, shard):
     assert_all_gone(runner)
 
 
+@two_gpus
 def test_a_rank_served_by_another_process_tree_matches_one_gpu():
     """As on two machines, over NCCL: rank 0 in the runner on cuda:0, rank 1 on cuda:1 served by `python -m
     h3_core.parallel`, meeting at a TCP rendezvous."""
     check_a_served_rank("cuda:0", "cuda:1", TOLERANCE)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI has none)")
+def test_a_worker_hands_its_cached_gpu_memory_back_after_each_request():
+    """Rank 0 shares its GPU with the host (ComfyUI's text encoder and VAEs), which reads free memory from the
+    device: a worker's cached activations looked used to it, for as long as the workers lived."""
+    tags = torch.tensor([1, 1, 0, 0, 1, 1, 1])
+    layout = build_request_layout(1344, 768, 124, tags)  # ~38k rows: activations of some MiB even at tiny width
+    text = torch.randn(1, 7, SPEC.config.text_dim, generator=torch.Generator().manual_seed(5))
+    request = Conditioning("t2va", 1344, 768, 124, layout, text, tags, [])
+    torch.cuda.mem_get_info(0)  # this process's own context first, so that both readings include it
+    runner = ParallelRunner(SPEC, ["cuda:0"])
+    try:
+        runner.sample(conditioning(False), 3, STEPS)  # a small request loads the kernels (their code stays)
+        before = torch.cuda.mem_get_info(0)[0]
+        runner.sample(request, 3, STEPS)
+        assert before - torch.cuda.mem_get_info(0)[0] <= 64 * 2**20  # kept, the large one's cache took ~270 MB
+    finally:
+        runner.close()

@@ -39,7 +39,7 @@ from torch.distributed.constants import default_pg_timeout
 from ..config import TINY_DIT, DiTConfig
 from ..dit import H3DiT
 from ..placement import check_devices
-from ..runtime import compile_failed
+from ..runtime import compile_failed, empty_caches
 from ..sampler import AUDIO_SHIFT, VIDEO_SHIFT, StepState
 from ..tiny import TINY_RANDOM, TINY_SEED, seeded_random_weights
 from . import sequence, sharding
@@ -104,21 +104,24 @@ class ModelSpec:
 
         return read_mode(self.linears, bool(self.loras))
 
-    def load(self, device: torch.device | str):
+    def load(self, device: torch.device | str, compute: torch.device | str | None = None):
         """As `pipeline.generate` loads its DiT: weights, then LoRAs merged, then lossy FP8 linears made
         (after the merge when there are LoRAs, since those merge into dense weights); a DiT holding linears as
-        its file stores them (FP8, int8, int4, NVFP4) gets its LoRAs hooked after that instead."""
+        its file stores them (FP8, int8, int4, NVFP4) gets its LoRAs hooked after that instead. The weights go
+        to `device`; `compute` (default: `device`) is where it will run, what FP8 matmuls need (a sharded
+        worker reads onto the CPU, whose FP8 matmuls torch 2.11 lacks, to run on its GPU)."""
         device = torch.device(device)
+        compute = device if compute is None else torch.device(compute)
         tiny = self.source == TINY_RANDOM
         quantize_later = tiny or self._read_linears() != self.linears
         if tiny:  # as tiny.tiny_random_dit, in any tiny shape
             model = seeded_random_weights(H3DiT(self.config or TINY_DIT), TINY_SEED).set_dtype(self.dtype)
             model = model.to(device).eval().requires_grad_(False)
         else:
-            from ..checkpoint import load_dit
+            from ..checkpoint import DiTReader
 
-            model = load_dit(self.source, self.partition, dtype=self.dtype, device=device, config=self.config,
-                             linears=self._read_linears())
+            model = DiTReader(self.source, self.partition, self.dtype, self.config, self._read_linears(),
+                              compute).read(device)
         from ..lora import apply_loras, load_lora, run_mode
 
         adapters = [(load_lora(path, unknown=self.lora_unknown_keys), float(strength)) for path, strength in self.loras]
@@ -129,7 +132,7 @@ class ModelSpec:
         if quantize_later and self.linears != "checkpoint":
             from ..fp8 import apply_linear_mode
 
-            apply_linear_mode(model, self.linears, device)
+            apply_linear_mode(model, self.linears, compute)
         if adapters and lora_mode == "dynamic":
             notes += apply_loras(model, adapters, partition=self.partition, mode="dynamic").lines()
         backend = model.set_attention(self.attention, self.attention_window, self.attention_window_dense_steps)
@@ -222,7 +225,7 @@ def _load(setup: _Setup, device: torch.device, control, weights):
     else:
         for turn in range(setup.world):  # one rank at a time holds a whole model in CPU memory
             if turn == setup.rank:
-                dit = setup.spec.load("cpu")
+                dit = setup.spec.load("cpu", compute=device)
                 sharding.shard_blocks(dit, weights, device)
                 backend = dit.set_attention_backend(setup.spec.attention)  # "auto" chosen for the device, not the CPU
                 dit.load_notes[-1] = f"attention: {backend}"
@@ -315,6 +318,8 @@ def _serve(setup: _Setup, requests, send, interrupt) -> None:
             if setup.rank == 0:
                 send("interrupted", stop.step)
             continue
+        finally:  # rank 0 shares its GPU with the host, which sees another process's cached memory as used
+            empty_caches(device)
         if setup.rank == 0:  # a generator seed (long video) goes back advanced, as a local run leaves it
             seed = options["seed"]
             send("done", latents, seed.get_state() if isinstance(seed, torch.Generator) else None)
