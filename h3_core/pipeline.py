@@ -110,22 +110,31 @@ def sample(
         raise ValueError(f"denoise {denoise:g} < 1 refines a given latent: pass it as init, or keep denoise at 1.0.")
     layout = conditioning.layout
     kept = kept_latents(init, keep, latent_shape(layout))
-    if not isinstance(dit, torch.nn.Module):
-        return dit.sample(conditioning, seed, steps, video_shift, audio_shift, video_sigmas, audio_sigmas,
-                          callback=callback, offload_adaln=offload_adaln, init=init, denoise=denoise, keep=keep)
     if keep is not None:
         if layout.locked_modality is not None:
             raise ValueError(f"This conditioning already holds its {layout.locked_modality} fixed (a driving track); "
                              "keep takes a request that generates both.")
         layout = layout.locked(keep)
-    device = dit.condition_proj.weight.device
     config = dit.config
     width = conditioning.text_states.shape[-1]
     if width != config.text_dim:  # else a matmul shape error deep in the first forward
         raise ValueError(f"The conditioning's text states are {width} wide, this DiT takes {config.text_dim} "
                          "(another model's text encoder?).")
-    generator = seed if isinstance(seed, torch.Generator) else request_generator(seed)
     visual_conditions = [*conditioning.visual_condition_latents, *([kept] if keep == "video" else [])]
+    held_audio = conditioning.audio_condition_rows
+    if keep == "audio":
+        held_audio = torch.cat([held_audio.float().cpu(), pack_audio(kept.float().cpu()[None])], dim=1)
+    held_video_rows = sum(patchify(torch.empty(c.shape, device="meta")).shape[1] for c in visual_conditions)
+    if held_video_rows != layout.num_condition_video_rows or held_audio.shape[1] != layout.num_condition_audio_rows:
+        raise ValueError(
+            f"The conditioning holds {held_video_rows} video / {held_audio.shape[1]} audio rows but its layout "
+            f"reserves {layout.num_condition_video_rows} / {layout.num_condition_audio_rows}."
+        )
+    if not isinstance(dit, torch.nn.Module):  # checked above: in a worker a bad argument would end the runner
+        return dit.sample(conditioning, seed, steps, video_shift, audio_shift, video_sigmas, audio_sigmas,
+                          callback=callback, offload_adaln=offload_adaln, init=init, denoise=denoise, keep=keep)
+    device = dit.condition_proj.weight.device
+    generator = seed if isinstance(seed, torch.Generator) else request_generator(seed)
     held_video = (
         condition_rows(visual_conditions, generator)
         if visual_conditions
@@ -134,14 +143,6 @@ def sample(
     video_noise, audio_noise = target_noise(layout, generator, config.in_channels, config.audio_in_channels)
     if init is not None:
         video_noise, audio_noise = start_rows(init, layout, schedule, video_noise, audio_noise)
-    held_audio = conditioning.audio_condition_rows
-    if keep == "audio":
-        held_audio = torch.cat([held_audio.float().cpu(), pack_audio(kept.float().cpu()[None])], dim=1)
-    if held_video.shape[1] != layout.num_condition_video_rows or held_audio.shape[1] != layout.num_condition_audio_rows:
-        raise ValueError(
-            f"The conditioning holds {held_video.shape[1]} video / {held_audio.shape[1]} audio rows but its layout "
-            f"reserves {layout.num_condition_video_rows} / {layout.num_condition_audio_rows}."
-        )
     video_rows = torch.cat([held_video, video_noise], dim=1).to(device)
     audio_rows = torch.cat([held_audio.float().cpu(), audio_noise], dim=1).to(device)
     text = conditioning.text_states.to(device)

@@ -316,12 +316,40 @@ def test_a_killed_worker_is_named_not_the_survivor_it_took_down(references):
 
 def test_bad_sample_arguments_leave_the_runner_running(two_ranks, references):
     """Checked in the caller, as on one device: in a worker they would end the runner (the model read again)."""
-    for bad, message in ((dict(steps=1), "steps"), (dict(steps=STEPS, video_shift=-1.0), "shift"),
-                         (dict(steps=STEPS, keep="sound"), "keep")):
+    good = conditioning(False)
+    wide = dataclasses.replace(good, text_states=torch.randn(1, 7, HEADS4.text_dim + 8))
+    locked = good.layout.locked("audio")  # a driving track's: its audio held
+    driven = dataclasses.replace(good, layout=locked, audio_condition_rows=torch.zeros(
+        1, locked.num_condition_audio_rows, good.audio_condition_rows.shape[-1]))
+    kept = sample(two_ranks, good, 3, STEPS)
+    for request, bad, message in ((good, dict(steps=1), "steps"), (good, dict(steps=STEPS, video_shift=-1.0), "shift"),
+                                  (good, dict(steps=STEPS, keep="sound"), "keep"),
+                                  (wide, dict(steps=STEPS), "text states are 56 wide, this DiT takes 48"),
+                                  (driven, dict(steps=STEPS, init=kept, keep="video"), "already holds its audio")):
         with pytest.raises(ValueError, match=message):
-            sample(two_ranks, conditioning(False), 3, **bad)
+            sample(two_ranks, request, 3, **bad)
     assert not two_ranks.closed and all(p.is_alive() for p in two_ranks.processes)
     assert_close(sample(two_ranks, conditioning(False), 3, STEPS), references[False])
+
+
+def test_nan_latents_are_refused_and_the_workers_stay_up():
+    """Every rank finds the NaN latents after the last step: said as on one device (SamplingError), and the
+    workers serve the next request instead of ending (the model read again)."""
+    from parallel_faults import NaNSpec
+
+    from h3_core.pipeline import SamplingError
+
+    spec = NaNSpec(**{f.name: getattr(SPEC, f.name) for f in dataclasses.fields(SPEC)})
+    with pytest.raises(SamplingError, match="NaN or infinite latents"):
+        sample(spec.load("cpu"), conditioning(False), 3, STEPS)
+    runner = ParallelRunner(spec, ["cpu", "cpu"], threads=1)
+    try:
+        for _ in range(2):
+            with pytest.raises(SamplingError, match="NaN or infinite latents"):
+                sample(runner, conditioning(False), 3, STEPS)
+        assert not runner.closed and all(p.is_alive() for p in runner.processes)
+    finally:
+        runner.close()
 
 
 def test_a_worker_killed_by_a_real_time_signal_is_named_by_its_number():

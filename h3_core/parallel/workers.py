@@ -291,7 +291,7 @@ def _serve(setup: _Setup, requests, send, interrupt) -> None:
     _check_same_options(setup, control, dit.config)
     send("ready", setup.rank, dit.config, getattr(dit, "load_notes", []))
 
-    from ..pipeline import sample
+    from ..pipeline import SamplingError, sample
 
     while True:
         box = [requests.get() if setup.rank == 0 else None]
@@ -317,6 +317,10 @@ def _serve(setup: _Setup, requests, send, interrupt) -> None:
         except _Stop as stop:
             if setup.rank == 0:
                 send("interrupted", stop.step)
+            continue
+        except SamplingError as error:  # NaN latents: after the last step's collectives, so the workers stay up
+            if setup.rank == 0:
+                send("failed", str(error))
             continue
         finally:  # rank 0 shares its GPU with the host, which sees another process's cached memory as used
             empty_caches(device)
@@ -611,7 +615,7 @@ class ParallelRunner:
                     except BaseException as error:  # noqa: BLE001  the caller's way to stop
                         raised = error
                         self._pool.interrupt.set()
-                elif kind in ("done", "interrupted"):
+                elif kind in ("done", "interrupted", "failed"):
                     break
         except ParallelWorkerError as error:
             for late in getattr(error, "late_steps", []):  # steps finished before the failure still count
@@ -628,6 +632,10 @@ class ParallelRunner:
             raise raised
         if kind == "interrupted":
             raise InterruptedError(f"Sampling was interrupted after step {rest[0]}.")
+        if kind == "failed":
+            from ..pipeline import SamplingError
+
+            raise SamplingError(rest[0])
         latents, generator_state = rest
         if generator_state is not None:
             seed.set_state(generator_state)
