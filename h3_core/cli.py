@@ -92,7 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in WARNING_LOGGERS:
         logging.getLogger(name).addHandler(said)
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # a closed pipe is met here, not at Python's exit
+        return code
+    except BrokenPipeError:  # what reads our output stopped (`h3 env | head`): nothing is left to say
+        _quiet_stdout()
+        return 1
     except (CheckpointError, ValueError, OSError, MediaError) as error:  # LoRAError is a ValueError
         print(f"h3: error: {error}", file=sys.stderr)
         return 2
@@ -283,7 +288,8 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
                           "is not streamed)")
     gen.add_argument("--devices", metavar="DEV,DEV[,...]",
                      help="split the DiT over several devices, e.g. cuda:0,cuda:1 (one worker process each, sequence "
-                          "parallel; 2, 4, 7 or 8 of them); the text encoder and VAEs run on the first (replaces --device)")
+                          "parallel; 2, 4, 7 or 8 of them; Linux: NCCL); the text encoder and VAEs run on the first "
+                          "(replaces --device)")
     gen.add_argument("--batch", type=Path, metavar="FILE",
                      help="many requests with each model loaded once: a job a line, written as this command's request "
                           "options (--prompt, --task, --ref, --duration, --seed, --out, ...; # starts a comment); a line's "
@@ -577,6 +583,14 @@ def run_generate(args) -> int:
             print(f"h3:   {line}", file=sys.stderr)
         return 1
     return 0
+
+
+def _quiet_stdout() -> None:
+    """Standard output to the null device: Python's flush at exit would meet the closed pipe again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # not a file (a caller's capture): nothing to flush there
+        pass
 
 
 def _note(line: str) -> None:

@@ -99,7 +99,8 @@ class H3ModelLoader(io.ComfyNode):
                                 tooltip="Empty: ComfyUI's device. Two or more, comma-separated (e.g. cuda:0,cuda:1): "
                                         "the DiT is split over them in worker processes (sequence parallel; the count "
                                         "must divide the 56 attention heads: 2, 4, 7 or 8). Text encoder and VAEs "
-                                        "stay on ComfyUI's device. Unloading the model stops the workers."),
+                                        "stay on ComfyUI's device. Unloading the model stops the workers. Linux "
+                                        "only (the workers talk over NCCL, which Windows and macOS torch lack)."),
                 io.Boolean.Input("shard_weights", default=False, optional=True,
                                  tooltip="With devices: each device keeps 1/N of every block's weights and gathers a "
                                          "block just before it runs (e.g. four 24 GB cards); else each holds the "

@@ -119,3 +119,15 @@ def test_a_one_line_batch_names_its_line(tmp_path, no_model_loads, capsys):
         assert main(["generate", "--batch", str(jobs)]) == 2
         error = capsys.readouterr().err
         assert f"h3: error: --batch {jobs}, line {len(lines)}: The duration must be between 4 and 15 seconds" in error
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    """`h3 env | head` printed 'h3: error: [Errno 32] Broken pipe' (twice: once more at Python's exit flush)."""
+    import subprocess
+    import sys
+
+    done = subprocess.Popen([sys.executable, "-m", "h3_core.cli", "env"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    done.stdout.close()  # the reader is gone before anything is written
+    said = done.stderr.read().decode()
+    assert done.wait(timeout=300) == 1 and said == ""
