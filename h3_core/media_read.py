@@ -1,15 +1,15 @@
 """Reading reference media onto H3's clock: video at 24 fps, audio at 32 kHz stereo (h3-model.md C, F).
 
 - `read_video` / `iter_video_frames`: RGB uint8 frames [N, H, W, 3], turned upright by the stream's
-  display rotation, resampled to 24 fps by whole frames (no blending), as the reference pipeline
-  does: counting source frames from the first one at or after `start_seconds`, frame i goes to slot
-  s(i) = floor(i * 24 / fps + 0.5) and is held until slot s(i+1); so a slot shows the latest source
-  frame that has reached it (frames sharing a slot: the later wins; gaps: the earlier repeats).
-  `fps` is the stream's average rate and s(i) is computed in float64, both as the reference does;
-  timestamps only locate the start, and a picture that starts later than that (by more than a frame: its
-  stream begins after the sound) holds its first frame until its time. A stream that changes size part way
-  (an adaptive-stream recording) is scaled to its first frame's size. Frames stamped far from where the
-  average rate places them (a variable-frame-rate recording) are still placed by it, with a warning.
+  display rotation, resampled to 24 fps by whole frames (no blending): a frame stamped t seconds after the
+  first one at or after `start_seconds` goes to slot s = floor(t * 24 + 0.5) and is held until the next
+  frame's slot; so a slot shows the latest source frame that has reached it (frames sharing a slot: the
+  later wins; gaps: the earlier repeats). For a constant frame rate that is the reference pipeline's
+  s(i) = floor(i * 24 / fps + 0.5); a variable-rate recording (a phone, a screen capture that slows down)
+  stays with its sound, where placing its frames at the average rate, as the reference does, drifted from
+  it by seconds. A picture that starts later than `start_seconds` (by more than a frame: its stream begins
+  after the sound) holds its first frame until its time. A stream that changes size part way (an
+  adaptive-stream recording) is scaled to its first frame's size.
 - `read_audio`: any soundtrack or audio file (WAV, MP3, AAC, FLAC, ...) -> float32 [2, M] at 32 kHz.
   The window is cut at the native rate, then resampled once (the reference order). Mono is
   duplicated into both channels; more than two channels are downmixed to stereo by FFmpeg's
@@ -42,9 +42,6 @@ from .media import FPS, MediaError, UnreadableMediaError, resample_audio
 # are rationals in the stream's time base; a float start rarely equals them exactly).
 _START_TOLERANCE_SECONDS = 1e-3
 _LIMITED_RANGE, _FULL_RANGE = 1, 2  # FFmpeg's AVCOL_RANGE_MPEG / AVCOL_RANGE_JPEG
-# A frame stamped further than this from where the average rate places it: a variable-frame-rate recording
-# (a screen capture that slows down), whose picture drifts from its sound when placed at a constant rate.
-_VFR_DRIFT_SECONDS = 0.25
 log = logging.getLogger("h3")
 
 
@@ -300,32 +297,15 @@ def _checked_video_stream(container, path: Path):
 
 
 def _frames_on_24fps_grid(container, stream, fps: float, start_seconds: float, max_frames: int | None):
-    """Decode `stream` from `start_seconds` and yield upright RGB frames on the 24 fps slot grid."""
+    """Decode `stream` from `start_seconds` and yield upright RGB frames on the 24 fps slot grid: each frame
+    fills the slots from its own timestamp's to the next frame's (the last: for as long as it says it lasts)."""
     origin = _origin_seconds(container)
-    scale = FPS / fps
-    kept = emitted = 0
-    size = first_seconds = None
-    warned = False
-    for decoded, frame in enumerate(_decoded_from(container, stream, start_seconds)):
-        seconds = frame.time - origin if frame.pts is not None else decoded / fps
-        if seconds < start_seconds - _START_TOLERANCE_SECONDS:
-            continue
-        first_seconds = seconds if first_seconds is None else first_seconds
-        drift = seconds - (first_seconds + kept / fps)
-        if abs(drift) > _VFR_DRIFT_SECONDS and not warned:
-            log.warning("%s: frame %d is stamped at %.2f s, %.2f s from where its average rate (%.3g fps) places it "
-                        "(a variable frame rate); its frames are placed at that constant rate, as the release's "
-                        "pipelines place them, so the picture drifts from the sound. Re-encode it at a constant rate "
-                        "(ffmpeg -fps_mode cfr) to keep them in step.", container.name, kept, seconds, drift, fps)
-            warned = True
-        # Source frame `kept` fills slots s(kept) .. s(kept + 1) - 1; none when the next one shares its slot.
-        repeats = math.floor((kept + 1) * scale + 0.5) - math.floor(kept * scale + 0.5)
-        lead = seconds - start_seconds
-        if not kept and lead > 1.0 / fps:  # the picture starts late (the sound from start_seconds): held till then
-            repeats += round(lead * FPS)
-        kept += 1
-        if repeats == 0:
-            continue
+    held = base = None  # the frame waiting for the next one's time; where slot 0 is
+    emitted = 0
+    size = None
+
+    def upright(frame) -> np.ndarray:
+        nonlocal size
         rgb = _to_rgb(frame)
         turns = _quarter_turns(frame)
         if turns:
@@ -334,11 +314,32 @@ def _frames_on_24fps_grid(container, stream, fps: float, start_seconds: float, m
             size = rgb.shape
         elif rgb.shape != size:  # a stream that changes size part way: on the first frame's
             rgb = np.asarray(Image.fromarray(rgb).resize((size[1], size[0]), Image.Resampling.BILINEAR))
-        for _ in range(repeats):
-            yield rgb
-            emitted += 1
+        return rgb
+
+    def slot(seconds: float) -> int:
+        return math.floor((seconds - base) * FPS + 0.5)
+
+    for decoded, frame in enumerate(_decoded_from(container, stream, start_seconds)):
+        seconds = frame.time - origin if frame.pts is not None else decoded / fps
+        if seconds < start_seconds - _START_TOLERANCE_SECONDS:
+            continue
+        if base is None:  # a picture starting later than the sound (by over a frame) holds its first frame till then
+            base = start_seconds if seconds - start_seconds > 1.0 / fps else seconds
+        if held is not None:
+            repeats = min(slot(seconds), max_frames or math.inf) - emitted
+            rgb = upright(held) if repeats > 0 else None  # frames sharing a slot: the later wins
+            for _ in range(repeats):
+                yield rgb
+            emitted += max(repeats, 0)
             if emitted == max_frames:
                 return
+        held, last_seconds = frame, seconds
+    if held is not None:
+        lasts = held.duration * held.time_base if getattr(held, "duration", None) and held.time_base else 1.0 / fps
+        repeats = min(slot(last_seconds + float(lasts)), max_frames or math.inf) - emitted
+        rgb = upright(held) if repeats > 0 else None
+        for _ in range(repeats):
+            yield rgb
 
 
 def _check_max_frames(max_frames: int | None) -> None:
