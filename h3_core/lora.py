@@ -734,8 +734,9 @@ def sampler_settings(
         defaults = dict(steps=DEFAULT_STEPS, video_shift=VIDEO_SHIFT, audio_shift=AUDIO_SHIFT, video_sigmas=None, audio_sigmas=None)
         source = "base model defaults: no Turbo contract"
     chosen = {name: (user[name] if user[name] is not None else defaults[name]) for name in defaults}
-    if chosen["steps"] is None:  # explicit ladders only: their length is the point count
-        chosen["steps"] = len(chosen["video_sigmas"])
+    ladder = chosen["video_sigmas"] if chosen["video_sigmas"] is not None else chosen["audio_sigmas"]
+    if ladder is not None:  # a ladder walks its own points (DualClockSchedule.build): what memory plans count
+        chosen["steps"] = len(ladder)
     chosen["video_shift"] = VIDEO_SHIFT if chosen["video_shift"] is None else chosen["video_shift"]
     chosen["audio_shift"] = AUDIO_SHIFT if chosen["audio_shift"] is None else chosen["audio_shift"]
     for name in ("video_sigmas", "audio_sigmas"):

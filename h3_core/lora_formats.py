@@ -103,6 +103,8 @@ _SUFFIXES = (
     (".alpha", "alpha"), (".diff_b", "diff_b"), (".diff", "diff"),
     (".set_weight", "set_weight"), (".dora_scale", "dora_scale"), (".lora_B.bias", "lora_bias"),
     (".lora_B.default.bias", "lora_bias"),
+    (".lora_magnitude_vector", "dora_scale"), (".lora_magnitude_vector.weight", "dora_scale"),  # peft's, diffusers'
+    (".lora_magnitude_vector.default.weight", "dora_scale"),
 )
 _REFUSED_ROLES = {
     "set_weight": "replaces a whole parameter (a FastVideo VSA gate `to_gate_compress`, which the base model does "

@@ -1199,7 +1199,9 @@ def load_sampling_dit(source, dit_source, partition: str, settings: GenerateSett
         notes(VSA_NOTE)
     if settings.compile:  # streaming hooks stay outside the compiled block forward
         dit.compile_blocks()
-        notes("blocks compiled (the first step pays the compile)")
+        notes("blocks compiled (the first step pays the compile)" if not (loras and lora_mode == "dynamic") else
+              "blocks compiled, but those the LoRAs are hooked into run uncompiled: this DiT holds its linears as "
+              "the file stores them, so LoRAs are hooked, not merged (--linears dense merges them, and compiles)")
     return dit, plan, streamer
 
 

@@ -490,10 +490,15 @@ class RunnerPlacement(Placement):
         super().__init__(name, [], devices[0], offload_device, loaded=False)
         self.size = self._device_bytes()
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the workers' DiT computes in (a file's own dtype when the spec names none: bf16)."""
+        return self.spec.dtype or torch.bfloat16
+
     def _device_bytes(self) -> int:
         from .memory_plan import adaln_weight_bytes, block_weight_bytes, shared_weight_bytes
 
-        dtype_bytes = 2 if self.spec.dtype is None else torch.empty(0, dtype=self.spec.dtype).element_size()
+        dtype_bytes = self.dtype.itemsize
         blocks = self.config.num_layers * block_weight_bytes(self.config, dtype_bytes, self.spec.held_linears())
         if self.shard_weights:
             blocks //= len(self.devices)

@@ -250,8 +250,9 @@ def dit_for_run(model, layout, steps: int):
     patcher = model.patcher
     placement = patcher.model
     working = working_bytes(model.dit.config, layout.sequence_length, steps)
-    # the adapters' factors sit next to their modules on the device while hooked (a split model's: in its workers)
-    adapters = 0 if model.split else hooked_bytes(model.loras, model.partition, model.dit.dtype.itemsize)
+    # the adapters' factors sit next to their modules on the device while hooked; a split model's workers each
+    # hold them all, the first beside ComfyUI's own models
+    adapters = hooked_bytes(model.loras, model.partition, model.dit.dtype.itemsize)
     working += adapters
     if isinstance(placement, RunnerPlacement):
         place([patcher], working)

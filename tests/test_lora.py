@@ -401,6 +401,17 @@ def test_turbo_alias_spelling_and_comfyui_export_name(tmp_path):
     assert {t.rank for t in qkv} == {12}  # three rank-4 adapters fused block-diagonally
 
 
+def test_a_users_ladders_set_the_step_count(tmp_path):
+    """The schedule walks given ladders whatever the step count says; the step count (what the memory plan counts
+    AdaLN tables for, and a latent records) stayed the contract's or 50."""
+    lora = load_lora(_turbo_file(tmp_path / "minimax_h3_fl2v_turbo_8step_v1.0_bf16.safetensors"))
+    ladder = torch.linspace(1.0, 0.0, 50).tolist()
+    for contract in (lora.contract, None):
+        settings = sampler_settings(contract, video_sigmas=ladder, audio_sigmas=ladder)
+        assert settings.steps == 50 == settings.schedule().num_calls + 1
+        assert sampler_settings(contract, audio_sigmas=ladder).steps == 50  # one ladder: the other walks as many
+
+
 def test_metadata_schedule_flashgen(tmp_path):
     """FlashGen's base_schedule is an unshifted ladder; the video (12) and audio (3) shifts go on top
     (vLLM-Omni's reading, Open question 10); 4 forwards; T2VA only."""

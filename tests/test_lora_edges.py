@@ -322,6 +322,17 @@ def test_a_lycoris_adapter_is_named_as_such(tmp_path):
         load_lora(tmp_path / "lokr.safetensors")
 
 
+@pytest.mark.parametrize("unknown", ["error", "warn"])
+def test_a_peft_dora_adapter_is_refused_as_dora(tmp_path, unknown):
+    """peft and diffusers save DoRA's magnitudes as lora_magnitude_vector (kohya's dora_scale was known): refused
+    as names of no module, and under unknown='warn' loaded as a plain LoRA without them (wrong output)."""
+    module = "transformer.blocks.0.attn.qkv_proj"
+    save_file({f"{module}.lora_A.weight": torch.zeros(4, 96), f"{module}.lora_B.weight": torch.zeros(288, 4),
+               f"{module}.lora_magnitude_vector": torch.ones(288)}, str(tmp_path / "dora.safetensors"))
+    with pytest.raises(LoRAError, match="lora_magnitude_vector' is a DoRA magnitude vector; DoRA adapters are not"):
+        load_lora(tmp_path / "dora.safetensors", unknown=unknown)
+
+
 def test_a_lora_warning_is_said_once_by_the_command_and_by_split_workers(tmp_path, capsys, monkeypatch):
     """The command prints the LoRA report (its warnings included) as status lines; the engine's logger does not
     print the same warning again underneath. Split over devices, rank 0's report and attention kernel come back

@@ -333,6 +333,29 @@ def _gone(processes) -> bool:
     return True
 
 
+def test_a_split_models_hooked_lora_factors_are_room_asked_of_comfyui(comfy, monkeypatch):
+    """Every worker holds a hooked LoRA's factors on its device (a Turbo export's ~1.8 GiB), the first beside
+    ComfyUI's models: ComfyUI was asked for room for the workers' share of the DiT and activations only."""
+    from lora_files import fused, random_spec, write_native
+
+    from h3_core.lora import hooked_bytes
+
+    c = comfy
+    asked = []
+    monkeypatch.setattr(c.memory, "place", lambda patchers, working=0: asked.append(working))  # no workers start
+    split = _load(c, "tiny-random", devices="cpu,cpu")
+    write_native(c.tmp / "loras" / "style.safetensors", fused(random_spec(split.dit.config, seed=4, shared_qkv_a=True)),
+                 prefix="diffusion_model.")
+    split_lora = c.sampler.H3LoRAApply.execute(split, "style.safetensors", 0.8).values[0]
+    layout = _cond(c).layout
+    asked.clear()  # the text encoder's and VAEs' placements
+    for handle in (split, split_lora):
+        with c.memory.dit_for_run(handle, layout, STEPS):
+            pass
+    factors = hooked_bytes(split_lora.loras, "fl2va", 4)  # tiny-random on the CPU: fp32
+    assert factors > 0 and asked[1] - asked[0] == factors
+
+
 def test_two_cpu_devices_give_the_single_device_latents_and_unloading_stops_the_workers(comfy, caplog):
     c = comfy
     cond = _cond(c)
