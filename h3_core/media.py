@@ -62,6 +62,7 @@ def _to_numpy(array: Any, what: str) -> np.ndarray:
 
 
 FLOAT_FRAMES_ABOVE_ONE = 2.0  # a little over 1 (a resize or sharpen overshoot) is clipped; past 2, another scale
+_FRAMES_A_CHUNK = 17
 
 
 def as_uint8_frames(frames: Any, what: str = "Video frames") -> np.ndarray:
@@ -87,13 +88,19 @@ def as_uint8_frames(frames: Any, what: str = "Video frames") -> np.ndarray:
         raise ValueError(
             f"{what} must be uint8 (0..255) or floating point (0..1), got dtype {array.dtype}."
         )
-    if not np.isfinite(array).all():
+    # a few frames at a time: whole, each step's float32 copy of a long clip at 1344x768 took GBs (a 75 s one ~40)
+    chunks = [slice(start, start + _FRAMES_A_CHUNK) for start in range(0, len(array), _FRAMES_A_CHUNK)]
+    if not all(np.isfinite(array[chunk]).all() for chunk in chunks):
         raise ValueError(f"{what} hold NaN or infinite values; floating point frames must be finite, in 0..1.")
-    if array.size and float(array.max()) > FLOAT_FRAMES_ABOVE_ONE:  # clipped, they would be a white picture
-        raise ValueError(f"{what} reach {float(array.max()):g}; floating point frames are 0..1 (values in 0..255? "
+    highest = max((float(array[chunk].max()) for chunk in chunks if array[chunk].size), default=0.0)
+    if highest > FLOAT_FRAMES_ABOVE_ONE:  # clipped, they would be a white picture
+        raise ValueError(f"{what} reach {highest:g}; floating point frames are 0..1 (values in 0..255? "
                          "divide them by 255, or pass uint8).")
-    scaled = np.clip(array.astype(np.float32, copy=False), 0.0, 1.0) * 255.0
-    return np.rint(scaled).astype(np.uint8)
+    out = np.empty(array.shape, np.uint8)
+    for chunk in chunks:
+        scaled = np.clip(array[chunk].astype(np.float32, copy=False), 0.0, 1.0)  # a new array, changed in place
+        out[chunk] = np.rint(np.multiply(scaled, 255.0, out=scaled), out=scaled)
+    return out
 
 
 def as_stereo_waveform(waveform: Any) -> np.ndarray:

@@ -42,6 +42,8 @@ from .media import FPS, MediaError, UnreadableMediaError, resample_audio
 # are rationals in the stream's time base; a float start rarely equals them exactly).
 _START_TOLERANCE_SECONDS = 1e-3
 _LIMITED_RANGE, _FULL_RANGE = 1, 2  # FFmpeg's AVCOL_RANGE_MPEG / AVCOL_RANGE_JPEG
+_HDR_TRANSFERS = {16: "PQ", 18: "HLG"}  # FFmpeg's AVCOL_TRC_SMPTE2084 / AVCOL_TRC_ARIB_STD_B67
+_BT2020_PRIMARIES = 9  # AVCOL_PRI_BT2020
 log = logging.getLogger("h3")
 
 
@@ -107,7 +109,7 @@ def _open_media(path: Path) -> Iterator[av.container.InputContainer]:
     if not path.is_file():
         raise FileNotFoundError(f"No media file at {path}.")
     try:
-        container = av.open(str(path))
+        container = av.open(str(path.absolute()))  # whole: FFmpeg reads 'take:1.mp4' as protocol 'take
     except av.error.FFmpegError as error:
         raise UnreadableMediaError(f"Cannot open {path} as audio or video: {error}") from error
     try:
@@ -293,6 +295,11 @@ def _checked_video_stream(container, path: Path):
     if fps is None:
         raise UnreadableMediaError(f"{path} does not state its frame rate, so it cannot be resampled to {FPS} fps.")
     stream.thread_type = "AUTO"
+    context = stream.codec_context
+    if context.color_trc in _HDR_TRANSFERS or context.color_primaries == _BT2020_PRIMARIES:
+        log.warning("%s is HDR video (BT.2020 colours, %s): it is read as SDR BT.709 without tone mapping, so its "
+                    "colours come out washed out. Convert it to SDR first (a phone's 'most compatible' setting, or an "
+                    "editor's SDR export).", path.name, _HDR_TRANSFERS.get(context.color_trc, "BT.2020 primaries"))
     return stream, fps
 
 

@@ -317,7 +317,8 @@ class Mp4Writer:
     def _open_container(self, width: int, height: int) -> None:
         encoder = pick_h264_encoder(width, height, self._encoder_name)
         audio_encoder = pick_aac_encoder()
-        container = av.open(str(self._temp_path), "w", format="mp4", options={"movflags": _MOVFLAGS})
+        # the whole path: FFmpeg takes a relative '.take:1.mp4...part' for a protocol named '.take'
+        container = av.open(str(self._temp_path.absolute()), "w", format="mp4", options={"movflags": _MOVFLAGS})
         try:
             container.metadata.update(self._metadata)
             video = container.add_stream(encoder, rate=FPS)

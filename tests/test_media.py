@@ -433,3 +433,21 @@ def test_a_killed_writers_temporary_file_goes_with_the_next_write_of_its_name(tm
         writer.write_video_frames(rng.integers(0, 256, (3, HEIGHT, WIDTH, 3), dtype=np.uint8))
         assert writer._temp_path.name.startswith(f".out.mp4.{os.getpid()}-")  # its own, named the same way
     assert files_in(tmp_path) == sorted(["out.mp4", running.name, other.name])
+
+
+def test_float_frames_become_uint8_a_few_at_a_time():
+    """H3 AV Save's IMAGE became uint8 through three float32 copies of the whole batch (a 75 s clip at 1344x768:
+    ~40 GB); now a few frames at a time, with the same levels."""
+    import tracemalloc
+
+    from h3_core.media import as_uint8_frames
+
+    frames = np.random.default_rng(0).random((96, 128, 256, 3), dtype=np.float32) * 1.2 - 0.1
+    want = np.rint(np.clip(frames, 0.0, 1.0) * 255.0).astype(np.uint8)
+    tracemalloc.start()
+    try:
+        got = as_uint8_frames(frames)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(got, want) and peak < got.nbytes + frames.nbytes / 2  # was over twice the frames

@@ -126,3 +126,36 @@ def test_a_variable_frame_rate_picture_is_placed_by_its_timestamps_and_stays_wit
     # slot k shows the frame stamped at or before it; the last lasts what the stream says (1/24 s here)
     assert shown == [*range(24), *(24 + k // 3 for k in range(70))]
     assert clip.audio.shape[1] == 94 * 32000 // 24  # the sound of that span at 32 kHz, from the same start
+
+
+def test_a_relative_name_with_a_colon_is_a_file_not_a_protocol(tmp_path, monkeypatch):
+    """FFmpeg read 'take:1.mp4' (and the writer's '.take:1.mp4....part') as a URL of protocol 'take': writing or
+    reading such a file in the current folder failed with 'Protocol not found', naming no file."""
+    from h3_core.media_write import Mp4Writer
+
+    monkeypatch.chdir(tmp_path)
+    with Mp4Writer("take:1.mp4") as writer:
+        writer.write_video_frames(np.zeros((24, 64, 96, 3), np.uint8))
+        writer.write_audio(np.zeros((2, 32000), np.float32))
+    assert (tmp_path / "take:1.mp4").is_file() and read_video("take:1.mp4").frames.shape == (24, 64, 96, 3)
+
+
+def test_an_hdr_clip_is_said_to_be_read_without_tone_mapping(tmp_path, caplog):
+    """A phone's HDR video (BT.2020, HLG) was read as BT.709 without a word: washed-out colours in the reference."""
+    path = tmp_path / "hlg.mp4"
+    with av.open(str(path), "w") as container:
+        video = container.add_stream("libx264", rate=24)
+        video.width, video.height, video.pix_fmt = 64, 64, "yuv420p"
+        video.codec_context.color_primaries, video.codec_context.color_trc, video.codec_context.colorspace = 9, 18, 9
+        for index in range(24):
+            for packet in video.encode(av.VideoFrame.from_ndarray(np.full((64, 64, 3), index, np.uint8), "rgb24")):
+                container.mux(packet)
+        for packet in video.encode(None):
+            container.mux(packet)
+    write_clip(tmp_path / "sdr.mp4", 24, 0.0)
+    with caplog.at_level("WARNING", logger="h3"):
+        read_video(tmp_path / "sdr.mp4")
+        assert not caplog.records
+        read_video(path)
+    (record,) = caplog.records
+    assert "hlg.mp4 is HDR video (BT.2020 colours, HLG): it is read as SDR BT.709 without tone mapping" in record.message
