@@ -135,14 +135,21 @@ def _frames_and_soundtrack(images, audio, video):
         raise ValueError(problem)
     if images is not None:
         return image_to_uint8(images, "images"), None if audio is None else audio_to_stereo_32k(audio, "audio")
+    stated = getattr(video, "get_frame_rate", None)  # said before the whole clip is decoded just to be refused
+    if callable(stated):
+        _check_rate(float(stated()))
     decoded = video_to_decoded(video, "video")
-    if abs(decoded.fps - geometry.FPS) > 1e-3:
-        raise ValueError(f"H3 AV Save writes {geometry.FPS} fps (H3's rate); this video is {decoded.fps:g} fps. "
-                         "Use ComfyUI's Save Video for other rates.")
+    _check_rate(decoded.fps)
     if audio is not None:
         return decoded.frames, audio_to_stereo_32k(audio, "audio")
     soundtrack = None if decoded.audio is None else resample_audio(decoded.audio, decoded.sample_rate)
     return decoded.frames, soundtrack
+
+
+def _check_rate(fps: float) -> None:
+    if abs(fps - geometry.FPS) > 1e-3:
+        raise ValueError(f"H3 AV Save writes {geometry.FPS} fps (H3's rate); this video is {fps:g} fps. "
+                         "Use ComfyUI's Save Video for other rates.")
 
 
 NODES = [H3VAEDecode, H3AVSave]

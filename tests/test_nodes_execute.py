@@ -1000,6 +1000,10 @@ def test_av_save_takes_a_video_with_its_soundtrack(comfy):
     assert loud > 0.1  # the video's soundtrack, not silence
     with pytest.raises(ValueError, match="writes 24 fps .H3's rate.; this video is 25 fps"):
         save.execute(filename_prefix="H3/video", video=video(25))
+    stating = SimpleNamespace(get_frame_rate=lambda: Fraction(30),  # a Load Video's: said before it is decoded
+                              get_components=lambda: pytest.fail("a 30 fps video was decoded only to be refused"))
+    with pytest.raises(ValueError, match="this video is 30 fps"):
+        save.execute(filename_prefix="H3/video", video=stating)
     with pytest.raises(ValueError, match="either images .frames at 24 fps. or a video, not both"):
         save.execute(torch.rand(3, 32, 48, 3), "H3/video", video=video(24))
     with pytest.raises(ValueError, match="got neither"):
