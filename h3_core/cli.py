@@ -41,6 +41,7 @@ from .guides import GUIDE_KINDS, GuideFile
 from .layout import build_request_layout
 from .long_video import LongVideoRequest
 from .media import MediaError
+from .media_write import DEFAULT_CRF
 from .noise import SEED_BITS, check_seeds
 from .output import AVLatents
 from .parallel.workers import ParallelWorkerError
@@ -280,6 +281,9 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--vae-dtype", default=None, choices=list(DTYPES),
                      help="video VAE dtype (default: --dtype's, as the reference pipeline: decoder linears in it, encoder "
                           "and norms fp32); fp32 decodes ~7.5x slower on an H200")
+    gen.add_argument("--crf", type=int, default=DEFAULT_CRF, metavar="0-51",
+                     help=f"the MP4's H.264 quality (default {DEFAULT_CRF}, visually lossless; 0 lossless, 51 worst; "
+                          "each 6 more about halves the file)")
     add_dit_speed_options(gen)
     gen.add_argument("--gpu-memory", type=float, metavar="GIB",
                      help="GPU memory the text encoder, then the DiT, may use (default: what is free); " + STREAM_HELP
@@ -556,7 +560,7 @@ def run_generate(args) -> int:
                                 gpu_memory=args.gpu_memory, compile=args.compile,
                                 attention_window=args.attention_window_lossy,
                                 attention_window_dense_steps=args.attention_window_dense_steps,
-                                vae_dtype=DTYPES[args.vae_dtype] if args.vae_dtype else None)
+                                vae_dtype=DTYPES[args.vae_dtype] if args.vae_dtype else None, crf=args.crf)
     progress = StageBars()
     if device.type == "cuda":
         torch.cuda.init()  # the memory statistics need CUDA's state, and nothing has touched the GPU yet

@@ -48,6 +48,12 @@ log = logging.getLogger("h3")
 H264_ENCODERS = ("libx264", "libopenh264", "h264_nvenc", "h264_videotoolbox", "h264_qsv", "h264_amf", "h264_mf")
 AAC_ENCODERS = ("aac", "libfdk_aac")
 DEFAULT_CRF = 18  # visually near-lossless for x264; 23 is x264's own default
+
+
+def check_crf(crf) -> None:
+    """x264's constant quality: an integer from 0 (lossless) to 51; each 6 more about halves the file."""
+    if isinstance(crf, bool) or not (isinstance(crf, (int, np.integer)) and 0 <= crf <= 51):
+        raise ValueError(f"crf must be an integer from 0 (lossless) to 51 (worst), got {crf!r}.")
 DEFAULT_PRESET = "medium"
 DEFAULT_AUDIO_BITRATE = 160_000
 # For encoders without crf: bits per pixel per frame (about 5 Mbit/s at 1344x768, 24 fps).
@@ -172,8 +178,7 @@ class Mp4Writer:
         metadata: Mapping[str, str] | None = None,
         audio_bitrate: int = DEFAULT_AUDIO_BITRATE,
     ):
-        if not (isinstance(crf, (int, np.integer)) and 0 <= crf <= 51):
-            raise ValueError(f"crf must be an integer from 0 (lossless) to 51 (worst), got {crf!r}.")
+        check_crf(crf)
         metadata = dict(metadata or {})
         for key, value in metadata.items():
             if not (isinstance(key, str) and isinstance(value, str)):

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from . import geometry
 from .conditioning import check_vaes
-from .media_write import Mp4Writer
+from .media_write import DEFAULT_CRF, Mp4Writer
 from .vae_audio import DECODE_WINDOW_LATENTS, AudioVAE, context_windows
 from .vae_video import VideoVAE, model_space_to_frames
 
@@ -127,18 +127,20 @@ def write_mp4(
     devices: Sequence[str | torch.device] | None = None,
     tiled: bool | None = None,
     on_sound=None,
+    crf: int = DEFAULT_CRF,
 ) -> Path:
     """Decode and mux in one pass. The soundtrack is decoded first (it is small: 15 MB a minute);
     the writer interleaves it as the video chunks arrive. `on_sound(done, total)` reports the soundtrack's
     windows, then `on_frames(done, total)` the frames; `devices` (two or more) share the video decode and
-    `tiled` picks its spatial tiles (`decode_video`). Returns the path written."""
+    `tiled` picks its spatial tiles (`decode_video`); `crf` is the H.264 quality (media_write.Mp4Writer).
+    Returns the path written."""
     if not isinstance(latents, AVLatents):
         raise TypeError(f"write_mp4(path, latents, video_vae, audio_vae): latents must be AVLatents (from sample), got "
                         f"{type(latents).__name__}.")
     check_vaes(video_vae, audio_vae)
     latents.check(video_vae.config.latent_channels)
     total = latents.num_frames
-    with Mp4Writer(path, metadata=metadata) as writer:
+    with Mp4Writer(path, metadata=metadata, crf=crf) as writer:
         for piece in decode_audio(audio_vae, latents.audio, on_sound):
             writer.write_audio(piece)
         done = 0

@@ -47,6 +47,7 @@ from .lora import (
 )
 from .noise import check_seeds, condition_rows, request_generator, target_noise
 from .media import SAMPLE_RATE, MediaError, naming
+from .media_write import DEFAULT_CRF, check_crf
 from .output import AVLatents, write_mp4
 from .references import RELEASE_CANVAS, CanvasRules, DecodedAudio, MediaReference
 from .runtime import EXPANDABLE_SEGMENTS, empty_caches, fixed_allocator_segments, host_memory_warning
@@ -351,6 +352,7 @@ class GenerateSettings:
     # frames of themselves (local_attention.py); 0 = full attention, the model as trained.
     attention_window: int = 0
     attention_window_dense_steps: int = 0  # with a window: the first forwards of each run keep full attention
+    crf: int = DEFAULT_CRF  # the MP4's H.264 quality: 0 lossless .. 51; 18 looks lossless, each 6 more halves the file
 
 
 @dataclass
@@ -619,6 +621,7 @@ def generate_batch(
                     on_sound=lambda done, total: progress(sound_stage, done, total),  # before the first frame
                     # video chunks split over the devices once the DiT's workers have left them
                     devices=settings.devices if len(settings.devices) > 1 and dit is None else None,
+                    crf=settings.crf,
                 )
                 seconds["decode"] = time.perf_counter() - clock
                 if dit is not None:  # the DiT samples again next: the VAEs' memory is its plan's again
@@ -782,6 +785,7 @@ def check_settings(settings: GenerateSettings) -> int:
         if dtype is not None and dtype not in MODEL_DTYPES:
             raise ValueError(f"{name} must be one of torch.bfloat16, torch.float16, torch.float32; got {dtype!r}.")
     check_budget(settings.gpu_memory)
+    check_crf(settings.crf)
     return window
 
 
@@ -803,6 +807,7 @@ def _check_setting_types(settings: GenerateSettings) -> None:
               ("audio_shift", lambda v: v is None or number(v), "a number or None"),
               ("gpu_memory", lambda v: v is None or number(v), "a number of GiB or None"),
               ("attention_window", integer, "an integer"), ("attention_window_dense_steps", integer, "an integer"),
+              ("crf", integer, "an integer"),
               ("compile", lambda v: isinstance(v, bool), "True or False"),
               ("shard_weights", lambda v: isinstance(v, bool), "True or False"),
               ("lora_unknown_keys", lambda v: v in ("error", "warn"), "'error' or 'warn'"),

@@ -13,6 +13,7 @@ from comfy_api.latest import io
 
 from h3_core import geometry
 from h3_core.media import SAMPLE_RATE
+from h3_core.media_write import DEFAULT_CRF
 
 CATEGORY = "H3"
 H3Model = io.Custom("H3_MODEL")
@@ -171,6 +172,13 @@ def step_preview(state, previews):
 
 
 TILING = {"release": None, "off": False}  # None: the VAE config's (the release's: tiled)
+
+
+def crf_input():
+    """The saved MP4's H.264 quality (x264's constant-quality number)."""
+    return io.Int.Input("crf", default=DEFAULT_CRF, min=0, max=51, optional=True,
+                        tooltip=f"H.264 quality: {DEFAULT_CRF} (default) looks lossless; 0 is lossless, 51 the worst; "
+                                "each 6 more about halves the file.")
 
 
 def decode_inputs() -> list:

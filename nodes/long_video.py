@@ -34,6 +34,7 @@ from h3_core.long_video import (
     split_window_prompts,
     validate_long_video,
 )
+from h3_core.media_write import DEFAULT_CRF
 from h3_core.noise import SEED_BITS
 from h3_core.output import write_mp4
 from h3_core.pipeline import TASK_PARTITION, largest_layout
@@ -41,7 +42,8 @@ from h3_core.placement import freed_on_failure
 
 from .common import (
     CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, LINK_HIDDEN, PrefixCheckedSave,
-    canvas_inputs, canvas_problem, check_interrupt, check_prefix, decode_inputs, decode_options, decode_progress,
+    canvas_inputs, canvas_problem, check_interrupt, check_prefix, crf_input, decode_inputs, decode_options,
+    decode_progress,
     device, preview_settings, progress_bar, range_problem, refuse_empty_links, saved_file_metadata, shift_inputs,
     step_preview,
 )
@@ -293,6 +295,7 @@ class H3SaveMP4(PrefixCheckedSave):
                 io.String.Input("filename_prefix", default="H3/long",
                                 tooltip="File name prefix inside the output folder; a subfolder may be given."),
                 *decode_inputs(),
+                crf_input(),
             ],
             outputs=[io.Video.Output(display_name="video",
                                      tooltip="The MP4 just saved, as a ComfyUI VIDEO read from its file, for nodes "
@@ -302,7 +305,7 @@ class H3SaveMP4(PrefixCheckedSave):
         )
 
     @classmethod
-    def execute(cls, vae, latent, filename_prefix, tiling="release", devices="") -> io.NodeOutput:
+    def execute(cls, vae, latent, filename_prefix, tiling="release", devices="", crf=DEFAULT_CRF) -> io.NodeOutput:
         check_prefix(filename_prefix)
         refuse_empty_latent(latent)
         tiled, decode_devices = decode_options(tiling, devices)
@@ -315,7 +318,7 @@ class H3SaveMP4(PrefixCheckedSave):
         place([vae.patcher], decode_working_bytes(vae, latents.video, tiled))
         with freed_on_failure(vae.device):
             path = write_mp4(os.path.join(folder, file), latents, vae.video, vae.audio, on_frames=on_frames,
-                             devices=decode_devices, tiled=tiled,
+                             devices=decode_devices, tiled=tiled, crf=crf,
                              metadata=saved_file_metadata(cls.hidden, latents.num_frames), on_sound=on_sound)
         file = path.name  # another where a program holds that name open (Windows)
         preview = ui.PreviewVideo([ui.SavedResult(file, subfolder, io.FolderType.output)])

@@ -9,12 +9,12 @@ from comfy_api.latest import InputImpl, io, ui
 
 from h3_core import geometry
 from h3_core.media import resample_audio
-from h3_core.media_write import write_mp4
+from h3_core.media_write import DEFAULT_CRF, write_mp4
 from h3_core.output import decode_audio, decode_video
 from h3_core.placement import freed_on_failure
 
 from .common import (
-    CATEGORY, SAVE_HIDDEN, H3VAE, H3Latent, decode_inputs, decode_options, decode_progress,
+    CATEGORY, SAVE_HIDDEN, H3VAE, H3Latent, crf_input, decode_inputs, decode_options, decode_progress,
     check_prefix, prefix_problem, saved_file_metadata, wrong_link,
 )
 from .convert import (
@@ -88,6 +88,7 @@ class H3AVSave(io.ComfyNode):
                                        "(or the VIDEO's own soundtrack). Given with a VIDEO, it replaces that one."),
                 io.Video.Input("video", optional=True,
                                tooltip="Instead of images: a ComfyUI VIDEO at 24 fps, with its soundtrack."),
+                crf_input(),
             ],
             outputs=[io.Video.Output(display_name="video",
                                      tooltip="The MP4 just saved, as a ComfyUI VIDEO read from its file, for nodes "
@@ -106,14 +107,14 @@ class H3AVSave(io.ComfyNode):
                 or prefix_problem(filename_prefix) or True)
 
     @classmethod
-    def execute(cls, images=None, filename_prefix="H3/h3", audio=None, video=None) -> io.NodeOutput:
+    def execute(cls, images=None, filename_prefix="H3/h3", audio=None, video=None, crf=DEFAULT_CRF) -> io.NodeOutput:
         check_prefix(filename_prefix)
         frames, waveform = _frames_and_soundtrack(images, audio, video)
         count, height, width = frames.shape[:3]
         folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(
             filename_prefix, folder_paths.get_output_directory(), width, height)
         file = f"{filename}_{counter:05}_.mp4"
-        path = write_mp4(os.path.join(folder, file), frames, waveform,
+        path = write_mp4(os.path.join(folder, file), frames, waveform, crf=crf,
                          metadata=saved_file_metadata(cls.hidden, count))
         file = path.name  # another where a program holds that name open (Windows)
         preview = ui.PreviewVideo([ui.SavedResult(file, subfolder, io.FolderType.output)])

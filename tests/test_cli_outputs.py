@@ -3,6 +3,7 @@ named, before any model loads."""
 
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +132,20 @@ def test_output_into_a_closed_pipe_ends_quietly():
     done.stdout.close()  # the reader is gone before anything is written
     said = done.stderr.read().decode()
     assert done.wait(timeout=300) == 1 and said == ""
+
+
+def test_the_mp4s_quality_is_the_users(tmp_path, no_model_loads, monkeypatch, capsys):
+    """--crf sets x264's constant quality of the MP4 (it was fixed at 18); out of 0..51 it is refused at once."""
+    assert main(["generate", "--prompt", "x", "--crf", "52", "--out", str(tmp_path / "x.mp4")]) == 2
+    assert "h3: error: crf must be an integer from 0 (lossless) to 51 (worst), got 52." in capsys.readouterr().err
+    monkeypatch.undo()
+    written = []
+
+    def write_mp4(path, *args, crf, **kwargs):
+        written.append(crf)
+        return Path(path)
+
+    monkeypatch.setattr(pipeline, "write_mp4", write_mp4)
+    assert main(["generate", "--prompt", "x", "--steps", "2", "--duration", "4", "--crf", "30",
+                 "--out", str(tmp_path / "x.mp4")]) == 0
+    assert written == [30]

@@ -67,6 +67,9 @@ def test_t2va_chain_with_output_list_previews_and_mp4(comfy):
     assert path.is_file() and saved.ui["videos"][0].filename == path.name
     with av.open(str(path)) as container:
         assert sorted(s.type for s in container.streams) == ["audio", "video"]
+    assert b"crf=18.0" in path.read_bytes()  # x264 notes its settings in the stream
+    coarser = Path(c.output.H3AVSave.execute(images, "H3/test", audio=audio, crf=30).values[0][1])
+    assert b"crf=30.0" in coarser.read_bytes() and coarser.stat().st_size < path.stat().st_size
 
 
 def test_fl2va_and_ref2va_through_the_growing_reference_list(comfy):
@@ -1083,6 +1086,7 @@ def test_decode_nodes_share_the_clips_over_devices(comfy):
         with av.open(str(path)) as container:
             frames.append(np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)]))
     assert frames[0].shape[0] == 107 and np.array_equal(*frames)
+    assert b"crf=40.0" in Path(long_video.H3SaveMP4.execute(vae, out, "H3/coarse", crf=40).values[0][1]).read_bytes()
 
 
 def test_a_gguf_text_encoder_is_offered_and_reads_its_mmproj(comfy, monkeypatch):
