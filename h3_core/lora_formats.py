@@ -239,7 +239,14 @@ def parse_lora(
     path = Path(path)
     notes: list[str] = []
 
-    groups, prefixed = _split_partitions(tensors, notes)
+    groups, prefixed, stray = _split_partitions(tensors, notes)
+    if stray:  # another component's (a text encoder's), beside the transformer's: the unknown-keys rule
+        message = (f"{len(stray)} tensor(s) of {path.name or 'the LoRA'} carry no component prefix beside ones that "
+                   f"do (e.g. '{stray[0]}'); H3 reads a diffusers LoRA's 'transformer.' and 'transformer_ref.' ones.")
+        if unknown == "error":
+            raise LoRAError(message + " To load the rest and report these: unknown='warn' (h3 generate "
+                            "--lora-unknown-keys warn; H3 LoRA / Turbo Apply's unknown_keys).")
+        notes.append("NOT LOADED: " + message)
     lightx2v = LIGHTX2V_NAME.fullmatch(adapter_stem(path))
     declared = metadata.get("key_format")
     parts: dict[str | None, list[Term]] = {}
@@ -279,23 +286,18 @@ def parse_lora(
 
 # ---------------------------------------------------------------------------------------------------
 def _split_partitions(tensors: dict[str, torch.Tensor], notes: list[str]):
-    """({partition or None: tensors without the prefix}, whether keys carried a component prefix):
-    diffusers' writer prefixes each partition's keys with its component name."""
+    """({partition or None: tensors without the prefix}, whether keys carried a component prefix, the keys without
+    one beside those that have one): diffusers' writer prefixes each partition's keys with its component name."""
     prefixed = {prefix: {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)} for prefix in _PARTITION_PREFIXES}
     bare = {k: v for k, v in tensors.items() if not k.startswith(tuple(_PARTITION_PREFIXES))}
     named = {prefix: group for prefix, group in prefixed.items() if group}
     if not named:
-        return {None: bare}, False
-    if bare:
-        raise LoRAError(
-            f"Some tensors carry a component prefix ({', '.join(named)}) and others do not (e.g. '{next(iter(bare))}'); "
-            "a diffusers LoRA prefixes every tensor with 'transformer.' or 'transformer_ref.'."
-        )
+        return {None: bare}, False, []
     if set(named) == {"transformer."}:
         # diffusers also routes `transformer.` layers into transformer_ref on request: not a partition claim.
         notes.append("diffusers 'transformer.' prefix: the file does not say which partition it was trained on")
-        return {None: named["transformer."]}, True
-    return {_PARTITION_PREFIXES[prefix]: group for prefix, group in named.items()}, True
+        return {None: named["transformer."]}, True, list(bare)
+    return {_PARTITION_PREFIXES[prefix]: group for prefix, group in named.items()}, True, list(bare)
 
 
 def _split_key(key: str) -> tuple[str, str] | None:

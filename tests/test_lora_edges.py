@@ -322,6 +322,23 @@ def test_a_lycoris_adapter_is_named_as_such(tmp_path):
         load_lora(tmp_path / "lokr.safetensors")
 
 
+def test_a_diffusers_lora_with_another_components_keys_follows_the_unknown_keys_rule(tmp_path):
+    """A trainer that also trained the text encoder writes its keys beside the transformer's: refused outright,
+    where kohya's lora_te_ keys follow the unknown-keys rule (reported and left out under warn)."""
+    from lora_files import write_diffusers
+
+    path = write_diffusers(tmp_path / "both.safetensors", {"transformer": random_spec(TINY_DIT)})
+    tensors = load_file(str(path))
+    tensors["text_encoder.layers.0.self_attn.q_proj.lora_A.weight"] = torch.zeros(4, 8)
+    tensors["text_encoder.layers.0.self_attn.q_proj.lora_B.weight"] = torch.zeros(8, 4)
+    save_file(tensors, str(path))
+    with pytest.raises(LoRAError, match="2 tensor.s. of both.safetensors carry no component prefix beside ones that "
+                                        "do .e.g. 'text_encoder.layers.0.self_attn.q_proj.lora_A.weight'.; .* unknown="):
+        load_lora(path)
+    lora = load_lora(path, unknown="warn")
+    assert lora.parts[None] and any(note.startswith("NOT LOADED: 2 tensor(s)") for note in lora.notes)
+
+
 @pytest.mark.parametrize("unknown", ["error", "warn"])
 def test_a_peft_dora_adapter_is_refused_as_dora(tmp_path, unknown):
     """peft and diffusers save DoRA's magnitudes as lora_magnitude_vector (kohya's dora_scale was known): refused
