@@ -109,7 +109,7 @@ def _open_media(path: Path) -> Iterator[av.container.InputContainer]:
     if not path.is_file():
         raise FileNotFoundError(f"No media file at {path}.")
     try:
-        container = av.open(str(path.absolute()))  # whole: FFmpeg reads 'take:1.mp4' as protocol 'take
+        container = av.open(str(path.absolute()))  # whole: FFmpeg reads 'take:1.mp4' as protocol 'take'
     except av.error.FFmpegError as error:
         raise UnreadableMediaError(f"Cannot open {path} as audio or video: {error}") from error
     try:
@@ -296,10 +296,11 @@ def _checked_video_stream(container, path: Path):
         raise UnreadableMediaError(f"{path} does not state its frame rate, so it cannot be resampled to {FPS} fps.")
     stream.thread_type = "AUTO"
     context = stream.codec_context
-    if context.color_trc in _HDR_TRANSFERS or context.color_primaries == _BT2020_PRIMARIES:
+    transfer, primaries = getattr(context, "color_trc", None), getattr(context, "color_primaries", None)
+    if transfer in _HDR_TRANSFERS or primaries == _BT2020_PRIMARIES:
         log.warning("%s is HDR video (BT.2020 colours, %s): it is read as SDR BT.709 without tone mapping, so its "
                     "colours come out washed out. Convert it to SDR first (a phone's 'most compatible' setting, or an "
-                    "editor's SDR export).", path.name, _HDR_TRANSFERS.get(context.color_trc, "BT.2020 primaries"))
+                    "editor's SDR export).", path.name, _HDR_TRANSFERS.get(transfer, "BT.2020 primaries"))
     return stream, fps
 
 

@@ -43,9 +43,8 @@ from h3_core.placement import freed_on_failure
 from .common import (
     CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, LINK_HIDDEN, PrefixCheckedSave,
     canvas_inputs, canvas_problem, check_interrupt, check_prefix, crf_input, decode_inputs, decode_options,
-    decode_progress,
-    device, preview_settings, progress_bar, range_problem, refuse_empty_links, saved_file_metadata, shift_inputs,
-    step_preview,
+    decode_progress, device, preview_settings, progress_bar, range_problem, refuse_empty_links, saved_file_metadata,
+    shift_inputs, step_preview,
 )
 from .conditioning import (guide_media, guide_media_inputs, linked_media, reference_images_input, reference_input,
                            validate_guide_links)
