@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -172,6 +173,27 @@ def step_preview(state, previews):
 
 
 TILING = {"release": None, "off": False}  # None: the VAE config's (the release's: tiled)
+
+
+@contextlib.contextmanager
+def reserved_output(folder: str, filename: str, counter: int, suffix: str = ".mp4"):
+    """The output file `{filename}_{counter:05}_{suffix}` (the next counter where that name is taken), created empty
+    at once so that another ComfyUI writing the same folder counts it: an MP4 is written for minutes under a hidden
+    name, and two savers that picked one name replaced each other's clip. Removed again if the body fails."""
+    while True:
+        path = os.path.join(folder, f"{filename}_{counter:05}_{suffix}")
+        try:
+            with open(path, "x"):
+                break
+        except FileExistsError:
+            counter += 1
+    try:
+        yield path
+    except BaseException:
+        with contextlib.suppress(OSError):
+            if os.path.getsize(path) == 0:  # still our placeholder
+                os.unlink(path)
+        raise
 
 
 def crf_input():

@@ -8,7 +8,6 @@ decodes the latent chunk by chunk straight into the file (h3_core.output.write_m
 from __future__ import annotations
 
 import functools
-import os
 
 import folder_paths
 from comfy_api.latest import InputImpl, io, ui
@@ -43,8 +42,8 @@ from h3_core.placement import freed_on_failure
 from .common import (
     CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, LINK_HIDDEN, PrefixCheckedSave,
     canvas_inputs, canvas_problem, check_interrupt, check_prefix, crf_input, decode_inputs, decode_options,
-    decode_progress, device, preview_settings, progress_bar, range_problem, refuse_empty_links, saved_file_metadata,
-    shift_inputs, step_preview,
+    decode_progress, device, preview_settings, progress_bar, range_problem, refuse_empty_links, reserved_output,
+    saved_file_metadata, shift_inputs, step_preview,
 )
 from .conditioning import (guide_media, guide_media_inputs, linked_media, reference_images_input, reference_input,
                            validate_guide_links)
@@ -312,11 +311,10 @@ class H3SaveMP4(PrefixCheckedSave):
         width, height = latents.canvas
         folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(
             filename_prefix, folder_paths.get_output_directory(), width, height)
-        file = f"{filename}_{counter:05}_.mp4"
         on_sound, on_frames = decode_progress(latents.num_frames)
         place([vae.patcher], decode_working_bytes(vae, latents.video, tiled))
-        with freed_on_failure(vae.device):
-            path = write_mp4(os.path.join(folder, file), latents, vae.video, vae.audio, on_frames=on_frames,
+        with freed_on_failure(vae.device), reserved_output(folder, filename, counter) as reserved:
+            path = write_mp4(reserved, latents, vae.video, vae.audio, on_frames=on_frames,
                              devices=decode_devices, tiled=tiled, crf=crf,
                              metadata=saved_file_metadata(cls.hidden, latents.num_frames), on_sound=on_sound)
         file = path.name  # another where a program holds that name open (Windows)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import folder_paths
 from comfy_api.latest import InputImpl, io, ui
@@ -15,7 +14,7 @@ from h3_core.placement import freed_on_failure
 
 from .common import (
     CATEGORY, SAVE_HIDDEN, H3VAE, H3Latent, crf_input, decode_inputs, decode_options, decode_progress,
-    check_prefix, prefix_problem, saved_file_metadata, wrong_link,
+    check_prefix, prefix_problem, reserved_output, saved_file_metadata, wrong_link,
 )
 from .convert import (
     audio_to_stereo_32k,
@@ -113,9 +112,8 @@ class H3AVSave(io.ComfyNode):
         count, height, width = frames.shape[:3]
         folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(
             filename_prefix, folder_paths.get_output_directory(), width, height)
-        file = f"{filename}_{counter:05}_.mp4"
-        path = write_mp4(os.path.join(folder, file), frames, waveform, crf=crf,
-                         metadata=saved_file_metadata(cls.hidden, count))
+        with reserved_output(folder, filename, counter) as reserved:
+            path = write_mp4(reserved, frames, waveform, crf=crf, metadata=saved_file_metadata(cls.hidden, count))
         file = path.name  # another where a program holds that name open (Windows)
         preview = ui.PreviewVideo([ui.SavedResult(file, subfolder, io.FolderType.output)])
         return io.NodeOutput(InputImpl.VideoFromFile(str(path)), ui=preview)

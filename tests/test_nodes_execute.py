@@ -1341,3 +1341,21 @@ def test_a_strength_change_does_not_read_the_lora_file_again(comfy, monkeypatch)
 
     gc.collect()  # nothing holds the adapters any more: nothing kept
     assert not c.sampler._read_loras
+
+
+def test_two_savers_that_pick_one_name_keep_both_clips(comfy, monkeypatch):
+    """ComfyUI counts the files in the output folder to name a save; an MP4 is written for minutes under a hidden name,
+    so a second ComfyUI writing the same folder picked the same name and replaced the first clip when it finished.
+    The name is now taken at once (an empty file), and a save whose name is taken moves on to the next."""
+    import folder_paths
+
+    pick = folder_paths.get_save_image_path
+    monkeypatch.setattr(folder_paths, "get_save_image_path", lambda *args: (*pick(*args)[:2], 1, *pick(*args)[3:]))
+    folder = Path(folder_paths.get_output_directory()) / "H3"
+    folder.mkdir(exist_ok=True)
+    (folder / "race_00001_.mp4").write_bytes(b"")  # another ComfyUI's clip, still being written
+    saved = Path(comfy.output.H3AVSave.execute(torch.rand(5, 32, 48, 3), "H3/race").values[0][1])
+    assert saved.name == "race_00002_.mp4" and (folder / "race_00001_.mp4").read_bytes() == b""
+    with pytest.raises(ValueError, match="crf must be an integer"):  # a failed save leaves no placeholder behind
+        comfy.output.H3AVSave.execute(torch.rand(5, 32, 48, 3), "H3/race", crf=99)
+    assert sorted(p.name for p in folder.iterdir()) == ["race_00001_.mp4", "race_00002_.mp4"]
