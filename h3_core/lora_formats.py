@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from . import keymap
-from .weights import CheckpointError, check_safetensors_file, open_safetensors
+from .weights import SAFETENSORS_SUFFIXES, CheckpointError, check_safetensors_file, open_safetensors
 
 PARTITIONS = ("fl2va", "ref2va")
 TASKS_OF_PARTITION = {"fl2va": ("t2va", "fl2va"), "ref2va": ("ref2va",)}
@@ -198,9 +198,9 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[st
 
 
 def adapter_stem(path: str | Path) -> str:
-    """A LoRA file's name without its .safetensors suffix, however cased: the name a release is known by."""
-    name = Path(path).name
-    return name[: -len(".safetensors")] if name.lower().endswith(".safetensors") else name
+    """A LoRA file's name without its .safetensors (or .sft) suffix, however cased: the name a release is known by."""
+    path = Path(path)
+    return path.stem if path.suffix.lower() in SAFETENSORS_SUFFIXES else path.name
 
 
 def parse_lora(

@@ -58,9 +58,9 @@ from .text import ENCODING_FLOOR_BYTES, load_text_encoder, locate_text_encoder_f
 from .text_checkpoint import GGUF_NO_VISION, TEXT_ENCODER_LAYER
 from .tiny import TINY_RANDOM, tiny_model_dtype, tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
 from .tiny_text import tiny_random_text_encoder
-from .vae_audio_checkpoint import check_audio_vae, load_audio_vae, locate_audio_vae
+from .vae_audio_checkpoint import check_audio_vae, load_audio_vae
 from .vae_video import decode_working_bytes
-from .vae_video_checkpoint import check_video_vae, load_video_vae, locate_video_vae
+from .vae_video_checkpoint import check_video_vae, load_video_vae
 from .weights import CheckpointError, check_safetensors_file
 
 
@@ -1084,9 +1084,9 @@ def encode_clip_file(video: str | Path, model: str | None, out: str | Path, *, a
             DecodedAudio(media_read.read_audio(audio, 0.0, MAX_CLIP_FRAMES / geometry.FPS), SAMPLE_RATE)
     except MediaError as error:
         raise RequestError(naming(video if audio is None else audio, error)) from None
-    if not source.tiny:  # both found and recognized before either loads
-        locate_video_vae(source.video_vae)
-        locate_audio_vae(source.audio_vae)
+    if not source.tiny:  # both found and checked (names, shapes, nothing missing) before either loads
+        check_video_vae(source.video_vae)
+        check_audio_vae(source.audio_vae)
     device = torch.device(device)
     dtype = vae_dtype or (tiny_model_dtype(device, None) if source.tiny else torch.bfloat16)
     video_vae, audio_vae = load_vaes(source, device, dtype)

@@ -76,8 +76,13 @@ class AudioVAESource:
 
 
 def locate_audio_vae(path: str | Path) -> AudioVAESource:
-    """Resolve a user path: a single file, an `audio_vae` folder, or a partition / release / repository root."""
-    path = Path(path).expanduser()
+    """Resolve a user path: a single file, an `audio_vae` folder, or a partition / release / repository root. A
+    damaged config (a null where a list goes) is a CheckpointError naming it, as `load_audio_vae` says it."""
+    with config_errors(f"The audio VAE at {path}"):
+        return _located(Path(path).expanduser())
+
+
+def _located(path: Path) -> AudioVAESource:
     if not path.exists():
         raise CheckpointError(f"{path} does not exist.")
     if path.is_file():

@@ -94,8 +94,13 @@ class VideoVAESource:
 
 
 def locate_video_vae(path: str | Path) -> VideoVAESource:
-    """Resolve a user path: a single file, a `video_vae/` or `vae/` folder, or a folder above one."""
-    path = Path(path).expanduser()
+    """Resolve a user path: a single file, a `video_vae/` or `vae/` folder, or a folder above one. A damaged
+    config (a null where a path or number goes) is a CheckpointError naming it, as `load_video_vae` says it."""
+    with config_errors(f"The video VAE at {path}"):
+        return _located(Path(path).expanduser())
+
+
+def _located(path: Path) -> VideoVAESource:
     if not path.exists():
         raise CheckpointError(f"{path} does not exist.")
     if path.is_file():

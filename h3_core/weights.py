@@ -15,6 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
+SAFETENSORS_SUFFIXES = (".safetensors", ".sft")  # .sft: the same format, a name ComfyUI lists too
 
 Item = tuple[str, torch.Tensor, Path | str]  # (name, tensor, where it came from)
 
@@ -32,7 +33,7 @@ def check_safetensors_file(path: Path, what: str, also: str = "") -> None:
             f"{path.name} is a pickle checkpoint ({suffix}); H3 loads only .safetensors files, which cannot run "
             "code on load. Convert it to safetensors first."
         )
-    if suffix != ".safetensors":
+    if suffix not in SAFETENSORS_SUFFIXES:
         raise CheckpointError(f"{path.name} is not a .safetensors file; {what} files must be safetensors{also}.")
 
 

@@ -15,6 +15,7 @@ from comfy_api.latest import io
 from h3_core import geometry
 from h3_core.media import SAMPLE_RATE
 from h3_core.media_write import DEFAULT_CRF
+from h3_core.weights import SAFETENSORS_SUFFIXES
 
 CATEGORY = "H3"
 H3Model = io.Custom("H3_MODEL")
@@ -109,7 +110,7 @@ def model_path(kind: str, name: str, folder: str):
     return folder_paths.get_full_path_or_raise(kind, name)
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".json")
+WEIGHT_SUFFIXES = (*SAFETENSORS_SUFFIXES, ".gguf", ".json")
 
 
 def files_fingerprint(*paths) -> str:

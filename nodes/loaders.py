@@ -31,8 +31,8 @@ from h3_core.tiny import (
     tiny_random_video_vae,
 )
 from h3_core.tiny_text import tiny_random_text_encoder
-from h3_core.vae_audio_checkpoint import load_audio_vae, locate_audio_vae
-from h3_core.vae_video_checkpoint import load_video_vae, locate_video_vae
+from h3_core.vae_audio_checkpoint import check_audio_vae, load_audio_vae, locate_audio_vae
+from h3_core.vae_video_checkpoint import check_video_vae, load_video_vae, locate_video_vae
 
 from .common import (
     CATEGORY,
@@ -331,7 +331,11 @@ class H3VAELoader(io.ComfyNode):
         dtype = DTYPES[weight_dtype]
         video_path = folder or (None if video_vae == TINY_RANDOM else model_path("vae", video_vae, ""))
         audio_path = folder or (None if audio_vae == TINY_RANDOM else model_path("vae", audio_vae, ""))
-        # where the files are (a wrong path fails here), then room for them, before any weight is read
+        # the files checked (a wrong path, a damaged config, a missing tensor: said here), then room for them,
+        # before any weight is read
+        for path, check in ((video_path, check_video_vae), (audio_path, check_audio_vae)):
+            if path:
+                check(path)
         files = ((locate_video_vae(video_path).files if video_path else ())
                  + ((locate_audio_vae(audio_path).file,) if audio_path else ()))
         make_room(file_bytes(files), target)

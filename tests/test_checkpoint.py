@@ -134,9 +134,11 @@ def test_diffusers_layout(tmp_path, reference, expected, tiny_config):
     assert_same_weights(load_dit(tmp_path, partition="ref2va"), expected)
 
 
-@pytest.mark.parametrize("prefix", ["", "model.diffusion_model.", "diffusion_model."])
-def test_comfy_single_file(tmp_path, reference, expected, tiny_config, prefix):
-    path = write_comfy_single_file(tmp_path / "minimax_h3_fl2va_bf16.safetensors", reference.state_dict(), tiny_config, prefix)
+@pytest.mark.parametrize("prefix,suffix", [("", ".safetensors"), ("model.diffusion_model.", ".safetensors"),
+                                           ("diffusion_model.", ".safetensors"), ("", ".sft")])
+def test_comfy_single_file(tmp_path, reference, expected, tiny_config, prefix, suffix):
+    """.sft, the same format under a name ComfyUI lists, was refused as 'not a .safetensors file'."""
+    path = write_comfy_single_file(tmp_path / f"minimax_h3_fl2va_bf16{suffix}", reference.state_dict(), tiny_config, prefix)
     source = locate_dit(path)
     assert source.qkv_layout == "stacked" and source.config is None
     model = load_dit(path)

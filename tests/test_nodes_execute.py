@@ -610,6 +610,21 @@ def test_vae_loader_refuses_a_wrong_file_before_making_room_or_reading(comfy, tm
         comfy.loaders.H3VAELoader.execute("tiny-random", "tiny-random", str(tmp_path / "FL2VA"))
     assert comfy.record.freed == [] and comfy.record.loaded == []
 
+    # with an audio VAE there too, a video VAE file missing a tensor: said from its headers, before ComfyUI is
+    # asked to unload anything for it
+    from audio_vae_checkpoints import reference_audio_vae
+    from audio_vae_checkpoints import write_original_partition as write_audio
+    from safetensors.torch import load_file, save_file
+
+    write_audio(tmp_path, reference_audio_vae())
+    weights = tmp_path / "FL2VA" / "video_vae" / "source" / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors.popitem()
+    save_file(tensors, str(weights))
+    with pytest.raises(ValueError, match="missing 1 tensor"):
+        comfy.loaders.H3VAELoader.execute("tiny-random", "tiny-random", str(tmp_path / "FL2VA"))
+    assert comfy.record.freed == [] and comfy.record.loaded == []
+
 
 def test_model_loader_run_settings_apply_at_each_run_and_share_the_weights(comfy):
     """Kernel, window, compile and budget leave the weights alone: loaders differing only in them share one DiT

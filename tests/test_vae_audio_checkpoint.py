@@ -190,6 +190,18 @@ def test_config_disagreements(tmp_path, reference):
         load_audio_vae(folder)
 
 
+def test_a_damaged_config_is_refused_where_the_files_are_found(tmp_path, reference):
+    """The VAE Loader node and h3 encode find the files (locate) before loading: a null in metadata.json was a
+    TypeError traceback there, a clear refusal only once loading."""
+    folder = write_original_partition(tmp_path, reference)
+    metadata = json.loads((folder / "metadata.json").read_text())
+    metadata["metadata"]["kwargs"]["decoder_rates"] = None
+    (folder / "metadata.json").write_text(json.dumps(metadata))
+    for find in (locate_audio_vae, load_audio_vae):
+        with pytest.raises(CheckpointError, match="The audio VAE at .* does not describe a model H3 can build"):
+            find(tmp_path)
+
+
 def test_wrong_folder_and_file(tmp_path):
     transformer = tmp_path / "transformer"
     transformer.mkdir()

@@ -125,6 +125,16 @@ def rewrite(path, change):
     save_file(tensors, str(path))
 
 
+def test_a_damaged_config_is_refused_where_the_files_are_found(original):
+    """The VAE Loader node and h3 encode find the files before loading: a null source path in config.json was a
+    TypeError traceback there."""
+    folder = original.parent.parent
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "source_safetensors_path": None}))
+    with pytest.raises(CheckpointError, match="The video VAE at .* does not describe a model H3 can build"):
+        locate_video_vae(folder)
+
+
 def test_missing_tensor_is_named(original):
     rewrite(original, lambda t: t.pop("decoder.transformer_blocks.0.ff.w2.bias"))
     pattern = r"missing 1 tensor\(s\): decoder\.transformer_blocks\.0\.ff\.w2\.bias\."
