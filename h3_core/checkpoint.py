@@ -34,6 +34,7 @@ from .weights import (
     read_headers,
     read_json,
     read_tensors,
+    refuse_a_shard,
     shard_files,
     tensor_names,
 )
@@ -103,6 +104,7 @@ def locate_dit(path: str | Path, partition: str = "fl2va") -> DiTSource:
         raise CheckpointError(f"{path} does not exist.")
     if path.is_file():
         _check_partition(partition, _partition_of_file(path), path)
+        refuse_a_shard(path, "DiT")
         return _gguf_file(path) if gguf_file.is_gguf(path) else _single_file(path)
     original_partition, diffusers_folder = PARTITIONS[partition]
     # the partition's own folders first: a repository root holds both `transformer/` and `transformer_ref/`

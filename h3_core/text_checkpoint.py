@@ -46,6 +46,7 @@ from .weights import (
     read_json,
     read_tensors,
     read_weight_map,
+    refuse_a_shard,
     tensor_names,
 )
 
@@ -179,6 +180,7 @@ def locate_text_encoder(
         files, config, roots, origin = (path,), None, [], "GGUF file"
     elif path.is_file():
         check_safetensors_file(path, "Text encoder single", " (or GGUF, .gguf)")
+        refuse_a_shard(path, "text encoder")
         files, config, roots, origin = (path,), None, [], "single file"
     else:
         folder = _weights_folder(path)

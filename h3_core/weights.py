@@ -37,6 +37,20 @@ def check_safetensors_file(path: Path, what: str, also: str = "") -> None:
         raise CheckpointError(f"{path.name} is not a .safetensors file; {what} files must be safetensors{also}.")
 
 
+def refuse_a_shard(path: Path, what: str) -> None:
+    """A file a sharded checkpoint's index (`*.index.json` beside it) names is one part of a model, which a host
+    lists with the others (ComfyUI, once a release folder is linked into models/): said so, with the folder to
+    give instead, rather than as a model file missing most of its tensors."""
+    for index in sorted(path.parent.glob("*.index.json")):
+        try:
+            named = set(read_weight_map(index).values())
+        except CheckpointError:  # a broken index beside a file: the file is said as itself
+            continue
+        if path.name in named:
+            raise CheckpointError(f"{path.name} is one shard of a sharded {what} ({index.name} names it): give its "
+                                  f"folder, {path.parent}, instead of one of its files.")
+
+
 @contextlib.contextmanager
 def open_safetensors(path: Path | str):
     """`safe_open` for torch, a file that is not readable safetensors (truncated, random bytes, another

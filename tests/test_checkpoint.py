@@ -134,6 +134,30 @@ def test_diffusers_layout(tmp_path, reference, expected, tiny_config):
     assert_same_weights(load_dit(tmp_path, partition="ref2va"), expected)
 
 
+def test_one_shard_of_a_sharded_dit_or_text_encoder_is_said_to_be_one(tmp_path, reference):
+    """ComfyUI lists every shard of a release folder linked into models/: one picked was refused as a DiT file
+    missing its tensors ('not an H3 DiT file, or one cut short')."""
+    write_diffusers_folder(tmp_path / "transformer", reference)
+    shard = sorted((tmp_path / "transformer").glob("*.safetensors"))[0]
+    with pytest.raises(CheckpointError, match=f"{shard.name} is one shard of a sharded DiT .* give its folder, "):
+        locate_dit(shard)
+    # a text encoder's too
+    import json
+
+    from safetensors.torch import save_file
+
+    from h3_core.text_checkpoint import locate_text_encoder
+
+    encoder = tmp_path / "text_encoder"
+    encoder.mkdir()
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        save_file({"x": torch.zeros(1)}, str(encoder / name))
+    (encoder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors is one shard of a sharded text encoder"):
+        locate_text_encoder(encoder / "model-00002-of-00002.safetensors")
+
+
 @pytest.mark.parametrize("prefix,suffix", [("", ".safetensors"), ("model.diffusion_model.", ".safetensors"),
                                            ("diffusion_model.", ".safetensors"), ("", ".sft")])
 def test_comfy_single_file(tmp_path, reference, expected, tiny_config, prefix, suffix):
