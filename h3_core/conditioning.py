@@ -45,7 +45,8 @@ from typing import Any
 import torch
 
 from . import geometry
-from .layout import REFERENCE_KINDS, GuideBlock, PackedLayout, ReferenceBlock, build_ref2va_layout, build_t2va_layout
+from .layout import (REFERENCE_KINDS, GuideBlock, PackedLayout, ReferenceBlock, build_ref2va_layout, build_t2va_layout,
+                     patched_rows)
 from .prompt import MAX_KEYFRAMES, VISION_TOKENS, label_warnings, reference_mix_problem
 from .references import (
     RELEASE_CANVAS,
@@ -475,8 +476,7 @@ class Conditioning:
                 f"text_states ({self.text_states.shape[1]} rows), text_tags ({self.text_tags.shape[0]}) and the "
                 f"layout ({layout.num_text_rows} text rows) disagree."
             )
-        _, ph, pw = geometry.PATCH_SIZE
-        visual_rows = sum(z.shape[2] * (z.shape[3] // ph) * (z.shape[4] // pw) for z in self.visual_condition_latents)
+        visual_rows = patched_rows(self.visual_condition_latents)
         if visual_rows != layout.num_condition_video_rows:
             raise ValueError(
                 f"The visual conditions pack into {visual_rows} rows but the layout reserves "

@@ -48,6 +48,12 @@ class RowClock(enum.IntEnum):
 # Patchify
 
 
+def patched_rows(latents: Sequence[torch.Tensor]) -> int:
+    """The rows `patchify` packs latents [1, C, L, h, w] into, all of them together, without packing them."""
+    pt, ph, pw = geometry.PATCH_SIZE
+    return sum((z.shape[2] // pt) * (z.shape[3] // ph) * (z.shape[4] // pw) for z in latents)
+
+
 def patchify(latents: torch.Tensor, patch_size: tuple[int, int, int] = geometry.PATCH_SIZE) -> torch.Tensor:
     """[B, C, L, h, w] -> [B, (L/pt)*(h/ph)*(w/pw), C*pt*ph*pw]; rows frame-major, then row-major."""
     pt, ph, pw = patch_size

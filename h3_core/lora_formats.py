@@ -243,10 +243,7 @@ def parse_lora(
     if stray:  # another component's (a text encoder's), beside the transformer's: the unknown-keys rule
         message = (f"{len(stray)} tensor(s) of {path.name or 'the LoRA'} carry no component prefix beside ones that "
                    f"do (e.g. '{stray[0]}'); H3 reads a diffusers LoRA's 'transformer.' and 'transformer_ref.' ones.")
-        if unknown == "error":
-            raise LoRAError(message + " To load the rest and report these: unknown='warn' (h3 generate "
-                            "--lora-unknown-keys warn; H3 LoRA / Turbo Apply's unknown_keys).")
-        notes.append("NOT LOADED: " + message)
+        _unknown_keys(message, unknown, notes)
     lightx2v = LIGHTX2V_NAME.fullmatch(adapter_stem(path))
     declared = metadata.get("key_format")
     parts: dict[str | None, list[Term]] = {}
@@ -258,10 +255,7 @@ def parse_lora(
             message = (f"{len(unmapped)} tensor(s) of {path.name or 'the LoRA'} name no MiniMax-H3 module: {listed}. "
                        "H3 LoRAs target our attention/FFN/AdaLN/projection modules in the native, diffusers, "
                        "kohya (lora_unet_) or DiffSynth spelling.")
-            if unknown == "error":
-                raise LoRAError(message + " To load the rest and report these: unknown='warn' (h3 generate "
-                                "--lora-unknown-keys warn; H3 LoRA / Turbo Apply's unknown_keys).")
-            notes.append("NOT LOADED: " + message)
+            _unknown_keys(message, unknown, notes)
         formats.add(fmt)
         rows = qkv_layout or ("interleaved" if fmt == "diffsynth" else QKV_ROWS.get(declared, "stacked"))
         context = _AlphaContext(alpha, metadata, partition, fmt, lightx2v)
@@ -282,6 +276,14 @@ def parse_lora(
                      "key_format=minimax-h3-native); pass qkv_layout='stacked' to read them stacked")
     summary = "; ".join(f"{source} (for {count} of the file's modules)" for source, count in alpha_sources.items())
     return ParsedLoRA(fmt, parts, metadata, notes, summary)
+
+
+def _unknown_keys(message: str, unknown: str, notes: list[str]) -> None:
+    """The unknown-keys rule for tensors H3 does not read: refused ("error"), or reported and left out ("warn")."""
+    if unknown == "error":
+        raise LoRAError(message + " To load the rest and report these: unknown='warn' (h3 generate "
+                        "--lora-unknown-keys warn; H3 LoRA / Turbo Apply's unknown_keys).")
+    notes.append("NOT LOADED: " + message)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -37,7 +37,8 @@ from .offload import load_device, place
 from .placement import check_devices, module_bytes
 from .conditioning import Request, RequestError, encode_request, prompt_label_warnings, shows_pictures, validate
 from .clip_latents import MAX_CLIP_FRAMES, encode_clip_frames, expected_clip_frames, file_soundtrack, stream_clip
-from .layout import GuideBlock, build_ref2va_layout, build_t2va_layout, pack_audio, patchify, unpack_audio, unpatchify
+from .layout import (GuideBlock, build_ref2va_layout, build_t2va_layout, pack_audio, patched_rows, patchify, unpack_audio,
+                     unpatchify)
 from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, read_mode
 from .guides import GuideFile, GuideMedia, add_guide, check_guide, guide_frame_count, read_guide
@@ -125,7 +126,7 @@ def sample(
     held_audio = conditioning.audio_condition_rows
     if keep == "audio":
         held_audio = torch.cat([held_audio.float().cpu(), pack_audio(kept.float().cpu()[None])], dim=1)
-    held_video_rows = sum(patchify(torch.empty(c.shape, device="meta")).shape[1] for c in visual_conditions)
+    held_video_rows = patched_rows(visual_conditions)
     if held_video_rows != layout.num_condition_video_rows or held_audio.shape[1] != layout.num_condition_audio_rows:
         raise ValueError(
             f"The conditioning holds {held_video_rows} video / {held_audio.shape[1]} audio rows but its layout "
