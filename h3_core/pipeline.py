@@ -42,6 +42,7 @@ from .layout import (GuideBlock, build_ref2va_layout, build_t2va_layout, pack_au
 from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, read_mode
 from .guides import GuideFile, GuideMedia, add_guide, check_guide, guide_frame_count, read_guide
+from .hub import fetch_release
 from .lora import (
     VSA_STUDENT_CONTRACT, applied_contracts, apply_loras, check_loras, hooked_bytes, load_lora, run_mode,
     sampler_settings, task_warnings,
@@ -235,6 +236,12 @@ class ModelFiles:
         return {name: Path(value).expanduser() for name, value in dataclasses.asdict(self).items() if value is not None}
 
 
+def canvas_rules(model: str | Path | None) -> CanvasRules:
+    """The canvas a model's requests are checked on, known from its name before any model is found or fetched
+    (a Path("tiny-random") is the tiny model)."""
+    return TINY_CANVAS if str(model) == TINY_RANDOM else RELEASE_CANVAS
+
+
 @dataclass
 class ModelSource:
     """Where a request's models come from: `tiny-random`, local paths, or a Hub repo id."""
@@ -249,7 +256,7 @@ class ModelSource:
 
     @property
     def canvas(self) -> CanvasRules:
-        return TINY_CANVAS if self.tiny else RELEASE_CANVAS
+        return canvas_rules(self.name)
 
     @property
     def text_encoder(self) -> Path:
@@ -282,11 +289,12 @@ COMFYUI_FOLDERS = {"text_encoder": "a file from models/text_encoders", "video_va
 
 
 def resolve_model_source(model: str | None, partition: str, files: ModelFiles = ModelFiles(),
-                         parts: Sequence[str] = tuple(FILE_OPTIONS)) -> ModelSource:
+                         parts: Sequence[str] = tuple(FILE_OPTIONS), dit: bool = True) -> ModelSource:
     """`tiny-random`, an existing local path, or (only then) a Hugging Face repo id downloaded with
-    huggingface_hub (just the partition that serves the task). `files`: the other models' own paths, checked
-    to exist. A single DiT file holds the DiT alone, so then the other `parts` the caller needs must be
-    given (but the tokenizer: the release's is fetched when none is); with no `model` at all, every one."""
+    huggingface_hub (of the partition that serves the task, just the DiT if `dit` and the `parts` not in
+    `files`). `files`: the other models' own paths, checked to exist. A single DiT file holds the DiT alone,
+    so then the other `parts` the caller needs must be given (but the tokenizer: the release's is fetched
+    when none is); with no `model` at all, every one."""
     given = files.given()
     model = None if model is None else str(model)  # a Path is welcome; the source's name is a str
     if model is not None and not model.strip():  # Path("") is the current folder
@@ -316,11 +324,11 @@ def resolve_model_source(model: str | None, partition: str, files: ModelFiles = 
         return ModelSource(model, path, files)
     if not REPO_ID.match(model):
         raise CheckpointError(f"--model {model!r} is not an existing path, 'tiny-random' or a Hub repo id (owner/name).")
-    from huggingface_hub import snapshot_download
-
-    folder = {"fl2va": "FL2VA", "ref2va": "Ref2VA"}[partition]
+    needed = (["dit"] if dit else []) + [name for name in parts if name not in given]
     try:
-        return ModelSource(model, Path(snapshot_download(model, allow_patterns=[f"{folder}/*"])), files)
+        return ModelSource(model, fetch_release(model, partition, needed), files)
+    except CheckpointError:
+        raise
     except Exception as error:  # offline, no such repo, no access: said with the path it also is not
         raise CheckpointError(f"--model {model}: no such local path, and fetching it as a Hugging Face Hub repo "
                               f"failed ({type(error).__name__}: {' '.join(str(error).split())}).") from None
@@ -481,7 +489,7 @@ def generate_batch(
     notes = notes or (lambda line: None)
     window = check_settings(settings)
     device, timings = torch.device(settings.device), {}
-    rules = TINY_CANVAS if str(model) == TINY_RANDOM else RELEASE_CANVAS  # a Path("tiny-random") is the tiny model
+    rules = canvas_rules(model)
     names = [job.name or f"job {number}" for number, job in enumerate(jobs, 1)]
     prepared = []
     for job, name in zip(jobs, names):  # every limit of every job, before any model
@@ -1078,13 +1086,13 @@ def encode_clip_file(video: str | Path, model: str | None, out: str | Path, *, a
         geometry.check_canvas(width, height)
     check_devices([device])
     check_writable(out)
-    source = resolve_model_source(model, "fl2va", files, parts=("video_vae", "audio_vae"))
-    try:  # the first frames are read now: a bad or short file is refused before a VAE loads
-        frames, width, height = stream_clip(video, source.canvas, width, height)
+    try:  # the first frames are read now: a bad or short file is refused before a VAE is fetched or loads
+        frames, width, height = stream_clip(video, canvas_rules(model), width, height)
         sound = file_soundtrack(video) if audio is None else \
             DecodedAudio(media_read.read_audio(audio, 0.0, MAX_CLIP_FRAMES / geometry.FPS), SAMPLE_RATE)
     except MediaError as error:
         raise RequestError(naming(video if audio is None else audio, error)) from None
+    source = resolve_model_source(model, "fl2va", files, parts=("video_vae", "audio_vae"), dit=False)
     if not source.tiny:  # both found and checked (names, shapes, nothing missing) before either loads
         check_video_vae(source.video_vae)
         check_audio_vae(source.audio_vae)

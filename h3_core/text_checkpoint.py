@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from . import fp8, gguf_file, nvfp4
+from .hub import release_patterns
 from .text_mmproj import VisionTowerFile, find_vision_tower
 from .weights import (
     PICKLE_SUFFIXES,
@@ -68,7 +69,7 @@ def check_transformers(version: str | None = None) -> None:
                               f"Upgrade it: python -m pip install 'transformers>={wanted}'.")
 
 RELEASE_REPO = "MiniMaxAI/MiniMax-H3"  # the original release on the Hugging Face Hub (h3-model.md I.1)
-RELEASE_TOKENIZER_FILES = ("FL2VA/tokenizer/*", "FL2VA/processor/*")
+RELEASE_TOKENIZER_FILES = tuple(release_patterns("fl2va", ("tokenizer",)))  # FL2VA/tokenizer/*, FL2VA/processor/*
 TEXT_ENCODER_LAYER = 50  # H3 reads hidden_states[50]: the residual stream after decoder layer 50
 PARTITION_FOLDERS = ("FL2VA", "Ref2VA")  # both partitions ship the same text encoder
 INDEX_NAME = "model.safetensors.index.json"

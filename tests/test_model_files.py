@@ -56,7 +56,8 @@ def model_sets(tmp_path_factory):
     video_folder = write_video_folder(files / "vae" / "video_vae", video)
     audio_file = write_audio_single(files / "vae" / "minimax_h3_audio_vae_fp32.safetensors", audio)
     return {"release": release, "dit": dit, "text_encoder": encoder, "tokenizer": release / "FL2VA",
-            "video_vae": video_folder, "audio_vae": audio_file, "text_config": text_config}
+            "video_vae": video_folder, "audio_vae": audio_file, "text_config": text_config,
+            "clip": _write_clip(root / "clip.mp4")}
 
 
 def _file_options(sets, *leave_out: str) -> list[str]:
@@ -116,19 +117,93 @@ def test_a_text_encoder_file_takes_its_tokenizer_from_the_release_root(model_set
     assert torch.equal(a["video"], b["video"]) and torch.equal(a["audio"], b["audio"])
 
 
-def test_encode_reads_the_given_vae_files(model_sets, tmp_path):
-    """`h3 encode` with --video-vae and --audio-vae and no --model: the same latents as the release root's VAEs."""
+def _hub_serving(release, snapshots, fetched):
+    """A stand-in for huggingface_hub.snapshot_download serving `release` as the Hub would: a new snapshot
+    folder holding only the files `allow_patterns` match (huggingface_hub's own filter); each call's
+    patterns are appended to `fetched`."""
+    import shutil
+
+    from huggingface_hub.utils import filter_repo_objects
+
+    def download(repo, allow_patterns=None, **options):
+        fetched.append(sorted(allow_patterns))
+        root = snapshots / f"snapshot{len(fetched)}"
+        names = [path.relative_to(release).as_posix() for path in release.rglob("*") if path.is_file()]
+        for name in filter_repo_objects(names, allow_patterns=allow_patterns):
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(release / name, root / name)
+        root.mkdir(parents=True, exist_ok=True)
+        return str(root)
+
+    return download
+
+
+def _write_clip(path):
     import av
     import numpy as np
 
-    clip = tmp_path / "clip.mp4"
-    with av.open(str(clip), "w") as container:
+    with av.open(str(path), "w") as container:
         stream = container.add_stream("libx264", rate=24)
         stream.width, stream.height, stream.pix_fmt = 224, 128, "yuv420p"
         for index in range(30):
             frame = np.full((128, 224, 3), index * 8, dtype=np.uint8)
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
+    return path
+
+
+def test_a_hub_repo_is_fetched_only_as_far_as_the_run_reads_it(model_sets, tmp_path, monkeypatch):
+    """A repo id downloads just the folders the run reads (the release's partition is ~134 GiB; h3 encode
+    needs its ~10 GiB of VAEs): encode fetches the two VAEs, generate with its own text-encoder file everything
+    but the text encoder; each run from those files alone matches the same run on the whole local release."""
+    monkeypatch.setattr(text_checkpoint, "QWEN3VL_32B_CONFIG", model_sets["text_config"])
+    fetched = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        _hub_serving(model_sets["release"], tmp_path / "hub", fetched))
+    clip = model_sets["clip"]
+    canvas = ["--width", "224", "--height", "128", "--device", "cpu"]
+    for model, out in ((str(model_sets["release"]), "local"), ("MiniMaxAI/MiniMax-H3", "hub")):
+        assert main(["encode", str(clip), "--model", model, *canvas, "--out", str(tmp_path / f"{out}.safetensors")]) == 0
+    assert fetched == [["FL2VA/audio_vae/*", "FL2VA/model_index.json", "FL2VA/video_vae/*"]]
+    local, hub = load_file(str(tmp_path / "local.safetensors")), load_file(str(tmp_path / "hub.safetensors"))
+    assert torch.equal(local["video"], hub["video"]) and torch.equal(local["audio"], hub["audio"])
+
+    argv = ["generate", *REQUEST, "--steps", "2", "--text-encoder", str(model_sets["text_encoder"])]
+    for model, out in ((str(model_sets["release"]), "local"), ("MiniMaxAI/MiniMax-H3", "hub")):
+        assert main(argv + ["--model", model, "--save-latents", str(tmp_path / f"{out}_av.safetensors")]) == 0
+    assert fetched[1] == ["FL2VA/audio_vae/*", "FL2VA/model_index.json", "FL2VA/processor/*", "FL2VA/tokenizer/*",
+                          "FL2VA/transformer/*", "FL2VA/video_vae/*"]
+    local, hub = load_file(str(tmp_path / "local_av.safetensors")), load_file(str(tmp_path / "hub_av.safetensors"))
+    assert torch.equal(local["video"], hub["video"]) and torch.equal(local["audio"], hub["audio"])
+    source = resolve_model_source("MiniMaxAI/MiniMax-H3", "fl2va")  # every model: the whole partition
+    assert fetched[2] == sorted(f"FL2VA/{name}" for name in (
+        "audio_vae/*", "model_index.json", "processor/*", "text_encoder/*", "tokenizer/*", "transformer/*",
+        "video_vae/*"))
+    assert sorted(path.name for path in (source.root / "FL2VA").iterdir()) == sorted(
+        path.name for path in (model_sets["release"] / "FL2VA").iterdir())
+
+
+def test_a_hub_repo_in_another_layout_is_refused_naming_the_missing_folders(tmp_path, monkeypatch, capsys):
+    """A repo holding no FL2VA/ folders (ComfyUI single files, say) is refused with the layout a repo id needs,
+    not as an empty cache folder that is no checkpoint; h3 encode reads its clip before fetching anything."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "minimax_h3_fl2va_bf16.safetensors").write_bytes(b"")
+    fetched = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", _hub_serving(other, tmp_path / "hub", fetched))
+    assert main(["encode", str(tmp_path / "missing.mp4"), "--model", "Comfy-Org/MiniMax-H3",
+                 "--out", str(tmp_path / "x.safetensors")]) == 2  # a clip that is not there: refused unfetched
+    assert "No media file at" in capsys.readouterr().err and fetched == []
+    assert main(["encode", str(_write_clip(tmp_path / "clip.mp4")), "--model", "Comfy-Org/MiniMax-H3",
+                 "--out", str(tmp_path / "x.safetensors")]) == 2
+    error = capsys.readouterr().err
+    assert "Hub repo Comfy-Org/MiniMax-H3 has no FL2VA/video_vae, FL2VA/audio_vae. A repo id is read in the " \
+           "original release's layout" in error, error
+
+
+def test_encode_reads_the_given_vae_files(model_sets, tmp_path):
+    """`h3 encode` with --video-vae and --audio-vae and no --model: the same latents as the release root's VAEs."""
+    clip = model_sets["clip"]
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     canvas = ["--width", "224", "--height", "128", "--device", "cpu"]
     assert main(["encode", str(clip), "--model", str(model_sets["release"]), *canvas, "--out", str(a)]) == 0
@@ -145,7 +220,7 @@ def test_encode_reads_the_given_vae_files(model_sets, tmp_path):
     (["generate", "--video-vae", "{video_vae}"], "--video-vae: tiny-random makes its own text encoder and VAEs"),
     (["generate", "--model", "{release}", "--audio-vae", "{release}/nowhere.safetensors"],
      "--audio-vae .*nowhere.safetensors does not exist"),
-    (["encode", "{dit}", "--video-vae", "{video_vae}"], "Without --model each model is given on its own. Give --audio-vae"),
+    (["encode", "{clip}", "--video-vae", "{video_vae}"], "Without --model each model is given on its own. Give --audio-vae"),
 ])
 def test_an_incomplete_set_is_refused_before_loading(model_sets, tmp_path, monkeypatch, capsys, argv, message):
     for name in ("load_text_encoder", "load_video_vae", "load_audio_vae", "locate_dit"):
