@@ -41,6 +41,7 @@ import collections
 import functools
 import hashlib
 import json
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -593,6 +594,8 @@ def _special_id(tokenizer, token: str) -> int:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
+DIALOGUE_TOKENS = ("<d>", "</d>")  # MiniMax's own, added to the release's tokenizer (h3-model.md E.1)
+log = logging.getLogger("h3")
 
 
 def load_tokenizer(folder: str | Path):
@@ -607,9 +610,15 @@ def load_tokenizer(folder: str | Path):
             "tokenizer/ folder."
         )
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except (ValueError, OSError) as error:  # a damaged tokenizer.json gave JSON's bare message, naming no file
         raise CheckpointError(f"The tokenizer in {folder} cannot be read: {error}") from None
+    missing = [token for token in DIALOGUE_TOKENS if token not in tokenizer.get_vocab()]
+    if missing:  # a stock Qwen3-VL tokenizer: it runs, but spells dialogue marks as text the model never read
+        log.warning("H3: the tokenizer in %s has no %s token; H3's own (the release's tokenizer/ folder) has them "
+                    "for dialogue (<d>[English] words</d>), which this one splits into plain text.",
+                    folder, " or ".join(missing))
+    return tokenizer
 
 
 PROMPT_LABEL = re.compile(r"<(Picture|Image|Video|Audio) (\d+)>")

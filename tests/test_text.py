@@ -1053,6 +1053,33 @@ def test_a_damaged_tokenizer_is_named(tmp_path):
         load_tokenizer(folder)
 
 
+def test_a_tokenizer_without_the_dialogue_tokens_is_warned_of(tmp_path, caplog):
+    """A stock Qwen3-VL tokenizer (no MiniMax <d> / </d>) loads and runs, but splits dialogue marks into text the
+    model never read: said once it loads; the release's tokenizer says nothing."""
+    import json
+    import logging
+
+    from h3_core.prompt import load_tokenizer
+
+    folder = tiny_qwen.write_tokenizer(tmp_path / "release")
+    with caplog.at_level(logging.WARNING, logger="h3"):
+        assert load_tokenizer(folder).convert_tokens_to_ids("<d>") != load_tokenizer(folder).unk_token_id
+    assert not caplog.records
+    stock = tmp_path / "stock"
+    stock.mkdir()
+    for path in folder.iterdir():
+        (stock / path.name).write_bytes(path.read_bytes())
+    raw = json.loads((folder / "tokenizer.json").read_text())
+    raw["added_tokens"] = [token for token in raw["added_tokens"] if token["content"] not in ("<d>", "</d>")]
+    (stock / "tokenizer.json").write_text(json.dumps(raw))
+    with caplog.at_level(logging.WARNING, logger="h3"):
+        tokenizer = load_tokenizer(stock)
+    assert len(tokenizer("<d>hi</d>", add_special_tokens=False)["input_ids"]) > 3  # the marks are text now
+    assert [record.getMessage() for record in caplog.records] == [
+        f"H3: the tokenizer in {stock} has no <d> or </d> token; H3's own (the release's tokenizer/ folder) has "
+        "them for dialogue (<d>[English] words</d>), which this one splits into plain text."]
+
+
 def test_a_wrong_tensor_is_found_from_the_headers_before_any_is_read(tiny, tmp_path):
     """The DiT and VAEs were checked from their headers before reading; the text encoder (~50 GB) was read up to
     the wrong tensor first (a bad shape in layer 49 after 9 / 10 of the file)."""
