@@ -167,12 +167,13 @@ def _has_safetensors(folder: Path) -> bool:
 
 def _single_file(path: Path) -> DiTSource:
     check_safetensors_file(path, "H3 DiT single", " (or GGUF, .gguf)")
-    naming = _naming(tensor_names([path]), path)
+    keys = tensor_names([path])
+    naming = _naming([key for key in keys if keymap.is_dit_key(key)], path)
     nvfp4_layers = _nvfp4_layers((path,), naming == "native")
-    layers = _fp8_layers((path,), naming == "native", nvfp4.outside(nvfp4_layers, keymap.strip_prefix))
+    layers = _fp8_layers((path,), naming == "native", nvfp4.outside(nvfp4_layers, keymap.dit_name))
     held = "NVFP4" if nvfp4_layers else "int4" if any(e.packed for e in layers.values()) else "FP8" if layers else None
-    return DiTSource((path,), naming, "stacked", None, f"single file ({held})" if held else "single file", layers,
-                     nvfp4_layers)
+    kind = "single file" if all(map(keymap.is_dit_key, keys)) else "all-in-one file"  # its other models unread
+    return DiTSource((path,), naming, "stacked", None, f"{kind} ({held})" if held else kind, layers, nvfp4_layers)
 
 
 def _gguf_file(path: Path) -> DiTSource:
@@ -223,7 +224,7 @@ def _folder(folder: Path) -> DiTSource:
     return DiTSource(files, naming, "interleaved", config, "original partition folder")
 
 
-def _fp8_layers(files: tuple[Path, ...], supported: bool, rename=keymap.strip_prefix) -> dict:
+def _fp8_layers(files: tuple[Path, ...], supported: bool, rename=keymap.dit_name) -> dict:
     """The FP8 (and int8) layers of a ComfyUI fp8_scaled / int8 single file (native names, qkv stacked); FP8
     anywhere else, and any quantization other than these and NVFP4 (`rename` leaves NVFP4 layers out), is
     refused."""
@@ -236,7 +237,7 @@ def _fp8_layers(files: tuple[Path, ...], supported: bool, rename=keymap.strip_pr
 
 def _nvfp4_layers(files: tuple[Path, ...], supported: bool) -> dict:
     """The NVFP4 layers of a ComfyUI nvfp4 single file (native names, qkv stacked); refused anywhere else."""
-    layers = nvfp4.checkpoint_nvfp4_layers(files, keymap.strip_prefix)
+    layers = nvfp4.checkpoint_nvfp4_layers(files, keymap.dit_name)
     if layers and not supported:
         raise CheckpointError(f"{files[0]} holds NVFP4 weights; NVFP4 is read from ComfyUI-style single files "
                               "(release names) only.")
@@ -316,7 +317,7 @@ def _safetensors_shapes(source: DiTSource) -> tuple[dict[str, tuple[int, ...]], 
     packed = set(source.nvfp4_layers) | {layer for layer, entry in source.fp8_layers.items() if entry.packed}
     for path in source.files:
         with open_safetensors(path) as handle:
-            for key in handle.keys():
+            for key in filter(keymap.is_dit_key, handle.keys()):
                 name = native_name(key)
                 if source.naming == "diffusers":
                     name = keymap.diffusers_to_native_name(name)[0]
@@ -483,7 +484,7 @@ class DiTReader:
             if data:
                 return gguf_file.read_gguf(self.source.files[0])
             return ((name, entry.read_as(), self.source.files[0]) for name, entry in self.source.gguf_tensors.items())
-        return read_tensors(self.source.files) if data else read_headers(self.source.files)
+        return (read_tensors if data else read_headers)(self.source.files, only=keymap.is_dit_key)
 
     def _fill(self, items, device, on_tensor=None) -> None:
         """Assign the file's (key, tensor, file) `items` strictly, in our names, the release dtype policy

@@ -29,7 +29,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from . import geometry
+from . import geometry, keymap
 from .attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
 from .local_attention import check_setting as check_window_setting
 from .checkpoint import CheckpointError, infer_config, locate_dit, with_config
@@ -812,7 +812,7 @@ def _dit_config(path: str, partition: str):
 
 def _dit_info(path: str, partition: str) -> dict:
     source, config = _dit_config(path, partition)
-    sizes = _gguf_sizes(source.gguf_tensors) if source.is_gguf else _sizes(source.files)
+    sizes = _gguf_sizes(source.gguf_tensors) if source.is_gguf else _sizes(source.files, keymap.is_dit_key)
     return {"origin": source.origin, "naming": source.naming, "qkv_layout": source.qkv_layout, **sizes,
             "config": config.to_dict()}
 
@@ -841,23 +841,26 @@ def _text_encoder_info(path: str) -> dict:
 
 def _video_vae_info(path: str) -> dict:
     source = locate_video_vae(path)
-    return {"origin": source.origin, "naming": source.naming, **_sizes(source.files, source.prefix)}
+    return {"origin": source.origin, "naming": source.naming, **_sizes(source.files, _under(source.prefix))}
 
 
 def _audio_vae_info(path: str) -> dict:
     source = locate_audio_vae(path)
-    return {"origin": source.origin, **_sizes((source.file,), source.prefix)}
+    return {"origin": source.origin, **_sizes((source.file,), _under(source.prefix))}
 
 
-def _sizes(files, prefix: str = "") -> dict:
-    """Files, tensors and GiB by dtype (safetensors' spelling) of the tensors under `prefix`."""
+def _under(prefix: str):
+    return lambda key: key.startswith(prefix)
+
+
+def _sizes(files, only=None) -> dict:
+    """Files, tensors and GiB by dtype (safetensors' spelling) of the tensors `only(key)` takes (all: None)."""
     names = {dtype: name for name, dtype in HEADER_DTYPES.items()}
     count, bytes_by_dtype = 0, {}
-    for key, tensor, _ in read_headers(files):
-        if key.startswith(prefix):
-            name = names[tensor.dtype]
-            bytes_by_dtype[name] = bytes_by_dtype.get(name, 0) + tensor.numel() * tensor.element_size()
-            count += 1
+    for key, tensor, _ in read_headers(files, only):
+        name = names[tensor.dtype]
+        bytes_by_dtype[name] = bytes_by_dtype.get(name, 0) + tensor.numel() * tensor.element_size()
+        count += 1
     return {"files": len(files), "tensors": count,
             "gib_by_dtype": {k: round(v / 2**30, 3) for k, v in sorted(bytes_by_dtype.items())}}
 

@@ -36,6 +36,10 @@ DIFFUSERS_INFIXES = (
 )
 QKV_PART = re.compile(r"^(.*\.attn)\.to_([qkv])\.weight$")
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+# an all-in-one file's other models (ComfyUI's checkpoint save: `vae.`, `text_encoders.`; h3-model.md I.2):
+# no DiT key starts so
+VAE_PREFIXES = ("vae.", "video_vae.", "audio_vae.")
+OTHER_MODELS = (*VAE_PREFIXES, "text_encoders.")
 
 
 def strip_prefix(key: str) -> str:
@@ -43,6 +47,23 @@ def strip_prefix(key: str) -> str:
         if key.startswith(prefix):
             return key[len(prefix):]
     return key
+
+
+def bundled_models(keys) -> list[str]:
+    """Which models besides the DiT an all-in-one file's tensor names hold ('text_encoder', 'video_vae',
+    'audio_vae')."""
+    found = {"text_encoder": ("text_encoders.qwen3vl_32b.",), "video_vae": VAE_PREFIXES[:2],
+             "audio_vae": VAE_PREFIXES[2:]}
+    return [model for model, prefixes in found.items() if any(key.startswith(prefixes) for key in keys)]
+
+
+def dit_name(key: str) -> str | None:
+    """`strip_prefix` for a file that may hold other models too: None for their keys."""
+    return None if key.startswith(OTHER_MODELS) else strip_prefix(key)
+
+
+def is_dit_key(key: str) -> bool:
+    return not key.startswith(OTHER_MODELS)
 
 
 def diffusers_to_native_name(key: str) -> tuple[str, str | None]:

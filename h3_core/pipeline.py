@@ -43,6 +43,7 @@ from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, read_mode
 from .guides import GuideFile, GuideMedia, add_guide, check_guide, guide_frame_count, read_guide
 from .hub import fetch_release
+from .keymap import bundled_models
 from .lora import (
     VSA_STUDENT_CONTRACT, applied_contracts, apply_loras, check_loras, hooked_bytes, load_lora, run_mode,
     sampler_settings, task_warnings,
@@ -63,7 +64,7 @@ from .tiny_text import tiny_random_text_encoder
 from .vae_audio_checkpoint import check_audio_vae, load_audio_vae
 from .vae_video import decode_working_bytes
 from .vae_video_checkpoint import check_video_vae, load_video_vae
-from .weights import CheckpointError, check_safetensors_file
+from .weights import CheckpointError, check_safetensors_file, tensor_names
 
 
 class SamplingError(ValueError):
@@ -294,7 +295,7 @@ def resolve_model_source(model: str | None, partition: str, files: ModelFiles = 
     huggingface_hub (of the partition that serves the task, just the DiT if `dit` and the `parts` not in
     `files`). `files`: the other models' own paths, checked to exist. A single DiT file holds the DiT alone,
     so then the other `parts` the caller needs must be given (but the tokenizer: the release's is fetched
-    when none is); with no `model` at all, every one."""
+    when none is), unless it is an all-in-one file holding them; with no `model` at all, every one."""
     given = files.given()
     model = None if model is None else str(model)  # a Path is welcome; the source's name is a str
     if model is not None and not model.strip():  # Path("") is the current folder
@@ -307,13 +308,19 @@ def resolve_model_source(model: str | None, partition: str, files: ModelFiles = 
     for name, path in given.items():
         if not path.exists():
             raise CheckpointError(f"{FILE_OPTIONS[name]} {path} does not exist.")
-    path = None if model is None else Path(model).expanduser()
+    path, bundled = None if model is None else Path(model).expanduser(), []
     if path is not None and path.is_file() and path.suffix.lower() != ".gguf":
         check_safetensors_file(path, "DiT", " (or GGUF, .gguf)")  # a pickle is refused first, whatever else is missing
+        # an all-in-one file serves the models it holds that are not given on their own
+        bundled = bundled_models(tensor_names([path]))
+        files = dataclasses.replace(files, **{name: path for name in bundled if name not in given and name in parts})
+        given = files.given()
     if path is None or path.is_file():
         missing = [name for name in parts if name not in given and name != "tokenizer"]
         where = ("Without --model each model is given on its own" if path is None
-                 else f"--model {model} is a single DiT file: the other models are not in it")
+                 else f"--model {model} is a single DiT file: the other models are not in it" if not bundled
+                 else f"--model {model} is an all-in-one file holding the DiT and the "
+                      f"{' and the '.join(name.replace('_', ' ').replace('vae', 'VAE') for name in bundled)} alone")
         if missing:
             raise CheckpointError(
                 f"{where}. Give {', '.join(FILE_OPTIONS[name] for name in missing)} (ComfyUI: "

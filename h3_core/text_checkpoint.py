@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from . import fp8, gguf_file, nvfp4
+from . import fp8, gguf_file, keymap, nvfp4
 from .hub import release_patterns
 from .text_mmproj import VisionTowerFile, find_vision_tower
 from .weights import (
@@ -294,10 +294,10 @@ def _find(roots: list[Path], subfolder: str, markers: tuple[str, ...]) -> Path |
 
 def model_name(key: str, layers: int = TEXT_ENCODER_LAYER) -> str | None:
     """A checkpoint key -> the `Qwen3VLModel` parameter it fills, or None when H3 does not use it
-    (the LM head, the final norm, decoder layers >= `layers`). Unknown keys are returned as they
+    (the LM head, the final norm, decoder layers >= `layers`, an all-in-one file's other models). Unknown keys are returned as they
     are, so the strict loader names them."""
     key = _from_gguf_name(key)
-    if key is None:
+    if key is None or key.startswith(keymap.PREFIXES + keymap.VAE_PREFIXES):  # an all-in-one file's DiT and VAEs
         return None
     for prefix in KEY_PREFIXES:
         if key.startswith(prefix):

@@ -97,13 +97,11 @@ def _why_unreadable(path: Path, error: OSError) -> str:
     return str(error)
 
 
-def file_bytes(paths: Iterable[Path | str]) -> int:
-    """On-disk size of weight files (a folder counts its .safetensors): roughly what they take once loaded."""
-    total = 0
-    for path in map(Path, paths):
-        files = [path] if path.is_file() else list(path.rglob("*.safetensors")) if path.is_dir() else []
-        total += sum(f.stat().st_size for f in files)
-    return total
+def stored_bytes(files: Iterable[Path], prefix: str = "") -> int:
+    """The bytes the tensors under `prefix` take in these safetensors files (headers only): roughly what they
+    take once loaded, and only the model's own in an all-in-one file."""
+    return sum(tensor.numel() * tensor.element_size()
+               for _, tensor, _ in read_headers(files, lambda key: key.startswith(prefix)))
 
 
 def read_json(path: Path) -> dict:

@@ -19,7 +19,7 @@ from h3_core.parallel import ModelSpec
 from h3_core.placement import freed_on_failure
 from h3_core.pipeline import TINY_CANVAS
 from h3_core.references import RELEASE_CANVAS
-from h3_core.weights import file_bytes
+from h3_core.weights import stored_bytes
 from h3_core.text import ENCODING_FLOOR_BYTES, load_text_encoder, locate_text_encoder_files, text_encoder_bytes
 from h3_core.text_mmproj import MARKER as MMPROJ_MARKER
 from h3_core.text_mmproj import companions as mmproj_companions
@@ -61,8 +61,8 @@ from .memory import (
     text_encoder_streams,
 )
 
-FOLDER_TOOLTIP = ("Optional: a folder of the original release (its root or a partition folder such as FL2VA/). "
-                  "When set it is used instead of the file chosen above.")
+FOLDER_TOOLTIP = ("Optional: a folder of the original release (its root or a partition folder such as FL2VA/), or "
+                  "the path of an all-in-one file. When set it is used instead of the file chosen above.")
 
 
 class H3ModelLoader(io.ComfyNode):
@@ -336,9 +336,10 @@ class H3VAELoader(io.ComfyNode):
         for path, check in ((video_path, check_video_vae), (audio_path, check_audio_vae)):
             if path:
                 check(path)
-        files = ((locate_video_vae(video_path).files if video_path else ())
-                 + ((locate_audio_vae(audio_path).file,) if audio_path else ()))
-        make_room(file_bytes(files), target)
+        video_source = locate_video_vae(video_path) if video_path else None
+        audio_source = locate_audio_vae(audio_path) if audio_path else None
+        make_room((stored_bytes(video_source.files, video_source.prefix) if video_source else 0)
+                  + (stored_bytes((audio_source.file,), audio_source.prefix) if audio_source else 0), target)
         with freed_on_failure(target):
             if video_path:
                 video = load_video_vae(video_path, dtype=dtype, device=target)

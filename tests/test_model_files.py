@@ -3,6 +3,7 @@ weights laid out as a release root and as separate files give the same latents; 
 missing is refused, naming the options, before anything loads."""
 
 import re
+from pathlib import Path
 
 import huggingface_hub
 import pytest
@@ -20,6 +21,7 @@ from video_vae_checkpoints import write_original_partition as write_video_partit
 
 import tiny_qwen
 from h3_core import pipeline, text_checkpoint
+from h3_core.checkpoint import DiTReader
 from h3_core.cli import main
 from h3_core.config import TINY_DIT
 from h3_core.pipeline import ModelFiles, resolve_model_source
@@ -291,6 +293,66 @@ def test_info_names_every_model_a_path_holds(model_sets, capsys):
     assert list(info(model_sets["video_vae"])) == ["video_vae"]
     audio = info(model_sets["audio_vae"])
     assert list(audio) == ["audio_vae"] and audio["audio_vae"]["tensors"] > 0
+
+
+def _bundle(sets, path):
+    """An all-in-one file as ComfyUI's checkpoint save writes one: the DiT under `model.diffusion_model.`, the text
+    encoder under `text_encoders.qwen3vl_32b.transformer.`, the video VAE under `vae.`, plus the audio VAE under
+    `audio_vae.`: the same tiny weights as the separate files."""
+    from safetensors.torch import save_file
+    from video_vae_checkpoints import original_state_dict
+
+    video = {}
+    for shard in sorted(sets["video_vae"].glob("*.safetensors")):
+        video.update(load_file(str(shard)))
+    tensors = {**load_file(str(sets["dit"])), **load_file(str(sets["text_encoder"])),
+               **{"vae." + k: v.half() for k, v in original_state_dict(video, tiny_config(seed=1)).items()},
+               **{"audio_vae." + k: v for k, v in load_file(str(sets["audio_vae"])).items()}}
+    assert {key.split(".")[0] for key in tensors} == {"model", "text_encoders", "vae", "audio_vae"}
+    save_file(tensors, str(path))
+    return path
+
+
+def test_an_all_in_one_file_supplies_the_dit_text_encoder_and_audio_vae(model_sets, tmp_path, monkeypatch, capsys):
+    """A bundle given as --model serves the DiT, the text encoder and the audio VAE (the DiT was refused, naming a
+    text-encoder tensor as unexpected; the others had to be given), each reading its own part, and the run matches
+    the separate files'; `h3 info` finds all four models in it, the DiT's tensors counted without the others'."""
+    import json
+
+    monkeypatch.setattr(text_checkpoint, "QWEN3VL_32B_CONFIG", model_sets["text_config"])
+    bundle = str(_bundle(model_sets, tmp_path / "minimax_h3_fl2va_all_in_one.safetensors"))
+    argv = ["generate", *REQUEST, "--steps", "2", "--tokenizer", str(model_sets["tokenizer"]),
+            "--video-vae", str(model_sets["video_vae"])]
+    separate = ["--model", str(model_sets["dit"]), "--text-encoder", str(model_sets["text_encoder"]),
+                "--audio-vae", str(model_sets["audio_vae"])]
+    assert main(argv + separate + ["--save-latents", str(tmp_path / "a.safetensors")]) == 0
+    loaded = []
+    for name in ("load_text_encoder", "load_audio_vae"):
+        real = getattr(pipeline, name)
+        monkeypatch.setattr(pipeline, name, lambda path, *a, _real=real, **k: loaded.append(path) or _real(path, *a, **k))
+    assert main(argv + ["--model", bundle, "--save-latents", str(tmp_path / "b.safetensors")]) == 0
+    assert loaded == [Path(bundle)] * 2  # the bundle serves both, given as --model alone
+    a, b = load_file(str(tmp_path / "a.safetensors")), load_file(str(tmp_path / "b.safetensors"))
+    # the same weights, but read in place from other file offsets (alignment): CPU kernels may round otherwise
+    # (with the DiT's tensors copied to fresh memory the runs are bitwise equal)
+    for key in ("video", "audio"):
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5)
+    dits = [DiTReader(path, "fl2va", torch.float32).read().state_dict() for path in (model_sets["dit"], bundle)]
+    assert dits[0].keys() == dits[1].keys() and all(torch.equal(dits[0][k], dits[1][k]) for k in dits[0])
+    from safetensors.torch import save_file
+
+    without_audio = tmp_path / "no_audio.safetensors"
+    save_file({k: v for k, v in load_file(bundle).items() if not k.startswith("audio_vae.")}, str(without_audio))
+    with pytest.raises(CheckpointError, match=r"all-in-one file holding the DiT and the text encoder and the video "
+                                              r"VAE alone\. Give --audio-vae \(ComfyUI: one from models/vae\)"):
+        resolve_model_source(str(without_audio), "fl2va")
+    capsys.readouterr()
+    assert main(["info", bundle]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert list(info) == ["dit", "text_encoder", "video_vae", "audio_vae"]
+    assert info["dit"]["origin"] == "all-in-one file"
+    assert info["dit"]["tensors"] == len(load_file(str(model_sets["dit"])))
+    assert info["video_vae"]["tensors"] + info["audio_vae"]["tensors"] + info["dit"]["tensors"] < len(load_file(bundle))
 
 
 def _vsa_student_folder(tmp_path):

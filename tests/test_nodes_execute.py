@@ -589,10 +589,26 @@ def test_vae_loader_weight_dtype_follows_the_reference_policy(comfy, tmp_path):
         assert decoder_block.attn.to_qkv.weight.dtype == expected and decoder_block.ff.w1.weight.dtype == expected
         assert decoder_block.norm1.weight.dtype == torch.float32 == vae.video.encoder.conv_in.weight.dtype
         assert {p.dtype for p in vae.audio.parameters()} == {torch.float32}
-    # before reading them, the loader asked ComfyUI for room for both VAEs' files
-    on_disk = sum(f.stat().st_size for f in (tmp_path / "FL2VA").rglob("*.safetensors")
-                  if f.parent.parent.name in ("video_vae", "audio_vae") or f.parent.name == "audio_vae")
-    assert comfy.record.freed[0] == (on_disk, "cpu") and len(comfy.record.freed) == 2
+    # before reading them, the loader asked ComfyUI for room for both VAEs' tensors
+    from safetensors.torch import load_file
+
+    stored = sum(t.numel() * t.element_size() for f in (tmp_path / "FL2VA").rglob("*.safetensors")
+                 for t in load_file(str(f)).values())
+    assert comfy.record.freed[0] == (stored, "cpu") and len(comfy.record.freed) == 2
+
+
+def test_vae_loader_makes_room_for_an_all_in_one_files_vae_alone(comfy):
+    """An audio VAE chosen from an all-in-one file (a 60 GiB DiT beside it in the real thing): ComfyUI is asked
+    for the VAE's bytes, not the whole file's (it was asked to unload everything for a file it never reads)."""
+    from audio_vae_checkpoints import comfy_state_dict, reference_audio_vae, write_comfy_single_file
+
+    (comfy.tmp / "vae").mkdir()
+    model = reference_audio_vae(seed=3)
+    dit = {"model.diffusion_model.blocks.0.mlp.fc1.weight": torch.zeros(4096, 2048)}  # 32 MiB standing for the DiT
+    write_comfy_single_file(comfy.tmp / "vae" / "all_in_one.safetensors", model, "audio_vae.", dit)
+    comfy.loaders.H3VAELoader.execute("tiny-random", "all_in_one.safetensors", "")
+    own = sum(t.numel() * t.element_size() for t in comfy_state_dict(model).values())
+    assert comfy.record.freed == [(own, "cpu")] and own < 32 << 20
 
 
 def test_vae_loader_refuses_a_wrong_file_before_making_room_or_reading(comfy, tmp_path, monkeypatch):
