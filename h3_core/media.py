@@ -12,6 +12,7 @@ Request limits (clip lengths, counts) are not media facts; the conditioning code
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import av
@@ -152,14 +153,17 @@ def resample_audio(waveform: Any, sample_rate: int) -> np.ndarray:
 
     Input as `as_stereo_waveform` takes it. The rate conversion is FFmpeg's swresample through
     PyAV's AudioResampler, one pass over the whole waveform (pieces share the filter state, so there
-    are no seams). M = round(N * 32000 / sample_rate); a waveform already at 32 kHz is returned as is.
+    are no seams). M = ceil(N * 32000 / sample_rate) as the reference's torchaudio resample counts it (the
+    quotient in float32, then ceil), so a reference clip makes as many audio latents there as here; a
+    waveform already at 32 kHz is returned as is.
     """
     if not (isinstance(sample_rate, (int, np.integer)) and sample_rate > 0):
         raise ValueError(f"sample_rate must be a positive integer (Hz), got {sample_rate!r}.")
     stereo = as_stereo_waveform(waveform)
     if sample_rate == SAMPLE_RATE:
         return stereo
-    return _fit_length(_swresample(stereo, "stereo", sample_rate, SAMPLE_RATE), round(stereo.shape[1] * SAMPLE_RATE / sample_rate))
+    count = math.ceil(np.float32(stereo.shape[1] * SAMPLE_RATE / sample_rate))
+    return _fit_length(_swresample(stereo, "stereo", sample_rate, SAMPLE_RATE), count)
 
 
 def _swresample(waveform: np.ndarray, layout: str, rate: int, out_rate: int) -> np.ndarray:

@@ -9,6 +9,7 @@ agrees to that in test_vae_audio; observed equal here).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from fractions import Fraction
 
@@ -247,9 +248,29 @@ def test_audio_at_another_rate_is_cut_natively_then_resampled_once():
     clip = waveform(7.0, 2, seed=7, rate=44100)
     ours = prepare_audio(clip, 44100, 124)
     cut = int(124 / 24 * 44100)  # 227850 samples at 44.1 kHz
-    assert ours.shape == (2, round(cut * 32000 / 44100))
+    assert ours.shape == (2, math.ceil(cut * 32000 / 44100))
     tone = np.sin(2 * math.pi * 300 * np.arange(ours.shape[1]) / 32000)
     assert np.corrcoef(ours[0, 1000:-1000].numpy(), tone[1000:-1000])[0, 1] > 0.99
+
+
+@pytest.mark.parametrize("rate, count, expected", [
+    (44100, 111353, 80801), (44100, 100000, 72563), (22050, 55677, 80802), (48000, 100000, 66667),
+    (16000, 33333, 66666), (44100, 441, 320),
+    (44100, 400038, 290277),  # 290277.0068 exactly: its float32 is 290277.0, which torchaudio's ceil keeps
+])
+def test_a_resampled_waveform_is_as_long_as_the_references(rate, count, expected):
+    """The reference resamples with torchaudio, whose output is ceil(N * 32000 / rate) samples (its quotient in
+    float32); a rounded count (80800 for 111353 at 44.1 kHz) made one audio latent fewer for some reference
+    lengths (a 2.525 s clip: 101 against 102), so the whole sequence differed. The counts here are torchaudio's
+    (`torchaudio.functional.resample(torch.zeros(2, count), rate, 32000).shape[1]`, torchaudio 2.11)."""
+    from h3_core.media import resample_audio
+
+    assert resample_audio(np.zeros((2, count), np.float32), rate).shape == (2, expected)
+    reference = importlib.util.find_spec("torchaudio")
+    if reference is not None:  # where it is installed (ComfyUI's Python), asked as well
+        from torchaudio.functional import resample
+
+        assert resample(torch.zeros(2, count), rate, 32000).shape[1] == expected
 
 
 @pytest.mark.parametrize("rate, tolerance", [(44100, 3e-3), (48000, 3e-3), (16000, 2e-2), (22050, 2e-2)])
