@@ -84,3 +84,57 @@ def test_keyframe_canvas_is_the_engines():
     """The one case the JS leaves open (fl2va, auto) is the keyframe's shape under the same rules."""
     plan = validate(Request("fl2va", "x", first_image=Image.new("RGB", (300, 400))), RELEASE_CANVAS)
     assert (plan.width, plan.height) == RELEASE_CANVAS.canvas(300, 400)
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed: the JS is not run")
+def test_a_linked_value_is_said_to_come_from_its_link():
+    """A widget whose socket is linked (H3 VAE Encode's width and height into H3 Conditioning, as H3 Sampler's docs
+    suggest) keeps an old value the frontend does not send: the line showed the default 1344x768 for the clip's
+    canvas. Linked values reach resolveRequest as undefined; what they decide is said to come from the links."""
+    cases = {  # JSON has no undefined: a missing key is one
+        "linked size": dict(task="t2va", aspect_ratio="auto", duration=5.0),
+        "one side linked": dict(task="t2va", aspect_ratio="auto", width=1344, duration=5.0),
+        "linked ratio": dict(task="t2va", width=0, height=0, duration=5.0),
+        "linked task, auto": dict(aspect_ratio="auto", width=0, height=0, duration=5.0),
+        "linked task, named ratio": dict(aspect_ratio="1:1", width=0, height=0, duration=5.0),
+        "linked duration": dict(task="t2va", aspect_ratio="auto", width=0, height=0),
+        "size given, ratio linked": dict(task="t2va", width=256, height=128, duration=5.0),
+        "nothing linked": dict(task="t2va", aspect_ratio="auto", width=0, height=0, duration=5.0),
+    }
+    script = (f"import * as g from {json.dumps(JS.as_uri())};"
+              "const cases = JSON.parse((await import('node:fs')).readFileSync(0, 'utf8'));"
+              "console.log(JSON.stringify(Object.fromEntries(Object.entries(cases).map("
+              "([k, c]) => [k, g.describe(g.resolveRequest(c))]))));")
+    run = subprocess.run(["node", "--input-type=module", "-e", script], input=json.dumps(cases), capture_output=True,
+                         text=True, timeout=60, check=True)
+    assert json.loads(run.stdout) == {
+        "linked size": "canvas from the links, 124 frames = 5.167 s at 24 fps",
+        "one side linked": "canvas from the links, 124 frames = 5.167 s at 24 fps",
+        "linked ratio": "canvas from the links, 124 frames = 5.167 s at 24 fps",
+        "linked task, auto": "canvas from the links, 124 frames = 5.167 s at 24 fps",
+        "linked task, named ratio": "768x768, 124 frames = 5.167 s at 24 fps",
+        "linked duration": "1344x768, frame count from the linked duration",
+        "size given, ratio linked": "256x128, 124 frames = 5.167 s at 24 fps",
+        "nothing linked": "1344x768, 124 frames = 5.167 s at 24 fps",
+    }
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed: the JS is not run")
+def test_a_linked_widget_is_read_as_unknown():
+    """unlinkedValues (what web/h3_conditioning.js reads the node with) leaves a linked socket's widget out: its
+    value is stale. A socket named by its widget (the frontend's converted widgets) or by its own name counts."""
+    node = {"widgets": [{"name": n, "value": v} for n, v in (("task", "t2va"), ("aspect_ratio", "auto"), ("width", 1344),
+                                                           ("height", 768), ("duration", 5.0))],
+            "inputs": [{"name": "text_encoder", "link": 1}, {"name": "width", "widget": {"name": "width"}, "link": 7},
+                       {"name": "height", "widget": {"name": "height"}, "link": None}, {"name": "duration", "link": 9}]}
+    script = (f"import * as g from {json.dumps(JS.as_uri())};"
+              "const node = JSON.parse((await import('node:fs')).readFileSync(0, 'utf8'));"
+              "const v = g.unlinkedValues(node, ['task', 'aspect_ratio', 'width', 'height', 'duration']);"
+              "console.log(JSON.stringify([Object.keys(v).filter(k => v[k] === undefined), v,"
+              " g.describe(g.resolveRequest(v))]));")
+    run = subprocess.run(["node", "--input-type=module", "-e", script], input=json.dumps(node), capture_output=True,
+                         text=True, timeout=60, check=True)
+    unknown, values, line = json.loads(run.stdout)
+    assert unknown == ["width", "duration"] and values == {"task": "t2va", "aspect_ratio": "auto", "height": 768}
+    assert line == "canvas from the links, frame count from the linked duration"
+    assert "unlinkedValues(this, " in (JS.parent / "h3_conditioning.js").read_text()  # what the canvas line reads

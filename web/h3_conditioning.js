@@ -1,7 +1,7 @@
 // Shows, under H3 Conditioning, the canvas, frame count and real duration the request resolves to
 // (frames snap up to 17n + 5), recomputed from the widgets as the user edits them, before queueing.
 import { app } from "../../scripts/app.js";
-import { describe, resolveRequest, RELEASE_RULES, TINY_RULES } from "./h3_geometry.js";
+import { describe, resolveRequest, unlinkedValues, RELEASE_RULES, TINY_RULES } from "./h3_geometry.js";
 
 function widgetValue(node, name) {
   return node.widgets?.find((w) => w.name === name)?.value;
@@ -24,8 +24,7 @@ app.registerExtension({
     nodeType.prototype.onDrawForeground = function (ctx) {
       draw?.apply(this, arguments);
       if (this.flags?.collapsed) return;
-      const values = {};
-      for (const name of ["task", "aspect_ratio", "width", "height", "duration"]) values[name] = widgetValue(this, name);
+      const values = unlinkedValues(this, ["task", "aspect_ratio", "width", "height", "duration"]);
       const text = describe(resolveRequest(values, rulesFor(this)));
       ctx.save();
       ctx.font = "12px sans-serif";

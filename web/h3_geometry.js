@@ -46,14 +46,20 @@ export function canvasSize(aspectWidth, aspectHeight, rules = RELEASE_RULES) {
 }
 
 // {task, aspect_ratio, width, height, duration} -> {width, height, frames, seconds} or {error}; width and
-// height are null when the canvas follows a keyframe (fl2va with aspect_ratio auto).
+// height are null when the canvas follows a keyframe (fl2va with aspect_ratio auto). A value left undefined
+// comes from a link, known only when the graph runs: what it decides is said to be linked (`linked`:
+// "canvas" and/or "duration"), not computed from a widget the link overrides.
 export function resolveRequest(values, rules = RELEASE_RULES) {
   const { task, aspect_ratio: aspect, width, height, duration } = values;
-  if (!(duration >= MIN_SECONDS && duration <= MAX_SECONDS)) {
+  if (duration !== undefined && !(duration >= MIN_SECONDS && duration <= MAX_SECONDS)) {
     return { error: `duration must be ${MIN_SECONDS}-${MAX_SECONDS} s` };
   }
-  const frames = framesForDuration(duration);
-  const out = { frames, seconds: frames / FPS, width: null, height: null };
+  const frames = duration === undefined ? null : framesForDuration(duration);
+  const out = { frames, seconds: frames === null ? null : frames / FPS, width: null, height: null,
+                linked: frames === null ? ["duration"] : [] };
+  const canvasLinked = width === undefined || height === undefined
+    || (!width && !height && (aspect === undefined || (aspect === "auto" && task === undefined)));
+  if (canvasLinked) return { ...out, linked: ["canvas", ...out.linked] };
   if (width || height) {
     if (!(width > 0 && height > 0) || width % CANVAS_MULTIPLE || height % CANVAS_MULTIPLE) {
       return { error: `width and height must both be multiples of ${CANVAS_MULTIPLE} (or both 0)` };
@@ -71,8 +77,22 @@ export function resolveRequest(values, rules = RELEASE_RULES) {
   return { ...out, width: w, height: h };
 }
 
+// A node's widget values by name; a widget whose socket is linked keeps an old value the frontend no longer
+// sends, so its value is left undefined (known from the link only when the graph runs).
+export function unlinkedValues(node, names) {
+  const values = {};
+  for (const name of names) {
+    const linked = node.inputs?.some((i) => (i.widget?.name ?? i.name) === name && i.link != null);
+    values[name] = linked ? undefined : node.widgets?.find((w) => w.name === name)?.value;
+  }
+  return values;
+}
+
 export function describe(result) {
   if (result.error) return `H3: ${result.error}`;
-  const canvas = result.width ? `${result.width}x${result.height}` : "canvas from the keyframe";
+  const linked = result.linked ?? [];
+  const canvas = linked.includes("canvas") ? "canvas from the links"
+    : result.width ? `${result.width}x${result.height}` : "canvas from the keyframe";
+  if (linked.includes("duration")) return `${canvas}, frame count from the linked duration`;
   return `${canvas}, ${result.frames} frames = ${result.seconds.toFixed(3)} s at ${FPS} fps`;
 }
