@@ -94,7 +94,8 @@ class VideoClip:
     """A reference video on H3's clock.
 
     frames: uint8 [N, H, W, 3] RGB at 24 fps. audio: float32 [2, M] at 32 kHz covering the same span
-    (M = round(N * 32000 / 24), fewer samples only if the soundtrack ends early), or None when the
+    (M: the native samples of N / 24 s resampled, ceil(native * 32000 / rate), which may be one more than
+    N * 32000 / 24; fewer only if the soundtrack ends early), or None when the
     file has no soundtrack in that span. source_fps: the rate the frames were resampled from.
     """
 
@@ -401,19 +402,33 @@ def read_soundtrack(path: str | os.PathLike, start_seconds: float, seconds: floa
     """A video's sound over `seconds` (None: to its end) from `start_seconds` as float32 [2, M] at 32 kHz (as
     `read_audio`), or None when the file has no audio stream or no sound there: a video without sound is not an
     error."""
+    sound = native_soundtrack(path, start_seconds, seconds)
+    return None if sound is None else resample_audio(*sound)
+
+
+def native_soundtrack(path: str | os.PathLike, start_seconds: float,
+                      seconds: float | None) -> tuple[np.ndarray, int] | None:
+    """`read_soundtrack` before its resampling: (float32 [C, n], the file's own rate), or None. For a caller that
+    cuts the sound at that rate and then resamples it once, as the reference does a reference's."""
     with _open_media(Path(path)) as container:
         if not container.streams.audio:
             return None
         waveform, rate = _decode_audio_window(container, start_seconds, seconds)
-    return resample_audio(waveform, rate) if waveform.shape[1] else None
+    return (waveform, rate) if waveform.shape[1] else None
 
 
 def read_audio(path: str | os.PathLike, start_seconds: float = 0.0, max_seconds: float | None = None) -> np.ndarray:
     """The first audio stream of a file as float32 [2, M] at 32 kHz, from `start_seconds`.
 
-    At most `max_seconds` (None: to the end); M = round(native samples * 32000 / native rate). A
+    At most `max_seconds` (None: to the end); M = ceil(native samples * 32000 / native rate). A
     window that starts before the audio does (a late soundtrack) is led with silence to stay in sync.
     """
+    return resample_audio(*read_native_audio(path, start_seconds, max_seconds))
+
+
+def read_native_audio(path: str | os.PathLike, start_seconds: float = 0.0,
+                      max_seconds: float | None = None) -> tuple[np.ndarray, int]:
+    """`read_audio` before its resampling: (float32 [C, n] at the file's own rate, that rate)."""
     path = Path(path)
     _check_start(start_seconds)
     if max_seconds is not None and not (math.isfinite(max_seconds) and max_seconds > 0):
@@ -424,7 +439,7 @@ def read_audio(path: str | os.PathLike, start_seconds: float = 0.0, max_seconds:
         waveform, rate = _decode_audio_window(container, start_seconds, max_seconds)
     if waveform.shape[1] == 0:
         raise MediaError(f"{path} has no audio at or after {start_seconds} s.")
-    return resample_audio(waveform, rate)
+    return waveform, rate
 
 
 def _decode_audio_window(container, start_seconds: float, max_seconds: float | None) -> tuple[np.ndarray, int]:

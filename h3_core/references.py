@@ -500,10 +500,11 @@ def prepare_reference(
         if kind == "video":
             if _is_path(source):
                 # its soundtrack over the output's length, as a clip in memory (and the reference) gives it, even
-                # where it outlasts the picture
-                clip = media_read.read_video(_existing_file(source, what), start, max_frames=num_frames,
-                                             sound_seconds=num_frames / FPS)
-                frames, fps, audio, rate = clip.frames, float(FPS), clip.audio, SAMPLE_RATE
+                # where it outlasts the picture; at its own rate, cut there and resampled once, as the reference does
+                path = _existing_file(source, what)
+                frames = media_read.read_video(path, start, max_frames=num_frames, with_audio=False).frames
+                fps, sound = float(FPS), media_read.native_soundtrack(path, start, num_frames / FPS)
+                audio, rate = sound if sound is not None else (None, SAMPLE_RATE)
             else:
                 frames, fps = _checked_video(source, what)
                 audio, rate = _video_audio(source, what)
@@ -519,9 +520,8 @@ def prepare_reference(
                 audio=None if audio is None else prepare_audio(audio, rate, num_frames),
             )
         if kind == "audio":
-            if _is_path(source):
-                waveform = media_read.read_audio(_existing_file(source, what), start, num_frames / FPS)
-                rate = SAMPLE_RATE
+            if _is_path(source):  # at its own rate, cut there and resampled once, as the reference does
+                waveform, rate = media_read.read_native_audio(_existing_file(source, what), start, num_frames / FPS)
             else:
                 waveform, rate = _checked_audio(source, what)
                 waveform = waveform[:, round(start * rate) :]

@@ -111,7 +111,8 @@ def test_a_reference_videos_soundtrack_runs_as_long_as_the_output_from_a_file_as
     clip = read_video(path, with_audio=False)
     sound = np.zeros((2, 8 * RATE), np.float32)
     in_memory = prepare_reference(MediaReference("video", DecodedVideo(clip.frames, 24.0, sound, RATE)), 124)
-    assert from_file.audio.shape == in_memory.audio.shape == (2, int(124 / 24 * 32000))
+    # 248000 samples at 48 kHz (the output's 124 frames) resampled once: 165333.3, counted up as the reference's
+    assert from_file.audio.shape == in_memory.audio.shape == (2, 165334)
     assert np.array_equal(from_file.frames, in_memory.frames) and from_file.frames.shape[0] == 72
 
 
@@ -125,7 +126,8 @@ def test_a_variable_frame_rate_picture_is_placed_by_its_timestamps_and_stays_wit
     shown = [colour_index(frame) for frame in clip.frames]
     # slot k shows the frame stamped at or before it; the last lasts what the stream says (1/24 s here)
     assert shown == [*range(24), *(24 + k // 3 for k in range(70))]
-    assert clip.audio.shape[1] == 94 * 32000 // 24  # the sound of that span at 32 kHz, from the same start
+    # the sound of that span at 32 kHz, from the same start (125333.3 samples, counted up as the reference's resample)
+    assert clip.audio.shape[1] == 125334
 
 
 def test_a_relative_name_with_a_colon_is_a_file_not_a_protocol(tmp_path, monkeypatch):
