@@ -23,7 +23,7 @@ import os
 import re
 import secrets
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from typing import Any
 import av
 import numpy as np
 
+from .geometry import FRAMES_PER_CHUNK
 from .media import (
     FPS,
     SAMPLE_RATE,
@@ -378,14 +379,20 @@ def write_mp4(
     preset: str = DEFAULT_PRESET,
     encoder: str | None = None,
     metadata: Mapping[str, str] | None = None,
+    on_frames: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Write a whole clip at once: frames [N, H, W, 3] and audio [2, M] at 32 kHz (None = silence).
 
     The same rules as `Mp4Writer` (which this wraps): audio fit to N/24 s, file only on success.
-    Returns the path written.
+    `on_frames(done, N)` after each 17 frames encoded (a progress bar; raising there stops the write and
+    leaves no file). Returns the path written.
     """
+    total = len(frames)
     with Mp4Writer(path, crf=crf, preset=preset, encoder=encoder, metadata=metadata) as writer:
-        writer.write_video_frames(frames)
+        for start in range(0, max(total, 1), FRAMES_PER_CHUNK):
+            writer.write_video_frames(frames[start:start + FRAMES_PER_CHUNK])
+            if on_frames is not None:
+                on_frames(min(start + FRAMES_PER_CHUNK, total), total)
         if audio is not None:
             writer.write_audio(audio)
     return writer.path

@@ -221,7 +221,20 @@ def decode_options(tiling: str, devices: str) -> tuple[bool | None, list[torch.d
     """The decode inputs as h3_core takes them: (tiled, devices or None); a bad value is refused."""
     if tiling not in TILING:
         raise ValueError(f"tiling must be one of {', '.join(TILING)}, got {tiling!r}.")
-    return TILING[tiling], device_list(devices, "share the decode") or None
+    return TILING[tiling], device_list(devices, DECODE_DEVICES_PURPOSE) or None
+
+
+def devices_problem(devices) -> str | None:
+    """What a decode's *devices* text gets refused for, for validate_inputs (None: fine, or linked)."""
+    try:
+        if isinstance(devices, str):
+            device_list(devices, DECODE_DEVICES_PURPOSE)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+DECODE_DEVICES_PURPOSE = "share the decode"
 
 
 def device_list(text: str, purpose: str) -> list[torch.device]:

@@ -40,10 +40,10 @@ from h3_core.pipeline import TASK_PARTITION, largest_layout
 from h3_core.placement import freed_on_failure
 
 from .common import (
-    CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, LINK_HIDDEN, PrefixCheckedSave,
-    canvas_inputs, canvas_problem, check_interrupt, check_prefix, crf_input, decode_inputs, decode_options,
-    decode_progress, device, preview_settings, progress_bar, range_problem, refuse_empty_links, reserved_output,
-    saved_file_metadata, shift_inputs, step_preview,
+    CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, LINK_HIDDEN, canvas_inputs,
+    canvas_problem, check_interrupt, check_prefix, crf_input, decode_inputs, decode_options, decode_progress,
+    device, devices_problem, preview_settings, prefix_problem, progress_bar, range_problem, refuse_empty_links,
+    reserved_output, saved_file_metadata, shift_inputs, step_preview,
 )
 from .conditioning import (guide_media, guide_media_inputs, linked_media, reference_images_input, reference_input,
                            validate_guide_links)
@@ -90,7 +90,7 @@ class H3Continuation(io.ComfyNode):
                 io.Int.Input("steps", default=0, min=0, max=200,
                              tooltip="Sampling points per window; 0 = automatic: a Turbo adapter's count, else 50."),
                 *shift_inputs(),
-                *canvas_inputs("16:9"),
+                *canvas_inputs("16:9, or the canvas of a clip connected to continue_from or keep_video"),
                 io.String.Input("window_prompts", multiline=True, default="", optional=True,
                                 tooltip="Optional: one prompt per window, in window order (empty: the prompt in every "
                                         "window): one per line, or, for prompts of several lines, separated by lines "
@@ -278,7 +278,7 @@ class H3ContinuationGuide(io.ComfyNode):
         return io.NodeOutput((*(guides or ()), guide_media(frame_index, image, audio, video, room=longest)))
 
 
-class H3SaveMP4(PrefixCheckedSave):
+class H3SaveMP4(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
@@ -301,6 +301,11 @@ class H3SaveMP4(PrefixCheckedSave):
             hidden=SAVE_HIDDEN,
             is_output_node=True,
         )
+
+    @classmethod
+    def validate_inputs(cls, filename_prefix=None, devices=None) -> bool | str:
+        """The file name and the decode's devices, at queue time: before the long work above it runs."""
+        return prefix_problem(filename_prefix) or devices_problem(devices) or True
 
     @classmethod
     def execute(cls, vae, latent, filename_prefix, tiling="release", devices="", crf=DEFAULT_CRF) -> io.NodeOutput:

@@ -13,8 +13,8 @@ from h3_core.output import decode_audio, decode_video
 from h3_core.placement import freed_on_failure
 
 from .common import (
-    CATEGORY, SAVE_HIDDEN, H3VAE, H3Latent, crf_input, decode_inputs, decode_options, decode_progress,
-    check_prefix, prefix_problem, reserved_output, saved_file_metadata, wrong_link,
+    CATEGORY, SAVE_HIDDEN, H3VAE, H3Latent, crf_input, decode_inputs, decode_options, decode_progress, devices_problem,
+    check_prefix, prefix_problem, progress_and_interrupt, reserved_output, saved_file_metadata, wrong_link,
 )
 from .convert import (
     audio_to_stereo_32k,
@@ -50,6 +50,11 @@ class H3VAEDecode(io.ComfyNode):
                                         "H3 AV Save's audio."),
             ],
         )
+
+    @classmethod
+    def validate_inputs(cls, devices=None) -> bool | str:
+        """A devices list that cannot be used is refused at queue time, not after the sampling above it."""
+        return devices_problem(devices) or True
 
     @classmethod
     def execute(cls, vae, latent, tiling="release", devices="") -> io.NodeOutput:
@@ -112,8 +117,9 @@ class H3AVSave(io.ComfyNode):
         count, height, width = frames.shape[:3]
         folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(
             filename_prefix, folder_paths.get_output_directory(), width, height)
-        with reserved_output(folder, filename, counter) as reserved:
-            path = write_mp4(reserved, frames, waveform, crf=crf, metadata=saved_file_metadata(cls.hidden, count))
+        with reserved_output(folder, filename, counter) as reserved:  # a bar, and ComfyUI's interrupt, per 17 frames
+            path = write_mp4(reserved, frames, waveform, crf=crf, metadata=saved_file_metadata(cls.hidden, count),
+                             on_frames=progress_and_interrupt(count))
         file = path.name  # another where a program holds that name open (Windows)
         preview = ui.PreviewVideo([ui.SavedResult(file, subfolder, io.FolderType.output)])
         return io.NodeOutput(InputImpl.VideoFromFile(str(path)), ui=preview)

@@ -15,7 +15,7 @@ from h3_core.sampler import DualClockSchedule, custom_ladder
 
 from .common import (
     CATEGORY, H3Cond, H3Latent, H3Model, check_interrupt, chosen_file, files_fingerprint, preview_settings,
-    progress_bar, shift_inputs, step_preview,
+    progress_bar, range_problem, shift_inputs, step_preview, wrong_link,
 )
 from .convert import latent_size_problem, pack_latents, unpack_latents
 from .memory import dit_for_run, drop_loras, use_loras
@@ -26,6 +26,13 @@ SIGMAS_TOOLTIP = ("Optional {what} sigma ladder (core SIGMAS, e.g. from ManualSi
 
 
 KEEP_CHOICES = ("none", "video", "audio")
+REFINE_WITHOUT_LATENT = ("denoise < 1 (or sigmas starting below 1.0) refines a latent: connect one from an H3 "
+                         "sampler (an empty latent has nothing to refine), or set denoise to 1.0.")
+
+
+def keep_without_latent(keep: str) -> str:
+    return (f"keep = {keep} holds the {keep} of the connected latent: connect one with content (your clip through H3 "
+            "VAE Encode, or a sampled one); an empty latent has none.")
 
 
 def checked_sigmas(sigmas, what: str):
@@ -81,6 +88,28 @@ class H3Sampler(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, input_types=None, seed=None, denoise=None, outputs=None, keep=None) -> bool | str:
+        """A refinement or a kept part with no latent linked, and seeds past the generator's range, are known at
+        queue time: refused before the text encoder and the DiT run. Naming these inputs turns ComfyUI's own
+        checks of them (range, choices, link types) off: redone here (a linked value is known when it runs)."""
+        types = input_types if isinstance(input_types, dict) else {}
+        problem = wrong_link(cls, types) or range_problem(cls, seed=seed, denoise=denoise, outputs=outputs)
+        if problem:
+            return problem
+        if isinstance(keep, str) and keep not in KEEP_CHOICES:
+            return f"Value not in list: keep: '{keep}' not in {list(KEEP_CHOICES)}"
+        if "latent" not in types and isinstance(denoise, (int, float)) and denoise < 1.0:
+            return REFINE_WITHOUT_LATENT
+        if "latent" not in types and isinstance(keep, str) and keep != "none":
+            return keep_without_latent(keep)
+        if isinstance(seed, int) and isinstance(outputs, int):
+            try:
+                check_seeds(seed, outputs)
+            except ValueError as error:
+                return str(error)
+        return True
+
+    @classmethod
     def execute(cls, model, conditioning, seed, steps, video_shift, audio_shift, denoise=1.0, outputs=1, latent=None,
                 video_sigmas=None, audio_sigmas=None, keep="none") -> io.NodeOutput:
         wanted = TASK_PARTITION[conditioning.task]
@@ -100,12 +129,10 @@ class H3Sampler(io.ComfyNode):
             init = None if latent.get("empty") else unpack_latents(latent)
         starts_low = denoise < 1.0 or any(ladder and ladder[0] < 1.0 for ladder in (video_sigmas, audio_sigmas))
         if starts_low and init is None:
-            raise ValueError("denoise < 1 (or sigmas starting below 1.0) refines a latent: connect one from an H3 "
-                             "sampler (an empty latent has nothing to refine), or set denoise to 1.0.")
+            raise ValueError(REFINE_WITHOUT_LATENT)
         keep = None if keep == "none" else keep
         if keep is not None and init is None:
-            raise ValueError(f"keep = {keep} holds the {keep} of the connected latent: connect one with content (your "
-                             "clip through H3 VAE Encode, or a sampled one); an empty latent has none.")
+            raise ValueError(keep_without_latent(keep))
 
         dit = model.dit
         settings = model.sampler_settings(conditioning.task, steps or None, video_shift or None, audio_shift or None,

@@ -354,6 +354,21 @@ def test_bad_prompt_is_a_node_error_and_server_goes_on(server):
     status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
     assert status == 400 and "or a video, got neither" in json.dumps(body.get("node_errors", {}).get(save)), body
 
+    # the sampler's keep / denoise with no latent linked, and a decode's devices, are refused at queue time (they
+    # failed only after the text encoder had run, or the sampling); the ranges they turn off are checked again
+    graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
+    sampler, decode = _node(graph, "H3Sampler"), _node(graph, "H3VAEDecode")
+    graph[sampler]["inputs"].update(keep="video", outputs=1000)
+    graph[decode]["inputs"]["devices"] = "cuda0"
+    status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
+    errors = json.dumps(body.get("node_errors", {}))
+    assert status == 400 and "outputs: Value 1000 bigger than max of 64" in errors, body
+    assert "'cuda0' is not a list of device names" in errors, body
+    graph[sampler]["inputs"]["outputs"] = 1
+    status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
+    assert status == 400 and "keep = video holds the video of the connected latent" in json.dumps(
+        body.get("node_errors", {}).get(sampler)), body
+
     # a wrong link into a guide is named by it at queue time (asking for input_types, it checks them itself)
     graph = json.loads((PACK / "workflows" / "api" / "t2va_guides.json").read_text())
     guide = _node(graph, "H3AddGuide")

@@ -387,6 +387,25 @@ def test_interrupt_stops_and_frees(comfy):
     assert [value for value, _, _ in c.record.progress] == [1, 2]  # stopped right after the step it was asked
 
 
+def test_av_save_shows_its_encoding_and_stops_when_interrupted(comfy):
+    """H3 AV Save encodes a clip held in memory 17 frames at a time, moving ComfyUI's bar and checking its
+    interrupt after each (a 30 s clip took minutes with neither); interrupted, it leaves no file behind."""
+    c = comfy
+    images = torch.rand(40, 32, 48, 3)
+    c.record.progress.clear()
+    c.output.H3AVSave.execute(images, "H3/bar")
+    assert [(done, total) for done, total, _ in c.record.progress] == [(17, 40), (34, 40), (40, 40)]
+    output = Path(sys.modules["folder_paths"].get_output_directory())
+    written = sorted(p.name for p in output.rglob("*") if p.is_file())
+    c.record.progress.clear()
+    c.record.interrupt_after = 1
+    with pytest.raises(sys.modules["comfy.model_management"].InterruptProcessingException):
+        c.output.H3AVSave.execute(images, "H3/bar")
+    c.record.interrupt_after = None
+    assert [done for done, _, _ in c.record.progress] == [17]
+    assert sorted(p.name for p in output.rglob("*") if p.is_file()) == written  # no MP4, no placeholder, no part
+
+
 def test_interrupt_stops_a_forward_between_blocks(comfy, monkeypatch):
     """ComfyUI's interrupt is checked after every block: a forward of minutes (a large canvas) stops after the block
     running when it was asked, not at the end of the step; the model samples again afterwards."""
@@ -1284,6 +1303,31 @@ def test_av_save_wiring_is_checked_at_queue_time(comfy):
     assert check(input_types={"images": "*"}) is True
     assert check(input_types={"images": "COMFY_MATCHTYPE_V3"}) is True  # a core switch node's output
     assert check(input_types={"images": "IMAGE,MASK"}) is True  # a union that overlaps, as ComfyUI takes it
+
+
+def test_sampler_and_decode_settings_are_checked_at_queue_time(comfy):
+    """Known before anything runs, so refused then (they failed after the text encoder ran, or after sampling):
+    keep or denoise < 1 with no latent linked, seeds past the generator's range, a decode's devices. Naming them
+    turns ComfyUI's own range, choice and link checks off for them: redone."""
+    check = comfy.sampler.H3Sampler.validate_inputs
+    linked = {"model": "H3_MODEL", "conditioning": "H3_COND"}
+    fine = dict(seed=0, denoise=1.0, outputs=1, keep="none")
+    assert check(input_types=linked, **fine) is True
+    assert check(input_types={**linked, "latent": "H3_LATENT"}, **{**fine, "denoise": 0.5, "keep": "audio"}) is True
+    assert "refines a latent" in check(input_types=linked, **{**fine, "denoise": 0.5})
+    assert "keep = video holds the video of the connected latent" in check(input_types=linked, **{**fine, "keep": "video"})
+    assert "seed must be an integer from 0 to 18446744073709551615 (and seed + 3 for 4 outputs)" in check(
+        input_types=linked, **{**fine, "seed": 2**64 - 2, "outputs": 4})
+    assert "outputs: Value 65 bigger than max of 64" in check(input_types=linked, **{**fine, "outputs": 65})
+    assert "denoise: Value 0.0 smaller than min of 0.01" in check(input_types=linked, **{**fine, "denoise": 0.0})
+    assert "keep: 'both' not in" in check(input_types=linked, **{**fine, "keep": "both"})
+    assert "latent takes H3_LATENT, got LATENT" in check(input_types={**linked, "latent": "LATENT"}, **fine)
+    assert check(input_types=linked, seed=None, denoise=None, outputs=None, keep=None) is True  # linked values
+    streamed = importlib.import_module("nodes.long_video").H3SaveMP4.validate_inputs
+    for validate in (comfy.output.H3VAEDecode.validate_inputs, lambda **k: streamed(filename_prefix="H3/x", **k)):
+        assert validate(devices="") is True and validate(devices=None) is True
+        assert "'cuda0' is not a list of device names" in validate(devices="cuda0")
+        assert "cpu alone is one device" in validate(devices="cpu")
 
 
 def test_a_pasted_path_in_quotes_is_the_path(comfy, tmp_path):
