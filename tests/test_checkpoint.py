@@ -37,6 +37,20 @@ def assert_same_weights(model, expected):
         assert torch.equal(got[name], tensor), name
 
 
+@pytest.mark.parametrize("qkv_layout", ["interleaved", "stacked"])
+def test_the_written_original_layouts_are_what_diffusers_converts_back(reference, qkv_layout):
+    """The tests write the original and ComfyUI layouts with their own inverse of diffusers' names
+    (reference_checkpoints.original_state_dict); diffusers' single-file converter reads them back to the
+    reference's own state dict exactly, so what our loader is tested on is the layout diffusers knows."""
+    from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
+    from h3_core.config import TINY_DIT
+
+    state = reference.state_dict()
+    written = original_state_dict(state, TINY_DIT, qkv_layout=qkv_layout)
+    back = convert_minimax_h3_transformer_checkpoint_to_diffusers(written, dict(reference.config), qkv_layout=qkv_layout)
+    assert set(back) == set(state) and all(torch.equal(back[key], state[key]) for key in state)
+
+
 @pytest.mark.parametrize("where", ["root", "partition", "transformer"])
 def test_original_partition_layouts(tmp_path, reference, expected, tiny_config, where):
     folder = write_original_partition(tmp_path, reference.state_dict(), tiny_config)

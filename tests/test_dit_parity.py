@@ -14,6 +14,7 @@ from diffusers.modular_pipelines.minimax_h3.before_denoise import (
 from reference_checkpoints import reference_dit, write_diffusers_folder, write_original_partition
 
 from h3_core.checkpoint import convert_state_dict, load_dit
+from h3_core.config import TINY_DIT
 from h3_core.dit import FP32_MODULES, H3DiT
 
 FP32_TOLERANCE = 1e-5
@@ -82,6 +83,37 @@ def test_fp32_parity_diffusers_naming(tiny_config, anchors):
     for e, g in zip(expected, got, strict=True):
         assert e.shape == g.shape and g.dtype == torch.float32
         assert max_diff(e, g) <= FP32_TOLERANCE
+
+
+# The tiny config's attention is as wide as its residual stream (64); the release's is not (7168 against 5376),
+# and its rope covers 16 of 128 channels. Two shapes that keep them apart: odd widths and head counts, a rope
+# frequency count that is no power of two, one wide head, refiner depth 2.
+WIDE_HEADS = [
+    dict(num_attention_heads=3, attention_head_dim=32, hidden_size=80, num_layers=3, num_refiner_layers=1, ffn_dim=72,
+         text_dim=24, freq_dim=32, time_embed_hidden_dim=48, time_embed_dim=40, rope_freq_dim=5),
+    dict(num_attention_heads=1, attention_head_dim=128, hidden_size=96, num_layers=2, num_refiner_layers=2, ffn_dim=64,
+         text_dim=24, freq_dim=256, time_embed_hidden_dim=96, time_embed_dim=48, rope_freq_dim=16),
+]
+
+
+@pytest.mark.parametrize("shape", WIDE_HEADS, ids=["3x32 heads over 80", "one 128 head over 96"])
+@pytest.mark.parametrize("anchors", [(), ("first", "last")])
+def test_fp32_parity_attention_wider_or_narrower_than_the_stream(shape, anchors):
+    import dataclasses
+
+    config = dataclasses.replace(TINY_DIT, **shape)
+    reference = reference_dit(config, seed=4)
+    ours = H3DiT(config).eval()
+    ours.load_state_dict(convert_state_dict(reference.state_dict(), "diffusers", head_dim=config.attention_head_dim),
+                         strict=True)
+    inputs, n_cond = packed_inputs(config, anchors, batch=3, text_rows=11, frames=5, lh=6, lw=2, audio=9)
+    timesteps, indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
+        inputs["video_indices"], inputs["audio_indices"], n_cond, 0, 11, 0.123, 0.77, 0.999, 1.0)
+    with torch.no_grad():
+        expected = run_reference(reference, inputs, timesteps, indices)
+        got = run_ours(ours, inputs, timesteps, indices)
+    for e, g in zip(expected, got, strict=True):
+        assert e.shape == g.shape and max_diff(e, g) <= FP32_TOLERANCE
 
 
 def test_fp32_parity_many_timesteps_per_row(tiny_config):

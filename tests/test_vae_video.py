@@ -154,6 +154,28 @@ def test_decode_matches_reference(reference, ours, latent_frames, height, width,
     assert_close(decoded, expected)
 
 
+@pytest.mark.parametrize("tiles", [None, SMALL_TILES])
+def test_streamed_decode_gives_the_reference_decode_steps_frames(reference, ours, tiles):
+    """The whole last stage as the release's pipeline runs it (MiniMaxH3VideoDecodeStep: denormalize, decode,
+    frames to 8 bits): output.decode_video's uint8 frames, chunk by chunk, are its PIL frames exactly."""
+    import numpy as np
+    from diffusers.modular_pipelines.minimax_h3.decoders import MiniMaxH3VideoDecodeStep
+
+    from h3_core.output import decode_video
+
+    model = ours if not tiles else with_tiles(ours, **tiles)
+    reference_tiling(reference, tiles)
+    step = MiniMaxH3VideoDecodeStep().init_pipeline()
+    step.update_components(vae=reference)
+    latents = torch.randn(1, ours.config.latent_channels, 12, 5, 6, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = np.stack([np.asarray(image) for image in step(latents=latents, output_type="pil",
+                                                                 output="videos")[0]])
+    frames = torch.cat(list(decode_video(model, latents, tiled=tiles is not None))).numpy()
+    assert frames.shape == expected.shape == (39, 80, 96, 3)
+    assert np.array_equal(frames, expected)
+
+
 @pytest.mark.parametrize("frames", [1, 22])
 def test_condition_recipe_matches_reference(reference, ours, frames):
     """uint8 -> ImageNet space -> encode -> posterior sample under seed 42 -> fp16 round trip -> normalize."""
