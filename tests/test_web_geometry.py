@@ -138,3 +138,27 @@ def test_a_linked_widget_is_read_as_unknown():
     assert unknown == ["width", "duration"] and values == {"task": "t2va", "aspect_ratio": "auto", "height": 768}
     assert line == "canvas from the links, frame count from the linked duration"
     assert "unlinkedValues(this, " in (JS.parent / "h3_conditioning.js").read_text()  # what the canvas line reads
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed: the JS is not run")
+def test_the_text_encoder_loader_is_found_through_reroutes():
+    """The line's canvas rules come from the text encoder loader wired in (tiny-random's small canvas): through a
+    Reroute node the origin was the Reroute, so release sizes showed for a tiny-random graph."""
+    graph = {"nodes": {"1": {"type": "H3TextEncoderLoader", "inputs": []},
+                       "2": {"type": "Reroute", "inputs": [{"link": 10}]},
+                       "3": {"type": "Reroute", "inputs": [{"link": 11}]},
+                       "4": {"type": "Reroute", "inputs": [{"link": None}]}},
+             "links": {"10": {"origin_id": 1}, "11": {"origin_id": 2}, "12": {"origin_id": 3}, "13": {"origin_id": 4},
+                       "14": {"origin_id": 99}}}
+    script = (f"import * as g from {json.dumps(JS.as_uri())};"
+              "const raw = JSON.parse((await import('node:fs')).readFileSync(0, 'utf8'));"
+              "const graph = {links: raw.links, getNodeById: (id) => raw.nodes[id] ?? null};"
+              "const asMap = {links: new Map(Object.entries(raw.links).map(([k, v]) => [Number(k), v])),"
+              " getNodeById: graph.getNodeById};"
+              "console.log(JSON.stringify([10, 12, 13, 14, null].map(id => g.linkOrigin(graph, id)?.type ?? null)"
+              ".concat([g.linkOrigin(asMap, 12)?.type ?? null])));")
+    run = subprocess.run(["node", "--input-type=module", "-e", script], input=json.dumps(graph), capture_output=True,
+                         text=True, timeout=60, check=True)
+    assert json.loads(run.stdout) == ["H3TextEncoderLoader", "H3TextEncoderLoader", None, None, None,
+                                      "H3TextEncoderLoader"]
+    assert "linkOrigin(node.graph, input.link)" in (JS.parent / "h3_conditioning.js").read_text()

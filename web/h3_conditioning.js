@@ -1,7 +1,7 @@
 // Shows, under H3 Conditioning, the canvas, frame count and real duration the request resolves to
 // (frames snap up to 17n + 5), recomputed from the widgets as the user edits them, before queueing.
 import { app } from "../../scripts/app.js";
-import { describe, resolveRequest, unlinkedValues, RELEASE_RULES, TINY_RULES } from "./h3_geometry.js";
+import { describe, linkOrigin, resolveRequest, unlinkedValues, RELEASE_RULES, TINY_RULES } from "./h3_geometry.js";
 
 function widgetValue(node, name) {
   return node.widgets?.find((w) => w.name === name)?.value;
@@ -10,8 +10,7 @@ function widgetValue(node, name) {
 // tiny-random encodes on its small demo canvas; read the text encoder loader wired to this node.
 function rulesFor(node) {
   const input = node.inputs?.find((i) => i.name === "text_encoder");
-  const link = input?.link != null ? node.graph?.links?.[input.link] ?? node.graph?.links?.get?.(input.link) : null;
-  const loader = link ? node.graph.getNodeById(link.origin_id) : null;
+  const loader = input?.link != null ? linkOrigin(node.graph, input.link) : null;
   const tiny = loader && widgetValue(loader, "text_encoder") === "tiny-random" && !widgetValue(loader, "folder");
   return tiny ? TINY_RULES : RELEASE_RULES;
 }

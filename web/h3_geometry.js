@@ -77,6 +77,18 @@ export function resolveRequest(values, rules = RELEASE_RULES) {
   return { ...out, width: w, height: h };
 }
 
+// The node a link comes from, through Reroute nodes (each passes its one input on); null when it cannot be told
+// (a subgraph's input, say). `graph.links` is an object or a Map, as frontends keep it.
+export function linkOrigin(graph, linkId) {
+  for (let hops = 0; linkId != null && hops < 64; hops++) {
+    const link = graph?.links?.[linkId] ?? graph?.links?.get?.(linkId);
+    const origin = link ? graph.getNodeById(link.origin_id) : null;
+    if (!origin || origin.type !== "Reroute") return origin ?? null;
+    linkId = origin.inputs?.[0]?.link;
+  }
+  return null;
+}
+
 // A node's widget values by name; a widget whose socket is linked keeps an old value the frontend no longer
 // sends, so its value is left undefined (known from the link only when the graph runs).
 export function unlinkedValues(node, names) {
