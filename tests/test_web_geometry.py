@@ -56,19 +56,23 @@ def _python(case: dict) -> dict:
     return {"width": plan.width, "height": plan.height, "frames": plan.num_frames}
 
 
+def _run_js(body: str, payload):
+    """`body` run by node as a module after `import * as g from h3_geometry.js` and `const input = <payload>`
+    (JSON through stdin); what it prints is read back as JSON."""
+    script = (f"import * as g from {json.dumps(JS.as_uri())};"
+              "const input = JSON.parse((await import('node:fs')).readFileSync(0, 'utf8'));" + body)
+    run = subprocess.run(["node", "--input-type=module", "-e", script], input=json.dumps(payload), capture_output=True,
+                         text=True, timeout=60, check=True)
+    return json.loads(run.stdout)
+
+
 @pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed: the JS formulas are not run")
 def test_js_resolves_like_the_engine():
     cases = [dict(task="t2va", aspect_ratio=a, width=w, height=h, duration=d, rules=r)
              for a, (w, h), d, r in itertools.product(ASPECTS, SIZES, DURATIONS, RULES)]
     cases += [dict(task="fl2va", aspect_ratio="auto", width=0, height=0, duration=5.0, rules="release")]
-    script = (f"import * as g from {json.dumps(JS.as_uri())};"
-              "const cases = JSON.parse(require('fs').readFileSync(0, 'utf8'));"
-              "console.log(JSON.stringify(cases.map(c => g.resolveRequest(c, c.rules === 'tiny' ? g.TINY_RULES : "
-              "g.RELEASE_RULES))));")
-    script = script.replace("require('fs')", "(await import('node:fs'))")
-    run = subprocess.run(["node", "--input-type=module", "-e", script], input=json.dumps(cases), capture_output=True,
-                         text=True, timeout=60, check=True)
-    results = json.loads(run.stdout)
+    results = _run_js("console.log(JSON.stringify(input.map(c => g.resolveRequest(c, c.rules === 'tiny' ? "
+                      "g.TINY_RULES : g.RELEASE_RULES))));", cases)
     *grid, keyframe = results
     assert keyframe["width"] is None and keyframe["frames"] == 124  # fl2va auto: the keyframe decides
     for case, js in zip(cases, grid):
@@ -101,13 +105,9 @@ def test_a_linked_value_is_said_to_come_from_its_link():
         "size given, ratio linked": dict(task="t2va", width=256, height=128, duration=5.0),
         "nothing linked": dict(task="t2va", aspect_ratio="auto", width=0, height=0, duration=5.0),
     }
-    script = (f"import * as g from {json.dumps(JS.as_uri())};"
-              "const cases = JSON.parse((await import('node:fs')).readFileSync(0, 'utf8'));"
-              "console.log(JSON.stringify(Object.fromEntries(Object.entries(cases).map("
-              "([k, c]) => [k, g.describe(g.resolveRequest(c))]))));")
-    run = subprocess.run(["node", "--input-type=module", "-e", script], input=json.dumps(cases), capture_output=True,
-                         text=True, timeout=60, check=True)
-    assert json.loads(run.stdout) == {
+    described = _run_js("console.log(JSON.stringify(Object.fromEntries(Object.entries(input).map("
+                        "([k, c]) => [k, g.describe(g.resolveRequest(c))]))));", cases)
+    assert described == {
         "linked size": "canvas from the links, 124 frames = 5.167 s at 24 fps",
         "one side linked": "canvas from the links, 124 frames = 5.167 s at 24 fps",
         "linked ratio": "canvas from the links, 124 frames = 5.167 s at 24 fps",
@@ -127,14 +127,10 @@ def test_a_linked_widget_is_read_as_unknown():
                                                            ("height", 768), ("duration", 5.0))],
             "inputs": [{"name": "text_encoder", "link": 1}, {"name": "width", "widget": {"name": "width"}, "link": 7},
                        {"name": "height", "widget": {"name": "height"}, "link": None}, {"name": "duration", "link": 9}]}
-    script = (f"import * as g from {json.dumps(JS.as_uri())};"
-              "const node = JSON.parse((await import('node:fs')).readFileSync(0, 'utf8'));"
-              "const v = g.unlinkedValues(node, ['task', 'aspect_ratio', 'width', 'height', 'duration']);"
-              "console.log(JSON.stringify([Object.keys(v).filter(k => v[k] === undefined), v,"
-              " g.describe(g.resolveRequest(v))]));")
-    run = subprocess.run(["node", "--input-type=module", "-e", script], input=json.dumps(node), capture_output=True,
-                         text=True, timeout=60, check=True)
-    unknown, values, line = json.loads(run.stdout)
+    unknown, values, line = _run_js(
+        "const v = g.unlinkedValues(input, ['task', 'aspect_ratio', 'width', 'height', 'duration']);"
+        "console.log(JSON.stringify([Object.keys(v).filter(k => v[k] === undefined), v,"
+        " g.describe(g.resolveRequest(v))]));", node)
     assert unknown == ["width", "duration"] and values == {"task": "t2va", "aspect_ratio": "auto", "height": 768}
     assert line == "canvas from the links, frame count from the linked duration"
     assert "unlinkedValues(this, " in (JS.parent / "h3_conditioning.js").read_text()  # what the canvas line reads
@@ -150,15 +146,11 @@ def test_the_text_encoder_loader_is_found_through_reroutes():
                        "4": {"type": "Reroute", "inputs": [{"link": None}]}},
              "links": {"10": {"origin_id": 1}, "11": {"origin_id": 2}, "12": {"origin_id": 3}, "13": {"origin_id": 4},
                        "14": {"origin_id": 99}}}
-    script = (f"import * as g from {json.dumps(JS.as_uri())};"
-              "const raw = JSON.parse((await import('node:fs')).readFileSync(0, 'utf8'));"
-              "const graph = {links: raw.links, getNodeById: (id) => raw.nodes[id] ?? null};"
-              "const asMap = {links: new Map(Object.entries(raw.links).map(([k, v]) => [Number(k), v])),"
-              " getNodeById: graph.getNodeById};"
-              "console.log(JSON.stringify([10, 12, 13, 14, null].map(id => g.linkOrigin(graph, id)?.type ?? null)"
-              ".concat([g.linkOrigin(asMap, 12)?.type ?? null])));")
-    run = subprocess.run(["node", "--input-type=module", "-e", script], input=json.dumps(graph), capture_output=True,
-                         text=True, timeout=60, check=True)
-    assert json.loads(run.stdout) == ["H3TextEncoderLoader", "H3TextEncoderLoader", None, None, None,
+    found = _run_js("const graph = {links: input.links, getNodeById: (id) => input.nodes[id] ?? null};"
+                    "const asMap = {links: new Map(Object.entries(input.links).map(([k, v]) => [Number(k), v])),"
+                    " getNodeById: graph.getNodeById};"
+                    "console.log(JSON.stringify([10, 12, 13, 14, null].map(id => g.linkOrigin(graph, id)?.type ?? null)"
+                    ".concat([g.linkOrigin(asMap, 12)?.type ?? null])));", graph)
+    assert found == ["H3TextEncoderLoader", "H3TextEncoderLoader", None, None, None,
                                       "H3TextEncoderLoader"]
     assert "linkOrigin(node.graph, input.link)" in (JS.parent / "h3_conditioning.js").read_text()
