@@ -365,6 +365,8 @@ def test_bad_prompt_is_a_node_error_and_server_goes_on(server):
     assert status == 400 and "outputs: Value 1000 bigger than max of 64" in errors, body
     assert "'cuda0' is not a list of device names" in errors, body
     graph[sampler]["inputs"]["outputs"] = 1
+    graph[decode]["inputs"]["devices"] = ""
+    del graph[sampler]["inputs"]["latent"]  # nothing to keep the video of
     status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
     assert status == 400 and "keep = video holds the video of the connected latent" in json.dumps(
         body.get("node_errors", {}).get(sampler)), body
