@@ -293,9 +293,9 @@ def _find(roots: list[Path], subfolder: str, markers: tuple[str, ...]) -> Path |
 
 
 def model_name(key: str, layers: int = TEXT_ENCODER_LAYER) -> str | None:
-    """A checkpoint key -> the `Qwen3VLModel` parameter it fills, or None when H3 does not use it
-    (the LM head, the final norm, decoder layers >= `layers`, an all-in-one file's other models). Unknown keys are returned as they
-    are, so the strict loader names them."""
+    """A checkpoint key -> the `Qwen3VLModel` parameter it fills, or None when H3 does not use it (the LM
+    head, the final norm, decoder layers >= `layers`, an all-in-one file's other models). Unknown keys are
+    returned as they are, so the strict loader names them."""
     key = _from_gguf_name(key)
     if key is None or key.startswith(keymap.PREFIXES + keymap.VAE_PREFIXES):  # an all-in-one file's DiT and VAEs
         return None
