@@ -217,6 +217,9 @@ def decode_inputs() -> list:
     ]
 
 
+DECODE_DEVICES_PURPOSE = "share the decode"
+
+
 def decode_options(tiling: str, devices: str) -> tuple[bool | None, list[torch.device] | None]:
     """The decode inputs as h3_core takes them: (tiled, devices or None); a bad value is refused."""
     if tiling not in TILING:
@@ -232,9 +235,6 @@ def devices_problem(devices) -> str | None:
     except ValueError as error:
         return str(error)
     return None
-
-
-DECODE_DEVICES_PURPOSE = "share the decode"
 
 
 def device_list(text: str, purpose: str) -> list[torch.device]:
