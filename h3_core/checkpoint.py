@@ -171,7 +171,8 @@ def _single_file(path: Path) -> DiTSource:
     naming = _naming([key for key in keys if keymap.is_dit_key(key)], path)
     nvfp4_layers = _nvfp4_layers((path,), naming == "native")
     layers = _fp8_layers((path,), naming == "native", nvfp4.outside(nvfp4_layers, keymap.dit_name))
-    held = "NVFP4" if nvfp4_layers else "int4" if any(e.packed for e in layers.values()) else "FP8" if layers else None
+    held = ("NVFP4" if nvfp4_layers else "int4" if any(e.packed for e in layers.values())
+            else "int8" if any(e.dtype == torch.int8 for e in layers.values()) else "FP8" if layers else None)
     kind = "single file" if all(map(keymap.is_dit_key, keys)) else "all-in-one file"  # its other models unread
     return DiTSource((path,), naming, "stacked", None, f"{kind} ({held})" if held else kind, layers, nvfp4_layers)
 

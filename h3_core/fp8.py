@@ -454,6 +454,8 @@ def layer_formats(handle, keys: dict[str, str], path: Path, rename: Callable[[st
         if fmt in (INT8_FORMAT, INT4_FORMAT):
             rotated = fmt == INT4_FORMAT or conf.get("convrot", params.get("convrot", False))
             rotation = conf.get("convrot_groupsize", params.get("convrot_groupsize", 256)) if rotated else 0
+            if isinstance(rotation, str) and rotation.strip().isdecimal():  # ComfyUI takes it through int()
+                rotation = int(rotation)
             if rotated and not is_rotation_group(rotation):  # a group of 0 read as "not rotated" gave unrelated weights
                 raise CheckpointError(f"{path.name} rotates '{layer}' in groups of {rotation!r}; ConvRot groups "
                                       "are powers of 4.")
@@ -472,16 +474,9 @@ def layer_formats(handle, keys: dict[str, str], path: Path, rename: Callable[[st
 def quant_records(handle, keys: dict[str, str], path: Path,
                   rename: Callable[[str], str | None] = keymap.strip_prefix) -> dict[str, dict]:
     """Each quantized layer's record (our name -> its JSON, e.g. {"format": "float8_e4m3fn"}), from the
-    `X.comfy_quant` tensors among `keys` (ours -> the file's) and the `_quantization_metadata` file metadata."""
+    `X.comfy_quant` tensors among `keys` (ours -> the file's) and the `_quantization_metadata` file metadata;
+    where both name a layer the metadata's record is taken, as ComfyUI takes it (its files are made for it)."""
     named: dict[str, dict] = {}
-    metadata = handle.metadata() or {}
-    if "_quantization_metadata" in metadata:
-        try:
-            for layer, conf in json.loads(metadata["_quantization_metadata"]).get("layers", {}).items():
-                if (name := rename(layer)) is not None:
-                    named[name] = dict(conf)
-        except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
-            raise CheckpointError(f"{path.name} has unreadable '_quantization_metadata'.") from None
     for name, key in keys.items():
         if name.endswith(".comfy_quant"):
             try:
@@ -492,6 +487,14 @@ def quant_records(handle, keys: dict[str, str], path: Path,
                 raise CheckpointError(f"'{key}' in {path.name} is not a JSON quantization record (a uint8 tensor "
                                       "of a JSON object).")
             named[name[: -len(".comfy_quant")]] = conf
+    metadata = handle.metadata() or {}
+    if "_quantization_metadata" in metadata:
+        try:
+            for layer, conf in json.loads(metadata["_quantization_metadata"]).get("layers", {}).items():
+                if (name := rename(layer)) is not None:
+                    named[name] = dict(conf)
+        except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+            raise CheckpointError(f"{path.name} has unreadable '_quantization_metadata'.") from None
     return named
 
 

@@ -542,6 +542,41 @@ def test_an_int8_convrot_file_is_turned_back_and_dequantized_at_load(tmp_path):
     assert cosine(forward(kept)[0], forward(model)[0]) > 0.999
     # planned as a rotated int8 rebuild (12 bytes a weight against e4m3's 8), before the load and after
     assert fp8.held_format(kept) == "int8" == held_linears(with_config(locate_dit(path)), "checkpoint")
+    assert locate_dit(path).origin == "single file (int8)"  # it said FP8
+
+
+def _rewritten(path, records: dict, metadata: dict | None = None):
+    """The file at `path` again with these layers' comfy_quant records (our layer names) and file metadata."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as handle:
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+    for layer, record in records.items():
+        tensors[f"model.diffusion_model.{layer}.comfy_quant"] = torch.tensor(list(json.dumps(record).encode()),
+                                                                             dtype=torch.uint8)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def test_a_convrot_record_is_read_as_comfyui_reads_it(tmp_path):
+    """What ComfyUI takes, we take (its files are made for it): a group size written as a string ("16": ComfyUI
+    reads it through int()), and the file metadata's record where a layer's comfy_quant tensor says otherwise
+    (ComfyUI's metadata wins; here ours took the tensor's group 16 for weights rotated in groups of 64)."""
+    model = tiny_random_dit()
+    layer = "blocks.0.mlp.fc1"
+    path = tmp_path / "int8.safetensors"
+    meant16, _ = write_convrot(path, model, [layer], group=16)
+    _rewritten(path, {layer: {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": "16"}})
+    weight = load_dit(path, dtype=torch.float32, linears="dense").get_submodule(layer).weight
+    assert torch.allclose(weight.double(), meant16[layer], atol=1e-6)
+
+    meant64, _ = write_convrot(path, model, [layer], group=64)
+    right = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 64}
+    metadata = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": {
+        f"model.diffusion_model.{layer}": right}})}
+    _rewritten(path, {layer: {**right, "convrot_groupsize": 16}}, metadata)
+    assert locate_dit(path).fp8_layers[layer].rotation == 64
+    weight = load_dit(path, dtype=torch.float32, linears="dense").get_submodule(layer).weight
+    assert torch.allclose(weight.double(), meant64[layer], atol=1e-6)
 
 
 @CPU_SCALED
@@ -619,7 +654,7 @@ def test_memory_plan_counts_half_a_byte_per_int4_weight():
     ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 8}, "groups of 8; ConvRot groups are powers of 4"),
     # 0 was read as "not rotated": the weights came back unrelated
     ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 0}, "groups of 0; ConvRot groups are powers of 4"),
-    ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": "16"}, "groups of '16'"),
+    ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": "sixteen"}, "groups of 'sixteen'"),
     ([1, 2], "comfy_quant' in bad.safetensors is not a JSON quantization record"),
     (None, "comfy_quant' in bad.safetensors is not a JSON quantization record"),
 ])
