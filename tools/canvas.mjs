@@ -24,11 +24,12 @@ Models (Comfy-Org/MiniMax-H3, the files ComfyUI's own H3 templates use; the load
 **vae/** minimax_h3_video_vae_fp16 and minimax_h3_audio_vae_fp32; Turbo: **loras/**
 minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16. Other H3 files (bf16, fp8_scaled, NVFP4, GGUF) work too.
 Or pick *tiny-random* everywhere to try the graph without weights.`;
-// only for graphs that have the node it speaks of
+// only for graphs that have the node each speaks of
+const LORA_LINE = "\nWith tiny-random, bypass H3 LoRA / Turbo Apply: a real adapter does not fit the tiny model.";
 const CONDITIONING_LINE = "\nThe line under H3 Conditioning shows the canvas, frames and real duration before you queue.";
 
-function hasConditioning(api) {
-  return Object.values(api).some((node) => node.class_type === "H3Conditioning");
+function has(api, type) {
+  return Object.values(api).some((node) => node.class_type === type);
 }
 
 async function openApp(browser) {
@@ -58,7 +59,8 @@ async function build(browser) {
       memo.widgets[0].value = note;
       graph.add(memo);
       return graph.serialize();
-    }, { api, name: file, note: NOTE + (hasConditioning(api) ? CONDITIONING_LINE : "") });
+    }, { api, name: file, note: NOTE + (has(api, "H3LoRAApply") ? LORA_LINE : "")
+      + (has(api, "H3Conditioning") ? CONDITIONING_LINE : "") });
     fs.writeFileSync(path.join(out, file), JSON.stringify(canvas, null, 2) + "\n");
     console.log(`example_workflows/${file}: ${canvas.nodes.length} nodes, ${canvas.links.length} links`);
   }
