@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -117,7 +118,9 @@ def files_fingerprint(*paths) -> str:
     """Name, modification time and size of each weight file at `paths` (a folder: its weight and config files
     up to three levels down, as a release root holds them): a loader's `fingerprint_inputs`, so a file saved
     over under the same name (a new training epoch, a finished re-download) loads again instead of ComfyUI
-    handing on the model read from the old one. Empty for what is not there: execute says so."""
+    handing on the model read from the old one. Empty for what is not there: execute says so. A digest of
+    those stamps: ComfyUI keeps the value in the prompt our saved files embed, where the paths, names and sizes
+    would tell anyone holding the file what the server's folders hold."""
     stamps = []
     for path in map(Path, paths):
         try:
@@ -129,7 +132,7 @@ def files_fingerprint(*paths) -> str:
                 stamps.append(f"{file} {stat.st_mtime_ns} {stat.st_size}")
         except OSError:  # unreadable: execute says so
             continue
-    return "; ".join(stamps)
+    return hashlib.sha256("; ".join(stamps).encode()).hexdigest() if stamps else ""
 
 
 def chosen_file(kind: str, name, folder) -> str | None:
