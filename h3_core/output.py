@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from . import geometry
 from .conditioning import check_vaes
+from .continuation import MAX_CONTINUATION_SECONDS
 from .media_write import DEFAULT_CRF, Mp4Writer
 from .vae_audio import DECODE_WINDOW_LATENTS, AudioVAE, context_windows
 from .vae_video import VideoVAE, model_space_to_frames
@@ -48,6 +49,17 @@ class AVLatents:
             raise ValueError(f"Video latents must be [1, {video_channels}, L, h, w]; got {list(v.shape)}.")
         if (v.shape[2] - 2) % geometry.LATENTS_PER_CHUNK or v.shape[2] < 7:
             raise ValueError(f"Video latents need L = 5n + 2 >= 7 latent frames (from 17n + 5 frames); got L = {v.shape[2]}.")
+        # what H3 makes: no larger canvas, no longer clip (a small file of latents from elsewhere decodes to
+        # as many pixels as it says, and the decode would take the memory and the time for them)
+        try:
+            geometry.check_canvas(*self.canvas)
+        except ValueError as error:
+            raise ValueError(f"These latents decode to {self.canvas[0]}x{self.canvas[1]}, not an H3 canvas: {error}") \
+                from None
+        longest = geometry.frames_for_duration(MAX_CONTINUATION_SECONDS)
+        if self.num_frames > longest:
+            raise ValueError(f"These latents decode to {self.num_frames} frames; H3's longest clip is {longest} "
+                             f"({MAX_CONTINUATION_SECONDS:g} s).")
         if a.ndim != 3 or a.shape[0] != geometry.AUDIO_CHANNELS or a.shape[1] != audio_channels:
             raise ValueError(f"Audio latents must be [2, {audio_channels}, A] (one per stereo channel); got {list(a.shape)}.")
         expected = geometry.audio_latents(self.num_frames)

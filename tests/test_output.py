@@ -135,6 +135,20 @@ def test_wrong_latent_shapes_are_clear_errors(tmp_path, vaes, video, audio, mess
     assert not (tmp_path / "x.mp4").exists()
 
 
+def test_latents_larger_or_longer_than_h3_makes_are_refused_as_they_load(tmp_path):
+    """A 15 MB file of latents from elsewhere said 4800 px wide and took 18.5 GB to decode (the pack's canvas
+    limit is 4096 a side); one of more frames than H3's longest clip (300 s) is refused the same way."""
+    cases = [((1, 24, 7, 8, 300), 22, r"decode to 4800x128, not an H3 canvas: .*at most 4096"),
+             ((1, 24, 7, 8, 9), 22, r"decode to 144x128, not an H3 canvas: .*multiples of 32"),
+             ((1, 24, 2127, 2, 2), 7230, r"decode to 7230 frames; H3's longest clip is 7213 \(300 s\)")]
+    for video, frames, message in cases:
+        path = AVLatents(torch.zeros(video), torch.zeros(2, 32, geometry.audio_latents(frames))).save(tmp_path / "x.safetensors")
+        with pytest.raises(ValueError, match=message):
+            AVLatents.load(path).check()
+    longest = AVLatents(torch.zeros(1, 24, 2122, 2, 2), torch.zeros(2, 32, geometry.audio_latents(7213)))
+    assert longest.num_frames == 7213 and longest.check() is longest
+
+
 def test_non_finite_latents_are_refused(tmp_path, vaes):
     latents = random_latents(124)
     latents.video[0, 3, 5, 1, 1] = float("nan")
