@@ -9,6 +9,8 @@ blocks of at most 17 frames, so a long clip never holds all its frames in memory
 
 from __future__ import annotations
 
+import os
+import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,11 +76,20 @@ class AVLatents:
         return self
 
     def save(self, path: str | Path, metadata: dict[str, str] | None = None) -> Path:
+        """Written under a hidden name, then moved onto `path` whole: a failed write leaves no half file, and a
+        link at `path` is replaced, not followed."""
         path = Path(path)
         if path.suffix != ".safetensors":
             raise ValueError(f"Latents are saved as .safetensors; got {path.name}.")
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"video": self.video.contiguous().cpu(), "audio": self.audio.contiguous().cpu()}, str(path), metadata=metadata)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.part")
+        try:
+            save_file({"video": self.video.contiguous().cpu(), "audio": self.audio.contiguous().cpu()},
+                      str(temporary), metadata=metadata)
+            os.replace(temporary, path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
         return path
 
     @classmethod

@@ -14,7 +14,7 @@ from comfy_api.latest import io, ui
 from h3_core.output import AVLatents
 
 from .common import (CATEGORY, SAVE_HIDDEN, H3Latent, PrefixCheckedSave, check_prefix, files_fingerprint,
-                     saved_file_metadata)
+                     reserved_output, saved_file_metadata)
 from .convert import pack_latents, refuse_empty_latent, unpack_latents
 
 KEPT_FACTS = ("seed", "task", "steps")  # the facts of a sampled latent its file keeps (as text)
@@ -64,12 +64,13 @@ class H3SaveLatent(PrefixCheckedSave):
         width, height = latents.canvas
         folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(
             filename_prefix, folder_paths.get_output_directory(), width, height)
-        file = f"{filename}_{counter:05}_.safetensors"
         facts = {key: str(latent[key]) for key in KEPT_FACTS if latent.get(key) is not None}
         metadata = {"width": str(width), "height": str(height), "frames": str(latents.num_frames), **facts,
                     **saved_file_metadata(cls.hidden, latents.num_frames)}
-        latents.save(os.path.join(folder, file), metadata)
-        saved = ui.SavedResult(file, subfolder, io.FolderType.output)
+        # the name taken at once (another saver's file, or a link there, moves this one to the next counter)
+        with reserved_output(folder, filename, counter, ".safetensors") as reserved:
+            latents.save(reserved, metadata)
+        saved = ui.SavedResult(os.path.basename(reserved), subfolder, io.FolderType.output)
         return io.NodeOutput(latent, ui={"latents": [saved]})
 
 

@@ -259,7 +259,7 @@ def test_sampler_sigmas_denoise_and_latent_checks(comfy):
         c.latent.H3EmptyAVLatent.execute(256, 128, 50)
 
 
-def test_a_latent_saved_and_loaded_again_is_the_same_and_cli_files_load_too(comfy):
+def test_a_latent_saved_and_loaded_again_is_the_same_and_cli_files_load_too(comfy, monkeypatch):
     """H3 Save Latent writes what --save-latents writes; H3 Load Latent reads it (and h3's own files) from the
     input folder, gives the size it decodes to, and reads a file saved over again."""
     import shutil
@@ -281,6 +281,19 @@ def test_a_latent_saved_and_loaded_again_is_the_same_and_cli_files_load_too(comf
     assert {key: metadata[key] for key in ("width", "height", "frames", "seed", "task")} == {
         "width": "224", "height": "128", "frames": "107", "seed": "5", "task": "t2va"}
     assert '"class_type": "H3Sampler"' in metadata["prompt"]
+    # the name it picked, taken meanwhile by another saver's file or a link: left as it is, the next counter used
+    # (it was written over, or through the link)
+    monkeypatch.setattr(files.folder_paths, "get_save_image_path",
+                        lambda prefix, out, w, h: (str(c.tmp / "output" / "H3"), "race", 1, "H3", prefix))
+    theirs, target = c.tmp / "output" / "H3" / "race_00001_.safetensors", c.tmp / "elsewhere.txt"
+    theirs.write_bytes(b"another saver's latents")
+    target.write_text("not to be written through a link")
+    (c.tmp / "output" / "H3" / "race_00002_.safetensors").symlink_to(target)
+    (raced,) = files.H3SaveLatent.execute(sampled, "H3/race").ui["latents"]
+    assert raced.filename == "race_00003_.safetensors" and theirs.read_bytes() == b"another saver's latents"
+    assert target.read_text() == "not to be written through a link"
+    assert torch.equal(AVLatents.load(c.tmp / "output" / "H3" / raced.filename).video, sampled["video"])
+    assert not list((c.tmp / "output" / "H3").glob(".*.part"))
 
     (c.tmp / "input" / "mine").mkdir()
     shutil.copy(path, c.tmp / "input" / "mine" / "clip.safetensors")

@@ -135,6 +135,29 @@ def test_wrong_latent_shapes_are_clear_errors(tmp_path, vaes, video, audio, mess
     assert not (tmp_path / "x.mp4").exists()
 
 
+def test_latents_are_saved_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A write that fails partway (a full disk) left a half file under the final name, read later as damaged;
+    a link at the name was written through. Now the latents go to a hidden name and are moved into place."""
+    from h3_core import output
+
+    latents = random_latents(22, seed=5)
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("keep me")
+    (tmp_path / "linked.safetensors").symlink_to(target)
+    latents.save(tmp_path / "linked.safetensors")
+    assert target.read_text() == "keep me" and not (tmp_path / "linked.safetensors").is_symlink()
+    assert torch.equal(AVLatents.load(tmp_path / "linked.safetensors").video, latents.video)
+
+    def full_disk(tensors, path, metadata=None):
+        Path(path).write_bytes(b"half a file")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(output, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        latents.save(tmp_path / "full.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere.txt", "linked.safetensors"]
+
+
 def test_latents_larger_or_longer_than_h3_makes_are_refused_as_they_load(tmp_path):
     """A 15 MB file of latents from elsewhere said 4800 px wide and took 18.5 GB to decode (the pack's canvas
     limit is 4096 a side); one of more frames than H3's longest clip (300 s) is refused the same way."""
