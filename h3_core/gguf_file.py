@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -33,6 +34,11 @@ from .weights import CheckpointError, Item
 GGUF_SUFFIX = ".gguf"
 ORIGINAL_SHAPE_FIELD = "comfy.gguf.orig_shape."
 ARCHITECTURE_FIELD = "general.architecture"
+# the longest metadata array a file may hold: llama.cpp's reader makes Python objects of every element (a 2 MB
+# array took it 23 s and 1.4 GB), and an H3 file's longest is a tokenizer's vocabulary (Qwen's 151,936 tokens)
+MAX_METADATA_ARRAY = 1 << 20
+_FIXED_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
+_STRING, _ARRAY = 8, 9
 
 
 @dataclass(frozen=True)
@@ -105,8 +111,9 @@ def _parsed_header(path: str, size: int, modified: int) -> _Header:
     except ImportError:
         raise CheckpointError(f"Reading {Path(path).name} needs the 'gguf' package (pip install gguf).") from None
     try:
+        _check_metadata_arrays(Path(path))
         reader = gguf.GGUFReader(path)
-    except (ValueError, IndexError, OSError) as error:
+    except (ValueError, IndexError, OSError, struct.error) as error:
         raise CheckpointError(f"{path} is not a readable GGUF file ({error}).") from None
     tensors = tuple(_StoredTensor(tensor.name, getattr(tensor.tensor_type, "name", str(tensor.tensor_type)),
                                   tuple(int(size) for size in reversed(tensor.shape)),
@@ -116,6 +123,40 @@ def _parsed_header(path: str, size: int, modified: int) -> _Header:
     texts = {name: bytes(field.parts[field.data[-1]]).decode("utf-8", "replace")
              for name, field in reader.fields.items() if field.types == [gguf.GGUFValueType.STRING]}
     return _Header(tensors, texts)
+
+
+def _check_metadata_arrays(path: Path) -> None:
+    """Walk the header's key-value pairs (lengths only, skipping their values) and refuse an array longer than
+    MAX_METADATA_ARRAY before llama.cpp's reader spends minutes and gigabytes on it."""
+    with open(path, "rb") as file:
+        def unpack(fmt: str):
+            return struct.unpack("<" + fmt, file.read(struct.calcsize(fmt)))[0]
+
+        def skip(kind: int) -> None:
+            if kind == _STRING:
+                file.seek(unpack("Q"), 1)
+            elif kind == _ARRAY:
+                element, count = unpack("I"), unpack("Q")
+                if count > MAX_METADATA_ARRAY:
+                    raise CheckpointError(f"{path} holds a metadata array of {count:,} entries; an H3 model's "
+                                          f"longest is a tokenizer's vocabulary (at most {MAX_METADATA_ARRAY:,} "
+                                          "read): not a model file.")
+                if element in _FIXED_SIZES:
+                    file.seek(count * _FIXED_SIZES[element], 1)
+                else:
+                    for _ in range(count):
+                        skip(element)
+            elif kind in _FIXED_SIZES:
+                file.seek(_FIXED_SIZES[kind], 1)
+            else:
+                raise ValueError(f"unknown metadata value type {kind}")
+
+        if file.read(4) != b"GGUF" or unpack("I") < 2:  # the reader says what is wrong with these
+            return
+        unpack("Q")  # tensor count
+        for _ in range(unpack("Q")):
+            file.seek(unpack("Q"), 1)  # the key
+            skip(unpack("I"))
 
 
 def _check_layout(tensors: tuple[_StoredTensor, ...], alignment: int, path: Path) -> None:

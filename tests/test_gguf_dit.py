@@ -182,6 +182,38 @@ def test_broken_gguf_files_are_refused_before_reading(tmp_path):
             locate_dit(damaged)
 
 
+def test_a_gguf_file_with_an_endless_metadata_array_is_refused_before_llama_cpps_reader(tmp_path, monkeypatch):
+    """A 2 MB upload holding one metadata array of 2M bytes took llama.cpp's reader 23 s and 1.4 GB (Python
+    objects per element; 100 MB: minutes and tens of GB): its header is walked first and the file refused. A
+    text encoder's vocabulary (strings, and the tokens' types) still reads."""
+    import time
+
+    import gguf
+    import numpy as np
+
+    from h3_core import gguf_file
+
+    tensors = native_tensors(tiny_random_dit())
+    vocabulary = [f"token{i}" for i in range(2000)]
+    for name, count in (("endless.gguf", 2_000_000), ("vocab.gguf", 0)):
+        writer = gguf.GGUFWriter(str(tmp_path / name), arch="minimax_h3")
+        writer.add_array("tokenizer.ggml.tokens", vocabulary)
+        writer.add_array("tokenizer.ggml.token_type", [1] * len(vocabulary))
+        if count:
+            writer.add_array("general.padding", np.zeros(count, np.uint8).tolist())
+        for key, tensor in tensors.items():
+            writer.add_tensor(key, tensor.float().numpy())
+        writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a: pytest.fail("llama.cpp's reader was reached"))
+    started = time.perf_counter()
+    with pytest.raises(CheckpointError, match=r"endless.gguf holds a metadata array of 2,000,000 entries"):
+        locate_dit(tmp_path / "endless.gguf")
+    assert time.perf_counter() - started < 2
+    monkeypatch.undo()
+    gguf_file._parsed_header.cache_clear()
+    assert locate_dit(tmp_path / "vocab.gguf").gguf_tensors
+
+
 def retype(path, name, qtype):
     """Overwrite the GGML type of tensor `name` in a GGUF header: after the name come n_dims (u32), the dims
     (u64 each) and the type (u32)."""
