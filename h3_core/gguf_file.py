@@ -138,9 +138,9 @@ def _check_metadata_arrays(path: Path) -> None:
             elif kind == _ARRAY:
                 element, count = unpack("I"), unpack("Q")
                 if count > MAX_METADATA_ARRAY:
-                    raise CheckpointError(f"{path} holds a metadata array of {count:,} entries; an H3 model's "
-                                          f"longest is a tokenizer's vocabulary (at most {MAX_METADATA_ARRAY:,} "
-                                          "read): not a model file.")
+                    raise CheckpointError(f"{path} holds a metadata array of {count:,} entries, more than a model "
+                                          f"file's (at most {MAX_METADATA_ARRAY:,} are read; a tokenizer's "
+                                          "vocabulary, the longest, has about 152,000): not a model file.")
                 if element in _FIXED_SIZES:
                     file.seek(count * _FIXED_SIZES[element], 1)
                 else:
