@@ -192,11 +192,12 @@ def kept_latents(init: AVLatents | None, keep: str | None, want: tuple[int, ...]
 
 
 def _check_init_size(init: AVLatents, want: tuple[int, ...]) -> None:
+    if init.video.ndim == 5 and init.audio.ndim == 3:  # a latent of another size is said so before what else is wrong
+        have = (*init.video.shape[2:], init.audio.shape[2])
+        if have != want:
+            raise ValueError(f"The given latent has (frames, height, width, audio) latents {have}, but this "
+                             f"conditioning makes {want}; use a latent of the same size and duration.")
     init.check()
-    have = (*init.video.shape[2:], init.audio.shape[2])
-    if have != want:
-        raise ValueError(f"The given latent has (frames, height, width, audio) latents {have}, but this "
-                         f"conditioning makes {want}; use a latent of the same size and duration.")
 
 
 def start_rows(init: AVLatents, layout, schedule: DualClockSchedule, video_noise: torch.Tensor,
@@ -311,8 +312,10 @@ def resolve_model_source(model: str | None, partition: str, files: ModelFiles = 
     path, bundled = None if model is None else Path(model).expanduser(), []
     if path is not None and path.is_file() and path.suffix.lower() != ".gguf":
         check_safetensors_file(path, "DiT", " (or GGUF, .gguf)")  # a pickle is refused first, whatever else is missing
-        # an all-in-one file serves the models it holds that are not given on their own
-        bundled = bundled_models(tensor_names([path]))
+        # an all-in-one file serves the models it holds that are not given on their own (an unreadable one is
+        # said so by the DiT's loader, after what is missing)
+        with contextlib.suppress(CheckpointError):
+            bundled = bundled_models(tensor_names([path]))
         files = dataclasses.replace(files, **{name: path for name in bundled if name not in given and name in parts})
         given = files.given()
     if path is None or path.is_file():
