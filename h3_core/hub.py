@@ -17,7 +17,7 @@ log = logging.getLogger("h3")
 # their sizes in the release (GiB, h3-model.md I.1) for the line saying what is fetched
 RELEASE_FOLDERS = {"dit": ("transformer",), "text_encoder": ("text_encoder", "processor"),
                    "tokenizer": ("tokenizer", "processor"), "video_vae": ("video_vae",), "audio_vae": ("audio_vae",)}
-FOLDER_GIB = {"transformer": 61.7, "text_encoder": 62.1, "video_vae": 9.7, "audio_vae": 0.56}
+FOLDER_GIB = {"transformer": 61.7, "text_encoder": 62.1, "video_vae": 9.7, "audio_vae": 0.56, "tokenizer": 0.007}
 
 
 def release_folders(partition: str, parts: Sequence[str]) -> list[str]:
@@ -32,16 +32,17 @@ def release_patterns(partition: str, parts: Sequence[str]) -> list[str]:
 
 
 def fetch_release(repo: str, partition: str, parts: Sequence[str]) -> Path:
-    """The snapshot root holding `parts` of `repo`'s partition (and its model_index.json), from the Hugging
-    Face cache or downloaded into it. Failing to reach the Hub is the caller's to word; a repo laid out
-    otherwise (no such folders) is refused here, naming what is missing."""
+    """The snapshot root holding `parts` of `repo`'s partition (with the DiT, its model_index.json, which says
+    whose DiT it is), from the Hugging Face cache or downloaded into it. Failing to reach the Hub is the caller's
+    to word; a repo laid out otherwise (no such folders) is refused here, naming what is missing."""
     from huggingface_hub import snapshot_download
 
     folders = release_folders(partition, parts)
-    size = sum(FOLDER_GIB.get(folder.split("/")[1], 0.0) for folder in folders)
-    log.info("H3: fetching %s from %s (about %.0f GiB, cached after)", ", ".join(folders), repo, size)
-    index = f"{PARTITIONS[partition][0]}/model_index.json"
-    root = Path(snapshot_download(repo, allow_patterns=[index] + release_patterns(partition, parts)))
+    gib = sum(FOLDER_GIB.get(folder.split("/")[1], 0.0) for folder in folders)
+    size = f"{gib:.0f} GiB" if gib >= 1 else f"{gib * 1024:.0f} MiB"
+    log.info("H3: fetching %s from %s (about %s, cached after)", ", ".join(folders), repo, size)
+    index = [f"{PARTITIONS[partition][0]}/model_index.json"] if "dit" in parts else []
+    root = Path(snapshot_download(repo, allow_patterns=index + release_patterns(partition, parts)))
     missing = [folder for folder in folders if not (root / folder).is_dir()]
     if missing:
         raise CheckpointError(

@@ -111,6 +111,12 @@ def pick_aac_encoder() -> str:
     raise EncoderUnavailableError(f"No AAC encoder in this PyAV build (looked for {', '.join(AAC_ENCODERS)}).")
 
 
+def part_path(path: Path) -> Path:
+    """The hidden name a file is written under before it is moved onto `path` whole: this process's id in it, so
+    `remove_orphaned_parts` can tell a dead writer's leftovers."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.part")
+
+
 def remove_orphaned_parts(path: Path) -> list[Path]:
     """Remove the temporary files that writes of `path` by processes no longer running left behind (their
     process ids, in their names, checked on this machine); returns them."""
@@ -195,7 +201,7 @@ class Mp4Writer:
         if not self.path.parent.is_dir():
             raise FileNotFoundError(f"Cannot write {self.path}: the folder {self.path.parent} does not exist.")
         remove_orphaned_parts(self.path)
-        self._temp_path = self.path.with_name(f".{self.path.name}.{os.getpid()}-{secrets.token_hex(4)}.part")
+        self._temp_path = part_path(self.path)
         self._crf, self._preset, self._encoder_name = int(crf), preset, encoder
         self._metadata, self._audio_bitrate = metadata, audio_bitrate
         self._container = None

@@ -10,7 +10,6 @@ blocks of at most 17 frames, so a long clip never holds all its frames in memory
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from . import geometry
 from .conditioning import check_vaes
 from .continuation import MAX_CONTINUATION_SECONDS
-from .media_write import DEFAULT_CRF, Mp4Writer
+from .media_write import DEFAULT_CRF, Mp4Writer, part_path
 from .vae_audio import DECODE_WINDOW_LATENTS, AudioVAE, context_windows
 from .vae_video import VideoVAE, model_space_to_frames
 
@@ -82,7 +81,7 @@ class AVLatents:
         if path.suffix != ".safetensors":
             raise ValueError(f"Latents are saved as .safetensors; got {path.name}.")
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.part")
+        temporary = part_path(path)
         try:
             save_file({"video": self.video.contiguous().cpu(), "audio": self.audio.contiguous().cpu()},
                       str(temporary), metadata=metadata)

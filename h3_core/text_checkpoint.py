@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from . import fp8, gguf_file, keymap, nvfp4
-from .hub import release_patterns
+from .hub import fetch_release, release_patterns
 from .text_mmproj import VisionTowerFile, find_vision_tower
 from .weights import (
     PICKLE_SUFFIXES,
@@ -227,11 +227,8 @@ def release_tokenizer(repo: str = RELEASE_REPO) -> Path:
     """The release's `FL2VA/` holding only its tokenizer and processor folders (about 7 MiB), from the Hugging
     Face cache or fetched into it. A single text-encoder file carries neither, and the release's tokenizer
     has MiniMax's own tokens (`<d>` for dialogue) that a stock Qwen tokenizer splits into text."""
-    from huggingface_hub import snapshot_download
-
-    log.info("H3: fetching the release's tokenizer and processor from %s (about 7 MiB, cached after)", repo)
     try:
-        root = snapshot_download(repo, allow_patterns=list(RELEASE_TOKENIZER_FILES))
+        root = fetch_release(repo, "fl2va", ("tokenizer",))
     except (OSError, ValueError) as error:  # offline, gated, moved: say how to get them by hand
         raise CheckpointError(
             f"A single text-encoder file carries no tokenizer, and fetching the release's from {repo} failed "
@@ -239,7 +236,7 @@ def release_tokenizer(repo: str = RELEASE_REPO) -> Path:
             f"`hf download {repo} {' '.join('--include ' + repr(f) for f in RELEASE_TOKENIZER_FILES)} "
             "--local-dir DIR` and give DIR/FL2VA as the tokenizer (the H3 Text Encoder Loader's tokenizer_folder, "
             "`--tokenizer` for h3 generate, `tokenizer=` in Python).") from None
-    return Path(root) / "FL2VA"
+    return root / "FL2VA"
 
 
 def _weights_folder(path: Path) -> Path:
