@@ -92,25 +92,6 @@ def model_choices(kind: str, also: tuple[str, ...] = (), unless: str | None = No
     return [TINY_RANDOM] + sorted(names)
 
 
-def clean_path(text: str) -> str:
-    """A path typed or pasted into a text box: spaces around it and one pair of quotes around it dropped (Windows'
-    "Copy as path" adds them)."""
-    text = text.strip()
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
-        text = text[1:-1].strip()
-    return text
-
-
-def model_path(kind: str, name: str, folder: str):
-    """The path to load: a non-empty `folder` wins; else the chosen file of ComfyUI's `kind` folder."""
-    import folder_paths
-
-    folder = clean_path(folder or "")
-    if folder:
-        return folder
-    return folder_paths.get_full_path_or_raise(kind, name)
-
-
 WEIGHT_SUFFIXES = (*SAFETENSORS_SUFFIXES, ".gguf", ".json")
 
 
@@ -133,19 +114,6 @@ def files_fingerprint(*paths) -> str:
         except OSError:  # unreadable: execute says so
             continue
     return hashlib.sha256("; ".join(stamps).encode()).hexdigest() if stamps else ""
-
-
-def chosen_file(kind: str, name, folder) -> str | None:
-    """`model_path` for a loader's `fingerprint_inputs`: None for tiny-random, a linked input (None there) or a
-    name ComfyUI cannot find (execute says so)."""
-    from h3_core.tiny import TINY_RANDOM
-
-    if not isinstance(name, str) or not isinstance(folder, str) or (name == TINY_RANDOM and not clean_path(folder)):
-        return None
-    try:
-        return model_path(kind, name, folder)
-    except (OSError, KeyError):  # not found, or no such model folder
-        return None
 
 
 def preview_settings():

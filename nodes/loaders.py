@@ -40,13 +40,10 @@ from .common import (
     H3VAE,
     H3Model,
     H3TextEncoder,
-    chosen_file,
-    clean_path,
     device,
     device_list,
     files_fingerprint,
     model_choices,
-    model_path,
 )
 from .convert import DiTRunSettings, ModelHandle, TextEncoderHandle, VAEHandle
 from .host_memory import warn_unless_room
@@ -60,9 +57,12 @@ from .memory import (
     text_encoder_offload_device,
     text_encoder_streams,
 )
+from .model_folders import chosen_file, clean_path, folder_problem, model_path, typed_path
 
 FOLDER_TOOLTIP = ("Optional: a folder of the original release (its root or a partition folder such as FL2VA/), or "
-                  "the path of an all-in-one file. When set it is used instead of the file chosen above.")
+                  "the path of an all-in-one file. When set it is used instead of the file chosen above. It must lie "
+                  "in ComfyUI's model folders (a relative path is looked for there) unless ComfyUI was started with "
+                  "H3_ALLOW_ANY_FOLDER=1.")
 
 
 class H3ModelLoader(io.ComfyNode):
@@ -134,6 +134,11 @@ class H3ModelLoader(io.ComfyNode):
                                     tooltip="The H3 DiT of the chosen partition: connect to H3 Dual-Clock Sampler, "
                                             "H3 Continuation, or H3 LoRA / Turbo Apply first.")],
         )
+
+    @classmethod
+    def validate_inputs(cls, folder=None) -> bool | str:
+        """A folder outside ComfyUI's model folders is refused at queue time."""
+        return folder_problem(folder, "diffusion_models") or True
 
     @classmethod
     def fingerprint_inputs(cls, checkpoint=None, folder="", **_) -> str:
@@ -226,7 +231,8 @@ class H3TextEncoderLoader(io.ComfyNode):
                 io.String.Input("tokenizer_folder", default="",
                                 tooltip="For a single file, which carries none: the release's FL2VA/tokenizer folder "
                                         "(or FL2VA/). Empty: the release's, fetched once from the Hugging Face Hub "
-                                        "(MiniMaxAI/MiniMax-H3, about 7 MiB) into its cache."),
+                                        "(MiniMaxAI/MiniMax-H3, about 7 MiB) into its cache. Like folder, it must lie in "
+                                        "ComfyUI's model folders."),
                 io.Combo.Input("weight_dtype", options=["bf16", "fp16", "fp32"], default="bf16",
                                tooltip="dtype the encoder runs in."),
                 io.Float.Input("gpu_memory_gb", default=0.0, min=0.0, max=4096.0, step=0.5, optional=True,
@@ -243,6 +249,11 @@ class H3TextEncoderLoader(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, folder=None, tokenizer_folder=None) -> bool | str:
+        """A folder outside ComfyUI's model folders is refused at queue time."""
+        return folder_problem(folder, "text_encoders") or folder_problem(tokenizer_folder, "text_encoders") or True
+
+    @classmethod
     def fingerprint_inputs(cls, text_encoder=None, folder="", tokenizer_folder="", weight_dtype="bf16",
                            gpu_memory_gb=0.0) -> str:
         """The chosen file (or folder) as it is on disk now, a GGUF encoder's vision tower (whichever mmproj
@@ -254,7 +265,7 @@ class H3TextEncoderLoader(io.ComfyNode):
             return ""
         try:
             gguf = Path(path).is_file() and Path(path).suffix.lower() == GGUF_SUFFIX
-            typed = clean_path(tokenizer_folder) if isinstance(tokenizer_folder, str) else ""
+            typed = typed_path(tokenizer_folder, "text_encoders") if isinstance(tokenizer_folder, str) else ""
             tokenizer = [typed] if typed else []
             return files_fingerprint(path, *(mmproj_companions(Path(path)) if gguf else ()), *tokenizer)
         except (OSError, ValueError):  # unreadable: execute says so
@@ -273,7 +284,7 @@ class H3TextEncoderLoader(io.ComfyNode):
                 encoder.to(target)
         else:
             path = model_path("text_encoders", text_encoder, folder)
-            tokenizer = clean_path(tokenizer_folder) or None
+            tokenizer = typed_path(tokenizer_folder, "text_encoders") or None
             # a missing tokenizer is refused before room is made (a single file's, if none is given, is fetched)
             found = locate_text_encoder_files(path, tokenizer)
             dtype = DTYPES[weight_dtype]
@@ -319,6 +330,11 @@ class H3VAELoader(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, folder=None) -> bool | str:
+        """A folder outside ComfyUI's model folders is refused at queue time."""
+        return folder_problem(folder, "vae") or True
+
+    @classmethod
     def fingerprint_inputs(cls, video_vae=None, audio_vae=None, folder="", **_) -> str:
         """The chosen files (or folder) as they are on disk now: saved over, they load again."""
         paths = [chosen_file("vae", name, folder) for name in (video_vae, audio_vae)]
@@ -327,7 +343,7 @@ class H3VAELoader(io.ComfyNode):
     @classmethod
     def execute(cls, video_vae, audio_vae, folder, weight_dtype="bf16") -> io.NodeOutput:
         target = device()
-        folder = clean_path(folder)
+        folder = typed_path(folder, "vae")
         dtype = DTYPES[weight_dtype]
         video_path = folder or (None if video_vae == TINY_RANDOM else model_path("vae", video_vae, ""))
         audio_path = folder or (None if audio_vae == TINY_RANDOM else model_path("vae", audio_vae, ""))

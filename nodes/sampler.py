@@ -14,11 +14,12 @@ from h3_core.placement import freed_on_failure
 from h3_core.sampler import DualClockSchedule, custom_ladder
 
 from .common import (
-    CATEGORY, H3Cond, H3Latent, H3Model, check_interrupt, chosen_file, files_fingerprint, preview_settings,
+    CATEGORY, H3Cond, H3Latent, H3Model, check_interrupt, files_fingerprint, preview_settings,
     progress_bar, range_problem, shift_inputs, step_preview, wrong_link,
 )
 from .convert import latent_size_problem, pack_latents, unpack_latents
 from .memory import dit_for_run, drop_loras, use_loras
+from .model_folders import chosen_file
 
 SIGMAS_TOOLTIP = ("Optional {what} sigma ladder (core SIGMAS, e.g. from ManualSigmas): strictly decreasing, at most "
                   "1.0, ending at 0.0; used as given. Overrides steps and the {what} shift; when only one ladder is "

@@ -276,6 +276,7 @@ def install(tmp_path: Path, loras: list[str] = (), previews: bool = True) -> Rec
     folders = {"loras": loras_dir}
     folder_paths.get_filename_list = lambda kind: sorted(os.listdir(folders[kind])) if kind in folders else []
     folder_paths.get_folder_paths = lambda kind: [str(folders.get(kind, tmp_path / kind))]
+    folder_paths.models_dir = str(tmp_path)  # the kinds' folders lie in it, as in ComfyUI's models/
 
     def recursive_search(folder, excluded_dir_names=None):
         found = [str(p.relative_to(folder)) for p in Path(folder).rglob("*") if p.is_file()]

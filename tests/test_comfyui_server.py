@@ -149,7 +149,8 @@ def server():
          "--disable-api-nodes", "--extra-model-paths-config", str(config), "--output-directory", str(work / "output"),
          "--input-directory", str(work / "input"),
          "--disable-all-custom-nodes", "--whitelist-custom-nodes", "comfyui-h3", "--preview-method", "auto"],
-        cwd=root, stdout=log, stderr=subprocess.STDOUT)
+        cwd=root, stdout=log, stderr=subprocess.STDOUT,
+        env={name: value for name, value in os.environ.items() if name != "H3_ALLOW_ANY_FOLDER"})  # fenced loaders
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
@@ -518,6 +519,26 @@ def test_a_gguf_file_is_offered_and_makes_a_clip(server):
     assert history["status"]["status_str"] == "success", json.dumps(history["status"]["messages"])[-4000:]
     assert len(_mp4s(history)) == 1
     assert f"{FOUR_BLOCKS_GGUF}): reading its weights" in _log(work), _log(work)[-4000:]
+
+
+def test_a_typed_folder_is_fenced_into_the_model_folders(server):
+    """The Model Loader's folder box: a path outside ComfyUI's model folders is a node error at queue time; a
+    file named relative to them (here a folder extra_model_paths.yaml adds) makes the clip."""
+    from test_nodes_memory import FOUR_BLOCKS
+
+    base, work = server
+    graph = json.loads((PACK / "workflows" / "api" / "t2va.json").read_text())
+    loader = _node(graph, "H3ModelLoader")
+    graph[loader]["inputs"]["folder"] = str(work)  # the server's scratch folder: outside models/
+    status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
+    errors = json.dumps(body.get("node_errors", {}).get(loader))
+    assert status == 400 and "is outside ComfyUI's model folders" in errors, body
+    graph[loader]["inputs"]["folder"] = FOUR_BLOCKS
+    before = len(_log(work))
+    history = _wait(base, _queue(base, graph, "x"))
+    assert history["status"]["status_str"] == "success", json.dumps(history["status"]["messages"])[-4000:]
+    this_run = _log(work)[before:]
+    assert f"H3 DiT (fl2va, {FOUR_BLOCKS})" in this_run and "tiny-random" not in this_run, this_run
 
 
 def test_a_small_text_encoder_budget_streams_its_layers_and_free_unloads_them(server):

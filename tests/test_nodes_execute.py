@@ -1348,12 +1348,69 @@ def test_sampler_and_decode_settings_are_checked_at_queue_time(comfy):
         assert "cpu alone is one device" in validate(devices="cpu")
 
 
+def _tiny_vaes(root: Path) -> Path:
+    """A release's two tiny VAEs under root/FL2VA."""
+    from audio_vae_checkpoints import reference_audio_vae
+    from audio_vae_checkpoints import write_original_partition as write_audio
+    from video_vae_checkpoints import reference_video_vae, tiny_config
+    from video_vae_checkpoints import write_original_partition as write_video
+
+    config = tiny_config(seed=1)
+    write_video(root, reference_video_vae(config, seed=2).state_dict(), config)
+    write_audio(root, reference_audio_vae(seed=3))
+    return root / "FL2VA"
+
+
+def test_a_typed_folder_outside_the_model_folders_is_refused(comfy, tmp_path_factory, monkeypatch):
+    """ComfyUI queues what any client sends: a folder box naming a path outside ComfyUI's model folders (or
+    '..' out of them) is refused at queue time and at run time, before anything there is read, unless ComfyUI
+    runs with H3_ALLOW_ANY_FOLDER=1. The loaders read any path before."""
+    monkeypatch.delenv("H3_ALLOW_ANY_FOLDER", raising=False)
+    outside = _tiny_vaes(tmp_path_factory.mktemp("elsewhere"))
+    escaping = str(comfy.tmp / "vae" / ".." / ".." / outside.parent.name / "FL2VA")
+    loaders = comfy.loaders
+    for folder in (str(outside), escaping):
+        for problem in (loaders.H3ModelLoader.validate_inputs(folder=folder),
+                        loaders.H3VAELoader.validate_inputs(folder=folder),
+                        loaders.H3TextEncoderLoader.validate_inputs(folder=folder),
+                        loaders.H3TextEncoderLoader.validate_inputs(folder="", tokenizer_folder=folder)):
+            assert "is outside ComfyUI's model folders" in problem and "H3_ALLOW_ANY_FOLDER=1" in problem, problem
+        with pytest.raises(ValueError, match="is outside ComfyUI's model folders"):
+            loaders.H3VAELoader.execute("tiny-random", "tiny-random", folder)
+        with pytest.raises(ValueError, match="is outside ComfyUI's model folders"):
+            loaders.H3ModelLoader.execute("tiny-random", folder, "fl2va", "bf16", "auto")
+        with pytest.raises(ValueError, match="is outside ComfyUI's model folders"):
+            loaders.H3TextEncoderLoader.execute("tiny-random", folder, "", "bf16")
+        assert loaders.H3VAELoader.fingerprint_inputs(video_vae="tiny-random", audio_vae="tiny-random",
+                                                      folder=folder) == ""
+    assert comfy.record.freed == [] and comfy.record.loaded == []
+    # empty or linked boxes are fine at queue time
+    assert loaders.H3ModelLoader.validate_inputs(folder="") is True
+    assert loaders.H3TextEncoderLoader.validate_inputs(folder=None, tokenizer_folder=None) is True
+
+    monkeypatch.setenv("H3_ALLOW_ANY_FOLDER", "1")  # the user's own machine: any path
+    assert loaders.H3VAELoader.validate_inputs(folder=str(outside)) is True
+    assert loaders.H3VAELoader.execute("tiny-random", "tiny-random", str(outside)).values[0].video is not None
+
+
+def test_a_relative_folder_is_looked_for_in_the_model_folders(comfy, monkeypatch):
+    """'FL2VA' typed into the VAE Loader's box is models/vae/FL2VA; a path inside the model folders loads."""
+    monkeypatch.delenv("H3_ALLOW_ANY_FOLDER", raising=False)
+    inside = _tiny_vaes(comfy.tmp / "vae")
+    loaders = comfy.loaders
+    assert loaders.H3VAELoader.validate_inputs(folder="FL2VA") is True
+    vae = loaders.H3VAELoader.execute("tiny-random", "tiny-random", "FL2VA").values[0]
+    assert vae.name == str(inside) and vae.video is not None
+    assert loaders.H3VAELoader.fingerprint_inputs(video_vae="tiny-random", audio_vae="tiny-random",
+                                                  folder="FL2VA") != ""
+
+
 def test_a_pasted_path_in_quotes_is_the_path(comfy, tmp_path):
     """Windows' "Copy as path" pastes "C:\\models\\H3" with its quotes: the loaders said no such folder."""
-    common = importlib.import_module("nodes.common")
-    assert [common.clean_path(text) for text in ('"/m/H3"', " '/m/H3' ", '"/m/H3', '""', "/m/H3")] == \
+    folders = importlib.import_module("nodes.model_folders")
+    assert [folders.clean_path(text) for text in ('"/m/H3"', " '/m/H3' ", '"/m/H3', '""', "/m/H3")] == \
         ["/m/H3", "/m/H3", '"/m/H3', "", "/m/H3"]
-    assert common.model_path("vae", "unused", f' "{tmp_path}" ') == str(tmp_path)
+    assert folders.model_path("vae", "unused", f' "{tmp_path}" ') == str(tmp_path)
     vae = comfy.loaders.H3VAELoader.execute("tiny-random", "tiny-random", '  ""  ').values[0]  # nothing typed
     assert vae.video is not None
     model = comfy.loaders.H3ModelLoader.execute("tiny-random", ' "" ', "fl2va", "bf16", "auto").values[0]

@@ -1,0 +1,98 @@
+"""Where a loader reads from: the file chosen from ComfyUI's model folders, or a path typed into its folder box,
+which must lie inside those folders unless the person running ComfyUI allows any path. ComfyUI's HTTP API queues
+whatever a client sends: without the fence, anyone who can reach the server could have it read (and say what lies
+at) any path on the machine."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+ANY_FOLDER_VARIABLE = "H3_ALLOW_ANY_FOLDER"
+# the model kinds whose folders (models/..., or those extra_model_paths.yaml adds) a typed path may lie in
+FENCED_KINDS = ("diffusion_models", "checkpoints", "text_encoders", "vae", "loras")
+
+
+def clean_path(text: str) -> str:
+    """A path typed or pasted into a text box: spaces around it and one pair of quotes around it dropped (Windows'
+    "Copy as path" adds them)."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        text = text[1:-1].strip()
+    return text
+
+
+def any_folder_allowed(environ=os.environ) -> bool:
+    """Whether ComfyUI was started with H3_ALLOW_ANY_FOLDER=1 (a machine only its user reaches)."""
+    return environ.get(ANY_FOLDER_VARIABLE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def model_roots() -> list[str]:
+    """ComfyUI's models folder and every folder registered for the fenced kinds, absolute."""
+    import folder_paths
+
+    roots = [folder_paths.models_dir]
+    for kind in FENCED_KINDS:
+        with contextlib.suppress(KeyError):  # a kind this ComfyUI does not know
+            roots.extend(folder_paths.get_folder_paths(kind))
+    return list(dict.fromkeys(os.path.normpath(os.path.abspath(root)) for root in roots))
+
+
+def _inside(path: str, root: str) -> bool:
+    try:
+        return os.path.commonpath([os.path.normcase(path), os.path.normcase(root)]) == os.path.normcase(root)
+    except ValueError:  # another drive (Windows)
+        return False
+
+
+def typed_path(text: str, kind: str) -> str:
+    """The absolute path a folder box names ('' when empty). A relative one is looked for in ComfyUI's `kind`
+    folders (then checkpoints), else taken from the current folder, as before. Refused with what to do when it
+    leads outside the model folders ('..' counts; a link placed inside them is followed, as ComfyUI does)."""
+    import folder_paths
+
+    path = os.path.expanduser(clean_path(text))
+    if not path:
+        return ""
+    if not os.path.isabs(path):
+        for root in (*folder_paths.get_folder_paths(kind), *folder_paths.get_folder_paths("checkpoints")):
+            if os.path.exists(os.path.join(root, path)):
+                path = os.path.join(root, path)
+                break
+    path = os.path.normpath(os.path.abspath(path))
+    roots = model_roots()
+    if any_folder_allowed() or any(_inside(path, root) for root in roots):
+        return path
+    raise ValueError(f"{path!r} is outside ComfyUI's model folders ({', '.join(roots)}). Move it (or a link to it) "
+                     f"into one of them, or add its folder to extra_model_paths.yaml; on a ComfyUI only you can reach, "
+                     f"start ComfyUI with {ANY_FOLDER_VARIABLE}=1 to let the H3 loaders read any path.")
+
+
+def folder_problem(text, kind: str) -> str | None:
+    """`typed_path`'s refusal for a loader's validate_inputs (None: fine, empty or linked)."""
+    try:
+        if isinstance(text, str):
+            typed_path(text, kind)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def model_path(kind: str, name: str, folder: str):
+    """The path to load: a non-empty `folder` wins; else the chosen file of ComfyUI's `kind` folder."""
+    import folder_paths
+
+    return typed_path(folder or "", kind) or folder_paths.get_full_path_or_raise(kind, name)
+
+
+def chosen_file(kind: str, name, folder) -> str | None:
+    """`model_path` for a loader's `fingerprint_inputs`: None for tiny-random, a linked input (None there), a name
+    ComfyUI cannot find or a folder outside the fence (execute says so)."""
+    from h3_core.tiny import TINY_RANDOM
+
+    if not isinstance(name, str) or not isinstance(folder, str) or (name == TINY_RANDOM and not clean_path(folder)):
+        return None
+    try:
+        return model_path(kind, name, folder)
+    except (OSError, KeyError, ValueError):  # not found, no such model folder, or fenced out
+        return None
