@@ -40,7 +40,6 @@ from __future__ import annotations
 import collections
 import functools
 import hashlib
-import json
 import logging
 import re
 from collections.abc import Sequence
@@ -54,7 +53,7 @@ from PIL import Image
 
 from .geometry import FPS
 from .layout import TEXT_TAG, VIDEO_TAG
-from .weights import CheckpointError
+from .weights import CheckpointError, read_json
 
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
@@ -272,15 +271,7 @@ def read_processor_configs(folder: str | Path) -> tuple[dict, dict]:
 
     def load(name: str) -> dict | None:
         path = folder / name
-        if not path.is_file():
-            return None
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path} is not valid JSON: {error}.") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path} must hold a JSON object.")
-        return data
+        return read_json(path) if path.is_file() else None
 
     nested = load(PROCESSOR_CONFIG) or {}
     image = nested.get("image_processor") or load(IMAGE_PROCESSOR_CONFIG)

@@ -104,9 +104,17 @@ def stored_bytes(files: Iterable[Path], prefix: str = "") -> int:
                for _, tensor, _ in read_headers(files, lambda key: key.startswith(prefix)))
 
 
+MAX_JSON_BYTES = 64 << 20  # a release's largest index is ~0.2 MiB; a bigger "config" is some other file
+
+
 def read_json(path: Path) -> dict:
-    """A JSON object from a checkpoint's config or index file; anything else is a CheckpointError."""
+    """A JSON object from a checkpoint's config, index or processor file; anything else is a CheckpointError
+    (a huge file is refused before it is read into memory)."""
     try:
+        size = Path(path).stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise CheckpointError(f"{path} is {size / 2**20:.0f} MiB; a checkpoint's JSON file is at most "
+                                  f"{MAX_JSON_BYTES >> 20} MiB: it is not the file it is named for.")
         raw = json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
         raise CheckpointError(f"{path} is not valid JSON: {error}.") from None

@@ -1,6 +1,7 @@
 """The DiT loader on tiny random checkpoints written in every layout users have, and its errors."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -464,6 +465,23 @@ def test_a_missing_or_unreadable_config_is_named(tmp_path):
     (tmp_path / "bytes.json").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(CheckpointError, match=r"bytes\.json (cannot be read|is not valid JSON)"):
         read_json(tmp_path / "bytes.json")
+
+
+def test_a_huge_json_file_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """A multi-GB file named config.json (a weights file renamed, say) was read whole into memory first; a
+    processor folder's configs are read the same way."""
+    from h3_core.prompt import VisionProcessor
+    from h3_core.weights import MAX_JSON_BYTES, read_json
+
+    huge = tmp_path / "config.json"
+    with open(huge, "wb") as file:
+        file.truncate(MAX_JSON_BYTES + 1)  # sparse: no disk taken
+    monkeypatch.setattr(Path, "read_text", lambda *_, **__: pytest.fail("the huge file was read"))
+    with pytest.raises(CheckpointError, match=r"config\.json is 64 MiB; a checkpoint's JSON file is at most 64 MiB"):
+        read_json(huge)
+    huge.rename(tmp_path / "preprocessor_config.json")
+    with pytest.raises(CheckpointError, match=r"preprocessor_config\.json is 64 MiB"):
+        VisionProcessor.from_folder(tmp_path)
 
 
 def _open_as_another_user(path) -> str:
