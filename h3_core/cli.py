@@ -259,7 +259,8 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
                           "pipelines")
     gen.add_argument("--from", dest="given", type=Path, metavar="LATENTS",
                      help="with --keep: a clip's latents from h3 encode (or --save-latents), 4-15 s; with "
-                          "--long-video --keep video up to 300 s, its sound made window by window")
+                          "--long-video --keep video up to 300 s, its sound made window by window (for all of it, "
+                          "or its first --duration seconds)")
     gen.add_argument("--steps", type=int, help="sigma points including the final 0 (default 50 -> 49 model calls, "
                                                "or what a Turbo adapter was distilled for)")
     gen.add_argument("--video-shift", type=float, help=f"default {VIDEO_SHIFT:g} (or the Turbo adapter's)")
@@ -477,14 +478,17 @@ def _kept(args, request: Request) -> tuple[Request, AVLatents | None]:
     if args.long_video and args.keep == "audio":
         raise ValueError("--long-video --keep audio: a long video is made to a sound of yours with --drive-audio "
                          "FILE (the sound file itself) instead.")
+    # a long video keeps the whole clip or its first --duration seconds; one request the whole clip
+    length = () if args.long_video else (("--duration", args.duration),)
     clashes = [name for name, value in (("--drive-audio", args.drive_audio), ("--continue-from", args.continue_from),
                                         ("--aspect-ratio", args.aspect_ratio), ("--width", args.width),
-                                        ("--height", args.height), ("--duration", args.duration)) if value is not None]
+                                        ("--height", args.height), *length) if value is not None]
     if clashes:
-        raise ValueError(f"--keep takes the given clip's canvas and length: drop {', '.join(clashes)}.")
+        what = "canvas" if args.long_video else "canvas and length"
+        raise ValueError(f"--keep takes the given clip's {what}: drop {', '.join(clashes)}.")
     given = _saved_latents(args.given, "--from")
-    if args.long_video:  # the whole clip, on its canvas (long_video.LongVideoRequest.keep_video)
-        return dataclasses.replace(request, duration=None), given
+    if args.long_video:  # on its canvas (long_video.LongVideoRequest.keep_video)
+        return dataclasses.replace(request, duration=args.duration), given
     if given.num_frames > MAX_FRAMES:
         raise ValueError(f"--from {args.given}: the clip lasts {given.num_frames / geometry.FPS:.1f} s; one request "
                          f"keeps 4-15 s. Add --long-video to make its sound window by window.")

@@ -234,6 +234,16 @@ def test_cli_makes_the_sound_for_a_long_clip_window_by_window(tmp_path, capsys):
     assert "124 frames" in capsys.readouterr().out
 
     kept_clip(481).save(tmp_path / "long.safetensors")
+    # its first seconds, as H3 Continuation and LongVideoRequest keep them (the command refused --duration, though
+    # a clip too long for full mode was told to ask for at most 30 s)
+    first = tmp_path / "first.safetensors"
+    assert main(["generate", "--prompt", PROMPT, "--long-video", "--window-frames", "107", "--keep", "video",
+                 "--from", str(tmp_path / "long.safetensors"), "--duration", "5", "--steps", "2", "--device", "cpu",
+                 "--save-latents", str(first)]) == 0
+    saved, given = load_file(str(first)), load_file(str(tmp_path / "long.safetensors"))
+    assert "124 frames" in capsys.readouterr().out
+    assert torch.equal(saved["video"], given["video"][:, :, :saved["video"].shape[2]]) and saved["video"].shape[2] < \
+        given["video"].shape[2]
     assert main(["generate", "--prompt", PROMPT, "--keep", "video", "--from", str(tmp_path / "long.safetensors"),
                  "--out", str(tmp_path / "x.mp4")]) == 2
     assert "the clip lasts 20.0 s; one request keeps 4-15 s. Add --long-video" in capsys.readouterr().err
