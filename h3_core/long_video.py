@@ -62,14 +62,14 @@ from .continuation import (
     video_at,
 )
 from .drive_audio import check_track, drive_seconds, encode_track, load_track, window_slice
-from .guides import GuideMedia
-from .layout import PackedLayout, ReferenceBlock, build_window_layout, pack_audio
+from .guides import GuideMedia, guide_frame_count
+from .layout import TEXT_TAG, GuideBlock, PackedLayout, ReferenceBlock, build_window_layout, pack_audio
 from .noise import request_generator
 from .output import AVLatents
 from .pipeline import sample
 from .references import RELEASE_CANVAS, CanvasRules, MediaInputError, prepare_reference
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, StepCallback
-from .window_guides import WindowGuide, check_window_guides, encode_window_guides
+from .window_guides import WindowGuide, check_window_guides, encode_window_guides, owning_window
 
 LONG_VIDEO_TASKS = ("t2va", "ref2va")
 
@@ -259,6 +259,27 @@ def _locked(request: LongVideoRequest) -> str | None:
     return "audio" if request.drive_audio is not None else "video" if request.keep_video is not None else None
 
 
+def layout_before_encoding(plan: LongVideoPlan, guides: Sequence[GuideMedia] = ()) -> PackedLayout:
+    """The longest sampled window's packed sequence as far as sizes fix it before encoding: a one-row prompt,
+    the latent tail, the reference blocks and the guides' pictures (a sound's fewer rows left out, as for one
+    request). A host refuses a job that cannot fit before any model loads; the first window's request alone
+    stops at one request's 362 frames and has no tail."""
+    pictures: dict[int, list[GuideBlock]] = {}
+    for pixels, anchor, _ in check_window_guides(plan.task, plan.windows, plan.num_frames, guides):
+        if pixels is not None:
+            owner = owning_window(plan.windows, anchor)
+            count = guide_frame_count(pixels.shape[0])
+            pictures.setdefault(owner.index, []).append(
+                GuideBlock(anchor - owner.start, 1 if count == 1 else geometry.latent_frames(count)))
+    latent_height, latent_width = geometry.latent_size(plan.width, plan.height)
+    return max((build_window_layout([TEXT_TAG], plan.first_plan.reference_blocks, window.latent_frames,
+                                    latent_height, latent_width, window.audio_latents,
+                                    guide_latent_frames=window.guide_latent_frames,
+                                    guide_audio_latents=window.guide_audio_latents,
+                                    guides=pictures.get(window.index, ()))
+                for window in sampled(plan.windows)), key=lambda layout: layout.sequence_length)
+
+
 def _on_canvas(request: Request, clip: AVLatents, what: str) -> Request:
     """`request` on the canvas of `clip`; a canvas the request names that is not the clip's is refused."""
     width, height = clip.canvas
@@ -395,6 +416,11 @@ def encode_long_video(
     plan = validate_long_video(request, rules)
     if request.drive_audio is not None and audio_vae is None:
         raise RequestError(f"A driving audio track is encoded by the audio VAE{NO_VAE}")
+    # the guides' VAEs asked for now, not after the text encoder has run
+    if video_vae is None and any(guide.frames is not None for guide in request.guides):
+        raise RequestError(f"Guide frames are encoded with the video VAE{NO_VAE}")
+    if audio_vae is None and any(guide.waveform is not None for guide in request.guides):
+        raise RequestError(f"A guide sound is encoded with the audio VAE{NO_VAE}")
     others = [prompt for prompt in dict.fromkeys(plan.prompts) if prompt != plan.prompts[0]]
     presented = {}
     if others:
@@ -424,10 +450,8 @@ def encode_long_video(
             between_calls()
         track = load_track(request.drive_audio, max_seconds=drive_seconds(plan.num_frames))
         drive = encode_track(audio_vae, track, plan.num_frames)
-    if between_calls is not None and request.guides:
-        between_calls()
     guides = encode_window_guides(plan.task, plan.windows, plan.width, plan.height, plan.num_frames, request.guides,
-                                  video_vae, audio_vae, _locked(request))
+                                  video_vae, audio_vae, _locked(request), between_calls)
     kept = request.keep_video
     if kept is not None:
         kept = kept.video[:, :, : geometry.latent_frames(plan.num_frames)].float().cpu()

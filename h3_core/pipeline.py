@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import numbers
 import os
 import re
@@ -37,7 +38,7 @@ from .offload import load_device, place
 from .placement import check_devices, module_bytes
 from .conditioning import Request, RequestError, encode_request, prompt_label_warnings, shows_pictures, validate
 from .clip_latents import MAX_CLIP_FRAMES, encode_clip_frames, expected_clip_frames, file_soundtrack, stream_clip
-from .layout import (GuideBlock, build_ref2va_layout, build_t2va_layout, pack_audio, patched_rows, patchify, unpack_audio,
+from .layout import (GuideBlock, PackedLayout, build_ref2va_layout, build_t2va_layout, pack_audio, patched_rows, patchify, unpack_audio,
                      unpatchify)
 from .local_attention import check_setting as check_window_setting
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, read_mode
@@ -430,9 +431,8 @@ class _Prepared:
     partition: str
     seed: int
     outputs: int
-    # of its largest window: (width, height, frames, keyframe anchors, and the reference and guide blocks its
-    # media's sizes fix): rows_before_encoding's arguments
-    canvas: tuple[int, int, int, tuple[str, ...], tuple, tuple]
+    # its largest window's packed sequence as far as its sizes fix it before encoding (built when asked for)
+    least_layout: Callable[[], PackedLayout]
 
     @property
     def plain_request(self) -> Request:
@@ -558,7 +558,7 @@ def generate_batch(
         with _part_of(source, "audio_vae"):
             check_audio_vae(source.audio_vae)
     if len(settings.devices) < 2:  # the sampling's rows as far as known before encoding: too many are said now
-        least = max((rows_before_encoding(*canvas) for canvas in {item.canvas for item in prepared}),
+        least = max((item.least_layout() for item in prepared),
                     key=lambda layout: layout.sequence_length)  # the job with the most rows, planned once
         sampling_plan(TINY_DIT if source.tiny else dit_source.config, dit_source, partition, settings, loras, least,
                       schedule.steps, reader, ", before any model loads,")
@@ -862,7 +862,8 @@ def check_writable(path: Path, option: str = "") -> None:
 def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepared:
     """One job checked against every limit (its guide files read and checked too), before any model loads."""
     from .continuation import sampled
-    from .long_video import LongVideoRequest, encode_long_video, sample_long_video, validate_long_video  # uses sample
+    from .long_video import (  # they use sample
+        LongVideoRequest, encode_long_video, layout_before_encoding, sample_long_video, validate_long_video)
 
     job = dataclasses.replace(job, out=_as_path(job.out), save_latents=_as_path(job.save_latents))
     request, keep, given = job.request, job.keep, job.given
@@ -908,7 +909,8 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
             kept_latents(given, keep, request_latent_shape(plan.num_frames, plan.width, plan.height))
         except ValueError as error:
             raise RequestError(str(error)) from None
-    guides = tuple(request.request.guides if long_video else request.guides)
+    # a long video's: its request's (files or media) and its own (media), which were dropped here before
+    guides = (*request.request.guides, *request.guides) if long_video else tuple(request.guides)
     # a clip is made in one window: no guide clip is longer than the longest window sampled (a clip being
     # continued is not sampled; its length would read that much of a guide file only to refuse it)
     clip_frames = max(w.frames for w in sampled(plan.windows)) if long_video else None
@@ -927,12 +929,14 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
                 count = guide_frame_count(pixels.shape[0])
                 guide_blocks.append(GuideBlock(anchor, 1 if count == 1 else geometry.latent_frames(count)))
         request = dataclasses.replace(request, guides=())
-    sized = plan.first_plan if long_video else plan  # a long video's longest window
-    return _Prepared(job, request, encode, run, guide_media, partition, seed, outputs,
-                     (sized.width, sized.height, sized.num_frames, tuple(anchor for anchor, _ in sized.keyframes),
-                      sized.reference_blocks, tuple(guide_blocks)))
+    least_layout = (functools.partial(layout_before_encoding, plan, request.guides) if long_video else
+                    functools.partial(rows_before_encoding, plan.width, plan.height, plan.num_frames,
+                                      tuple(anchor for anchor, _ in plan.keyframes), plan.reference_blocks,
+                                      tuple(guide_blocks)))
+    return _Prepared(job, request, encode, run, guide_media, partition, seed, outputs, least_layout)
 
 
+@functools.lru_cache(maxsize=8)  # a batch's jobs mostly share their sizes
 def rows_before_encoding(width: int, height: int, frames: int, anchors: tuple[str, ...], references: tuple,
                          guides: tuple):
     """The packed layout of a job's largest window as far as its sizes fix it before encoding: a one-row prompt,

@@ -221,6 +221,42 @@ def test_bad_long_requests_fail_before_any_model(task, seconds, options, message
         validate_long_video(request, TINY_CANVAS)
 
 
+@pytest.mark.parametrize("guide, message", [
+    (GuideMedia(300, Image.new("RGB", (96, 64), "teal")), "Guide frames are encoded with the video VAE, and none"),
+    (GuideMedia(300, waveform=np.zeros((2, 32000), np.float32), sample_rate=32000),
+     "A guide sound is encoded with the audio VAE, and none"),
+])
+def test_a_guide_without_its_vae_is_refused_before_the_text_encoder(models, monkeypatch, guide, message):
+    """Guides were encoded after every prompt: a missing VAE was said only once the text encoder had run."""
+    monkeypatch.setattr(models["text"], "encode", lambda *a, **k: pytest.fail("the text encoder ran"))
+    request = LongVideoRequest(Request("t2va", PROMPT, duration=20.0), guides=[guide])
+    vaes = (None, models["audio"]) if guide.frames is not None else (models["video"], None)
+    with pytest.raises(RequestError, match=message):
+        encode_long_video(request, models["text"], *vaes, rules=TINY_CANVAS)
+
+
+def test_an_interrupt_is_heard_between_guide_encodes(models, monkeypatch):
+    """Each guide clip is a VAE run of up to 362 frames; the host's check ran once before all of them."""
+    from h3_core import window_guides
+
+    class Stop(Exception):
+        pass
+
+    encodes, real = [], window_guides.encode_guide
+    monkeypatch.setattr(window_guides, "encode_guide", lambda *a, **k: encodes.append(1) or real(*a, **k))
+
+    def between_calls():
+        if encodes:  # an interrupt pressed while the first guide encodes
+            raise Stop
+
+    guides = [GuideMedia(frame, Image.new("RGB", (96, 64), "teal")) for frame in (100, 300, 400)]
+    request = LongVideoRequest(Request("t2va", PROMPT, duration=20.0), guides=guides)
+    with pytest.raises(Stop):
+        encode_long_video(request, models["text"], models["video"], models["audio"], rules=TINY_CANVAS,
+                          between_calls=between_calls)
+    assert len(encodes) == 1
+
+
 def test_generate_decodes_the_whole_clip_once(tmp_path, monkeypatch):
     decoded = []
     monkeypatch.setattr(pipeline, "write_mp4", lambda path, latents, *a, **k: decoded.append(latents.num_frames))

@@ -512,6 +512,42 @@ def test_the_plan_before_any_model_counts_the_guides_pictures(tmp_path, monkeypa
             before.sequence_length < after.sequence_length - prompt)
 
 
+@pytest.mark.parametrize("mode, seconds", [("full", 20), ("continuation", 532 / 24)])  # windows 0-276, 255-531
+def test_the_plan_before_any_model_counts_a_long_videos_largest_window(tmp_path, monkeypatch, mode, seconds):
+    """A long video's plan before any model loads was the first window's request: at most one request's 362
+    frames (a full 20 s video has 481), without the latent tail and the guides' pictures of later windows. A job
+    that cannot fit was let through until the text encoder had run. It is now the largest window's rows but for
+    the prompt's."""
+    from PIL import Image
+
+    from h3_core import pipeline
+    from h3_core.conditioning import Request
+    from h3_core.guides import GuideMedia
+    from h3_core.long_video import LongVideoRequest, encode_long_video
+    from h3_core.tiny import tiny_random_video_vae
+    from h3_core.tiny_text import tiny_random_text_encoder
+
+    class Stop(Exception):
+        pass
+
+    planned, real_plan = [], pipeline.sampling_plan
+    monkeypatch.setattr(pipeline, "sampling_plan", lambda config, source, partition, settings, loras, layout, *rest:
+                        planned.append(layout) or real_plan(config, source, partition, settings, loras, layout, *rest))
+    monkeypatch.setattr(pipeline, "load_text_encoder_for", lambda *a, **k: (_ for _ in ()).throw(Stop()))
+    guide = GuideMedia(400, Image.new("RGB", (96, 64), "teal"))  # in the second window of the continuation
+    request = LongVideoRequest(Request("t2va", "a fox on the beach", duration=seconds), mode=mode, guides=[guide])
+    with pytest.raises(Stop):
+        pipeline.generate(request, "tiny-random", pipeline.GenerateSettings(steps=2),
+                          save_latents=tmp_path / "a.safetensors")
+    encoded = encode_long_video(request, tiny_random_text_encoder(), tiny_random_video_vae("cpu"), None,
+                                rules=pipeline.canvas_rules("tiny-random"))
+    largest = pipeline.largest_layout(encoded)
+    assert len(planned) == 1 and largest.latent_frames == planned[0].latent_frames
+    assert planned[0].sequence_length == largest.sequence_length - largest.num_text_rows + 1
+    if mode == "continuation":  # the second window is the largest: a latent tail, then the guide's frame
+        assert largest.num_condition_video_rows == (7 + 1) * (8 // 2) * (14 // 2)  # 2x2 patches
+
+
 def test_text_encoder_layers_visit_the_device_one_at_a_time():
     """stream_layers: the same prompt states as the resident encoder, every one of the 50 layers visited
     once per prompt, and the layers' weights still at home afterwards; to() ends the streaming."""
