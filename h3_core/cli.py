@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 from . import geometry, keymap
 from .attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
 from .local_attention import check_setting as check_window_setting
+from .local_attention import dense_covers_run
 from .checkpoint import CheckpointError, infer_config, locate_dit, with_config
 from .config import TINY_DIT
 from .conditioning import MAX_FRAMES, MIN_FRAMES, Conditioning, PartNames, Request, resolve_num_frames
@@ -47,8 +48,8 @@ from .output import AVLatents
 from .parallel.workers import ParallelWorkerError
 from .placement import check_devices
 from .memory_plan import check_budget
-from .pipeline import (TINY_CANVAS, GenerateSettings, Job, ModelFiles, check_writable, encode_clip_file, generate_batch,
-                       load_sampling_dit, resolve_model_source, sample)
+from .pipeline import (MAX_OUTPUTS, TINY_CANVAS, GenerateSettings, Job, ModelFiles, SamplingError, check_writable,
+                       encode_clip_file, generate_batch, load_sampling_dit, resolve_model_source, sample)
 from .references import REFERENCE_IMAGE_MODES, MediaReference
 from .runtime import compile_failed, return_freed_memory_to_os, use_expandable_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, check_shift
@@ -67,8 +68,9 @@ WINDOW_HELP = ("lossy speed-up, 0 = off: each target video row attends only the 
                "(about 3.4 pixel frames each) of itself, plus every row before the target video (text, keyframes, "
                "references) and the audio; fast with FlashAttention 3 "
                "(8 frames: a compiled 5 s forward 3.8 s instead of 5.6 s on an H200), correct but slower on sdpa")
-DENSE_HELP = ("with --attention-window-lossy: the first N steps keep full attention (the noisiest steps set the "
-              "layout; training-free sparse attention for video DiTs commonly keeps ~20%% of them dense); default 0")
+DENSE_HELP = ("with --attention-window-lossy: the first N model calls keep full attention (the noisiest steps set "
+              "the layout; training-free sparse attention for video DiTs commonly keeps ~20%% of them dense); fewer "
+              "than the run's model calls (--steps minus one); default 0")
 DEFAULT_DURATION = 5.0  # seconds, as the release's pipelines
 DEFAULT_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DEVICE_HELP = f"where the models run: cpu, cuda or cuda:N (default here: {DEFAULT_DEVICE})"
@@ -92,12 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     said = _WarningNotes()                                                  # half-written file is left behind
     for name in WARNING_LOGGERS:
         logging.getLogger(name).addHandler(said)
+    levels = {name: logging.getLogger(name).level for name in NOTED_INFO_LOGGERS}
+    for name in NOTED_INFO_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO)
     try:
         code = args.run(args)
         sys.stdout.flush()  # a closed pipe is met here, not at Python's exit
         return code
     except BrokenPipeError:  # what reads our output stopped (`h3 env | head`): nothing is left to say
         _quiet_stdout()
+        return 1
+    except SamplingError as error:  # the run itself failed (a ValueError too): 1, as a failed --batch job
+        print(f"h3: error: {error}", file=sys.stderr)
         return 1
     except (CheckpointError, ValueError, OSError, MediaError) as error:  # LoRAError is a ValueError
         print(f"h3: error: {error}", file=sys.stderr)
@@ -117,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for name in WARNING_LOGGERS:
             logging.getLogger(name).removeHandler(said)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
         if main_thread:
             signal.signal(signal.SIGTERM, before)
 
@@ -124,15 +134,21 @@ def main(argv: list[str] | None = None) -> int:
 WARNING_LOGGERS = ("h3", "h3_core")  # the engine's loggers (placement, media, attention; h3_core.lora)
 
 
+NOTED_INFO_LOGGERS = ("h3_core.hub",)  # what a download is about to fetch (tens of GiB): said, not only logged
+
+
 class _WarningNotes(logging.Handler):
-    """The engine's warnings as the command's status lines ("h3: ..." above the progress bars) instead of Python's
-    bare last-resort print; a LoRA's are left out: they are in the LoRA report the command prints."""
+    """The engine's warnings (and what a Hub download fetches) as the command's status lines ("h3: ..." above the
+    progress bars) instead of Python's bare last-resort print; a LoRA's are left out: they are in the LoRA report
+    the command prints."""
 
     def __init__(self):
-        super().__init__(logging.WARNING)
+        super().__init__(logging.INFO)
 
     def emit(self, record: logging.LogRecord) -> None:
-        if not record.name.startswith("h3_core.lora"):
+        if record.name.startswith("h3_core.lora"):
+            return
+        if record.levelno >= logging.WARNING or record.name in NOTED_INFO_LOGGERS:
             _note(record.getMessage().removeprefix("H3: "))
 
 
@@ -272,7 +288,7 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
                           "them, each said (warn)")
     gen.add_argument("--seed", type=int, default=0, help="noise seed, 0 to 2^64-1 (default 0): the same seed gives "
                                                          "the same clip on any device. " + SEED_BITS)
-    gen.add_argument("--outputs", type=int, default=1, help="number of results, seeds seed, seed+1, ...")
+    gen.add_argument("--outputs", type=int, default=1, help=f"number of results, 1-{MAX_OUTPUTS}, seeds seed, seed+1, ...")
     gen.add_argument("--out", "--output", type=Path, help="output .mp4 (several outputs: name_00000.mp4, ...)")
     gen.add_argument("--save-latents", type=Path,
                      help="also save the final latents ('video', 'audio') as .safetensors (numbered _00000, _00001, "
@@ -425,6 +441,9 @@ def _prompt(args) -> str:
     """--prompt, or with --long-video and --window-prompt but no --prompt the first window's prompt (each
     window then uses its own; the long-video plan checks their count)."""
     if args.prompt is not None:
+        if args.long_video and args.window_prompt:
+            _note("warning: every window samples its own --window-prompt; --prompt is not sampled, it only titles "
+                  "the MP4 (drop it, or make it the first --window-prompt)")
         return args.prompt
     if args.long_video and args.window_prompt:
         return args.window_prompt[0]
@@ -618,6 +637,9 @@ def _job(args) -> Job:
     """The request options of a generate command line (or of a --batch line over it) as one job."""
     if args.out is None and args.save_latents is None:
         raise ValueError("Give --out FILE.mp4 (and/or --save-latents FILE.safetensors).")
+    if args.reference_images != "release" and args.task != "ref2va":  # else accepted and ignored
+        raise ValueError(f"--reference-images {args.reference_images} sizes ref2va's image references; a "
+                         f"{args.task} request has none: drop it.")
     request = Request(
         task=args.task, prompt=_prompt(args), first_image=args.first_image, last_image=args.last_image,
         references=[_reference(spec) for spec in args.ref], aspect_ratio=args.aspect_ratio,
@@ -895,6 +917,10 @@ def _text_states(args, text_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         text = tensors["prompt_embeds"]
         if text.ndim != 3 or text.shape[0] != 1 or text.shape[1] < 1 or text.shape[2] != text_dim:
             raise ValueError(f"'prompt_embeds' must be [1, T >= 1, {text_dim}] for this model, got {list(text.shape)}.")
+        if not text.is_floating_point() or not bool(torch.isfinite(text).all()):  # else found after every step
+            raise ValueError(f"--text-states {args.text_states}: 'prompt_embeds' must hold finite floating-point "
+                             f"values, got {text.dtype}" + ("" if not text.is_floating_point() else " with NaN or "
+                                                            "infinite ones") + ".")
         tags = tensors.get("text_token_tags", torch.ones(text.shape[1], dtype=torch.long))
         if tags.shape != (text.shape[1],):
             raise ValueError(f"--text-states {args.text_states}: 'text_token_tags' must be [T] = [{text.shape[1]}] "
@@ -928,6 +954,9 @@ def run_denoise(args) -> int:
         raise ValueError("A real model needs --text-states (prompt embeddings); `h3 generate` runs the text encoder.")
     _check_dense_steps(args)
     check_window_setting(args.attention_window_lossy, args.attention_window_dense_steps)
+    idle_window = dense_covers_run(args.attention_window_lossy, args.attention_window_dense_steps, schedule.num_calls)
+    if idle_window:
+        raise ValueError(f"{idle_window} (--attention-window-dense-steps)")
     # an unavailable backend (or one that cannot run the window) fails before any loading
     resolve_backend(args.attention, device, window=args.attention_window_lossy > 0)
     check_seeds(args.seed)

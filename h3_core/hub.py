@@ -11,7 +11,7 @@ from pathlib import Path
 from .checkpoint import PARTITIONS
 from .weights import CheckpointError
 
-log = logging.getLogger("h3")
+log = logging.getLogger("h3_core.hub")  # at INFO: the command line shows it too (cli._WarningNotes)
 
 # the folders of a partition each model is read from (the processor serves the text encoder's images), and
 # their sizes in the release (GiB, h3-model.md I.1) for the line saying what is fetched

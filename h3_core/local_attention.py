@@ -52,6 +52,15 @@ def check_setting(frames, dense_steps=0) -> tuple[int, int]:
     return frames, dense_steps
 
 
+def dense_covers_run(frames: int, dense_steps: int, calls: int) -> str | None:
+    """Why a window would never apply in a run of `calls` model calls (its dense steps cover them all: the run
+    is exact while it is called lossy), or None."""
+    if frames and dense_steps >= calls:
+        return (f"The attention window's {dense_steps} dense steps keep full attention for all {calls} model calls "
+                f"of this run, so the lossy window never applies; give fewer than {calls} dense steps, or no window.")
+    return None
+
+
 def check_backend(backend: str) -> None:
     """Refuse, before any work, a backend that cannot run the window: not one of WINDOW_BACKENDS, or a
     FlashAttention 3 build without its sliding-window kernels (a tiny call on the GPU tells)."""

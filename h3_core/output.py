@@ -128,9 +128,11 @@ def decode_video(vae: VideoVAE, latents: torch.Tensor, devices: Sequence[str | t
 
 def decode_audio(vae: AudioVAE, latents: torch.Tensor, on_window=None) -> Iterator[torch.Tensor]:
     """Normalized audio latents [2, C, A] -> float32 waveform pieces [2, n] at 32 kHz, window by window;
-    `on_window(done, total)` after each (a progress bar; a host may raise there to stop): a long clip's
-    soundtrack is many windows."""
+    `on_window(done, total)` before the first (0 done: a bar shows while it decodes) and after each (a progress
+    bar; a host may raise there to stop): a long clip's soundtrack is many windows."""
     total = len(context_windows(latents.shape[-1], DECODE_WINDOW_LATENTS))
+    if on_window is not None:
+        on_window(0, total)
     with torch.inference_mode():
         for done, piece in enumerate(vae.decode_windows(latents.to(vae.device)), 1):
             piece = piece.float().cpu()

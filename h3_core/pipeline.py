@@ -41,6 +41,7 @@ from .clip_latents import MAX_CLIP_FRAMES, encode_clip_frames, expected_clip_fra
 from .layout import (GuideBlock, PackedLayout, build_ref2va_layout, build_t2va_layout, pack_audio, patched_rows, patchify, unpack_audio,
                      unpatchify)
 from .local_attention import check_setting as check_window_setting
+from .local_attention import dense_covers_run
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, read_mode
 from .guides import GuideFile, GuideMedia, add_guide, check_guide, guide_frame_count, read_guide
 from .hub import fetch_release
@@ -219,6 +220,7 @@ def start_rows(init: AVLatents, layout, schedule: DualClockSchedule, video_noise
 
 
 TASK_PARTITION = {"t2va": "fl2va", "fl2va": "fl2va", "ref2va": "ref2va"}
+MAX_OUTPUTS = 10_000  # numbered _00000 to _09999; a typo's extra zeros spent minutes naming files first
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # tiny-random runs the release's recipe on a small canvas (short edge 128) so it finishes in seconds.
 TINY_CANVAS = CanvasRules(short_edge=128, max_pixels=128 * 224, reference_image_short_edge=256)
@@ -532,6 +534,10 @@ def generate_batch(
         _check_vsa_student(settings)
     contracts = applied_contracts(loras) + ([VSA_STUDENT_CONTRACT] if student else [])
     schedule = sampler_settings(contracts, settings.steps, settings.video_shift, settings.audio_shift)
+    idle_window = dense_covers_run(settings.attention_window, settings.attention_window_dense_steps, schedule.steps - 1)
+    if idle_window:
+        raise RequestError(f"{idle_window} (--attention-window-dense-steps; --steps counts the sigma points, one "
+                           "more than the model calls)")
     for task in dict.fromkeys(item.plain_request.task for item in prepared):
         for line in task_warnings(contracts, task):
             notes(f"warning: {line}")
@@ -890,8 +896,8 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
         if (path.suffix.lower() if mp4 else path.suffix) != suffix:
             raise ValueError(f"{option} {path} must end in {suffix}{' (any case)' if mp4 else ''}.")
     outputs = settings.outputs if job.outputs is None else job.outputs
-    if isinstance(outputs, bool) or not isinstance(outputs, numbers.Integral) or outputs < 1:
-        raise ValueError(f"outputs must be an integer of at least 1, got {outputs!r}.")
+    if isinstance(outputs, bool) or not isinstance(outputs, numbers.Integral) or not 1 <= outputs <= MAX_OUTPUTS:
+        raise ValueError(f"outputs must be an integer of at least 1 and at most {MAX_OUTPUTS}, got {outputs!r}.")
     seed = settings.seed if job.seed is None else job.seed
     check_seeds(seed, outputs)
     if (keep is None) != (given is None):

@@ -9,6 +9,7 @@ conditioning rows are never written (their timesteps come from the layout's row 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import numbers
 from dataclasses import dataclass
@@ -18,6 +19,9 @@ import torch
 
 from . import geometry
 from .layout import unpatchify
+from .local_attention import dense_covers_run
+
+log = logging.getLogger("h3_core")
 
 VIDEO_SHIFT = 12.0
 AUDIO_SHIFT = 3.0
@@ -180,6 +184,10 @@ def denoise(
     device = video_rows.device
     on_device = layout.to(device)
     total = schedule.num_calls
+    idle_window = dense_covers_run(getattr(dit, "attention_window", 0), getattr(dit, "attention_window_dense_steps", 0),
+                                   total)
+    if idle_window:  # a warning, not a refusal: one loader may serve a 50-step and an 8-step sampler
+        log.warning("H3: %s", idle_window)
     # Per-row timesteps for every step, planned on the CPU layout: no device sync inside the loop.
     on_cpu = layout.to("cpu")
     plan = []

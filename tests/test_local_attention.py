@@ -4,6 +4,7 @@ trailing target video it needs, and the DiT/sampler plumbing (off by default; a 
 whole video is the exact path, bit for bit)."""
 
 import functools
+import logging
 
 import pytest
 import torch
@@ -128,7 +129,7 @@ def run(model):
         return denoise(model, layout, text, video, audio, DualClockSchedule.build(3))
 
 
-def test_sampler_runs_the_window_and_a_covering_window_is_the_exact_path(monkeypatch):
+def test_sampler_runs_the_window_and_a_covering_window_is_the_exact_path(monkeypatch, caplog):
     model = tiny_random_dit()
     assert model.attention_window == 0  # off by default
     exact = run(model)
@@ -145,8 +146,10 @@ def test_sampler_runs_the_window_and_a_covering_window_is_the_exact_path(monkeyp
     assert len(seen) == len(model.blocks)  # only the second forward's blocks ran the window
     assert all((a - b).abs().max() > 1e-6 for a, b in zip(late, exact))
     assert all((a - b).abs().max() > 1e-6 for a, b in zip(late, windowed))
-    never = run(model.set_attention_window(2, dense_steps=2))
+    with caplog.at_level(logging.WARNING, logger="h3_core"):
+        never = run(model.set_attention_window(2, dense_steps=2))
     assert all(torch.equal(a, b) for a, b in zip(exact, never))
+    assert "dense steps keep full attention for all 2 model calls of this run, so the lossy window never" in caplog.text
 
     def dense(q, k, v, backend, window):  # the dense reference in the DiT: same result
         return dense_reference(q, k, v, window)[0].to(q.dtype)
@@ -230,6 +233,11 @@ def test_generate_runs_the_window_when_asked_and_refuses_a_bad_one_first(tmp_pat
     monkeypatch.setattr(pipeline, "plan_for", lambda *args, **kwargs: MemoryPlan(1, 1, True, 0, True))
     streamed, notes = generate(attention_window=1)  # blocks streamed from CPU memory: the same window
     assert torch.equal(streamed.video, windowed.video) and torch.equal(streamed.audio, windowed.audio)
+    monkeypatch.setattr(pipeline, "DiTReader", lambda *a, **k: pytest.fail("the DiT was read"))
+    # dense steps covering all the run's model calls: a run called lossy that is exact, refused (it ran)
+    with pytest.raises(RequestError, match=r"2 dense steps keep full attention for all 2 model calls .* "
+                                           r"\(--attention-window-dense-steps; --steps counts the sigma points"):
+        generate(attention_window=1, attention_window_dense_steps=2)
     monkeypatch.setattr(pipeline, "resolve_model_source", lambda *a: pytest.fail("model looked up for a bad request"))
     with pytest.raises(RequestError, match="whole number of latent frames >= 0"):
         generate(attention_window=-2)
@@ -262,5 +270,6 @@ def test_cli_window_option(tmp_path, capsys):
     assert main(base + ["--attention-window-lossy", "-1", "--save-latents", str(tmp_path / "bad.safetensors")]) == 2
     assert "whole number of latent frames >= 0" in capsys.readouterr().err and not (tmp_path / "bad.safetensors").exists()
     dense = base + ["--attention-window-lossy", "2", "--attention-window-dense-steps", "2"]
-    assert main(dense + ["--save-latents", str(tmp_path / "dense.safetensors")]) == 0  # 2 forwards, both full
-    assert torch.equal(load_file(str(tmp_path / "dense.safetensors"))["video"], full["video"])
+    assert main(dense + ["--save-latents", str(tmp_path / "dense.safetensors")]) == 2  # 2 forwards, both full
+    assert "full attention for all 2 model calls" in capsys.readouterr().err
+    assert not (tmp_path / "dense.safetensors").exists()

@@ -304,6 +304,20 @@ def test_cli_refuses_bad_long_video_flags(tmp_path, capsys, extra, message):
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_cli_says_prompt_is_not_sampled_beside_window_prompts(capsys):
+    """--prompt with --window-prompt: the windows sample theirs; --prompt was dropped without a word."""
+    from argparse import Namespace
+
+    from h3_core.cli import _prompt
+
+    args = Namespace(prompt="a cat", long_video=True, window_prompt=["b", "c"])
+    assert _prompt(args) == "a cat"
+    assert "--prompt is not sampled, it only titles the MP4" in capsys.readouterr().err
+    assert _prompt(Namespace(prompt="a cat", long_video=True, window_prompt=[])) == "a cat"
+    assert _prompt(Namespace(prompt=None, long_video=True, window_prompt=["b", "c"])) == "b"
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("extra", [[], ["--window-prompt", "a"], ["--long-video", "--duration", "20"]])
 def test_cli_without_any_prompt_says_which_flags_give_one(tmp_path, capsys, extra):
     assert main(["generate", "--save-latents", str(tmp_path / "x.safetensors"), *extra]) == 2

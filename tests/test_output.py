@@ -98,8 +98,9 @@ def test_progress_counts_the_soundtrack_windows_then_the_frames_and_can_stop_bet
     calls = []
     write_mp4(tmp_path / "clip.mp4", random_latents(243), *vaes, on_sound=lambda *a: calls.append(("sound", *a)),
               on_frames=lambda *a: calls.append(("frames", *a)))
-    assert calls[:3] == [("sound", 1, 3), ("sound", 2, 3), ("sound", 3, 3)]
-    assert calls[3][:2] == ("frames", 17) and calls[-1] == ("frames", 243, 243)
+    # (0, 3) first: a bar shows while the first window decodes (the one before it stood still)
+    assert calls[:4] == [("sound", 0, 3), ("sound", 1, 3), ("sound", 2, 3), ("sound", 3, 3)]
+    assert calls[4][:2] == ("frames", 17) and calls[-1] == ("frames", 243, 243)
 
     class Stop(Exception):
         pass
