@@ -547,6 +547,9 @@ def run_encode(args) -> int:
     try:
         files = model_files(args)
         model = args.model or (None if files.given() else TINY_RANDOM)
+        for option, path in (("the video", args.video), ("--audio", args.audio)):
+            if path is not None and not Path(path).expanduser().is_file():
+                raise FileNotFoundError(f"{option} {path}: no such file.")
         latents = encode_clip_file(args.video, model, args.out, audio=args.audio, width=args.width,
                                    height=args.height, device=args.device,
                                    vae_dtype=DTYPES[args.vae_dtype] if args.vae_dtype else None, progress=progress,
@@ -901,6 +904,9 @@ def _canvas(args) -> tuple[int, int]:
         geometry.check_canvas(args.width, args.height)
         return args.width, args.height
     ratio = args.aspect_ratio or "16:9"
+    if ratio not in geometry.ASPECT_RATIOS:  # auto, or a typo: the text states hold no picture to take one from
+        raise ValueError(f"h3 denoise --aspect-ratio is one of {', '.join(geometry.ASPECT_RATIOS)} (or give --width "
+                         f"and --height); got {ratio!r}.")
     if args.model == TINY_RANDOM:  # the small canvas generate gives it
         return geometry.canvas_size(ratio, TINY_CANVAS.short_edge, TINY_CANVAS.max_pixels)
     return geometry.canvas_size(ratio)

@@ -804,8 +804,8 @@ def check_settings(settings: GenerateSettings) -> int:
     if settings.devices:
         check_devices(settings.devices, split=True)
     if settings.shard_weights and len(settings.devices) < 2:
-        raise ValueError("shard_weights splits the DiT's weights over several devices; give them with --devices "
-                         "(GenerateSettings.devices), two or more.")
+        raise ValueError("shard_weights (--shard-weights) splits the DiT's weights over several devices; give two or "
+                         "more with devices (--devices).")
     for name, dtype in (("dtype (--dtype)", settings.dtype), ("vae_dtype (--vae-dtype)", settings.vae_dtype)):
         if dtype is not None and dtype not in MODEL_DTYPES:
             raise ValueError(f"{name} must be one of torch.bfloat16, torch.float16, torch.float32; got {dtype!r}.")
@@ -1101,7 +1101,8 @@ def encode_clip_file(video: str | Path, model: str | None, out: str | Path, *, a
     if Path(out).suffix != ".safetensors":
         raise ValueError(f"{out} must end in .safetensors.")
     if (width is None) != (height is None):
-        raise RequestError(f"Give width and height together (or neither: from the video); got {width}x{height}.")
+        raise RequestError(f"Give width and height (--width, --height) together, or neither (then the video's aspect "
+                           f"ratio sets the canvas); got {width}x{height}.")
     if width is not None:
         geometry.check_canvas(width, height)
     check_devices([device])

@@ -302,7 +302,7 @@ def test_the_engine_refuses_what_it_would_ignore(tmp_path):
     with pytest.raises(RequestError, match="The duration is a number of seconds, got '5'"):
         resolve_num_frames("5")
     request = Request("t2va", "a fox", duration=4)
-    with pytest.raises(ValueError, match="shard_weights splits the DiT's weights over several devices"):
+    with pytest.raises(ValueError, match=r"shard_weights \(--shard-weights\) splits the DiT's weights over several devices; give two or more with devices \(--devices\)"):
         generate(request, "tiny-random", GenerateSettings(shard_weights=True), save_latents=tmp_path / "a.safetensors")
     clip = AVLatents(torch.zeros(1, 24, 27, 8, 14), torch.zeros(2, 32, 160))
     with pytest.raises(RequestError, match="keep .* and given .* go together"):
@@ -456,6 +456,8 @@ def test_h3_denoise_checks_the_seed_and_text_states_before_reading_the_dit(tmp_p
          r"1 dense steps keep full attention for all 1 model calls .*\(--attention-window-dense-steps\)"),
         (["--width", "256", "--height", "128", "--aspect-ratio", "1:1"], r"Give either --aspect-ratio \(1:1\) or "
                                                                          r"--width and --height \(256x128\), not both"),
+        (["--aspect-ratio", "auto"], r"h3 denoise --aspect-ratio is one of 21:9, 16:9, .* \(or give --width and --height\); "
+                                     r"got 'auto'"),  # generate's auto, in Python's words ("a (width, height) pair")
     ):
         assert main(["denoise", "--steps", "2", *argv, "--save-latents", str(tmp_path / "x.safetensors")]) == 2, argv
         error = capsys.readouterr().err

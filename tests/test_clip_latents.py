@@ -160,4 +160,6 @@ def test_cli_encodes_a_video_file_for_continue_from(tmp_path, capsys, vaes, monk
     encode_clip_file(path, "tiny-random", tmp_path / "again.safetensors", progress=lambda *step: steps.append(step))
     assert steps == [("encode", 17, 56), ("encode", 34, 56), ("encode", 51, 56), ("encode", 56, 56)]
     assert main(["encode", str(path), "--out", str(out), "--width", "224"]) == 2
-    assert "width and height together" in capsys.readouterr().err
+    assert "Give width and height (--width, --height) together" in capsys.readouterr().err
+    assert main(["encode", str(path), "--out", str(out), "--audio", str(tmp_path / "nope.wav")]) == 2
+    assert f"--audio {tmp_path / 'nope.wav'}: no such file." in capsys.readouterr().err  # said no option

@@ -195,7 +195,7 @@ def test_a_hub_repo_in_another_layout_is_refused_naming_the_missing_folders(tmp_
     monkeypatch.setattr(huggingface_hub, "snapshot_download", _hub_serving(other, tmp_path / "hub", fetched))
     assert main(["encode", str(tmp_path / "missing.mp4"), "--model", "Comfy-Org/MiniMax-H3",
                  "--out", str(tmp_path / "x.safetensors")]) == 2  # a clip that is not there: refused unfetched
-    assert "No media file at" in capsys.readouterr().err and fetched == []
+    assert f"the video {tmp_path / 'missing.mp4'}: no such file." in capsys.readouterr().err and fetched == []
     assert main(["encode", str(_write_clip(tmp_path / "clip.mp4")), "--model", "Comfy-Org/MiniMax-H3",
                  "--out", str(tmp_path / "x.safetensors")]) == 2
     error = capsys.readouterr().err
