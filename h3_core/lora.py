@@ -183,7 +183,7 @@ def _contract_of_name(path: Path, name: str) -> tuple[TurboContract | None, list
                              tasks=("t2va",)), notes
     if name == LARRYVRH_FILE:
         return TurboContract(name, "file name", 9), notes
-    if any(FASTH3_4STEP_PATH in part.lower() for part in path.parts[-3:]):
+    if any(FASTH3_4STEP_PATH in part.lower() for part in path.parts):  # the HF cache: models--...--<repo>/snapshots/
         return TurboContract("FastVideo FastH3 4-step preview", "folder name", 5, tasks=("t2va",)), notes
     return None, notes
 

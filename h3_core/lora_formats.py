@@ -248,8 +248,10 @@ def parse_lora(
     declared = metadata.get("key_format")
     parts: dict[str | None, list[Term]] = {}
     formats, alpha_sources = set(), {}
-    for partition, group in groups.items():
-        fmt, modules, unmapped = _modules_of(group, prefixed, path, declared, lightx2v)
+    found = {partition: _modules_of(group, prefixed, path, declared, lightx2v) for partition, group in groups.items()}
+    if not any(modules for _, modules, _ in found.values()):  # said before the unknown-keys rule, whose advice
+        raise _not_an_h3_lora(tensors, path)                    # (unknown='warn') would only lead here
+    for partition, (fmt, modules, unmapped) in found.items():
         if unmapped:
             listed = ", ".join(unmapped[:8]) + (f" and {len(unmapped) - 8} more" if len(unmapped) > 8 else "")
             message = (f"{len(unmapped)} tensor(s) of {path.name or 'the LoRA'} name no MiniMax-H3 module: {listed}. "
@@ -261,8 +263,7 @@ def parse_lora(
         context = _AlphaContext(alpha, metadata, partition, fmt, lightx2v)
         parts[partition] = _terms(modules, rows, context, alpha_sources)
     if not any(parts.values()):  # every key skipped under unknown="warn": nothing would change
-        raise LoRAError(f"None of the {len(tensors)} tensor(s) of {path.name or 'the LoRA'} name a MiniMax-H3 module: "
-                        "it is not an H3 LoRA (an SDXL, Flux or Wan one, say), and would change nothing.")
+        raise _not_an_h3_lora(tensors, path)
     if len(formats) != 1:
         raise LoRAError(f"{path.name} mixes layouts {sorted(formats)} across its partitions; one file must use one layout.")
     fmt = formats.pop()
@@ -320,6 +321,11 @@ def _native_of_flat(flat: str) -> str | None:
 
 def _is_native(name: str) -> bool:
     return bool(_NATIVE_LINEAR.fullmatch(name) or _NATIVE_NORM.fullmatch(name))
+
+
+def _not_an_h3_lora(tensors, path: Path) -> LoRAError:
+    return LoRAError(f"None of the {len(tensors)} tensor(s) of {path.name or 'the LoRA'} name a MiniMax-H3 module: "
+                     "it is not an H3 LoRA (an SDXL, Flux or Wan one, say), and would change nothing.")
 
 
 def _from_diffusers(name: str) -> tuple[str, str | None] | None:
@@ -383,7 +389,10 @@ def _modules_of(group, prefixed, path, declared, lightx2v):
             continue
         if source != "token_refiner.final_norm":
             namings.add(naming)
-        module = modules.setdefault(source, _Module(target, part, naming == "diffusers" and target.endswith("mlp.fc1"), source))
+        # only diffusers' own SwiGLU name stores [value; gate]: a native `mlp.fc1` under diffusers block names
+        # (a hybrid spelling) is [gate; value] already
+        swap = source.endswith("ff.net.0.proj")
+        module = modules.setdefault(source, _Module(target, part, swap, source))
         if role in module.tensors:
             raise LoRAError(f"'{key}' and '{module.tensors[role][0]}' are the same tensor of module '{source}'.")
         module.tensors[role] = (key, tensor)

@@ -441,6 +441,12 @@ def test_other_distilled_releases(tmp_path):
     fast = load_lora(write_fastvideo(folder / "adapter_model.safetensors", _spec_for(TINY_DIT, {"dense": True})))
     assert (fast.format, fast.contract.steps, fast.contract.video_shift, fast.contract.audio_shift) == ("fastvideo", 5, 12.0, 3.0)
     assert fast.partition == "fl2va"
+    # as huggingface_hub caches it: the repo's name five levels up (it was looked for in the last three)
+    cached = (tmp_path / "models--FastVideo--FastVideo-FastH3-4-step-Preview-v1-LoRA" / "snapshots" / "0123abc" /
+              "dense-datafree")
+    cached.mkdir(parents=True)
+    fast = load_lora(write_fastvideo(cached / "adapter_model.safetensors", _spec_for(TINY_DIT, {"dense": True})))
+    assert (fast.contract.steps, fast.contract.identified_by) == (5, "folder name")
     style = load_lora(write_native(tmp_path / "h3-realism-people-t2v-i2v-r2v.safetensors", fused(spec)))
     assert style.contract is None
 

@@ -192,9 +192,22 @@ def test_a_kohya_file_with_text_encoder_keys_follows_the_unknown_keys_rule(tmp_p
             "lora_unet_down_blocks_0_attentions_0_proj_in.lora_up.weight": torch.zeros(8, 4),
             "lora_unet_down_blocks_0_attentions_0_proj_in.alpha": torch.tensor(4.0)}
     save_file(sdxl, str(tmp_path / "sdxl_style.safetensors"))
-    with pytest.raises(LoRAError, match=r"None of the 3 tensor\(s\) of sdxl_style.safetensors name a MiniMax-H3 "
-                                        r"module: it is not an H3 LoRA"):
-        load_lora(tmp_path / "sdxl_style.safetensors", unknown="warn")
+    for unknown in ("warn", "error"):  # under "error" it said to load with unknown='warn', which led here
+        with pytest.raises(LoRAError, match=r"None of the 3 tensor\(s\) of sdxl_style.safetensors name a MiniMax-H3 "
+                                            r"module: it is not an H3 LoRA"):
+            load_lora(tmp_path / "sdxl_style.safetensors", unknown=unknown)
+
+
+def test_a_native_fc1_under_diffusers_block_names_keeps_its_halves(tmp_path):
+    """Only diffusers' `ff.net.0.proj` stores SwiGLU rows [value; gate]; a native `mlp.fc1` spelled under
+    diffusers block names (a hybrid some exports use) was half-swapped as if it were one."""
+    generator = torch.Generator().manual_seed(3)
+    down, up = torch.randn(4, 48, generator=generator), torch.randn(256, 4, generator=generator)
+    for name, source in (("native", "blocks.0.mlp.fc1"), ("hybrid", "transformer_blocks.0.mlp.fc1")):
+        save_file({f"{source}.lora_A.weight": down, f"{source}.lora_B.weight": up}, str(tmp_path / f"{name}.safetensors"))
+    terms = [load_lora(tmp_path / f"{name}.safetensors").parts[None] for name in ("native", "hybrid")]
+    assert [(t.target, torch.equal(t.up, up)) for t in terms[0]] == [("blocks.0.mlp.fc1", True)]
+    assert [(t.target, torch.equal(t.up, up)) for t in terms[1]] == [("blocks.0.mlp.fc1", True)]
 
 
 def test_a_pruned_model_refuses_a_time_embedder_delta_saying_why(tmp_path):
