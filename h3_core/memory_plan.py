@@ -260,6 +260,15 @@ def free_bytes(device) -> int:
     return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
+def total_bytes(device) -> int | None:
+    """All the memory a CUDA `device` has (None where CUDA is not here: a plan made for another machine)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+
+
 MAX_BUDGET_GIB = 2**20  # a PiB: larger is a typo (and overflows as bytes)
 
 
@@ -285,6 +294,10 @@ def plan_for(config: DiTConfig, layout, steps: int, device, budget_gib: float | 
     check_budget(budget_gib)
     if budget_gib is not None:
         budget = int(budget_gib * GIB)
+        whole = total_bytes(device) if device.type == "cuda" else None
+        if whole is not None and budget > whole:  # it was planned for as it stood: an OOM mid-run
+            raise ValueError(f"The GPU memory budget ({budget_gib:g} GiB) is more than {device} has "
+                             f"({whole / GIB:.1f} GiB in all); give at most that, or 0 for what is free.")
     else:
         budget = free_bytes(device) if device.type == "cuda" else 1 << 62
     budget -= other_bytes

@@ -7,11 +7,14 @@ several blocks waste little (eleven bf16 blocks in 8 GiB: 1.3%), and are what th
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger("h3_core")
 
 GIB = 2**30
 MAX_SLAB = 8 * GIB  # the largest buffer asked for: the most an unload holds twice while its blocks get copies
@@ -77,7 +80,14 @@ class PinnedSlabs:
             capacity = slab_bytes(size, wanted, self.room)
             if capacity is None:
                 return None
-            self.slab, self.used = self.allocate(capacity), 0
+            try:
+                slab = self.allocate(capacity)
+            except RuntimeError as error:  # the driver's limit, not the host's free memory (WSL2's, say)
+                log.warning("H3: %.1f GiB of pinned memory could not be had (%s); what was to go there streams from "
+                            "ordinary CPU memory instead", capacity / GIB, str(error).splitlines()[0])
+                self.room = 0  # not asked again
+                return None
+            self.slab, self.used = slab, 0
             self.pinned_bytes += capacity
             if host is not None:
                 host.count(capacity)

@@ -1152,8 +1152,10 @@ def sampling_plan(config, dit_source, partition: str, settings: GenerateSettings
     # LoRAs are hooked (their factors on the device) into linears held as the file stores them, else merged
     read_linears = read_mode(settings.linears, bool(loras))
     stored = read_linears == "checkpoint" and holds_stored_linears(dit_source)  # as lora.run_mode will find it
-    other = hooked_bytes(loras, partition, 2) if stored else 0
-    plan = plan_for(config, layout, steps, device, settings.gpu_memory,
+    dtype = tiny_model_dtype(device, settings.dtype) if dit_source is None else settings.dtype
+    itemsize = 2 if dtype is None else dtype.itemsize  # None: as stored (the release's bf16); fp32 was planned as bf16
+    other = hooked_bytes(loras, partition, itemsize) if stored else 0
+    plan = plan_for(config, layout, steps, device, settings.gpu_memory, dtype_bytes=itemsize,
                     held=held_linears(dit_source, settings.linears),
                     adaln_bytes=None if reader is None else reader.adaln_nbytes,
                     other_bytes=other)

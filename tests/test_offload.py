@@ -316,6 +316,7 @@ def test_fixed_allocator_segments_keep_one_block_of_activations_spare():
 def test_plan_for_a_layout_and_place_by_it(monkeypatch):
     """plan_for reads the rows and per-step timesteps from the layout; place() then streams or keeps
     everything resident, and the outputs equal the unplaced model's."""
+    from h3_core import memory_plan
     from h3_core.layout import build_request_layout
     from h3_core.memory_plan import plan_for
     from h3_core.offload import load_device
@@ -335,6 +336,32 @@ def test_plan_for_a_layout_and_place_by_it(monkeypatch):
     assert load_device(big, "cuda") == torch.device("cuda") and load_device(small, "cuda") == torch.device("cpu")
     with pytest.raises(ValueError, match="positive number of GiB"):
         plan_for(REAL, layout, 50, "cuda", budget_gib=0)
+    # a budget the GPU cannot hold (32 on a 24 GiB card) was planned for as it stood: an OOM mid-run
+    monkeypatch.setattr(memory_plan, "total_bytes", lambda device: 24 * GIB)
+    with pytest.raises(ValueError, match=r"The GPU memory budget \(32 GiB\) is more than cuda has \(24.0 GiB in all\); "
+                                         r"give at most that, or 0 for what is free"):
+        plan_for(REAL, layout, 50, "cuda", budget_gib=32)
+    assert plan_for(REAL, layout, 50, "cuda", budget_gib=24).streams  # the whole card: planned as before
+
+
+def test_the_run_plans_the_dit_in_the_dtype_it_is_read_in(monkeypatch):
+    """generate / h3 generate --dtype fp32 read the DiT in float32 but planned it in bf16 (2 bytes a weight): a
+    plan of every block resident that peaked at twice its weights."""
+    from h3_core import pipeline
+    from h3_core.layout import build_request_layout
+    from h3_core.memory_plan import plan_for
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setattr(pipeline, "held_linears", lambda source, linears: "dense")  # a bf16 release's files
+    monkeypatch.setattr(pipeline, "holds_stored_linears", lambda source: False)
+    release = SimpleNamespace(config=REAL)
+    layout = build_request_layout(1344, 768, 124, torch.ones(512, dtype=torch.long))
+    plans = {}
+    for dtype, itemsize in ((torch.float32, 4), (torch.bfloat16, 2)):
+        settings = pipeline.GenerateSettings(device="cuda", dtype=dtype, gpu_memory=80)
+        plans[itemsize] = pipeline.sampling_plan(REAL, release, "fl2va", settings, [], layout, 50)
+        assert plans[itemsize] == plan_for(REAL, layout, 50, "cuda", 80, dtype_bytes=itemsize)
+    assert not plans[2].streams and plans[4].streams  # bf16 fits 80 GiB; float32 does not
 
 
 @pytest.mark.parametrize("streams", [True, False])

@@ -54,6 +54,26 @@ def test_no_room_limit_pins_every_block():
     # at a time
 
 
+def test_a_pin_the_driver_refuses_leaves_the_rest_unpinned(caplog):
+    """cudaHostAlloc can fail below what the host has free (WSL2's limit, say): the whole placement failed; the
+    blocks (and AdaLN tables) now stay in ordinary memory, asked once."""
+    from h3_core.pinned import park_table
+
+    asked = []
+
+    def refused(capacity):
+        asked.append(capacity)
+        raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported")
+
+    slabs = PinnedSlabs(None, refused)
+    with caplog.at_level("WARNING", logger="h3_core"):
+        assert [slabs.take(BF16_BLOCK, 5 - i) for i in range(5)] == [None] * 5
+    assert len(asked) == 1 and slabs.pinned_bytes == 0
+    assert "pinned memory could not be had (CUDA error: out of memory); what was to go there streams" in caplog.text
+    table = torch.randn(2, 96)
+    assert torch.equal(park_table(slabs, table, 1), table) and len(asked) == 1
+
+
 def test_tables_are_parked_as_they_are_in_slices_of_a_few_slabs():
     from h3_core.pinned import park_table
 
