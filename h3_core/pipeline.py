@@ -582,12 +582,14 @@ def generate_batch(
 
     def run() -> list[GenerateResult]:
         clock = time.perf_counter()
-        progress("text encoder", 0, 1)
-        text_encoder = load_text_encoder_for(source, settings, notes,
-                                             lambda done, total: progress("read text encoder", done, total))
-        progress("text encoder", 1, 1)
+        # the VAEs first: they sit beside the text encoder while it encodes, so it is placed in what they leave
         video_vae, audio_vae = load_vaes(source, device, settings.vae_dtype or model_dtype(source, settings))
         notes(f"video VAE: decoder linears in {str(video_vae.dtype).removeprefix('torch.')} (encoder and norms float32)")
+        beside = module_bytes([video_vae, audio_vae]) if device.type == "cuda" else 0
+        progress("text encoder", 0, 1)
+        text_encoder = load_text_encoder_for(source, settings, notes,
+                                             lambda done, total: progress("read text encoder", done, total), beside)
+        progress("text encoder", 1, 1)
         conditionings = [None] * len(prepared)  # None: the job failed
         for number, item in enumerate(prepared):
             stage = f"encode job {number + 1}/{len(prepared)}" if len(prepared) > 1 else "encode"
@@ -595,7 +597,8 @@ def generate_batch(
                 "on_stage": lambda done, total, stage=stage: progress(stage, done, total)}
             try:
                 conditioning = item.encode(item.request, text_encoder, video_vae, audio_vae, rules=source.canvas,
-                                           before_models=room_to_encode(text_encoder, settings, notes), **staged)
+                                           before_models=room_to_encode(text_encoder, settings, notes, beside),
+                                           **staged)
                 for media in item.guide_media:
                     conditioning = add_guide(conditioning, media.frame_index, video_vae, audio_vae, media.frames,
                                              media.waveform, media.sample_rate)
@@ -1019,18 +1022,18 @@ def _check_batch(prepared: list[_Prepared], names: list[str]) -> None:
                                      "an output may not be one of the run's input files: write it elsewhere.")
 
 
-def load_text_encoder_for(source, settings: GenerateSettings, notes, on_tensor=None):
-    """The text encoder on the device when it fits (in `settings.gpu_memory` or what is free); else, with
-    several `settings.devices` that hold it between them, its decoder layers spread over them
-    (`TextEncoder.spread_layers`); else in CPU memory with its decoder layers visiting the GPU one at a
-    time (`TextEncoder.stream_layers`). `on_tensor(done, total)` as its tensors are read."""
+def load_text_encoder_for(source, settings: GenerateSettings, notes, on_tensor=None, beside: int = 0):
+    """The text encoder on the device when it fits (in `settings.gpu_memory`, less the `beside` bytes of the VAEs
+    already there, or what is free); else, with several `settings.devices` that hold it between them, its decoder
+    layers spread over them (`TextEncoder.spread_layers`); else in CPU memory with its decoder layers visiting the
+    GPU one at a time (`TextEncoder.stream_layers`). `on_tensor(done, total)` as its tensors are read."""
     device = torch.device(settings.device)
     if source.tiny:
         return tiny_random_text_encoder(device=device)
     if device.type == "cuda":
         rest, layer_bytes = text_encoder_sizes(source.text_encoder, settings.dtype)
         need = rest + TEXT_ENCODER_LAYER * layer_bytes + ENCODING_FLOOR_BYTES
-        budget = _budget_bytes(settings, device)
+        budget = _budget_bytes(settings, device, beside)
         if need > usable_bytes(budget):
             counts = _text_encoder_spread(settings, rest, layer_bytes)
             spread = ", ".join(f"{d} ({n})" for d, n in zip(settings.devices, counts or ()) if n)
@@ -1044,7 +1047,7 @@ def load_text_encoder_for(source, settings: GenerateSettings, notes, on_tensor=N
                              on_tensor=on_tensor)
 
 
-def room_to_encode(text_encoder, settings: GenerateSettings, notes) -> Callable[[int], None]:
+def room_to_encode(text_encoder, settings: GenerateSettings, notes, beside: int = 0) -> Callable[[int], None]:
     """`before_models` for a request's encode: an encoder resident on a CUDA device without room left for
     encoding `rows` rows (`TextEncoder.encoding_bytes`: a long prompt with many pictures takes far more than the
     short prompt's allowance it was placed with) goes back to CPU memory and streams its layers from then on."""
@@ -1055,7 +1058,7 @@ def room_to_encode(text_encoder, settings: GenerateSettings, notes) -> Callable[
         if not rows or device.type != "cuda" or weights is None:
             return
         need = text_encoder.encoding_bytes(rows)
-        room = _budget_bytes(settings, device) if settings.gpu_memory else free_bytes(device) + weights
+        room = _budget_bytes(settings, device, beside) if settings.gpu_memory else free_bytes(device) + weights
         if weights + need <= usable_bytes(room):
             return
         notes(f"text encoder: encoding {rows:,} rows takes about {need / GIB:.1f} GiB beside its "
@@ -1077,9 +1080,10 @@ def _text_encoder_spread(settings: GenerateSettings, rest: int, layer_bytes: int
     return spread_counts(TEXT_ENCODER_LAYER, layer_bytes, room)
 
 
-def _budget_bytes(settings: GenerateSettings, device: torch.device) -> int:
-    """What a model may use on a CUDA `device`: `settings.gpu_memory` when set, else what is free there."""
-    return int(settings.gpu_memory * GIB) if settings.gpu_memory else free_bytes(device)
+def _budget_bytes(settings: GenerateSettings, device: torch.device, beside: int = 0) -> int:
+    """What a model may use on a CUDA `device`: `settings.gpu_memory` less the `beside` bytes other models already
+    hold there when set, else what is free there (which they are not)."""
+    return max(int(settings.gpu_memory * GIB) - beside, 0) if settings.gpu_memory else free_bytes(device)
 
 
 def load_vaes(source, device: torch.device, dtype: torch.dtype):

@@ -98,7 +98,7 @@ def test_info_describes_a_checkpoint(tmp_path, tiny_config, capsys):
         (["denoise", "--model", "{ckpt}", "--save-latents", "{out}"], "needs --text-states"),
         (["denoise", "--width", "256", "--save-latents", "{out}"], "--width and --height go together"),
         (["denoise", "--width", "250", "--height", "128", "--save-latents", "{out}"], "multiple"),
-        (["denoise", "--aspect-ratio", "5:1", "--save-latents", "{out}"], "1:4"),
+        (["denoise", "--aspect-ratio", "5:1", "--save-latents", "{out}"], "one of 21:9, 16:9, 4:3, 1:1, 3:4, 9:16"),
         (["denoise", "--steps", "1", "--save-latents", "{out}"], "sigma points"),
         (["denoise", "--save-latents", "{tmp}/x.pt"], ".safetensors"),
         (["info", "{tmp}/nothing-here"], "does not exist"),

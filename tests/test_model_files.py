@@ -92,10 +92,10 @@ def test_separate_files_generate_what_the_release_root_does(model_sets, tmp_path
     assert fetched == ["MiniMaxAI/MiniMax-H3"]
     printed = capsys.readouterr()
     assert "h3: tokenizer: the release's, from the Hugging Face cache" in printed.err
-    assert [(name, path) for name, path, _ in loaded] == [
-        ("load_text_encoder", model_sets["text_encoder"]), ("load_video_vae", model_sets["video_vae"]),
-        ("load_audio_vae", model_sets["audio_vae"])]
-    assert loaded[0][2] == model_sets["release"] / "FL2VA" / "tokenizer"
+    assert [(name, path) for name, path, _ in loaded] == [  # the VAEs first: the encoder is placed beside them
+        ("load_video_vae", model_sets["video_vae"]), ("load_audio_vae", model_sets["audio_vae"]),
+        ("load_text_encoder", model_sets["text_encoder"])]
+    assert loaded[2][2] == model_sets["release"] / "FL2VA" / "tokenizer"
     ours, theirs = load_file(str(latents)), load_file(str(release))
     assert set(ours) == {"video", "audio"}
     for key in ours:

@@ -575,6 +575,32 @@ def test_the_plan_before_any_model_counts_a_long_videos_largest_window(tmp_path,
         assert largest.num_condition_video_rows == (7 + 1) * (8 // 2) * (14 // 2)  # 2x2 patches
 
 
+def test_the_text_encoder_is_placed_in_what_the_vaes_leave_of_the_budget(monkeypatch):
+    """The VAEs (~5.75 GiB at the release's size) sit beside the text encoder while it encodes: an int8 encoder
+    (25 GiB) was kept resident in a 30 GiB --gpu-memory as if they were not there, and the run went over it."""
+    from h3_core import pipeline
+
+    loaded = []
+
+    class Encoder:
+        def stream_layers(self, device):
+            loaded.append(("streams on", str(device)))
+            return self
+
+    monkeypatch.setattr(pipeline, "text_encoder_sizes", lambda path, dtype: (1 * GIB, 24 * GIB // 50))
+    monkeypatch.setattr(pipeline, "load_text_encoder", lambda path, dtype, device, **_: loaded.append(str(device))
+                        or Encoder())
+    source = SimpleNamespace(tiny=False, text_encoder="qwen3vl_32b_minimax_h3_int8_convrot.safetensors", tokenizer=None)
+    settings = pipeline.GenerateSettings(device="cuda", gpu_memory=30)
+    notes = []
+    pipeline.load_text_encoder_for(source, settings, notes.append)
+    assert loaded == ["cuda"]  # alone, 27 GiB fit 30
+    loaded.clear()
+    pipeline.load_text_encoder_for(source, settings, notes.append, beside=int(5.75 * GIB))
+    assert loaded == ["cpu", ("streams on", "cuda")]
+    assert "does not fit in 24.2 GiB" in notes[-1]
+
+
 def test_text_encoder_layers_visit_the_device_one_at_a_time():
     """stream_layers: the same prompt states as the resident encoder, every one of the 50 layers visited
     once per prompt, and the layers' weights still at home afterwards; to() ends the streaming."""
