@@ -422,7 +422,7 @@ def test_cli_shard_weights_needs_devices(capsys):
     from h3_core.cli import main as h3
 
     assert h3(["generate", "--prompt", "x", "--save-latents", "x.safetensors", "--shard-weights"]) == 2
-    assert "give them with --devices" in capsys.readouterr().err
+    assert "give two or more with devices (--devices)" in capsys.readouterr().err
 
 
 def test_gpu_memory_with_devices_says_it_does_not_limit_the_split_dit(monkeypatch, capsys, tmp_path):
