@@ -153,18 +153,34 @@ class TextEncoderPlacement(Placement):
     visit the device one at a time while they run (`TextEncoder.stream_layers`), and `size` is that
     resident part, what a host sees loaded. Unloading (`TextEncoder.to`) removes the hooks.
     `working_bytes`: what encoding needs besides, whatever the prompt (streaming: two layers in flight); a
-    prompt's activations come on top (`TextEncoder.encoding_bytes`)."""
+    prompt's activations come on top (`TextEncoder.encoding_bytes`). `budget_gib`: the GPU memory the user let it
+    use (None: what the host has free)."""
 
     def __init__(self, name: str, encoder, load_device, offload_device, stream: bool = False,
-                 loaded: bool = False):
+                 loaded: bool = False, budget_gib: float | None = None):
         super().__init__(name, [encoder], load_device, offload_device, loaded)
-        self.encoder, self.stream = encoder, stream
+        self.encoder, self.stream, self.budget_gib = encoder, False, budget_gib
         self.working_bytes = 0
         self.weight_bytes = self.size  # all of them, the streamed layers too: what a read puts in memory
+        layers = encoder.model.language_model.layers
+        self._layers_bytes = (module_bytes([layers]), module_bytes([layers[0]]))  # known once released too
         if stream:
-            layers = encoder.model.language_model.layers
-            self.size -= module_bytes([layers])
-            self.working_bytes = 2 * module_bytes([layers[0]])
+            self._streaming()
+
+    def _streaming(self) -> None:
+        all_layers, one_layer = self._layers_bytes
+        self.stream = True
+        self.size -= all_layers
+        self.working_bytes = 2 * one_layer
+
+    def stream_from_now(self) -> None:
+        """For an encode that does not fit beside the resident weights (a long prompt with many pictures, or the
+        VAEs beside it on a small GPU): the encoder goes back to CPU memory, and from its next load on its
+        decoder layers stay there and visit the device as they run."""
+        if self.stream:
+            return
+        self.offload()
+        self._streaming()
 
     @property
     def releasable(self) -> bool:

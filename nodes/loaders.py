@@ -297,7 +297,7 @@ class H3TextEncoderLoader(io.ComfyNode):
                 encoder = load_text_encoder(path, dtype, home, tokenizer=found.tokenizer_folder,
                                             processor=found.processor_folder, on_tensor=read_bar())
             name, canvas = str(path), RELEASE_CANVAS
-        patcher = manage_text_encoder(f"H3 text encoder ({Path(name).name})", encoder, target, stream)
+        patcher = manage_text_encoder(f"H3 text encoder ({Path(name).name})", encoder, target, stream, budget)
         return io.NodeOutput(TextEncoderHandle(encoder, name, canvas, patcher=patcher))
 
 

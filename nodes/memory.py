@@ -81,17 +81,22 @@ def manage(name: str, parts, device, kind: str) -> H3Patcher:
     return patcher
 
 
-def text_encoder_streams(nbytes: int, device, budget_gib: float | None) -> bool:
+def text_encoder_streams(nbytes: int, device, budget_gib: float | None, beside: int = 0, held=()) -> bool:
     """Whether a text encoder needing `nbytes` (weights + activations) must stream its layers: it does not
     fit in the user's budget (honoured on any device) or, automatically, in what ComfyUI reports free on a
-    GPU once other models were asked to leave, less its reserve. Asked before any weight is read."""
+    GPU once other models were asked to leave, less its reserve, with `beside` bytes of our other models next to
+    it (the VAEs that encode keyframes and references). `held`: our patchers already on the device (their bytes
+    are room, and they stay). Asked before any weight is read, and before each encode by a resident encoder."""
     device = torch.device(device)
     room = int(budget_gib * GIB) if budget_gib else None
+    held_bytes = sum(patcher.loaded_size() for patcher in held)
     if room is None or nbytes <= usable_bytes(room):
-        make_room(nbytes, device)
         if room is not None or device.type == "cpu":
+            make_room(nbytes - held_bytes, device, held)
             return False
-        room = mm.get_free_memory(device) - mm.extra_reserved_memory()
+        nbytes += beside
+        make_room(nbytes - held_bytes, device, held)
+        room = mm.get_free_memory(device) - mm.extra_reserved_memory() + held_bytes
         if nbytes <= usable_bytes(room):
             return False
     logging.getLogger("h3").info("H3: text encoder: %.2f GiB does not fit in %.2f GiB on %s (less the allocator's "
@@ -104,22 +109,24 @@ def text_encoder_offload_device() -> torch.device:
     return torch.device(mm.text_encoder_offload_device())
 
 
-def manage_text_encoder(name: str, encoder, device, stream: bool) -> H3Patcher:
+def manage_text_encoder(name: str, encoder, device, stream: bool, budget_gib: float | None = None) -> H3Patcher:
     """The text encoder under ComfyUI's model manager, registered (and placed) now: whole on `device`
     (already there), or with `stream` resident but for its decoder layers, which visit `device` as they
-    run; ComfyUI then sees only the resident part."""
+    run; ComfyUI then sees only the resident part. `budget_gib`: the loader's GPU memory setting."""
     placement = TextEncoderPlacement(name, encoder, device, mm.text_encoder_offload_device(), stream,
-                                     loaded=not stream)
+                                     loaded=not stream, budget_gib=budget_gib)
     track(placement)
     patcher = H3Patcher(placement)
     place([patcher], placement.working_bytes + (encoder.encoding_bytes(0) if stream else 0))
     return patcher
 
 
-def make_room(nbytes: int, device) -> None:
-    """Before reading weights from disk onto `device`: ask other models to leave `nbytes` free."""
+def make_room(nbytes: int, device, keep=()) -> None:
+    """Before reading weights from disk onto `device`: ask other models to leave `nbytes` free (the patchers in
+    `keep` stay)."""
     if nbytes > 0:
-        mm.free_memory(nbytes, device)
+        kept = [entry for entry in mm.current_loaded_models if any(entry.model is patcher for patcher in keep)]
+        mm.free_memory(nbytes, device, keep_loaded=kept)
 
 
 def place(patchers, working_bytes: int = 0) -> None:
@@ -161,13 +168,22 @@ def place_for_encoding(text_encoder, vae=None, rows: int = 0) -> None:
     """The text encoder (and the VAE, for keyframes and references) on the device, with room for what encoding
     a presentation of `rows` rows needs besides (the activations, and a streaming encoder's layers in flight):
     ComfyUI unloads other models for it. `rows` 0 (the encoder remembers the prompt) or `text_encoder` None: only
-    the VAE. An encode's `before_models`."""
+    the VAE. A resident encoder placed with room for a short prompt alone streams its layers from now on when the
+    encode would not fit beside it and the VAE (a small GPU, or its budget). An encode's `before_models`."""
     patcher = None if text_encoder is None or not rows else text_encoder.patcher
     placement = getattr(patcher, "model", None)
     encoder = getattr(placement, "encoder", None)  # a handle made outside the loaders may have no placement
+    vae_patcher = None if vae is None else vae.patcher
     working = getattr(placement, "working_bytes", 0) + (encoder.encoding_bytes(rows) if rows and encoder else 0)
+    if (isinstance(placement, TextEncoderPlacement) and not placement.stream
+            and (placement.load_device.type != "cpu" or placement.budget_gib)):
+        ours = [p for p in (patcher, vae_patcher) if p is not None and p.load_device == placement.load_device]
+        beside = sum(p.model_size() for p in ours if p is vae_patcher)
+        if text_encoder_streams(placement.size + working, placement.load_device, placement.budget_gib, beside, ours):
+            placement.stream_from_now()  # it was placed with room for a short prompt alone
+            working = placement.working_bytes + encoder.encoding_bytes(rows)
     with read_progress(placement):
-        place([patcher, None if vae is None else vae.patcher], working)
+        place([patcher, vae_patcher], working)
 
 
 def decode_working_bytes(vae, video_latents, tiled: bool | None = None) -> int:

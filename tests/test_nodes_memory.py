@@ -525,6 +525,74 @@ def test_the_text_encoder_streams_when_it_does_not_fit_what_comfyui_has_free(com
     assert streams(3 * GIB, "cpu", 1.0)  # a budget is honoured anywhere (this is how the CPU tests stream)
 
 
+def test_the_vaes_beside_and_what_is_already_placed_count_for_a_resident_encoder(comfy, monkeypatch):
+    """At an encode, a resident encoder (placed for a short prompt alone) is checked again with the VAE beside it:
+    what our models already hold counts as room and is kept, the VAE's bytes and the prompt's count against it."""
+    c = comfy
+    freed = []
+    monkeypatch.setattr(c.mm, "free_memory", lambda nbytes, device, keep_loaded=(), **_: freed.append(
+        (nbytes, str(device), [entry.model for entry in keep_loaded])))
+    class Resident:  # our encoder's patcher, as ComfyUI's registry holds it
+        def loaded_size(self):
+            return 16 * GIB
+
+    encoder = Resident()
+    c.mm.current_loaded_models = [fake_comfy.LoadedModel(encoder)]
+    c.record.free_bytes = 8 * GIB  # a 24 GiB card with the 16 GiB encoder on it
+    streams = c.memory.text_encoder_streams
+    assert not streams(18 * GIB, "cuda:0", None, held=[encoder])  # the encoder and a short prompt: it fits
+    assert freed[-1] == (2 * GIB, "cuda:0", [encoder])  # only the prompt's room was asked for, the encoder kept
+    assert streams(18 * GIB, "cuda:0", None, beside=6 * GIB, held=[encoder])  # the VAEs beside it do not fit
+    assert freed[-1] == (8 * GIB, "cuda:0", [encoder])
+    assert not streams(18 * GIB, "cuda:0", 20.0, beside=6 * GIB, held=[encoder])  # its own budget has no VAE
+
+
+def test_an_encode_that_does_not_fit_beside_a_resident_encoder_streams_it_from_then_on(comfy, monkeypatch, caplog):
+    """The loader placed the encoder whole for a short prompt within its budget; a long presentation (nine
+    pictures: ~11 GiB for the 32B) would not fit there, so the encoder goes back to CPU memory and its layers
+    stream, with the resident encoder's conditioning; before, it stayed whole and ran out of device memory."""
+    c = comfy
+    vae = c.loaders.H3VAELoader.execute("tiny-random", "tiny-random", "").values[0]
+    text = c.loaders.H3TextEncoderLoader.execute("tiny-random", "", "", "bf16", gpu_memory_gb=4.0).values[0]
+    placement = text.patcher.model
+    assert not placement.stream and not _layers_hooked(text.encoder)
+    expected = _encode(c, text, vae)  # a short prompt: 2 GiB beside the weights, within 4 GiB
+    assert not placement.stream and not _layers_hooked(text.encoder)
+
+    text.encoder.forget()
+    monkeypatch.setattr(type(text.encoder), "encoding_bytes", lambda self, rows: 4 * GIB)
+    with caplog.at_level("INFO", logger="h3"):
+        got = _encode(c, text, vae)
+    assert placement.stream and _layers_hooked(text.encoder) and text.encoder._visits.visits > 0
+    assert c.record.loaded[-1][1] == placement.working_bytes + 4 * GIB
+    assert torch.equal(got.text_states, expected.text_states)
+    assert any("does not fit in 4.00 GiB" in r.getMessage() for r in caplog.records)
+    c.mm.unload_all_models()
+    assert not _layers_hooked(text.encoder) and text.patcher.loaded_size() == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI has none)")
+def test_on_a_gpu_a_resident_encoder_without_room_beside_the_vaes_streams(comfy, monkeypatch):
+    """The same on a real GPU and without a budget: ComfyUI reports too little free beside our encoder and VAEs
+    for the prompt's activations, so the encoder's layers stream from CPU memory, with the same conditioning."""
+    c = comfy
+    monkeypatch.setattr(c.mm, "get_torch_device", lambda: torch.device("cuda", 0))
+    vae = c.loaders.H3VAELoader.execute("tiny-random", "tiny-random", "").values[0]
+    text = c.loaders.H3TextEncoderLoader.execute("tiny-random", "", "", "bf16").values[0]
+    placement = text.patcher.model
+    c.record.free_bytes = 3 * GIB  # room for a short prompt's 2 GiB
+    expected = _encode(c, text, vae)
+    assert not placement.stream and placement.loaded and placement.device.type == "cuda"
+    c.record.free_bytes = GIB // 2
+    text.encoder.forget()
+    got = _encode(c, text, vae)
+    assert placement.stream and text.encoder._visits.visits > 0
+    assert all(p.device.type == "cpu" for p in text.encoder.model.language_model.layers.parameters())
+    assert text.encoder.model.language_model.embed_tokens.weight.device.type == "cuda"
+    assert torch.equal(got.text_states, expected.text_states)
+    c.mm.unload_all_models()
+
+
 def test_vae_decode_asks_comfyui_for_its_working_memory(comfy):
     from nodes.convert import empty_latent
 
