@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import numbers
 import os
 import re
@@ -208,6 +209,11 @@ def start_rows(init: AVLatents, layout, schedule: DualClockSchedule, video_noise
     a modality the layout holds fixed has no target rows and stays empty."""
     _check_init_size(init, latent_shape(layout))
     s_video, s_audio = schedule.video[0], schedule.audio[0]
+    if video_noise.shape[1] and audio_noise.shape[1] and (s_video < 1.0) != (s_audio < 1.0):
+        fresh, refined = ("audio", "video") if s_audio >= 1.0 else ("video", "audio")
+        logging.getLogger("h3_core").warning(
+            "H3: only the %s ladder starts below 1.0: the given latent's %s is refined, its %s is made anew from "
+            "noise; give it a ladder that starts lower too, or keep=%r to hold it.", refined, refined, fresh, fresh)
     if video_noise.shape[1]:
         video_noise = s_video * video_noise + (1 - s_video) * patchify(init.video.float().cpu())
     if audio_noise.shape[1]:

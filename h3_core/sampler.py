@@ -33,6 +33,10 @@ def sigma_ladder(points: int, shift: float) -> torch.Tensor:
     The grid is built in fp32 on the CPU so the schedule never depends on the device.
     """
     check_steps(points)
+    return _shifted_grid(points, shift)
+
+
+def _shifted_grid(points: int, shift: float) -> torch.Tensor:
     check_shift(shift)
     base = torch.linspace(1.0, 0.0, int(points), dtype=torch.float32)
     return torch.unique_consecutive(shift * base / (1 + (shift - 1) * base))
@@ -41,6 +45,7 @@ def sigma_ladder(points: int, shift: float) -> torch.Tensor:
 # Bounds of what a user may ask for (the release runs 50 points at shifts 12 / 3): a shift of 1e39 made NaN sigmas,
 # 1e-10 an infinite one; a billion points ran for hours before the first step
 MAX_STEPS = 1000
+MAX_DENOISE_POINTS = 100 * MAX_STEPS  # the longer ladder denoise < 1 cuts its last steps from (built, never run)
 MIN_SHIFT, MAX_SHIFT = 0.01, 100.0
 
 
@@ -68,6 +73,9 @@ def custom_ladder(sigmas: Sequence[float] | torch.Tensor) -> torch.Tensor:
         raise ValueError(f"Custom sigmas must be at least two strictly decreasing values ending at 0.0; got {ladder.tolist()}.")
     if ladder[0].item() > 1.0:
         raise ValueError(f"Custom sigmas must not exceed 1.0 (pure noise); got {ladder[0].item()}.")
+    if ladder.numel() > MAX_STEPS:
+        raise ValueError(f"Custom sigmas have {ladder.numel()} points; at most {MAX_STEPS} are allowed (each point but "
+                         "the last is one model call).")
     return ladder
 
 
@@ -103,9 +111,15 @@ class DualClockSchedule:
                              "walked together, so the longer one would stop before 0; give both the same count.")
         if len(given) == 1:  # the automatic ladder walks as many points as the given one
             steps = given[0]
+        if not given:  # what runs: a small denoise builds a longer ladder, but only its last `steps` points run
+            check_steps(steps)
         points = steps if denoise == 1.0 else round((steps - 1) / denoise) + 1
-        video = custom_ladder(video_sigmas) if video_sigmas is not None else sigma_ladder(points, video_shift)[-steps:]
-        audio = custom_ladder(audio_sigmas) if audio_sigmas is not None else sigma_ladder(points, audio_shift)[-steps:]
+        if points > MAX_DENOISE_POINTS:
+            raise ValueError(f"denoise {denoise:g} with {steps} steps runs the end of a {points}-point ladder; at most "
+                             f"{MAX_DENOISE_POINTS} are built: raise denoise to at least "
+                             f"{(steps - 1) / (MAX_DENOISE_POINTS - 1):.2g}.")
+        video = custom_ladder(video_sigmas) if video_sigmas is not None else _shifted_grid(points, video_shift)[-steps:]
+        audio = custom_ladder(audio_sigmas) if audio_sigmas is not None else _shifted_grid(points, audio_shift)[-steps:]
         return cls(video, audio)
 
     @property

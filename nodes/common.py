@@ -16,6 +16,7 @@ from comfy_api.latest import io
 from h3_core import geometry
 from h3_core.media import SAMPLE_RATE
 from h3_core.media_write import DEFAULT_CRF
+from h3_core.sampler import check_shift
 from h3_core.weights import SAFETENSORS_SUFFIXES
 
 CATEGORY = "H3"
@@ -319,6 +320,25 @@ def shift_inputs() -> list:
         io.Float.Input("audio_shift", default=0.0, min=0.0, max=100.0, step=0.1,
                        tooltip="Audio sigma shift; 0 = automatic: the Turbo contract's, else 3."),
     ]
+
+
+def steps_problem(steps) -> str | None:
+    """One sigma point is no step: said at queue time (0 is automatic)."""
+    if steps == 1:
+        return ("steps counts sigma points including the final 0, so 2 is one model call; got 1. Set at least 2, "
+                "or 0 for the automatic count.")
+    return None
+
+
+def shifts_problem(video_shift, audio_shift) -> str | None:
+    """A shift set by hand (0 is automatic) within what the command line allows too."""
+    for name, shift in (("video_shift", video_shift), ("audio_shift", audio_shift)):
+        if isinstance(shift, (int, float)) and shift:
+            try:
+                check_shift(shift, name, bounded=True)
+            except ValueError as error:
+                return f"{str(error).rstrip('.')} (0 = automatic)."
+    return None
 
 
 def canvas_inputs(auto: str) -> list:

@@ -97,11 +97,20 @@ class ModelHandle:
                          audio_sigmas=None):
         """`lora.sampler_settings` from the schedules this model samples on (its adapters' that act, a VSA
         student's own) and the user's values (None: the schedule's); an adapter distilled for another task
-        than `task` is warned about in the log."""
+        than `task` is warned about in the log, and so is a setting that overrides an adapter's distilled one (the
+        command line says both too)."""
         contracts = applied_contracts(self.loras) + ([VSA_STUDENT_CONTRACT] if self.vsa_student else [])
+        log = logging.getLogger("h3")
         for line in task_warnings(contracts, task):
-            logging.getLogger("h3").warning("H3: %s", line)
-        return sampler_settings(contracts, steps, video_shift, audio_shift, video_sigmas, audio_sigmas)
+            log.warning("H3: %s", line)
+        settings = sampler_settings(contracts, steps, video_shift, audio_shift, video_sigmas, audio_sigmas)
+        ladders = [len(ladder) for ladder in (settings.video_sigmas, settings.audio_sigmas) if ladder is not None]
+        points = min(ladders) if ladders else settings.steps  # walked together up to the shorter
+        log.log(logging.WARNING if settings.notes else logging.INFO,
+                "H3: sampler: %d sigma points (%d model calls), video shift %g, audio shift %g; from the %s%s",
+                points, points - 1, settings.video_shift, settings.audio_shift, settings.source,
+                "".join(f"; {note}" for note in settings.notes))
+        return settings
 
 
 @dataclass(frozen=True)

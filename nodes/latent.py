@@ -19,7 +19,7 @@ from h3_core.conditioning import MAX_FRAMES, MIN_REQUESTED_FRAMES, RequestError,
 from h3_core.placement import freed_on_failure
 
 from .common import (CATEGORY, LINK_HIDDEN, H3VAE, H3Cond, H3Latent, canvas_problem, check_interrupt, device,
-                     progress_and_interrupt, progress_bar, refuse_empty_links, wrong_link)
+                     progress_and_interrupt, progress_bar, range_problem, refuse_empty_links, wrong_link)
 from .convert import (
     audio_to_decoded, empty_latent, from_core_av, image_to_uint8, pack_latents, to_core_av, trim_frames, video_file,
     video_to_decoded,
@@ -56,11 +56,20 @@ class H3EmptyAVLatent(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, input_types=None, width=None, height=None) -> bool | str:
-        """A canvas the model cannot make is a node error at queue time, unless conditioning (which sets the
-        size) is linked; naming width and height turns ComfyUI's own range and link-type checks off: redone."""
+    def validate_inputs(cls, input_types=None, width=None, height=None, num_frames=None) -> bool | str:
+        """A canvas or a length the model cannot make is a node error at queue time, unless conditioning (which
+        sets the size) is linked; naming the inputs turns ComfyUI's own range and link-type checks off: redone."""
         types = input_types if isinstance(input_types, dict) else {}
-        return wrong_link(cls, types) or (None if "conditioning" in types else canvas_problem(width, height)) or True
+        problem = wrong_link(cls, types) or range_problem(cls, num_frames=num_frames)
+        if problem or "conditioning" in types:
+            return problem or True
+        problem = canvas_problem(width, height)
+        if not problem and isinstance(num_frames, int):
+            try:
+                resolve_num_frames(num_frames=num_frames)
+            except ValueError as error:
+                problem = f"H3 Empty AV Latent: {error}"
+        return problem or True
 
     @classmethod
     def execute(cls, width, height, num_frames, conditioning=None) -> io.NodeOutput:

@@ -43,7 +43,7 @@ from .common import (
     CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, LINK_HIDDEN, canvas_inputs,
     canvas_problem, check_interrupt, check_prefix, crf_input, decode_inputs, decode_options, decode_progress,
     device, devices_problem, preview_settings, prefix_problem, progress_bar, range_problem, refuse_empty_links,
-    reserved_output, saved_file_metadata, shift_inputs, step_preview,
+    reserved_output, saved_file_metadata, shift_inputs, shifts_problem, step_preview, steps_problem,
 )
 from .conditioning import (guide_media, guide_media_inputs, linked_media, reference_images_input, reference_input,
                            validate_guide_links)
@@ -128,7 +128,7 @@ class H3Continuation(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, input_types=None, task=None, references=None, prompt=None, window_prompts=None,
                         width=None, height=None, duration=None, mode=None, window_frames=None,
-                        overlap_frames=None) -> bool | str:
+                        overlap_frames=None, steps=None, video_shift=None, audio_shift=None) -> bool | str:
         """What is wired, an empty prompt, a canvas the model cannot make and a window plan that cannot be made
         are known before anything runs (the model loader included): a node error at queue time. ComfyUI still
         checks the other inputs' ranges and options (the two prompts are texts: no range; `canvas_problem` and
@@ -137,7 +137,9 @@ class H3Continuation(io.ComfyNode):
         types, kinds, problem = linked_media(cls, input_types)
         problem = problem or canvas_problem(width, height, zero="from the aspect ratio")
         # said beside the others, as ComfyUI says its own range errors beside a node's
-        ranged = range_problem(cls, duration=duration, window_frames=window_frames, overlap_frames=overlap_frames)
+        ranged = (range_problem(cls, duration=duration, window_frames=window_frames, overlap_frames=overlap_frames,
+                                steps=steps, video_shift=video_shift, audio_shift=audio_shift)
+                  or steps_problem(steps) or shifts_problem(video_shift, audio_shift))
         texts = (prompt, window_prompts or "")  # a linked one (None) is known when the node runs
         if not problem and "window_prompts" not in types and all(isinstance(t, str) and not t.strip() for t in texts):
             problem = EMPTY_PROMPT
@@ -163,7 +165,7 @@ class H3Continuation(io.ComfyNode):
         refuse_empty_links(cls.hidden, vae=vae, drive_audio=drive_audio, guides=guides, continue_from=continue_from,
                            keep_video=keep_video,
                            **{f"references.{slot}": value for slot, value in (references or {}).items()})
-        problem = _task_problem(task)  # a linked task is known only now
+        problem = _task_problem(task) or steps_problem(steps) or shifts_problem(video_shift, audio_shift)
         if problem:
             raise ValueError(problem)
         wanted = TASK_PARTITION[task]

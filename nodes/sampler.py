@@ -15,7 +15,8 @@ from h3_core.sampler import DualClockSchedule, custom_ladder
 
 from .common import (
     CATEGORY, H3Cond, H3Latent, H3Model, check_interrupt, files_fingerprint, preview_settings,
-    progress_bar, range_problem, shift_inputs, step_preview, wrong_link,
+    progress_bar, range_problem, shift_inputs, shifts_problem, step_preview, steps_problem,
+    wrong_link,
 )
 from .convert import latent_size_problem, pack_latents, unpack_latents
 from .memory import dit_for_run, drop_loras, use_loras
@@ -59,10 +60,13 @@ class H3Sampler(io.ComfyNode):
                 H3Model.Input("model", tooltip="From H3 Model Loader (optionally through H3 LoRA / Turbo Apply)."),
                 H3Cond.Input("conditioning", tooltip="From H3 Conditioning."),
                 io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
-                             tooltip="Noise seed (one CPU generator: the same seed gives the same output anywhere). "
+                             tooltip="Noise seed (one CPU generator: the same seed draws the same noise on every "
+                                     "device; outputs agree closely, not bit for bit, across devices and dtypes). "
                                      "Output i uses seed + i. " + SEED_BITS),
                 io.Int.Input("steps", default=0, min=0, max=200,
-                             tooltip="Sampling points; 0 = automatic: a Turbo adapter's distilled count, else 50."),
+                             tooltip="Sampling points, counting the final 0: one more than the model calls (8 "
+                                     "points = 7 calls); at least 2. 0 = automatic: a Turbo adapter's distilled "
+                                     "count, else 50."),
                 *shift_inputs(),
                 io.Float.Input("denoise", default=1.0, min=0.01, max=1.0, step=0.01,
                                tooltip="1.0: generate from noise. Below 1: refine the connected latent, running the "
@@ -89,12 +93,16 @@ class H3Sampler(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, input_types=None, seed=None, denoise=None, outputs=None, keep=None) -> bool | str:
-        """A refinement or a kept part with no latent linked, and seeds past the generator's range, are known at
-        queue time: refused before the text encoder and the DiT run. Naming these inputs turns ComfyUI's own
-        checks of them (range, choices, link types) off: redone here (a linked value is known when it runs)."""
+    def validate_inputs(cls, input_types=None, seed=None, steps=None, video_shift=None, audio_shift=None,
+                        denoise=None, outputs=None, keep=None) -> bool | str:
+        """A refinement or a kept part with no latent linked, one sigma point, a shift out of range and seeds past
+        the generator's range are known at queue time: refused before the text encoder and the DiT run. Naming
+        these inputs turns ComfyUI's own checks of them (range, choices, link types) off: redone here (a linked
+        value is known when it runs)."""
         types = input_types if isinstance(input_types, dict) else {}
-        problem = wrong_link(cls, types) or range_problem(cls, seed=seed, denoise=denoise, outputs=outputs)
+        problem = wrong_link(cls, types) or range_problem(cls, seed=seed, steps=steps, video_shift=video_shift,
+                                                          audio_shift=audio_shift, denoise=denoise, outputs=outputs)
+        problem = problem or steps_problem(steps) or shifts_problem(video_shift, audio_shift)
         if problem:
             return problem
         if isinstance(keep, str) and keep not in KEEP_CHOICES:
@@ -118,6 +126,9 @@ class H3Sampler(io.ComfyNode):
             raise ValueError(f"{conditioning.task} runs on the {wanted} partition, but this model was loaded as "
                              f"{model.partition}; set the loader's partition to {wanted}.")
         check_seeds(seed, outputs)  # seed + i for every output, said before any model moves
+        problem = steps_problem(steps) or shifts_problem(video_shift, audio_shift)
+        if problem:
+            raise ValueError(problem)
         video_sigmas = checked_sigmas(video_sigmas, "video_sigmas")
         audio_sigmas = checked_sigmas(audio_sigmas, "audio_sigmas")
         if (video_sigmas is None) != (audio_sigmas is None):  # the automatic ladder walks as many points
@@ -157,7 +168,7 @@ class H3Sampler(io.ComfyNode):
                         check_interrupt()
 
                     check_interrupt()
-                    seed_i = (int(seed) + index) % 2**64  # the generator's range; the widget allows its top
+                    seed_i = int(seed) + index  # check_seeds kept it within the generator's range
                     latents = sample(dit, conditioning, seed_i, settings.steps, settings.video_shift,
                                      settings.audio_shift, settings.video_sigmas, settings.audio_sigmas,
                                      callback=on_step, init=init, denoise=denoise, keep=keep,

@@ -40,7 +40,7 @@ def test_the_generated_part_lists_each_input_with_its_tooltip_and_each_output(sc
     items = [line for line in part.splitlines() if line.startswith("- **`")]
     assert [item.split("`")[1] for item in items] == [p.id for p in sampler.inputs] + ["latent"]
     seed = next(item for item in items if item.startswith("- **`seed`**"))
-    assert "integer 0..18446744073709551615, default `0`." in seed and "same seed gives the same" in seed
+    assert "integer 0..18446744073709551615, default `0`." in seed and "same seed draws the same noise" in seed
     assert items[-1].startswith("- **`latent`**: H3_LATENT, a list: the nodes after it run once per item. The sampled")
     loader = node_docs.render(next(schema for schema in schemas if schema.node_id == "H3ModelLoader"))
     assert "- **`checkpoint`**: a file name, default `tiny-random`. A file from" in loader  # folder lists: run time

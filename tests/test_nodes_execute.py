@@ -447,7 +447,7 @@ def test_interrupt_stops_a_forward_between_blocks(comfy, monkeypatch):
     assert len(model.dit.blocks) > 1 and model.dit._between_blocks is None
 
 
-def test_lora_apply_keeps_the_cached_model_clean(comfy):
+def test_lora_apply_keeps_the_cached_model_clean(comfy, caplog):
     from lora_files import fused, random_spec, write_native
 
     from h3_core.config import TINY_DIT
@@ -460,8 +460,11 @@ def test_lora_apply_keeps_the_cached_model_clean(comfy):
     assert len(turbo.loras) == 1 and turbo.dit is model.dit and turbo.patcher is model.patcher
     before = {k: v.clone() for k, v in model.dit.state_dict().items()}
     cond = _cond(c, text, vae).values[0]
-    c.sampler.H3Sampler.execute(turbo, cond, 0, 0, 0.0, 0.0)
+    with caplog.at_level("INFO", logger="h3"):
+        c.sampler.H3Sampler.execute(turbo, cond, 0, 0, 0.0, 0.0)
     assert c.record.progress[-1][:2] == (8, 8)  # the Turbo contract: 8 distilled steps
+    said = [r for r in caplog.records if "H3: sampler: " in r.getMessage()]
+    assert said[-1].levelname == "INFO" and "9 sigma points (8 model calls)" in said[-1].getMessage()
     assert all(torch.equal(before[k], v) for k, v in model.dit.state_dict().items())
     from h3_core.lora import hooked_bytes
     from h3_core.memory_plan import working_bytes
@@ -470,6 +473,13 @@ def test_lora_apply_keeps_the_cached_model_clean(comfy):
     assert hooked_bytes(turbo.loras, "fl2va", 4) == 4 * factors > 0
     asked = [working for names, working in c.record.loaded if names == ["H3 DiT (fl2va, tiny-random)"]][-1]
     assert asked == working_bytes(model.dit.config, cond.layout.sequence_length, 9) + 4 * factors  # fp32 tiny DiT
+    caplog.clear()
+    with caplog.at_level("INFO", logger="h3"):  # 8 points is 7 calls, off the distilled ladder: warned
+        c.sampler.H3Sampler.execute(turbo, cond, 0, 8, 0.0, 0.0)
+    said = [r for r in caplog.records if "H3: sampler: " in r.getMessage()]
+    assert said[-1].levelname == "WARNING" and "8 sigma points (7 model calls)" in said[-1].getMessage()
+    assert "user steps=8 overrides the contract's 9" in said[-1].getMessage()
+    c.record.progress.clear()
     off = c.sampler.H3LoRAApply.execute(model, TURBO, 0.0).values[0]  # switched off: the base model's schedule too
     c.record.interrupt_after = len(c.record.progress) + 1
     with pytest.raises(c.memory.mm.InterruptProcessingException):
@@ -1341,6 +1351,23 @@ def test_sampler_and_decode_settings_are_checked_at_queue_time(comfy):
     assert "keep: 'both' not in" in check(input_types=linked, **{**fine, "keep": "both"})
     assert "latent takes H3_LATENT, got LATENT" in check(input_types={**linked, "latent": "LATENT"}, **fine)
     assert check(input_types=linked, seed=None, denoise=None, outputs=None, keep=None) is True  # linked values
+    # one sigma point is no step (0 is automatic, 2 one model call); a shift by hand within the command line's range
+    assert "steps counts sigma points including the final 0, so 2 is one model call; got 1" in check(
+        input_types=linked, **fine, steps=1)
+    assert check(input_types=linked, **fine, steps=0, video_shift=0.0, audio_shift=0.0) is True
+    assert check(input_types=linked, **fine, steps=2, video_shift=0.01, audio_shift=100.0) is True
+    assert "video_shift must be a number from 0.01 to 100, got 0.005 (0 = automatic)" in check(
+        input_types=linked, **fine, video_shift=0.005)
+    assert "steps: Value 201 bigger than max of 200" in check(input_types=linked, **fine, steps=201)
+    continuation = importlib.import_module("nodes.long_video").H3Continuation.validate_inputs
+    assert "so 2 is one model call; got 1" in continuation(input_types={}, task="t2va", steps=1)
+    assert "audio_shift must be a number from 0.01" in continuation(input_types={}, task="t2va", audio_shift=0.001)
+    # H3 Empty AV Latent's length without conditioning linked (its widget allows 1 for saved workflows)
+    empty = comfy.latent.H3EmptyAVLatent.validate_inputs
+    assert "H3 Empty AV Latent: " in empty(input_types={}, width=1344, height=768, num_frames=40)
+    assert empty(input_types={}, width=1344, height=768, num_frames=124) is True
+    assert empty(input_types={"conditioning": "H3_COND"}, width=1344, height=768, num_frames=1) is True
+    assert "num_frames: Value 0 smaller than min of 1" in empty(input_types={}, width=1344, height=768, num_frames=0)
     streamed = importlib.import_module("nodes.long_video").H3SaveMP4.validate_inputs
     for validate in (comfy.output.H3VAEDecode.validate_inputs, lambda **k: streamed(filename_prefix="H3/x", **k)):
         assert validate(devices="") is True and validate(devices=None) is True

@@ -108,6 +108,31 @@ def test_refining_starts_each_modality_at_its_first_sigma():
         start_rows(narrow, layout, schedule, video_noise, audio_noise)
 
 
+def test_refining_with_one_ladder_below_one_warns_that_the_other_is_made_anew(caplog):
+    """A video ladder from 0.3 alone gives the audio an automatic ladder from 1.0: the given latent's sound is
+    dropped and made from noise. That is the documented rule, but a refinement that loses half its input says so."""
+    from h3_core.layout import build_request_layout
+    from h3_core.noise import request_generator, target_noise
+    from h3_core.output import AVLatents
+    from h3_core.pipeline import start_rows
+
+    layout = build_request_layout(128, 64, 124, torch.ones(6, dtype=torch.long))
+    init = AVLatents(torch.zeros(1, 24, layout.latent_frames, layout.latent_height, layout.latent_width),
+                     torch.zeros(2, 32, layout.audio_latents))
+    noise = target_noise(layout, request_generator(3))
+    with caplog.at_level("WARNING", logger="h3_core"):
+        start_rows(init, layout, DualClockSchedule.build(video_sigmas=[0.3, 0.1, 0.0]), *noise)
+    assert [r.getMessage() for r in caplog.records] == [
+        "H3: only the video ladder starts below 1.0: the given latent's video is refined, its audio is made anew "
+        "from noise; give it a ladder that starts lower too, or keep='audio' to hold it."]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="h3_core"):
+        start_rows(init, layout, DualClockSchedule.build(9, denoise=0.5), *noise)
+        start_rows(init, layout, DualClockSchedule.build(video_sigmas=[0.3, 0.1, 0.0], audio_sigmas=[0.5, 0.2, 0.0]),
+                   *noise)
+    assert not caplog.records
+
+
 def test_custom_ladders_reach_zero_together():
     """One explicit ladder: the automatic other walks as many points (whatever steps says); two of different
     lengths are refused (walked together, the longer would stop short of 0)."""
@@ -126,6 +151,28 @@ def test_denoise_takes_the_tail_of_a_longer_ladder():
     assert torch.equal(DualClockSchedule.build(9, denoise=1.0).video, sigma_ladder(9, 12.0))
     assert DualClockSchedule.build(5, denoise=0.3).video.numel() == 5  # round(4 / 0.3) = 13 intervals
     assert torch.equal(DualClockSchedule.build(5, denoise=0.3).video, sigma_ladder(14, 12.0)[-5:])
+
+
+def test_a_small_denoise_is_bounded_by_the_steps_it_runs():
+    """The cap on points is on what runs: 50 points at denoise 0.04 cut the end of a 1226-point ladder, which
+    was refused as if 1226 steps had been asked for; an absurd denoise names denoise and the least it takes."""
+    schedule = DualClockSchedule.build(50, denoise=0.04)
+    reference = MiniMaxH3Scheduler(shift=12.0)
+    reference.set_timesteps(1226)  # round(49 / 0.04) + 1
+    assert schedule.num_calls == 49 and torch.equal(schedule.video, reference.sigmas[-50:])
+    with pytest.raises(ValueError, match=r"denoise 1e-09 with 50 steps .* raise denoise to at least 0.00049"):
+        DualClockSchedule.build(50, denoise=1e-9)
+    with pytest.raises(ValueError, match="from 2 to 1000; got 1001"):
+        DualClockSchedule.build(1001, denoise=0.5)
+
+
+def test_custom_ladders_are_capped_like_automatic_ones():
+    long = torch.linspace(1.0, 0.0, 1001)
+    with pytest.raises(ValueError, match="Custom sigmas have 1001 points; at most 1000"):
+        custom_ladder(long)
+    with pytest.raises(ValueError, match="Custom sigmas have 1001 points"):
+        DualClockSchedule.build(video_sigmas=long)
+    assert DualClockSchedule.build(video_sigmas=long[:-1].tolist()[:999] + [0.0]).num_calls == 999
 
 
 def test_preview_estimate_is_the_steps_own_clean_estimate():
