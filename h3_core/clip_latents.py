@@ -43,13 +43,14 @@ def check_frame_rate(fps: float) -> None:
 
 
 def clip_frame_count(frames: int, fps: float) -> int:
-    """Frames at 24 fps a clip of `frames` frames at `fps` keeps: the largest 17n + 5 (refused below 22)."""
+    """Frames at 24 fps a clip of `frames` frames at `fps` keeps: the largest 17n + 5 (refused below 22), of its
+    first MAX_CLIP_FRAMES as a file's are read (a longer clip held in memory was encoded whole, then refused)."""
     check_frame_rate(fps)
     at_24 = count_at_24fps(frames, fps)
     if at_24 < MIN_CLIP_FRAMES:
         raise RequestError(f"A clip to encode needs at least {MIN_CLIP_FRAMES} frames at 24 fps (0.92 s); this one "
                            f"has {at_24} ({frames} at {fps:g} fps).")
-    return vae_frame_count(at_24)
+    return vae_frame_count(min(at_24, MAX_CLIP_FRAMES))
 
 
 def stream_clip(path, rules: CanvasRules, width: int | None = None, height: int | None = None,

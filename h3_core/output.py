@@ -107,25 +107,29 @@ class AVLatents:
         return cls(video, audio)
 
 
+@torch.inference_mode()  # on a generator, only while it runs: the caller's code between blocks keeps its mode
 def decode_video(vae: VideoVAE, latents: torch.Tensor, devices: Sequence[str | torch.device] | None = None,
-                 tiled: bool | None = None) -> Iterator[torch.Tensor]:
-    """Normalized video latents [1, C, L, h, w] -> uint8 frame blocks [n, H, W, 3] as each chunk finishes.
-    `devices` (two or more): the chunks are decoded on all of them at once (`VideoVAE.decode_stream`).
-    `tiled`: spatial tiles (None: the VAE config's, which for the release is on)."""
+                 tiled: bool | None = None, as_uint8: bool = True) -> Iterator[torch.Tensor]:
+    """Normalized video latents [1, C, L, h, w] -> uint8 frame blocks [n, H, W, 3] as each chunk finishes
+    (`as_uint8` False: float32 in 0..1, unrounded, as an IMAGE holds them). `devices` (two or more): the chunks
+    are decoded on all of them at once (`VideoVAE.decode_stream`). `tiled`: spatial tiles (None: the VAE
+    config's, which for the release is on)."""
     device = vae.post_quant_conv.weight.device
     raw = vae.denormalize_latents(latents.to(device))
-    with torch.inference_mode():
-        for block in vae.decode_stream(raw, tiled, devices=devices):
-            if not torch.isfinite(block).all():  # as uint8 it would be a black clip, written without a word
-                peak = latents.abs().max().item()
-                raise ValueError(f"The video VAE decoded NaN or infinite values from finite latents (largest |value| "
-                                 f"{peak:.3g}): the latents are far outside what a sampler makes (from elsewhere?), "
-                                 "or the VAE's weights hold NaN or infinite values (a damaged file), or they "
-                                 "overflowed in this dtype.")
-            frames = model_space_to_frames(block)[0].mul_(255.0).round_()  # [3, n, H, W] in 0..255, in place
-            yield frames.to(torch.uint8).permute(1, 2, 3, 0).cpu()
+    for block in vae.decode_stream(raw, tiled, devices=devices):
+        if not torch.isfinite(block).all():  # as uint8 it would be a black clip, written without a word
+            peak = latents.abs().max().item()
+            raise ValueError(f"The video VAE decoded NaN or infinite values from finite latents (largest |value| "
+                             f"{peak:.3g}): the latents are far outside what a sampler makes (from elsewhere?), "
+                             "or the VAE's weights hold NaN or infinite values (a damaged file), or they "
+                             "overflowed in this dtype.")
+        frames = model_space_to_frames(block)[0]  # [3, n, H, W] float32 in 0..1
+        if as_uint8:
+            frames = frames.mul_(255.0).round_().to(torch.uint8)  # in place: a block is hundreds of MB
+        yield frames.permute(1, 2, 3, 0).cpu()
 
 
+@torch.inference_mode()  # as decode_video's
 def decode_audio(vae: AudioVAE, latents: torch.Tensor, on_window=None) -> Iterator[torch.Tensor]:
     """Normalized audio latents [2, C, A] -> float32 waveform pieces [2, n] at 32 kHz, window by window;
     `on_window(done, total)` before the first (0 done: a bar shows while it decodes) and after each (a progress
@@ -133,12 +137,11 @@ def decode_audio(vae: AudioVAE, latents: torch.Tensor, on_window=None) -> Iterat
     total = len(context_windows(latents.shape[-1], DECODE_WINDOW_LATENTS))
     if on_window is not None:
         on_window(0, total)
-    with torch.inference_mode():
-        for done, piece in enumerate(vae.decode_windows(latents.to(vae.device)), 1):
-            piece = piece.float().cpu()
-            if on_window is not None:
-                on_window(done, total)
-            yield piece
+    for done, piece in enumerate(vae.decode_windows(latents.to(vae.device)), 1):
+        piece = piece.float().cpu()
+        if on_window is not None:
+            on_window(done, total)
+        yield piece
 
 
 def write_mp4(

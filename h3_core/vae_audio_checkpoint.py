@@ -320,10 +320,10 @@ def _check_unused_head(model: AudioVAE, name: str, tensor: torch.Tensor, where) 
         )
 
 
-def check_audio_vae(path: str | Path) -> None:
+def check_audio_vae(path: str | Path) -> AudioVAE:
     """Every check `load_audio_vae` makes but the filters' values, on the file's headers alone: a host refuses a
-    broken file before it loads anything else."""
-    load_audio_vae(path, device="meta")
+    broken file before it loads anything else. The model comes back on the meta device in fp32, as it loads."""
+    return load_audio_vae(path, device="meta")
 
 
 def load_audio_vae(

@@ -332,10 +332,11 @@ def _single_file_stats(source: VideoVAESource, config: VideoVAEConfig) -> VideoV
     return config.replace(**{name: tuple(tensor.tolist()) for name, tensor in stats.items()})
 
 
-def check_video_vae(path: str | Path) -> None:
+def check_video_vae(path: str | Path, dtype: torch.dtype | None = None) -> VideoVAE:
     """Every check `load_video_vae` makes (names, shapes, nothing missing) on the files' headers alone: a host
-    refuses a broken file before it loads anything else."""
-    load_video_vae(path, device="meta")
+    refuses a broken file before it loads anything else. The model comes back on the meta device, its tensors in
+    the dtypes `load_video_vae(path, dtype)` gives them: their bytes are what loading takes."""
+    return load_video_vae(path, dtype=dtype, device="meta")
 
 
 def load_video_vae(

@@ -97,13 +97,6 @@ def _why_unreadable(path: Path, error: OSError) -> str:
     return str(error)
 
 
-def stored_bytes(files: Iterable[Path], prefix: str = "") -> int:
-    """The bytes the tensors under `prefix` take in these safetensors files (headers only): roughly what they
-    take once loaded, and only the model's own in an all-in-one file."""
-    return sum(tensor.numel() * tensor.element_size()
-               for _, tensor, _ in read_headers(files, lambda key: key.startswith(prefix)))
-
-
 MAX_JSON_BYTES = 64 << 20  # a release's largest index is ~0.2 MiB; a bigger "config" is some other file
 
 

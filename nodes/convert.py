@@ -166,15 +166,32 @@ def image_to_pil(image: torch.Tensor, what: str = "image") -> Image.Image:
     return image_to_pils(image[:1], what)[0]
 
 
-def frames_to_image(blocks) -> torch.Tensor:
-    """uint8 frame blocks [n, H, W, 3] (as h3_core's decoder yields them) -> IMAGE float [F, H, W, 3]."""
-    blocks = [torch.as_tensor(np.asarray(b)) if not isinstance(b, torch.Tensor) else b for b in blocks]
-    if not blocks:
-        raise ValueError("No frames to make an IMAGE from.")
-    frames = torch.cat(blocks, dim=0)
-    if frames.dtype != torch.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
-        raise ValueError(f"Frames must be uint8 [n, H, W, 3]; got {frames.dtype} {list(frames.shape)}.")
-    return frames.float().div_(255.0)
+def frames_to_image(blocks, total: int | None = None) -> torch.Tensor:
+    """Frame blocks [n, H, W, 3], uint8 or float32 in 0..1 (as h3_core's decoder yields them) -> IMAGE float32
+    [F, H, W, 3], each block written into the IMAGE as it comes (`total` frames: F, when known), so a long clip
+    is held once, not as its blocks, their concatenation and a float copy of that."""
+    if total is None:
+        blocks = list(blocks)
+        total = sum(len(block) for block in blocks)
+    image, done = None, 0
+    for block in blocks:
+        block = block if isinstance(block, torch.Tensor) else torch.as_tensor(np.asarray(block))
+        if block.ndim != 4 or block.shape[-1] != 3 or not (block.dtype == torch.uint8 or block.is_floating_point()):
+            raise ValueError(f"Frames must be uint8 or float [n, H, W, 3]; got {block.dtype} {list(block.shape)}.")
+        if image is None:
+            image = torch.empty(total, *block.shape[1:], dtype=torch.float32)
+        if done + len(block) > total or block.shape[1:] != image.shape[1:]:
+            raise ValueError(f"Frame blocks of {list(block.shape)} do not fill an IMAGE of {list(image.shape)} "
+                             f"from frame {done}.")
+        part = image[done : done + len(block)]
+        part.copy_(block)
+        if block.dtype == torch.uint8:
+            part.div_(255.0)
+        done += len(block)
+    if image is None or done != total:
+        raise ValueError("No frames to make an IMAGE from." if image is None else
+                         f"The frame blocks held {done} frames; {total} were expected.")
+    return image
 
 
 # ----------------------------------------------------------------------------------------------

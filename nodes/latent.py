@@ -118,8 +118,8 @@ class H3VAEEncode(io.ComfyNode):
                 io.Int.Output(display_name="height",
                               tooltip="The canvas height in pixels the clip was encoded on (a multiple of 32)."),
                 io.Int.Output(display_name="num_frames",
-                              tooltip="The clip's frame count as encoded, at 24 fps: cut down to 17n + 5 (its last "
-                                      "few frames may be dropped)."),
+                              tooltip="The clip's frame count as encoded, at 24 fps: its first 300 s at most, cut "
+                                      "down to 17n + 5 (its last few frames may be dropped)."),
             ],
             hidden=LINK_HIDDEN,
         )

@@ -16,10 +16,9 @@ from h3_core.gguf_file import GGUF_SUFFIX
 from h3_core.local_attention import check_setting as check_window_setting
 from h3_core.memory_plan import check_budget
 from h3_core.parallel import ModelSpec
-from h3_core.placement import freed_on_failure
+from h3_core.placement import freed_on_failure, module_bytes
 from h3_core.pipeline import TINY_CANVAS
 from h3_core.references import RELEASE_CANVAS
-from h3_core.weights import stored_bytes
 from h3_core.text import ENCODING_FLOOR_BYTES, load_text_encoder, locate_text_encoder_files, text_encoder_bytes
 from h3_core.text_mmproj import MARKER as MMPROJ_MARKER
 from h3_core.text_mmproj import companions as mmproj_companions
@@ -31,8 +30,8 @@ from h3_core.tiny import (
     tiny_random_video_vae,
 )
 from h3_core.tiny_text import tiny_random_text_encoder
-from h3_core.vae_audio_checkpoint import check_audio_vae, load_audio_vae, locate_audio_vae
-from h3_core.vae_video_checkpoint import check_video_vae, load_video_vae, locate_video_vae
+from h3_core.vae_audio_checkpoint import check_audio_vae, load_audio_vae
+from h3_core.vae_video_checkpoint import check_video_vae, load_video_vae
 
 from .common import (
     CATEGORY,
@@ -347,15 +346,12 @@ class H3VAELoader(io.ComfyNode):
         dtype = DTYPES[weight_dtype]
         video_path = folder or (None if video_vae == TINY_RANDOM else model_path("vae", video_vae, ""))
         audio_path = folder or (None if audio_vae == TINY_RANDOM else model_path("vae", audio_vae, ""))
-        # the files checked (a wrong path, a damaged config, a missing tensor: said here), then room for them,
-        # before any weight is read
-        for path, check in ((video_path, check_video_vae), (audio_path, check_audio_vae)):
-            if path:
-                check(path)
-        video_source = locate_video_vae(video_path) if video_path else None
-        audio_source = locate_audio_vae(audio_path) if audio_path else None
-        make_room((stored_bytes(video_source.files, video_source.prefix) if video_source else 0)
-                  + (stored_bytes((audio_source.file,), audio_source.prefix) if audio_source else 0), target)
+        # the files checked (a wrong path, a damaged config, a missing tensor: said here), then room for them as
+        # they will be held (an fp16 file's video VAE in fp32 takes twice its file; the audio VAE is widened to
+        # fp32), before any weight is read
+        checked = [check_video_vae(video_path, dtype)] if video_path else []
+        checked += [check_audio_vae(audio_path)] if audio_path else []
+        make_room(module_bytes(checked), target)
         with freed_on_failure(target):
             if video_path:
                 video = load_video_vae(video_path, dtype=dtype, device=target)

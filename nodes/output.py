@@ -11,6 +11,7 @@ from h3_core.media import resample_audio
 from h3_core.media_write import DEFAULT_CRF, write_mp4
 from h3_core.output import decode_audio, decode_video
 from h3_core.placement import freed_on_failure
+from h3_core.runtime import host_memory_available
 
 from .common import (
     CATEGORY, SAVE_HIDDEN, H3VAE, H3Latent, crf_input, decode_inputs, decode_options, decode_progress, devices_problem,
@@ -62,16 +63,34 @@ class H3VAEDecode(io.ComfyNode):
         tiled, decode_devices = decode_options(tiling, devices)
         latents = unpack_latents(latent)
         total = latents.num_frames
+        check_image_room(total, *latents.video.shape[-2:])
         on_sound, on_frames = decode_progress(total)
         place([vae.patcher], decode_working_bytes(vae, latents.video, tiled))
-        with freed_on_failure(vae.device):
-            audio = waveform_to_audio(list(decode_audio(vae.audio, latents.audio, on_sound)), total)
-            blocks, done = [], 0
-            for block in decode_video(vae.video, latents.video, decode_devices, tiled):
-                blocks.append(block)
+
+        def counted(blocks):
+            done = 0
+            for block in blocks:
+                yield block
                 done += block.shape[0]
                 on_frames(done, total)
-        return io.NodeOutput(frames_to_image(blocks), audio)
+
+        with freed_on_failure(vae.device):
+            audio = waveform_to_audio(list(decode_audio(vae.audio, latents.audio, on_sound)), total)
+            images = frames_to_image(counted(decode_video(vae.video, latents.video, decode_devices, tiled,
+                                                          as_uint8=False)), total)
+        return io.NodeOutput(images, audio)
+
+
+def check_image_room(frames: int, latent_height: int, latent_width: int) -> None:
+    """An IMAGE holds every frame in CPU memory as float32 (30 s at 1344x768: 8.7 GiB); one that cannot fit is
+    refused before anything is decoded, rather than after minutes of decoding, by the system stopping ComfyUI."""
+    height, width = latent_height * geometry.VAE_SPATIAL_FACTOR, latent_width * geometry.VAE_SPATIAL_FACTOR
+    need = frames * height * width * 3 * 4
+    available = host_memory_available()
+    if available is not None and need > available:
+        raise ValueError(f"H3 VAE Decode holds all {frames} frames ({width}x{height}) in CPU memory as an IMAGE: "
+                         f"{need / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB available. Use H3 Save "
+                         "MP4 (streamed), which writes each frame as it is decoded, or free memory first.")
 
 
 class H3AVSave(io.ComfyNode):

@@ -43,6 +43,8 @@ def test_frames_are_encoded_as_a_guide_clip_and_the_sound_as_a_driving_track(vae
 def test_clip_lengths_snap_down_to_17n_plus_5():
     assert [clip_frame_count(n, 24.0) for n in (22, 38, 39, 124, 130)] == [22, 22, 39, 124, 124]
     assert clip_frame_count(300, 60.0) == 107  # 120 frames at 24 fps
+    # a clip held in memory keeps its first 300 s, as a file read does (it was encoded whole, then refused)
+    assert clip_frame_count(7251, 24.0) == clip_frame_count(7200, 24.0) == 7196  # 17n + 5 in 300 s
     with pytest.raises(RequestError, match="needs at least 22 frames at 24 fps .* has 21 \\(21 at 24 fps\\)"):
         clip_frame_count(21, 24.0)
 

@@ -26,6 +26,12 @@ def test_image_round_trip_and_channels():
     back = convert.frames_to_image([convert.image_to_uint8(image)])
     assert back.shape == (2, 16, 24, 3) and back.dtype == torch.float32
     assert (back - image).abs().max() <= 0.5 / 255 + 1e-6
+    # float blocks as the decoder yields them for an IMAGE, filled in as they come
+    assert torch.equal(convert.frames_to_image(iter([image[:1], image[1:]]), 2), image)
+    with pytest.raises(ValueError, match="The frame blocks held 2 frames; 3 were expected"):
+        convert.frames_to_image(iter([image]), 3)
+    with pytest.raises(ValueError, match=r"do not fill an IMAGE of \[1, 16, 24, 3\] from frame 0"):
+        convert.frames_to_image(iter([image]), 1)
     rgba = torch.cat([image[:1], torch.zeros(1, 16, 24, 1)], dim=-1)
     assert np.array_equal(np.asarray(convert.image_to_pil(rgba)), np.asarray(pils[0]))  # alpha dropped
     grey = convert.image_to_uint8(torch.full((1, 4, 4, 1), 0.5))

@@ -62,6 +62,12 @@ def test_t2va_chain_with_output_list_previews_and_mp4(comfy):
 
     images, audio = c.output.H3VAEDecode.execute(vae, out[0]).values
     assert images.shape == (107, 128, 224, 3) and audio["waveform"].shape == (1, 2, round(107 * 32000 / 24))
+    # the decoder's floats, not rounded to 8 bits (as ComfyUI's own VAE Decode gives them); the MP4 path's bytes
+    from h3_core.output import decode_video
+
+    rounded = torch.cat(list(decode_video(vae.video, out[0]["video"])))
+    assert torch.equal(images.mul(255.0).round().to(torch.uint8), rounded)
+    assert not torch.equal(images, rounded.float() / 255.0)
     saved = c.output.H3AVSave.execute(images, "H3/test", audio=audio)
     path = Path(saved.values[0][1])
     assert path.is_file() and saved.ui["videos"][0].filename == path.name
@@ -70,6 +76,23 @@ def test_t2va_chain_with_output_list_previews_and_mp4(comfy):
     assert b"crf=18.0" in path.read_bytes()  # x264 notes its settings in the stream
     coarser = Path(c.output.H3AVSave.execute(images, "H3/test", audio=audio, crf=30).values[0][1])
     assert b"crf=30.0" in coarser.read_bytes() and coarser.stat().st_size < path.stat().st_size
+
+
+def test_vae_decode_refuses_an_image_larger_than_the_cpu_memory_before_decoding(comfy, monkeypatch):
+    """An IMAGE holds every frame as float32 in CPU memory (300 s at 1344x768: 89 GB); one that cannot fit was
+    decoded for minutes first and then ran the host out of memory."""
+    c = comfy
+    vae = c.loaders.H3VAELoader.execute("tiny-random", "tiny-random", "").values[0]
+    latent = {**c.latent.H3EmptyAVLatent.execute(224, 128, 107).values[0], "empty": False}
+    need = 107 * 128 * 224 * 3 * 4
+    monkeypatch.setattr(c.output, "host_memory_available", lambda: need - 1)
+    loaded = len(c.record.loaded)
+    with pytest.raises(ValueError, match=r"holds all 107 frames \(224x128\) in CPU memory as an IMAGE: 0.0 GiB, "
+                                         r"more than .* Use H3 Save MP4 \(streamed\)"):
+        c.output.H3VAEDecode.execute(vae, latent)
+    assert len(c.record.loaded) == loaded and not c.record.progress  # nothing placed, nothing decoded
+    monkeypatch.setattr(c.output, "host_memory_available", lambda: need)
+    assert c.output.H3VAEDecode.execute(vae, latent).values[0].shape == (107, 128, 224, 3)
 
 
 def test_fl2va_and_ref2va_through_the_growing_reference_list(comfy):
@@ -630,18 +653,45 @@ def test_vae_loader_weight_dtype_follows_the_reference_policy(comfy, tmp_path):
     write_audio(tmp_path, reference_audio_vae(seed=3))
     folder = str(tmp_path / "FL2VA")
     loader = comfy.loaders.H3VAELoader
+    helds = []
     for chosen, expected in (({}, torch.bfloat16), ({"weight_dtype": "fp32"}, torch.float32)):
         vae = loader.execute("tiny-random", "tiny-random", folder, **chosen).values[0]
         decoder_block = vae.video.decoder.transformer_blocks[0]
         assert decoder_block.attn.to_qkv.weight.dtype == expected and decoder_block.ff.w1.weight.dtype == expected
         assert decoder_block.norm1.weight.dtype == torch.float32 == vae.video.encoder.conv_in.weight.dtype
         assert {p.dtype for p in vae.audio.parameters()} == {torch.float32}
-    # before reading them, the loader asked ComfyUI for room for both VAEs' tensors
+        # before reading them, the loader asked ComfyUI for room for both VAEs as they are held (it asked for the
+        # files' bytes: an fp16 file's VAE in fp32 took twice what was freed)
+        held = sum(t.numel() * t.element_size() for model in (vae.video, vae.audio)
+                   for t in [*model.parameters(), *model.buffers()])
+        assert comfy.record.freed[-1] == (held, "cpu")
+        helds.append(held)
+    assert len(comfy.record.freed) == 2 and helds[0] < helds[1]  # the bf16 decoder linears: less
+
+
+def test_vae_loader_makes_room_for_an_fp16_file_widened_as_it_loads(comfy):
+    """fp16 VAE files (as ComfyUI's single files store them): bf16 loads the video encoder and norms in fp32, fp32
+    all of it, and the audio VAE is widened to fp32; the room asked for is what is held, not the files' bytes."""
     from safetensors.torch import load_file
 
-    stored = sum(t.numel() * t.element_size() for f in (tmp_path / "FL2VA").rglob("*.safetensors")
-                 for t in load_file(str(f)).values())
-    assert comfy.record.freed[0] == (stored, "cpu") and len(comfy.record.freed) == 2
+    from audio_vae_checkpoints import reference_audio_vae
+    from audio_vae_checkpoints import write_original_partition as write_audio
+    from video_vae_checkpoints import reference_video_vae, tiny_config
+    from video_vae_checkpoints import write_original_partition as write_video
+
+    config = tiny_config(seed=1)
+    fp16 = {k: v.half() for k, v in reference_video_vae(config, seed=2).state_dict().items()}
+    write_video(comfy.tmp / "vae", fp16, config)
+    write_audio(comfy.tmp / "vae", reference_audio_vae(seed=3).half())
+    files = list((comfy.tmp / "vae" / "FL2VA").rglob("*.safetensors"))
+    stored = sum(t.numel() * t.element_size() for f in files for t in load_file(str(f)).values())
+    assert torch.float16 in {t.dtype for f in files for t in load_file(str(f)).values()}
+    for weight_dtype in ("bf16", "fp32"):
+        vae = comfy.loaders.H3VAELoader.execute("tiny-random", "tiny-random", str(comfy.tmp / "vae" / "FL2VA"),
+                                                weight_dtype=weight_dtype).values[0]
+        held = sum(t.numel() * t.element_size() for model in (vae.video, vae.audio)
+                   for t in [*model.parameters(), *model.buffers()])
+        assert comfy.record.freed[-1] == (held, "cpu") and held > stored
 
 
 def test_vae_loader_makes_room_for_an_all_in_one_files_vae_alone(comfy):
@@ -653,9 +703,10 @@ def test_vae_loader_makes_room_for_an_all_in_one_files_vae_alone(comfy):
     model = reference_audio_vae(seed=3)
     dit = {"model.diffusion_model.blocks.0.mlp.fc1.weight": torch.zeros(4096, 2048)}  # 32 MiB standing for the DiT
     write_comfy_single_file(comfy.tmp / "vae" / "all_in_one.safetensors", model, "audio_vae.", dit)
-    comfy.loaders.H3VAELoader.execute("tiny-random", "all_in_one.safetensors", "")
+    vae = comfy.loaders.H3VAELoader.execute("tiny-random", "all_in_one.safetensors", "").values[0]
     own = sum(t.numel() * t.element_size() for t in comfy_state_dict(model).values())
-    assert comfy.record.freed == [(own, "cpu")] and own < 32 << 20
+    held = sum(t.numel() * t.element_size() for t in [*vae.audio.parameters(), *vae.audio.buffers()])
+    assert comfy.record.freed == [(held, "cpu")] and 0.99 * own < held <= own < 32 << 20
 
 
 def test_vae_loader_refuses_a_wrong_file_before_making_room_or_reading(comfy, tmp_path, monkeypatch):
@@ -1056,7 +1107,7 @@ def test_vae_decode_tiling_off_decodes_whole_frames(comfy):
     tiled = c.output.H3VAEDecode.execute(vae, out).values[0]
     whole = c.output.H3VAEDecode.execute(vae, out, tiling="off").values[0]
     latents = c.output.unpack_latents(out).video
-    expected = torch.cat(list(decode_video(vae.video, latents, tiled=False))).float() / 255
+    expected = torch.cat(list(decode_video(vae.video, latents, tiled=False, as_uint8=False)))
     assert torch.equal(whole, expected) and not torch.equal(tiled, whole)
     with pytest.raises(ValueError, match="tiling must be one of release, off"):
         c.output.H3VAEDecode.execute(vae, out, tiling="auto")

@@ -82,6 +82,23 @@ def test_streamed_frames_equal_the_whole_decode(vaes):
     whole = model_space_to_frames(video_vae.decode(video_vae.denormalize_latents(latents)))[0]
     expected = (whole * 255).round().to(torch.uint8).permute(1, 2, 3, 0)
     assert torch.equal(torch.cat(blocks), expected)
+    floats = torch.cat(list(decode_video(video_vae, latents, as_uint8=False)))  # an IMAGE's: unrounded
+    assert floats.dtype == torch.float32 and torch.equal(floats, whole.permute(1, 2, 3, 0))
+
+
+def test_the_decoders_inference_mode_stays_inside_them(vaes):
+    """A caller's code between blocks runs in its own mode (the Python API's user may want gradients there);
+    the decoders' own work runs in inference mode."""
+    video_vae, audio_vae = vaes
+    latents = random_latents(39, 4, 6, seed=3)
+    seen = []
+    for block in decode_video(video_vae, latents.video):
+        seen.append((torch.is_inference_mode_enabled(), block.is_inference()))
+    for piece in decode_audio(audio_vae, latents.audio, on_window=lambda *_: seen.append(
+            (torch.is_inference_mode_enabled(), True))):
+        seen.append((torch.is_inference_mode_enabled(), piece.is_inference()))
+    assert seen[0] == (False, True) and seen[-1] == (False, True)
+    assert any(mode for mode, _ in seen)  # on_window is called from inside the audio decode
 
 
 def test_streamed_audio_equals_the_whole_decode(vaes):
