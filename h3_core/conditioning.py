@@ -612,6 +612,7 @@ def encode_request(
             before_models(0)
         states, tags = _precomputed_text(text_states, text_tags)
     else:
+        text_encoder.check_sees(visual_count > 0)  # before any model moves for it
         presentation = text_encoder.present(
             plan.task, plan.prompt, keyframes, [reference.for_presentation() for reference in prepared]
         )

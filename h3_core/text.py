@@ -71,7 +71,7 @@ class TextConditioning:
         return {"prompt_embeds": self.prompt_embeds.contiguous().cpu(), "text_token_tags": self.token_tags.cpu()}
 
 
-REMEMBERED_PROMPTS = 4  # prompt states kept by each encoder ([1, T, 5120] each: a few MB to tens of MB)
+REMEMBERED_PROMPTS = 4  # prompt states kept by each encoder ([1, T, 5120] bf16: ~10 KB a row; nine pictures ~0.7 GB)
 ENCODING_FLOOR_BYTES = 2 * 1024**3  # a short prompt's activations, the vision tower's with them
 
 
@@ -93,9 +93,18 @@ class TextEncoder:
         self._spread = None  # spread_layers' (devices, hooks)
         self._remembered: OrderedDict[bytes, TextConditioning] = OrderedDict()  # the last prompts' states
         _check_compatible(model.config, presenter)
+        visual = model.visual
+        self.blind_file = visual.file_name if isinstance(visual, MissingVisionTower) else None  # no vision tower
         text = model.config.text_config  # kept for `encoding_bytes` while the weights are let go of
         self._row_bytes = (3 * text.intermediate_size + 4 * text.hidden_size) * torch.finfo(
             model.language_model.embed_tokens.weight.dtype).bits // 8
+
+    def check_sees(self, pictures: bool) -> None:
+        """Refuse `pictures` (keyframes, image or video references) to an encoder without a vision tower (a GGUF
+        without its mmproj file): said before any model is placed or runs."""
+        if pictures and self.blind_file is not None:
+            raise CheckpointError(f"This request shows the text encoder pictures, but {self.blind_file} "
+                                  f"{GGUF_NO_VISION}.")
 
     def encoding_bytes(self, rows: int) -> int:
         """Device memory encoding a presentation of `rows` rows takes besides the weights: a decoder layer's MLP
@@ -166,9 +175,7 @@ class TextEncoder:
                 f"{presentation.image_token_id}/{presentation.video_token_id}, the encoder's "
                 f"{config.image_token_id}/{config.video_token_id}); build it with this encoder's presenter."
             )
-        if presentation.vision_inputs and isinstance(model.visual, MissingVisionTower):
-            raise CheckpointError(f"This request shows the text encoder pictures, but {model.visual.file_name} "
-                                  f"{GGUF_NO_VISION}.")
+        self.check_sees(bool(presentation.vision_inputs))
         vocab = model.language_model.embed_tokens.num_embeddings
         if presentation.num_tokens == 0 or int(presentation.input_ids.max()) >= vocab:
             raise ValueError(

@@ -14,6 +14,7 @@ import torch
 from comfy_api.latest import io
 
 from h3_core import geometry
+from h3_core.conditioning import EMPTY_PROMPT, RequestError, blank, check_prompt_markers
 from h3_core.media import SAMPLE_RATE
 from h3_core.media_write import DEFAULT_CRF
 from h3_core.sampler import check_shift
@@ -320,6 +321,20 @@ def shift_inputs() -> list:
         io.Float.Input("audio_shift", default=0.0, min=0.0, max=100.0, step=0.1,
                        tooltip="Audio sigma shift; 0 = automatic: the Turbo contract's, else 3."),
     ]
+
+
+def prompt_problem(prompt, what: str = "The prompt") -> str | None:
+    """A prompt with nothing to read, or holding the text encoder's picture markers, as the engine refuses it
+    (None: fine, or linked and known when the node runs): said at queue time, before the encoder loads."""
+    if not isinstance(prompt, str):
+        return None
+    if blank(prompt):
+        return EMPTY_PROMPT
+    try:
+        check_prompt_markers(prompt, what)
+    except RequestError as error:
+        return str(error)
+    return None
 
 
 def steps_problem(steps) -> str | None:

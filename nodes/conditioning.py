@@ -5,17 +5,18 @@ H3 Add Guide: an image, clip or sound anchored at any frame of an H3_COND's vide
 from __future__ import annotations
 
 import functools
+import logging
 
 from comfy_api.latest import io
 
 from h3_core.conditioning import (
     DEFAULT_SECONDS,
-    EMPTY_PROMPT,
     MAX_FRAMES,
     MAX_SECONDS,
     MIN_SECONDS,
     TASKS,
     encode_request,
+    prompt_label_warnings,
     validate,
 )
 from h3_core.guides import GuideMedia, add_guide, check_guide, clip_room
@@ -34,6 +35,7 @@ from .common import (
     check_interrupt,
     device,
     progress_bar,
+    prompt_problem,
     refuse_empty_links,
     wrong_link,
 )
@@ -126,8 +128,9 @@ class H3Conditioning(io.ComfyNode):
         problem = problem or canvas_problem(width, height, zero="from the aspect ratio")
         if problem:
             return problem
-        if isinstance(prompt, str) and not prompt.strip():  # None: linked, known when it runs
-            return EMPTY_PROMPT
+        problem = prompt_problem(prompt)
+        if problem:
+            return problem
         keyframes = sum(name in types for name in ("first_image", "last_image"))
         if task is None:  # the task comes from a link: checked when the node runs
             return True
@@ -154,6 +157,8 @@ class H3Conditioning(io.ComfyNode):
         video_vae = None if vae is None else vae.video
         audio_vae = None if vae is None else vae.audio
         validate(request, text_encoder.canvas)  # every limit, before any model moves
+        for warning in prompt_label_warnings(request):  # as h3 generate says them
+            logging.getLogger("h3").warning("H3: %s", warning)
         bar, shown = None, 0
 
         def on_stage(done: int, total: int) -> None:  # after each model call, and between text encoder layers

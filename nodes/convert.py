@@ -161,8 +161,15 @@ def image_to_pils(image: torch.Tensor, what: str = "image") -> list[Image.Image]
 
 
 def image_to_pil(image: torch.Tensor, what: str = "image") -> Image.Image:
-    """The first picture of an IMAGE batch as a PIL RGB image (a keyframe or an image reference)."""
+    """The first picture of an IMAGE batch as a PIL RGB image (a keyframe or an image reference); the rest of a
+    batch, and transparency (RGB kept as it is under it), are left out with a warning in the log."""
     image = _check_image(image, what)
+    log = logging.getLogger("h3")
+    if image.shape[0] > 1:
+        log.warning("H3: %s is a batch of %d images; its first is used.", what, image.shape[0])
+    if image.shape[-1] == 4 and bool((image[:1, ..., 3] < 1).any()):
+        log.warning("H3: %s has transparent pixels; H3 takes RGB, so what lies under them is used (composite the "
+                    "picture onto a background first to choose it).", what)
     return image_to_pils(image[:1], what)[0]
 
 

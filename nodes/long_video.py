@@ -8,12 +8,13 @@ decodes the latent chunk by chunk straight into the file (h3_core.output.write_m
 from __future__ import annotations
 
 import functools
+import logging
 
 import folder_paths
 from comfy_api.latest import InputImpl, io, ui
 
 from h3_core import geometry
-from h3_core.conditioning import EMPTY_PROMPT, Request, RequestError
+from h3_core.conditioning import EMPTY_PROMPT, Request, RequestError, blank, prompt_label_warnings
 from h3_core.continuation import (
     DEFAULT_OVERLAP_FRAMES,
     DEFAULT_WINDOW_FRAMES,
@@ -43,7 +44,7 @@ from .common import (
     CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, LINK_HIDDEN, canvas_inputs,
     canvas_problem, check_interrupt, check_prefix, crf_input, decode_inputs, decode_options, decode_progress,
     device, devices_problem, preview_settings, prefix_problem, progress_bar, range_problem, refuse_empty_links,
-    reserved_output, saved_file_metadata, shift_inputs, shifts_problem, step_preview, steps_problem,
+    prompt_problem, reserved_output, saved_file_metadata, shift_inputs, shifts_problem, step_preview, steps_problem,
 )
 from .conditioning import (guide_media, guide_media_inputs, linked_media, reference_images_input, reference_input,
                            validate_guide_links)
@@ -141,8 +142,11 @@ class H3Continuation(io.ComfyNode):
                                 steps=steps, video_shift=video_shift, audio_shift=audio_shift)
                   or steps_problem(steps) or shifts_problem(video_shift, audio_shift))
         texts = (prompt, window_prompts or "")  # a linked one (None) is known when the node runs
-        if not problem and "window_prompts" not in types and all(isinstance(t, str) and not t.strip() for t in texts):
+        if not problem and "window_prompts" not in types and all(isinstance(t, str) and blank(t) for t in texts):
             problem = EMPTY_PROMPT
+        if not problem:  # the text encoder's picture markers in either, as the engine refuses them
+            problem = prompt_problem(None if blank(prompt) else prompt) or prompt_problem(
+                None if blank(window_prompts) else window_prompts, "window_prompts")
         problem = problem or given_clips_clash(*(name in types for name in ("continue_from", "drive_audio",
                                                                              "keep_video")))
         if not problem and task is not None:  # a linked task is checked when the node runs
@@ -196,6 +200,8 @@ class H3Continuation(io.ComfyNode):
                 given, kept,
             )
             validate_long_video(request, text_encoder.canvas)  # every limit and the plan, before any model moves
+            for warning in prompt_label_warnings(request.request):  # as h3 generate says them
+                logging.getLogger("h3").warning("H3: %s", warning)
             cond = encode_long_video(request, text_encoder.encoder, None if vae is None else vae.video,
                                      None if vae is None else vae.audio, rules=text_encoder.canvas,
                                      between_calls=check_interrupt,

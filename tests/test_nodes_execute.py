@@ -121,6 +121,24 @@ def test_fl2va_and_ref2va_through_the_growing_reference_list(comfy):
     assert cond.layout.num_condition_video_rows - lossy.layout.num_condition_video_rows == 8 * 8 - 5 * 5  # 2x2 patches
 
 
+def test_conditioning_says_what_h3_generate_warns_about_pictures_and_labels(comfy, caplog):
+    """The prompt's labels checked against the media (as the command line notes them), and the parts of an IMAGE
+    left out (the rest of a batch on a keyframe, transparency), in ComfyUI's log: they ran without a word."""
+    c = comfy
+    _, text, vae = _models(c)
+    image = torch.rand(2, 64, 96, 4)
+    image[..., 3] = 0.5
+    with caplog.at_level("WARNING", logger="h3"):
+        c.conditioning.H3Conditioning.execute(text, "<Image 1> walks in, <Picture 2> talks.", "ref2va", "auto", 0, 0,
+                                              4.0, vae=vae, references={"ref0": image[:1]})
+        c.conditioning.H3Conditioning.execute(text, "a fox", "fl2va", "auto", 0, 0, 4.0, vae=vae, first_image=image)
+    said = [r.getMessage() for r in caplog.records]
+    assert "H3: the prompt names <Image 1>: the model's label for a picture is <Picture 1>." in said, said
+    assert "H3: the prompt names <Picture 2>, but the request carries 1 picture label." in said, said
+    assert "H3: first_image is a batch of 2 images; its first is used." in said, said
+    assert sum("has transparent pixels; H3 takes RGB" in line for line in said) == 2, said
+
+
 def test_conditioning_media_checks(comfy):
     c = comfy
     _, text, vae = _models(c)
@@ -135,6 +153,10 @@ def test_conditioning_media_checks(comfy):
     assert "connect H3 VAE Loader's vae" in check(input_types={"first_image": "IMAGE"}, task="fl2va")
     assert check(input_types={"first_image": "IMAGE"}, task=None) is True  # a linked task is checked at run time
     assert "The prompt is empty" in check(input_types={}, task="t2va", prompt="  ")
+    # as the engine refuses them, at queue time (they were refused after the text encoder loaded)
+    assert "The prompt is empty" in check(input_types={}, task="t2va", prompt="\u200b\ufeff")
+    assert "The prompt holds <|image_pad|>, the text encoder's own markers" in check(
+        input_types={}, task="t2va", prompt="a fox <|image_pad|>")
     assert check(input_types={"prompt": "STRING"}, task="t2va", prompt=None) is True  # linked: at run time
     assert "vae takes H3_VAE, got VAE" in check(input_types={"vae": "VAE"}, task="t2va")
     assert "prompt takes STRING, got H3_VAE" in check(input_types={"prompt": "H3_VAE"}, task="t2va")
@@ -179,6 +201,10 @@ def test_continuation_wiring_checks_at_queue_time(comfy):
     assert check(input_types={}, task="t2va", prompt=" \n") == "The prompt is empty; H3 needs a non-empty text " \
         "prompt for every task."
     assert check(input_types={}, task="t2va", prompt="", window_prompts="rain\nsun") is True  # one per window
+    assert "The prompt is empty" in check(input_types={}, task="t2va", prompt="\u200b", window_prompts="")
+    assert "The prompt holds <|vision_start|>" in check(input_types={}, task="t2va", prompt="a <|vision_start|>")
+    assert "window_prompts holds <|video_pad|>" in check(input_types={}, task="t2va", prompt="",
+                                                           window_prompts="rain\n<|video_pad|>")
     assert check(input_types={"window_prompts": "STRING"}, task="t2va", prompt="", window_prompts=None) is True
     assert check(input_types={"prompt": "STRING"}, task="t2va", prompt=None) is True  # linked: at run time
 
@@ -1244,9 +1270,12 @@ def test_a_gguf_text_encoder_is_offered_and_reads_its_mmproj(comfy, monkeypatch)
     assert conditioning.values[0] is not None
     keyframe = torch.from_numpy(np.asarray(Image.new("RGB", (96, 64), (200, 30, 30)), dtype=np.float32) / 255)[None]
     _, _, vae = _models(comfy)
-    with pytest.raises(Exception, match=f"{name} holds no vision tower, .*keyframes and image or video references"):
+    placed = len(comfy.record.loaded)
+    with pytest.raises(Exception, match=f"This request shows the text encoder pictures, but {name} holds no vision "
+                                        "tower, .*keyframes and image or video references"):
         comfy.conditioning.H3Conditioning.execute(text, "a fox", "fl2va", "auto", 0, 0, 4.0, vae=vae,
                                                   first_image=keyframe)
+    assert len(comfy.record.loaded) == placed  # refused before the encoder and the VAEs were placed for it
 
     # its mmproj file beside it: not offered as a text encoder, read as the vision tower; ComfyUI loads the encoder
     # again for it (its fingerprint changed)
