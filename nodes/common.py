@@ -326,12 +326,17 @@ def shift_inputs() -> list:
 def prompt_problem(prompt, what: str = "The prompt") -> str | None:
     """A prompt with nothing to read, or holding the text encoder's picture markers, as the engine refuses it
     (None: fine, or linked and known when the node runs): said at queue time, before the encoder loads."""
-    if not isinstance(prompt, str):
-        return None
-    if blank(prompt):
+    if isinstance(prompt, str) and blank(prompt):
         return EMPTY_PROMPT
+    return markers_problem(prompt, what)
+
+
+def markers_problem(text, what: str = "The prompt") -> str | None:
+    """Text holding the text encoder's picture markers, as the engine refuses it (None: none, or not yet known)."""
+    if not isinstance(text, str):
+        return None
     try:
-        check_prompt_markers(prompt, what)
+        check_prompt_markers(text, what)
     except RequestError as error:
         return str(error)
     return None

@@ -44,7 +44,7 @@ from .common import (
     CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, LINK_HIDDEN, canvas_inputs,
     canvas_problem, check_interrupt, check_prefix, crf_input, decode_inputs, decode_options, decode_progress,
     device, devices_problem, preview_settings, prefix_problem, progress_bar, range_problem, refuse_empty_links,
-    prompt_problem, reserved_output, saved_file_metadata, shift_inputs, shifts_problem, step_preview, steps_problem,
+    markers_problem, reserved_output, saved_file_metadata, shift_inputs, shifts_problem, step_preview, steps_problem,
 )
 from .conditioning import (guide_media, guide_media_inputs, linked_media, reference_images_input, reference_input,
                            validate_guide_links)
@@ -145,8 +145,7 @@ class H3Continuation(io.ComfyNode):
         if not problem and "window_prompts" not in types and all(isinstance(t, str) and blank(t) for t in texts):
             problem = EMPTY_PROMPT
         if not problem:  # the text encoder's picture markers in either, as the engine refuses them
-            problem = prompt_problem(None if blank(prompt) else prompt) or prompt_problem(
-                None if blank(window_prompts) else window_prompts, "window_prompts")
+            problem = markers_problem(prompt) or markers_problem(window_prompts, "window_prompts")
         problem = problem or given_clips_clash(*(name in types for name in ("continue_from", "drive_audio",
                                                                              "keep_video")))
         if not problem and task is not None:  # a linked task is checked when the node runs

@@ -279,8 +279,7 @@ def dit_for_run(model, layout, steps: int):
     free = None
     if placement.load_device.type != "cpu":
         wanted = int(placement.budget_gib * GIB) if placement.budget_gib else placement.size + working
-        ours = [m for m in mm.current_loaded_models if m.model is patcher]
-        mm.free_memory(max(0, wanted - placement.loaded_bytes), placement.load_device, keep_loaded=ours)
+        make_room(wanted - placement.loaded_bytes, placement.load_device, keep=[patcher])
         free = mm.get_free_memory(placement.load_device) - mm.extra_reserved_memory()
     plan = placement.plan_request(layout, steps, free, other_bytes=adapters)
     placement.use(plan)
