@@ -47,7 +47,7 @@ import torch
 from . import geometry
 from .layout import (REFERENCE_KINDS, GuideBlock, PackedLayout, ReferenceBlock, build_ref2va_layout, build_t2va_layout,
                      patched_rows)
-from .prompt import MAX_KEYFRAMES, VISION_TOKENS, label_warnings, reference_mix_problem
+from .prompt import MAX_KEYFRAMES, VISION_TOKENS, control_token_warnings, label_warnings, reference_mix_problem
 from .references import (
     RELEASE_CANVAS,
     CanvasRules,
@@ -245,10 +245,13 @@ def _media_kinds(request: Request) -> list[str]:
             for index, item in enumerate(request.references or ())]
 
 
-def prompt_label_warnings(request: Request) -> list[str]:
-    """`prompt.label_warnings` for a request: fl2va keyframes are its pictures, references what they are. A long
-    video's window prompts may leave the request's own prompt out (None): nothing to say then."""
-    return label_warnings(request.prompt, _media_kinds(request)) if isinstance(request.prompt, str) else []
+def prompt_warnings(request: Request) -> list[str]:
+    """`prompt.label_warnings` for a request (fl2va keyframes are its pictures, references what they are) and
+    `prompt.control_token_warnings`. A long video's window prompts may leave the request's own prompt out
+    (None): nothing to say then."""
+    if not isinstance(request.prompt, str):
+        return []
+    return label_warnings(request.prompt, _media_kinds(request)) + control_token_warnings(request.prompt)
 
 
 def shows_pictures(request: Request) -> bool:

@@ -613,6 +613,18 @@ def load_tokenizer(folder: str | Path):
 
 
 PROMPT_LABEL = re.compile(r"<(Picture|Image|Video|Audio) (\d+)>")
+CONTROL_TOKEN = re.compile(r"<\|[A-Za-z_]+\|>")  # Qwen's spelling of its control tokens: <|im_end|>, <|endoftext|>
+
+
+def control_token_warnings(prompt: str) -> list[str]:
+    """Qwen control tokens typed into a prompt (<|im_end|>, say): the tokenizer reads them as the token, not as
+    words, as the reference does; the model never saw them inside a prompt, so the user is told. The vision
+    markers among them are refused instead (`conditioning.check_prompt_markers`)."""
+    typed = sorted(set(CONTROL_TOKEN.findall(prompt)) - set(VISION_TOKENS))
+    if not typed:
+        return []
+    return [f"the prompt holds {', '.join(typed)}: the text encoder reads {'it' if len(typed) == 1 else 'them'} as "
+            "its own control token, not as words, and H3 never saw one inside a prompt."]
 
 
 def label_warnings(prompt: str, kinds: Sequence[str]) -> list[str]:

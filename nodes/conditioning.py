@@ -16,7 +16,7 @@ from h3_core.conditioning import (
     MIN_SECONDS,
     TASKS,
     encode_request,
-    prompt_label_warnings,
+    prompt_warnings,
     validate,
 )
 from h3_core.guides import GuideMedia, add_guide, check_guide, clip_room
@@ -157,7 +157,7 @@ class H3Conditioning(io.ComfyNode):
         video_vae = None if vae is None else vae.video
         audio_vae = None if vae is None else vae.audio
         validate(request, text_encoder.canvas)  # every limit, before any model moves
-        for warning in prompt_label_warnings(request):  # as h3 generate says them
+        for warning in prompt_warnings(request):  # as h3 generate says them
             logging.getLogger("h3").warning("H3: %s", warning)
         bar, shown = None, 0
 

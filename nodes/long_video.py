@@ -14,7 +14,7 @@ import folder_paths
 from comfy_api.latest import InputImpl, io, ui
 
 from h3_core import geometry
-from h3_core.conditioning import EMPTY_PROMPT, Request, RequestError, blank, prompt_label_warnings
+from h3_core.conditioning import EMPTY_PROMPT, Request, RequestError, blank, prompt_warnings
 from h3_core.continuation import (
     DEFAULT_OVERLAP_FRAMES,
     DEFAULT_WINDOW_FRAMES,
@@ -199,7 +199,7 @@ class H3Continuation(io.ComfyNode):
                 given, kept,
             )
             validate_long_video(request, text_encoder.canvas)  # every limit and the plan, before any model moves
-            for warning in prompt_label_warnings(request.request):  # as h3 generate says them
+            for warning in prompt_warnings(request.request):  # as h3 generate says them
                 logging.getLogger("h3").warning("H3: %s", warning)
             cond = encode_long_video(request, text_encoder.encoder, None if vae is None else vae.video,
                                      None if vae is None else vae.audio, rules=text_encoder.canvas,

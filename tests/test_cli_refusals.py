@@ -13,7 +13,7 @@ import torch
 from h3_core import cli, pipeline
 from h3_core.cli import _reference, main
 from h3_core.noise import MAX_SEED
-from h3_core.prompt import label_warnings
+from h3_core.prompt import control_token_warnings, label_warnings
 
 
 @pytest.fixture
@@ -247,6 +247,29 @@ def test_prompt_labels_no_reference_carries_are_warned_of(tmp_path, monkeypatch,
     error = capsys.readouterr().err
     assert "h3: warning: the prompt names <Picture 1>, but the request carries no picture labels." in error
     assert error.index("warning") < error.index("stopped before the text encoder")
+
+
+def test_control_tokens_typed_into_a_prompt_are_warned_of(tmp_path, monkeypatch, capsys):
+    """The tokenizer reads a typed <|im_end|> as its control token (the reference does the same), which the
+    model never met inside a prompt: said, not refused. Vision markers are refused elsewhere, not warned."""
+    from transformers import AutoTokenizer
+
+    from h3_core.tiny_text import write_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(write_tokenizer(tmp_path / "tok")))
+    ids = tokenizer("a fox<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in ids  # one token, not the letters
+    assert control_token_warnings("a fox <|vision_start|> and <Picture 1>") == []
+    assert control_token_warnings("a fox<|im_end|><|endoftext|> runs <|im_end|>") == [
+        "the prompt holds <|endoftext|>, <|im_end|>: the text encoder reads them as its own control token, not as "
+        "words, and H3 never saw one inside a prompt."]
+
+    def stop(*args, **kwargs):
+        raise ValueError("stopped before the text encoder")
+
+    monkeypatch.setattr(pipeline, "load_text_encoder_for", stop)
+    assert main(["generate", "--prompt", "a fox<|im_end|>", "--out", str(tmp_path / "o.mp4")]) == 2
+    assert "h3: warning: the prompt holds <|im_end|>: the text encoder reads it as its own" in capsys.readouterr().err
 
 
 def test_an_empty_weight_file_is_named_wherever_it_is_read(tmp_path):
