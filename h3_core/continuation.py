@@ -113,7 +113,7 @@ def plan_windows(
     multiples of 17 and ends 17n + 5, so every window is on the VAE's grid; the last one may be shorter."""
     sizes = [("total", total_frames), ("window", window_frames), ("overlap", overlap_frames)]
     for name, value in sizes + ([("given clip's", given_frames)] if given_frames else []):
-        if value % geometry.FRAMES_PER_CHUNK != geometry.LATENTS_PER_CHUNK:
+        if value < 0 or value % geometry.FRAMES_PER_CHUNK != geometry.LATENTS_PER_CHUNK:  # -12 % 17 is 5
             examples = "107, 124, 277" if name == "window" else "22, 107, 277"
             raise ValueError(f"The {name} frame count must be of the form 17n + 5 (e.g. {examples}); got {value}.")
     if not MIN_WINDOW_FRAMES <= window_frames <= MAX_WINDOW_FRAMES:

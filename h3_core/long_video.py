@@ -47,6 +47,7 @@ from .conditioning import (
     blank,
     check_prompt_markers,
     encode_request,
+    prompt_warnings,
     validate,
 )
 from .continuation import (
@@ -126,6 +127,17 @@ class LongVideoPlan:
     prompts: tuple[str, ...]  # one per window (a given clip's is the next window's, never used)
     first: Request
     first_plan: RequestPlan
+
+
+def sampled_prompt_warnings(request: Request | LongVideoRequest) -> list[str]:
+    """`conditioning.prompt_warnings` for every prompt a request samples: a long video's window prompts
+    (numbered) when it has them, else its prompt."""
+    if not isinstance(request, LongVideoRequest):
+        return prompt_warnings(request)
+    if not request.window_prompts or isinstance(request.window_prompts, str):  # a str is refused by validation
+        return prompt_warnings(request.request)
+    return [f"window prompt {number}: {warning}" for number, prompt in enumerate(request.window_prompts, 1)
+            for warning in prompt_warnings(dataclasses.replace(request.request, prompt=prompt))]
 
 
 WINDOW_PROMPT_SEPARATOR = "---"

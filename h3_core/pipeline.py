@@ -37,7 +37,7 @@ from .memory_plan import (
 )
 from .offload import load_device, place
 from .placement import check_devices, module_bytes
-from .conditioning import Request, RequestError, encode_request, prompt_warnings, shows_pictures, validate
+from .conditioning import Request, RequestError, encode_request, shows_pictures, validate
 from .clip_latents import MAX_CLIP_FRAMES, encode_clip_frames, expected_clip_frames, file_soundtrack, stream_clip
 from .layout import (GuideBlock, PackedLayout, build_ref2va_layout, build_t2va_layout, pack_audio, patched_rows, patchify, unpack_audio,
                      unpatchify)
@@ -518,8 +518,10 @@ def generate_batch(
                 error.args = (f"{name}: {error}",)
             raise
     _check_batch(prepared, names)
+    from .long_video import sampled_prompt_warnings  # it uses sample
+
     for item, name in zip(prepared, names):
-        for warning in prompt_warnings(item.plain_request):
+        for warning in sampled_prompt_warnings(item.request):
             notes(f"warning: {name + ': ' if len(prepared) > 1 else ''}{warning}")
     partition = prepared[0].partition
     resolve_backend(settings.attention, device, window=window > 0)  # these need no model: said before a download

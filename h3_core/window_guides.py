@@ -96,6 +96,8 @@ def sound_slices(windows: Sequence[Window], anchor: int, latents: int) -> list[t
     starts a frame early, in the overlap it does not keep, so no latent is left out."""
     slices, given = [], 0  # the sound's latents the windows so far hold
     for position, window in enumerate(windows):
+        if given >= latents:  # all handed out: stepping a frame early would hand the last one out again
+            break
         start = max(anchor, new_part_start(window))
         if start >= window.end:
             continue

@@ -14,7 +14,7 @@ import folder_paths
 from comfy_api.latest import InputImpl, io, ui
 
 from h3_core import geometry
-from h3_core.conditioning import EMPTY_PROMPT, Request, RequestError, blank, prompt_warnings
+from h3_core.conditioning import EMPTY_PROMPT, Request, RequestError, blank
 from h3_core.continuation import (
     DEFAULT_OVERLAP_FRAMES,
     DEFAULT_WINDOW_FRAMES,
@@ -31,6 +31,7 @@ from h3_core.long_video import (
     encode_long_video,
     given_clips_clash,
     sample_long_video,
+    sampled_prompt_warnings,
     split_window_prompts,
     validate_long_video,
 )
@@ -199,7 +200,10 @@ class H3Continuation(io.ComfyNode):
                 given, kept,
             )
             validate_long_video(request, text_encoder.canvas)  # every limit and the plan, before any model moves
-            for warning in prompt_warnings(request.request):  # as h3 generate says them
+            if request.window_prompts and not blank(prompt):
+                logging.getLogger("h3").warning("H3: every window samples its own line of window_prompts; the prompt "
+                                                "box is not sampled (clear it, or make it the first window's line).")
+            for warning in sampled_prompt_warnings(request):  # as h3 generate says them
                 logging.getLogger("h3").warning("H3: %s", warning)
             cond = encode_long_video(request, text_encoder.encoder, None if vae is None else vae.video,
                                      None if vae is None else vae.audio, rules=text_encoder.canvas,

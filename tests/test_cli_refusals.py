@@ -270,6 +270,10 @@ def test_control_tokens_typed_into_a_prompt_are_warned_of(tmp_path, monkeypatch,
     monkeypatch.setattr(pipeline, "load_text_encoder_for", stop)
     assert main(["generate", "--prompt", "a fox<|im_end|>", "--out", str(tmp_path / "o.mp4")]) == 2
     assert "h3: warning: the prompt holds <|im_end|>: the text encoder reads it as its own" in capsys.readouterr().err
+    # a long video's window prompts are what it samples: each checked, numbered
+    assert main(["generate", "--long-video", "--duration", "20", "--window-prompt", "a fox", "--window-prompt",
+                 "a fox<|im_end|>", "--out", str(tmp_path / "o.mp4")]) == 2
+    assert "h3: warning: window prompt 2: the prompt holds <|im_end|>" in capsys.readouterr().err
 
 
 def test_an_empty_weight_file_is_named_wherever_it_is_read(tmp_path):

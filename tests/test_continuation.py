@@ -48,6 +48,7 @@ def test_one_window_when_it_fits():
         ((1807, 362), "107-345"),
         ((1807, 107, 107), "shorter than the window"),
         ((1807, 277, 20), "17n \\+ 5"),
+        ((481, 277, -12), "overlap frame count must be of the form 17n \\+ 5 .*got -12"),  # -12 % 17 is 5
     ],
 )
 def test_bad_plans_are_refused(args, message):

@@ -930,6 +930,32 @@ def test_continuation_stops_inside_the_text_encoder_on_interrupt(comfy):
     assert ran == [] and all(not layer._forward_pre_hooks for layer in layers)
 
 
+def test_continuation_says_what_h3_generate_warns_about_the_prompts_it_samples(comfy, caplog):
+    """With window prompts, each is checked as a prompt (labels, control tokens), numbered; the prompt box is
+    not sampled then, and a filled one is said to be unused. Said before the text encoder runs (stopped there)."""
+    c = comfy
+    model, text, vae = _models(c)
+    continuation = importlib.import_module("nodes.long_video").H3Continuation
+
+    def said(prompt, window_prompts):
+        caplog.clear()
+        c.record.interrupt_after = len(c.record.progress)
+        with caplog.at_level("WARNING", logger="h3"), pytest.raises(c.memory.mm.InterruptProcessingException):
+            continuation.execute(model, text, prompt, "t2va", 8.0, "continuation", 107, 22, 3, 2, 0.0, 0.0, "auto",
+                                 0, 0, vae=vae, window_prompts=window_prompts)
+        return [r.getMessage() for r in caplog.records]
+
+    unused = ("H3: every window samples its own line of window_prompts; the prompt box is not sampled (clear it, "
+              "or make it the first window's line).")
+    lines = said("waves and gulls", "a fox runs<|im_end|>\n<Picture 1> sits")
+    assert lines == [unused, "H3: window prompt 1: the prompt holds <|im_end|>: the text encoder reads it as its own "
+                     "control token, not as words, and H3 never saw one inside a prompt.",
+                     "H3: window prompt 2: the prompt names <Picture 1>, but the request carries no picture labels."]
+    assert said("", "a fox runs\nthe fox stops") == []
+    assert said("a fox<|endoftext|>", "") == ["H3: the prompt holds <|endoftext|>: the text encoder reads it as its "
+                                              "own control token, not as words, and H3 never saw one inside a prompt."]
+
+
 def test_continuation_places_the_text_encoder_only_for_prompts_it_does_not_remember(comfy):
     """H3 Continuation run again (another seed) with its window prompts: every prompt's states are remembered,
     so the text encoder is neither placed nor run; a new window prompt places it again."""

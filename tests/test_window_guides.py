@@ -71,6 +71,10 @@ def test_a_sound_is_heard_once_end_to_end():
         assert count <= window.audio_latents - FRAME_TIME * local
     short = sound_slices(FORTY_SECONDS, 400, 30)  # 0.75 s from frame 400: window 2 only
     assert [(w.index, local, first, count) for w, local, first, count in short] == [(1, 145, 0, 30)]
+    # a sound that ends inside a window's new part is all there: the next window's frame-early start (where a
+    # window could not hold it to its end) must not hand its last latent out again
+    ending = sound_slices(plan_windows(1807), 255, 36)  # 0.9 s from frame 255, the release's 75 s plan
+    assert [(w.index, local, first, count) for w, local, first, count in ending] == [(0, 255, 0, 36)]
 
 
 @pytest.mark.parametrize("frames,window_frames,overlap", [(1246, 345, 22), (736, 107, 90), (974, 277, 22)])

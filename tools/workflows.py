@@ -139,6 +139,9 @@ def build(name: str, real: bool) -> dict:
 
 
 LONG_VIDEO_GUIDES = ((0, "image"), (300, "image"), (-60, "audio"))
+# one line a window, each saying the sound too: with window prompts, H3 Continuation's prompt box is not sampled
+LONG_VIDEO_PROMPTS = ("A red fox trots along the waterline of a beach at sunset; waves crash softly and gulls call.\n"
+                      "The fox breaks into a run as the sun sets; its paws thud on wet sand over the waves and gulls.")
 
 
 def build_long_video(real: bool, guides=()) -> dict:
@@ -152,10 +155,9 @@ def build_long_video(real: bool, guides=()) -> dict:
                  else _audio(g, real, f"long_guide_{index}"))
         chain = {"guides": [g.add("H3ContinuationGuide", frame_index=frame, **{kind: media}, **chain), 0]}
     latent = g.add("H3Continuation", model=[model, 0], text_encoder=[text, 0], vae=[vae, 0], **chain,
-                   prompt="A red fox trots along a beach at sunset; waves crash softly and gulls call.", task="t2va",
-                   duration=20.0, mode="continuation", window_frames=277, overlap_frames=22, seed=0,
-                   steps=0 if real else 2, video_shift=0.0, audio_shift=0.0, aspect_ratio="auto", width=0, height=0,
-                   window_prompts="The fox trots along the waterline.\nThe fox breaks into a run as the sun sets.")
+                   prompt="", task="t2va", duration=20.0, mode="continuation", window_frames=277, overlap_frames=22,
+                   seed=0, steps=0 if real else 2, video_shift=0.0, audio_shift=0.0, aspect_ratio="auto", width=0,
+                   height=0, window_prompts=LONG_VIDEO_PROMPTS)
     g.add("H3SaveMP4", vae=[vae, 0], latent=[latent, 0], filename_prefix="H3/long_video" + ("_guides" * bool(guides)),
           tiling="release", devices="")
     return g.nodes
