@@ -56,8 +56,10 @@ for name, make in FORMATS.items():
         table = torch.randn(3 * k, 6 * config.hidden_size, device="cuda", dtype=torch.bfloat16) * 0.05
         index = torch.zeros(rows, dtype=torch.long, device="cuda")
         rope = rope_tables(layout.position_ids.cuda(), model.rope_inv_freq)
-        torch.cuda.synchronize(); torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated(); torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         with torch.inference_mode():
             out = block(x, table, index, rope)
         torch.cuda.synchronize()

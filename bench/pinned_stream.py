@@ -27,9 +27,11 @@ for label, pin in (("pinned", None), ("pageable", 0), ("half pinned", 20 * 2**30
     times = []
     with torch.inference_mode():
         for _ in range(3):
-            torch.cuda.synchronize(); start = time.perf_counter()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
             call()
-            torch.cuda.synchronize(); times.append(time.perf_counter() - start)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
     held = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)  # pinned bytes the allocator holds
     print(json.dumps({"streamed": label, "pinned_blocks": streamer.pinned_blocks, "streamed_blocks": len(streamer.home),
                       "pinned_gib": round(held / 2**30, 2), "seconds": [round(t, 3) for t in times]}), flush=True)

@@ -103,3 +103,22 @@ def test_the_registry_archive_leaves_out_what_develops_the_pack():
     assert set(ignored) == {"tests/", "bench/", ".ci/", ".github/", "tools/"}
     kept = ("__init__.py", "nodes", "h3_core", *pyproject()["tool"]["comfy"]["includes"])
     assert not any(entry.rstrip("/") in kept for entry in ignored)
+
+
+def test_no_line_the_registrys_publish_check_flags():
+    """`comfy node validate` (run before a registry publish) flags exec, eval and two statements on one line
+    (ruff S102, S307, E702) in every Python file of the folder, .comfyignore'd ones too; soon an error."""
+    import ast
+    import io
+    import subprocess
+    import tokenize
+
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    flagged = []
+    for name in files.stdout.split():
+        source = (ROOT / name).read_text()
+        flagged += [f"{name}:{token.start[0]}: ';'" for token in tokenize.generate_tokens(io.StringIO(source).readline)
+                    if token.type == tokenize.OP and token.string == ";"]
+        flagged += [f"{name}:{node.lineno}: {node.func.id}()" for node in ast.walk(ast.parse(source))
+                    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("exec", "eval")]
+    assert len(files.stdout.split()) > 100 and flagged == []
