@@ -123,6 +123,8 @@ LIGHTX2V_NAME = re.compile(
     r"minimax_h3_(?P<task>fl2v|ref2v)_turbo_(?P<steps>\d+)step_v(?P<version>\d+\.\d+)(?P<tags>(?:_768p|_comfyui|_bf16)*)"
 )
 LIGHTX2V_DEFAULT_ALPHA = 8.0
+# the other LyCORIS adapters' tensor names (ComfyUI's weight_adapter reads them): LoKr, LoHa, OFT / BOFT, GLoRA
+LYCORIS_KEY = re.compile(r"\.(lokr_|hada_|oft_blocks$|oft_diag$|(a1|a2|b1|b2)\.weight$)")
 # Which row order a fused qkv B has, by declared key_format. DiffSynth (`.default.` over native names)
 # is interleaved too (diffusers' loader, h3-model.md H.2). FlashGen: vLLM-Omni's loader for
 # `key_format=minimax-h3-native` reorders the fused qkv rows from the per-head grouped order, which
@@ -182,10 +184,10 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[st
     with open_safetensors(path) as handle:
         metadata = dict(handle.metadata() or {})
         keys = list(handle.keys())
-        lycoris = [key for key in keys if re.search(r"\.(lokr|hada)_", key)]
+        lycoris = [key for key in keys if LYCORIS_KEY.search(key)]
         if lycoris:
-            raise LoRAError(f"{path.name} is a LyCORIS LoKr / LoHa adapter ('{lycoris[0]}'); H3 takes plain LoRAs "
-                            "(low-rank A / B factors) and dense deltas.")
+            raise LoRAError(f"{path.name} is a LyCORIS adapter of another kind than LoRA (LoKr, LoHa, OFT, BOFT or "
+                            f"GLoRA: '{lycoris[0]}'); H3 takes plain LoRAs (low-rank A / B factors) and dense deltas.")
         if keys and not any(key.endswith(suffix) for key in keys for suffix, _ in _SUFFIXES):
             # a model file picked as a LoRA: said from its names, before its tens of GB are read
             raise LoRAError(f"{path.name} holds no LoRA factors: none of its {len(keys)} tensor names ends as a "
@@ -251,6 +253,9 @@ def parse_lora(
     found = {partition: _modules_of(group, prefixed, path, declared, lightx2v) for partition, group in groups.items()}
     if not any(modules for _, modules, _ in found.values()):  # said before the unknown-keys rule, whose advice
         raise _not_an_h3_lora(tensors, path)                    # (unknown='warn') would only lead here
+    # a file with .alpha tensors has its alphas there: the modules without one are alpha = rank, its metadata
+    # alpha unread (diffusers' loader; ComfyUI never reads metadata alpha)
+    alpha_tensors = any("alpha" in module.tensors for _, modules, _ in found.values() for module in modules.values())
     for partition, (fmt, modules, unmapped) in found.items():
         if unmapped:
             listed = ", ".join(unmapped[:8]) + (f" and {len(unmapped) - 8} more" if len(unmapped) > 8 else "")
@@ -260,7 +265,7 @@ def parse_lora(
             _unknown_keys(message, unknown, notes)
         formats.add(fmt)
         rows = qkv_layout or ("interleaved" if fmt == "diffsynth" else QKV_ROWS.get(declared, "stacked"))
-        context = _AlphaContext(alpha, metadata, partition, fmt, lightx2v)
+        context = _AlphaContext(alpha, metadata, partition, fmt, lightx2v, alpha_tensors)
         parts[partition] = _terms(modules, rows, context, alpha_sources)
     if not any(parts.values()):  # every key skipped under unknown="warn": nothing would change
         raise _not_an_h3_lora(tensors, path)
@@ -269,12 +274,19 @@ def parse_lora(
     fmt = formats.pop()
     if qkv_layout is not None:
         notes.append(f"fused qkv B rows read as {qkv_layout} (caller override)")
-    if fmt == "lightx2v-comfyui" and alpha is None and {"alpha", "lora_alpha"} & set(metadata):
-        notes.append("metadata alpha ignored: a ComfyUI export is scaled as ComfyUI scales it (per-module .alpha "
-                     "tensors, else 1); pass alpha= to override")
+    if fmt == "lightx2v-comfyui" and not (lightx2v and "_comfyui" in lightx2v.group("tags")):
+        notes.append("read as a ComfyUI export (q, k and v adapters fused block-diagonally), though its file name "
+                     "does not say so")
+    if alpha is None and {"alpha", "lora_alpha"} & set(metadata):
+        if fmt == "lightx2v-comfyui":
+            notes.append("metadata alpha ignored: a ComfyUI export is scaled as ComfyUI scales it (per-module .alpha "
+                         "tensors, else 1); load_lora(alpha=...) in Python overrides it")
+        elif alpha_tensors:
+            notes.append("metadata alpha ignored: the file's .alpha tensors give the alphas (alpha = rank where a "
+                         "module has none), as diffusers and ComfyUI read it")
     if fmt == "flashgen" and qkv_layout is None:
         notes.append("FlashGen fused qkv B rows read as per-head interleaved (vLLM-Omni's reading of "
-                     "key_format=minimax-h3-native); pass qkv_layout='stacked' to read them stacked")
+                     "key_format=minimax-h3-native); load_lora(qkv_layout='stacked') in Python reads them stacked")
     summary = "; ".join(f"{source} (for {count} of the file's modules)" for source, count in alpha_sources.items())
     return ParsedLoRA(fmt, parts, metadata, notes, summary)
 
@@ -351,6 +363,26 @@ class _Module:
     tensors: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)  # role -> (key, tensor)
 
 
+def _block_diagonal_qkv(modules: dict[str, "_Module"]) -> bool:
+    """Whether every fused qkv B is block-diagonal, three rank-r adapters side by side (rank 3r): how ComfyUI
+    exports of diffusers-layout LoRAs (LightX2V's `_comfyui_`) fuse q, k and v; a LoRA trained on the fused
+    module shares one A and has a full B. All-zero blocks alone (an untrained B) say nothing."""
+    factors = [module.tensors["up"][1] for module in modules.values()
+               if module.target.endswith("attn.qkv_proj") and "up" in module.tensors]
+    if not factors:
+        return False
+    for up in factors:
+        rows, rank = up.shape[0] // 3, up.shape[1] // 3
+        if up.dim() != 2 or rank == 0 or up.shape != (3 * rows, 3 * rank):
+            return False
+        blocks = [[up[i * rows:(i + 1) * rows, j * rank:(j + 1) * rank] for j in range(3)] for i in range(3)]
+        if any(blocks[i][j].any() for i in range(3) for j in range(3) if i != j):
+            return False
+        if not any(blocks[i][i].any() for i in range(3)):
+            return False
+    return True
+
+
 def _modules_of(group, prefixed, path, declared, lightx2v):
     """Recognize one partition group's layout; return (format, {source module: _Module}, unmapped keys)."""
     keys = list(group)
@@ -415,8 +447,8 @@ def _modules_of(group, prefixed, path, declared, lightx2v):
             fmt = "diffsynth"
         elif declared == "minimax-h3-native":
             fmt = "flashgen"
-        elif lightx2v and "_comfyui" in lightx2v.group("tags"):
-            fmt = "lightx2v-comfyui"
+        elif lightx2v and "_comfyui" in lightx2v.group("tags") or _block_diagonal_qkv(modules):
+            fmt = "lightx2v-comfyui"  # by its name, or (renamed) by its q, k and v adapters fused side by side
         else:
             fmt = "native"
     elif prefixed:
@@ -440,8 +472,11 @@ class _AlphaContext:
     partition: str | None
     fmt: str
     lightx2v: re.Match | None
+    alpha_tensors: bool = False  # the file holds per-module .alpha tensors
 
     def network_alpha(self) -> tuple[float, str] | None:
+        if self.alpha_tensors:
+            return None
         for name in ("alpha", "lora_alpha"):
             if name in self.metadata:
                 try:

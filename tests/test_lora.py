@@ -178,6 +178,15 @@ FORMATS = [
     ("lightx2v-comfyui", TINY_DIT, lambda d, s: write_native(d / COMFY_8STEP, fused(s, block_diagonal=True), prefix="diffusion_model.",
                                                              metadata={"alpha": "8"}),
      {}, "lightx2v-comfyui", lambda n, r: 1.0, False),
+    # a ComfyUI export renamed (a browser's " (1)", a user's own name): known by its block-diagonal fused qkv,
+    # scaled as ComfyUI scales it (metadata alpha 8 on rank 3r was 3x weaker on qkv than on the other modules)
+    ("comfyui-renamed", TINY_DIT, lambda d, s: write_native(d / "h3 turbo (1).safetensors", fused(s, block_diagonal=True),
+                                                            prefix="diffusion_model.", metadata={"alpha": "8"}),
+     {}, "lightx2v-comfyui", lambda n, r: 1.0, False),
+    # .alpha on one module and a metadata alpha: the rest are alpha = rank, as diffusers' loader and ComfyUI read it
+    ("partial-alpha", TINY_DIT, lambda d, s: write_native(d / "partial.safetensors", fused(s), metadata={"alpha": "8"},
+                                                          alphas={"blocks.0.mlp.fc2": 2.0}),
+     {"shared_qkv_a": True}, "native", lambda n, r: 2.0 / r if n == "transformer_blocks.0.ff.net.2" else 1.0, True),
 ]
 
 
@@ -399,6 +408,11 @@ def test_turbo_alias_spelling_and_comfyui_export_name(tmp_path):
     assert {t.scale for t in comfy.parts[None]} == {1.0} and any("metadata alpha ignored" in n for n in comfy.notes)
     qkv = [t for t in comfy.parts[None] if t.target.endswith("qkv_proj")]
     assert {t.rank for t in qkv} == {12}  # three rank-4 adapters fused block-diagonally
+    renamed = tmp_path / "h3_turbo.safetensors"  # the same bytes under a user's name: scaled alike, no contract
+    renamed.write_bytes((tmp_path / COMFY_8STEP).read_bytes())
+    again = load_lora(renamed)
+    assert [(t.target, t.scale) for t in again.parts[None]] == [(t.target, t.scale) for t in comfy.parts[None]]
+    assert again.contract is None and any("though its file name does not say so" in n for n in again.notes)
 
 
 def test_a_users_ladders_set_the_step_count(tmp_path):
