@@ -245,6 +245,9 @@ def test_canvas_workflows_are_templates(server):
     assert sorted(listed) == sorted(t.stem for t in TEMPLATES) and listed
     served = _get(f"{base}/api/workflow_templates/comfyui-h3/{TEMPLATES[0].name}")
     assert served["nodes"] and served == json.loads(TEMPLATES[0].read_text())
+    thumbnail = TEMPLATES[0].with_suffix(".jpg")  # the card's picture, at the address the frontend asks
+    with urllib.request.urlopen(f"{base}/api/workflow_templates/comfyui-h3/{thumbnail.name}", timeout=30) as response:
+        assert response.read() == thumbnail.read_bytes()
 
 
 @pytest.mark.parametrize("workflow", WORKFLOWS, ids=[w.stem for w in WORKFLOWS])

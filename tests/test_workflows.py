@@ -216,3 +216,17 @@ def test_canvas_loaders_carry_download_links_for_their_files(path):
                                 model["url"]), model["url"]
             assert model["name"].removesuffix(".safetensors") in note
     assert workflows.link_models(json.loads(path.read_text())) == canvas
+
+
+@pytest.mark.parametrize("path", CANVAS, ids=lambda p: p.stem)
+def test_each_template_has_its_thumbnail(path):
+    """ComfyUI's template browser asks for example_workflows/NAME.jpg (a .jpg: the frontend names no other kind for
+    a pack's templates) and shows a broken card without it; tools/thumbnails.mjs and .py make them."""
+    from PIL import Image
+
+    thumbnail = path.with_suffix(".jpg")
+    assert thumbnail.is_file(), f"{thumbnail.name} is missing: make it with tools/thumbnails.mjs and .py"
+    with Image.open(thumbnail) as image:
+        assert image.format == "JPEG" and image.width == 512 and 200 <= image.height <= 384
+    assert thumbnail.stat().st_size < 80 * 1024
+    assert {p.stem for p in path.parent.glob("*.jpg")} == {p.stem for p in CANVAS}  # none left of a removed template
