@@ -487,9 +487,12 @@ def sample_long_video(
     audio_sigmas: Sequence[float] | None = None,
     callback: StepCallback | None = None,
     offload_adaln: bool = False,
+    on_window: Callable[[AVLatents, int, int], None] | None = None,
 ) -> AVLatents:
     """Sample the windows in order and return the whole clip's AVLatents (video [1, C, L, h, w], audio
-    [2, Ca, A]). The callback sees steps counted over all windows."""
+    [2, Ca, A]). The callback sees steps counted over all windows. `on_window(clip so far, windows made, windows
+    to make)` is called after each window but the last, so that a host keeps the finished part of a run of
+    hours (h3 generate saves it to --save-latents): a run stopped later is continued from it, not made again."""
     generator = request_generator(seed)
     timeline = Timeline()
     new = sampled(conditioning.windows)
@@ -506,6 +509,8 @@ def sample_long_video(
         drive, kept = conditioning.drive_audio, conditioning.kept_video
         timeline.append(window, latents.video if kept is None else conditioning.kept_window(window),
                         latents.audio if drive is None else window_slice(drive, window))
+        if on_window is not None and index + 1 < len(new):
+            on_window(AVLatents(*timeline.latents()), index + 1, len(new))
     return AVLatents(*timeline.latents())
 
 

@@ -518,7 +518,7 @@ def generate_batch(
                 error.args = (f"{name}: {error}",)
             raise
     _check_batch(prepared, names)
-    from .long_video import sampled_prompt_warnings  # it uses sample
+    from .long_video import LongVideoRequest, sampled_prompt_warnings  # it uses sample
 
     for item, name in zip(prepared, names):
         for warning in sampled_prompt_warnings(item.request):
@@ -680,21 +680,23 @@ def generate_batch(
                     seed = item.seed + index
                     step_stage = f"sample {label}{index + 1}/{item.outputs}"
                     clock = time.perf_counter()
+                    latents_path = numbered(job.save_latents, index, item.outputs)
+                    saved = {"seed": str(seed), "task": request.task, "model": source.name}
+                    extra = {"init": job.given, "keep": job.keep} if job.keep is not None else {}
+                    if latents_path is not None and isinstance(request, LongVideoRequest):
+                        extra["on_window"] = functools.partial(_save_windows, latents_path, saved, notes)
                     latents = item.run(
                         dit, conditioning, seed, schedule.steps, schedule.video_shift, schedule.audio_shift,
                         schedule.video_sigmas, schedule.audio_sigmas,
                         callback=lambda state: progress(step_stage, state.step, state.total),
-                        offload_adaln=plan.offload_adaln,
-                        **({"init": job.given, "keep": job.keep} if job.keep is not None else {}),
+                        offload_adaln=plan.offload_adaln, **extra,
                     )
                     seconds = {**timings, "sample": time.perf_counter() - clock}
                     if number == running[-1] and index == item.outputs - 1:  # DiT's memory free before the last decode
                         dit = streamer = None  # the streamer holds the resident blocks too
                         release_dit()
-                    latents_path = numbered(job.save_latents, index, item.outputs)
                     if latents_path is not None:
-                        Path(latents_path).parent.mkdir(parents=True, exist_ok=True)
-                        latents.save(latents_path, {"seed": str(seed), "task": request.task, "model": source.name})
+                        latents.save(latents_path, saved)
                     if not waiting and (dit is None or job.out is None or decode_fits_beside_dit(
                             video_vae, audio_vae, latents, settings, device)):
                         write(number, index, latents, latents_path, seconds)
@@ -991,6 +993,15 @@ def _inputs(job: Job) -> list[tuple[str, Path]]:
              *(("--guide", getattr(guide, "path", None)) for guide in plain.guides),
              ("--drive-audio", getattr(request, "drive_audio", None)), *job.inputs]
     return [(option, Path(path).expanduser()) for option, path in found if isinstance(path, (str, Path))]
+
+
+def _save_windows(path: Path, metadata: dict[str, str], notes: Callable[[str], None], clip: AVLatents, made: int,
+                  count: int) -> None:
+    """A long video's clip so far, saved where its whole clip will be (replaced whole after each window): a run
+    stopped later keeps it, and --continue-from makes the rest."""
+    clip.save(path, {**metadata, "windows": f"{made} of {count}"})
+    notes(f"long video: windows 1-{made} of {count} saved to {path} (were the run to stop, continue it with "
+          f"--continue-from {path})")
 
 
 def _check_batch(prepared: list[_Prepared], names: list[str]) -> None:

@@ -280,6 +280,36 @@ def test_cli_long_video_with_window_prompts_and_drive_audio(tmp_path, capsys):
     assert re.search(r"long.safetensors: t2va, seed 0, 481 frames", capsys.readouterr().out)
 
 
+def test_a_long_run_that_stops_keeps_its_finished_windows(tmp_path, monkeypatch, capsys):
+    """With --save-latents, the clip so far is saved after each window: a run that fails (or is stopped) in its
+    second window leaves the first, which --continue-from extends to the whole clip, as said."""
+    import h3_core.long_video as long_video_module
+
+    out = tmp_path / "long.safetensors"
+    argv = ["generate", "--long-video", "--duration", "20", "--steps", "2", "--prompt", PROMPT]
+    calls = []
+
+    def failing_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA out of memory (a stand-in)")
+        return sample(*args, **kwargs)
+
+    monkeypatch.setattr(long_video_module, "sample", failing_second)
+    with pytest.raises(RuntimeError, match="a stand-in"):
+        main([*argv, "--save-latents", str(out)])
+    said = capsys.readouterr().err
+    assert f"windows 1-1 of 2 saved to {out} (were the run to stop, continue it with --continue-from {out})" in said
+    first = load_file(str(out))
+    assert first["video"].shape[2] == geometry.latent_frames(277)  # the first window, whole
+    monkeypatch.setattr(long_video_module, "sample", sample)
+    whole = tmp_path / "whole.safetensors"
+    assert main([*argv, "--continue-from", str(out), "--save-latents", str(whole)]) == 0
+    made = load_file(str(whole))
+    assert made["video"].shape[2] == geometry.latent_frames(481)
+    assert torch.equal(made["video"][:, :, :first["video"].shape[2]], first["video"])
+
+
 def test_cli_full_mode(tmp_path):
     out = tmp_path / "full.safetensors"
     argv = ["generate", "--long-video", "--long-video-mode", "full", "--duration", "20", "--steps", "2",
