@@ -5,6 +5,7 @@ command, without going through an MP4 (whose re-encoding loses detail)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -72,6 +73,28 @@ class H3SaveLatent(PrefixCheckedSave):
             latents.save(reserved, metadata)
         saved = ui.SavedResult(os.path.basename(reserved), subfolder, io.FolderType.output)
         return io.NodeOutput(latent, ui={"latents": [saved]})
+
+
+def save_unfinished(clip: AVLatents, made: int, count: int, **facts) -> None:
+    """A long run's clip so far, saved in the output folder (H3/unfinished_long_video_NNNNN_.safetensors) when the
+    run stops in a later window (interrupted, out of memory): H3 Load Latent reads it into H3 Continuation's
+    continue_from, which makes the rest. Said in the log; a failure to save is said too, never raised over the
+    run's own error."""
+    log = logging.getLogger("h3")
+    try:
+        width, height = clip.canvas
+        folder, filename, counter, _, _ = folder_paths.get_save_image_path(
+            "H3/unfinished_long_video", folder_paths.get_output_directory(), width, height)
+        metadata = {"width": str(width), "height": str(height), "frames": str(clip.num_frames),
+                    "windows": f"{made} of {count}", **{key: str(value) for key, value in facts.items()}}
+        with reserved_output(folder, filename, counter, ".safetensors") as reserved:
+            clip.save(reserved, metadata)
+    except Exception as error:  # a full disk, say: the run's own error is what the user must see
+        log.warning("H3: the long video's finished windows could not be saved: %s", error)
+        return
+    log.warning("H3: the long video stopped after window %d of %d; those windows are saved as %s: move the file "
+                "to the input folder and give it to H3 Continuation's continue_from (through H3 Load Latent), same "
+                "duration, to make the rest.", made, count, reserved)
 
 
 class H3LoadLatent(io.ComfyNode):

@@ -51,6 +51,7 @@ from .conditioning import (guide_media, guide_media_inputs, linked_media, refere
                            validate_guide_links)
 from .convert import (audio_to_decoded, build_request, media_problem, ordered_references, pack_latents,
                       refuse_empty_latent, refuse_extra_inputs, unpack_latents)
+from .latent_files import save_unfinished
 from .memory import decode_working_bytes, dit_for_run, drop_loras, place, place_for_encoding, use_loras
 
 STEP = geometry.FRAMES_PER_CHUNK  # window and overlap stay on the 17n + 5 grid
@@ -225,10 +226,21 @@ class H3Continuation(io.ComfyNode):
                     bar.update_absolute(state.step, state.total, step_preview(state, previews))
                     check_interrupt()
 
+                finished = []  # the clip so far after each window but the last: saved if a later one stops
+
+                def keep(clip, made, count):
+                    finished[:] = [(clip, made, count)]
+
                 check_interrupt()
-                latents = sample_long_video(dit, cond, int(seed), settings.steps, settings.video_shift,
-                                            settings.audio_shift, settings.video_sigmas, settings.audio_sigmas,
-                                            callback=on_step, offload_adaln=plan is not None and plan.offload_adaln)
+                try:
+                    latents = sample_long_video(dit, cond, int(seed), settings.steps, settings.video_shift,
+                                                settings.audio_shift, settings.video_sigmas, settings.audio_sigmas,
+                                                callback=on_step, offload_adaln=plan is not None and plan.offload_adaln,
+                                                on_window=keep)
+                except BaseException:
+                    if finished:
+                        save_unfinished(*finished.pop(), seed=int(seed), task=task, steps=settings.steps)
+                    raise
             finally:
                 drop_loras(model)
         latent = pack_latents(latents, seed=int(seed), task=task, steps=settings.steps, width=cond.width,

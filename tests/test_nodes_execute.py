@@ -1007,6 +1007,39 @@ def test_continuation_extends_a_sampled_clip(comfy):
     assert len(c.record.loaded) == loads  # refused before any model moved
 
 
+def test_a_continuation_that_stops_saves_its_finished_windows(comfy, monkeypatch, caplog):
+    """Stopped in its second window (an interrupt, out of memory), H3 Continuation saves the first in the output
+    folder and says how to go on: H3 Load Latent reads it into continue_from, which makes the rest."""
+    import shutil
+
+    import h3_core.long_video as long_video_module
+
+    c = comfy
+    model, text, vae = _models(c)
+    continuation = importlib.import_module("nodes.long_video").H3Continuation
+    files = importlib.import_module("nodes.latent_files")
+    args = (text, "a fox on a beach", "t2va", 8.0, "continuation", 107, 22, 3, 2, 0.0, 0.0, "auto", 0, 0)
+    sample, calls = long_video_module.sample, []
+
+    def stopped_in_the_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise c.memory.mm.InterruptProcessingException()
+        return sample(*a, **k)
+
+    monkeypatch.setattr(long_video_module, "sample", stopped_in_the_second)
+    with caplog.at_level("WARNING", logger="h3"), pytest.raises(c.memory.mm.InterruptProcessingException):
+        continuation.execute(model, *args)
+    (saved,) = (c.tmp / "output" / "H3").glob("unfinished_long_video_*.safetensors")
+    assert f"stopped after window 1 of 2; those windows are saved as {saved}" in caplog.text
+    monkeypatch.setattr(long_video_module, "sample", sample)
+    shutil.copy(saved, c.tmp / "input" / saved.name)
+    first, _, _, frames = files.H3LoadLatent.execute(saved.name).values
+    assert frames == 107 and (first["seed"], first["task"]) == (3, "t2va")
+    whole, total = continuation.execute(model, *args, continue_from=first).values
+    assert total == 192 and torch.equal(whole["video"][:, :, :first["video"].shape[2]], first["video"])
+
+
 def test_continuation_makes_the_sound_for_a_kept_clip(comfy):
     """keep_video: the clip's video comes back as it is with a new sound, over all its windows (a duration longer
     than the clip takes all of it, a shorter one its first seconds)."""
