@@ -130,6 +130,25 @@ def remove_orphaned_parts(path: Path) -> list[Path]:
     return removed
 
 
+def remove_dead_writes(folder: Path, stem_prefix: str) -> list[Path]:
+    """What writes of files named `stem_prefix`... in `folder` by processes no longer running left behind (killed
+    outright: the OOM killer): their hidden temporary files and, where one still waits empty, the placeholder
+    that held its name (a numbered saver counts it, so no later save of the same name would ever remove it)."""
+    pattern = re.compile(rf"\.({re.escape(stem_prefix)}.*)\.(\d+)-[0-9a-f]{{8}}\.part")
+    removed = []
+    for candidate in folder.glob(f".{glob.escape(stem_prefix)}*.part"):
+        found = pattern.fullmatch(candidate.name)
+        if not found or process_running(int(found[2])):
+            continue
+        candidate.unlink(missing_ok=True)
+        removed.append(candidate)
+        placeholder = folder / found[1]
+        if placeholder.is_file() and not placeholder.is_symlink() and placeholder.stat().st_size == 0:
+            placeholder.unlink(missing_ok=True)
+            removed.append(placeholder)
+    return removed
+
+
 def free_name(path: Path) -> Path:
     """`name (1).mp4`, `name (2).mp4`, ...: the first that no file has."""
     number = 1
@@ -267,6 +286,7 @@ class Mp4Writer:
             raise MediaError(f"No video frames were written to {self.path}; an MP4 needs at least one frame.")
         try:
             target = audio_samples_for_frames(self.frames_written)
+            self._say_lengths_differ(target)
             self._encode_pending_audio(target)
             if self._audio_encoded < target:
                 self._encode_audio(np.zeros((2, target - self._audio_encoded), np.float32))
@@ -280,6 +300,16 @@ class Mp4Writer:
             self.abort()
             raise
         self._move_into_place()
+
+    def _say_lengths_differ(self, target: int) -> None:
+        """A sound given that does not last as long as the frames (by more than a frame's time) is cut or padded
+        with silence to them, as the contract says: told, since it is rarely meant (frames made at another
+        rate, a song beside one picture)."""
+        given = self.audio_samples_received
+        if given and abs(given - target) > SAMPLE_RATE // FPS:
+            log.warning("%s: the sound lasts %.2f s but the %d frames %.2f s at %d fps; the sound is %s.", self.path.name,
+                        given / SAMPLE_RATE, self.frames_written, target / SAMPLE_RATE, FPS,
+                        "cut to the frames' length" if given > target else "padded with silence to the frames' length")
 
     def _move_into_place(self) -> None:
         """The finished file takes its name. Where another program holds a file of that name open (Windows

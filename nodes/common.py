@@ -16,7 +16,7 @@ from comfy_api.latest import io
 from h3_core import geometry
 from h3_core.conditioning import EMPTY_PROMPT, RequestError, blank, check_prompt_markers
 from h3_core.media import SAMPLE_RATE
-from h3_core.media_write import DEFAULT_CRF
+from h3_core.media_write import DEFAULT_CRF, remove_dead_writes
 from h3_core.sampler import check_shift
 from h3_core.weights import SAFETENSORS_SUFFIXES
 
@@ -153,7 +153,9 @@ TILING = {"release": None, "off": False}  # None: the VAE config's (the release'
 def reserved_output(folder: str, filename: str, counter: int, suffix: str = ".mp4"):
     """The output file `{filename}_{counter:05}_{suffix}` (the next counter where that name is taken), created empty
     at once so that another ComfyUI writing the same folder counts it: an MP4 is written for minutes under a hidden
-    name, and two savers that picked one name replaced each other's clip. Removed again if the body fails."""
+    name, and two savers that picked one name replaced each other's clip. Removed again if the body fails, or
+    leaves it empty (the clip kept as `name (1).mp4`); a killed saver's leftovers of this prefix go first."""
+    remove_dead_writes(Path(folder), f"{filename}_")
     while True:
         path = os.path.join(folder, f"{filename}_{counter:05}_{suffix}")
         try:
@@ -163,18 +165,18 @@ def reserved_output(folder: str, filename: str, counter: int, suffix: str = ".mp
             counter += 1
     try:
         yield path
-    except BaseException:
+    finally:
         with contextlib.suppress(OSError):
-            if os.path.getsize(path) == 0:  # still our placeholder
+            if os.path.getsize(path) == 0:  # still our placeholder: a failed body, or the file kept elsewhere
                 os.unlink(path)
-        raise
 
 
 def crf_input():
     """The saved MP4's H.264 quality (x264's constant-quality number)."""
     return io.Int.Input("crf", default=DEFAULT_CRF, min=0, max=51, optional=True,
-                        tooltip=f"H.264 quality: {DEFAULT_CRF} (default) looks lossless; 0 is lossless, 51 the worst; "
-                                "each 6 more about halves the file.")
+                        tooltip=f"H.264 quality: {DEFAULT_CRF} (default) looks lossless; 0 is lossless, but in a "
+                                "profile browsers (and so ComfyUI's preview) and many players do not play; 51 the "
+                                "worst; each 6 more about halves the file.")
 
 
 def decode_inputs() -> list:

@@ -6,6 +6,7 @@ the memory-manager wrapper."""
 import importlib
 import json
 import logging
+import os
 import re
 import sys
 from fractions import Fraction
@@ -1248,6 +1249,34 @@ def test_av_save_shows_the_file_it_kept_where_its_name_is_held_open(comfy, monke
         path = Path(saved.values[0][1])
         assert path.name.endswith("_ (1).mp4") and path.is_file()
         assert saved.ui["videos"][0].filename == path.name
+        assert not path.with_name(path.name.replace(" (1)", "")).exists()  # no empty placeholder left at the name
+
+
+def test_a_killed_savers_leftovers_go_at_the_next_save_of_its_prefix(comfy, caplog):
+    """A saver killed outright (the OOM killer) left its empty placeholder and its hidden part: the numbered names
+    move on past them, so only a save of the same prefix can tell they are a dead writer's, and removes them.
+    A live writer's, another prefix's and a real file stay. A sound of another length than the frames is said."""
+    import subprocess
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)  # a process that has ended
+    folder = comfy.tmp / "output" / "H3"
+    folder.mkdir(parents=True, exist_ok=True)
+    placeholder, part = folder / "h3_00001_.mp4", folder / f".h3_00001_.mp4.{dead}-0123abcd.part"
+    placeholder.touch()
+    part.write_bytes(b"half a clip")
+    live = folder / f".h3_00002_.mp4.{os.getpid()}-0123abcd.part"
+    live.write_bytes(b"being written")
+    other = folder / f".clip_00001_.mp4.{dead}-0123abcd.part"
+    other.write_bytes(b"another prefix's")
+    (folder / "h3_00003_.mp4").write_bytes(b"a finished clip")
+    with caplog.at_level("WARNING", logger="h3"):
+        saved = comfy.output.H3AVSave.execute(torch.rand(48, 32, 48, 3), "H3/h3",
+                                              {"waveform": torch.zeros(1, 2, 32000), "sample_rate": 32000})
+    assert Path(saved.values[0][1]).is_file()
+    assert not placeholder.exists() and not part.exists()
+    assert live.exists() and other.exists() and (folder / "h3_00003_.mp4").read_bytes() == b"a finished clip"
+    assert "the sound lasts 1.00 s but the 48 frames 2.00 s at 24 fps; the sound is padded with silence" in caplog.text
 
 
 def test_conditioning_shows_progress_per_model_call_and_stops_on_interrupt(comfy):
