@@ -476,10 +476,15 @@ def _long_video(args, request: Request, kept: AVLatents | None = None) -> Reques
     )
 
 
+def _not_a_file(path: Path) -> str:
+    """Why a path given for a file cannot be read as one."""
+    return "a folder, not a file." if path.is_dir() else "no such file."
+
+
 def _saved_latents(path: Path, option: str = "--continue-from") -> AVLatents:
     """Latents written by --save-latents or h3 encode, checked before any model loads."""
     if not path.is_file():
-        raise ValueError(f"{option} {path}: no such file.")
+        raise ValueError(f"{option} {path}: {_not_a_file(path)}")
     if path.suffix != ".safetensors":
         raise ValueError(f"{option} {path}: latents are a .safetensors file (from --save-latents or h3 encode).")
     try:
@@ -549,7 +554,7 @@ def run_encode(args) -> int:
         model = args.model or (None if files.given() else TINY_RANDOM)
         for option, path in (("the video", args.video), ("--audio", args.audio)):
             if path is not None and not Path(path).expanduser().is_file():
-                raise FileNotFoundError(f"{option} {path}: no such file.")
+                raise FileNotFoundError(f"{option} {path}: {_not_a_file(Path(path).expanduser())}")
         latents = encode_clip_file(args.video, model, args.out, audio=args.audio, width=args.width,
                                    height=args.height, device=args.device,
                                    vae_dtype=DTYPES[args.vae_dtype] if args.vae_dtype else None, progress=progress,
@@ -605,7 +610,9 @@ def run_generate(args) -> int:
     for result in results:
         written = result.video_path or result.latents_path
         stages = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in result.seconds.items())
-        print(f"{written}: {result.task}, seed {result.seed}, {result.latents.num_frames} frames; {stages}; "
+        width, height = result.latents.canvas  # the canvas an aspect ratio or a keyframe chose
+        print(f"{written}: {result.task}, seed {result.seed}, {result.latents.num_frames} frames at {width}x{height}; "
+              f"{stages}; "
               f"{_peak(device)}{' in this process (the DiT ran in the workers)' if devices else ''}")
     if failed:
         print(f"h3: {len(jobs) - len(failed)} of {len(jobs)} jobs done, {len(failed)} failed:", file=sys.stderr)
@@ -968,7 +975,7 @@ def run_denoise(args) -> int:
     check_seeds(args.seed)
     check_budget(args.gpu_memory)
     if args.text_states is not None and not args.text_states.is_file():
-        raise FileNotFoundError(f"--text-states {args.text_states} does not exist.")
+        raise FileNotFoundError(f"--text-states {args.text_states}: {_not_a_file(args.text_states)}")
     source = resolve_model_source(args.model, args.partition, parts=())  # the DiT alone
     dit_source = None if source.tiny else with_config(locate_dit(source.root, args.partition))  # from headers
     config = TINY_DIT if source.tiny else dit_source.config

@@ -112,12 +112,18 @@ def _open_media(path: Path) -> Iterator[av.container.InputContainer]:
     try:
         container = av.open(str(path.absolute()))  # whole: FFmpeg reads 'take:1.mp4' as protocol 'take'
     except av.error.FFmpegError as error:
-        raise UnreadableMediaError(f"Cannot open {path} as audio or video: {error}") from error
+        raise UnreadableMediaError(f"Cannot open {path} as audio or video: {_reason(error)}") from error
     try:
         with container:
             yield container
     except av.error.FFmpegError as error:
-        raise UnreadableMediaError(f"Cannot decode {path}: {error}") from error
+        raise UnreadableMediaError(f"Cannot decode {path}: {_reason(error)}") from error
+
+
+def _reason(error: av.error.FFmpegError) -> str:
+    """FFmpeg's words for what went wrong, without its error number and function name, and what files are read."""
+    return (f"{error.strerror or error} (corrupt, truncated or not a media file: pictures, videos and sounds "
+            "FFmpeg reads are taken)")
 
 
 def _origin_seconds(container) -> float:

@@ -26,6 +26,13 @@ from .vae_audio import DECODE_WINDOW_LATENTS, AudioVAE, context_windows
 from .vae_video import VideoVAE, model_space_to_frames
 
 
+def current_umask() -> int:
+    """The process's file-creation mask (read by setting it, then put back at once), as a new file honours it."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @dataclass
 class AVLatents:
     video: torch.Tensor
@@ -85,7 +92,8 @@ class AVLatents:
         try:
             save_file({"video": self.video.contiguous().cpu(), "audio": self.audio.contiguous().cpu()},
                       str(temporary), metadata=metadata)
-            os.replace(temporary, path)
+            os.chmod(temporary, 0o666 & ~current_umask())  # safetensors writes 0600: a server of another user
+            os.replace(temporary, path)                     # (ComfyUI's) could not read it
         except BaseException:
             temporary.unlink(missing_ok=True)
             raise

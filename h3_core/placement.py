@@ -454,9 +454,6 @@ def check_devices(devices, split: bool = False) -> list[torch.device]:
     if split and twice:
         raise ValueError(f"cuda:{twice[0]} is named more than once in {', '.join(map(str, devices))}; each worker "
                          "needs a GPU of its own.")
-    if split and gpus and not (torch.distributed.is_available() and torch.distributed.is_nccl_available()):
-        raise ValueError("Splitting the DiT over GPUs needs NCCL, which this torch build lacks (Windows and macOS "
-                         "builds have none): run it on one GPU (blocks that do not fit are streamed), or on Linux.")
     for device in devices:
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"{device} does not exist here: this machine has {torch.cuda.device_count()} CUDA "
@@ -464,6 +461,10 @@ def check_devices(devices, split: bool = False) -> list[torch.device]:
         if device.type not in ("cpu", "cuda", "meta") and not _available(device.type):
             raise ValueError(f"{device}: this torch build has no {device.type} device here; use cpu or cuda"
                              f"{' (mps on a Mac)' if device.type != 'mps' else ''}.")
+    # after the GPUs are known to be there: a CPU-only build lacks both, and the missing GPU is the news
+    if split and gpus and not (torch.distributed.is_available() and torch.distributed.is_nccl_available()):
+        raise ValueError("Splitting the DiT over GPUs needs NCCL, which this torch build lacks (Windows and macOS "
+                         "builds have none): run it on one GPU (blocks that do not fit are streamed), or on Linux.")
     if split:  # a worker's GPU by its index: torch.cuda.set_device takes no bare "cuda"
         devices = [torch.device("cuda", device.index or 0) if device.type == "cuda" else device for device in devices]
     return devices

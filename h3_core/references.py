@@ -178,6 +178,8 @@ def _existing_file(source, what: str) -> Path:
 def _probe(path: Path, what: str) -> media_read.MediaInfo:
     try:
         return media_read.probe(path)
+    except media_read.UnreadableMediaError as error:  # says what files are read itself
+        raise MediaInputError(f"{what}: {error}.") from error
     except MediaError as error:
         raise MediaInputError(f"{what}: {error} (corrupt, truncated or not a media file).") from error
 
@@ -310,6 +312,8 @@ def inspect_video(source, start_seconds: float = 0.0, what: str = "video") -> Me
             raise MediaInputError(f"{what}: the length of {Path(source).name} is unknown (no duration in the file).")
         try:  # read after the models load: a cut file fails now
             problem = media_read.cut_short(source, duration, info.video.fps)
+        except media_read.UnreadableMediaError as error:  # says what files are read itself
+            raise MediaInputError(f"{what}: {error}.") from error
         except MediaError as error:
             raise MediaInputError(f"{what}: {error} (corrupt, truncated or not a media file).") from error
         if problem:

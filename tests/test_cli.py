@@ -40,7 +40,7 @@ def test_readme_main_command_runs(tmp_path, capsys):
     tensors = load_file(str(tmp_path / "fox.safetensors"))
     assert tensors["video"].shape[:3] == (1, 24, 37) and tensors["audio"].shape == (2, 32, 207)
     summary = capsys.readouterr().out
-    assert re.search(r"fox.mp4: t2va, seed 0, 124 frames; encode .*sample .*decode .*peak", summary)
+    assert re.search(r"fox.mp4: t2va, seed 0, 124 frames at 224x128; encode .*sample .*decode .*peak", summary)
 
 
 def test_denoise_runs_from_text_states_alone(tmp_path, capsys):

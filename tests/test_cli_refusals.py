@@ -276,6 +276,25 @@ def test_control_tokens_typed_into_a_prompt_are_warned_of(tmp_path, monkeypatch,
     assert "h3: warning: window prompt 2: the prompt holds <|im_end|>" in capsys.readouterr().err
 
 
+def test_a_folder_or_a_file_that_is_no_media_is_said_as_such(tmp_path, capsys):
+    """A folder given for a file was 'no such file'; a text file given as media gave FFmpeg's error number and
+    function name, and not what is read."""
+    folder, text = tmp_path / "clips", tmp_path / "notes.png"
+    folder.mkdir()
+    text.write_text("not a picture")
+    for argv in (["encode", str(folder), "--out", str(tmp_path / "x.safetensors")],
+                 ["denoise", "--text-states", str(folder), "--save-latents", str(tmp_path / "x.safetensors")],
+                 ["generate", "--long-video", "--prompt", "x", "--continue-from", str(folder), "--out",
+                  str(tmp_path / "x.mp4")]):
+        assert main(argv) == 2
+        assert f"{folder}: a folder, not a file." in capsys.readouterr().err, argv[0]
+    assert main(["encode", str(text), "--out", str(tmp_path / "x.safetensors")]) == 2
+    said = capsys.readouterr().err
+    assert "notes.png: Invalid data found when processing input (corrupt, truncated or not a " \
+           "media file: pictures, videos and sounds FFmpeg reads are taken)" in said
+    assert "Errno" not in said and "avcodec" not in said
+
+
 def test_an_empty_weight_file_is_named_wherever_it_is_read(tmp_path):
     """What an interrupted download leaves: every reader says which file and what it holds."""
     from h3_core.checkpoint import locate_dit

@@ -135,6 +135,14 @@ def test_latents_round_trip_through_safetensors(tmp_path):
     latents = random_latents(124)
     loaded = AVLatents.load(latents.save(tmp_path / "l.safetensors", {"seed": "0"}))
     assert torch.equal(loaded.video, latents.video) and torch.equal(loaded.audio, latents.audio)
+    # readable as any file the process makes (safetensors wrote 0600: a ComfyUI of another user could not load it)
+    mask = os.umask(0o027)
+    try:
+        latents.save(tmp_path / "shared.safetensors")
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "l.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
+    assert (tmp_path / "shared.safetensors").stat().st_mode & 0o777 == 0o640
 
 
 @pytest.mark.parametrize(

@@ -120,7 +120,7 @@ def test_generate_says_where_its_clip_went_when_the_out_file_is_held_open(tmp_pa
     said = capsys.readouterr()
     kept = tmp_path / "fox (1).mp4"
     assert said.out.startswith(f"{kept}: ") and "the clip was saved as" in said.err
-    assert f", {probe(kept).video.frame_count} frames; " in said.out and held.read_bytes() == b"the last clip"
+    assert f", {probe(kept).video.frame_count} frames at 224x128; " in said.out and held.read_bytes() == b"the last clip"
 
 
 def test_a_name_the_output_encoding_lacks_is_escaped_not_an_error(tmp_path):
@@ -223,10 +223,13 @@ def test_a_dit_split_over_gpus_is_refused_at_once_without_nccl(monkeypatch, tmp_
     from h3_core.placement import check_devices
 
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # a CPU-only build: the missing GPUs are the news
+    with pytest.raises(ValueError, match="cuda:0 does not exist here: this machine has 0 CUDA device"):
+        check_devices("cuda:0,cuda:1", split=True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a Windows machine's two GPUs
     with pytest.raises(ValueError, match="Splitting the DiT over GPUs needs NCCL, which this torch build lacks"):
         check_devices("cuda:0,cuda:1", split=True)
     assert check_devices("cpu,cpu", split=True) == [torch.device("cpu")] * 2  # gloo, everywhere
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a Windows machine's two GPUs
     argv = ["generate", "--prompt", "x", "--devices", "cuda:0,cuda:1", "--out", str(tmp_path / "x.mp4")]
     assert main(argv) == 2 and "needs NCCL" in capsys.readouterr().err
 

@@ -24,8 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m h3_core.parallel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="the same checkpoint path the caller's node loads")
-    parser.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"])
-    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    parser.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"],
+                        help="the caller's DiT partition (default fl2va)")
+    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="the caller's weight dtype (default bf16)")
     add_dit_speed_options(parser)  # the same as the caller's
     parser.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                         help="the same adapters, in the same order, as the caller")
