@@ -23,6 +23,8 @@ from .convert import (
     image_to_uint8,
     refuse_empty_latent,
     unpack_latents,
+    video_at_24fps,
+    video_file,
     video_to_decoded,
     waveform_to_audio,
 )
@@ -162,12 +164,18 @@ def _frames_and_soundtrack(images, audio, video):
     stated = getattr(video, "get_frame_rate", None)  # said before the whole clip is decoded just to be refused
     if callable(stated):
         _check_rate(float(stated()))
+    if video_file(video) is not None:  # read from its file as uint8 frames: get_components() stacks float32 ones
+        clip = video_at_24fps(video, "video", _ALL_FRAMES, with_audio=audio is None)  # (4x the bytes) of it all
+        return clip.frames, audio_to_stereo_32k(audio, "audio") if audio is not None else clip.audio
     decoded = video_to_decoded(video, "video")
     _check_rate(decoded.fps)
     if audio is not None:
         return decoded.frames, audio_to_stereo_32k(audio, "audio")
     soundtrack = None if decoded.audio is None else resample_audio(decoded.audio, decoded.sample_rate)
     return decoded.frames, soundtrack
+
+
+_ALL_FRAMES = 1 << 31  # no cap on a VIDEO's frames: it is saved as it is
 
 
 def _check_rate(fps: float) -> None:

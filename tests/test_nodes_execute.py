@@ -1227,6 +1227,23 @@ def test_av_save_takes_a_video_with_its_soundtrack(comfy):
     with pytest.raises(ValueError, match="got neither"):
         save.execute(filename_prefix="H3/video")
 
+    # a VIDEO read from a file (Load Video, H3 Save MP4's output) is read from it as uint8 frames, trim honoured:
+    # get_components() stacked every frame as float32 (a 300 s clip: 89 GB) before a uint8 copy was made
+    from h3_core.media_write import write_mp4
+
+    source = write_mp4(comfy.tmp / "mine.mp4", np.full((30, 32, 48, 3), 200, np.uint8),
+                       np.full((2, 40000), 0.3, np.float32))
+    on_disk = SimpleNamespace(get_stream_source=lambda: str(source), get_frame_rate=lambda: Fraction(24),
+                              get_components=lambda: pytest.fail("a file's VIDEO was decoded whole into floats"))
+    trimmed = SimpleNamespace(**vars(on_disk), get_active_trim_window=lambda: (0.5, 0.5))
+    for given, frames in ((on_disk, 30), (trimmed, 12)):
+        path = Path(save.execute(filename_prefix="H3/video", video=given).values[0][1])
+        with av.open(str(path)) as container:
+            pictures = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        with av.open(str(path)) as container:
+            loud = np.abs(np.concatenate([f.to_ndarray().ravel() for f in container.decode(audio=0)])).max()
+        assert len(pictures) == frames and abs(int(pictures[0].mean()) - 200) <= 3 and loud > 0.1
+
 
 def test_av_save_shows_the_file_it_kept_where_its_name_is_held_open(comfy, monkeypatch):
     """Windows refuses to replace a file a program holds open: the clip is kept under a free name (Mp4Writer),
