@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"h3: error: {error}", file=sys.stderr)
         return 1
     except (CheckpointError, ValueError, OSError, MediaError) as error:  # LoRAError is a ValueError
-        print(f"h3: error: {error}", file=sys.stderr)
+        print(f"h3: error: {in_flags(str(error))}", file=sys.stderr)
         return 2
     except ParallelWorkerError as error:  # names the rank, with its traceback
         if getattr(args, "compile", False) and error.compile_failed:
@@ -474,6 +474,24 @@ def _long_video(args, request: Request, kept: AVLatents | None = None) -> Reques
         tuple(args.window_prompt), args.drive_audio,
         continue_from=None if args.continue_from is None else _saved_latents(args.continue_from), keep_video=kept,
     )
+
+
+# The engine's refusals name its fields (the ComfyUI nodes' inputs); the command line says the option typed.
+_FIELD_OPTIONS = {"aspect_ratio": "--aspect-ratio", "reference_images": "--reference-images",
+                  "window_frames": "--window-frames", "overlap_frames": "--overlap-frames"}
+_LEADING_OPTIONS = {"steps": "--steps", "outputs": "--outputs", "crf": "--crf", "seed": "--seed",
+                    "drive audio": "--drive-audio"}
+
+
+def in_flags(message: str) -> str:
+    """An engine message as the command line's user reads it: `aspect_ratio` anywhere, and `steps`, `outputs`, `crf`,
+    `seed`, `drive audio` opening it, become the option's name (one already named with its option is left)."""
+    for field, option in _FIELD_OPTIONS.items():
+        message = re.sub(rf"\b{field}\b(?! \(--)", option, message)
+    for field, option in _LEADING_OPTIONS.items():
+        if message.startswith(field + " ") or message.startswith(field + ":"):
+            return option + message[len(field):]
+    return message
 
 
 def _not_a_file(path: Path) -> str:

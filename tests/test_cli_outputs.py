@@ -137,7 +137,7 @@ def test_output_into_a_closed_pipe_ends_quietly():
 def test_the_mp4s_quality_is_the_users(tmp_path, no_model_loads, monkeypatch, capsys):
     """--crf sets x264's constant quality of the MP4 (it was fixed at 18); out of 0..51 it is refused at once."""
     assert main(["generate", "--prompt", "x", "--crf", "52", "--out", str(tmp_path / "x.mp4")]) == 2
-    assert "h3: error: crf must be an integer from 0 (lossless) to 51 (worst), got 52." in capsys.readouterr().err
+    assert "h3: error: --crf must be an integer from 0 (lossless) to 51 (worst), got 52." in capsys.readouterr().err
     monkeypatch.undo()
     written = []
 

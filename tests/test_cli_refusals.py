@@ -33,14 +33,16 @@ def files(tmp_path):
 
 
 @pytest.mark.parametrize("options, message", [
-    (["--steps", "0"], "steps counts sigma points .* integer from 2 to 1000; got 0"),
+    (["--steps", "0"], "error: --steps counts sigma points .* integer from 2 to 1000; got 0"),
     (["--steps", "1000000000"], "steps counts sigma points .* integer from 2 to 1000; got 1000000000"),
     (["--video-shift", "0"], r"video_shift \(--video-shift\) must be a number from 0.01 to 100, got 0"),
     (["--video-shift", "1e39"], r"video_shift \(--video-shift\) must be a number from 0.01 to 100, got 1e\+39"),
     (["--audio-shift", "nan"], r"audio_shift \(--audio-shift\) must be a number from 0.01 to 100, got nan"),
     (["--width", "8192", "--height", "4096"], "Canvas 8192x4096 is too large: each side is at most 4096 pixels"),
     (["--seed", str(MAX_SEED + 1)], f"seed must be an integer from 0 to {MAX_SEED}; got {MAX_SEED + 1}"),
-    (["--seed", "-1"], "seed must be an integer from 0"),
+    (["--seed", "-1"], "error: --seed must be an integer from 0"),
+    (["--aspect-ratio", "5:4"], r"Unknown --aspect-ratio '5:4'; use one of 21:9, 16:9"),  # the option, not the field
+    (["--aspect-ratio", "16:9", "--width", "512", "--height", "512"], r"Give either --aspect-ratio \('16:9'\) or"),
     (["--seed", str(MAX_SEED), "--outputs", "2"], r"\(and seed \+ 1 for 2 outputs\)"),
     (["--device", "bogus"], "'bogus': not a device name such as cpu, cuda or cuda:1"),
     (["--devices", "cpu,gpu"], r"^h3: error: 'gpu': not a device name such as cpu, cuda or cuda:1\.$"),
