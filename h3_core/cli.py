@@ -225,101 +225,108 @@ def model_files(args) -> ModelFiles:
 
 def add_generate_options(gen: argparse.ArgumentParser) -> None:
     """Everything `h3 generate` takes (a --batch line is parsed with the same options)."""
-    gen.add_argument("--model", default=TINY_RANDOM,
-                     help=f"release root or partition folder, diffusers folder, Hub repo id, or '{TINY_RANDOM}' (default); "
-                          "or a single DiT file (.safetensors or .gguf, e.g. ComfyUI's models/diffusion_models/...) with "
-                          "--text-encoder, --video-vae and --audio-vae")
-    add_model_file_options(gen)
-    gen.add_argument("--task", default="t2va", choices=["t2va", "fl2va", "ref2va"],
-                     help="t2va (default): text to video with sound; fl2va: from a first and/or last keyframe "
-                          "(--first-image, --last-image); ref2va: from references (--ref)")
-    gen.add_argument("--prompt", help="the prompt (required, except with --long-video and --window-prompt: then "
-                                      "the windows' prompts are all there is)")
-    gen.add_argument("--first-image", type=Path, help="fl2va: the first keyframe")
-    gen.add_argument("--last-image", type=Path, help="fl2va: the last keyframe")
-    gen.add_argument("--ref", action="append", default=[], metavar="KIND=PATH[@START]",
-                     help="ref2va reference, repeatable and ordered: image=PATH, video=PATH, audio=PATH; "
-                          "@START (seconds) picks where a video or audio clip starts")
-    gen.add_argument("--reference-images", choices=REFERENCE_IMAGE_MODES, default="release",
-                     help="image references at the release's 2048-pixel short edge (default), or canvas-lossy: "
-                          "scaled down to the output's pixel area (far fewer rows, faster steps, less detail)")
-    gen.add_argument("--guide", action="append", default=[], metavar="FRAME:KIND=PATH",
-                     help="repeatable: an image, video (clip of 17n+5 frames, with its sound) or "
-                          "audio file anchored at video frame FRAME (negative: from the end, written --guide=-1:image=b.png), "
-                          "e.g. 60:image=a.png; with --long-video FRAME counts frames of the whole clip")
-    gen.add_argument("--aspect-ratio", help=f"one of {', '.join(geometry.ASPECT_RATIOS)}, or auto: 16:9, for fl2va the "
-                                            "keyframe's (the default)")
-    gen.add_argument("--width", type=int, help="explicit width (multiple of 32; with --height)")
-    gen.add_argument("--height", type=int, help="explicit height (multiple of 32; with --width)")
-    gen.add_argument("--duration", type=float,
-                     help="seconds, 4-15, default 5 (snapped up to 17n+5 frames at 24 fps); with --long-video up to "
-                          "300 (30 in full mode)")
-    gen.add_argument("--long-video", action="store_true",
-                     help="long video (t2va / ref2va): windows that each continue the previous one's latent tail")
-    gen.add_argument("--long-video-mode", choices=["continuation", "full"],
-                     help="continuation (default, up to 300 s) or full: the whole clip as one window (up to 30 s)")
-    gen.add_argument("--window-frames", type=int, help="continuation window in frames, 17n+5 in 107..345 (default 277)")
-    gen.add_argument("--overlap-frames", type=int,
-                     help="frames each window repeats from the one before as its guide, 17n+5 (default 22)")
-    gen.add_argument("--window-prompt", action="append", default=[], metavar="TEXT",
-                     help="one prompt per window, repeatable, in window order (default: --prompt in every window)")
-    gen.add_argument("--continue-from", type=Path, metavar="LATENTS",
-                     help="with --long-video: extend a clip saved with --save-latents or h3 encode (kept as it is; its canvas; "
-                          "--duration counts the whole clip)")
-    gen.add_argument("--drive-audio", type=Path, metavar="PATH",
-                     help="generate to this soundtrack: it becomes the output audio, held fixed while sampling "
-                          "(cut or padded with silence to the duration); works with or without --long-video")
-    gen.add_argument("--keep", choices=["video", "audio"],
-                     help="with --from: keep that part of the given clip and generate the other (video: the sound for "
-                          "your video; audio: a video to your sound); its canvas and length; not in the release's "
-                          "pipelines")
-    gen.add_argument("--from", dest="given", type=Path, metavar="LATENTS",
-                     help="with --keep: a clip's latents from h3 encode (or --save-latents), 4-15 s; with "
-                          "--long-video --keep video up to 300 s, its sound made window by window (for all of it, "
-                          "or its first --duration seconds)")
-    gen.add_argument("--steps", type=int, help="sigma points including the final 0 (default 50 -> 49 model calls, "
-                                               "or what a Turbo adapter was distilled for)")
-    gen.add_argument("--video-shift", type=float, help=f"default {VIDEO_SHIFT:g} (or the Turbo adapter's)")
-    gen.add_argument("--audio-shift", type=float, help=f"default {AUDIO_SHIFT:g} (or the Turbo adapter's)")
-    gen.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
-                     help="LoRA / Turbo adapter (any published layout), repeatable; applied in order (merged; hooked on a quantized checkpoint); strength default 1")
-    gen.add_argument("--lora-unknown-keys", choices=["error", "warn"], default="error",
-                     help="a LoRA holding keys that name no H3 module: refused (error, default) or loaded without "
-                          "them, each said (warn)")
-    gen.add_argument("--seed", type=int, default=0, help="noise seed, 0 to 2^64-1 (default 0): the same seed gives "
-                                                         "the same clip on any device. " + SEED_BITS)
-    gen.add_argument("--outputs", type=int, default=1, help=f"number of results, 1-{MAX_OUTPUTS}, seeds seed, seed+1, ...")
-    gen.add_argument("--out", "--output", type=Path, help="output .mp4 (several outputs: name_00000.mp4, ...)")
-    gen.add_argument("--save-latents", type=Path,
-                     help="also save the final latents ('video', 'audio') as .safetensors (numbered _00000, _00001, "
-                          "... with --outputs above 1, as --out is)")
-    gen.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
-    gen.add_argument("--dtype", default=None, choices=list(DTYPES), help="model dtype (default: bf16 on GPU, fp32 on CPU)")
-    gen.add_argument("--vae-dtype", default=None, choices=list(DTYPES),
-                     help="video VAE dtype (default: --dtype's, as the reference pipeline: decoder linears in it, encoder "
-                          "and norms fp32); fp32 decodes ~7.5x slower on an H200")
-    gen.add_argument("--crf", type=int, default=DEFAULT_CRF, metavar="0-51",
-                     help=f"the MP4's H.264 quality (default {DEFAULT_CRF}, visually lossless; 0 lossless, 51 worst; "
-                          "each 6 more about halves the file)")
-    add_dit_speed_options(gen)
-    gen.add_argument("--gpu-memory", type=float, metavar="GIB",
-                     help="GPU memory the text encoder, then the DiT, may use (default: what is free); " + STREAM_HELP
-                          + ", a text encoder that does not fit streams its layers (with --device cpu: the DiT's "
-                          "memory there, streamed the same way; with --devices: the text encoder's only, the split DiT "
-                          "is not streamed)")
-    gen.add_argument("--devices", metavar="DEV,DEV[,...]",
-                     help="split the DiT over several devices, e.g. cuda:0,cuda:1 (one worker process each, sequence "
-                          "parallel; 2, 4, 7 or 8 of them; Linux: NCCL); the text encoder and VAEs run on the first "
-                          "(replaces --device)")
-    gen.add_argument("--batch", type=Path, metavar="FILE",
-                     help="many requests with each model loaded once: a job a line, written as this command's request "
-                          "options (--prompt, --task, --ref, --duration, --seed, --out, ...; # starts a comment); a line's "
-                          "options override the command line's; the models, --steps and how the DiT runs are the "
-                          "command line's, one DiT partition a batch; a job that fails while the batch runs is "
-                          "skipped (the others still run; the command then exits 1)")
-    gen.add_argument("--shard-weights", action="store_true",
-                     help="with --devices: each device keeps 1/N of every block's weights and gathers a block just "
-                          "before it runs (FSDP-style), so N smaller cards hold the model together")
+    models = gen.add_argument_group("models: --model, or the files that are not under it")
+    models.add_argument("--model", default=TINY_RANDOM,
+                        help=f"release root or partition folder, diffusers folder, Hub repo id, or '{TINY_RANDOM}' (default); "
+                             "or a single DiT file (.safetensors or .gguf, e.g. ComfyUI's models/diffusion_models/...) with "
+                             "--text-encoder, --video-vae and --audio-vae")
+    add_model_file_options(models)
+    request = gen.add_argument_group("the request")
+    request.add_argument("--task", default="t2va", choices=["t2va", "fl2va", "ref2va"],
+                         help="t2va (default): text to video with sound; fl2va: from a first and/or last keyframe "
+                              "(--first-image, --last-image); ref2va: from references (--ref)")
+    request.add_argument("--prompt", metavar="TEXT", help="the prompt (required, except with --long-video and --window-prompt: then "
+                                          "the windows' prompts are all there is)")
+    request.add_argument("--first-image", type=Path, metavar="IMAGE", help="fl2va: the first keyframe")
+    request.add_argument("--last-image", type=Path, metavar="IMAGE", help="fl2va: the last keyframe")
+    request.add_argument("--ref", action="append", default=[], metavar="KIND=PATH[@START]",
+                         help="ref2va reference, repeatable and ordered: image=PATH, video=PATH, audio=PATH; "
+                              "@START (seconds) picks where a video or audio clip starts")
+    request.add_argument("--reference-images", choices=REFERENCE_IMAGE_MODES, default="release",
+                         help="image references at the release's 2048-pixel short edge (default), or canvas-lossy: "
+                              "scaled down to the output's pixel area (far fewer rows, faster steps, less detail)")
+    request.add_argument("--guide", action="append", default=[], metavar="FRAME:KIND=PATH",
+                         help="repeatable: an image, video (clip of 17n+5 frames, with its sound) or "
+                              "audio file anchored at video frame FRAME (negative: from the end, written --guide=-1:image=b.png), "
+                              "e.g. 60:image=a.png; with --long-video FRAME counts frames of the whole clip")
+    request.add_argument("--aspect-ratio", metavar="RATIO", help=f"one of {', '.join(geometry.ASPECT_RATIOS)}, or auto: 16:9, for fl2va the "
+                                                "keyframe's (the default)")
+    request.add_argument("--width", type=int, metavar="PX", help="explicit width (multiple of 32; with --height)")
+    request.add_argument("--height", type=int, metavar="PX", help="explicit height (multiple of 32; with --width)")
+    request.add_argument("--duration", type=float, metavar="SECONDS",
+                         help="seconds, 4-15, default 5 (snapped up to 17n+5 frames at 24 fps); with --long-video up to "
+                              "300 (30 in full mode)")
+    long = gen.add_argument_group("long video, and clips of yours")
+    long.add_argument("--long-video", action="store_true",
+                      help="long video (t2va / ref2va): windows that each continue the previous one's latent tail")
+    long.add_argument("--long-video-mode", choices=["continuation", "full"],
+                      help="continuation (default, up to 300 s) or full: the whole clip as one window (up to 30 s)")
+    long.add_argument("--window-frames", type=int, metavar="FRAMES", help="continuation window in frames, 17n+5 in 107..345 (default 277)")
+    long.add_argument("--overlap-frames", type=int, metavar="FRAMES",
+                      help="frames each window repeats from the one before as its guide, 17n+5 (default 22)")
+    long.add_argument("--window-prompt", action="append", default=[], metavar="TEXT",
+                      help="one prompt per window, repeatable, in window order (default: --prompt in every window)")
+    long.add_argument("--continue-from", type=Path, metavar="LATENTS",
+                      help="with --long-video: extend a clip saved with --save-latents or h3 encode (kept as it is; its canvas; "
+                           "--duration counts the whole clip)")
+    long.add_argument("--drive-audio", type=Path, metavar="PATH",
+                      help="generate to this soundtrack: it becomes the output audio, held fixed while sampling "
+                           "(cut or padded with silence to the duration); works with or without --long-video")
+    long.add_argument("--keep", choices=["video", "audio"],
+                      help="with --from: keep that part of the given clip and generate the other (video: the sound for "
+                           "your video; audio: a video to your sound); its canvas and length; not in the release's "
+                           "pipelines")
+    long.add_argument("--from", dest="given", type=Path, metavar="LATENTS",
+                      help="with --keep: a clip's latents from h3 encode (or --save-latents), 4-15 s; with "
+                           "--long-video --keep video up to 300 s, its sound made window by window (for all of it, "
+                           "or its first --duration seconds)")
+    sampling = gen.add_argument_group("sampling")
+    sampling.add_argument("--steps", type=int, metavar="N", help="sigma points including the final 0, 2-1000 (default 50 -> 49 model calls, "
+                                                    "or what a Turbo adapter was distilled for)")
+    sampling.add_argument("--video-shift", type=float, metavar="SHIFT", help=f"0.01-100, default {VIDEO_SHIFT:g} (or the Turbo adapter's)")
+    sampling.add_argument("--audio-shift", type=float, metavar="SHIFT", help=f"0.01-100, default {AUDIO_SHIFT:g} (or the Turbo adapter's)")
+    sampling.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
+                          help="LoRA / Turbo adapter (any published layout), repeatable; applied in order (merged; hooked on a quantized checkpoint); strength default 1")
+    sampling.add_argument("--lora-unknown-keys", choices=["error", "warn"], default="error",
+                          help="a LoRA holding keys that name no H3 module: refused (error, default) or loaded without "
+                               "them, each said (warn)")
+    sampling.add_argument("--seed", type=int, default=0, metavar="N", help="noise seed, 0 to 2^64-1 (default 0): the same seed gives "
+                                                              "the same clip on any device. " + SEED_BITS)
+    sampling.add_argument("--outputs", type=int, default=1, metavar="N", help=f"number of results, 1-{MAX_OUTPUTS}, seeds seed, seed+1, ...")
+    output = gen.add_argument_group("outputs")
+    output.add_argument("--out", "--output", type=Path, metavar="MP4", help="output .mp4 (several outputs: name_00000.mp4, ...)")
+    output.add_argument("--save-latents", type=Path, metavar="LATENTS",
+                        help="also save the final latents ('video', 'audio') as .safetensors (numbered _00000, _00001, "
+                             "... with --outputs above 1, as --out is)")
+    running = gen.add_argument_group("devices, speed and memory")
+    running.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
+    running.add_argument("--dtype", default=None, choices=list(DTYPES), help="model dtype (default: bf16 on GPU, fp32 on CPU)")
+    running.add_argument("--vae-dtype", default=None, choices=list(DTYPES),
+                         help="video VAE dtype (default: --dtype's, as the reference pipeline: decoder linears in it, encoder "
+                              "and norms fp32); fp32 decodes ~7.5x slower on an H200")
+    running.add_argument("--crf", type=int, default=DEFAULT_CRF, metavar="0-51",
+                         help=f"the MP4's H.264 quality (default {DEFAULT_CRF}, visually lossless; 0 lossless, 51 worst; "
+                              "each 6 more about halves the file)")
+    add_dit_speed_options(running)
+    running.add_argument("--gpu-memory", type=float, metavar="GIB",
+                         help="GPU memory the text encoder, then the DiT, may use (default: what is free); " + STREAM_HELP
+                              + ", a text encoder that does not fit streams its layers (with --device cpu: the DiT's "
+                              "memory there, streamed the same way; with --devices: the text encoder's only, the split DiT "
+                              "is not streamed)")
+    running.add_argument("--devices", metavar="DEV,DEV[,...]",
+                         help="split the DiT over several devices, e.g. cuda:0,cuda:1 (one worker process each, sequence "
+                              "parallel; 2, 4, 7 or 8 of them; Linux: NCCL); the text encoder and VAEs run on the first "
+                              "(replaces --device)")
+    batch = gen.add_argument_group("many requests")
+    batch.add_argument("--batch", type=Path, metavar="FILE",
+                       help="many requests with each model loaded once: a job a line, written as this command's request "
+                            "options (--prompt, --task, --ref, --duration, --seed, --out, ...; # starts a comment); a line's "
+                            "options override the command line's; the models, --steps and how the DiT runs are the "
+                            "command line's, one DiT partition a batch; a job that fails while the batch runs is "
+                            "skipped (the others still run; the command then exits 1)")
+    batch.add_argument("--shard-weights", action="store_true",
+                       help="with --devices: each device keeps 1/N of every block's weights and gathers a block just "
+                            "before it runs (FSDP-style), so N smaller cards hold the model together")
 
 
 class _Parser(argparse.ArgumentParser):

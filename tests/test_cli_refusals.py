@@ -515,6 +515,17 @@ def test_h3_denoise_checks_the_seed_and_text_states_before_reading_the_dit(tmp_p
     assert "noise seed, 0 to 2^64-1" in capsys.readouterr().out
 
 
+def test_generate_help_is_grouped_and_gives_the_ranges(capsys):
+    """48 options were one list, without the ranges the refusals name."""
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    shown = capsys.readouterr().out
+    headings = ["models: --model, or the files that are not under it:", "the request:",
+                "long video, and clips of yours:", "sampling:", "outputs:", "devices, speed and memory:", "many requests:"]
+    assert [shown.index(heading) for heading in headings] == sorted(shown.index(heading) for heading in headings)
+    assert "--steps N" in shown and "2-1000" in shown and shown.count("0.01-100") == 2 and "--out MP4" in shown
+
+
 def test_compile_that_cannot_work_here_says_to_drop_it(tmp_path, monkeypatch, capsys):
     """No C++ compiler (or Triton): Inductor fails at the first step; one line naming --compile, no traceback.
     Any other error of the run is not taken for it."""
