@@ -27,10 +27,15 @@ from .vae_video import VideoVAE, model_space_to_frames
 
 
 def current_umask() -> int:
-    """The process's file-creation mask (read by setting it, then put back at once), as a new file honours it."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+    """The process's file-creation mask, as a new file honours it: Linux says it in /proc; elsewhere it is read
+    by setting it and putting it back at once (another thread's file made in between gets the usual 022)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 @dataclass
