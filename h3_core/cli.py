@@ -551,7 +551,8 @@ def _kept(args, request: Request) -> tuple[Request, AVLatents | None]:
 
 class StageBars:
     """A pipeline progress callback, (stage, done, total): one progress bar on stderr per stage, the last
-    stage's closed when the next begins."""
+    stage's closed when the next begins. Written to a file or a pipe (a log), a bar is redrawn every 30 s
+    instead of ten times a second."""
 
     def __init__(self):
         self.bars = {}
@@ -562,7 +563,8 @@ class StageBars:
         bar = self.bars.get(stage)
         if bar is None:
             self.close()
-            bar = self.bars[stage] = tqdm(total=total, desc=stage, file=sys.stderr, leave=False)
+            redraw = 0.1 if sys.stderr.isatty() else 30.0
+            bar = self.bars[stage] = tqdm(total=total, desc=stage, file=sys.stderr, leave=False, mininterval=redraw)
         if total != bar.total:
             bar.total = total
         bar.update(done - bar.n)

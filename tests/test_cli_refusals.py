@@ -515,6 +515,22 @@ def test_h3_denoise_checks_the_seed_and_text_states_before_reading_the_dit(tmp_p
     assert "noise seed, 0 to 2^64-1" in capsys.readouterr().out
 
 
+def test_progress_written_to_a_log_is_not_redrawn_ten_times_a_second(capsys, monkeypatch):
+    import itertools
+
+    import tqdm.std
+
+    from h3_core.cli import StageBars
+
+    clock = itertools.count(0.0, 0.05)  # tqdm's clock: each reading 50 ms on
+    monkeypatch.setattr(tqdm.std, "time", lambda: next(clock))
+    bars = StageBars()
+    for done in range(1, 1001):  # a minute or two of steps, into a log (stderr is not a terminal here)
+        bars("sample 1/1", done, 1000)
+    bars.close()
+    assert capsys.readouterr().err.count("\r") <= 12  # every 30 s, not hundreds of redraws
+
+
 def test_generate_help_is_grouped_and_gives_the_ranges(capsys):
     """48 options were one list, without the ranges the refusals name."""
     with pytest.raises(SystemExit):
