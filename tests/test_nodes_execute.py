@@ -1157,6 +1157,23 @@ def test_single_file_text_encoder_without_tokenizer_folder_is_refused_before_mak
     assert comfy.record.freed == [] and comfy.record.loaded == []  # no other model was asked to leave
 
 
+def test_another_models_file_in_the_text_encoder_loader_is_refused_before_any_fetch_or_room(comfy, monkeypatch):
+    """A DiT file picked in H3 Text Encoder Loader: said from its tensor names, before the release's tokenizer is
+    fetched from the Hub for it and before ~54 GB of room were asked of other models."""
+    import huggingface_hub
+    from safetensors.torch import save_file
+
+    fetched = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **options: fetched.append(repo))
+    name = "minimax_h3_fl2va_bf16.safetensors"
+    (comfy.tmp / "text_encoders").mkdir(exist_ok=True)
+    save_file({"blocks.0.attn.qkv_proj.weight": torch.zeros(6, 2), "proj_in.weight": torch.zeros(2, 2)},
+              str(comfy.tmp / "text_encoders" / name))
+    with pytest.raises(ValueError, match="holds no Qwen3-VL text encoder .*is it another model's file"):
+        comfy.loaders.H3TextEncoderLoader.execute(name, "", "", "bf16")
+    assert fetched == [] and comfy.record.freed == [] and comfy.record.loaded == []
+
+
 def test_saved_mp4_carries_the_prompt_and_workflow_unless_metadata_is_disabled(comfy):
     """As ComfyUI's SaveVideo: the MP4 holds the prompt and the workflow as JSON tags (use_metadata_tags),
     so dropping it on the canvas restores the graph; --disable-metadata leaves only our comment."""
