@@ -5,7 +5,6 @@ at) any path on the machine."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 ANY_FOLDER_VARIABLE = "H3_ALLOW_ANY_FOLDER"
@@ -33,9 +32,18 @@ def model_roots() -> list[str]:
 
     roots = [folder_paths.models_dir]
     for kind in FENCED_KINDS:
-        with contextlib.suppress(KeyError):  # a kind this ComfyUI does not know
-            roots.extend(folder_paths.get_folder_paths(kind))
+        roots.extend(_folders_of(kind))
     return list(dict.fromkeys(os.path.normpath(os.path.abspath(root)) for root in roots))
+
+
+def _folders_of(kind: str) -> list[str]:
+    """ComfyUI's folders for a model kind (none for a kind this ComfyUI does not know)."""
+    import folder_paths
+
+    try:
+        return list(folder_paths.get_folder_paths(kind))
+    except KeyError:
+        return []
 
 
 def _inside(path: str, root: str) -> bool:
@@ -47,18 +55,19 @@ def _inside(path: str, root: str) -> bool:
 
 def typed_path(text: str, kind: str) -> str:
     """The absolute path a folder box names ('' when empty). A relative one is looked for in ComfyUI's `kind`
-    folders (then checkpoints), else taken from the current folder, as before. Refused with what to do when it
-    leads outside the model folders ('..' counts; a link placed inside them is followed, as ComfyUI does)."""
+    folders, then checkpoints, then the other model folders (a release folder kept once, in diffusion_models,
+    is typed alike into all three loaders), else taken from the current folder, as before. Refused with what to
+    do when it leads outside the model folders ('..' counts; a link placed inside them is followed, as ComfyUI
+    does)."""
     import folder_paths
 
     path = os.path.expanduser(clean_path(text))
     if not path:
         return ""
     if not os.path.isabs(path):
-        for root in (*folder_paths.get_folder_paths(kind), *folder_paths.get_folder_paths("checkpoints")):
-            if os.path.exists(os.path.join(root, path)):
-                path = os.path.join(root, path)
-                break
+        kinds = dict.fromkeys((kind, "checkpoints", *FENCED_KINDS))
+        folders = [root for name in kinds for root in _folders_of(name)] + [folder_paths.models_dir]
+        path = next((os.path.join(root, path) for root in folders if os.path.exists(os.path.join(root, path))), path)
     path = os.path.normpath(os.path.abspath(path))
     roots = model_roots()
     if any_folder_allowed() or any(_inside(path, root) for root in roots):

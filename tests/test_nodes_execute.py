@@ -1632,6 +1632,12 @@ def test_a_relative_folder_is_looked_for_in_the_model_folders(comfy, monkeypatch
     assert vae.name == str(inside) and vae.video is not None
     assert loaders.H3VAELoader.fingerprint_inputs(video_vae="tiny-random", audio_vae="tiny-random",
                                                   folder="FL2VA") != ""
+    # a release folder kept once, under diffusion_models: the same relative path in every loader (the VAE and
+    # text encoder loaders looked only in their own folders, then called it outside the model folders)
+    release = _tiny_vaes(comfy.tmp / "diffusion_models" / "MiniMax-H3")
+    assert loaders.H3VAELoader.validate_inputs(folder="MiniMax-H3/FL2VA") is True
+    assert loaders.H3VAELoader.execute("tiny-random", "tiny-random", "MiniMax-H3/FL2VA").values[0].name == str(release)
+    assert loaders.H3TextEncoderLoader.validate_inputs(folder="MiniMax-H3/FL2VA", tokenizer_folder="") is True
 
 
 def test_a_pasted_path_in_quotes_is_the_path(comfy, tmp_path):
