@@ -73,7 +73,8 @@ class H3ModelLoader(io.ComfyNode):
             display_name="H3 Model Loader",
             category=CATEGORY,
             description="Loads the MiniMax-H3 diffusion transformer (one partition) with the H3 engine. The file is "
-                        "checked now; its weights are read at the first run, once the prompt is encoded.",
+                        "checked now; its weights are read at the first run, once the prompt is encoded (split over "
+                        "devices, its worker processes read their shares now).",
             inputs=[
                 io.Combo.Input("checkpoint", options=model_choices("diffusion_models", also=(GGUF_SUFFIX,)),
                                default=TINY_RANDOM,
