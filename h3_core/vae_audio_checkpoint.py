@@ -21,7 +21,7 @@ mis-shaped is an error naming the tensor and the file. Checkpoint dtypes are kep
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -327,12 +327,14 @@ def check_audio_vae(path: str | Path) -> AudioVAE:
 
 
 def load_audio_vae(
-    path: str | Path, dtype: torch.dtype | None = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path, dtype: torch.dtype | None = torch.float32, device: str | torch.device = "cpu",
+    on_tensor: Callable[[int, int], None] | None = None,
 ) -> AudioVAE:
     """Load the audio VAE strictly from any accepted layout, in fp32 by default whatever the file stores: the
     release is fp32, and a community bf16 / fp16 file run as stored decodes audibly worse (see `vae_audio`), so
     it is widened. `dtype=None` keeps the checkpoint's dtypes. `device="meta"` reads the headers only
-    (`check_audio_vae`). `tiny-random`: the embedded demo VAE (float32), made, not read."""
+    (`check_audio_vae`). `tiny-random`: the embedded demo VAE (float32), made, not read. `on_tensor(done,
+    total)` after each tensor read."""
     if str(path) == TINY_RANDOM:
         return tiny_random_audio_vae(device)
     with config_errors(f"The audio VAE at {path}"):
@@ -349,7 +351,7 @@ def load_audio_vae(
 
     skip = STATISTICS if source.config is None else ()  # a single file's statistics went into its config
     origin = f"{source.file} ({source.origin})"
-    assign_strictly(model, model_tensors(items(), model, skip), origin, lambda name: dtype, device)
+    assign_strictly(model, model_tensors(items(), model, skip), origin, lambda name: dtype, device, on_tensor)
     if headers_only:
         return model
     return model.to(device).eval().requires_grad_(False)  # `to` moves the filters, which were never on meta

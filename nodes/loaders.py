@@ -357,12 +357,13 @@ class H3VAELoader(io.ComfyNode):
         make_room(module_bytes(checked), target)
         with freed_on_failure(target):
             if video_path:
-                video = load_video_vae(video_path, dtype=dtype, device=target)
+                video = load_video_vae(video_path, dtype=dtype, device=target, on_tensor=read_bar())
             else:
                 video = tiny_random_video_vae(target)  # fp32; like the tiny DiT, kept so on the CPU
                 if dtype is not None and target.type != "cpu":
                     video.set_dtype(dtype)
-            audio = load_audio_vae(audio_path, device=target) if audio_path else tiny_random_audio_vae(target)
+            audio = (load_audio_vae(audio_path, device=target, on_tensor=read_bar()) if audio_path
+                     else tiny_random_audio_vae(target))
         name = folder or f"{video_vae} + {audio_vae}"
         patcher = manage(f"H3 VAEs ({name})", [video, audio], target, "vae")
         canvas = TINY_CANVAS if video_vae == TINY_RANDOM and not folder else RELEASE_CANVAS

@@ -1640,6 +1640,18 @@ def test_a_relative_folder_is_looked_for_in_the_model_folders(comfy, monkeypatch
     assert loaders.H3TextEncoderLoader.validate_inputs(folder="MiniMax-H3/FL2VA", tokenizer_folder="") is True
 
 
+def test_the_vae_loader_shows_its_read_and_stops_on_cancel(comfy):
+    """The release's fp32 video VAE is 9.7 GiB: its read had no progress bar and could not be cancelled."""
+    c = comfy
+    _tiny_vaes(c.tmp / "vae")
+    shown = len(c.record.progress)
+    c.loaders.H3VAELoader.execute("tiny-random", "tiny-random", "FL2VA")
+    assert len(c.record.progress) > shown + 2  # a bar over each VAE's tensors
+    c.record.interrupt_after = len(c.record.progress) + 1
+    with pytest.raises(c.memory.mm.InterruptProcessingException):
+        c.loaders.H3VAELoader.execute("tiny-random", "tiny-random", "FL2VA")
+
+
 def test_a_pasted_path_in_quotes_is_the_path(comfy, tmp_path):
     """Windows' "Copy as path" pastes "C:\\models\\H3" with its quotes: the loaders said no such folder."""
     folders = importlib.import_module("nodes.model_folders")
