@@ -60,7 +60,6 @@ from .runtime import EXPANDABLE_SEGMENTS, empty_caches, fixed_allocator_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback, check_shift, check_steps
 from .sampler import denoise as denoise_loop
 from .sparse_attention import STUDENT_SPARSITY
-from .text_checkpoint import check_text_encoder_file
 from .text import ENCODING_FLOOR_BYTES, load_text_encoder, locate_text_encoder_files, spread_counts, text_encoder_sizes
 from .text_checkpoint import GGUF_NO_VISION, TEXT_ENCODER_LAYER
 from .tiny import TINY_RANDOM, tiny_model_dtype, tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
@@ -555,7 +554,6 @@ def generate_batch(
           + "".join(f"; {n}" for n in schedule.notes))
     if not source.tiny:  # every checkpoint found and recognized before the first one loads
         with _part_of(source, "text_encoder"):
-            check_text_encoder_file(source.text_encoder)  # another model's file: before a tokenizer is fetched
             text_files = locate_text_encoder_files(source.text_encoder, source.tokenizer)
         if not text_files.vision_tower:
             showing = [name for item, name in zip(prepared, names) if shows_pictures(item.plain_request)]

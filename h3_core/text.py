@@ -47,6 +47,7 @@ from .text_checkpoint import (
     TEXT_ENCODER_LAYER,
     CheckpointError,
     MissingVisionTower,
+    check_is_text_encoder,
     check_transformers,
     load_qwen3vl,
     locate_text_encoder,
@@ -379,6 +380,7 @@ def locate_text_encoder_files(path: str | Path, tokenizer: str | Path | None = N
     (`release_tokenizer`: from the Hugging Face cache, or fetched)."""
     check_transformers()
     source = locate_text_encoder(path, tokenizer, processor, layer)
+    check_is_text_encoder(source)  # another model's file: said from its names, before a tokenizer is fetched for it
     if source.tokenizer_folder is None and source.one_file and tokenizer is None:
         source = locate_text_encoder(path, release_tokenizer(), processor, layer)
     if source.tokenizer_folder is None:

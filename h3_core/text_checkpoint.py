@@ -517,10 +517,9 @@ def all_model_names(keys: list[str]) -> list[str]:
     return [name for name in (model_name(key, layers=10**9) for key in keys) if name is not None]
 
 
-def check_text_encoder_file(path: str | Path) -> None:
-    """Refuse weights at `path` that hold no Qwen3-VL text encoder (a DiT or a VAE picked by mistake), from their
-    names alone: before a host fetches a tokenizer for them or makes ~50 GB of room."""
-    source = locate_text_encoder(path)
+def check_is_text_encoder(source: TextEncoderSource) -> None:
+    """Refuse a source that holds no Qwen3-VL text encoder (a DiT or a VAE picked by mistake), from its tensor
+    names alone: before a host fetches a tokenizer for it or makes ~50 GB of room."""
     _check_is_text_encoder(source_tensor_names(source), source)
 
 

@@ -62,17 +62,25 @@ class H3SaveLatent(PrefixCheckedSave):
         check_prefix(filename_prefix)
         refuse_empty_latent(latent)
         latents = unpack_latents(latent)
-        width, height = latents.canvas
-        folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(
-            filename_prefix, folder_paths.get_output_directory(), width, height)
-        facts = {key: str(latent[key]) for key in KEPT_FACTS if latent.get(key) is not None}
-        metadata = {"width": str(width), "height": str(height), "frames": str(latents.num_frames), **facts,
-                    **saved_file_metadata(cls.hidden, latents.num_frames)}
-        # the name taken at once (another saver's file, or a link there, moves this one to the next counter)
-        with reserved_output(folder, filename, counter, ".safetensors") as reserved:
-            latents.save(reserved, metadata)
-        saved = ui.SavedResult(os.path.basename(reserved), subfolder, io.FolderType.output)
+        facts = {key: latent[key] for key in KEPT_FACTS if latent.get(key) is not None}
+        path, subfolder = save_latent_file(latents, filename_prefix,
+                                           {**facts, **saved_file_metadata(cls.hidden, latents.num_frames)})
+        saved = ui.SavedResult(os.path.basename(path), subfolder, io.FolderType.output)
         return io.NodeOutput(latent, ui={"latents": [saved]})
+
+
+def save_latent_file(latents: AVLatents, prefix: str, facts: dict) -> tuple[str, str]:
+    """`latents` as the next numbered `prefix` .safetensors file in the output folder, its canvas, length and
+    `facts` in its metadata (text); (its path, its subfolder)."""
+    width, height = latents.canvas
+    folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(
+        prefix, folder_paths.get_output_directory(), width, height)
+    metadata = {"width": str(width), "height": str(height), "frames": str(latents.num_frames),
+                **{key: str(value) for key, value in facts.items()}}
+    # the name taken at once (another saver's file, or a link there, moves this one to the next counter)
+    with reserved_output(folder, filename, counter, ".safetensors") as reserved:
+        latents.save(reserved, metadata)
+    return reserved, subfolder
 
 
 def save_unfinished(clip: AVLatents, made: int, count: int, **facts) -> None:
@@ -82,13 +90,7 @@ def save_unfinished(clip: AVLatents, made: int, count: int, **facts) -> None:
     run's own error."""
     log = logging.getLogger("h3")
     try:
-        width, height = clip.canvas
-        folder, filename, counter, _, _ = folder_paths.get_save_image_path(
-            "H3/unfinished_long_video", folder_paths.get_output_directory(), width, height)
-        metadata = {"width": str(width), "height": str(height), "frames": str(clip.num_frames),
-                    "windows": f"{made} of {count}", **{key: str(value) for key, value in facts.items()}}
-        with reserved_output(folder, filename, counter, ".safetensors") as reserved:
-            clip.save(reserved, metadata)
+        reserved, _ = save_latent_file(clip, "H3/unfinished_long_video", {"windows": f"{made} of {count}", **facts})
     except Exception as error:  # a full disk, say: the run's own error is what the user must see
         log.warning("H3: the long video's finished windows could not be saved: %s", error)
         return

@@ -20,7 +20,6 @@ from h3_core.placement import freed_on_failure, module_bytes
 from h3_core.pipeline import TINY_CANVAS
 from h3_core.references import RELEASE_CANVAS
 from h3_core.text import ENCODING_FLOOR_BYTES, load_text_encoder, locate_text_encoder_files, text_encoder_bytes
-from h3_core.text_checkpoint import check_text_encoder_file
 from h3_core.text_mmproj import MARKER as MMPROJ_MARKER
 from h3_core.text_mmproj import companions as mmproj_companions
 from h3_core.tiny import (
@@ -285,7 +284,6 @@ class H3TextEncoderLoader(io.ComfyNode):
                 encoder.to(target)
         else:
             path = model_path("text_encoders", text_encoder, folder)
-            check_text_encoder_file(path)  # another model's file, said before a tokenizer is fetched or room made
             tokenizer = typed_path(tokenizer_folder, "text_encoders") or None
             # a missing tokenizer is refused before room is made (a single file's, if none is given, is fetched)
             found = locate_text_encoder_files(path, tokenizer)
