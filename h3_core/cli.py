@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 WARNING_LOGGERS = ("h3", "h3_core")  # the engine's loggers (placement, media, attention; h3_core.lora)
 
 
+QUIET_HELP = ("no progress bars (for scripts and logs); warnings, errors and the result line are still printed")
 NOTED_INFO_LOGGERS = ("h3_core.hub",)  # what a download is about to fetch (tens of GiB): said, not only logged
 
 
@@ -317,6 +318,7 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
                          help="split the DiT over several devices, e.g. cuda:0,cuda:1 (one worker process each, sequence "
                               "parallel; 2, 4, 7 or 8 of them; Linux: NCCL); the text encoder and VAEs run on the first "
                               "(replaces --device)")
+    running.add_argument("--quiet", "-q", action="store_true", help=QUIET_HELP)
     batch = gen.add_argument_group("many requests")
     batch.add_argument("--batch", type=Path, metavar="FILE",
                        help="many requests with each model loaded once: a job a line, written as this command's request "
@@ -358,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument("--height", type=int, help="canvas height (multiple of 32; with --width)")
     enc.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
     enc.add_argument("--vae-dtype", default=None, choices=list(DTYPES), help="video VAE linears (default bf16; tiny-random on the CPU: fp32)")
+    enc.add_argument("--quiet", "-q", action="store_true", help=QUIET_HELP)
     enc.set_defaults(run=run_encode, parser=enc)
 
     info = sub.add_parser("info", help="what H3 models a path holds (DiT, text encoder, VAEs), without loading them")
@@ -394,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dit_speed_options(den)
     den.add_argument("--gpu-memory", type=float, metavar="GIB",
                      help="GPU memory the DiT may use (default: what is free); " + STREAM_HELP)
+    den.add_argument("--quiet", "-q", action="store_true", help=QUIET_HELP)
     den.set_defaults(run=run_denoise, parser=den)
     return parser
 
@@ -554,8 +558,9 @@ class StageBars:
     stage's closed when the next begins. Written to a file or a pipe (a log), a bar is redrawn every 30 s
     instead of ten times a second."""
 
-    def __init__(self):
+    def __init__(self, quiet: bool = False):
         self.bars = {}
+        self.quiet = quiet
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         from tqdm import tqdm
@@ -564,7 +569,8 @@ class StageBars:
         if bar is None:
             self.close()
             redraw = 0.1 if sys.stderr.isatty() else 30.0
-            bar = self.bars[stage] = tqdm(total=total, desc=stage, file=sys.stderr, leave=False, mininterval=redraw)
+            bar = self.bars[stage] = tqdm(total=total, desc=stage, file=sys.stderr, leave=False, mininterval=redraw,
+                                          disable=self.quiet)
         if total != bar.total:
             bar.total = total
         bar.update(done - bar.n)
@@ -575,7 +581,7 @@ class StageBars:
 
 
 def run_encode(args) -> int:
-    progress = StageBars()
+    progress = StageBars(args.quiet)
     try:
         files = model_files(args)
         model = args.model or (None if files.given() else TINY_RANDOM)
@@ -619,7 +625,7 @@ def run_generate(args) -> int:
                                 attention_window=args.attention_window_lossy,
                                 attention_window_dense_steps=args.attention_window_dense_steps,
                                 vae_dtype=DTYPES[args.vae_dtype] if args.vae_dtype else None, crf=args.crf)
-    progress = StageBars()
+    progress = StageBars(args.quiet)
     if device.type == "cuda":
         torch.cuda.init()  # the memory statistics need CUDA's state, and nothing has touched the GPU yet
         torch.cuda.reset_peak_memory_stats(device)
@@ -1022,7 +1028,7 @@ def run_denoise(args) -> int:
     timings["load"] = time.perf_counter() - started
 
     started = time.perf_counter()
-    bar = tqdm(total=schedule.num_calls, desc="denoise", unit="step", file=sys.stderr)
+    bar = tqdm(total=schedule.num_calls, desc="denoise", unit="step", file=sys.stderr, disable=args.quiet)
     latents = sample(model, conditioning, args.seed, args.steps, args.video_shift, args.audio_shift,
                      callback=lambda state: bar.update(1))
     bar.close()

@@ -149,3 +149,28 @@ def test_the_mp4s_quality_is_the_users(tmp_path, no_model_loads, monkeypatch, ca
     assert main(["generate", "--prompt", "x", "--steps", "2", "--duration", "4", "--crf", "30",
                  "--out", str(tmp_path / "x.mp4")]) == 0
     assert written == [30]
+
+
+def test_quiet_hides_the_progress_bars_and_keeps_the_result_line(tmp_path, capsys):
+    """--quiet (-q) leaves a script's log with the result line and any warning, without bars."""
+    for command, extra in (("generate", ["--prompt", "x", "--duration", "4"]), ("denoise", [])):
+        argv = [command, *extra, "--steps", "2", "--save-latents", str(tmp_path / f"{command}.safetensors")]
+        assert main(argv) == 0
+        shown = capsys.readouterr()
+        assert "%|" in shown.err and "safetensors" in shown.out  # a bar, unless told not to
+        assert main(argv + ["-q"]) == 0
+        shown = capsys.readouterr()
+        assert "%|" not in shown.err and "safetensors" in shown.out
+    clip = tmp_path / "clip.mp4"
+    assert main(["generate", "--prompt", "x", "--duration", "4", "--steps", "2", "--quiet", "--out", str(clip)]) == 0
+    capsys.readouterr()
+    assert main(["encode", str(clip), "--out", str(tmp_path / "clip.safetensors"), "--quiet"]) == 0
+    shown = capsys.readouterr()
+    assert "%|" not in shown.err and "clip.safetensors" in shown.out
+
+
+def test_quiet_is_the_whole_batchs(tmp_path, capsys):
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"--prompt x --quiet --save-latents {tmp_path / 'a.safetensors'}\n")
+    assert main(["generate", "--batch", str(jobs)]) == 2
+    assert "--quiet applies to the whole batch" in capsys.readouterr().err
