@@ -272,11 +272,21 @@ def total_bytes(device) -> int | None:
 MAX_BUDGET_GIB = 2**20  # a PiB: larger is a typo (and overflows as bytes)
 
 
-def check_budget(budget_gib: float | None) -> None:
+def check_budget(budget_gib: float | None, device=None) -> None:
+    """A budget given is a positive number of GiB, and no more than a CUDA `device` has (the model placed for it
+    as it stood ran out of memory part way)."""
     if budget_gib is not None and not (isinstance(budget_gib, numbers.Real) and not isinstance(budget_gib, bool)
                                        and math.isfinite(budget_gib) and 0 < budget_gib <= MAX_BUDGET_GIB):
         raise ValueError(f"The GPU memory budget must be a positive number of GiB, got {budget_gib!r} (at most "
                          f"{MAX_BUDGET_GIB:,}).")
+    import torch
+
+    if budget_gib is None or device is None or torch.device(device).type != "cuda":
+        return
+    whole = total_bytes(device)
+    if whole is not None and budget_gib * GIB > whole:
+        raise ValueError(f"The GPU memory budget ({budget_gib:g} GiB) is more than {device} has "
+                         f"({whole / GIB:.1f} GiB in all); give at most that, or 0 for what is free.")
 
 
 def plan_for(config: DiTConfig, layout, steps: int, device, budget_gib: float | None = None,
@@ -291,13 +301,9 @@ def plan_for(config: DiTConfig, layout, steps: int, device, budget_gib: float | 
     import torch
 
     device = torch.device(device)
-    check_budget(budget_gib)
+    check_budget(budget_gib, device)
     if budget_gib is not None:
         budget = int(budget_gib * GIB)
-        whole = total_bytes(device) if device.type == "cuda" else None
-        if whole is not None and budget > whole:  # it was planned for as it stood: an OOM mid-run
-            raise ValueError(f"The GPU memory budget ({budget_gib:g} GiB) is more than {device} has "
-                             f"({whole / GIB:.1f} GiB in all); give at most that, or 0 for what is free.")
     else:
         budget = free_bytes(device) if device.type == "cuda" else 1 << 62
     budget -= other_bytes

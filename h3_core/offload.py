@@ -228,6 +228,19 @@ class BlockStreamer:
         return home - sum(slot.numel() for slot in self.slots)
 
 
+def streamed_bytes(dit: H3DiT, plan) -> int:
+    """What streaming by `plan` keeps off the device (BlockStreamer.offloaded_bytes, known before placing):
+    the streamed blocks' weights less the prefetch + 2 slots, each the largest one's packing, they pass through."""
+    if not plan.streams:
+        return 0
+    streamed = [_streamed_parameters(block) for block in list(dit.blocks)[plan.resident_blocks:]]
+    if not streamed:
+        return 0
+    weights = sum(p.numel() * p.element_size() for params in streamed for p in params)
+    slot = max(_packing(params)[1] for params in streamed)
+    return weights - slot * min(len(streamed), plan.prefetch + 2)
+
+
 def is_streamed(dit: nn.Module) -> bool:
     """Whether `dit`'s blocks stream now (a BlockStreamer's hooks on, its weights at the streamer's homes)."""
     streamer = dit.__dict__.get(STREAMER, lambda: None)()

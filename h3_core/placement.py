@@ -58,6 +58,15 @@ def warn_host_memory(nbytes: int, what: str) -> None:
         log.warning("H3: %s", warning)
 
 
+def spill_device(load_device, offload_device) -> torch.device:
+    """Where weights that do not stay on the device wait (streamed blocks and layers, parked AdaLN weights,
+    a streamed model unloaded): the offload device, or the CPU where that is the device itself (ComfyUI's
+    --highvram and --gpu-only keep a whole model there; one streamed because it does not fit cannot wait
+    there)."""
+    load_device, offload_device = torch.device(load_device), torch.device(offload_device)
+    return offload_device if offload_device != load_device else torch.device("cpu")
+
+
 class Placement:
     """One model's parts, moved together between `load_device` and `offload_device`.
 
@@ -74,6 +83,15 @@ class Placement:
         self.make_host_room = None  # (bytes, placement, others) -> whether they fit now: set by a host
         self.on_read = None  # (tensors done, total) while weights are read from files: a host's progress bar
         weakref.finalize(self, log.info, "H3: %s released (%.2f GiB)", name, self.size / GIB)
+
+    @property
+    def spill_device(self) -> torch.device:
+        return spill_device(self.load_device, self.offload_device)
+
+    @property
+    def planned_bytes(self) -> int:
+        """What its next load puts on the device: the size a host makes room for."""
+        return self.size
 
     @property
     def host_bytes(self) -> int:
@@ -99,11 +117,11 @@ class Placement:
         if device.type == "cpu" and not self._host_room(nbytes):
             warn_host_memory(nbytes, self.name)
 
-    def _parks_released(self, nbytes: int) -> bool:
-        """About to move `nbytes` from the device into CPU memory: without room for them there, a model that
-        can be read again lets go of its weights instead (True when it did). Other models are not let go
+    def _parks_released(self, nbytes: int, home: torch.device) -> bool:
+        """About to move `nbytes` from the device to `home`: if that is CPU memory without room for them, a model
+        that can be read again lets go of its weights instead (True when it did). Other models are not let go
         of for it: it leaves because another model is about to run, maybe one of those."""
-        if (nbytes == 0 or self.offload_device.type != "cpu" or self.load_device == self.offload_device
+        if (nbytes == 0 or home.type != "cpu" or self.load_device == home
                 or not self.releasable or self._host_room(nbytes, False)):
             return False
         self.release_weights()
@@ -181,6 +199,8 @@ class TextEncoderPlacement(Placement):
             return
         self.offload()
         self._streaming()
+        if self.encoder.model is not None and self.spill_device != self.offload_device:  # offload left it there
+            self.encoder.to(self.spill_device)
 
     @property
     def releasable(self) -> bool:
@@ -196,21 +216,21 @@ class TextEncoderPlacement(Placement):
 
     def _move(self, loaded: bool) -> int:
         if loaded and self.encoder.model is None and self.encoder.reader is not None:  # released: read it back
-            home = self.offload_device if self.stream else self.load_device
+            home = self.spill_device if self.stream else self.load_device
             self._before_read(home, self.weight_bytes)
             self.encoder.read(home, self.on_read)
         if not self.stream:
-            if not loaded and self.loaded and self._parks_released(self.size):
+            if not loaded and self.loaded and self._parks_released(self.size, self.offload_device):
                 return self.size
             return super()._move(loaded)
         if self.loaded == loaded or self.encoder.model is None:  # a released encoder has nothing to move
             self.loaded = loaded
             return 0
         if loaded:
-            with _undone_on_failure(self, self.offload_device):  # `to` takes the hooks off too
+            with _undone_on_failure(self, self.spill_device):  # `to` takes the hooks off too
                 self.encoder.stream_layers(self.load_device)
         else:
-            self.encoder.to(self.offload_device)
+            self.encoder.to(self.spill_device)
             empty_caches(self.load_device)
         self.loaded = loaded
         return self.size
@@ -227,8 +247,9 @@ class TextEncoderPlacement(Placement):
     def offload(self) -> int:
         moved = self._move(False)
         if moved:
-            log.info("H3: %s unloaded from %s to %s (%.2f GiB)%s", self.name, self.load_device, self.offload_device,
-                     self.size / GIB, "; layer streaming removed" if self.stream else "")
+            log.info("H3: %s unloaded from %s to %s (%.2f GiB)%s", self.name, self.load_device,
+                     self.spill_device if self.stream else self.offload_device, self.size / GIB,
+                     "; layer streaming removed" if self.stream else "")
         return moved
 
 
@@ -297,6 +318,23 @@ class DiTPlacement(Placement):
             away += self.streamer.offloaded_bytes
         return self.size - away
 
+    @property
+    def planned_bytes(self) -> int:
+        """What the plan of the next load (or of the loaded model) keeps on the device, `loaded_bytes` once
+        loaded: a host making room for the whole model would push out models that fit beside a streamed one."""
+        from .offload import streamed_bytes
+
+        if self.plan is None:
+            return self.size
+        away = module_bytes(self.dit.adaln_modules()) if self.plan.offload_adaln else 0
+        return self.size - away - streamed_bytes(self.dit, self.plan)
+
+    @property
+    def _home(self) -> torch.device:
+        """Where the model goes when unloaded: the offload device, unless it is held there only in part."""
+        whole = _arrangement(self.plan, len(self.dit.blocks)) == _arrangement(None, len(self.dit.blocks))
+        return self.offload_device if whole else self.spill_device
+
     def plan_request(self, layout, steps: int, free_bytes: int | None = None, other_bytes: int = 0):
         """The plan for sampling `layout` (the largest a request samples) with a `steps`-point ladder,
         within `budget_gib`, else within `free_bytes` (what the host reports free on the device) plus what
@@ -326,7 +364,7 @@ class DiTPlacement(Placement):
         wanted = _arrangement(plan, blocks)
         if self.loaded and wanted != _arrangement(self.plan, blocks):
             if self.streamer is None and wanted[1] == 0:
-                adaln_home = self.offload_device if wanted[2] else self.load_device
+                adaln_home = self.spill_device if wanted[2] else self.load_device
                 for module in self.dit.adaln_modules():
                     module.to(adaln_home)
                 empty_caches(self.load_device)
@@ -363,7 +401,7 @@ class DiTPlacement(Placement):
                 self._before_read(home, self.size)
                 log.info("H3: %s: reading its weights onto %s (%.2f GiB)", self.name, home, self.size / GIB)
                 self.reader.read(home, self.on_read)
-            with _undone_on_failure(self, self.offload_device):  # a failed streamer undoes its own blocks
+            with _undone_on_failure(self, self._home):  # a failed streamer undoes its own blocks
                 if self.plan is None:
                     self.dit.to(self.load_device)
                 else:
@@ -371,10 +409,10 @@ class DiTPlacement(Placement):
             self.loaded = True
             self._say_pinned()
             return self.loaded_bytes
-        moved = self.loaded_bytes
-        if self._parks_released(moved):
+        moved, home = self.loaded_bytes, self._home
+        if self._parks_released(moved, home):
             return moved
-        unplace(self.dit, self.offload_device, self.streamer)
+        unplace(self.dit, home, self.streamer)
         self.streamer, self.loaded = None, False
         empty_caches(self.load_device)
         return moved
@@ -397,10 +435,10 @@ class DiTPlacement(Placement):
         return moved
 
     def offload(self) -> int:
-        streamed = self.streamer is not None
+        streamed, home = self.streamer is not None, self._home
         moved = self._move(False)
         if moved:
-            log.info("H3: %s unloaded from %s to %s (%.2f GiB)%s", self.name, self.load_device, self.offload_device,
+            log.info("H3: %s unloaded from %s to %s (%.2f GiB)%s", self.name, self.load_device, home,
                      moved / GIB, "; block streaming removed" if streamed else "")
         return moved
 

@@ -37,6 +37,13 @@ def device() -> torch.device:
     return mm.get_torch_device()
 
 
+def vae_device() -> torch.device:
+    """Where ComfyUI runs VAEs: its device, or the CPU when started with --cpu-vae."""
+    import comfy.model_management as mm
+
+    return mm.vae_device()
+
+
 def check_interrupt() -> None:
     import comfy.model_management as mm
 

@@ -43,6 +43,7 @@ from .common import (
     device_list,
     files_fingerprint,
     model_choices,
+    vae_device,
 )
 from .convert import DiTRunSettings, ModelHandle, TextEncoderHandle, VAEHandle
 from .host_memory import warn_unless_room
@@ -53,7 +54,7 @@ from .memory import (
     manage_runner,
     manage_text_encoder,
     read_bar,
-    text_encoder_offload_device,
+    streamed_text_encoder_home,
     text_encoder_streams,
 )
 from .model_folders import chosen_file, clean_path, folder_problem, model_path, typed_path
@@ -153,6 +154,7 @@ class H3ModelLoader(io.ComfyNode):
         check_budget(float(gpu_memory_gb) or None)  # NaN passes ComfyUI's range check
         split = split_devices(devices, shard_weights, gpu_memory_gb)
         target = split[0] if split else device()
+        check_budget(float(gpu_memory_gb) or None, target)  # more than the GPU has: refused before any read
         window, dense_steps = check_window_setting(int(attention_window_lossy or 0),
                                                    int(attention_window_dense_steps or 0))
         # an unavailable kernel (or one that cannot run the window), or FP8 matmuls the device lacks, fail
@@ -275,7 +277,7 @@ class H3TextEncoderLoader(io.ComfyNode):
     def execute(cls, text_encoder, folder, tokenizer_folder, weight_dtype, gpu_memory_gb=0.0) -> io.NodeOutput:
         target = device()
         budget = float(gpu_memory_gb) or None
-        check_budget(budget)  # NaN passes ComfyUI's range check
+        check_budget(budget, target)  # NaN passes ComfyUI's range check; more than the GPU has: refused now
         if text_encoder == TINY_RANDOM and not clean_path(folder):  # tiny: fits anywhere unless a budget says not
             encoder, name, canvas = tiny_random_text_encoder(device="cpu"), TINY_RANDOM, TINY_CANVAS
             stream = bool(budget) and text_encoder_streams(encoder.resident_bytes + ENCODING_FLOOR_BYTES, target,
@@ -290,7 +292,7 @@ class H3TextEncoderLoader(io.ComfyNode):
             dtype = DTYPES[weight_dtype]
             weight_bytes = text_encoder_bytes(path, dtype)
             stream = text_encoder_streams(weight_bytes + ENCODING_FLOOR_BYTES, target, budget)
-            home = text_encoder_offload_device() if stream else target  # streamed layers wait in CPU memory
+            home = streamed_text_encoder_home(target) if stream else target  # streamed layers wait in CPU memory
             if stream:  # our other models may let go of CPU memory for it (host_memory)
                 warn_unless_room(weight_bytes, "The text encoder")
             with freed_on_failure(target):
@@ -342,7 +344,7 @@ class H3VAELoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, video_vae, audio_vae, folder, weight_dtype="bf16") -> io.NodeOutput:
-        target = device()
+        target = vae_device()
         folder = typed_path(folder, "vae")
         dtype = DTYPES[weight_dtype]
         video_path = folder or (None if video_vae == TINY_RANDOM else model_path("vae", video_vae, ""))

@@ -25,7 +25,7 @@ import torch
 from h3_core import pinned
 from h3_core.lora import apply_loras, hooked_bytes, remove_loras
 from h3_core.memory_plan import GIB, usable_bytes, working_bytes
-from h3_core.placement import DiTPlacement, Placement, RunnerPlacement, TextEncoderPlacement
+from h3_core.placement import DiTPlacement, Placement, RunnerPlacement, TextEncoderPlacement, spill_device
 
 from .host_memory import track
 
@@ -38,7 +38,7 @@ class H3Patcher(comfy.model_patcher.ModelPatcher):
         super().__init__(placement, placement.load_device, placement.offload_device, size=placement.size)
 
     def model_size(self):
-        return self.model.size
+        return self.model.planned_bytes
 
     def loaded_size(self):
         return self.model.loaded_bytes
@@ -105,8 +105,9 @@ def text_encoder_streams(nbytes: int, device, budget_gib: float | None, beside: 
     return True
 
 
-def text_encoder_offload_device() -> torch.device:
-    return torch.device(mm.text_encoder_offload_device())
+def streamed_text_encoder_home(device) -> torch.device:
+    """Where a streamed text encoder's layers wait (placement.spill_device)."""
+    return spill_device(device, mm.text_encoder_offload_device())
 
 
 def manage_text_encoder(name: str, encoder, device, stream: bool, budget_gib: float | None = None) -> H3Patcher:

@@ -201,6 +201,7 @@ def install(tmp_path: Path, loras: list[str] = (), previews: bool = True) -> Rec
     mm = types.ModuleType("comfy.model_management")
     mm.InterruptProcessingException = Interrupted
     mm.get_torch_device = lambda: torch.device("cpu")
+    mm.vae_device = lambda: mm.get_torch_device()  # the CPU under --cpu-vae
     mm.unet_offload_device = mm.text_encoder_offload_device = mm.vae_offload_device = lambda: torch.device("cpu")
 
     def load_models_gpu(models, memory_required=0, **_):

@@ -696,6 +696,16 @@ def test_vae_loader_weight_dtype_follows_the_reference_policy(comfy, tmp_path):
     assert len(comfy.record.freed) == 2 and helds[0] < helds[1]  # the bf16 decoder linears: less
 
 
+def test_vae_loader_heeds_comfyuis_cpu_vae(comfy, monkeypatch):
+    """ComfyUI started with --cpu-vae runs VAEs on the CPU (mm.vae_device); the H3 VAE Loader put them on the GPU."""
+    mm = sys.modules["comfy.model_management"]
+    monkeypatch.setattr(mm, "get_torch_device", lambda: torch.device("meta"))  # the GPU: nothing may land there
+    monkeypatch.setattr(mm, "vae_device", lambda: torch.device("cpu"))
+    vae = comfy.loaders.H3VAELoader.execute("tiny-random", "tiny-random", "").values[0]
+    assert vae.device == torch.device("cpu") == vae.patcher.model.load_device
+    assert {p.device.type for model in (vae.video, vae.audio) for p in model.parameters()} == {"cpu"}
+
+
 def test_vae_loader_makes_room_for_an_fp16_file_widened_as_it_loads(comfy):
     """fp16 VAE files (as ComfyUI's single files store them): bf16 loads the video encoder and norms in fp32, fp32
     all of it, and the audio VAE is widened to fp32; the room asked for is what is held, not the files' bytes."""

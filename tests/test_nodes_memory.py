@@ -106,9 +106,10 @@ def test_a_small_budget_streams_blocks_with_the_resident_results(comfy, caplog):
         got = _sample(c, model, cond)
         assert _same(got, expected)  # the same kernels on the same values
         assert placement.streamer is not None and placement.plan.streams and not _clean(model.dit)
-        # a partial load: the shared weights and the stream's slots, not the AdaLN weights or the 4 blocks
-        assert 0 < patcher.loaded_size() < patcher.model_size()
-        assert patcher.loaded_size() == patcher.model_size() - placement.streamer.offloaded_bytes - sum(
+        # the shared weights and the stream's slots, not the AdaLN weights or the 4 blocks; ComfyUI is told the
+        # plan's share as the model's size (the whole DiT made it push out models that fit beside): all loaded
+        assert 0 < patcher.loaded_size() == patcher.model_size() < placement.size
+        assert patcher.loaded_size() == placement.size - placement.streamer.offloaded_bytes - sum(
             p.numel() * p.element_size() for m in model.dit.adaln_modules() for p in m.parameters())
         assert _same(_sample(c, model, cond), expected)  # the same plan again: nothing moves, same result
 
@@ -181,10 +182,11 @@ def test_a_plan_that_only_keeps_the_adaln_weights_home_moves_only_them(comfy, ca
     adaln = sum(p.numel() * p.element_size() for m in model.dit.adaln_modules() for p in m.parameters())
     with caplog.at_level("INFO", logger="h3"):
         assert _same(_sample(c, model, cond), expected)  # offload_adaln: tables made module by module
-        assert placement.streamer is None and patcher.loaded_size() == patcher.model_size() - adaln
+        assert placement.streamer is None and patcher.loaded_size() == patcher.model_size() == placement.size - adaln
         roomy = _load(c)  # the same weights without a budget: the next plan keeps everything on the device
         assert roomy.patcher is patcher and placement.budget_gib is not None
-        assert _same(_sample(c, roomy, cond), expected) and patcher.loaded_size() == patcher.model_size()
+        assert _same(_sample(c, roomy, cond), expected)
+        assert patcher.loaded_size() == patcher.model_size() == placement.size
     lines = [r.getMessage() for r in caplog.records]
     assert any("AdaLN weights moved to cpu" in line for line in lines) and not any("unloaded" in line for line in lines)
 
@@ -952,3 +954,20 @@ def test_a_gguf_file_is_listed_and_samples_as_the_engine_does(comfy):
     cond = _cond(c)
     expected = sample(load_dit(path, dtype=torch.float32), cond, 5, STEPS)
     assert _same(_sample(c, loaded, cond), {"video": expected.video, "audio": expected.audio})
+
+
+def test_a_budget_larger_than_the_gpu_is_refused_by_the_loaders_before_any_read(comfy, monkeypatch):
+    """gpu_memory_gb 32 on a 24 GiB card: the text encoder 'fitted' it, was read onto the GPU and ran out of memory
+    part way (the DiT's plan refused it only at the sampler). Both loaders now say so before reading anything."""
+    from h3_core import memory_plan
+
+    monkeypatch.setattr(comfy.mm, "get_torch_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(memory_plan, "total_bytes", lambda device: 24 * GIB)
+    reads = []
+    monkeypatch.setattr(comfy.loaders, "load_text_encoder", lambda *args, **kwargs: reads.append(args))
+    refused = r"The GPU memory budget \(32 GiB\) is more than cuda:0 has \(24.0 GiB in all\); give at most that"
+    with pytest.raises(ValueError, match=refused):
+        comfy.loaders.H3TextEncoderLoader.execute("tiny-random", "", "", "bf16", gpu_memory_gb=32.0)
+    with pytest.raises(ValueError, match=refused):
+        _load(comfy, gpu_memory_gb=32.0)
+    assert not reads and not comfy.record.loaded

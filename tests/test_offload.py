@@ -816,3 +816,39 @@ def test_a_model_whose_move_fails_partway_stays_where_it_was(monkeypatch):
     with pytest.raises(torch.OutOfMemoryError):
         placement.load()
     assert not placement.loaded and moves == ["cpu:0", "cpu"]
+
+
+def test_with_the_gpu_as_offload_device_a_partly_held_model_waits_in_cpu_memory(monkeypatch):
+    """ComfyUI's --highvram and --gpu-only make the GPU itself the offload device. 'Unloading' a streamed DiT
+    there moved its streamed blocks (tens of GiB) onto the GPU: out of memory at the first VAE decode, and the model
+    stuck. A streamed model (or streamed text encoder) now waits in CPU memory; a whole one stays, as those modes
+    keep ComfyUI's own. The size a host is told is what the plan keeps on the device, `loaded_bytes` once loaded."""
+    from h3_core import offload
+    from h3_core.memory_plan import MemoryPlan
+    from h3_core.placement import DiTPlacement, TextEncoderPlacement
+    from h3_core.tiny_text import tiny_random_text_encoder
+
+    gpu = torch.device("cpu", 0)  # stands for a GPU: a device other than the CPU, where tensors can still go
+    homes = []
+    real_unplace = offload.unplace
+    monkeypatch.setattr(offload, "unplace", lambda dit, device, streamer=None: (
+        homes.append(torch.device(device)), real_unplace(dit, device, streamer)))
+    model = seeded_random_weights(H3DiT(replace(TINY_DIT, num_layers=4)), 1).eval().requires_grad_(False)
+    placement = DiTPlacement("H3 DiT", model, gpu, gpu)
+    for plan, home in ((MemoryPlan(1, 1, True, 0, True), torch.device("cpu")),  # streamed
+                       (MemoryPlan(4, 0, True, 0, True), torch.device("cpu")),  # AdaLN weights parked
+                       (MemoryPlan(4, 0, False, 0, True), gpu)):  # whole: kept where it is
+        placement.use(plan)
+        assert placement.planned_bytes < placement.size or home == gpu
+        placement.load()
+        assert placement.loaded_bytes == placement.planned_bytes
+        placement.offload()
+        assert homes.pop() == home
+
+    encoder = tiny_random_text_encoder(device="cpu")
+    moved = []
+    monkeypatch.setattr(encoder, "to", lambda device: moved.append(torch.device(device)))
+    streamed = TextEncoderPlacement("text", encoder, gpu, gpu, stream=True)
+    streamed.load()
+    streamed.offload()
+    assert moved == [torch.device("cpu")]
