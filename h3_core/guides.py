@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from PIL import Image
 from . import geometry, media_read
 from .conditioning import NO_VAE, TASKS, Conditioning, RequestError, check_ratio
 from .layout import FRAME_TIME, GuideBlock, build_ref2va_layout, build_t2va_layout, pack_audio, unpack_audio
-from .media import SAMPLE_RATE, MediaError, naming
+from .media import SAMPLE_RATE, MediaError, as_stereo_waveform, naming
 from .references import (
     MediaInputError, as_rgb, encode_audio, encode_image, encode_video, frames_on_canvas, load_image, prepare_audio,
 )
@@ -152,11 +153,34 @@ def check_guide(task: str, num_frames: int, frame_index: int, frames=None, wavef
     if waveform is not None:
         if sample_rate is None:
             raise RequestError("A guide sound needs its sample_rate.")
-        if np.asarray(waveform).size == 0:
+        if isinstance(sample_rate, bool) or not (isinstance(sample_rate, numbers.Real) and sample_rate > 0
+                                                 and float(sample_rate).is_integer()):
+            raise RequestError(f"A guide sound's sample_rate is a positive whole number of Hz, got {sample_rate!r}.")
+        try:  # a waveform the encode would refuse (int PCM, 3 channels, NaN) is refused before any model runs
+            samples = as_stereo_waveform(waveform).shape[1]
+        except ValueError as error:
+            raise RequestError(f"The guide sound: {error}") from None
+        if samples == 0:
             raise RequestError("The guide sound holds no samples.")
         if keep < 1:
             raise RequestError(f"frame_index {frame_index} is past the end of the video's soundtrack.")
     return pixels, anchor, keep
+
+
+def check_guides_beside_kept(guides, keep: str | None) -> None:
+    """No guide carries what `keep` holds fixed ("video" or "audio" of a given clip): that part comes back as it
+    is, so a guide picture or sound for it would only contradict it. `guides`: GuideBlocks or GuideMedia."""
+    for number, guide in enumerate(guides, 1):
+        if isinstance(guide, GuideBlock):
+            picture, sound = guide.latent_frames > 0, guide.audio_latents > 0
+        else:
+            picture, sound = guide.frames is not None, guide.waveform is not None
+        if keep == "audio" and sound:
+            raise RequestError(f"Guide {number} holds a sound, but keep = audio holds the given clip's sound as it "
+                               "is; drop the sound from the guide, or keep nothing.")
+        if keep == "video" and picture:
+            raise RequestError(f"Guide {number} holds a picture, but keep = video holds the given clip's video as it "
+                               "is; only sounds can guide it.")
 
 
 def encode_guide(pixels: np.ndarray | None, waveform, sample_rate: int | None, width: int, height: int,
@@ -173,7 +197,7 @@ def encode_guide(pixels: np.ndarray | None, waveform, sample_rate: int | None, w
         fitted = frames_on_canvas(pixels[:count], width, height)
         latents = encode_image(video_vae, Image.fromarray(fitted[0])) if count == 1 else encode_video(video_vae, fitted)
     if waveform is not None:
-        prepared = prepare_audio(np.asarray(waveform, dtype=np.float32), int(sample_rate), num_frames)
+        prepared = prepare_audio(waveform, int(sample_rate), num_frames)
         sound = unpack_audio(encode_audio(audio_vae, prepared))[0]
     return latents, sound
 

@@ -44,7 +44,8 @@ from .layout import (GuideBlock, PackedLayout, build_ref2va_layout, build_t2va_l
 from .local_attention import check_setting as check_window_setting
 from .local_attention import dense_covers_run
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, read_mode
-from .guides import GuideFile, GuideMedia, add_guide, check_guide, guide_frame_count, read_guide
+from .guides import (GuideFile, GuideMedia, add_guide, check_guide, check_guides_beside_kept, guide_frame_count,
+                     read_guide)
 from .hub import fetch_release
 from .keymap import bundled_models
 from .lora import (
@@ -122,6 +123,7 @@ def sample(
             raise ValueError(f"This conditioning already holds its {layout.locked_modality} fixed (a driving track); "
                              "keep takes a request that generates both.")
         layout = layout.locked(keep)
+        check_guides_beside_kept(getattr(conditioning, "guides", ()), keep)
     config = dit.config
     width = conditioning.text_states.shape[-1]
     if width != config.text_dim:  # else a matmul shape error deep in the first forward
@@ -940,6 +942,7 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
         check(request, rules)
         guide_media = []
     guide_blocks = []
+    check_guides_beside_kept(guide_media, keep)
     if guide_media:  # checked now, added to the conditioning once it is encoded
         for media in guide_media:
             pixels, anchor, _ = check_guide(request.task, plan.num_frames, media.frame_index, media.frames,

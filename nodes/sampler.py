@@ -7,6 +7,7 @@ import weakref
 
 import folder_paths
 from comfy_api.latest import io
+from h3_core.guides import check_guides_beside_kept
 from h3_core.lora import check_loras, load_lora
 from h3_core.noise import SEED_BITS, check_seeds
 from h3_core.pipeline import TASK_PARTITION, sample
@@ -145,6 +146,7 @@ class H3Sampler(io.ComfyNode):
         keep = None if keep == "none" else keep
         if keep is not None and init is None:
             raise ValueError(keep_without_latent(keep))
+        check_guides_beside_kept(conditioning.guides, keep)  # before any model moves
 
         dit = model.dit
         settings = model.sampler_settings(conditioning.task, steps or None, video_shift or None, audio_shift or None,

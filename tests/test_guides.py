@@ -179,6 +179,15 @@ def test_guide_inputs_are_checked_before_any_model_runs(models):
         add_guide(plain, 0, audio_vae=audio_vae, waveform=torch.zeros(2, 0), sample_rate=32000)
     with pytest.raises(RequestError, match="Unknown task 'i2v'"):
         add_guide(dataclasses.replace(plain, task="i2v"), 0, video_vae, frames=picture(1)[0])
+    # a sound the encode cannot take is refused before any VAE runs (none is given here for the picture); int16
+    # PCM was read as floats 32768 times too loud
+    sounds = ((np.zeros((2, 3200), np.int16), 32000, "must be floating point"),
+              (np.zeros((3, 3200), np.float32), 32000, r"must be \[samples\], \[1, samples\] or \[2, samples\]"),
+              (np.full((2, 3200), np.nan, np.float32), 32000, "NaN"),
+              (np.zeros((2, 3200), np.float32), 0, "sample_rate is a positive whole number of Hz, got 0"))
+    for waveform, rate, refused in sounds:
+        with pytest.raises(RequestError, match=f"(The|A) guide sound.*{refused}"):
+            add_guide(plain, 0, frames=picture(1)[0], audio_vae=audio_vae, waveform=waveform, sample_rate=rate)
 
 
 def test_encode_request_refuses_guide_files_it_does_not_read():

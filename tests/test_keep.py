@@ -11,16 +11,17 @@ import re
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 from test_long_video import PROMPT, STEPS, encode, models, spied_dit  # noqa: F401 (models is a fixture)
 
-from h3_core import geometry
+from h3_core import geometry, pipeline
 from h3_core.conditioning import Conditioning, Request, RequestError
 from h3_core.continuation import long_video_frames, mode_seconds
 from h3_core.guides import GuideMedia
 from h3_core.long_video import LongVideoRequest, encode_long_video, sample_long_video, validate_long_video
-from h3_core.layout import RowClock, build_t2va_layout, patchify
+from h3_core.layout import GuideBlock, RowClock, build_t2va_layout, patchify
 from h3_core.noise import request_generator
 from h3_core.output import AVLatents
 from h3_core.pipeline import TINY_CANVAS, sample
@@ -121,10 +122,15 @@ def test_keep_is_checked_before_the_model_runs(models):
     driven = encode(models, seconds=5.0, mode="full", drive_audio=track(6))
     with pytest.raises(ValueError, match="already holds its audio fixed"):
         sample(dit, driven.window(window, None), 0, STEPS, init=clip, keep="video")
+    sounding = dataclasses.replace(plain, guides=(GuideBlock(0, 2), GuideBlock(40, 0, 20)))  # as the layout sees them
+    with pytest.raises(ValueError, match="Guide 2 holds a sound, but keep = audio"):
+        sample(dit, sounding, 0, STEPS, init=clip, keep="audio")
+    with pytest.raises(ValueError, match="Guide 1 holds a picture, but keep = video"):
+        sample(dit, sounding, 0, STEPS, init=clip, keep="video")
     assert not spy.calls
 
 
-def test_cli_makes_the_sound_for_an_encoded_clip(tmp_path, capsys):
+def test_cli_makes_the_sound_for_an_encoded_clip(tmp_path, capsys, monkeypatch):
     """h3 encode a clip, then h3 generate --keep video --from it: the saved video latents are the clip's, the
     request takes the clip's canvas and length, and the MP4 has its frames with a new soundtrack."""
     import av
@@ -146,6 +152,10 @@ def test_cli_makes_the_sound_for_an_encoded_clip(tmp_path, capsys):
     with av.open(str(out)) as container:
         assert sum(1 for _ in container.decode(video=0)) == 107 and container.streams.audio
 
+    picture = tmp_path / "still.png"
+    Image.fromarray(frames[0]).save(picture)
+    for name in ("load_text_encoder_for", "load_vaes", "load_sampling_dit"):  # each refused before any model
+        monkeypatch.setattr(pipeline, name, lambda *a, **k: pytest.fail("a model was loaded"))
     for argv, message in (
         (["--keep", "video"], "--keep video|audio and --from LATENTS go together"),
         (["--keep", "audio", "--from", str(clip), "--long-video"], "--long-video --keep audio: .* --drive-audio FILE"),
@@ -153,6 +163,8 @@ def test_cli_makes_the_sound_for_an_encoded_clip(tmp_path, capsys):
         (["--keep", "video", "--from", str(clip), "--duration", "8"], "canvas and length: drop --duration"),
         (["--keep", "audio", "--from", str(clip), "--height", "128"], "canvas and length: drop --height"),
         (["--keep", "audio", "--from", str(tmp_path / "none.safetensors")], "--from .*none.safetensors: no such file"),
+        (["--keep", "video", "--from", str(clip), "--guide", f"10:image={picture}"],
+         "Guide 1 holds a picture, but keep = video holds the given clip's video as it is; only sounds can guide it"),
     ):
         assert main(["generate", "--prompt", PROMPT, "--out", str(tmp_path / "x.mp4"), *argv]) == 2
         assert re.search(message, capsys.readouterr().err), message
