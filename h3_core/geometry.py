@@ -122,6 +122,14 @@ def frames_for_duration(seconds: float) -> int:
     return align_frames(max(1, round(seconds * FPS)))
 
 
+def duration_for_frames(num_frames: int) -> float:
+    """A duration in tenths of a second (a 0.1-step widget's) that resolves to `num_frames` (17n + 5): their
+    length rounded down to a tenth, which is at most 2.4 frames short, where the 17-frame snap makes it up."""
+    if align_frames(num_frames) != num_frames:
+        raise ValueError(f"{num_frames} frames is not 17n + 5.")
+    return math.floor(num_frames * 10 / FPS) / 10
+
+
 def latent_frames(num_frames: int) -> int:
     """Video latent frames (5n + 2) for F = 17n + 5 pixel frames."""
     num_frames = operator.index(num_frames)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from . import geometry
 from .conditioning import check_vaes
@@ -106,14 +106,16 @@ class AVLatents:
 
     @classmethod
     def load(cls, path: str | Path) -> "AVLatents":
-        try:
-            tensors = load_file(str(path))
+        try:  # the names first: a model or LoRA file picked by mistake is not read whole to be refused
+            with safe_open(str(path), "pt") as file:
+                missing = {"video", "audio"} - set(file.keys())
+                if missing:
+                    raise ValueError(f"{path} lacks the tensor(s) {', '.join(sorted(missing))}; expected 'video' and "
+                                     "'audio'.")
+                tensors = {name: file.get_tensor(name) for name in ("video", "audio")}
         except SafetensorError as error:  # an MP4 given for its latents, say
             raise ValueError(f"{path} is not a safetensors file of latents ({error}); give the .safetensors that "
                              "--save-latents, h3 encode or AVLatents.save wrote.") from None
-        missing = {"video", "audio"} - set(tensors)
-        if missing:
-            raise ValueError(f"{path} lacks the tensor(s) {', '.join(sorted(missing))}; expected 'video' and 'audio'.")
         # a file stored in float8 (nothing here computes in it) is widened
         video, audio = (t.float() if t.is_floating_point() and t.element_size() == 1 else t
                         for t in (tensors["video"], tensors["audio"]))

@@ -119,6 +119,12 @@ class VideoVAEConfig:
                 f"decoder_attention_head_dim * decoder_rope_dim_ratio = {self.rope_dim} must be divisible by 6 "
                 "(cos/sin halves over three axes)."
             )
+        ratio = self.spatial_ratio  # tiles are cut on the latent grid: else a decode hangs or loses pixels
+        if not (0 < self.tile_min_overlap < self.tile_size and self.tile_size % ratio == 0
+                and self.tile_min_overlap % ratio == 0):
+            raise ValueError(f"The VAE's tiles must be multiples of its {ratio}-pixel latent grid, their minimum "
+                             f"overlap too, more than 0 and less than the tile (the release: 256 and 64); got tile "
+                             f"{self.tile_size}, overlap {self.tile_min_overlap}.")
 
     @property
     def spatial_ratio(self) -> int:

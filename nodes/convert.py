@@ -205,6 +205,10 @@ def frames_to_image(blocks, total: int | None = None) -> torch.Tensor:
 # AUDIO
 
 
+# a float sound a little over full scale is a hot mix; one far over it is PCM values stored as floats
+LOUDEST_FLOAT_SAMPLE = 64.0
+
+
 def _check_audio(audio: dict, what: str) -> tuple[torch.Tensor, int]:
     if not isinstance(audio, dict) or "waveform" not in audio or "sample_rate" not in audio:
         raise ValueError(f"{what} must be a ComfyUI AUDIO dict with 'waveform' [B, C, N] and 'sample_rate'.")
@@ -223,6 +227,10 @@ def _check_audio(audio: dict, what: str) -> tuple[torch.Tensor, int]:
     elif not waveform.is_floating_point():
         raise ValueError(f"{what}: waveform samples must be floats in -1..1 (or int16 / int32 PCM); got "
                          f"{waveform.dtype}.")
+    peak = float(waveform.abs().max()) if waveform.numel() else 0.0
+    if peak > LOUDEST_FLOAT_SAMPLE:  # encoded as it is, it would be noise
+        raise ValueError(f"{what}: waveform samples reach {peak:g}; float samples are -1..1 (PCM values stored as "
+                         "floats? divide them by 32768, or pass int16).")
     return waveform, rate
 
 
@@ -504,9 +512,12 @@ def latent_size_problem(latent: dict, width: int, height: int, num_frames: int) 
     latent_height, latent_width = geometry.latent_size(width, height)
     have = (latents.num_frames, *latents.video.shape[3:])
     if have != (num_frames, latent_height, latent_width):
-        return (f"The latent is {latents.video.shape[4] * 16}x{latents.video.shape[3] * 16}, {latents.num_frames} frames, "
-                f"but the conditioning asks for {width}x{height}, {num_frames} frames; make the latent from the "
-                "conditioning (connect it to H3 Empty AV Latent) or match its size.")
+        latent_width, latent_height = latents.video.shape[4] * 16, latents.video.shape[3] * 16
+        return (f"The latent is {latent_width}x{latent_height}, {latents.num_frames} frames, but the conditioning "
+                f"asks for {width}x{height}, {num_frames} frames; make the latent from the conditioning (connect it "
+                "to H3 Empty AV Latent), or for a clip of yours (H3 VAE Encode, H3 Load Latent) set H3 "
+                f"Conditioning's duration to {geometry.duration_for_frames(latents.num_frames):g} s and its size to "
+                f"{latent_width}x{latent_height}.")
     return None
 
 
@@ -537,6 +548,15 @@ def from_core_av(video, audio) -> list[dict]:
     for index in range(video.shape[0]):
         latents = AVLatents(video[index:index + 1].detach().float().cpu(),
                             audio[index].detach().float().cpu().permute(1, 0, 2).contiguous())
+        have, frames = latents.audio.shape[2], latents.num_frames
+        expected = geometry.audio_latents(frames)
+        if have != expected and (latents.video.shape[2] - 2) % geometry.LATENTS_PER_CHUNK == 0:
+            per_second = geometry.AUDIO_LATENTS_PER_SECOND  # a sound and a video encoded apart rarely agree
+            raise ValueError(f"The audio part holds {have} latents a channel ({have / per_second:.3f} s of sound), but "
+                             f"the video part's {frames} frames ({frames / geometry.FPS:.3f} s) take {expected}: make "
+                             f"the sound {expected / per_second:.3f} s long (pad it with silence or trim it) before "
+                             "encoding it, or encode picture and sound together with H3 VAE Encode, which fits the "
+                             "sound to the frames.")
         empty = not (latents.video.any() or latents.audio.any())
         items.append(pack_latents(latents, width=width, height=height, empty=empty))
     return items

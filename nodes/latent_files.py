@@ -30,7 +30,7 @@ def latent_files() -> list[str]:
 def input_file(name) -> Path | None:
     """A latent file chosen from the list, inside the input folder (None: not there, not .safetensors, or it leads
     outside)."""
-    if not isinstance(name, str) or not name.endswith(".safetensors"):
+    if not isinstance(name, str) or not name.lower().endswith(".safetensors"):  # as the list matches them
         return None
     root = Path(folder_paths.get_input_directory()).resolve()
     path = (root / name).resolve()

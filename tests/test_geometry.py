@@ -140,3 +140,16 @@ def test_latent_size_is_height_then_width():
     assert geometry.latent_size(768, 1344) == (84, 48)
     with pytest.raises(ValueError, match="multiples of 16"):
         geometry.latent_size(1000, 768)
+
+
+def test_duration_for_frames_is_their_length_to_a_tenth_and_resolves_to_them():
+    """What a latent's length asks of H3 Conditioning's duration widget (0.1 steps): 124 frames (5.17 s) are 5.1 s
+    (5.2 s resolves to 141)."""
+    from h3_core.geometry import duration_for_frames, frames_for_duration
+
+    assert [duration_for_frames(n) for n in (5, 22, 107, 124, 345)] == [0.2, 0.9, 4.4, 5.1, 14.3]
+    for frames in range(5, 730, 17):
+        assert frames_for_duration(duration_for_frames(frames)) == frames
+        assert frames / 24 - 0.1 < duration_for_frames(frames) <= frames / 24
+    with pytest.raises(ValueError, match="108 frames is not 17n \\+ 5"):
+        duration_for_frames(108)

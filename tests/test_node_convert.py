@@ -68,6 +68,12 @@ def test_audio_conversions():
     assert torch.equal(wide, as_pcm)
     with pytest.raises(ValueError, match=r"samples must be floats in -1..1 \(or int16 / int32 PCM\); got torch.uint8"):
         convert.audio_to_decoded({"waveform": torch.zeros(1, 1, 100, dtype=torch.uint8), "sample_rate": 8000})
+    # the same PCM values as floats were encoded as they were: noise, without a word
+    with pytest.raises(ValueError, match=r"samples reach \d+; float samples are -1..1 \(PCM values stored as floats\? "
+                                         r"divide them by 32768"):
+        convert.audio_to_decoded({"waveform": pcm.float(), "sample_rate": 16000})
+    assert torch.equal(convert.audio_to_decoded({"waveform": waveform * 2, "sample_rate": 16000}).waveform,
+                       waveform[0] * 2)  # a hot mix passes as it is
 
 
 @pytest.mark.parametrize("channels, layout", [(6, "5.1"), (3, "2.1"), (8, "7.1")])
@@ -210,8 +216,10 @@ def test_core_av_layout_round_trip_and_checks():
         convert.from_core_av(two_video, audio)
     with pytest.raises(ValueError, match="5n \\+ 2"):
         convert.from_core_av(torch.zeros(1, 24, 8, 4, 6), audio)
-    with pytest.raises(ValueError, match="take 37 audio latents per channel; got 40"):
-        convert.from_core_av(video, torch.zeros(1, 32, 2, 40))
+    # a 5 s sound encoded apart from 124 frames (5.17 s), joined with core Concat AV Latent: said what to give
+    with pytest.raises(ValueError, match=r"The audio part holds 200 latents a channel \(5\.000 s of sound\), but the "
+                                         r"video part's 124 frames \(5\.167 s\) take 207: make the sound 5\.175 s long"):
+        convert.from_core_av(torch.zeros(1, 24, 37, 4, 6), torch.zeros(1, 32, 2, 200))
 
 
 def test_node_chain_on_tiny_random(tmp_path):

@@ -297,7 +297,8 @@ def test_sampler_sigmas_denoise_and_latent_checks(comfy):
     with pytest.raises(ValueError, match="refines a latent"):
         run(model, cond, 0, 4, 0.0, 0.0, 0.5)
     empty = c.latent.H3EmptyAVLatent.execute(1344, 768, 124).values[0]
-    with pytest.raises(ValueError, match="1344x768, 124 frames, but the conditioning asks for 224x128, 107"):
+    with pytest.raises(ValueError, match="1344x768, 124 frames, but the conditioning asks for 224x128, 107 frames; "
+                                         ".* set H3 Conditioning's duration to 5.1 s and its size to 1344x768"):
         run(model, cond, 0, 2, 0.0, 0.0, latent=empty)
     refined = run(model, cond, 0, 4, 0.0, 0.0, 0.5, latent=out).values[0][0]
     assert c.record.progress[-1][:2] == (3, 3) and not torch.equal(refined["video"], out["video"])
@@ -365,6 +366,8 @@ def test_a_latent_saved_and_loaded_again_is_the_same_and_cli_files_load_too(comf
 
     check = files.H3LoadLatent.validate_inputs
     assert check("mine/clip.safetensors") is True and check(None) is True
+    shutil.copy(path, c.tmp / "input" / "mine" / "UP.SAFETENSORS")  # listed (ComfyUI matches any case): read too
+    assert "mine/UP.SAFETENSORS" in files.latent_files() and check("mine/UP.SAFETENSORS") is True
     (c.tmp / "input" / "picture.png").write_bytes(b"png")
     for name in ("gone.safetensors", "../output/H3/keep_00001_.safetensors", "picture.png"):
         assert check(name).startswith(f"No latent file {name!r} in ComfyUI's input folder"), name
@@ -436,7 +439,18 @@ def test_sampler_keeps_a_clips_video_and_makes_its_sound(comfy):
         run(model, cond, 3, 3, 0.0, 0.0, latent=empty, keep="video")
     with pytest.raises(ValueError, match="keep = audio holds the audio"):
         run(model, cond, 3, 3, 0.0, 0.0, keep="audio")
+    # a guide carrying the held part only contradicted it (H3 Continuation refused the same with a driving track)
+    guide = c.conditioning.H3AddGuide.execute
+    sounding = guide(cond, vae, 20, audio={"waveform": torch.randn(1, 2, 32000) * 0.1, "sample_rate": 32000})
+    pictured = guide(cond, vae, 20, image=torch.rand(1, 128, 224, 3))
+    loads = len(c.record.loaded)
+    with pytest.raises(ValueError, match="Guide 1 holds a sound, but keep = audio holds the given clip's sound"):
+        run(model, sounding.values[0], 3, 3, 0.0, 0.0, latent=clip, keep="audio")
+    with pytest.raises(ValueError, match="Guide 1 holds a picture, but keep = video holds the given clip's video"):
+        run(model, pictured.values[0], 3, 3, 0.0, 0.0, latent=clip, keep="video")
     assert len(c.record.loaded) == loads  # refused before any model moved
+    kept = run(model, sounding.values[0], 3, 3, 0.0, 0.0, latent=clip, keep="video").values[0][0]  # a sound: fine
+    assert torch.equal(kept["video"], clip["video"])
 
 
 def test_interrupt_stops_and_frees(comfy):

@@ -90,6 +90,13 @@ def test_tile_starts_match_the_fact_sheet(length, starts, overlaps):
     assert layout.starts[-1] + layout.size == length  # the last tile ends on the frame edge
 
 
+@pytest.mark.parametrize("tile, overlap", [(256, 256), (256, 0), (256, 40), (250, 64)])
+def test_tile_settings_off_the_latent_grid_are_refused(tile, overlap):
+    """A changed config.json: overlap == tile hung the decode, 0 lost half the frame, 40 misaligned the tiles."""
+    with pytest.raises(ValueError, match=rf"multiples of its 16-pixel latent grid.*got tile {tile}, overlap {overlap}"):
+        VideoVAEConfig(tile_size=tile, tile_min_overlap=overlap)
+
+
 def test_temporal_recipe_numbers():
     chunking = TemporalChunking(clip_length=17, token_drop=3, frames_per_latent=4)
     assert (chunking.latents_per_chunk, chunking.overlap_latents) == (5, 2)
