@@ -542,6 +542,7 @@ class RunnerPlacement(Placement):
         self.runner = None
         self.previews = False
         self.loras: tuple[list, str | None] = ([], None)  # (LoRA, strength) list and partition for the next runs
+        self.between_waits = None  # while the workers load: a host's cancel check (ParallelRunner's on_wait)
         super().__init__(name, [], devices[0], offload_device, loaded=False)
         self.size = self._device_bytes()
 
@@ -572,7 +573,7 @@ class RunnerPlacement(Placement):
         from .parallel import ParallelRunner
 
         with _host_main_hidden():
-            self.runner = ParallelRunner(self.spec, self.devices, self.shard_weights)
+            self.runner = ParallelRunner(self.spec, self.devices, self.shard_weights, on_wait=self.between_waits)
         self.loaded = True
         log.info("H3: %s workers started on %s (%s)", self.name, ", ".join(map(str, self.devices)),
                  "sharded weights" if self.shard_weights else "a whole model each")

@@ -234,7 +234,11 @@ pinned.host = pinned.HostPins(pin_room, count_pins)
 def manage_runner(name: str, spec, devices, shard_weights: bool) -> H3Patcher:
     """A DiT split over `devices`: registered under the first one, so ComfyUI first makes room there for
     its share; the workers start then (each loads its part) and stop when ComfyUI unloads it."""
-    patcher = H3Patcher(RunnerPlacement(name, spec, devices, shard_weights, mm.unet_offload_device()))
+    from .common import check_interrupt
+
+    placement = RunnerPlacement(name, spec, devices, shard_weights, mm.unet_offload_device())
+    placement.between_waits = check_interrupt  # ComfyUI's Cancel heard while the workers load
+    patcher = H3Patcher(placement)
     place([patcher])
     return patcher
 

@@ -46,3 +46,16 @@ class NaNSpec(ModelSpec):
         with torch.no_grad():
             model.final_layer.video_out.weight.fill_(float("nan"))
         return model
+
+
+@dataclasses.dataclass(frozen=True)
+class SlowSpec(ModelSpec):
+    """The tiny model, read as slowly as the real DiT's 66 GB: each worker's load takes `seconds`."""
+
+    seconds: float = 60.0
+
+    def load(self, device, compute=None):
+        import time
+
+        time.sleep(self.seconds)
+        return super().load(device, compute)

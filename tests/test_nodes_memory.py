@@ -971,3 +971,36 @@ def test_a_budget_larger_than_the_gpu_is_refused_by_the_loaders_before_any_read(
     with pytest.raises(ValueError, match=refused):
         _load(comfy, gpu_memory_gb=32.0)
     assert not reads and not comfy.record.loaded
+
+
+def test_cancel_while_a_split_models_workers_load_stops_them_at_once(comfy, monkeypatch):
+    """Reading the real DiT takes each worker minutes; ComfyUI's Cancel was not heard until they had all loaded
+    (then a graceful stop waited 30 s more for workers that could not answer it). Now it ends them at once."""
+    import multiprocessing
+    import time
+
+    from parallel_faults import SlowSpec
+
+    c = comfy
+    monkeypatch.setattr(c.loaders, "ModelSpec", lambda *args, **kwargs: SlowSpec(*args, seconds=60.0, **kwargs))
+    c.record.interrupt_after = 0  # Cancel pressed as the loader runs
+    started = time.monotonic()
+    with pytest.raises(c.mm.InterruptProcessingException):
+        _load(c, "tiny-random", devices="cpu,cpu")
+    assert time.monotonic() - started < 30 and not multiprocessing.active_children()
+
+
+def test_a_split_model_keeping_a_clips_video_previews_nothing_as_one_device(comfy):
+    """The workers sample the layout with the kept video locked; the previews were drawn from the unlocked one, an
+    'estimate' of the clip that is kept as it is (one device shows none)."""
+    c = comfy
+    cond = _cond(c)
+    one = _load(c, "tiny-random")
+    latent = c.sampler.H3Sampler.execute(one, cond, 5, STEPS, 0.0, 0.0).values[0][0]
+    previews = []
+    for model in (one, _load(c, "tiny-random", devices="cpu,cpu")):
+        c.record.progress.clear()
+        c.sampler.H3Sampler.execute(model, cond, 6, STEPS, 0.0, 0.0, latent=latent, keep="video")
+        previews.append([preview for _, _, preview in c.record.progress])
+    c.mm.unload_all_models()
+    assert previews[0] == previews[1] == [None] * (STEPS - 1)

@@ -385,13 +385,16 @@ class _Pool:
     def put(self, *message) -> None:
         self.requests.put(_pack_request(message))
 
-    def receive(self) -> tuple:
-        """The next message from any worker; a reported error or a dead worker stops all and raises."""
+    def receive(self, on_wait=None) -> tuple:
+        """The next message from any worker; a reported error or a dead worker stops all and raises. `on_wait()`
+        is called while none has come (every 0.2 s): a host's cancel check, whose exception goes on."""
         while True:
             try:
                 return self._checked(pickle.loads(self.results.get(timeout=0.2)))
             except queue.Empty:
                 pass
+            if on_wait is not None:
+                on_wait()
             dead = [(rank, p.exitcode) for rank, p in enumerate(self.processes) if p.exitcode is not None]
             if dead:
                 try:  # a worker that reported before exiting: take its report
@@ -505,6 +508,8 @@ class ParallelRunner:
     `init_method` / `world_size`: a torch.distributed rendezvous shared with ranks started on other
     machines (`python -m h3_core.parallel`); by default a private one for these local workers only.
     `threads`: torch CPU threads per worker (CPU devices; default: the cores divided among them).
+    `on_wait`: called every 0.2 s while the workers load (minutes for the real DiT): a host's cancel check;
+    what it raises stops them at once.
     """
 
     def __init__(
@@ -515,6 +520,7 @@ class ParallelRunner:
         init_method: str | None = None,
         world_size: int | None = None,
         threads: int | None = None,
+        on_wait=None,
     ):
         self.spec = spec
         self.devices = check_devices(devices, split=True)
@@ -541,8 +547,9 @@ class ParallelRunner:
         configs, notes = {}, {}
         try:
             while len(configs) < len(self.devices):
-                _, rank, configs[rank], notes[rank] = self._pool.receive()
-        except BaseException:
+                _, rank, configs[rank], notes[rank] = self._pool.receive(on_wait)
+        except BaseException:  # loading workers cannot answer a stop: ended now, not after its 30 s
+            self._pool.stop(graceful=False)
             self.close()
             raise
         self.config: DiTConfig = configs[0]
@@ -611,7 +618,7 @@ class ParallelRunner:
                 kind, *rest = self._pool.receive()
                 if kind == "step" and callback is not None and raised is None:
                     try:
-                        callback(self._step_state(conditioning, *rest))
+                        callback(self._step_state(conditioning, options.get("keep"), *rest))
                     except BaseException as error:  # noqa: BLE001  the caller's way to stop
                         raised = error
                         self._pool.interrupt.set()
@@ -621,7 +628,7 @@ class ParallelRunner:
             for late in getattr(error, "late_steps", []):  # steps finished before the failure still count
                 if callback is not None and raised is None:
                     with contextlib.suppress(Exception):
-                        callback(self._step_state(conditioning, *late))
+                        callback(self._step_state(conditioning, options.get("keep"), *late))
             raise
         except BaseException:  # e.g. Ctrl-C while waiting: don't leave workers mid-request
             self.close()
@@ -642,12 +649,13 @@ class ParallelRunner:
         return latents
 
     @staticmethod
-    def _step_state(conditioning, step: int, total: int, schedule, rows: dict | None) -> StepState:
+    def _step_state(conditioning, keep: str | None, step: int, total: int, schedule, rows: dict | None) -> StepState:
+        """A step as one device's callback sees it: the layout the workers sample (a kept modality locked)."""
         names = {f.name for f in dataclasses.fields(StepState)}
         values = dict.fromkeys(names - {"step", "total", "schedule"})
         values.update(rows or {})
         if "layout" in names:
-            values["layout"] = conditioning.layout
+            values["layout"] = conditioning.layout.locked(keep) if keep else conditioning.layout
         return StepState(step=step, total=total, schedule=schedule, **values)
 
     def interrupt(self) -> None:
