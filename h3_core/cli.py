@@ -247,7 +247,7 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
                          help="image references at the release's 2048-pixel short edge (default), or canvas-lossy: "
                               "scaled down to the output's pixel area (far fewer rows, faster steps, less detail)")
     request.add_argument("--guide", action="append", default=[], metavar="FRAME:KIND=PATH",
-                         help="repeatable: an image, video (clip of 17n+5 frames, with its sound) or "
+                         help="repeatable: an image, video (cut to its first 17n+5 frames, with its sound) or "
                               "audio file anchored at video frame FRAME (negative: from the end, written --guide=-1:image=b.png), "
                               "e.g. 60:image=a.png; with --long-video FRAME counts frames of the whole clip")
     request.add_argument("--aspect-ratio", metavar="RATIO", help=f"one of {', '.join(geometry.ASPECT_RATIOS)}, or auto: 16:9, for fl2va the "
