@@ -984,8 +984,6 @@ def run_denoise(args) -> int:
     """The DiT alone on a T2VA layout: `pipeline.sample` over precomputed (or, for tiny-random, seeded
     random) text states, the latents saved as `h3 generate --save-latents` saves them. The DiT is placed by
     the request's memory plan, as generate places it (streamed where it does not fit)."""
-    from tqdm import tqdm
-
     device = check_devices([args.device])[0]
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     width, height = _canvas(args)
@@ -1028,10 +1026,12 @@ def run_denoise(args) -> int:
     timings["load"] = time.perf_counter() - started
 
     started = time.perf_counter()
-    bar = tqdm(total=schedule.num_calls, desc="denoise", unit="step", file=sys.stderr, disable=args.quiet)
-    latents = sample(model, conditioning, args.seed, args.steps, args.video_shift, args.audio_shift,
-                     callback=lambda state: bar.update(1))
-    bar.close()
+    bars = StageBars(args.quiet)
+    try:
+        latents = sample(model, conditioning, args.seed, args.steps, args.video_shift, args.audio_shift,
+                         callback=lambda state: bars("denoise", state.step, state.total))
+    finally:
+        bars.close()
     timings["denoise"] = time.perf_counter() - started
     if streamer is not None:
         streamer.remove()

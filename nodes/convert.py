@@ -227,7 +227,8 @@ def _check_audio(audio: dict, what: str) -> tuple[torch.Tensor, int]:
     elif not waveform.is_floating_point():
         raise ValueError(f"{what}: waveform samples must be floats in -1..1 (or int16 / int32 PCM); got "
                          f"{waveform.dtype}.")
-    peak = float(waveform.abs().max()) if waveform.numel() else 0.0
+    low, high = torch.aminmax(waveform) if waveform.numel() else (torch.zeros(()), torch.zeros(()))
+    peak = max(-float(low), float(high))  # no |waveform| copy of a long sound
     if peak > LOUDEST_FLOAT_SAMPLE:  # encoded as it is, it would be noise
         raise ValueError(f"{what}: waveform samples reach {peak:g}; float samples are -1..1 (PCM values stored as "
                          "floats? divide them by 32768, or pass int16).")

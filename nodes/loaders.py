@@ -151,10 +151,10 @@ class H3ModelLoader(io.ComfyNode):
     def execute(cls, checkpoint, folder, partition, weight_dtype, attention, gpu_memory_gb=0.0, devices="",
                 shard_weights=False, compile=False, attention_window_lossy=0,
                 attention_window_dense_steps=0, linears="checkpoint") -> io.NodeOutput:
-        check_budget(float(gpu_memory_gb) or None)  # NaN passes ComfyUI's range check
         split = split_devices(devices, shard_weights, gpu_memory_gb)
         target = split[0] if split else device()
-        check_budget(float(gpu_memory_gb) or None, target)  # more than the GPU has: refused before any read
+        # NaN passes ComfyUI's range check; more than the GPU has: both refused before any read
+        check_budget(float(gpu_memory_gb) or None, target)
         window, dense_steps = check_window_setting(int(attention_window_lossy or 0),
                                                    int(attention_window_dense_steps or 0))
         # an unavailable kernel (or one that cannot run the window), or FP8 matmuls the device lacks, fail

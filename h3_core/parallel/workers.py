@@ -610,6 +610,7 @@ class ParallelRunner:
             raise ParallelWorkerError("This parallel runner has been closed (after close() or a worker failure).")
         request = dict(conditioning=conditioning, seed=seed, steps=steps, video_shift=video_shift,
                        audio_shift=audio_shift, video_sigmas=video_sigmas, audio_sigmas=audio_sigmas, **options)
+        layout = conditioning.layout.locked(options["keep"]) if options.get("keep") else conditioning.layout
         self._pool.interrupt.clear()
         self._pool.put("sample", request, preview)
         raised = None
@@ -618,7 +619,7 @@ class ParallelRunner:
                 kind, *rest = self._pool.receive()
                 if kind == "step" and callback is not None and raised is None:
                     try:
-                        callback(self._step_state(conditioning, options.get("keep"), *rest))
+                        callback(self._step_state(layout, *rest))
                     except BaseException as error:  # noqa: BLE001  the caller's way to stop
                         raised = error
                         self._pool.interrupt.set()
@@ -628,7 +629,7 @@ class ParallelRunner:
             for late in getattr(error, "late_steps", []):  # steps finished before the failure still count
                 if callback is not None and raised is None:
                     with contextlib.suppress(Exception):
-                        callback(self._step_state(conditioning, options.get("keep"), *late))
+                        callback(self._step_state(layout, *late))
             raise
         except BaseException:  # e.g. Ctrl-C while waiting: don't leave workers mid-request
             self.close()
@@ -649,13 +650,13 @@ class ParallelRunner:
         return latents
 
     @staticmethod
-    def _step_state(conditioning, keep: str | None, step: int, total: int, schedule, rows: dict | None) -> StepState:
-        """A step as one device's callback sees it: the layout the workers sample (a kept modality locked)."""
+    def _step_state(layout, step: int, total: int, schedule, rows: dict | None) -> StepState:
+        """A step as one device's callback sees it, with the layout the workers sample (a kept modality locked)."""
         names = {f.name for f in dataclasses.fields(StepState)}
         values = dict.fromkeys(names - {"step", "total", "schedule"})
         values.update(rows or {})
         if "layout" in names:
-            values["layout"] = conditioning.layout.locked(keep) if keep else conditioning.layout
+            values["layout"] = layout
         return StepState(step=step, total=total, schedule=schedule, **values)
 
     def interrupt(self) -> None:
