@@ -20,6 +20,7 @@ from . import geometry, media_read
 from .conditioning import RequestError
 from .continuation import MAX_CONTINUATION_SECONDS
 from .drive_audio import encode_track, load_track
+from .encode_memory import encode_working_bytes
 from .media import SAMPLE_RATE, MediaError, audio_samples_for_frames
 from .output import AVLatents
 from .references import (
@@ -146,6 +147,13 @@ def encode_clip_frames(video_vae, audio_vae, frames: Iterable[np.ndarray],
         given = None if found is None else load_track(DecodedAudio(found, SAMPLE_RATE), "the clip's sound")
     track = given if given is not None else torch.zeros(2, audio_samples_for_frames(count))
     return AVLatents(video, encode_track(audio_vae, track, count)).check()
+
+
+def clip_encode_bytes(video_vae, audio_vae, num_frames: int, width: int, height: int) -> int:
+    """Device memory `encode_clip` / `encode_clip_frames` of `num_frames` frames on a `width` x `height` canvas
+    needs besides the VAEs' weights (the video, then its sound cut to the frames)."""
+    return encode_working_bytes(video_vae, audio_vae, [(num_frames, height, width)],
+                                [audio_samples_for_frames(num_frames)])
 
 
 class VaeClips:

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from . import geometry
+from .encode_memory import encode_working_bytes
 from .layout import (REFERENCE_KINDS, GuideBlock, PackedLayout, ReferenceBlock, build_ref2va_layout, build_t2va_layout,
                      patched_rows)
 from .prompt import MAX_KEYFRAMES, VISION_TOKENS, control_token_warnings, label_warnings, reference_mix_problem
@@ -500,6 +501,19 @@ class Conditioning:
 # Encoding
 
 
+def _pictures(keyframes, prepared) -> list[tuple[int, int, int]]:
+    """(frames, height, width) of each picture the video VAE encodes: keyframes and image references one frame,
+    video references their first `vae_frame_count` frames."""
+    pictures = [(1, image.height, image.width) for image in keyframes]
+    for reference in prepared:
+        if reference.kind == "image":
+            pictures.append((1, reference.image.height, reference.image.width))
+        elif reference.kind == "video":
+            count, height, width, _ = reference.frames.shape
+            pictures.append((vae_frame_count(count), height, width))
+    return pictures
+
+
 def _reference_blocks(prepared, visual, audio) -> list[ReferenceBlock]:
     visual, audio = iter(visual), iter(audio)
     blocks = []
@@ -554,7 +568,7 @@ def encode_request(
     text_tags: torch.Tensor | None = None,
     rules: CanvasRules = RELEASE_CANVAS,
     on_stage: Callable[[int, int], None] | None = None,
-    before_models: Callable[[int], None] | None = None,
+    before_models: Callable[[int, int], None] | None = None,
 ) -> Conditioning:
     """Validate `request`, prepare its media and encode it.
 
@@ -566,8 +580,10 @@ def encode_request(
                   with `done` unchanged between the text encoder's layers: a host shows progress there,
                   and may raise to stop (an interrupt).
     before_models called once, after the media are read and before any model runs, with how many rows the
-                  text encoder will run (0: it will not: precomputed states, or ones it remembers): a host
-                  places only the models that run, with room for that encoding (`TextEncoder.encoding_bytes`).
+                  text encoder will run (0: it will not: precomputed states, or ones it remembers) and the
+                  device memory the VAEs' encodes of the media need besides their weights
+                  (`encode_memory.encode_working_bytes`; 0: none): a host places only the models that run,
+                  with room for that encoding (`TextEncoder.encoding_bytes`) and those.
     Everything is validated and decoded before the first model runs; models are used in the order
     text encoder, video VAE, audio VAE (so a caller can place one at a time)."""
     plan = validate(request, rules)
@@ -610,9 +626,11 @@ def encode_request(
             on_stage(done, stages)
         return result
 
+    media = encode_working_bytes(video_vae, audio_vae, _pictures(keyframes, prepared),
+                                 [reference.audio.shape[-1] for reference in prepared if reference.has_audio])
     if precomputed:
         if before_models is not None:
-            before_models(0)
+            before_models(0, media)
         states, tags = _precomputed_text(text_states, text_tags)
     else:
         text_encoder.check_sees(visual_count > 0)  # before any model moves for it
@@ -620,7 +638,7 @@ def encode_request(
             plan.task, plan.prompt, keyframes, [reference.for_presentation() for reference in prepared]
         )
         if before_models is not None:
-            before_models(0 if text_encoder.remembers(presentation) else presentation.num_tokens)
+            before_models(0 if text_encoder.remembers(presentation) else presentation.num_tokens, media)
         between_layers = None if on_stage is None else (lambda: on_stage(done, stages))
         text = staged(text_encoder.encode(presentation, between_layers))
         states, tags = text.prompt_embeds, text.token_tags

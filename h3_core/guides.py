@@ -37,6 +37,7 @@ from PIL import Image
 
 from . import geometry, media_read
 from .conditioning import NO_VAE, TASKS, Conditioning, RequestError, check_ratio
+from .encode_memory import encode_working_bytes, samples_at
 from .layout import FRAME_TIME, GuideBlock, build_ref2va_layout, build_t2va_layout, pack_audio, unpack_audio
 from .media import SAMPLE_RATE, MediaError, as_stereo_waveform, naming
 from .references import (
@@ -181,6 +182,18 @@ def check_guides_beside_kept(guides, keep: str | None) -> None:
         if keep == "video" and picture:
             raise RequestError(f"Guide {number} holds a picture, but keep = video holds the given clip's video as it "
                                "is; only sounds can guide it.")
+
+
+def guide_encode_bytes(frames, waveform, sample_rate: int | None, width: int, height: int, video_vae=None,
+                       audio_vae=None) -> int:
+    """Device memory encoding a guide's `frames` (a PIL image or uint8 [N, H, W, 3]) on a `width` x `height`
+    canvas and its sound [C, M] at `sample_rate` needs besides the VAEs' weights (`encode_working_bytes`)."""
+    pictures = []
+    if frames is not None:
+        count = 1 if isinstance(frames, Image.Image) else guide_frame_count(np.shape(frames)[0])
+        pictures.append((count, height, width))
+    sounds = [] if waveform is None else [samples_at(int(sample_rate), np.shape(waveform)[-1])]
+    return encode_working_bytes(video_vae, audio_vae, pictures, sounds)
 
 
 def encode_guide(pixels: np.ndarray | None, waveform, sample_rate: int | None, width: int, height: int,

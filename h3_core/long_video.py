@@ -63,8 +63,10 @@ from .continuation import (
     video_at,
 )
 from .drive_audio import check_track, drive_seconds, encode_track, load_track, window_slice
-from .guides import GuideMedia, guide_frame_count
+from .encode_memory import encode_working_bytes
+from .guides import GuideMedia, guide_encode_bytes, guide_frame_count
 from .layout import TEXT_TAG, GuideBlock, PackedLayout, ReferenceBlock, build_window_layout, pack_audio
+from .media import audio_samples_for_frames
 from .noise import request_generator
 from .output import AVLatents
 from .pipeline import sample
@@ -419,12 +421,13 @@ class LongConditioning:
 
 def encode_long_video(
     request: LongVideoRequest, text_encoder, video_vae=None, audio_vae=None, *, rules: CanvasRules = RELEASE_CANVAS,
-    between_calls: Callable[[], None] | None = None, before_models: Callable[[int], None] | None = None,
+    between_calls: Callable[[], None] | None = None, before_models: Callable[[int, int], None] | None = None,
 ) -> LongConditioning:
     """Validate, then encode every distinct prompt, the references (once) and the driving track (once).
     `between_calls` is called between model calls and the text encoder's layers: a host may raise there to
     stop (an interrupt). `before_models` is called once before any model runs, with the most rows the text
-    encoder will run for one prompt (0: it remembers them all), so a host places only the models that run."""
+    encoder will run for one prompt (0: it remembers them all) and the most device memory one of the VAEs'
+    encodes needs besides their weights, so a host places only the models that run, with room for their work."""
     plan = validate_long_video(request, rules)
     if request.drive_audio is not None and audio_vae is None:
         raise RequestError(f"A driving audio track is encoded by the audio VAE{NO_VAE}")
@@ -444,10 +447,16 @@ def encode_long_video(
         ]
         presented = {prompt: text_encoder.present(plan.task, prompt, (), shown) for prompt in others}
 
-    def placing(first_rows: int) -> None:  # nothing new is remembered before this, so nothing is forgotten
+    # besides the first request's media: the driving track and the guides, encoded after it
+    sounds = [] if request.drive_audio is None else [audio_samples_for_frames(plan.num_frames)]
+    later = max([encode_working_bytes(video_vae, audio_vae, sounds=sounds),
+                 *(guide_encode_bytes(guide.frames, guide.waveform, guide.sample_rate, plan.width, plan.height,
+                                      video_vae, audio_vae) for guide in request.guides)])
+
+    def placing(first_rows: int, media: int) -> None:  # nothing new is remembered before this, so nothing is forgotten
         if before_models is not None:
             before_models(max([first_rows, *(presentation.num_tokens for presentation in presented.values()
-                                             if not text_encoder.remembers(presentation))]))
+                                             if not text_encoder.remembers(presentation))]), max(media, later))
 
     on_stage = None if between_calls is None else (lambda done, total: between_calls())
     first = encode_request(plan.first, text_encoder, video_vae, audio_vae, rules=rules, on_stage=on_stage,

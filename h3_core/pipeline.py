@@ -1069,23 +1069,26 @@ def load_text_encoder_for(source, settings: GenerateSettings, notes, on_tensor=N
                              on_tensor=on_tensor)
 
 
-def room_to_encode(text_encoder, settings: GenerateSettings, notes, beside: int = 0) -> Callable[[int], None]:
+def room_to_encode(text_encoder, settings: GenerateSettings, notes, beside: int = 0) -> Callable[[int, int], None]:
     """`before_models` for a request's encode: an encoder resident on a CUDA device without room left for
     encoding `rows` rows (`TextEncoder.encoding_bytes`: a long prompt with many pictures takes far more than the
-    short prompt's allowance it was placed with) goes back to CPU memory and streams its layers from then on."""
+    short prompt's allowance it was placed with), or for the VAEs' encodes of the media after it (`media` bytes
+    besides the VAEs' weights, which are in `beside`), goes back to CPU memory and streams its layers from then
+    on."""
     device = torch.device(settings.device)
 
-    def check(rows: int) -> None:
+    def check(rows: int, media: int = 0) -> None:
         weights = text_encoder.resident_bytes
-        if not rows or device.type != "cuda" or weights is None:
+        if not (rows or media) or device.type != "cuda" or weights is None:
             return
-        need = text_encoder.encoding_bytes(rows)
+        text = text_encoder.encoding_bytes(rows) if rows else 0
+        need = max(text, media)
         room = _budget_bytes(settings, device, beside) if settings.gpu_memory else free_bytes(device) + weights
         if weights + need <= usable_bytes(room):
             return
-        notes(f"text encoder: encoding {rows:,} rows takes about {need / GIB:.1f} GiB beside its "
-              f"{weights / GIB:.1f} GiB of weights, more than {room / GIB:.1f} GiB holds; its layers stream from CPU "
-              "memory from now on")
+        work = f"encoding {rows:,} rows takes" if text >= media else "the VAEs' encodes of its pictures and sounds take"
+        notes(f"text encoder: {work} about {need / GIB:.1f} GiB beside its {weights / GIB:.1f} GiB of "
+              f"weights, more than {room / GIB:.1f} GiB holds; its layers stream from CPU memory from now on")
         text_encoder.to("cpu").stream_layers(device)
 
     return check

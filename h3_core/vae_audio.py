@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .vae_video import LIBRARY_WORKSPACE_BYTES
+
 SAMPLE_RATE = 32000
 STEREO_CHANNELS = 2
 
@@ -505,6 +507,38 @@ def encode_context(config: AudioVAEConfig) -> int:
     span = _conv_inputs(span, ENCODER_IN_KERNEL, 1, 1, same_padding(ENCODER_IN_KERNEL))
     return max(needed, _frames_beyond(span, density))
 
+
+
+def encode_working_bytes(config: AudioVAEConfig, samples: int, channels: int = STEREO_CHANNELS,
+                         dtype_bytes: int = 4) -> int:
+    """Device memory `AudioVAE.encode` of a `channels` x `samples` track needs besides the weights (in bytes
+    of the VAE's dtype, float32 by default), so a host can free weights + this first. An upper bound read off
+    the code:
+
+    - the track on the device and its copy padded to the hop;
+    - the trunk, one window at a time (`ENCODE_WINDOW_LATENTS` plus the context each side): at most five of
+      its largest activations at once (a block's input, a residual unit's input, the dilated conv's output
+      and two of Snake's temporaries), beside the finished windows' outputs;
+    - then the attention projection over every latent frame: the trunk, its norm, q, k and v, the attention
+      output and, should a kernel want them contiguous, copies of q, k and v (nine trunk-sized tensors);
+    - besides: the math libraries' workspaces (`LIBRARY_WORKSPACE_BYTES`) under cuDNN's heuristics (torch's
+      default, and ComfyUI's but for `--fast autotune`: benchmarked kernels took up to 0.47 GiB more here).
+
+    bench/vae_encode_memory.py checks it on the H200 against the peak allocated less the weights: a 20 s track
+    0.80 GiB measured, 0.89 bound; 120 s 0.91 and 1.00."""
+    if samples < 1 or channels < 1:
+        raise ValueError(f"An encode needs a sound, got {channels} channels of {samples} samples.")
+    hop = config.hop_length
+    frames = math.ceil(samples / hop)
+    track = channels * frames * hop * dtype_bytes
+    window = (min(frames, ENCODE_WINDOW_LATENTS) + 2 * encode_context(config)) * hop
+    width, length, largest = config.encoder_dim, window, config.encoder_dim * window
+    for stride in config.encoder_rates:  # each block's residual units run at half its width, before its stride
+        largest = max(largest, width * length)
+        width, length = 2 * width, math.ceil(length / stride)
+    trunk = channels * config.latent_dim * frames * dtype_bytes
+    windows = 5 * channels * largest * dtype_bytes + trunk
+    return LIBRARY_WORKSPACE_BYTES + 2 * track + max(windows, 9 * trunk)
 
 def decode_context(config: AudioVAEConfig) -> int:
     """Latent frames of context on each side that make a windowed decode equal the whole decode.

@@ -653,6 +653,46 @@ def decode_working_bytes(config: VideoVAEConfig, latent_frames: int, latent_heig
     return LIBRARY_WORKSPACE_BYTES + to_uint8 + kept + row_tiles + max(2 * chunk, chunk + tile_work)
 
 
+
+def encode_working_bytes(config: VideoVAEConfig, frames: int, height: int, width: int,
+                         tiled: bool | None = None) -> int:
+    """Device memory encoding `frames` frames of `height` x `width` pixels (H3 VAE Encode's clip, a keyframe or
+    a reference) needs besides the weights, so a host can free weights + this first. An upper bound read off
+    the code; the encoder is float32 under every model dtype (`FP32_MODULES`):
+
+    - clips go through one at a time (17 frames, or 1 alone), each spatially tiled unless `tiled` is False
+      (None: the config's); the clip is on the device as it came (uint8 at most: 1 byte a value) and in
+      model space (float32), the tile a view of it;
+    - the peak is in the first level's second ResnetBlock at its second conv (block_out_channels[0] at full
+      size): conv_in's output (still the Encoder's), the block's input, conv1's output and norm2 + SiLU's are
+      held; the conv's input is padded by a pixel each side and by kernel - 1 = 2 frames in front (a lone frame
+      triples there), and the 3-D convolution holds that input and its output twice each (the H200 measured
+      cuDNN's float32 kernel converting both). GroupNorm's contiguous copy comes earlier and smaller; deeper
+      levels hold fewer bytes (channels double as the area quarters);
+    - the moments of the whole clip (2C channels) three times over: their concatenation beside the clips'
+      list, then the posterior sample's temporaries before the latents go to the CPU;
+    - besides: the math libraries' workspaces (`LIBRARY_WORKSPACE_BYTES`) under cuDNN's heuristics (torch's
+      default, and ComfyUI's but for `--fast autotune`, whose benchmarked kernels take what workspace they like).
+
+    bench/vae_encode_memory.py checks it on the H200 against the peak allocated less the weights: 1344x768,
+    17 frames, tiled: 4.65 GiB measured, 4.71 bound; a lone frame untiled 5.94 and 6.00."""
+    if frames < 1 or height < 1 or width < 1:
+        raise ValueError(f"An encode needs pixels in every dimension, got {frames}x{height}x{width}.")
+    tiled = config.encoder_tiling if tiled is None else tiled
+    ratio = config.spatial_ratio
+    tile_h = split_tiles(height, config.tile_size, config.tile_min_overlap, ratio).size if tiled else height
+    tile_w = split_tiles(width, config.tile_size, config.tile_min_overlap, ratio).size if tiled else width
+    clip_frames = 1 if frames == 1 else config.clip_length
+    values = config.in_channels * clip_frames * height * width
+    clip = values * (1 + 4)
+    channels = config.block_out_channels[0]
+    activation = channels * clip_frames * tile_h * tile_w * 4
+    padded = channels * (clip_frames + 2) * (tile_h + 2) * (tile_w + 2) * 4
+    clips = 1 if frames == 1 else math.ceil(frames / config.clip_length)
+    latent_frames = clips * config.temporal_chunking.latents_per_chunk
+    moments = 2 * config.latent_channels * latent_frames * math.ceil(height / ratio) * math.ceil(width / ratio) * 4
+    return LIBRARY_WORKSPACE_BYTES + clip + 6 * activation + 2 * padded + 3 * moments
+
 # ----------------------------------------------------------------------------------------------
 # Pixels and the conditioning recipe
 

@@ -19,7 +19,7 @@ from h3_core.conditioning import (
     prompt_warnings,
     validate,
 )
-from h3_core.guides import GuideMedia, add_guide, check_guide, clip_room
+from h3_core.guides import GuideMedia, add_guide, check_guide, clip_room, guide_encode_bytes
 from h3_core.placement import freed_on_failure
 from h3_core.prompt import MAX_AUDIO_REFERENCES, MAX_IMAGE_REFERENCES, MAX_REFERENCES, MAX_VIDEO_REFERENCES
 from h3_core.references import REFERENCE_IMAGE_MODES, frame_on_canvas
@@ -231,7 +231,8 @@ class H3AddGuide(io.ComfyNode):
         # every check before the VAE moves
         check_guide(conditioning.task, conditioning.num_frames, media.frame_index, media.frames, media.waveform,
                     media.sample_rate)
-        place([vae.patcher])
+        place([vae.patcher], guide_encode_bytes(media.frames, media.waveform, media.sample_rate, conditioning.width,
+                                                conditioning.height, vae.video, vae.audio))
         with freed_on_failure(device()):
             guided = add_guide(conditioning, media.frame_index, vae.video, vae.audio, media.frames, media.waveform,
                                media.sample_rate)

@@ -11,8 +11,8 @@ from comfy_api.latest import io
 
 from h3_core import geometry
 from h3_core.clip_latents import (
-    MAX_CLIP_FRAMES, clip_frame_count, encode_clip, encode_clip_frames, expected_clip_frames, file_soundtrack,
-    stream_clip,
+    MAX_CLIP_FRAMES, clip_encode_bytes, clip_frame_count, encode_clip, encode_clip_frames, expected_clip_frames,
+    file_soundtrack, stream_clip,
 )
 from h3_core.media import MediaError
 from h3_core.conditioning import MAX_FRAMES, MIN_REQUESTED_FRAMES, RequestError, resolve_num_frames
@@ -158,7 +158,7 @@ class H3VAEEncode(io.ComfyNode):
                 bar.update_absolute(done, max(done, expected))
                 check_interrupt()
 
-            place([vae.patcher])
+            place([vae.patcher], clip_encode_bytes(vae.video, vae.audio, expected, width, height))
             with freed_on_failure(device()):
                 try:
                     latents = encode_clip_frames(vae.video, vae.audio, frames, sound, on_clip)
@@ -174,8 +174,8 @@ class H3VAEEncode(io.ComfyNode):
                 waveform, rate = given.waveform, given.sample_rate
             if not width:
                 width, height = vae.canvas.canvas(frames.shape[2], frames.shape[1])
-            clip_frame_count(frames.shape[0], fps)  # too short a clip is refused before the VAEs move
-            place([vae.patcher])
+            count = clip_frame_count(frames.shape[0], fps)  # too short a clip is refused before the VAEs move
+            place([vae.patcher], clip_encode_bytes(vae.video, vae.audio, count, int(width), int(height)))
             with freed_on_failure(device()):
                 latents = encode_clip(vae.video, vae.audio, frames, fps, int(width), int(height), waveform, rate,
                                       progress_and_interrupt())

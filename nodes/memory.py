@@ -165,12 +165,13 @@ def read_progress(placement):
         placement.on_read = None
 
 
-def place_for_encoding(text_encoder, vae=None, rows: int = 0) -> None:
+def place_for_encoding(text_encoder, vae=None, rows: int = 0, media: int = 0) -> None:
     """The text encoder (and the VAE, for keyframes and references) on the device, with room for what encoding
-    a presentation of `rows` rows needs besides (the activations, and a streaming encoder's layers in flight):
-    ComfyUI unloads other models for it. `rows` 0 (the encoder remembers the prompt) or `text_encoder` None: only
-    the VAE. A resident encoder placed with room for a short prompt alone streams its layers from now on when the
-    encode would not fit beside it and the VAE (a small GPU, or its budget). An encode's `before_models`."""
+    a presentation of `rows` rows needs besides (the activations, and a streaming encoder's layers in flight)
+    and for the VAEs' encodes after it (`media` bytes besides their weights): ComfyUI unloads other models for
+    it. `rows` 0 (the encoder remembers the prompt) or `text_encoder` None: only the VAE. A resident encoder
+    placed with room for a short prompt alone streams its layers from now on when the encode would not fit
+    beside it and the VAE (a small GPU, or its budget). An encode's `before_models`."""
     patcher = None if text_encoder is None or not rows else text_encoder.patcher
     placement = getattr(patcher, "model", None)
     encoder = getattr(placement, "encoder", None)  # a handle made outside the loaders may have no placement
@@ -184,7 +185,7 @@ def place_for_encoding(text_encoder, vae=None, rows: int = 0) -> None:
             placement.stream_from_now()  # it was placed with room for a short prompt alone
             working = placement.working_bytes + encoder.encoding_bytes(rows)
     with read_progress(placement):
-        place([patcher, vae_patcher], working)
+        place([patcher, vae_patcher], max(working, media if vae_patcher is not None else 0))
 
 
 def decode_working_bytes(vae, video_latents, tiled: bool | None = None) -> int:

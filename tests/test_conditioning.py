@@ -50,7 +50,7 @@ from h3_core.noise import condition_rows, request_generator, target_noise
 from h3_core.references import CanvasRules, DecodedAudio, DecodedVideo
 from h3_core.text import load_text_encoder
 from h3_core.vae_audio_checkpoint import load_audio_vae
-from h3_core.vae_video import VideoVAE
+from h3_core.vae_video import VideoVAE, encode_working_bytes
 from h3_core.vae_video_checkpoint import convert_state_dict
 
 PROMPT = "A red fox walks along the beach at sunset. <d>[English] Hello there.</d>"
@@ -350,18 +350,22 @@ def test_the_encoder_remembers_recent_prompts(tiny_text, video_vaes, monkeypatch
     what a run gives); another prompt or picture does; a host hears before any model runs whether it will."""
     encoder = tiny_text["encoder"]
     encoder.forget()
-    runs, told = [], []
+    runs, told, media = [], [], []
     run = encoder._run
     monkeypatch.setattr(encoder, "_run", lambda *args: runs.append(1) or run(*args))
 
     def encode(request):
-        return encode_request(request, encoder, video_vaes[1], rules=TINY_RULES, before_models=told.append)
+        return encode_request(request, encoder, video_vaes[1], rules=TINY_RULES,
+                              before_models=lambda rows, nbytes: told.append(rows) or media.append(nbytes))
 
     first = picture(100, 70, 0)
     short = encode(Request("fl2va", PROMPT, first_image=first, duration=5.0))
     long = encode(Request("fl2va", PROMPT, first_image=first, duration=8.0))
     rows = short.text_states.shape[1]  # the presentation's rows: a host makes room for their encoding
     assert len(runs) == 1 and told == [rows, 0] and long.num_frames > short.num_frames
+    # and for the video VAE's encode of the keyframe, on the canvas
+    keyframe = encode_working_bytes(video_vaes[1].config, 1, short.height, short.width)
+    assert media == [keyframe, keyframe] and keyframe > 0
     assert torch.equal(long.text_states, short.text_states) and torch.equal(long.text_tags, short.text_tags)
     assert long.text_states is not short.text_states  # each request owns its states
     encode(Request("fl2va", PROMPT + " Rain.", first_image=first, duration=5.0))

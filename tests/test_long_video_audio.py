@@ -112,16 +112,21 @@ def test_a_long_video_reads_its_driving_track_no_longer_than_the_clip(tmp_path, 
     from h3_core.conditioning import Request
     from h3_core.long_video import LongVideoRequest, encode_long_video
     from h3_core.pipeline import TINY_CANVAS
+    from h3_core.media import audio_samples_for_frames
     from h3_core.tiny_text import tiny_random_text_encoder
+    from h3_core.vae_audio import encode_working_bytes
 
     rate = 8000
     write_wav(tmp_path / "album.wav", np.zeros((1, rate * 30), np.float32), rate)
     asked, read = [], media_read.read_audio
     monkeypatch.setattr(media_read, "read_audio", lambda *a, **k: asked.append(k.get("max_seconds")) or read(*a, **k))
     request = LongVideoRequest(Request("t2va", "a drum solo", duration=5.0), drive_audio=tmp_path / "album.wav")
-    conditioning = encode_long_video(request, tiny_random_text_encoder(), None, tiny_random_audio_vae(),
-                                     rules=TINY_CANVAS)
+    told, audio_vae = [], tiny_random_audio_vae()
+    conditioning = encode_long_video(request, tiny_random_text_encoder(), None, audio_vae, rules=TINY_CANVAS,
+                                     before_models=lambda rows, media: told.append(media))
     assert asked[-1] == pytest.approx(124 / 24 + 1.0) and conditioning.drive_audio.shape[-1] == round(124 * 40 / 24)
+    # room was made for the track's encode (cut to the clip) before any model ran
+    assert told == [encode_working_bytes(audio_vae.config, audio_samples_for_frames(124))]
 
 
 def test_a_track_undecodable_past_its_first_second_is_refused_before_models(tmp_path):

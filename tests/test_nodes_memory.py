@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -613,6 +614,31 @@ def test_vae_decode_asks_comfyui_for_its_working_memory(comfy):
     assert c.record.loaded[-1] == (["H3 VAEs (tiny-random + tiny-random)"], want)
 
 
+def test_vae_encodes_ask_comfyui_for_their_working_memory(comfy):
+    """H3 VAE Encode, H3 Add Guide and the encodes of keyframes and references asked ComfyUI for the VAEs'
+    weights alone: beside a DiT that left a few GiB, a 1344x768 clip's encode (~4 GiB of activations) ran out of
+    memory instead of ComfyUI unloading the DiT first."""
+    from h3_core.clip_latents import clip_encode_bytes
+    from h3_core.guides import guide_encode_bytes
+
+    c = comfy
+    latent = importlib.import_module("nodes.latent")
+    vae = c.loaders.H3VAELoader.execute("tiny-random", "tiny-random", "").values[0]
+    name = ["H3 VAEs (tiny-random + tiny-random)"]
+    clip = latent.H3VAEEncode.execute(vae, images=torch.rand(110, 128, 224, 3), frame_rate=24.0, width=224,
+                                      height=128).values[0]
+    want = clip_encode_bytes(vae.video, vae.audio, 107, 224, 128)
+    assert clip["video"].shape[2] == 32 and c.record.loaded[-1] == (name, want) and want > 0
+    cond = _encode(c, c.loaders.H3TextEncoderLoader.execute("tiny-random", "", "", "bf16").values[0], vae)
+    sound = {"waveform": torch.randn(1, 2, 48000) * 0.1, "sample_rate": 48000}
+    c.conditioning.H3AddGuide.execute(cond, vae, 20, image=torch.rand(1, 128, 224, 3), audio=sound)
+    want = guide_encode_bytes(np.zeros((1, 128, 224, 3), np.uint8), sound["waveform"][0], 48000, 224, 128,
+                              vae.video, vae.audio)
+    assert c.record.loaded[-1] == (name, want) and want > 0
+    c.memory.place_for_encoding(None, vae, 0, 5 * GIB)  # what encode_request says its VAE encodes take
+    assert c.record.loaded[-1] == (name, 5 * GIB)
+
+
 # Measured on an H200 (bench/vae_decode.py, 2026-11-29 session 4): `output.decode_video` of 1344x768,
 # 124 frames peaked at 11.31 GiB allocated with 9.70 GiB of fp32 video-VAE weights, and at 6.13 GiB
 # with 5.19 GiB of weights for the bf16 decoder (the audio VAE already freed). The estimate must bound
@@ -642,6 +668,42 @@ def test_the_decode_working_memory_estimate():
     assert decode_working_bytes(config, 7, 48, 84, 2) < decode_working_bytes(config, 7, 48, 84, 4)
     with pytest.raises(ValueError, match="latents in every dimension"):
         decode_working_bytes(config, 0, 48, 84)
+
+
+# Measured on an H200 (bench/vae_encode_memory.py, 2026-12-05 session 43, cuDNN's heuristics): peak allocated less
+# the weights, GiB. Video: (frames, height, width, tiled); audio: seconds of a stereo track at 32 kHz.
+MEASURED_VIDEO_ENCODE_GIB = {(17, 768, 1344, True): 4.645, (17, 1344, 768, True): 4.645, (17, 992, 992, True): 4.634,
+                             (17, 512, 512, True): 4.461, (17, 320, 320, True): 4.421, (17, 512, 512, False): 17.602,
+                             (1, 768, 1344, True): 0.396, (1, 512, 512, True): 0.384, (1, 768, 1344, False): 5.935,
+                             (1, 320, 320, False): 0.593}
+MEASURED_AUDIO_ENCODE_GIB = {5.2: 0.402, 20.0: 0.798, 120.0: 0.905}
+ENCODE_MARGIN = 1.3
+
+
+def test_the_encode_working_memory_estimates():
+    from h3_core.vae_audio import AudioVAEConfig
+    from h3_core.vae_audio import encode_working_bytes as audio_bytes
+    from h3_core.vae_video import VideoVAEConfig
+    from h3_core.vae_video import encode_working_bytes as video_bytes
+
+    video, audio = VideoVAEConfig(), AudioVAEConfig()
+    for (frames, height, width, tiled), measured in MEASURED_VIDEO_ENCODE_GIB.items():
+        bound = video_bytes(video, frames, height, width, tiled) / GIB
+        assert measured <= bound <= ENCODE_MARGIN * measured, (frames, height, width, tiled, bound)
+    for seconds, measured in MEASURED_AUDIO_ENCODE_GIB.items():
+        bound = audio_bytes(audio, int(seconds * 32000)) / GIB
+        assert measured <= bound <= ENCODE_MARGIN * measured, (seconds, bound)
+    # tiles bound a clip's encode whatever the canvas; a clip's moments grow with its length (300 s: 7200 frames)
+    assert video_bytes(video, 17, 768, 1344) == video_bytes(video, 17, 768, 1344, True)
+    lengths = [video_bytes(video, frames, 768, 1344) for frames in (17, 124, 7200)]
+    assert lengths == sorted(set(lengths)) and lengths[1] - lengths[0] < 2**27
+    assert video_bytes(video, 1, 768, 1344, False) > 4 * video_bytes(video, 1, 768, 1344)  # a lone frame, untiled
+    # the trunk's windows bound the audio encode; the attention over every frame grows with the track
+    assert audio_bytes(audio, 32000 * 300) > audio_bytes(audio, 32000 * 20) > audio_bytes(audio, 32000)
+    with pytest.raises(ValueError, match="pixels in every dimension"):
+        video_bytes(video, 0, 768, 1344)
+    with pytest.raises(ValueError, match="needs a sound"):
+        audio_bytes(audio, 0)
 
 
 def test_fp8_linears_from_a_file_sample_with_a_lora(comfy):

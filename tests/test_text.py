@@ -1124,6 +1124,15 @@ def test_a_resident_encoder_streams_when_a_prompt_needs_more_room_than_is_left(t
     check(rows)
     assert streamed == ["cuda"] and f"encoding {rows:,} rows takes about" in notes[0]
     assert encoder.device.type == "cpu"
+    # the VAEs' encodes of the pictures and sounds after it need room beside its weights too
+    encoder = load_text_encoder(tiny["partition"], torch.float32)
+    monkeypatch.setattr(encoder, "stream_layers", lambda device: streamed.append(str(device)) or encoder)
+    check = pipeline.room_to_encode(encoder, pipeline.GenerateSettings(device="cuda", gpu_memory=budget_gib),
+                                    notes.append)
+    check(10, 2**20)
+    assert len(streamed) == 1
+    check(10, int(budget_gib * 2**30))
+    assert streamed == ["cuda", "cuda"] and "the VAEs' encodes of its pictures and sounds take about" in notes[1]
 
 
 def test_generate_makes_room_before_each_encode(monkeypatch, tmp_path):
