@@ -38,6 +38,7 @@ makes them configurable too, which is what lets the parity tests run the whole r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import os
@@ -446,9 +447,16 @@ def prepare_video_frames(
     width, height = rules.canvas(frames.shape[2], frames.shape[1])
     if frames.shape[1:3] == (height, width):
         return frames
-    return np.stack(
-        [np.asarray(Image.fromarray(frame).resize((width, height), Image.Resampling.LANCZOS)) for frame in frames]
-    )
+    return np.stack([onto_own_canvas(frame, rules) for frame in frames])
+
+
+def onto_own_canvas(frame: np.ndarray, rules: CanvasRules = RELEASE_CANVAS) -> np.ndarray:
+    """One reference frame [H, W, 3] uint8 on the canvas of its own aspect ratio (LANCZOS; untouched when there):
+    a file's frames are fitted as they are decoded, so a 4K clip is never held at its own size."""
+    width, height = rules.canvas(frame.shape[1], frame.shape[0])
+    if frame.shape[:2] == (height, width):
+        return frame
+    return np.asarray(Image.fromarray(frame).resize((width, height), Image.Resampling.LANCZOS))
 
 
 def vae_frame_count(num_frames: int) -> int:
@@ -506,7 +514,8 @@ def prepare_reference(
                 # its soundtrack over the output's length, as a clip in memory (and the reference) gives it, even
                 # where it outlasts the picture; at its own rate, cut there and resampled once, as the reference does
                 path = _existing_file(source, what)
-                frames = media_read.read_video(path, start, max_frames=num_frames, with_audio=False).frames
+                frames = media_read.read_video(path, start, max_frames=num_frames, with_audio=False,
+                                               fit=functools.partial(onto_own_canvas, rules=rules)).frames
                 fps, sound = float(FPS), media_read.native_soundtrack(path, start, num_frames / FPS)
                 audio, rate = sound if sound is not None else (None, SAMPLE_RATE)
             else:

@@ -296,7 +296,7 @@ def video_file(video) -> tuple[str, float, float] | None:
     straight from its file, frame by frame, instead of decoded whole into float32 frames by get_components()
     (a 30 s 1080p clip: 18 GB)."""
     source = getattr(video, "get_stream_source", None)
-    path = source() if callable(source) and _has_own_stream_source(video) else None
+    path = source() if callable(source) and _frames_are_its_file(video) else None
     if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
         return None
     trim = getattr(video, "get_active_trim_window", None)
@@ -304,12 +304,24 @@ def video_file(video) -> tuple[str, float, float] | None:
     return os.fspath(path), float(start), float(duration)
 
 
-def _has_own_stream_source(video) -> bool:
-    """Whether `video` answers get_stream_source() itself: ComfyUI's VideoInput default (a VIDEO made from frames,
-    e.g. by Create Video) encodes the whole clip to H.264 in memory to answer, which takes seconds to minutes and
-    fails on frames x264 cannot take (RGBA, odd sizes)."""
-    owner = next((cls for cls in type(video).__mro__ if "get_stream_source" in vars(cls)), None)
-    return owner is None or owner.__name__ != "VideoInput"
+def _frames_are_its_file(video) -> bool:
+    """Whether `video`'s frames are its stream source's. Not when it answers get_stream_source() by ComfyUI's
+    VideoInput default (a VIDEO made from frames, e.g. by Create Video: that encodes the whole clip to H.264 in
+    memory, which takes seconds to minutes and fails on frames x264 cannot take, RGBA or odd sizes); not when a
+    class below the one naming the file makes the frames (a Load Video with a crop that crops in get_components()
+    and names the uncropped file); not with frame edits pending (a newer ComfyUI's as_cropped / as_resized)."""
+    order = type(video).__mro__
+
+    def owner(name: str) -> int:  # where in the class order `name` is defined; past the end: on the instance
+        return next((i for i, cls in enumerate(order) if name in vars(cls)), len(order))
+
+    source = owner("get_stream_source")
+    if source < len(order) and order[source].__name__ == "VideoInput":
+        return False
+    if any(owner(name) < source for name in ("get_components", "get_components_internal")):
+        return False
+    pending = getattr(video, "has_pending_frame_edits", None)
+    return not (callable(pending) and pending())
 
 
 def trim_frames(duration: float, cap: int) -> int:

@@ -175,6 +175,18 @@ def test_a_loaded_video_reference_is_read_from_its_file(tmp_path):
 
     assert convert.video_file(FromFrames()) is None and convert.video_file(FromFile()) == (str(path), 0.0, 0.0)
 
+    # frames edited after the file: a subclass cropping in get_components() (a Load Video with a crop), or a
+    # newer ComfyUI's pending as_cropped / as_resized, still names the unedited file; their frames are read instead
+    class CroppedFile(FromFile):
+        def get_components(self):
+            return parts
+
+    class Resized(FromFile):
+        def has_pending_frame_edits(self):
+            return True
+
+    assert convert.video_file(CroppedFile()) is None and convert.video_file(Resized()) is None
+
 
 def test_latent_packing_checks():
     from h3_core import geometry

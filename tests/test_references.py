@@ -327,6 +327,26 @@ def test_files_are_read_at_24fps_from_their_start(tmp_path):
     assert torch.equal(voice.audio, torch.from_numpy(read_audio(path, 0.5, 124 / 24)))
 
 
+def test_a_video_file_larger_than_its_canvas_is_fitted_as_it_is_decoded(tmp_path):
+    """A file's frames were all held at the file's size (twice, while stacked) before going onto the canvas: a
+    15 s 4K clip took ~18 GB. Each is now fitted as it is decoded: the same frames, in the memory of the fitted."""
+    import tracemalloc
+
+    path = tmp_path / "large.mp4"
+    write_mp4(path, frames(48, 448, 256, seed=12))
+    whole = read_video(path, max_frames=124, with_audio=False).frames
+    expected = prepare_video_frames(whole, 24.0, 124, TINY_RULES)
+    assert expected.shape[0] == 48 and expected.nbytes * 4 < whole.nbytes  # well under the file's size
+    tracemalloc.start()
+    try:
+        prepared = prepare_reference(MediaReference("video", path), 124, TINY_RULES)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(prepared.frames, expected)
+    assert peak < whole.nbytes, (peak, whole.nbytes)
+
+
 @pytest.mark.parametrize("fps", [30, 12, Fraction(30000, 1001)])
 def test_a_video_file_at_another_rate_reads_as_the_references_decoder_reads_it(tmp_path, fps):
     """A file's frames, read and put on 24 fps by us, equal diffusers' own file decoder (its from_file) followed
