@@ -275,7 +275,10 @@ def _checked_video(video: DecodedVideo, what: str) -> tuple[np.ndarray, float]:
     except ValueError as error:
         raise MediaInputError(f"{what}: {error}") from error
     fps = video.fps
-    if not isinstance(fps, (int, float)) or not math.isfinite(fps) or fps <= 0:
+    if not isinstance(fps, numbers.Real) or isinstance(fps, bool):  # numpy floats and Fraction rates are real
+        raise MediaInputError(f"{what}: a decoded video's frame rate is a number of frames per second, got "
+                              f"{type(fps).__name__} {fps!r}.")
+    if not math.isfinite(fps) or fps <= 0:
         raise MediaInputError(f"{what}: a decoded video needs its positive frame rate, got fps={fps!r}.")
     if frames.shape[0] == 0 or frames.shape[1] == 0 or frames.shape[2] == 0:
         raise MediaInputError(f"{what}: the video holds no pixels (frames of shape {tuple(frames.shape)}).")

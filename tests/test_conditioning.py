@@ -17,6 +17,7 @@ Validation tests pass models that fail the test if touched: every limit is check
 
 from __future__ import annotations
 
+import fractions
 import math
 import os
 import wave
@@ -47,7 +48,7 @@ from h3_core.conditioning import (
 )
 from h3_core.media_write import write_mp4
 from h3_core.noise import condition_rows, request_generator, target_noise
-from h3_core.references import CanvasRules, DecodedAudio, DecodedVideo
+from h3_core.references import CanvasRules, DecodedAudio, DecodedVideo, MediaReference, prepare_reference
 from h3_core.text import load_text_encoder
 from h3_core.vae_audio_checkpoint import load_audio_vae
 from h3_core.vae_video import VideoVAE, encode_working_bytes
@@ -687,6 +688,8 @@ def test_rejects_clip_totals_but_measures_from_the_start():
         (("image", os.path.dirname(__file__)), ("references[0] (image): ", "tests is a folder, not a file")),
         (("sticker", Image.new("RGB", (64, 64))), ("'sticker'", "('image', 'video', 'audio')")),
         (("video", DecodedVideo(np.zeros((48, 64, 64, 3), np.uint8), 0)), ("positive frame rate",)),
+        (("video", DecodedVideo(np.zeros((48, 64, 64, 3), np.uint8), True)), ("frames per second", "bool True")),
+        (("video", DecodedVideo(np.zeros((48, 64, 64, 3), np.uint8), "24")), ("frames per second", "str '24'")),
         (("audio", DecodedAudio(np.zeros((6, 64000), np.float32), 32000)), ("mono or stereo",)),
         (("video", np.zeros((48, 64, 64, 3), np.uint8)), ("DecodedVideo(frames, fps",)),
         (("audio", audio(3), -1.0), ("references[0] start_seconds", "finite number >= 0", "-1.0")),
@@ -696,6 +699,17 @@ def test_rejects_clip_totals_but_measures_from_the_start():
 )
 def test_rejects_unusable_media(reference, fragments):
     assert_rejected(Request("ref2va", PROMPT, references=[reference, IMAGE]), *fragments)
+
+
+def test_a_video_in_memory_takes_any_real_frame_rate():
+    """A numpy float (a rate read with numpy) or a Fraction (30000/1001) was refused as not positive."""
+    clip = np.random.default_rng(0).integers(0, 256, (60, 64, 64, 3), np.uint8)
+    plain = prepare_reference(MediaReference("video", DecodedVideo(clip, 30.0)), 124, TINY_RULES).frames
+    assert plain.shape[0] == 48  # 2 s at 24 fps
+    for rate in (np.float32(30.0), fractions.Fraction(30)):
+        validate(Request("ref2va", PROMPT, references=[("video", DecodedVideo(clip, rate))]), TINY_RULES)
+        prepared = prepare_reference(MediaReference("video", DecodedVideo(clip, rate)), 124, TINY_RULES)
+        assert np.array_equal(prepared.frames, plain)
 
 
 def test_rejects_files_of_unsupported_formats_sizes_or_corrupt(tmp_path):
@@ -772,8 +786,6 @@ def test_a_video_cut_short_is_refused_before_any_model_loads(tmp_path):
     assert_rejected(Request("ref2va", PROMPT, references=[IMAGE, ("video", cut)]), "references[1] (video)",
                     "cut.mp4 holds", "though its header says 5.00 s: the file is cut short or damaged")
     # a whole video that starts late, in a container that counts its stated length from 0 s (Matroska, WebM, FLV)
-    import fractions
-
     import av
 
     for fmt in ("matroska", "flv"):
