@@ -17,7 +17,8 @@ def latent_rgb(frame: torch.Tensor, factors=None, bias=None) -> np.ndarray:
     if frame.ndim != 3:
         raise ValueError(f"A preview takes one latent frame [C, h, w]; got {list(frame.shape)}.")
     channels, height, width = frame.shape
-    pixels = frame.detach().float().cpu().reshape(channels, -1).T  # [h*w, C]
+    # a run gone NaN or infinite previews black where it did (the sampler then says what went wrong)
+    pixels = torch.nan_to_num(frame.detach().float().cpu().reshape(channels, -1).T, nan=0.0, posinf=0.0, neginf=0.0)
     if factors is not None:
         matrix = torch.as_tensor(factors, dtype=torch.float32)
         if matrix.shape != (channels, 3):

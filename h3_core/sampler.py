@@ -114,6 +114,11 @@ class DualClockSchedule:
         if not given:  # what runs: a small denoise builds a longer ladder, but only its last `steps` points run
             check_steps(steps)
         points = steps if denoise == 1.0 else round((steps - 1) / denoise) + 1
+        if denoise < 1.0 and points == steps:  # the whole ladder, from pure noise: the latent would go unused
+            most = next(d / 100 for d in range(99, 0, -1) if round((steps - 1) / (d / 100)) + 1 > steps)
+            raise ValueError(f"denoise {denoise:g} with {steps} steps rounds to the whole {steps}-point ladder, which "
+                             f"starts from pure noise: the latent would not be used. Lower denoise to {most:g} or "
+                             "less, or give more steps.")
         if points > MAX_DENOISE_POINTS:
             raise ValueError(f"denoise {denoise:g} with {steps} steps runs the end of a {points}-point ladder; at most "
                              f"{MAX_DENOISE_POINTS} are built: raise denoise to at least "

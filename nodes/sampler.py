@@ -127,7 +127,9 @@ class H3Sampler(io.ComfyNode):
             raise ValueError(f"{conditioning.task} runs on the {wanted} partition, but this model was loaded as "
                              f"{model.partition}; set the loader's partition to {wanted}.")
         check_seeds(seed, outputs)  # seed + i for every output, said before any model moves
-        problem = steps_problem(steps) or shifts_problem(video_shift, audio_shift)
+        # a linked denoise or outputs skipped validate_inputs' range check (0 outputs ran the DiT for nothing)
+        problem = range_problem(cls, denoise=denoise, outputs=outputs)
+        problem = problem or steps_problem(steps) or shifts_problem(video_shift, audio_shift)
         if problem:
             raise ValueError(problem)
         video_sigmas = checked_sigmas(video_sigmas, "video_sigmas")

@@ -280,6 +280,8 @@ def test_a_canvas_the_model_cannot_make_is_refused_at_queue_time(comfy):
 
 
 def test_sampler_sigmas_denoise_and_latent_checks(comfy):
+    from nodes.convert import empty_latent
+
     c = comfy
     model, text, vae = _models(c)
     cond = _cond(c, text, vae).values[0]
@@ -291,6 +293,13 @@ def test_sampler_sigmas_denoise_and_latent_checks(comfy):
         run(model, cond, 0, 2, 0.0, 0.0, audio_sigmas=torch.tensor([1.0, 0.6, 0.7, 0.0]))
     with pytest.raises(ValueError, match=r"seed must be .* \(and seed \+ 2 for 3 outputs\)"):
         run(model, cond, 2**64 - 2, 2, 0.0, 0.0, 1.0, 3)
+    # a linked outputs or denoise out of range (validate_inputs skips linked values): 0 outputs placed the DiT
+    with pytest.raises(ValueError, match="outputs: Value 0 smaller than min of 1"):
+        run(model, cond, 0, 3, 0.0, 0.0, 1.0, 0)
+    with pytest.raises(ValueError, match="denoise: Value 1.5 bigger than max of 1.0"):
+        run(model, cond, 0, 3, 0.0, 0.0, 1.5, 1)
+    with pytest.raises(ValueError, match="rounds to the whole 5-point ladder"):  # refining from pure noise
+        run(model, cond, 0, 5, 0.0, 0.0, 0.9, 1, latent={**empty_latent(224, 128, 107), "empty": False})
     assert len(c.record.loaded) == loaded  # bad input fails before any model moves
     out = run(model, cond, 0, 0, 0.0, 0.0, video_sigmas=torch.tensor([1.0, 0.5, 0.0])).values[0][0]
     assert c.record.progress[-1][:2] == (2, 2)  # the automatic audio ladder got as many points
@@ -679,6 +688,14 @@ def test_preview_is_the_clean_estimate_of_the_middle_frame():
     factors[0, 0] = 1.0
     rgb = latent_rgb(torch.ones(24, 2, 2), factors)  # channel 0 -> red; (x + 1) / 2 -> 0..1
     assert (rgb[..., 0] == 255).all() and (rgb[..., 1:] == 128).all()
+    # a run gone NaN or infinite previews (black where it did) instead of failing in the false-colour PCA with
+    # "linalg.eigh: failed to converge", which hid the sampler's own message
+    broken = torch.randn(24, 8, 14)
+    broken[:, :2] = float("nan")
+    broken[:, 2:4] = float("inf")
+    for table in (None, factors):
+        rgb = latent_rgb(broken, table)
+        assert rgb.shape == (8, 14, 3) and (rgb[:4] == rgb[0, 0]).all()
 
 
 def test_vae_loader_weight_dtype_follows_the_reference_policy(comfy, tmp_path):

@@ -153,6 +153,15 @@ def test_denoise_takes_the_tail_of_a_longer_ladder():
     assert torch.equal(DualClockSchedule.build(5, denoise=0.3).video, sigma_ladder(14, 12.0)[-5:])
 
 
+def test_a_denoise_that_rounds_to_the_whole_ladder_is_refused():
+    """Turbo's 5 points at denoise 0.9 built the whole 5-point ladder (round(4 / 0.9) = 4 intervals): it started
+    from pure noise, so the latent a refine needs was silently unused and the result equalled a fresh run."""
+    for steps, denoise, most in ((5, 0.9, "0.88"), (2, 0.7, "0.66"), (9, 0.95, "0.94")):
+        with pytest.raises(ValueError, match=f"rounds to the whole {steps}-point ladder.*Lower denoise to {most} "):
+            DualClockSchedule.build(steps, denoise=denoise)
+        assert DualClockSchedule.build(steps, denoise=float(most)).video[0] < 1.0
+
+
 def test_a_small_denoise_is_bounded_by_the_steps_it_runs():
     """The cap on points is on what runs: 50 points at denoise 0.04 cut the end of a 1226-point ladder, which
     was refused as if 1226 steps had been asked for; an absurd denoise names denoise and the least it takes."""
