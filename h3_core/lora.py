@@ -720,7 +720,10 @@ def sampler_settings(
         source = f"Turbo contract of {contract.artifact}"
         for name, value in user.items():
             if value is not None and _differs(value, defaults[name]):
-                notes.append(f"user {name}={_show(value)} overrides the contract's {_show(defaults[name])} "
+                # a contract without a ladder of its own was distilled for its steps and shifts
+                theirs = (f"{contract.steps}-point ladder at video shift {contract.video_shift:g}, audio shift "
+                          f"{contract.audio_shift:g}") if defaults[name] is None else _show(defaults[name])
+                notes.append(f"user {name}={_show(value)} overrides the contract's {theirs} "
                              f"({contract.artifact} was distilled for the latter)")
         if contract.base_sigmas is not None:
             if steps is not None and steps != contract.steps:

@@ -479,6 +479,10 @@ def test_unknown_file_is_a_plain_lora_and_overrides_are_reported(tmp_path):
     overridden = sampler_settings(turbo, steps=6, audio_shift=3.0)
     assert overridden.steps == 6 and overridden.video_shift == 12.0
     assert len(overridden.notes) == 1 and "steps=6 overrides the contract's 9" in overridden.notes[0]
+    # a ladder of the user's beside a contract with none of its own names what it was distilled for, not "None"
+    laddered = sampler_settings(turbo, video_sigmas=[1.0, 0.5, 0.0], audio_sigmas=[1.0, 0.5, 0.0])
+    assert len(laddered.notes) == 2 and "None" not in " ".join(laddered.notes)
+    assert "video_sigmas=[1, 0.5, 0] overrides the contract's 9-point ladder at video shift 12" in laddered.notes[0]
     other = load_lora(_turbo_file(tmp_path / "minimax_h3_fl2v_turbo_4step_v1.2_768p_bf16.safetensors", "8")).contract
     with pytest.raises(LoRAError, match="different schedules"):
         sampler_settings([turbo, other])
