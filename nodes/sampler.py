@@ -74,7 +74,9 @@ class H3Sampler(io.ComfyNode):
                                        "last steps of a ladder of steps / denoise points (automatic ladders only: with "
                                        "a Turbo adapter's own ladder or custom sigmas, start those lower instead)."),
                 io.Int.Input("outputs", default=1, min=1, max=64,
-                             tooltip="How many videos to make, with seeds seed, seed + 1, ...; they leave as a list."),
+                             tooltip="How many videos to make, with seeds seed, seed + 1, ...; they leave as a list. With "
+                                     "control after generate on increment, the next run repeats all but one of "
+                                     "these seeds: use randomize for new videos each run."),
                 H3Latent.Input("latent", optional=True,
                                tooltip="Optional. From H3 Empty AV Latent: fixes the size, which must match the "
                                        "conditioning's. From a sampler: the latent to refine with denoise < 1 (or "
