@@ -508,7 +508,6 @@ def encode_context(config: AudioVAEConfig) -> int:
     return max(needed, _frames_beyond(span, density))
 
 
-
 def encode_working_bytes(config: AudioVAEConfig, samples: int, channels: int = STEREO_CHANNELS,
                          dtype_bytes: int = 4) -> int:
     """Device memory `AudioVAE.encode` of a `channels` x `samples` track needs besides the weights (in bytes

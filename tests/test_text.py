@@ -1141,7 +1141,8 @@ def test_generate_makes_room_before_each_encode(monkeypatch, tmp_path):
     from h3_core.conditioning import Request
 
     heard = []
-    monkeypatch.setattr(pipeline, "room_to_encode", lambda encoder, settings, notes, beside: heard.append)
+    monkeypatch.setattr(pipeline, "room_to_encode",
+                        lambda encoder, settings, notes, beside: lambda rows, media: heard.append((rows, media)))
     pipeline.generate(Request("t2va", "a fox", duration=4), "tiny-random", pipeline.GenerateSettings(steps=2),
                       save_latents=tmp_path / "fox.safetensors")
-    assert len(heard) == 1 and heard[0] > 0
+    assert len(heard) == 1 and heard[0][0] > 0 and heard[0][1] == 0  # t2va: no pictures or sounds to encode
