@@ -3,7 +3,6 @@ guides or a clip of the user's are encoded (ComfyUI's model manager unloads othe
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 from . import vae_audio, vae_video
@@ -23,8 +22,3 @@ def encode_working_bytes(video_vae=None, audio_vae=None, pictures: Iterable[tupl
         for samples in sounds:
             most = max(most, vae_audio.encode_working_bytes(audio_vae.config, samples, dtype_bytes=itemsize))
     return most
-
-
-def samples_at(rate: int, samples: int, target: int = vae_audio.SAMPLE_RATE) -> int:
-    """A sound of `samples` at `rate` Hz counted at the audio VAE's rate (what resampling gives, rounded up)."""
-    return math.ceil(samples * target / rate)

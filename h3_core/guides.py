@@ -37,9 +37,9 @@ from PIL import Image
 
 from . import geometry, media_read
 from .conditioning import NO_VAE, TASKS, Conditioning, RequestError, check_ratio
-from .encode_memory import encode_working_bytes, samples_at
+from .encode_memory import encode_working_bytes
 from .layout import FRAME_TIME, GuideBlock, build_ref2va_layout, build_t2va_layout, pack_audio, unpack_audio
-from .media import SAMPLE_RATE, MediaError, as_stereo_waveform, naming
+from .media import SAMPLE_RATE, MediaError, as_stereo_waveform, naming, resampled_length
 from .references import (
     MediaInputError, as_rgb, encode_audio, encode_image, encode_video, frames_on_canvas, load_image, prepare_audio,
 )
@@ -192,7 +192,7 @@ def guide_encode_bytes(frames, waveform, sample_rate: int | None, width: int, he
     if frames is not None:
         count = 1 if isinstance(frames, Image.Image) else guide_frame_count(np.shape(frames)[0])
         pictures.append((count, height, width))
-    sounds = [] if waveform is None else [samples_at(int(sample_rate), np.shape(waveform)[-1])]
+    sounds = [] if waveform is None else [resampled_length(np.shape(waveform)[-1], int(sample_rate))]
     return encode_working_bytes(video_vae, audio_vae, pictures, sounds)
 
 

@@ -162,8 +162,16 @@ def resample_audio(waveform: Any, sample_rate: int) -> np.ndarray:
     stereo = as_stereo_waveform(waveform)
     if sample_rate == SAMPLE_RATE:
         return stereo
-    count = math.ceil(np.float32(stereo.shape[1] * SAMPLE_RATE / sample_rate))
+    count = resampled_length(stereo.shape[1], sample_rate)
     return _fit_length(_swresample(stereo, "stereo", sample_rate, SAMPLE_RATE), count)
+
+
+def resampled_length(samples: int, sample_rate: int) -> int:
+    """Samples `resample_audio` makes of `samples` at `sample_rate` Hz: ceil(N * 32000 / rate), the quotient in
+    float32 as the reference's torchaudio resample counts it."""
+    if sample_rate == SAMPLE_RATE:
+        return samples
+    return math.ceil(np.float32(samples * SAMPLE_RATE / sample_rate))
 
 
 def _swresample(waveform: np.ndarray, layout: str, rate: int, out_rate: int) -> np.ndarray:
