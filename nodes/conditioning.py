@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 from comfy_api.latest import io
 
@@ -293,6 +294,24 @@ def guide_media(frame_index, image=None, audio=None, video=None, canvas: tuple[i
         if sound is None and clip.audio is not None:
             waveform, rate = clip.audio, clip.sample_rate
     return GuideMedia(int(frame_index), frames, waveform, rate)
+
+
+@dataclass(frozen=True)
+class UnreadVideoGuide:
+    """A long video's VIDEO guide, kept unread until H3 Continuation knows the canvas and the clip's length:
+    read before that, at its own size and as long as the longest window, a 4K clip held ~9 GB."""
+
+    frame_index: int
+    video: object
+    audio: object = None  # a ComfyUI AUDIO, or None for the video's own soundtrack
+
+    def read(self, canvas: tuple[int, int], num_frames: int) -> GuideMedia:
+        """The guide as guide_media reads it on `canvas` (width, height) in a `num_frames`-frame clip."""
+        try:
+            return guide_media(self.frame_index, None, self.audio, self.video, canvas,
+                               clip_room(self.frame_index, num_frames))
+        except ValueError as error:
+            raise ValueError(f"The video guide at frame {self.frame_index}: {error}") from None
 
 
 NODES = [H3Conditioning, H3AddGuide]

@@ -7,6 +7,7 @@ decodes the latent chunk by chunk straight into the file (h3_core.output.write_m
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -47,8 +48,8 @@ from .common import (
     device, devices_problem, preview_settings, prefix_problem, progress_bar, range_problem, refuse_empty_links,
     markers_problem, reserved_output, saved_file_metadata, shift_inputs, shifts_problem, step_preview, steps_problem,
 )
-from .conditioning import (guide_media, guide_media_inputs, linked_media, reference_images_input, reference_input,
-                           validate_guide_links)
+from .conditioning import (UnreadVideoGuide, guide_media, guide_media_inputs, guide_source_problem, linked_media,
+                           reference_images_input, reference_input, validate_guide_links)
 from .convert import (audio_to_decoded, build_request, media_problem, ordered_references, pack_latents,
                       refuse_empty_latent, refuse_extra_inputs, unpack_latents)
 from .latent_files import save_unfinished
@@ -200,6 +201,7 @@ class H3Continuation(io.ComfyNode):
                 None if drive_audio is None else audio_to_decoded(drive_audio, "drive_audio"), tuple(guides or ()),
                 given, kept,
             )
+            request = _with_video_guides_read(request, text_encoder.canvas)
             validate_long_video(request, text_encoder.canvas)  # every limit and the plan, before any model moves
             if request.window_prompts and not blank(prompt):
                 logging.getLogger("h3").warning("H3: every window samples its own line of window_prompts; the prompt "
@@ -262,6 +264,16 @@ def _plan_problem(duration, mode, window_frames, overlap_frames, window_prompts)
     return None
 
 
+def _with_video_guides_read(request: LongVideoRequest, rules) -> LongVideoRequest:
+    """`request` with its VIDEO guides read onto the canvas its plan gives, only as far as the clip goes."""
+    if not any(isinstance(guide, UnreadVideoGuide) for guide in request.guides):
+        return request
+    plan = validate_long_video(dataclasses.replace(request, guides=()), rules)
+    return dataclasses.replace(request, guides=tuple(
+        guide.read((plan.width, plan.height), plan.num_frames) if isinstance(guide, UnreadVideoGuide) else guide
+        for guide in request.guides))
+
+
 def _task_problem(task) -> str | None:
     return None if task in LONG_VIDEO_TASKS else f"task must be one of {', '.join(LONG_VIDEO_TASKS)}; got {task!r}."
 
@@ -297,8 +309,16 @@ class H3ContinuationGuide(io.ComfyNode):
     def execute(cls, frame_index, image=None, audio=None, video=None, guides=None) -> io.NodeOutput:
         refuse_empty_links(cls.hidden, image=image, audio=audio, video=video, guides=guides)
         # checked against the clip and its windows by H3 Continuation, before any model moves
-        longest = geometry.frames_for_duration(MAX_CONTINUATION_SECONDS)  # the clip's length is not known here
-        return io.NodeOutput((*(guides or ()), guide_media(frame_index, image, audio, video, room=longest)))
+        if video is None:
+            guide = guide_media(frame_index, image, audio)
+        else:  # read by H3 Continuation, which knows the canvas and how far the clip goes
+            problem = guide_source_problem(image is not None, audio is not None, True)
+            if problem:
+                raise ValueError(problem)
+            if audio is not None:
+                audio_to_decoded(audio, "audio")  # a bad sound is said here, at its own node
+            guide = UnreadVideoGuide(int(frame_index), video, audio)
+        return io.NodeOutput((*(guides or ()), guide))
 
 
 class H3SaveMP4(io.ComfyNode):

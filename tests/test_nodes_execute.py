@@ -955,6 +955,54 @@ def test_continuation_guides_reach_the_window_that_makes_their_frames(comfy):
         guide.execute(0)
 
 
+def test_a_continuation_video_guide_is_read_on_the_canvas_only_once_the_clip_is_known(comfy, monkeypatch):
+    """H3 Continuation Guide read its VIDEO at the file's own size and as long as a window can be, before the
+    canvas or the clip's length was known (a 4K clip held ~9 GB); H3 Continuation reads it now, onto the canvas
+    and only as far as the clip goes, with the same latents as the frames given in memory."""
+    from h3_core import media_read
+    from h3_core.media_write import write_mp4
+
+    c = comfy
+    model, text, vae = _models(c)
+    long_video = importlib.import_module("nodes.long_video")
+    guide, continuation = long_video.H3ContinuationGuide, long_video.H3Continuation
+    path = c.tmp / "long_guide.mp4"
+    frames = np.random.default_rng(7).integers(0, 256, (72, 120, 200, 3), dtype=np.uint8)  # 3 s, not the canvas
+    write_mp4(path, frames, (np.sin(np.arange(32000 * 3) / 5.0) * 0.3).astype(np.float32)[None].repeat(2, 0))
+    reads = []
+    real_read = media_read.read_video
+
+    def counted(*args, **kwargs):
+        clip = real_read(*args, **kwargs)
+        reads.append(clip.frames.shape)
+        return clip
+
+    monkeypatch.setattr(media_read, "read_video", counted)
+    loaded = SimpleNamespace(get_stream_source=lambda: str(path), get_active_trim_window=lambda: (0.0, 0.0),
+                             get_components=lambda: pytest.fail("decoded whole through get_components"))
+    guides = guide.execute(150, video=loaded).values[0]
+    assert reads == []  # nothing read before the canvas is known
+    # 8 s = 192 frames on the 224x128 canvas: the guide at 150 holds 42 frames, in window 2 ([85, 192))
+    args = (text, "a fox on a beach", "t2va", 8.0, "continuation", 107, 22, 3, 2, 0.0, 0.0, "auto", 0, 0)
+    from_file = continuation.execute(model, *args, vae=vae, guides=guides).values[0]
+    assert reads == [(42, 128, 224, 3)]
+    monkeypatch.undo()
+    clip = media_read.read_video(path)
+    in_memory = SimpleNamespace(get_components=lambda: SimpleNamespace(
+        images=torch.from_numpy(clip.frames).float() / 255, frame_rate=Fraction(24),
+        audio={"waveform": torch.from_numpy(clip.audio)[None], "sample_rate": 32000}))
+    expected = continuation.execute(model, *args, vae=vae, guides=guide.execute(150, video=in_memory).values[0])
+    assert torch.equal(from_file["video"], expected.values[0]["video"])
+    assert torch.equal(from_file["audio"], expected.values[0]["audio"])
+    plain = continuation.execute(model, *args, vae=vae).values[0]
+    assert not torch.equal(from_file["video"][:, :, 32:], plain["video"][:, :, 32:])
+    (c.tmp / "broken.mp4").write_bytes(b"not a video")
+    broken = SimpleNamespace(get_stream_source=lambda: str(c.tmp / "broken.mp4"),
+                             get_active_trim_window=lambda: (0.0, 0.0))
+    with pytest.raises(ValueError, match=r"^The video guide at frame 150: video: "):
+        continuation.execute(model, *args, vae=vae, guides=guide.execute(150, video=broken).values[0])
+
+
 def test_continuation_stops_inside_the_text_encoder_on_interrupt(comfy):
     c = comfy
     model, text, vae = _models(c)
