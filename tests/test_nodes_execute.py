@@ -878,6 +878,21 @@ def test_add_guide_anchors_a_clip_and_a_sound_and_the_sampler_runs_it(comfy):
         node.execute(cond, vae, 0, image=clip, video=video)
 
 
+def _counted_video_reads(monkeypatch) -> list:
+    """The frame shapes of every media_read.read_video from here on (each still reads the file)."""
+    from h3_core import media_read
+
+    reads, real_read = [], media_read.read_video
+
+    def counted(*args, **kwargs):
+        clip = real_read(*args, **kwargs)
+        reads.append(clip.frames.shape)
+        return clip
+
+    monkeypatch.setattr(media_read, "read_video", counted)
+    return reads
+
+
 def test_add_guide_reads_a_loaded_video_from_its_file_only_as_far_as_the_video_goes(comfy, monkeypatch):
     """A Load Video VIDEO guide is read from its file (trim start honoured), only the frames that fit from the
     anchor, each cropped onto the canvas as decoded: the same latents as the frames through get_components()."""
@@ -890,17 +905,9 @@ def test_add_guide_reads_a_loaded_video_from_its_file_only_as_far_as_the_video_g
     path = c.tmp / "guide.mp4"
     frames = np.random.default_rng(6).integers(0, 256, (240, 100, 180, 3), dtype=np.uint8)  # 10 s at 24 fps
     write_mp4(path, frames, (np.sin(np.arange(32000 * 10) / 7.0) * 0.3).astype(np.float32)[None].repeat(2, 0))
-    reads = []
-    real_read = media_read.read_video
-
-    def counted(*args, **kwargs):
-        clip = real_read(*args, **kwargs)
-        reads.append(clip.frames.shape)
-        return clip
-
     loaded = SimpleNamespace(get_stream_source=lambda: str(path), get_active_trim_window=lambda: (1.0, 0.0),
                              get_components=lambda: pytest.fail("decoded whole through get_components"))
-    monkeypatch.setattr(media_read, "read_video", counted)
+    reads = _counted_video_reads(monkeypatch)
     from_file = c.conditioning.H3AddGuide.execute(cond, vae, 60, video=loaded).values[0]
     monkeypatch.undo()
     assert reads == [(47, 128, 224, 3)]  # 107 - 60 frames, already on the canvas
@@ -969,15 +976,7 @@ def test_a_continuation_video_guide_is_read_on_the_canvas_only_once_the_clip_is_
     path = c.tmp / "long_guide.mp4"
     frames = np.random.default_rng(7).integers(0, 256, (72, 120, 200, 3), dtype=np.uint8)  # 3 s, not the canvas
     write_mp4(path, frames, (np.sin(np.arange(32000 * 3) / 5.0) * 0.3).astype(np.float32)[None].repeat(2, 0))
-    reads = []
-    real_read = media_read.read_video
-
-    def counted(*args, **kwargs):
-        clip = real_read(*args, **kwargs)
-        reads.append(clip.frames.shape)
-        return clip
-
-    monkeypatch.setattr(media_read, "read_video", counted)
+    reads = _counted_video_reads(monkeypatch)
     loaded = SimpleNamespace(get_stream_source=lambda: str(path), get_active_trim_window=lambda: (0.0, 0.0),
                              get_components=lambda: pytest.fail("decoded whole through get_components"))
     guides = guide.execute(150, video=loaded).values[0]
