@@ -74,6 +74,8 @@ TEXT_ENCODER_LAYER = 50  # H3 reads hidden_states[50]: the residual stream after
 PARTITION_FOLDERS = ("FL2VA", "Ref2VA")  # both partitions ship the same text encoder
 INDEX_NAME = "model.safetensors.index.json"
 KEY_PREFIXES = ("text_encoders.qwen3vl_32b.transformer.", "qwen3vl_32b.transformer.")
+# ComfyUI's CLIPSave and CheckpointSave write the CLIP logit scale beside the encoder; H3 does not use it
+COMFY_EXTRAS = ("text_encoders.qwen3vl_32b.logit_scale", "qwen3vl_32b.logit_scale")
 TOKENIZER_MARKERS = ("tokenizer.json", "vocab.json")
 PROCESSOR_MARKERS = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 GGUF_ARCHITECTURE = "qwen3vl"  # llama.cpp's name for Qwen3-VL's language model
@@ -291,10 +293,12 @@ def _find(roots: list[Path], subfolder: str, markers: tuple[str, ...]) -> Path |
 
 def model_name(key: str, layers: int = TEXT_ENCODER_LAYER) -> str | None:
     """A checkpoint key -> the `Qwen3VLModel` parameter it fills, or None when H3 does not use it (the LM
-    head, the final norm, decoder layers >= `layers`, an all-in-one file's other models). Unknown keys are
-    returned as they are, so the strict loader names them."""
+    head, the final norm, decoder layers >= `layers`, an all-in-one file's other models, ComfyUI's saved logit
+    scale). Unknown keys are returned as they are, so the strict loader names them."""
     key = _from_gguf_name(key)
     if key is None or key.startswith(keymap.PREFIXES + keymap.VAE_PREFIXES):  # an all-in-one file's DiT and VAEs
+        return None
+    if key in COMFY_EXTRAS:
         return None
     for prefix in KEY_PREFIXES:
         if key.startswith(prefix):

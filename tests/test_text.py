@@ -498,6 +498,19 @@ def test_every_layout_loads_the_same_encoder(tiny, encoder, tmp_path):
         assert torch.equal(other.encode(again).prompt_embeds, expected), path
 
 
+@pytest.mark.parametrize("root", ["qwen3vl_32b.", "text_encoders.qwen3vl_32b."])
+def test_a_file_comfyui_saved_loads_without_its_logit_scale(tiny, encoder, tmp_path, root):
+    """ComfyUI's CLIPSave (and CheckpointSave, under text_encoders.) write the encoder under
+    `qwen3vl_32b.transformer.` with the CLIP `logit_scale` beside it; H3 has no use for the scale, and the
+    file loads the same encoder."""
+    tensors = tiny_qwen.comfy_keys(tiny["model"].state_dict(), prefix=root + "transformer.")
+    tensors[root + "logit_scale"] = torch.tensor(4.6055)
+    path = _write(tmp_path / "clip_save.safetensors", tensors)
+    loaded = load_text_encoder(path, torch.float32, tokenizer=tiny["partition"], config=tiny["config"])
+    presentation = encoder.presenter.t2va(PROMPT)
+    assert torch.equal(loaded.encode(presentation).prompt_embeds, encoder.encode(presentation).prompt_embeds)
+
+
 def _int8_convrot_file(tiny, path: Path):
     """ComfyUI's `qwen3vl_32b_minimax_h3_int8_convrot` in miniature: every decoder linear int8, rotated in groups
     (here 16 columns), one scale per row, and a vision linear with a bias. Returns (path, layer -> (q, scale,
