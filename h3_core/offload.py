@@ -78,6 +78,7 @@ class BlockStreamer:
         self.on_file: dict[int, list[torch.Tensor]] = {}  # an unpinned block's weights in a mapped file
         self.pinned_blocks = 0
         self.hooks, self.reader, self.slots = [], None, []
+        self.loaded: dict[int, tuple[int, torch.cuda.Event | None]] = {}  # block -> (slot, copy done)
         self.model = weakref.ref(dit)
         try:
             self._place(dit, pin_bytes)
@@ -121,7 +122,6 @@ class BlockStreamer:
                       for _ in range(min(streamed, self.prefetch + 2))]
         self.slot_free: list[torch.cuda.Event | None] = [None] * len(self.slots)
         self.next_slot = 0
-        self.loaded: dict[int, tuple[int, torch.cuda.Event | None]] = {}  # block -> (slot, copy done)
         for i, block in enumerate(self.blocks):  # one at a time: each handle kept, to take off if one fails
             self.hooks.append(block.register_forward_pre_hook(self._before(i)))
         self.hooks.append(self.blocks[0].register_forward_pre_hook(lambda module, args: self._forget_stale(),
@@ -179,14 +179,18 @@ class BlockStreamer:
         are free once the GPU is past the failed forward's work."""
         if not self.loaded:  # the last forward finished: its slots' events stand
             return
-        for index in list(self.loaded):
-            for param, view in zip(_streamed_parameters(self.blocks[index]), self.home[index]):
-                param.data = view
-        self.loaded.clear()
+        self._send_home_loaded()
         if self.copy_stream is not None:
             free = torch.cuda.Event()
             free.record(torch.cuda.current_stream(self.device))
             self.slot_free = [free] * len(self.slots)
+
+    def _send_home_loaded(self) -> None:
+        """Point every block still marked as in a slot back at its CPU weights (a forward that failed part way)."""
+        for index in list(self.loaded):
+            for param, view in zip(_streamed_parameters(self.blocks[index]), self.home[index]):
+                param.data = view
+        self.loaded.clear()
 
     def _after(self, index: int):
         def hook(module, args, output):
@@ -210,7 +214,10 @@ class BlockStreamer:
         model = self.model()
         if model is not None and model.__dict__.get(STREAMER, lambda: None)() is self:
             del model.__dict__[STREAMER]
-        self.slots, self.slot_free, self.loaded = [], [], {}
+        self._send_home_loaded()  # after a failed forward no block may keep pointing into a slot
+        if self.copy_stream is not None:  # a copy still queued must not write into memory handed out again
+            self.copy_stream.synchronize()
+        self.slots, self.slot_free = [], []
         if self.reader is not None:
             self.reader.shutdown(wait=True, cancel_futures=True)  # no madvise left on a mapping about to go
             self.reader = None
@@ -251,6 +258,8 @@ def stream_blocks(dit: H3DiT, device: torch.device | str, resident: int, prefetc
                   pin_bytes: int | None = None) -> BlockStreamer:
     """Put the small shared parts on `device`, keep the AdaLN weights on the CPU (the sampler's
     `modulation_schedule` brings each over once) and stream the blocks; see BlockStreamer."""
+    if is_streamed(dit):  # a second streamer would take the first one's slots for the blocks' homes
+        raise ValueError("This DiT's blocks already stream; unplace it (or remove its streamer) before placing it again.")
     adaln = set(map(id, dit.adaln_modules()))
     for name, module in dit.named_children():
         if name == "final_layer":

@@ -76,6 +76,27 @@ def test_a_forward_that_failed_part_way_leaves_no_stale_block_in_the_slots():
     streamer.remove()
 
 
+def test_removing_the_streamer_after_a_failed_forward_sends_every_block_home():
+    """`remove()` right after a forward that failed (ComfyUI freeing the model after an out-of-memory) left the
+    blocks that were in slots pointing into slots no one holds; every block must be back at its CPU weights, and
+    a copy still queued must finish before the slots are given back."""
+    model = seeded_random_weights(H3DiT(replace(TINY_DIT, num_layers=4)), 3).eval().requires_grad_(False)
+    streamer = stream_blocks(model, "cpu", resident=0, prefetch=1)
+    model.blocks[2].forward = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("out of memory (injected)"))
+    with pytest.raises(RuntimeError, match="injected"):
+        run(model)
+    del model.blocks[2].forward
+    assert streamer.loaded
+    homes = {index: [view.data_ptr() for view in views] for index, views in streamer.home.items()}
+    streamer.copy_stream = SimpleNamespace(synchronized=0)
+    streamer.copy_stream.synchronize = lambda: setattr(streamer.copy_stream, "synchronized", 1)
+    streamer.remove()
+    assert streamer.copy_stream.synchronized
+    for index, block in enumerate(model.blocks):
+        params = [p for n, p in block.named_parameters() if not n.startswith("adaln_proj.")]
+        assert [p.data_ptr() for p in params] == homes[index], f"block {index} still points into a slot"
+
+
 def test_streamed_blocks_not_pinned_stay_the_files_pages(tmp_path):
     """Weights read as stored are views of the file mapped into memory (safetensors): the OS's file cache,
     which a host short of memory drops and reads from disk again. Blocks streamed unpinned (past a host's
@@ -210,6 +231,15 @@ def test_streamed_blocks_are_pinned_only_within_the_memory_the_system_has_availa
         monkeypatch.setattr(runtime, "host_memory_available", lambda: available)
         offload.place(tiny_random_dit(), "cpu", plan, pin_bytes=budget)
         assert asked.pop() == pinned
+
+
+def test_a_dit_that_already_streams_is_not_streamed_again():
+    model = seeded_random_weights(H3DiT(replace(TINY_DIT, num_layers=3)), 1).eval().requires_grad_(False)
+    streamer = stream_blocks(model, "cpu", resident=1)
+    with pytest.raises(ValueError, match="already stream"):
+        stream_blocks(model, "cpu", resident=0)
+    streamer.remove()
+    stream_blocks(model, "cpu", resident=0).remove()  # once removed, it may stream again
 
 
 def test_streamer_rejects_bad_counts():
