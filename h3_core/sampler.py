@@ -181,6 +181,12 @@ class StepState:
 StepCallback = Callable[[StepState], None]
 
 
+def _adaln_kept_away(dit, device: torch.device) -> bool:
+    """Whether `dit`'s AdaLN weights are somewhere other than `device` (offload.stream_blocks keeps them on the CPU)."""
+    modules = dit.adaln_modules() if hasattr(dit, "adaln_modules") else []
+    return any(p.device != device for module in modules for p in module.parameters())
+
+
 def denoise(
     dit,
     layout,
@@ -198,7 +204,7 @@ def denoise(
 
     `reuse_adaln` computes every step's AdaLN tables before the loop (exactly what each forward would
     compute); `offload_adaln` then keeps the AdaLN weights on the CPU during the loop (~24 GiB freed on
-    the release model)."""
+    the release model), and the tables too; it is on wherever the AdaLN weights already are off the device."""
     n_video, n_audio = layout.num_condition_video_rows, layout.num_condition_audio_rows
     device = video_rows.device
     on_device = layout.to(device)
@@ -216,6 +222,8 @@ def denoise(
         plan.append((t_video, t_audio, timesteps.to(device), indices.to(device)))
     # Video Sparse Attention (a VSA-trained model): the rows' tiling, made once for the run
     sparse = {"sparse_tiles": on_device.vsa_tiles()} if getattr(dit, "sparse_attention", None) is not None else {}
+    # AdaLN weights kept off the compute device (a streamed DiT) say the device has no room for every step's tables
+    offload_adaln = offload_adaln or _adaln_kept_away(dit, device)
     offloaded = dit.adaln_offloaded() if (reuse_adaln and offload_adaln) else contextlib.nullcontext()
     with offloaded:
         # With the AdaLN weights offloaded (small GPUs) the schedule's tables wait on the CPU too.
