@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from . import cgroup
+
 ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the old name and torch 2.9's
 EXPANDABLE_SEGMENTS = sys.platform.startswith("linux")  # where torch's CUDA allocator has them
 
@@ -90,12 +92,14 @@ def empty_host_cache() -> None:
 
 
 def host_memory_available() -> int | None:
-    """Bytes the system can give without swapping: Linux MemAvailable; elsewhere (Windows, macOS) psutil's
-    `available` where psutil is installed (ComfyUI needs it); else None (not known)."""
+    """Bytes the system can give without swapping: Linux MemAvailable, or less where a container's memory limit
+    leaves less (cgroup.memory_room); elsewhere (Windows, macOS) psutil's `available` where psutil is installed
+    (ComfyUI needs it); else None (not known)."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                available, room = int(line.split()[1]) * 1024, cgroup.memory_room()
+                return available if room is None else min(available, room)
     except OSError:
         pass
     try:
