@@ -50,3 +50,9 @@ def fetch_release(repo: str, partition: str, parts: Sequence[str]) -> Path:
             "(MiniMaxAI/MiniMax-H3: FL2VA/ and Ref2VA/, each with transformer/, text_encoder/, tokenizer/, "
             "processor/, video_vae/ and audio_vae/); download another repo's files and give their paths.")
     return root
+
+
+def hub_error_text(error: BaseException) -> str:
+    """A failed fetch as one line with all it says: huggingface_hub's gated-repo error puts the cause ("Access to
+    model ... is restricted ... log in") lines below its "401 Client Error." """
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"

@@ -46,7 +46,7 @@ from .local_attention import dense_covers_run
 from .fp8 import LINEAR_MODES, apply_linear_mode, check_linear_mode, read_mode
 from .guides import (GuideFile, GuideMedia, add_guide, check_guide, check_guides_beside_kept, guide_frame_count,
                      read_guide)
-from .hub import fetch_release
+from .hub import fetch_release, hub_error_text
 from .keymap import bundled_models
 from .lora import (
     VSA_STUDENT_CONTRACT, applied_contracts, apply_loras, check_loras, hooked_bytes, load_lora, run_mode,
@@ -352,7 +352,7 @@ def resolve_model_source(model: str | None, partition: str, files: ModelFiles = 
         raise
     except Exception as error:  # offline, no such repo, no access: said with the path it also is not
         raise CheckpointError(f"--model {model}: no such local path, and fetching it as a Hugging Face Hub repo "
-                              f"failed ({type(error).__name__}: {' '.join(str(error).split())}).") from None
+                              f"failed ({hub_error_text(error)}).") from None
 
 
 @dataclass

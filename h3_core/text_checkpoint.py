@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from . import fp8, gguf_file, keymap, nvfp4
-from .hub import fetch_release, release_patterns
+from .hub import fetch_release, hub_error_text, release_patterns
 from .text_mmproj import VisionTowerFile, find_vision_tower
 from .weights import (
     PICKLE_SUFFIXES,
@@ -234,7 +234,7 @@ def release_tokenizer(repo: str = RELEASE_REPO) -> Path:
     except (OSError, ValueError) as error:  # offline, gated, moved: say how to get them by hand
         raise CheckpointError(
             f"A single text-encoder file carries no tokenizer, and fetching the release's from {repo} failed "
-            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). Download them with "
+            f"({hub_error_text(error)}). Download them with "
             f"`hf download {repo} {' '.join('--include ' + repr(f) for f in RELEASE_TOKENIZER_FILES)} "
             "--local-dir DIR` and give DIR/FL2VA as the tokenizer (the H3 Text Encoder Loader's tokenizer_folder, "
             "`--tokenizer` for h3 generate, `tokenizer=` in Python).") from None

@@ -1035,6 +1035,16 @@ def test_a_single_file_without_a_tokenizer_gets_the_releases_from_the_hub(tiny, 
         load_text_encoder(tiny["single"], config=tiny["config"])
     assert calls == [("MiniMaxAI/MiniMax-H3", {"allow_patterns": ["FL2VA/tokenizer/*", "FL2VA/processor/*"]})]
 
+    def gated(repo, **options):  # huggingface_hub's GatedRepoError: the cause is lines below the status
+        raise OSError("401 Client Error. (Request ID: Root=1-abc)\n\nCannot access gated repo for url "
+                      "https://huggingface.co/api/models/MiniMaxAI/MiniMax-H3.\nAccess to model MiniMaxAI/MiniMax-H3 "
+                      "is restricted. You must have access to it and be authenticated to access it. Please log in.")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", gated)
+    with pytest.raises(CheckpointError, match=r"failed \(OSError: 401 Client Error\. .*Cannot access gated repo .*"
+                                              r"is restricted\. .* Please log in\.\)\. Download them"):
+        load_text_encoder(tiny["single"], config=tiny["config"])
+
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **options: str(tiny["release"]))
     fetched = load_text_encoder(tiny["single"], config=tiny["config"])
     given = load_text_encoder(tiny["single"], tokenizer=tiny["partition"], config=tiny["config"])
