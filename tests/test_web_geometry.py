@@ -133,7 +133,7 @@ def test_a_linked_widget_is_read_as_unknown():
         " g.describe(g.resolveRequest(v))]));", node)
     assert unknown == ["width", "duration"] and values == {"task": "t2va", "aspect_ratio": "auto", "height": 768}
     assert line == "canvas from the links, frame count from the linked duration"
-    assert "unlinkedValues(this, " in (JS.parent / "h3_conditioning.js").read_text()  # what the canvas line reads
+    assert "unlinkedValues(node, " in (JS.parent / "h3_conditioning.js").read_text()  # what the resolved line reads
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed: the JS is not run")
