@@ -40,6 +40,12 @@ for (const nodes2 of [false, true]) {
   node.onDrawForeground(ctx);
   out[nodes2 ? "nodes2" : "classic"] = { drawn, badges: node.badges.slice(1).map((badge) => badge().text) };
 }
+// wired to a tiny-random text encoder loader whose folder box holds only spaces: the demo's small canvas
+const loader = { type: "H3TextEncoderLoader", widgets: [{ name: "text_encoder", value: "tiny-random" },
+                                                         { name: "folder", value: "   " }] };
+node.inputs = [{ name: "text_encoder", link: 1 }];
+node.graph = { links: { 1: { origin_id: 5 } }, getNodeById: (id) => (id === 5 ? loader : null) };
+out.tiny = node.badges[1]().text;
 console.log(JSON.stringify(out));
 """
 
@@ -57,3 +63,4 @@ def test_the_resolved_line_shows_on_the_classic_canvas_and_under_nodes_2(tmp_pat
     line = "1344x768, 175 frames = 7.292 s at 24 fps"  # 7.3 s snaps to 17n + 5 frames on the release canvas
     assert out["classic"] == {"drawn": [line], "badges": [""]}  # an empty badge is not drawn
     assert out["nodes2"] == {"drawn": [], "badges": [line]}
+    assert out["tiny"] == "224x128, 175 frames = 7.292 s at 24 fps"

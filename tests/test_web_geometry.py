@@ -137,6 +137,15 @@ def test_a_linked_widget_is_read_as_unknown():
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed: the JS is not run")
+def test_a_typed_folder_is_cleaned_as_the_nodes_clean_it():
+    """A folder box holding only spaces (or empty quotes) is empty to the nodes, so tiny-random's canvas holds."""
+    from nodes.model_folders import clean_path
+
+    typed = ["", "   ", '""', "' '", '"C:\\models\\h3"', "  /a b/c  ", "'x", '"a"b"']
+    assert _run_js("console.log(JSON.stringify(input.map(g.cleanPath)));", typed) == [clean_path(t) for t in typed]
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed: the JS is not run")
 def test_the_text_encoder_loader_is_found_through_reroutes():
     """The line's canvas rules come from the text encoder loader wired in (tiny-random's small canvas): through a
     Reroute node the origin was the Reroute, so release sizes showed for a tiny-random graph."""

@@ -89,6 +89,14 @@ export function linkOrigin(graph, linkId) {
   return null;
 }
 
+// A typed or pasted path as the nodes read it (nodes/model_folders.clean_path): spaces around it and one pair of
+// quotes around it dropped; a box holding only those is empty.
+export function cleanPath(text) {
+  let path = String(text ?? "").trim();
+  if (path.length >= 2 && path[0] === path[path.length - 1] && `"'`.includes(path[0])) path = path.slice(1, -1).trim();
+  return path;
+}
+
 // A node's widget values by name; a widget whose socket is linked keeps an old value the frontend no longer
 // sends, so its value is left undefined (known from the link only when the graph runs).
 export function unlinkedValues(node, names) {
