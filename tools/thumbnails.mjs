@@ -17,6 +17,32 @@ const SCALE = 0.85;      // canvas zoom: LiteGraph draws full text at this zoom
 const PAD = 30;          // screen px around the graph
 fs.mkdirSync(rawDir, { recursive: true });
 
+const QUIET = {
+  "Comfy.Minimap.Visible": false, "Comfy.Graph.CanvasInfo": false, "Comfy.Graph.CanvasMenu": false,
+  "Comfy.Workflow.ShowMissingModelsWarning": false, "Comfy.Workflow.ShowMissingNodesWarning": false,
+  "LiteGraph.Canvas.MinFontSizeForLOD": 0, "Comfy.VueNodes.Enabled": false,
+};
+let saved = null; // the server's settings before the first page changed them
+
+// In the page: set `want`'s settings, returning the values they had (a setting this frontend lacks is skipped).
+async function applySettings(want) {
+  const s = window.app.extensionManager.setting;
+  const had = {};
+  for (const [k, v] of Object.entries(want)) {
+    try { had[k] = s.get(k); await s.set(k, v); } catch (e) { delete had[k]; }
+  }
+  return had;
+}
+
+async function restoreSettings() {
+  if (!saved) return;
+  const page = await browser.newPage();
+  await page.goto(url, { waitUntil: "networkidle" });
+  await page.waitForFunction(() => window.app?.extensionManager?.setting, null, { timeout: 60000 });
+  await page.evaluate(applySettings, saved);
+  await page.close();
+}
+
 const browser = await chromium.launch({
   executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
   args: ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--no-first-run"],
@@ -34,16 +60,10 @@ try {
     });
     await page.goto(url, { waitUntil: "networkidle" });
     await page.waitForFunction(() => window.app?.graph && window.LiteGraph, null, { timeout: 60000 });
-    // quiet UI: no minimap, no canvas info / canvas menu, no missing-model/node dialogs
-    await page.evaluate(async () => {
-      const s = window.app.extensionManager.setting;
-      const want = {
-        "Comfy.Minimap.Visible": false, "Comfy.Graph.CanvasInfo": false, "Comfy.Graph.CanvasMenu": false,
-        "Comfy.Workflow.ShowMissingModelsWarning": false, "Comfy.Workflow.ShowMissingNodesWarning": false,
-        "LiteGraph.Canvas.MinFontSizeForLOD": 0,
-      };
-      for (const [k, v] of Object.entries(want)) { try { await s.set(k, v); } catch (e) { /* setting absent */ } }
-    });
+    // quiet UI: no minimap, no canvas info / canvas menu, no missing-model/node dialogs, the classic canvas; the
+    // server keeps settings, so the user's own are put back at the end
+    const before = await page.evaluate(applySettings, QUIET);
+    saved ??= before;
     // measure the graph (nodes with title bars, groups)
     const bounds = await page.evaluate(async (workflow) => {
       await window.app.loadGraphData(structuredClone(workflow));
@@ -94,5 +114,6 @@ try {
     await page.close();
   }
 } finally {
+  await restoreSettings();
   await browser.close();
 }
