@@ -65,6 +65,7 @@ from .references import (
     load_image,
     prepare_reference,
     vae_frame_count,
+    video_has_sound,
 )
 from .vae_audio import AudioVAEConfig
 
@@ -239,11 +240,12 @@ def _named_canvas(request: Request, rules: CanvasRules) -> tuple[int, int] | Non
 
 def _media_kinds(request: Request) -> list[str]:
     """What the text encoder is shown beside the prompt, in order: "image" for each fl2va keyframe, else each
-    reference's kind."""
+    reference's kind ("silent video" for a video without a soundtrack: it carries no `<Audio j>`)."""
     if request.task == "fl2va":
         return ["image" for image in (request.first_image, request.last_image) if image is not None]
-    return [_as_reference(item, request.names.reference(index)).kind
-            for index, item in enumerate(request.references or ())]
+    references = [_as_reference(item, request.names.reference(index)) for index, item in enumerate(request.references or ())]
+    return [("video" if video_has_sound(reference.source) else "silent video") if reference.kind == "video"
+            else reference.kind for reference in references]
 
 
 def prompt_warnings(request: Request) -> list[str]:

@@ -630,10 +630,12 @@ def control_token_warnings(prompt: str) -> list[str]:
 def label_warnings(prompt: str, kinds: Sequence[str]) -> list[str]:
     """Labels a prompt names that no keyframe or reference of the request carries (the model reads them as
     plain words), and `<Image N>`, which the model never sees (its pictures are `<Picture N>`). `kinds`: the
-    references' kinds in order, or "image" for each fl2va keyframe. A video may carry an `<Audio j>` too (when
-    it has sound), so audio labels up to the audio and video references' count pass."""
+    references' kinds in order ("video" one with sound, "silent video" one without), or "image" for each fl2va
+    keyframe. A video with sound carries an `<Audio j>` too, so audio labels up to the audio references and those
+    videos pass."""
     count = collections.Counter(kinds)
-    have = {"Picture": count["image"], "Video": count["video"], "Audio": count["audio"] + count["video"]}
+    have = {"Picture": count["image"], "Video": count["video"] + count["silent video"],
+            "Audio": count["audio"] + count["video"]}
     warnings = []
     for kind, number in sorted({(kind, int(number)) for kind, number in PROMPT_LABEL.findall(prompt)}):
         if kind == "Image":

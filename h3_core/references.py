@@ -298,6 +298,18 @@ def _first_frame_at(start_seconds: float, fps: float) -> int:
     return max(0, math.ceil((start_seconds - _START_TOLERANCE_SECONDS) * fps))
 
 
+def video_has_sound(source) -> bool:
+    """Whether a video reference carries a soundtrack (the text encoder labels it `<Audio j>` too): a file's audio
+    stream (its header read), an in-memory clip's audio. A file that cannot be read counts as sounding: this only
+    words a warning, and the request's own checks name the file."""
+    if not _is_path(source):
+        return getattr(source, "audio", None) is not None
+    try:
+        return media_read.probe(source).audio is not None
+    except (MediaError, OSError):
+        return True
+
+
 def inspect_video(source, start_seconds: float = 0.0, what: str = "video") -> MediaFacts:
     """Displayed size, seconds from `start_seconds` to the end, and whether it has a soundtrack."""
     start = _check_start(start_seconds, what)

@@ -825,3 +825,27 @@ def test_missing_models_are_named_before_any_model_runs(tiny_text):
     with pytest.raises(RequestError, match="needs a text_encoder"):
         encode_request(Request("t2va", PROMPT))
     assert issubclass(RequestError, ValueError)
+
+
+def test_a_silent_video_carries_no_audio_label(tmp_path):
+    """The text encoder labels a video `<Audio j>` only when it has a soundtrack: a prompt naming <Audio 2> beside
+    one sounding and one silent video is warned of (it was counted as carried), <Audio 1> is not."""
+    import av
+
+    from h3_core.conditioning import prompt_warnings
+
+    silent_file = tmp_path / "silent.mp4"
+    with av.open(str(silent_file), "w") as container:  # a video stream alone
+        stream = container.add_stream("libx264", rate=24)
+        stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
+        for _ in range(24):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.zeros((64, 96, 3), np.uint8), format="rgb24")))
+        container.mux(stream.encode())
+    sounding_file = write_mp4(tmp_path / "sounding.mp4", np.zeros((24, 64, 96, 3), np.uint8),
+                              np.zeros((2, 32000), np.float32))
+    prompt = "<Video 1> and <Video 2> talk; <Audio 1> answers <Audio 2>."
+    for sounding, silent in ((video(5, audio=True), video(5)), (str(sounding_file), str(silent_file))):
+        request = Request("ref2va", prompt, references=[("video", sounding), ("video", silent)])
+        assert prompt_warnings(request) == ["the prompt names <Audio 2>, but the request carries 1 audio label."]
+        request = Request("ref2va", prompt, references=[("video", sounding), ("video", sounding)])
+        assert prompt_warnings(request) == []
