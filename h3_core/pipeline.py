@@ -56,6 +56,7 @@ from .noise import check_seeds, condition_rows, request_generator, target_noise
 from .media import SAMPLE_RATE, MediaError, naming
 from .media_write import DEFAULT_CRF, check_crf
 from .output import AVLatents, write_mp4
+from .prompt import NO_PROCESSOR
 from .references import RELEASE_CANVAS, CanvasRules, DecodedAudio, MediaReference
 from .runtime import EXPANDABLE_SEGMENTS, empty_caches, fixed_allocator_segments, host_memory_warning
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback, check_shift, check_steps
@@ -557,12 +558,13 @@ def generate_batch(
     if not source.tiny:  # every checkpoint found and recognized before the first one loads
         with _part_of(source, "text_encoder"):
             text_files = locate_text_encoder_files(source.text_encoder, source.tokenizer)
-        if not text_files.vision_tower:
-            showing = [name for item, name in zip(prepared, names) if shows_pictures(item.plain_request)]
-            if showing:
-                which = "This request shows" if len(prepared) == 1 else f"{', '.join(showing)} show"
-                raise CheckpointError(f"{which} the text encoder pictures (keyframes or image / video references), "
-                                      f"but {text_files.files[0].name} {GGUF_NO_VISION}.")
+        showing = [name for item, name in zip(prepared, names) if shows_pictures(item.plain_request)]
+        if showing and not text_files.vision_tower:
+            which = "This request shows" if len(prepared) == 1 else f"{', '.join(showing)} show"
+            raise CheckpointError(f"{which} the text encoder pictures (keyframes or image / video references), "
+                                  f"but {text_files.files[0].name} {GGUF_NO_VISION}.")
+        if showing and text_files.processor_folder is None:  # a tokenizer found alone: text prompts only
+            raise CheckpointError(NO_PROCESSOR if len(prepared) == 1 else f"{', '.join(showing)}: {NO_PROCESSOR}")
         if text_files.vision is not None:
             notes(f"text encoder: vision tower from {text_files.vision.path.name}, beside it")
         if source.tokenizer is None and text_files.one_file:  # the release's, from the Hub

@@ -55,6 +55,11 @@ from .geometry import FPS
 from .layout import TEXT_TAG, VIDEO_TAG
 from .weights import CheckpointError, read_json
 
+# a tokenizer found without the release's processor/ beside it: prompts encode, pictures cannot be cut into patches
+NO_PROCESSOR = ("This request shows the text encoder pictures (keyframes, image or video references), but no Qwen3-VL "
+                "processor config was found beside its tokenizer; give the release's FL2VA/processor folder (a "
+                "tokenizer folder with processor/ beside it; `processor=` in Python), or send text prompts only.")
+
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
 IMAGE_PAD = "<|image_pad|>"
@@ -394,9 +399,9 @@ class Presenter:
     tokens; a stock Qwen tokenizer is not the same). Special token ids are read from it, never assumed.
     """
 
-    def __init__(self, tokenizer, vision: VisionProcessor):
+    def __init__(self, tokenizer, vision: VisionProcessor | None):
         self.tokenizer = tokenizer
-        self.vision = vision
+        self.vision = vision  # None: no processor config was found, so text prompts only
         self.special_ids = {token: _special_id(tokenizer, token) for token in VISION_TOKENS}
         self.image_token_id = self.special_ids[IMAGE_PAD]
         self.video_token_id = self.special_ids[VIDEO_PAD]
@@ -404,6 +409,11 @@ class Presenter:
     @classmethod
     def from_folders(cls, tokenizer_folder: str | Path, processor_folder: str | Path) -> "Presenter":
         return cls(load_tokenizer(tokenizer_folder), VisionProcessor.from_folder(processor_folder))
+
+    def _sight(self) -> VisionProcessor:
+        if self.vision is None:
+            raise CheckpointError(NO_PROCESSOR)
+        return self.vision
 
     # ---- the three tasks
 
@@ -437,9 +447,10 @@ class Presenter:
                 f"fl2va takes 1 or 2 keyframes (first and/or last, in that order), got {len(keyframes)}; "
                 "a prompt alone is t2va."
             )
-        pixels, grids = self.vision.images(keyframes)
+        vision = self._sight()
+        pixels, grids = vision.images(keyframes)
         builder = _Builder(self, pixel_values=pixels, image_grid_thw=grids)
-        for index, count in enumerate(self.vision.image_tokens(grids)):
+        for index, count in enumerate(vision.image_tokens(grids)):
             builder.text(f"<Picture {index + 1}>: ")
             builder.vision_block(IMAGE_PAD, count)
         builder.prompt(prompt)
@@ -455,19 +466,20 @@ class Presenter:
         images = [r.image for r in references if r.kind == "image"]
         videos = [r.frames for r in references if r.kind == "video"]
         inputs, image_counts, block_counts, block_times = {}, [], [], []
+        vision = self._sight() if images or videos else None
         if images:
-            inputs["pixel_values"], inputs["image_grid_thw"] = self.vision.images(images)
-            image_counts = self.vision.image_tokens(inputs["image_grid_thw"])
+            inputs["pixel_values"], inputs["image_grid_thw"] = vision.images(images)
+            image_counts = vision.image_tokens(inputs["image_grid_thw"])
         if videos:
-            patch = self.vision.temporal_patch_size
+            patch = vision.temporal_patch_size
             sampled = []
             for i, frames in enumerate(videos):
                 _check_frames(frames, f"video reference {i + 1}")
                 indices, times = sample_video_frames(frames.shape[0], FPS, VIDEO_SAMPLE_FPS, patch)
                 sampled.append(frames[indices])
                 block_times.append(times)
-            inputs["pixel_values_videos"], inputs["video_grid_thw"] = self.vision.videos(sampled)
-            block_counts = self.vision.video_block_tokens(inputs["video_grid_thw"])
+            inputs["pixel_values_videos"], inputs["video_grid_thw"] = vision.videos(sampled)
+            block_counts = vision.video_block_tokens(inputs["video_grid_thw"])
             for i, (times, grid) in enumerate(zip(block_times, inputs["video_grid_thw"], strict=True)):
                 if int(grid[0]) != len(times):
                     raise ValueError(

@@ -31,6 +31,7 @@ import torch
 
 from .prompt import (
     IMAGE_PAD,
+    NO_PROCESSOR,
     VIDEO_PAD,
     VISION_END,
     VISION_START,
@@ -102,10 +103,13 @@ class TextEncoder:
 
     def check_sees(self, pictures: bool) -> None:
         """Refuse `pictures` (keyframes, image or video references) to an encoder without a vision tower (a GGUF
-        without its mmproj file): said before any model is placed or runs."""
+        without its mmproj file) or without the processor that cuts them into patches: said before any model is
+        placed or runs."""
         if pictures and self.blind_file is not None:
             raise CheckpointError(f"This request shows the text encoder pictures, but {self.blind_file} "
                                   f"{GGUF_NO_VISION}.")
+        if pictures and self.presenter.vision is None:
+            raise CheckpointError(NO_PROCESSOR)
 
     def encoding_bytes(self, rows: int) -> int:
         """Device memory encoding a presentation of `rows` rows takes besides the weights: a decoder layer's MLP
@@ -365,7 +369,8 @@ def load_text_encoder(
         tiny_model_dtype(device, dtype)  # float32 whatever is asked, but a dtype that is none is refused
         return tiny_random_text_encoder(device=device)
     source = locate_text_encoder_files(path, tokenizer, processor, layer)
-    presenter = Presenter(load_tokenizer(source.tokenizer_folder), VisionProcessor.from_folder(source.processor_folder))
+    vision = None if source.processor_folder is None else VisionProcessor.from_folder(source.processor_folder)
+    presenter = Presenter(load_tokenizer(source.tokenizer_folder), vision)
     qwen_config = qwen3vl_config(config if config is not None else source.config, layer)
     _check_compatible(qwen_config, presenter)  # before reading ~51 GB of weights
     model = load_qwen3vl(source, dtype, device, qwen_config, layer, on_tensor)
@@ -375,9 +380,9 @@ def load_text_encoder(
 
 def locate_text_encoder_files(path: str | Path, tokenizer: str | Path | None = None,
                               processor: str | Path | None = None, layer: int = TEXT_ENCODER_LAYER):
-    """`locate_text_encoder`, refusing a source without its tokenizer or processor: a host calls it before
-    it makes room on the GPU or reads any weight. A single file given no tokenizer gets the release's
-    (`release_tokenizer`: from the Hugging Face cache, or fetched)."""
+    """`locate_text_encoder`, refusing a source without its tokenizer: a host calls it before it makes room on
+    the GPU or reads any weight. A single file given no tokenizer gets the release's (`release_tokenizer`: from
+    the Hugging Face cache, or fetched). One without a processor reads text prompts (TextEncoder.check_sees)."""
     check_transformers()
     source = locate_text_encoder(path, tokenizer, processor, layer)
     check_is_text_encoder(source)  # another model's file: said from its names, before a tokenizer is fetched for it
@@ -385,11 +390,6 @@ def locate_text_encoder_files(path: str | Path, tokenizer: str | Path | None = N
         source = locate_text_encoder(path, release_tokenizer(), processor, layer)
     if source.tokenizer_folder is None:
         raise CheckpointError(f"No tokenizer found for {path}.")
-    if source.processor_folder is None:
-        raise CheckpointError(
-            f"No Qwen3-VL processor config found for {path}; give the release's FL2VA/processor folder "
-            "(`processor=` in Python), or a tokenizer folder that has processor/ beside it."
-        )
     return source
 
 
@@ -434,6 +434,8 @@ def _check_compatible(config, presenter: Presenter) -> None:
     ]
     if wrong:
         raise CheckpointError(f"Tokenizer and text encoder disagree: {'; '.join(wrong)}. Use the release's tokenizer.")
+    if presenter.vision is None:  # text prompts only (check_sees)
+        return
     vision = config.vision_config
     for name, processor in (("image", presenter.vision.image_processor), ("video", presenter.vision.video_processor)):
         got = (processor.patch_size, processor.temporal_patch_size, processor.merge_size)

@@ -70,6 +70,36 @@ def _file_options(sets, *leave_out: str) -> list[str]:
     return options
 
 
+def test_a_tokenizer_without_a_processor_runs_text_prompts_and_refuses_pictures_before_any_model(
+        model_sets, tmp_path, monkeypatch, capsys):
+    """--tokenizer a folder holding the tokenizer alone: a text prompt runs as with the release's FL2VA (its
+    processor is never used); a keyframe request is refused before any model loads, saying what is missing."""
+    from PIL import Image
+
+    from h3_core.prompt import NO_PROCESSOR
+
+    monkeypatch.setattr(text_checkpoint, "QWEN3VL_32B_CONFIG", model_sets["text_config"])
+    alone = tiny_qwen.write_tokenizer(tmp_path / "tokenizer_only")
+    runs = {}
+    for name, tokenizer in (("alone", alone), ("release", model_sets["tokenizer"])):
+        runs[name] = tmp_path / f"{name}.safetensors"
+        argv = ["generate", "--model", str(model_sets["dit"]), *_file_options(model_sets, "tokenizer"),
+                "--tokenizer", str(tokenizer), *REQUEST, "--save-latents", str(runs[name])]
+        assert main(argv) == 0
+    ours, theirs = load_file(str(runs["alone"])), load_file(str(runs["release"]))
+    assert torch.equal(ours["video"], theirs["video"]) and torch.equal(ours["audio"], theirs["audio"])
+
+    Image.new("RGB", (224, 128), (10, 120, 200)).save(tmp_path / "first.png")
+    for name in ("load_dit", "load_text_encoder", "load_video_vae", "load_audio_vae"):
+        monkeypatch.setattr(pipeline, name, lambda *a, **k: pytest.fail("a model was loaded"))
+    capsys.readouterr()
+    argv = ["generate", "--model", str(model_sets["dit"]), *_file_options(model_sets, "tokenizer"), "--tokenizer",
+            str(alone), *REQUEST, "--task", "fl2va", "--first-image", str(tmp_path / "first.png"),
+            "--out", str(tmp_path / "fl2va.mp4")]
+    assert main(argv) == 2
+    assert NO_PROCESSOR in capsys.readouterr().err
+
+
 def test_separate_files_generate_what_the_release_root_does(model_sets, tmp_path, monkeypatch, capsys):
     """A ComfyUI DiT file, text-encoder file (its tokenizer fetched), video VAE folder and audio VAE file: the
     same latents as the release root holding the same weights."""

@@ -1065,6 +1065,25 @@ def test_a_tokenizer_given_alone_keeps_the_models_own_processor(tiny):
     assert source.processor_folder == tiny["partition"] / "processor"
 
 
+def test_a_tokenizer_without_a_processor_encodes_text_prompts_and_refuses_pictures(tiny, encoder, tmp_path):
+    """A tokenizer folder with no processor/ anywhere near it was refused outright, though a text prompt never
+    uses the processor: it now loads, encodes prompts as the full release does, and a request with pictures is
+    refused before any model runs, saying what is missing."""
+    from h3_core.prompt import NO_PROCESSOR
+
+    alone = tiny_qwen.write_tokenizer(tmp_path / "tokenizer_only")
+    loaded = load_text_encoder(tiny["single"], torch.float32, tokenizer=alone, config=tiny["config"])
+    assert loaded.presenter.vision is None
+    presentation = encoder.presenter.t2va(PROMPT)
+    assert torch.equal(loaded.present("t2va", PROMPT).input_ids, presentation.input_ids)
+    assert torch.equal(loaded.encode(presentation).prompt_embeds, encoder.encode(presentation).prompt_embeds)
+    loaded.check_sees(False)
+    with pytest.raises(CheckpointError, match=re.escape(NO_PROCESSOR)):
+        loaded.check_sees(True)
+    with pytest.raises(CheckpointError, match="no Qwen3-VL processor config was found"):
+        loaded.presenter.fl2va(PROMPT, [picture(64, 96, 21)])
+
+
 def test_a_damaged_tokenizer_is_named(tmp_path):
     """A tokenizer.json cut or edited by hand gave JSON's bare message ("Expecting property name ..."), no file."""
     from h3_core.prompt import load_tokenizer
