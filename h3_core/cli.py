@@ -1011,6 +1011,10 @@ def run_denoise(args) -> int:
     dit_source = None if source.tiny else with_config(locate_dit(source.root, args.partition))  # from headers
     config = TINY_DIT if source.tiny else dit_source.config
     text, tags = _text_states(args, config.text_dim)  # checked before the DiT loads
+    pictured = int((tags == 0).sum())
+    if pictured:  # states `h3 encode` made for an fl2va or ref2va prompt: the pictures' own rows are not here
+        _note(f"warning: the text states hold {pictured} rows of pictures (an fl2va or ref2va prompt's); h3 denoise "
+              "runs t2va, without the keyframes or references they show: `h3 generate` runs those tasks.")
     layout = build_request_layout(width, height, frames, tags)
     conditioning = Conditioning("t2va", width, height, frames, layout, text, tags)
     settings = GenerateSettings(device=str(device), dtype=dtype, attention=args.attention, linears=args.linears,

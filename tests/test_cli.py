@@ -71,7 +71,7 @@ def test_seed_decides_the_result(tmp_path):
     assert not torch.equal(a["video"], c["video"])
 
 
-def test_denoise_from_a_checkpoint_with_text_states(tmp_path, tiny_config):
+def test_denoise_from_a_checkpoint_with_text_states(tmp_path, tiny_config, capsys):
     write_diffusers_folder(tmp_path / "transformer", reference_dit(tiny_config))
     save_file({"prompt_embeds": torch.randn(1, 5, 48), "text_token_tags": torch.tensor([1, 0, 0, 1, 1])},
               str(tmp_path / "prompt.safetensors"))
@@ -80,6 +80,8 @@ def test_denoise_from_a_checkpoint_with_text_states(tmp_path, tiny_config):
             "--width", "96", "--height", "64", "--steps", "3", "--save-latents", str(out)]
     assert main(argv) == 0
     assert load_file(str(out))["video"].shape == (1, 24, 37, 4, 6)
+    # two of its rows are a picture's (tag 0): t2va runs without the picture, and says so
+    assert "h3: warning: the text states hold 2 rows of pictures" in capsys.readouterr().err
 
 
 def test_info_describes_a_checkpoint(tmp_path, tiny_config, capsys):
