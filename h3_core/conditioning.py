@@ -243,7 +243,8 @@ def _media_kinds(request: Request) -> list[str]:
     reference's kind ("silent video" for a video without a soundtrack: it carries no `<Audio j>`)."""
     if request.task == "fl2va":
         return ["image" for image in (request.first_image, request.last_image) if image is not None]
-    references = [_as_reference(item, request.names.reference(index)) for index, item in enumerate(request.references or ())]
+    references = [_as_reference(item, request.names.reference(index))
+                  for index, item in enumerate(request.references or ())]
     return [("video" if video_has_sound(reference.source) else "silent video") if reference.kind == "video"
             else reference.kind for reference in references]
 

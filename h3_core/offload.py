@@ -259,7 +259,8 @@ def stream_blocks(dit: H3DiT, device: torch.device | str, resident: int, prefetc
     """Put the small shared parts on `device`, keep the AdaLN weights on the CPU (the sampler's
     `modulation_schedule` brings each over once) and stream the blocks; see BlockStreamer."""
     if is_streamed(dit):  # a second streamer would take the first one's slots for the blocks' homes
-        raise ValueError("This DiT's blocks already stream; unplace it (or remove its streamer) before placing it again.")
+        raise ValueError("This DiT's blocks already stream; unplace it (or remove its streamer) before placing it "
+                         "again.")
     adaln = set(map(id, dit.adaln_modules()))
     for name, module in dit.named_children():
         if name == "final_layer":

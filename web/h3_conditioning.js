@@ -3,7 +3,9 @@
 // node on the classic canvas, and as a badge on the node under "Modern Node Design (Nodes 2.0)", whose nodes
 // are HTML that a canvas drawing would sit behind.
 import { app } from "../../scripts/app.js";
-import { cleanPath, describe, linkOrigin, resolveRequest, unlinkedValues, RELEASE_RULES, TINY_RULES } from "./h3_geometry.js";
+import {
+  cleanPath, describe, linkOrigin, resolveRequest, unlinkedValues, RELEASE_RULES, TINY_RULES,
+} from "./h3_geometry.js";
 
 function widgetValue(node, name) {
   return node.widgets?.find((w) => w.name === name)?.value;
@@ -13,7 +15,8 @@ function widgetValue(node, name) {
 function rulesFor(node) {
   const input = node.inputs?.find((i) => i.name === "text_encoder");
   const loader = input?.link != null ? linkOrigin(node.graph, input.link) : null;
-  const tiny = loader && widgetValue(loader, "text_encoder") === "tiny-random" && !cleanPath(widgetValue(loader, "folder"));
+  const tiny = loader && widgetValue(loader, "text_encoder") === "tiny-random"
+    && !cleanPath(widgetValue(loader, "folder"));
   return tiny ? TINY_RULES : RELEASE_RULES;
 }
 
