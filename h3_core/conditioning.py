@@ -240,22 +240,33 @@ def _named_canvas(request: Request, rules: CanvasRules) -> tuple[int, int] | Non
 
 def _media_kinds(request: Request) -> list[str]:
     """What the text encoder is shown beside the prompt, in order: "image" for each fl2va keyframe, else each
-    reference's kind ("silent video" for a video without a soundtrack: it carries no `<Audio j>`)."""
+    reference's kind."""
     if request.task == "fl2va":
         return ["image" for image in (request.first_image, request.last_image) if image is not None]
-    references = [_as_reference(item, request.names.reference(index))
-                  for index, item in enumerate(request.references or ())]
-    return [("video" if video_has_sound(reference.source) else "silent video") if reference.kind == "video"
-            else reference.kind for reference in references]
+    return [_as_reference(item, request.names.reference(index)).kind
+            for index, item in enumerate(request.references or ())]
 
 
-def prompt_warnings(request: Request) -> list[str]:
+def label_kinds(request: Request) -> list[str]:
+    """`_media_kinds` as `prompt.label_warnings` counts labels: a video without a soundtrack is "silent video" (it
+    carries no `<Audio j>`). Reads each video file's header: made once per request."""
+    kinds = _media_kinds(request)
+    if "video" not in kinds:
+        return kinds
+    sources = [_as_reference(item, "").source for item in request.references]
+    return [("video" if video_has_sound(source) else "silent video") if kind == "video" else kind
+            for kind, source in zip(kinds, sources, strict=True)]
+
+
+def prompt_warnings(request: Request, kinds: list[str] | None = None) -> list[str]:
     """`prompt.label_warnings` for a request (fl2va keyframes are its pictures, references what they are) and
     `prompt.control_token_warnings`. A long video's window prompts may leave the request's own prompt out
-    (None): nothing to say then."""
+    (None): nothing to say then. `kinds`: the request's `label_kinds`, where the caller has them (one per prompt
+    of the same references)."""
     if not isinstance(request.prompt, str):
         return []
-    return label_warnings(request.prompt, _media_kinds(request)) + control_token_warnings(request.prompt)
+    kinds = label_kinds(request) if kinds is None else kinds
+    return label_warnings(request.prompt, kinds) + control_token_warnings(request.prompt)
 
 
 def shows_pictures(request: Request) -> bool:

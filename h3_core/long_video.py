@@ -47,6 +47,7 @@ from .conditioning import (
     blank,
     check_prompt_markers,
     encode_request,
+    label_kinds,
     prompt_warnings,
     validate,
 )
@@ -138,8 +139,9 @@ def sampled_prompt_warnings(request: Request | LongVideoRequest) -> list[str]:
         return prompt_warnings(request)
     if not request.window_prompts or isinstance(request.window_prompts, str):  # a str is refused by validation
         return prompt_warnings(request.request)
+    kinds = label_kinds(request.request)  # the same references under every window prompt
     return [f"window prompt {number}: {warning}" for number, prompt in enumerate(request.window_prompts, 1)
-            for warning in prompt_warnings(dataclasses.replace(request.request, prompt=prompt))]
+            for warning in prompt_warnings(dataclasses.replace(request.request, prompt=prompt), kinds)]
 
 
 WINDOW_PROMPT_SEPARATOR = "---"
