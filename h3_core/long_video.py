@@ -9,8 +9,9 @@ prompt) and all reference media. From the second window on, the tail of what was
 as guide rows at the window's time origin (continuation.Timeline); every media row's time carries the
 window's global offset `start * 40/24` (layout.build_window_layout). The window's target is sampled fresh
 from noise; its hidden overlap is dropped and the rest appended. All windows draw their noise from one
-generator seeded with the request's seed, so a seed decides the whole clip. The cumulative latents are
-decoded once, by the same streaming decoder as any request (output.write_mp4).
+generator seeded with the request's seed, so a seed decides the whole clip; a clip saved after a window carries
+the generator's state (resume_point.py), so a stopped run continued from it with its seed makes the same clip.
+The cumulative latents are decoded once, by the same streaming decoder as any request (output.write_mp4).
 
 Choices (the sources leave room):
 - References are prepared and encoded once, for the first (longest) window, and reused in every window
@@ -72,6 +73,7 @@ from .noise import request_generator
 from .output import AVLatents
 from .pipeline import sample
 from .references import RELEASE_CANVAS, CanvasRules, MediaInputError, prepare_reference
+from .resume_point import ResumePoint
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, StepCallback
 from .window_guides import WindowGuide, check_window_guides, encode_window_guides, owning_window
 
@@ -245,7 +247,10 @@ def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_
     else:
         prompts = (request.prompt,) * len(new)
     prompts = prompts[:1] * (len(windows) - len(new)) + prompts
-    longest = min(max(MIN_FRAMES, max(window.frames for window in new)), MAX_FRAMES)
+    # a stopped run resumed: the references are encoded for the windows of the run it continues
+    planned = new if _resume_point(request.continue_from) is None else sampled(
+        plan_request(total, request.mode, request.window_frames, request.overlap_frames))
+    longest = min(max(MIN_FRAMES, max(window.frames for window in planned)), MAX_FRAMES)
     first = dataclasses.replace(base, prompt=prompts[0], duration=None, num_frames=longest)
     plan = validate(first, rules)
     if request.drive_audio is not None:
@@ -294,6 +299,12 @@ def layout_before_encoding(plan: LongVideoPlan, guides: Sequence[GuideMedia] = (
                                     guide_audio_latents=window.guide_audio_latents,
                                     guides=pictures.get(window.index, ()))
                 for window in sampled(plan.windows)), key=lambda layout: layout.sequence_length)
+
+
+def _resume_point(given: AVLatents | None) -> ResumePoint | None:
+    """The point where the run that saved `given` stopped (`AVLatents.resume`), if it was saved with this clip."""
+    point = getattr(given, "resume", None)
+    return point if point is not None and point.frames == given.num_frames else None
 
 
 def _on_canvas(request: Request, clip: AVLatents, what: str) -> Request:
@@ -478,10 +489,12 @@ def encode_long_video(
     kept = request.keep_video
     if kept is not None:
         kept = kept.video[:, :, : geometry.latent_frames(plan.num_frames)].float().cpu()
+    origin = max(states.shape[1] for states, _ in texts.values())
+    resumed = _resume_point(request.continue_from)  # the finished windows' prompts count too
     return LongConditioning(
         plan.task, plan.width, plan.height, plan.num_frames, plan.windows,
         tuple(texts[prompt] for prompt in plan.prompts),
-        float(max(states.shape[1] for states, _ in texts.values())),
+        float(origin if resumed is None else max(origin, resumed.media_origin)),
         tuple(first.visual_condition_latents), first.reference_blocks, first.audio_condition_rows, drive,
         tuple(guides), request.continue_from, kept,
     )
@@ -503,8 +516,13 @@ def sample_long_video(
     """Sample the windows in order and return the whole clip's AVLatents (video [1, C, L, h, w], audio
     [2, Ca, A]). The callback sees steps counted over all windows. `on_window(clip so far, windows made, windows
     to make)` is called after each window but the last, so that a host keeps the finished part of a run of
-    hours (h3 generate saves it to --save-latents): a run stopped later is continued from it, not made again."""
+    hours (h3 generate saves it to --save-latents): a run stopped later is continued from it, not made again. That
+    clip carries where the run stopped (`AVLatents.resume`), so continuing it with the same seed and settings makes
+    the clip the run would have made."""
     generator = request_generator(seed)
+    point = _resume_point(conditioning.given)
+    if point is not None and point.seed == seed:  # another seed draws afresh
+        generator.set_state(point.generator_state)
     timeline = Timeline()
     new = sampled(conditioning.windows)
     for window in conditioning.windows:
@@ -521,7 +539,8 @@ def sample_long_video(
         timeline.append(window, latents.video if kept is None else conditioning.kept_window(window),
                         latents.audio if drive is None else window_slice(drive, window))
         if on_window is not None and index + 1 < len(new):
-            on_window(AVLatents(*timeline.latents()), index + 1, len(new))
+            made = ResumePoint(seed, generator.get_state(), conditioning.media_origin, timeline.frames)
+            on_window(AVLatents(*timeline.latents(), resume=made), index + 1, len(new))
     return AVLatents(*timeline.latents())
 
 

@@ -22,6 +22,7 @@ from . import geometry
 from .conditioning import check_vaes
 from .continuation import MAX_CONTINUATION_SECONDS
 from .media_write import DEFAULT_CRF, Mp4Writer, part_path
+from .resume_point import ResumePoint
 from .vae_audio import DECODE_WINDOW_LATENTS, AudioVAE, context_windows
 from .vae_video import VideoVAE, model_space_to_frames
 
@@ -42,6 +43,7 @@ def current_umask() -> int:
 class AVLatents:
     video: torch.Tensor
     audio: torch.Tensor
+    resume: ResumePoint | None = None  # a long video's clip so far: where its windows stopped (saved with it)
 
     @property
     def num_frames(self) -> int:
@@ -95,6 +97,8 @@ class AVLatents:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = part_path(path)
         try:
+            if self.resume is not None:
+                metadata = {**(metadata or {}), **self.resume.metadata()}
             save_file({"video": self.video.contiguous().cpu(), "audio": self.audio.contiguous().cpu()},
                       str(temporary), metadata=metadata)
             os.chmod(temporary, 0o666 & ~current_umask())  # safetensors writes 0600: a server of another user
@@ -113,13 +117,14 @@ class AVLatents:
                     raise ValueError(f"{path} lacks the tensor(s) {', '.join(sorted(missing))}; expected 'video' and "
                                      "'audio'.")
                 tensors = {name: file.get_tensor(name) for name in ("video", "audio")}
+                resume = ResumePoint.from_metadata(file.metadata(), str(path))
         except SafetensorError as error:  # an MP4 given for its latents, say
             raise ValueError(f"{path} is not a safetensors file of latents ({error}); give the .safetensors that "
                              "--save-latents, h3 encode or AVLatents.save wrote.") from None
         # a file stored in float8 (nothing here computes in it) is widened
         video, audio = (t.float() if t.is_floating_point() and t.element_size() == 1 else t
                         for t in (tensors["video"], tensors["audio"]))
-        return cls(video, audio)
+        return cls(video, audio, resume)
 
 
 @torch.inference_mode()  # on a generator, only while it runs: the caller's code between blocks keeps its mode

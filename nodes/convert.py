@@ -497,6 +497,8 @@ class H3LatentDict(dict):
 def pack_latents(latents: AVLatents, **info) -> dict:
     """AVLatents -> the H3_LATENT dict our sockets carry (CPU tensors plus plain facts)."""
     latents.check()
+    if latents.resume is not None:  # a stopped long video's clip so far: where its windows stopped goes with it
+        info = {**info, "resume": latents.resume}
     return H3LatentDict(kind=LATENT_KIND, video=latents.video.detach().cpu(), audio=latents.audio.detach().cpu(),
                         num_frames=latents.num_frames, **info)
 
@@ -506,7 +508,7 @@ def unpack_latents(value) -> AVLatents:
     if not isinstance(value, dict) or value.get("kind") != LATENT_KIND:
         raise ValueError("This input needs an H3_LATENT from an H3 node; a LATENT from ComfyUI's own MiniMax H3 "
                          "nodes converts with LATENT to H3 Latent.")
-    return AVLatents(value["video"], value["audio"]).check()
+    return AVLatents(value["video"], value["audio"], value.get("resume")).check()
 
 
 def empty_latent(width: int, height: int, num_frames: int, video_channels: int = 24, audio_channels: int = 32) -> dict:

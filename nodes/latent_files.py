@@ -96,7 +96,7 @@ def save_unfinished(clip: AVLatents, made: int, count: int, **facts) -> None:
         return
     log.warning("H3: the long video stopped after window %d of %d; those windows are saved as %s: move the file "
                 "to the input folder and give it to H3 Continuation's continue_from (through H3 Load Latent), same "
-                "duration, to make the rest.", made, count, reserved)
+                "duration and seed, to make the rest.", made, count, reserved)
 
 
 class H3LoadLatent(io.ComfyNode):

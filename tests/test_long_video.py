@@ -23,7 +23,7 @@ from h3_core.layout import build_window_layout, pack_audio, patchify
 from h3_core.long_video import LongVideoRequest, encode_long_video, sample_long_video, validate_long_video
 from h3_core.output import AVLatents
 from h3_core.pipeline import TINY_CANVAS, sample
-from h3_core.references import DecodedAudio
+from h3_core.references import DecodedAudio, DecodedVideo
 from h3_core.tiny import tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
 from h3_core.tiny_text import tiny_random_text_encoder
 
@@ -282,7 +282,8 @@ def test_cli_long_video_with_window_prompts_and_drive_audio(tmp_path, capsys):
 
 def test_a_long_run_that_stops_keeps_its_finished_windows(tmp_path, monkeypatch, capsys):
     """With --save-latents, the clip so far is saved after each window: a run that fails (or is stopped) in its
-    second window leaves the first, which --continue-from extends to the whole clip, as said."""
+    second window leaves the first, which --continue-from extends to the whole clip, as said: the clip the run
+    would have made."""
     import h3_core.long_video as long_video_module
 
     out = tmp_path / "long.safetensors"
@@ -308,6 +309,9 @@ def test_a_long_run_that_stops_keeps_its_finished_windows(tmp_path, monkeypatch,
     made = load_file(str(whole))
     assert made["video"].shape[2] == geometry.latent_frames(481)
     assert torch.equal(made["video"][:, :, :first["video"].shape[2]], first["video"])
+    straight = tmp_path / "straight.safetensors"  # the run that never stopped makes the same clip
+    assert main([*argv, "--save-latents", str(straight)]) == 0
+    assert all(torch.equal(made[name], tensor) for name, tensor in load_file(str(straight)).items())
 
 
 def test_cli_full_mode(tmp_path):
@@ -434,3 +438,56 @@ def test_cli_extends_saved_latents(tmp_path, capsys):
     assert "bad.safetensors:" in capsys.readouterr().err
     assert main(["generate", "--prompt", PROMPT, "--continue-from", str(five), "--save-latents", str(longer)]) == 2
     assert "--continue-from: only with --long-video" in capsys.readouterr().err
+
+
+
+def test_a_stopped_run_continued_with_its_seed_makes_the_clip_it_would_have_made(models, tmp_path):
+    """The clip saved after each window carries where the run stopped (generator state, media clock), through
+    its file: continued with the same seed it comes out bitwise as the run that never stopped, also when the
+    finished window's prompt was the longest and the window left is shorter than the first (the reference video
+    is still read for the first window's length). A new seed, or a clip cut since, draws afresh."""
+    frames = np.linspace(0, 255, 130 * 40 * 64 * 3).astype(np.uint8).reshape(130, 40, 64, 3)
+    video = ("video", DecodedVideo(frames, 24.0))
+    prompts = [PROMPT + " The camera pans slowly across the dunes while the light fades to a deep orange. <Video 1>",
+               "The fox rests. <Video 1>", "The fox sleeps. <Video 1>"]
+    dit = tiny_random_dit()
+
+    def run(windows_prompts, seed=5, **given):
+        conditioning = encode(models, "ref2va", 12.9, [video], window_prompts=windows_prompts, window_frames=124,
+                              **given)
+        saved = []
+        whole = sample_long_video(dit, conditioning, seed=seed, steps=STEPS,
+                                  on_window=lambda clip, made, count: saved.append(clip))
+        return whole, saved
+
+    whole, saved = run(prompts)  # windows [0, 124), [102, 226), [204, 311)
+    assert [clip.num_frames for clip in saved] == [124, 226] and whole.num_frames == 311
+    for made, clip in enumerate(saved, 1):
+        path = clip.save(tmp_path / f"after_{made}.safetensors", {"windows": f"{made} of 3"})
+        resumed, again = run(prompts[made:], continue_from=AVLatents.load(path))
+        assert torch.equal(resumed.video, whole.video) and torch.equal(resumed.audio, whole.audio)
+        if made == 1:  # the continued run saves where it stopped too
+            assert torch.equal(again[0].resume.generator_state, saved[1].resume.generator_state)
+    given = AVLatents.load(tmp_path / "after_1.safetensors")
+    assert given.resume.media_origin == saved[0].resume.media_origin > 0
+    other_seed, _ = run(prompts[1:], seed=6, continue_from=given)
+    assert not torch.equal(other_seed.video[:, :, 37:], whole.video[:, :, 37:])
+    cut = AVLatents(given.video[:, :, :32], given.audio[..., :178], given.resume)  # 107 frames, not the 124 saved
+    cut_clip, _ = run(prompts[1:], continue_from=cut)
+    assert torch.equal(cut_clip.video, run(prompts[1:], continue_from=AVLatents(cut.video, cut.audio))[0].video)
+
+
+@pytest.mark.parametrize("saved, error", [
+    ('{"seed": 5, "media_origin": 30.0, "frames": 124}', "KeyError: 'generator'"),
+    ('{"seed": 5, "generator": "AAAA", "media_origin": 30.0, "frames": 124}', "RuntimeError"),  # not a state
+    ("not json", "JSONDecodeError"),
+])
+def test_a_latent_file_whose_resume_point_was_changed_is_refused(tmp_path, saved, error):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "changed.safetensors"
+    save_file({"video": torch.zeros(1, 24, 37, 8, 14), "audio": torch.zeros(2, 32, 207)}, str(path),
+              metadata={"h3_long_video_resume": saved})
+    with pytest.raises(ValueError, match=f"changed.safetensors: its 'h3_long_video_resume' metadata .*cannot be read "
+                                         f"\\({error}"):
+        AVLatents.load(path)

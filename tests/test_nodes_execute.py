@@ -1098,7 +1098,8 @@ def test_continuation_extends_a_sampled_clip(comfy):
 
 def test_a_continuation_that_stops_saves_its_finished_windows(comfy, monkeypatch, caplog):
     """Stopped in its second window (an interrupt, out of memory), H3 Continuation saves the first in the output
-    folder and says how to go on: H3 Load Latent reads it into continue_from, which makes the rest."""
+    folder and says how to go on: H3 Load Latent reads it into continue_from, which makes the rest, as the run
+    would have made it."""
     import shutil
 
     import h3_core.long_video as long_video_module
@@ -1127,6 +1128,8 @@ def test_a_continuation_that_stops_saves_its_finished_windows(comfy, monkeypatch
     assert frames == 107 and (first["seed"], first["task"]) == (3, "t2va")
     whole, total = continuation.execute(model, *args, continue_from=first).values
     assert total == 192 and torch.equal(whole["video"][:, :, :first["video"].shape[2]], first["video"])
+    straight = continuation.execute(model, *args).values[0]  # the run that never stopped makes the same clip
+    assert torch.equal(whole["video"], straight["video"]) and torch.equal(whole["audio"], straight["audio"])
 
 
 def test_continuation_makes_the_sound_for_a_kept_clip(comfy):
