@@ -146,6 +146,17 @@ def sampled_prompt_warnings(request: Request | LongVideoRequest) -> list[str]:
             for warning in prompt_warnings(dataclasses.replace(request.request, prompt=prompt), kinds)]
 
 
+def resume_seed_warnings(request: Request | LongVideoRequest, seeds: Sequence[int]) -> list[str]:
+    """A continued clip that a stopped run saved (it knows its seed), continued with none of `seeds`: the rest
+    then differs from what that run would have made (said, not refused: another seed may be the point)."""
+    point = _resume_point(getattr(request, "continue_from", None))
+    if point is None or point.seed in seeds:
+        return []
+    return [f"the clip to continue was saved by a run with seed {point.seed} that stopped; with seed "
+            f"{', '.join(map(str, seeds))} the rest differs from what that run would have made (give seed "
+            f"{point.seed} to finish it as it would have)."]
+
+
 WINDOW_PROMPT_SEPARATOR = "---"
 
 

@@ -521,10 +521,11 @@ def generate_batch(
                 error.args = (f"{name}: {error}",)
             raise
     _check_batch(prepared, names)
-    from .long_video import LongVideoRequest, sampled_prompt_warnings  # it uses sample
+    from .long_video import LongVideoRequest, resume_seed_warnings, sampled_prompt_warnings  # it uses sample
 
     for item, name in zip(prepared, names):
-        for warning in sampled_prompt_warnings(item.request):
+        seeds = range(item.seed, item.seed + item.outputs)
+        for warning in sampled_prompt_warnings(item.request) + resume_seed_warnings(item.request, seeds):
             notes(f"warning: {name + ': ' if len(prepared) > 1 else ''}{warning}")
     partition = prepared[0].partition
     resolve_backend(settings.attention, device, window=window > 0)  # these need no model: said before a download
@@ -1006,7 +1007,7 @@ def _save_windows(path: Path, metadata: dict[str, str], notes: Callable[[str], N
     stopped later keeps it, and --continue-from makes the rest."""
     clip.save(path, {**metadata, "windows": f"{made} of {count}"})
     notes(f"long video: windows 1-{made} of {count} saved to {path} (were the run to stop, continue it with "
-          f"--continue-from {path})")
+          f"--continue-from {path} --seed {metadata['seed']})")
 
 
 def _check_batch(prepared: list[_Prepared], names: list[str]) -> None:

@@ -31,6 +31,7 @@ from h3_core.long_video import (
     LongVideoRequest,
     encode_long_video,
     given_clips_clash,
+    resume_seed_warnings,
     sample_long_video,
     sampled_prompt_warnings,
     split_window_prompts,
@@ -206,7 +207,8 @@ class H3Continuation(io.ComfyNode):
             if request.window_prompts and not blank(prompt):
                 logging.getLogger("h3").warning("H3: every window samples its own line of window_prompts; the prompt "
                                                 "box is not sampled (clear it, or make it the first window's line).")
-            for warning in sampled_prompt_warnings(request):  # as h3 generate says them
+            # said as h3 generate says them
+            for warning in sampled_prompt_warnings(request) + resume_seed_warnings(request, [int(seed)]):
                 logging.getLogger("h3").warning("H3: %s", warning)
             cond = encode_long_video(request, text_encoder.encoder, None if vae is None else vae.video,
                                      None if vae is None else vae.audio, rules=text_encoder.canvas,

@@ -300,7 +300,8 @@ def test_a_long_run_that_stops_keeps_its_finished_windows(tmp_path, monkeypatch,
     with pytest.raises(RuntimeError, match="a stand-in"):
         main([*argv, "--save-latents", str(out)])
     said = capsys.readouterr().err
-    assert f"windows 1-1 of 2 saved to {out} (were the run to stop, continue it with --continue-from {out})" in said
+    assert (f"windows 1-1 of 2 saved to {out} (were the run to stop, continue it with --continue-from {out} --seed 0)"
+            in said)
     first = load_file(str(out))
     assert first["video"].shape[2] == geometry.latent_frames(277)  # the first window, whole
     monkeypatch.setattr(long_video_module, "sample", sample)
@@ -312,6 +313,10 @@ def test_a_long_run_that_stops_keeps_its_finished_windows(tmp_path, monkeypatch,
     straight = tmp_path / "straight.safetensors"  # the run that never stopped makes the same clip
     assert main([*argv, "--save-latents", str(straight)]) == 0
     assert all(torch.equal(made[name], tensor) for name, tensor in load_file(str(straight)).items())
+    capsys.readouterr()
+    assert main([*argv, "--continue-from", str(out), "--seed", "3", "--save-latents", str(tmp_path / "other.safetensors")]) == 0
+    assert ("warning: the clip to continue was saved by a run with seed 0 that stopped; with seed 3 the rest differs "
+            "from what that run would have made (give seed 0 to finish it as it would have).") in capsys.readouterr().err
 
 
 def test_cli_full_mode(tmp_path):

@@ -1130,6 +1130,9 @@ def test_a_continuation_that_stops_saves_its_finished_windows(comfy, monkeypatch
     assert total == 192 and torch.equal(whole["video"][:, :, :first["video"].shape[2]], first["video"])
     straight = continuation.execute(model, *args).values[0]  # the run that never stopped makes the same clip
     assert torch.equal(whole["video"], straight["video"]) and torch.equal(whole["audio"], straight["audio"])
+    with caplog.at_level("WARNING", logger="h3"):
+        continuation.execute(model, *args[:7], 4, *args[8:], continue_from=first)  # another seed: said
+    assert "saved by a run with seed 3 that stopped; with seed 4 the rest differs" in caplog.text
 
 
 def test_continuation_makes_the_sound_for_a_kept_clip(comfy):
