@@ -159,13 +159,15 @@ def plan_request(
 
 
 class Timeline:
-    """The cumulative latents of a long video: video [1, C, L, h, w] and audio [2, C, A] (normalized),
-    kept as the parts each window added."""
+    """The cumulative latents of a long video: video [1, C, L, h, w] and audio [2, C, A] (normalized), each
+    window's new part written after the last into one tensor per modality. Sized for the whole clip when its
+    frame count is given (else grown as needed), so the clip so far and the tail are views, never copies."""
 
-    def __init__(self) -> None:
-        self.video_parts: list[torch.Tensor] = []
-        self.audio_parts: list[torch.Tensor] = []
+    def __init__(self, frames: int | None = None) -> None:
         self.frames = 0  # pixel frames covered so far
+        self._total = frames
+        self._video = self._audio = None
+        self._video_length = self._audio_length = 0
 
     def guide(self, window: Window) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The previous result's tail that conditions `window`: its last `guide_latent_frames` latent frames
@@ -177,10 +179,11 @@ class Timeline:
                 f"Window {window.index} starts at frame {window.start} with a {window.overlap}-frame overlap, "
                 f"but the timeline ends at frame {self.frames}."
             )
-        return (
-            _last(self.video_parts, window.guide_latent_frames, dim=2),
-            _last(self.audio_parts, window.guide_audio_latents, dim=2),
-        )
+        video, audio = self.latents()
+        if video.shape[2] < window.guide_latent_frames or audio.shape[2] < window.guide_audio_latents:
+            raise ValueError("The timeline is shorter than the guide it should give.")
+        return (video[:, :, video.shape[2] - window.guide_latent_frames :],
+                audio[:, :, audio.shape[2] - window.guide_audio_latents :])
 
     def append(self, window: Window, video: torch.Tensor, audio: torch.Tensor) -> None:
         """A sampled window ([1, C, L_w, h, w], [2, C, A_w]) without its hidden overlap."""
@@ -191,24 +194,30 @@ class Timeline:
             )
         if self.frames != (window.start + window.overlap if window.index else 0):
             raise ValueError(f"Window {window.index} does not continue a timeline that ends at frame {self.frames}.")
-        self.video_parts.append(video[:, :, window.guide_latent_frames :])
-        self.audio_parts.append(audio[:, :, window.guide_audio_latents :])
+        total = self._total if self._total is not None and self._total >= window.end else None
+        self._video = _written(self._video, self._video_length, video[:, :, window.guide_latent_frames :],
+                               None if total is None else geometry.latent_frames(total))
+        self._audio = _written(self._audio, self._audio_length, audio[:, :, window.guide_audio_latents :],
+                               None if total is None else geometry.audio_latents(total))
+        self._video_length += window.latent_frames - window.guide_latent_frames
+        self._audio_length += window.audio_latents - window.guide_audio_latents
         self.frames = window.end
 
     def latents(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole clip: video [1, C, L(frames), h, w] and audio [2, C, round(frames * 40/24)]."""
-        return torch.cat(self.video_parts, dim=2), torch.cat(self.audio_parts, dim=2)
+        """The whole clip so far: video [1, C, L(frames), h, w] and audio [2, C, round(frames * 40/24)] (views)."""
+        if self._video is None:
+            raise ValueError("The timeline holds no window yet.")
+        return self._video[:, :, : self._video_length], self._audio[:, :, : self._audio_length]
 
 
-def _last(parts: list[torch.Tensor], count: int, dim: int) -> torch.Tensor:
-    """The last `count` steps along `dim` of the parts laid end to end (a tail may span several parts)."""
-    pieces = []
-    for part in reversed(parts):
-        if count <= 0:
-            break
-        take = min(count, part.shape[dim])
-        pieces.append(part.narrow(dim, part.shape[dim] - take, take))
-        count -= take
-    if count > 0:
-        raise ValueError("The timeline is shorter than the guide it should give.")
-    return torch.cat(pieces[::-1], dim=dim)
+def _written(buffer: torch.Tensor | None, length: int, part: torch.Tensor, size: int | None) -> torch.Tensor:
+    """`part` written after the first `length` steps (dim 2) of `buffer`: a new buffer of `size` steps (or twice
+    what is needed, without a size) when it does not fit; what was written before is never written over."""
+    needed = length + part.shape[2]
+    if buffer is None or buffer.shape[2] < needed:
+        grown = part.new_empty(*part.shape[:2], max(needed, size or 2 * needed), *part.shape[3:])
+        if buffer is not None:
+            grown[:, :, :length] = buffer[:, :, :length]
+        buffer = grown
+    buffer[:, :, length:needed] = part
+    return buffer

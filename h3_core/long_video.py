@@ -534,7 +534,7 @@ def sample_long_video(
     point = _resume_point(conditioning.given)
     if point is not None and point.seed == seed:  # another seed draws afresh
         generator.set_state(point.generator_state)
-    timeline = Timeline()
+    timeline = Timeline(conditioning.num_frames)
     new = sampled(conditioning.windows)
     for window in conditioning.windows:
         if window.given:

@@ -68,16 +68,21 @@ def test_duration_bounds():
         long_video_frames(10, mode="loop")
 
 
+@pytest.mark.parametrize("sized", [True, False])
 @pytest.mark.parametrize("window, overlap", [(277, 22), (107, 90)])
-def test_the_timeline_hands_each_window_the_tail_of_the_clip_so_far(window, overlap):
+def test_the_timeline_hands_each_window_the_tail_of_the_clip_so_far(window, overlap, sized):
     """Guides are the last latents of the clip made so far (with a long overlap the tail spans several
-    windows' parts); each window adds only what follows its overlap."""
+    windows' parts); each window adds only what follows its overlap. Sized for the clip, the clip so far is
+    a view of one tensor that later windows write after (never over), and the whole clip is that tensor."""
     windows = plan_windows(long_video_frames(30), window, overlap)
     total_latents = geometry.latent_frames(windows[-1].end)
     clip = torch.arange(total_latents, dtype=torch.float32).reshape(1, 1, -1, 1, 1)
     sound = torch.arange(geometry.audio_latents(windows[-1].end), dtype=torch.float32).expand(2, 1, -1)
-    timeline = Timeline()
+    timeline = Timeline(windows[-1].end if sized else None)
+    so_far = []
     for w in windows:
+        if w.index:
+            so_far.append(tuple(part.clone() for part in timeline.latents()) + timeline.latents())
         guide = timeline.guide(w)
         so_far_video = geometry.latent_frames(w.start + w.overlap) if w.index else 0
         so_far_audio = audio_at(w.start + w.overlap) if w.index else 0
@@ -90,6 +95,11 @@ def test_the_timeline_hands_each_window_the_tail_of_the_clip_so_far(window, over
                         sound[..., first_audio : first_audio + w.audio_latents])
     video, audio = timeline.latents()
     assert torch.equal(video, clip) and torch.equal(audio, sound)
+    for then_video, then_audio, view_video, view_audio in so_far:  # unchanged by the windows after
+        assert torch.equal(view_video, then_video) and torch.equal(view_audio, then_audio)
+        if sized:
+            assert view_video.data_ptr() == video.data_ptr() and view_audio.data_ptr() == audio.data_ptr()
+    assert not sized or (video.is_contiguous() and audio.is_contiguous())
     with pytest.raises(ValueError, match="does not continue"):
         timeline.append(windows[1], clip[:, :, : windows[1].latent_frames], sound[..., : windows[1].audio_latents])
 
