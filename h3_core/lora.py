@@ -393,6 +393,9 @@ class _DeltaHook:
             elif param == "bias":
                 contribution = delta * scale
             elif isinstance(module, LINEARS):
+                target = out[..., rows]
+                if target.dtype == delta.dtype and _add_product(target, x.to(delta.dtype), delta, scale):
+                    continue
                 contribution = F.linear(x.to(delta.dtype), delta) * scale
             else:
                 contribution = F.rms_norm(x, module.normalized_shape, delta.to(x.dtype), module.eps) * scale
@@ -401,9 +404,9 @@ class _DeltaHook:
 
 
 def _add_product(target: torch.Tensor, low: torch.Tensor, up: torch.Tensor, scale: float) -> bool:
-    """target += scale * low @ up^T in one GEMM into `target` (a view of the hooked output): no temporary of the
-    output's width (two of them at fc1, 4.1 GiB at a 5 s clip's rows on an H200, were not in the memory plan).
-    False where `target` cannot be seen as a matrix in place."""
+    """target += scale * low @ up^T in one GEMM into `target` (a view of the hooked output; `up` a low-rank B or a
+    dense delta, `low` then the input): no temporary of the output's width (two of them at fc1, 4.1 GiB at a 5 s
+    clip's rows on an H200, were not in the memory plan). False where `target` cannot be seen as a matrix in place."""
     try:
         matrix = target.view(-1, target.shape[-1])
     except RuntimeError:
@@ -646,6 +649,12 @@ def remove_loras(model: nn.Module) -> int:
     stack = model.__dict__.get(_STATE, [])
     if any(application.mode == "merge" for application in stack):
         _refuse_streamed(model, "taken out of")
+        present = {id(module) for module in model.modules()}
+        gone = [module for application in stack if application.mode == "merge"
+                for module, *_ in application.entries if id(module) not in present]
+        if gone:  # checked before any is undone: half a removal would leave neither model
+            raise LoRAError(f"{len(gone)} layer(s) a LoRA was merged into were replaced since (e.g. by an FP8 linear "
+                            "mode); the merge cannot be taken out of them. Read the DiT again for its base weights.")
     count = len(stack)
     with torch.no_grad():
         while stack:

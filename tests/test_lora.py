@@ -352,6 +352,22 @@ def test_bf16_merge_and_removal(tmp_path):
 
 
 
+def test_a_merge_into_layers_replaced_since_is_not_half_taken_out(tmp_path):
+    """A layer the LoRA was merged into, replaced since (a worker's FP8 linear mode swaps block linears after
+    its merge): removal is refused before any layer changes, rather than taking the delta out of the others only."""
+    spec = random_spec(TINY_DIT, seed=7)
+    lora = load_lora(write_peft(tmp_path / "x.safetensors", spec, {"alpha": "8"}))
+    model = ours_from(reference_dit(TINY_DIT, seed=8), TINY_DIT)
+    apply_loras(model, [lora], partition="fl2va", backup=False)
+    old = model.blocks[0].attn.qkv_proj
+    model.blocks[0].attn.qkv_proj = torch.nn.Linear(old.in_features, old.out_features, bias=old.bias is not None)
+    merged = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(LoRAError, match=r"1 layer\(s\) a LoRA was merged into were replaced since .* Read the DiT "
+                                        "again"):
+        remove_loras(model)
+    assert all(torch.equal(v, merged[k]) for k, v in model.state_dict().items())
+
+
 # ---------------------------------------------------------------------------------------------------
 # Turbo contracts (h3-model.md H.3 / H.4 / D).
 LIGHTX2V_TABLE = [  # file, metadata alpha (None: absent), steps (sigma points), video shift, effective scale, partition
@@ -651,11 +667,13 @@ def test_schedule_defaults_build_a_dual_clock_schedule():
 
 
 
+@pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("layout", ["rows", "permuted"])
-def test_a_dynamic_lora_adds_its_product_without_an_output_wide_temporary(layout):
-    """The hook adds scale * (x A^T) B^T into its rows of the output in place: no tensor of the output's width
-    (two of them at fc1 were 4.1 GiB at a 5 s clip's rows on an H200, not in the memory plan), the float64 sum
-    either way; an output that cannot be seen as a matrix (permuted) takes the plain sum."""
+def test_a_dynamic_lora_adds_its_product_without_an_output_wide_temporary(layout, dense):
+    """The hook adds scale * (x A^T) B^T (or a dense delta's scale * x D^T) into its rows of the output in place:
+    no tensor of the output's width (two of them at fc1 were 4.1 GiB at a 5 s clip's rows on an H200, not in the
+    memory plan), the float64 sum either way; an output that cannot be seen as a matrix (permuted) takes the
+    plain sum."""
     from torch.profiler import ProfilerActivity, profile
 
     from h3_core.lora import _DeltaHook, _Resolved
@@ -664,13 +682,15 @@ def test_a_dynamic_lora_adds_its_product_without_an_output_wide_temporary(layout
     linear = torch.nn.Linear(32, 2048, bias=False).requires_grad_(False)
     x = torch.randn(2, 256, 32, generator=generator)
     down, up = torch.randn(4, 32, generator=generator), torch.randn(1024, 4, generator=generator)
-    hook = _DeltaHook(linear, [_Resolved(linear, "t", "weight", slice(512, 1536), 0.7, down, up, None)])
+    delta = up @ down
+    factors = (None, None, delta) if dense else (down, up, None)
+    hook = _DeltaHook(linear, [_Resolved(linear, "t", "weight", slice(512, 1536), 0.7, *factors)])
     with torch.no_grad():
         base = linear(x)
         if layout == "permuted":
             base = base.transpose(0, 1).contiguous().transpose(0, 1)  # [2, 256, 2048] stored [256, 2, 2048]
         want = base.double()
-        want[..., 512:1536] += 0.7 * (x.double() @ down.double().T) @ up.double().T
+        want[..., 512:1536] += 0.7 * x.double() @ delta.double().T
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
             out = hook(linear, (x,), base)
     assert (out.double() - want).abs().max() < 1e-4
