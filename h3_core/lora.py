@@ -8,7 +8,9 @@
 
 Data contract. For each low-rank term on a parameter W [out, in] of our model:
 `W[rows] += strength * alpha / rank * B @ A`, A [rank, in], B [rows, rank], where `rows` is all of W,
-or one of the q/k/v thirds of the stacked `attn.qkv_proj`. Dense terms add `strength * delta`.
+or one of the q/k/v thirds of the stacked `attn.qkv_proj`. Dense terms add `strength * delta`; LoKr / LoHa
+terms their delta (lora_formats), made for one layer at a time (a dynamic LoKr never makes it: x's width is
+seen as [b, d] and multiplied by W1 and W2).
 
 - "merge" (default): all deltas of one parameter are summed in fp32 and added to W in fp32, then cast
   back to W's dtype once (one rounding, whatever the number of adapters). `backup=True` keeps a CPU
@@ -47,8 +49,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fp8 import StoredLinear, compute_dtype
-from .keymap import deinterleave_qkv
+from .keymap import deinterleave_qkv, swap_halves
 from .lora_formats import (
+    FACTORED_KINDS,
     LIGHTX2V_NAME,
     PARTITIONS,
     TASKS,
@@ -281,9 +284,14 @@ class _Resolved:
     down: torch.Tensor | None  # A [rank, in]
     up: torch.Tensor | None  # B [rows, rank] in stacked order
     delta: torch.Tensor | None
+    factored: Term | None = None  # a LoKr / LoHa term, its delta made when needed (never for the whole model)
+    order: torch.Tensor | None = None  # with `factored`: its delta's rows, in our order (None: as they are)
 
     def dense(self, device: torch.device) -> torch.Tensor:
         """This term's fp32 delta for its rows, strength included, computed on `device`."""
+        if self.factored is not None:
+            delta = self.factored.factored_delta(device)
+            return (delta if self.order is None else delta[self.order.to(device)]) * self.scale
         if self.delta is not None:
             return self.delta.to(device, torch.float32) * self.scale
         return (self.up.to(device, torch.float32) @ self.down.to(device, torch.float32)) * self.scale
@@ -322,6 +330,9 @@ def _resolve(model: nn.Module, lora: LoRA, term: Term, strength: float, weights:
     shape = _declared_shape(module, term.param, param)
     rows_total = shape[0]
     up, down, delta = term.up, term.down, term.delta
+    factored = term.kind in FACTORED_KINDS
+    out_rows, in_width = term.factored_shape if factored else ((up if up is not None else delta).shape[0], None)
+    order = swap_halves(torch.arange(out_rows)) if factored and term.swap_halves else None
     if term.qkv_rows == "interleaved":
         if head_dim is None or rows_total % (3 * head_dim):
             raise LoRAError(f"{what} has per-head interleaved qkv rows, but the model's attention_head_dim is unknown "
@@ -330,8 +341,11 @@ def _resolve(model: nn.Module, lora: LoRA, term: Term, strength: float, weights:
             up = deinterleave_qkv(up, head_dim)
         if delta is not None:
             delta = deinterleave_qkv(delta, head_dim)
-    out_rows = (up if up is not None else delta).shape[0]
+        if factored:  # a row order, not the factors: kron(W1, W2)'s rows cannot be reordered through W1 and W2
+            order = deinterleave_qkv(torch.arange(out_rows) if order is None else order, head_dim)
     counted = f"'{term.keys[1 if up is not None else 0]}' of {lora.name}"  # a low-rank pair's rows are in B
+    if factored:
+        counted = f"the {term.kind} of '{term.keys[0].rsplit('.', 1)[0]}' in {lora.name}"
     if term.part is not None:
         if 3 * out_rows != rows_total:
             raise LoRAError(f"{counted} has {out_rows} output rows for the {term.part} part of '{term.target}', whose "
@@ -351,6 +365,11 @@ def _resolve(model: nn.Module, lora: LoRA, term: Term, strength: float, weights:
                 "instead of the time embedding the adapter was trained on: use it with the full checkpoint."
                 if curve else ""))
         scale = strength * term.alpha / term.rank
+    elif factored:
+        if in_width != shape[1]:
+            raise LoRAError(f"{counted} has input width {in_width}; '{term.target}' takes {shape[1]}.")
+        scale = strength * term.scale
+        return _Resolved(module, term.target, term.param, rows, scale, None, None, None, term, order)
     else:
         if tuple(delta.shape[1:]) != shape[1:]:
             raise LoRAError(f"{what} has shape {list(delta.shape)}; '{term.target}.{term.param}' is {list(shape)}.")
@@ -374,7 +393,14 @@ class _DeltaHook:
              None if r.down is None else r.down.to(device, dtype),
              None if r.up is None else r.up.to(device, dtype),
              None if r.delta is None else r.delta.to(device, dtype))
-            for r in resolved
+            for r in resolved if r.factored is None
+        ]
+        # LoKr: (W1, W2) made once, small; LoHa: its four factors, the delta made at each forward (never kept)
+        self.factored = [
+            (r.rows, r.scale, r.factored.kind, r.order,
+             r.factored.kronecker_factors(device, dtype) if r.factored.kind == "lokr"
+             else tuple(r.factored.factors[name].to(device, dtype) for name in ("w1_a", "w1_b", "w2_a", "w2_b")))
+            for r in resolved if r.factored is not None
         ]
 
     def __call__(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
@@ -400,7 +426,27 @@ class _DeltaHook:
             else:
                 contribution = F.rms_norm(x, module.normalized_shape, delta.to(x.dtype), module.eps) * scale
             out[..., rows] += contribution.to(out.dtype)
+        for index, (rows, scale, kind, order, factors) in enumerate(self.factored):
+            if any(t.device != x.device for t in factors):  # moved once, as the factors above
+                factors = tuple(t.to(x.device) for t in factors)
+                self.factored[index] = (rows, scale, kind, order, factors)
+            contribution = _factored_product(x.to(factors[0].dtype), kind, factors)
+            if order is not None:
+                contribution = contribution[..., order.to(x.device)]
+            out[..., rows] += (contribution * scale).to(out.dtype)
         return out
+
+
+def _factored_product(x: torch.Tensor, kind: str, factors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """x D^T for a LoKr's D = kron(W1, W2) without making D (x's last dim seen as [b, d]: W1 X W2^T), or a LoHa's
+    D = (w1_a w1_b) * (w2_a w2_b), made for this one layer."""
+    if kind == "lokr":
+        w1, w2 = factors
+        grouped = x.reshape(*x.shape[:-1], w1.shape[1], w2.shape[1])  # [..., b, d]
+        product = torch.matmul(w1, torch.matmul(grouped, w2.t()))  # [..., a, c]
+        return product.reshape(*x.shape[:-1], w1.shape[0] * w2.shape[0])
+    w1_a, w1_b, w2_a, w2_b = factors
+    return F.linear(x, (w1_a @ w1_b) * (w2_a @ w2_b))
 
 
 def _add_product(target: torch.Tensor, low: torch.Tensor, up: torch.Tensor, scale: float) -> bool:
@@ -557,12 +603,17 @@ def applied_contracts(loras: Sequence[tuple[LoRA, float]]) -> list[TurboContract
 def hooked_bytes(loras: Sequence[tuple[LoRA, float]], partition: str, element_size: int) -> int:
     """Device bytes the factors of `loras` take when hooked into a resident DiT (each held in the compute dtype of
     `element_size` bytes next to its module): a memory plan counts them (the Turbo exports' are ~1.8 GiB)."""
-    total = 0
+    total = transient = 0
     for lora, strength in loras:
         if float(strength) != 0.0:
             for term in lora.terms_for(partition):
                 total += sum(t.numel() for t in (term.down, term.up, term.delta) if t is not None)
-    return total * element_size
+                if term.kind == "lokr":  # W1 and W2, kept whole
+                    total += sum(w.numel() for w in term.kronecker_factors(device="meta"))
+                elif term.kind == "loha":  # its factors, and its delta while its layer runs (the largest one)
+                    total += sum(t.numel() for t in term.factors.values())
+                    transient = max(transient, math.prod(term.factored_shape))
+    return (total + transient) * element_size
 
 
 def task_warnings(contracts: Sequence[TurboContract], task: str) -> list[str]:

@@ -7,10 +7,15 @@ our module names, so the rest of the engine sees a single layout:
     Term(kind="lowrank", target="blocks.3.attn.qkv_proj", param="weight",
          down=A [rank, in], up=B [rows, rank], alpha, part=None|"q"|"k"|"v", qkv_rows="stacked"|"interleaved")
     Term(kind="diff",    target=..., param="weight"|"bias", delta=full-shape tensor, part=None|"q"|"k"|"v")
+    Term(kind="lokr"|"loha", target=..., param="weight", factors={"w1": W1 | "w1_a", "w1_b", ...}, alpha, part,
+         swap_halves, qkv_rows)
 
-`delta_W[rows] = alpha / rank * B @ A` (times the user's strength, applied later). A q/k/v `part`
-addresses the first, second or third row block of our stacked `attn.qkv_proj` [q; k; v]; a fused
-`qkv_rows="interleaved"` B is in the raw checkpoint's per-head order and is de-interleaved when the
+`delta_W[rows] = alpha / rank * B @ A` (times the user's strength, applied later). LyCORIS LoKr: `kron(W1, W2)`,
+each of W1 / W2 whole or a product `w_a @ w_b`; LoHa: `(w1_a @ w1_b) * (w2_a @ w2_b)`; both times alpha / rank
+where a `.alpha` tensor is given and the factors are decomposed (else 1), as ComfyUI applies them. Their delta
+is made one layer at a time when applied (a row order, for diffusers' SwiGLU or interleaved qkv, on the delta).
+A q/k/v `part` addresses the first, second or third row block of our stacked `attn.qkv_proj` [q; k; v]; a
+fused `qkv_rows="interleaved"` B is in the raw checkpoint's per-head order and is de-interleaved when the
 model's head_dim is known (at apply time). diffusers' SwiGLU stores `ff.net.0.proj` rows as
 [value; gate] where our `mlp.fc1` is [gate; value]: such B (and dense deltas) are half-swapped here.
 
@@ -105,6 +110,10 @@ _SUFFIXES = (
     (".lora_B.default.bias", "lora_bias"),
     (".lora_magnitude_vector", "dora_scale"), (".lora_magnitude_vector.weight", "dora_scale"),  # peft's, diffusers'
     (".lora_magnitude_vector.default.weight", "dora_scale"),
+    # LyCORIS LoKr (Kronecker) and LoHa (Hadamard) factors; their Tucker cores only serve convolutions
+    *((f".lokr_{name}", f"lokr_{name}") for name in ("w1", "w2", "w1_a", "w1_b", "w2_a", "w2_b")),
+    *((f".hada_{name}", f"hada_{name}") for name in ("w1_a", "w1_b", "w2_a", "w2_b")),
+    (".lokr_t2", "tucker"), (".hada_t1", "tucker"), (".hada_t2", "tucker"),
 )
 _REFUSED_ROLES = {
     "set_weight": "replaces a whole parameter (a FastVideo VSA gate `to_gate_compress`, which the base model does "
@@ -112,6 +121,8 @@ _REFUSED_ROLES = {
                   "the dense (`dense-datafree`) variant of the adapter",
     "dora_scale": "is a DoRA magnitude vector; DoRA adapters are not supported, only plain LoRA",
     "lora_bias": "is a LoRA bias (peft `lora_bias=True`), which is not supported",
+    "tucker": "is a LyCORIS Tucker core, made for convolutions; H3's adapters are on Linear layers (LoKr and LoHa "
+              "without Tucker cores are read)",
 }
 _STRIP_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.")
 _PARTITION_PREFIXES = {"transformer.": "fl2va", "transformer_ref.": "ref2va"}
@@ -123,8 +134,10 @@ LIGHTX2V_NAME = re.compile(
     r"minimax_h3_(?P<task>fl2v|ref2v)_turbo_(?P<steps>\d+)step_v(?P<version>\d+\.\d+)(?P<tags>(?:_768p|_comfyui|_bf16)*)"
 )
 LIGHTX2V_DEFAULT_ALPHA = 8.0
-# the other LyCORIS adapters' tensor names (ComfyUI's weight_adapter reads them): LoKr, LoHa, OFT / BOFT, GLoRA
-LYCORIS_KEY = re.compile(r"\.(lokr_|hada_|oft_blocks$|oft_diag$|(a1|a2|b1|b2)\.weight$)")
+# the LyCORIS adapters read here besides LoRA: LoKr and LoHa (`Term.factors`). The others' tensor names (ComfyUI's
+# weight_adapter reads them too): OFT / BOFT, GLoRA
+FACTORED_KINDS = ("lokr", "loha")
+LYCORIS_KEY = re.compile(r"\.(oft_blocks$|oft_diag$|(a1|a2|b1|b2)\.weight$)")
 # Which row order a fused qkv B has, by declared key_format. DiffSynth (`.default.` over native names)
 # is interleaved too (diffusers' loader, h3-model.md H.2). FlashGen: vLLM-Omni's loader for
 # `key_format=minimax-h3-native` reorders the fused qkv rows from the per-head grouped order, which
@@ -148,15 +161,54 @@ class Term:
     alpha_source: str = ""
     part: str | None = None  # "q" | "k" | "v": one row third of the stacked qkv
     qkv_rows: str = "stacked"  # fused qkv B row order: "stacked" | "interleaved" (raw per-head)
+    factors: dict[str, torch.Tensor] | None = None  # LoKr / LoHa: role ("w1", "w1_a", ...) -> 2-D factor
+    swap_halves: bool = False  # LoKr / LoHa on diffusers' SwiGLU: the delta's rows are [value; gate]
 
     @property
     def rank(self) -> int:
+        """A low-rank pair's rank; LoKr's and LoHa's as ComfyUI and LyCORIS divide alpha by (0: not decomposed)."""
+        if self.kind == "lokr":
+            decomposed = [self.factors[f"{w}_b"] for w in ("w1", "w2") if w not in self.factors]
+            return int(decomposed[-1].shape[0]) if decomposed else 0
+        if self.kind == "loha":
+            return int(self.factors["w1_b"].shape[0])
         return int(self.down.shape[0]) if self.down is not None else 0
 
     @property
     def scale(self) -> float:
-        """alpha / rank for a low-rank term, 1 for a dense delta."""
-        return self.alpha / self.rank if self.kind == "lowrank" else 1.0
+        """alpha / rank for a low-rank term; for LoKr / LoHa the same where the file gives an alpha and the factors
+        are decomposed (else 1, as ComfyUI applies them); 1 for a dense delta."""
+        if self.kind == "lowrank":
+            return self.alpha / self.rank
+        if self.kind in FACTORED_KINDS and self.alpha and self.rank:
+            return self.alpha / self.rank
+        return 1.0
+
+    def kronecker_factors(self, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """LoKr's (W1 [a, b], W2 [c, d]), each given whole or as the product of its two factors: the delta is
+        kron(W1, W2) [a*c, b*d]."""
+        def whole(name):
+            if name in self.factors:
+                return self.factors[name].to(device, dtype)
+            return self.factors[f"{name}_a"].to(device, dtype) @ self.factors[f"{name}_b"].to(device, dtype)
+        return whole("w1"), whole("w2")
+
+    def factored_delta(self, device=None, dtype=torch.float32) -> torch.Tensor:
+        """A LoKr's or LoHa's whole delta [out, in] in the file's row order, unscaled."""
+        if self.kind == "lokr":
+            return torch.kron(*self.kronecker_factors(device, dtype))
+        f = {name: tensor.to(device, dtype) for name, tensor in self.factors.items()}
+        return (f["w1_a"] @ f["w1_b"]) * (f["w2_a"] @ f["w2_b"])
+
+    @property
+    def factored_shape(self) -> tuple[int, int]:
+        """(out, in) of a LoKr's or LoHa's delta."""
+        f = self.factors
+        if self.kind == "loha":
+            return int(f["w1_a"].shape[0]), int(f["w1_b"].shape[1])
+        (a, b), (c, d) = ((f[w].shape if w in f else (f[f"{w}_a"].shape[0], f[f"{w}_b"].shape[1]))
+                          for w in ("w1", "w2"))
+        return int(a * c), int(b * d)
 
 
 @dataclass
@@ -186,12 +238,14 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[st
         keys = list(handle.keys())
         lycoris = [key for key in keys if LYCORIS_KEY.search(key)]
         if lycoris:
-            raise LoRAError(f"{path.name} is a LyCORIS adapter of another kind than LoRA (LoKr, LoHa, OFT, BOFT or "
-                            f"GLoRA: '{lycoris[0]}'); H3 takes plain LoRAs (low-rank A / B factors) and dense deltas.")
+            raise LoRAError(f"{path.name} is a LyCORIS adapter of another kind than LoRA, LoKr or LoHa (OFT, BOFT or "
+                            f"GLoRA: '{lycoris[0]}'); H3 takes LoRAs (low-rank A / B factors), LoKr and LoHa factors "
+                            "and dense deltas.")
         if keys and not any(key.endswith(suffix) for key in keys for suffix, _ in _SUFFIXES):
             # a model file picked as a LoRA: said from its names, before its tens of GB are read
             raise LoRAError(f"{path.name} holds no LoRA factors: none of its {len(keys)} tensor names ends as a "
-                            f"LoRA's do (.lora_A / .lora_B / .lora_down / .lora_up / .alpha / .diff; e.g. "
+                            f"LoRA's do (.lora_A / .lora_B / .lora_down / .lora_up / .alpha / .diff / .lokr_w1 / "
+                            f".hada_w1_a ...; e.g. "
                             f"'{keys[0]}'). Is it a model file (a DiT, a VAE, a text encoder) rather than a LoRA?")
         # copies, not views of the file's map: a file rewritten in place later would change a held adapter
         # silently, or kill the process (SIGBUS) if it got shorter
@@ -584,6 +638,11 @@ def _terms(modules: dict[str, _Module], qkv_rows: str, ctx: _AlphaContext, alpha
             fused_qkv = module.part is None and module.target.endswith("attn.qkv_proj")
             terms.append(Term("lowrank", module.target, "weight", keys, down=down, up=up, alpha=value,
                               alpha_source=source, part=module.part, qkv_rows=qkv_rows if fused_qkv else "stacked"))
+            if any(role.startswith(("lokr_", "hada_")) for role in roles):
+                raise LoRAError(f"Module '{module.source}' holds both a LoRA pair and LoKr / LoHa factors; a file "
+                                "gives each module one kind of adapter.")
+        elif any(role.startswith(("lokr_", "hada_")) for role in roles):
+            terms.append(_factored_term(module, ctx, alpha_sources, qkv_rows))
         elif "alpha" in roles:
             raise LoRAError(f"'{roles['alpha'][0]}' is an alpha for module '{module.source}', which has no lora_down/lora_up pair.")
         for role, param in (("diff", "weight"), ("diff_b", "bias")):
@@ -595,3 +654,56 @@ def _terms(modules: dict[str, _Module], qkv_rows: str, ctx: _AlphaContext, alpha
                 terms.append(Term("diff", module.target, param, (key,), delta=delta, part=module.part,
                                   qkv_rows=qkv_rows if fused_qkv else "stacked", alpha_source="dense delta"))
     return terms
+
+
+_FACTOR_SETS = {  # the factors each kind needs: any one alternative for each of W1 and W2 (LoKr), or all (LoHa)
+    "lokr": ((("w1",), ("w1_a", "w1_b")), (("w2",), ("w2_a", "w2_b"))),
+    "loha": ((("w1_a", "w1_b", "w2_a", "w2_b"),),),
+}
+
+
+def _factored_term(module: _Module, ctx: _AlphaContext, alpha_sources: dict, qkv_rows: str) -> Term:
+    """A LyCORIS LoKr or LoHa module as one Term: its factors checked for a whole delta on a Linear's weight."""
+    roles = {role: entry for role, entry in module.tensors.items() if role.startswith(("lokr_", "hada_"))}
+    kinds = {"lokr" if role.startswith("lokr_") else "loha" for role in roles}
+    first_key = next(iter(roles.values()))[0]
+    if len(kinds) > 1:
+        raise LoRAError(f"Module '{module.source}' mixes LoKr (lokr_) and LoHa (hada_) factors; one module has one.")
+    kind = kinds.pop()
+    factors = {role.split("_", 1)[1]: tensor for role, (_, tensor) in roles.items()}
+    for role, (key, tensor) in roles.items():
+        if tensor.ndim != 2:
+            raise LoRAError(f"'{key}' has shape {list(tensor.shape)}; H3's adapters are on Linear layers, whose "
+                            "LoKr / LoHa factors are matrices.")
+    if _NATIVE_NORM.fullmatch(module.target):
+        raise LoRAError(f"'{first_key}' is a {kind} factor on '{module.source}', an RMSNorm; they target Linear "
+                        "layers.")
+    for alternatives in _FACTOR_SETS[kind]:
+        complete = [names for names in alternatives if all(name in factors for name in names)]
+        if not complete:
+            wanted = " or ".join("+".join(f"{'lokr' if kind == 'lokr' else 'hada'}_{n}" for n in names)
+                                 for names in alternatives)
+            raise LoRAError(f"Module '{module.source}' lacks its {wanted} tensor(s) (it has "
+                            f"{', '.join(key for key, _ in roles.values())}).")
+    fits = all(factors[f"{w}_a"].shape[1] == factors[f"{w}_b"].shape[0]
+               for w in ("w1", "w2") if f"{w}_a" in factors and f"{w}_b" in factors)
+    if kind == "loha":  # both products are the delta's [out, in]
+        fits = fits and (factors["w1_a"].shape[0], factors["w1_b"].shape[1]) == (factors["w2_a"].shape[0],
+                                                                                factors["w2_b"].shape[1])
+    if not fits:
+        raise LoRAError(f"The {kind} factors of '{module.source}' do not fit together: "
+                        + ", ".join(f"{name} {list(tensor.shape)}" for name, tensor in factors.items()) + ".")
+    term = Term(kind, module.target, "weight", tuple(key for key, _ in roles.values()), factors=factors,
+                part=module.part, swap_halves=module.swap_halves,
+                qkv_rows=qkv_rows if module.part is None and module.target.endswith("attn.qkv_proj") else "stacked")
+    if ctx.override is not None:
+        term.alpha, term.alpha_source = ctx.override, f"caller alpha {ctx.override:g}"
+    elif "alpha" in module.tensors:
+        term.alpha, term.alpha_source = _checked_alpha(module, term.rank or 1, ctx)
+        term.keys += (module.tensors["alpha"][0],)
+    else:
+        term.alpha_source = f"{kind}: no .alpha tensor, scale 1 as ComfyUI applies it"
+    if term.rank == 0:
+        term.alpha_source = f"{kind} of whole factors: scale 1, as ComfyUI applies it"
+    alpha_sources[term.alpha_source] = alpha_sources.get(term.alpha_source, 0) + 1
+    return term

@@ -212,7 +212,8 @@ class H3LoRAApply(io.ComfyNode):
             inputs=[
                 H3Model.Input("model", tooltip="An H3 model (from the loader or another LoRA node)."),
                 io.Combo.Input("lora_name", options=folder_paths.get_filename_list("loras"),
-                               tooltip="A file from models/loras (any H3 LoRA layout, Comfy-Org Turbo exports too)."),
+                               tooltip="A file from models/loras (any H3 LoRA layout, LyCORIS LoKr / LoHa and "
+                                       "Comfy-Org Turbo exports too)."),
                 io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.01,
                                tooltip="Scale of the adapter's delta; Turbo adapters are distilled for 1.0."),
                 io.Combo.Input("unknown_keys", options=["error", "warn"], default="error", optional=True,
