@@ -430,11 +430,40 @@ class _DeltaHook:
             if any(t.device != x.device for t in factors):  # moved once, as the factors above
                 factors = tuple(t.to(x.device) for t in factors)
                 self.factored[index] = (rows, scale, kind, order, factors)
-            contribution = _factored_product(x.to(factors[0].dtype), kind, factors)
+            x_in = x.to(factors[0].dtype)
+            target = out[..., rows]
+            if order is None and target.dtype == x_in.dtype and _add_factored(target, x_in, kind, factors, scale):
+                continue
+            contribution = _factored_product(x_in, kind, factors)
             if order is not None:
                 contribution = contribution[..., order.to(x.device)]
             out[..., rows] += (contribution * scale).to(out.dtype)
         return out
+
+
+LOKR_CHUNK_ELEMENTS = 2**25  # a dynamic LoKr's temporary: 64 MiB in bf16, whatever the rows
+
+
+def _add_factored(target: torch.Tensor, x: torch.Tensor, kind: str, factors: tuple[torch.Tensor, ...],
+                  scale: float) -> bool:
+    """target += scale * x D^T in place (as `_add_product`): a LoHa's D made for the layer and added in one GEMM; a
+    LoKr's W1 (X W2^T) as batched GEMMs into `target` seen as [rows, a, c], a slice of rows at a time so that the
+    temporary X W2^T stays under LOKR_CHUNK_ELEMENTS. False where `target` cannot be seen so."""
+    if kind == "loha":
+        w1_a, w1_b, w2_a, w2_b = factors
+        return _add_product(target, x, (w1_a @ w1_b) * (w2_a @ w2_b), scale)
+    w1, w2 = factors
+    try:
+        grid = target.view(-1, w1.shape[0], w2.shape[0])  # [rows, a, c]
+    except RuntimeError:
+        return False
+    grouped = x.reshape(-1, w1.shape[1], w2.shape[1])  # [rows, b, d]
+    step = max(1, LOKR_CHUNK_ELEMENTS // (w1.shape[1] * w2.shape[0]))
+    for start in range(0, grid.shape[0], step):
+        inner = torch.matmul(grouped[start : start + step], w2.t())  # [step, b, c]
+        grid[start : start + step].baddbmm_(w1.expand(inner.shape[0], *w1.shape), inner, alpha=scale)
+        del inner  # freed before the next slice's is made
+    return True
 
 
 def _factored_product(x: torch.Tensor, kind: str, factors: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -610,9 +639,10 @@ def hooked_bytes(loras: Sequence[tuple[LoRA, float]], partition: str, element_si
                 total += sum(t.numel() for t in (term.down, term.up, term.delta) if t is not None)
                 if term.kind == "lokr":  # W1 and W2, kept whole
                     total += sum(w.numel() for w in term.kronecker_factors(device="meta"))
-                elif term.kind == "loha":  # its factors, and its delta while its layer runs (the largest one)
+                    transient = max(transient, LOKR_CHUNK_ELEMENTS)
+                elif term.kind == "loha":  # its factors, and while its layer runs its delta and the two products
                     total += sum(t.numel() for t in term.factors.values())
-                    transient = max(transient, math.prod(term.factored_shape))
+                    transient = max(transient, 3 * math.prod(term.factored_shape))
     return (total + transient) * element_size
 
 

@@ -667,23 +667,32 @@ def test_schedule_defaults_build_a_dual_clock_schedule():
 
 
 
-@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("kind", ["lowrank", "dense", "lokr", "loha"])
 @pytest.mark.parametrize("layout", ["rows", "permuted"])
-def test_a_dynamic_lora_adds_its_product_without_an_output_wide_temporary(layout, dense):
-    """The hook adds scale * (x A^T) B^T (or a dense delta's scale * x D^T) into its rows of the output in place:
-    no tensor of the output's width (two of them at fc1 were 4.1 GiB at a 5 s clip's rows on an H200, not in the
-    memory plan), the float64 sum either way; an output that cannot be seen as a matrix (permuted) takes the
-    plain sum."""
+def test_a_dynamic_lora_adds_its_product_without_an_output_wide_temporary(layout, kind, monkeypatch):
+    """The hook adds scale * (x A^T) B^T (or a dense delta's, a LoKr's or a LoHa's scale * x D^T) into its rows of
+    the output in place: no tensor of the output's width (two of them at fc1 were 4.1 GiB at a 5 s clip's rows on
+    an H200, not in the memory plan), the float64 sum either way; an output that cannot be seen as a matrix
+    (permuted) takes the plain sum."""
     from torch.profiler import ProfilerActivity, profile
 
     from h3_core.lora import _DeltaHook, _Resolved
+    from h3_core.lora_formats import Term
 
     generator = torch.Generator().manual_seed(3)
     linear = torch.nn.Linear(32, 2048, bias=False).requires_grad_(False)
     x = torch.randn(2, 256, 32, generator=generator)
     down, up = torch.randn(4, 32, generator=generator), torch.randn(1024, 4, generator=generator)
-    delta = up @ down
-    factors = (None, None, delta) if dense else (down, up, None)
+    factored = None
+    if kind == "lokr":  # [32 * 32, 4 * 8]; x W2^T made 100 of the 512 rows at a time
+        monkeypatch.setattr("h3_core.lora.LOKR_CHUNK_ELEMENTS", 4 * 32 * 100)
+        factored = Term("lokr", "t", "weight", ("t",), factors={"w1": torch.randn(32, 4, generator=generator),
+                                                               "w2": torch.randn(32, 8, generator=generator)})
+    elif kind == "loha":
+        factored = Term("loha", "t", "weight", ("t",), factors={"w1_a": up, "w1_b": down, "w2_a": up.flip(0),
+                                                               "w2_b": down.flip(1)})
+    delta = up @ down if factored is None else factored.factored_delta()
+    factors = {"lowrank": (down, up, None), "dense": (None, None, delta)}.get(kind, (None, None, None, factored))
     hook = _DeltaHook(linear, [_Resolved(linear, "t", "weight", slice(512, 1536), 0.7, *factors)])
     with torch.no_grad():
         base = linear(x)
@@ -695,7 +704,8 @@ def test_a_dynamic_lora_adds_its_product_without_an_output_wide_temporary(layout
             out = hook(linear, (x,), base)
     assert (out.double() - want).abs().max() < 1e-4
     largest = max(event.cpu_memory_usage for event in profiled.events())
-    if layout == "rows":
-        assert out is base and largest <= x.shape[0] * x.shape[1] * 4 * 4  # the [rows, rank] product only
+    if layout == "rows":  # the [rows, rank] product only (LoKr: x W2^T [100, 4, 32]; LoHa: its delta)
+        rows = x.shape[0] * x.shape[1]
+        assert out is base and largest <= {"loha": rows * 64, "lokr": 100 * 128}.get(kind, rows * 4) * 4
     else:
         assert largest >= x.shape[0] * x.shape[1] * 1024 * 4
