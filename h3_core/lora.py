@@ -629,21 +629,25 @@ def applied_contracts(loras: Sequence[tuple[LoRA, float]]) -> list[TurboContract
     return [lora.contract for lora, strength in loras if lora.contract is not None and float(strength) != 0.0]
 
 
-def hooked_bytes(loras: Sequence[tuple[LoRA, float]], partition: str, element_size: int) -> int:
+def hooked_bytes(loras: Sequence[tuple[LoRA, float]], partition: str, element_size: int,
+                 fp32_modules: tuple[str, ...] = ()) -> int:
     """Device bytes the factors of `loras` take when hooked into a resident DiT (each held in the compute dtype of
-    `element_size` bytes next to its module): a memory plan counts them (the Turbo exports' are ~1.8 GiB)."""
+    its module: `element_size` bytes, 4 under the name prefixes `fp32_modules` (dit.fp32_modules)), with the most
+    one layer's LoKr / LoHa makes while it runs: a memory plan counts them (the Turbo exports' are ~1.8 GiB)."""
     total = transient = 0
     for lora, strength in loras:
         if float(strength) != 0.0:
             for term in lora.terms_for(partition):
-                total += sum(t.numel() for t in (term.down, term.up, term.delta) if t is not None)
-                if term.kind == "lokr":  # W1 and W2, kept whole
-                    total += sum(w.numel() for w in term.kronecker_factors(device="meta"))
-                    transient = max(transient, LOKR_CHUNK_ELEMENTS)
+                size = 4 if term.target.startswith(fp32_modules) else element_size
+                held = sum(t.numel() for t in (term.down, term.up, term.delta) if t is not None)
+                if term.kind == "lokr":  # W1 and W2, kept whole; a slice of x W2^T while its layer runs
+                    held += sum(w.numel() for w in term.kronecker_factors(device="meta"))
+                    transient = max(transient, LOKR_CHUNK_ELEMENTS * size)
                 elif term.kind == "loha":  # its factors, and while its layer runs its delta and the two products
-                    total += sum(t.numel() for t in term.factors.values())
-                    transient = max(transient, 3 * math.prod(term.factored_shape))
-    return (total + transient) * element_size
+                    held += sum(t.numel() for t in term.factors.values())
+                    transient = max(transient, 3 * math.prod(term.factored_shape) * size)
+                total += held * size
+    return total + transient
 
 
 def task_warnings(contracts: Sequence[TurboContract], task: str) -> list[str]:

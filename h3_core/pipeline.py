@@ -32,6 +32,7 @@ from .checkpoint import (  # noqa: F401 (load_dit: engine API, above)
     DiTReader, held_linears, holds_stored_linears, load_dit, locate_dit, vsa_student, with_config,
 )
 from .config import TINY_DIT
+from .dit import fp32_modules
 from .memory_plan import (
     GIB, MemoryPlan, check_budget, does_not_fit, free_bytes, plan_for, usable_bytes,
 )
@@ -1186,7 +1187,7 @@ def sampling_plan(config, dit_source, partition: str, settings: GenerateSettings
     stored = read_linears == "checkpoint" and holds_stored_linears(dit_source)  # as lora.run_mode will find it
     dtype = tiny_model_dtype(device, settings.dtype) if dit_source is None else settings.dtype
     itemsize = 2 if dtype is None else dtype.itemsize  # None: as stored (the release's bf16); fp32 was planned as bf16
-    other = hooked_bytes(loras, partition, itemsize) if stored else 0
+    other = hooked_bytes(loras, partition, itemsize, fp32_modules(config)) if stored else 0
     plan = plan_for(config, layout, steps, device, settings.gpu_memory, dtype_bytes=itemsize,
                     held=held_linears(dit_source, settings.linears),
                     adaln_bytes=None if reader is None else reader.adaln_nbytes,

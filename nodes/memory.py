@@ -23,6 +23,7 @@ import comfy.model_patcher
 import torch
 
 from h3_core import pinned
+from h3_core.dit import fp32_modules
 from h3_core.lora import apply_loras, hooked_bytes, remove_loras
 from h3_core.memory_plan import GIB, usable_bytes, working_bytes
 from h3_core.placement import DiTPlacement, Placement, RunnerPlacement, TextEncoderPlacement, spill_device
@@ -274,7 +275,7 @@ def dit_for_run(model, layout, steps: int):
     working = working_bytes(model.dit.config, layout.sequence_length, steps)
     # the adapters' factors sit next to their modules on the device while hooked; a split model's workers each
     # hold them all, the first beside ComfyUI's own models
-    adapters = hooked_bytes(model.loras, model.partition, model.dit.dtype.itemsize)
+    adapters = hooked_bytes(model.loras, model.partition, model.dit.dtype.itemsize, fp32_modules(model.dit.config))
     working += adapters
     if isinstance(placement, RunnerPlacement):
         place([patcher], working)

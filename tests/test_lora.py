@@ -368,6 +368,31 @@ def test_a_merge_into_layers_replaced_since_is_not_half_taken_out(tmp_path):
     assert all(torch.equal(v, merged[k]) for k, v in model.state_dict().items())
 
 
+def test_hooked_bytes_counts_the_factors_in_their_modules_dtypes(tmp_path):
+    """A bf16 DiT keeps its patch projections, time embedder and output heads in fp32, and a hook holds the
+    factors there in fp32: the memory plan counts them so (it counted every factor at the DiT's 2 bytes)."""
+    from h3_core.dit import fp32_modules
+    from h3_core.lora import _DeltaHook, hooked_bytes
+
+    model = ours_from(reference_dit(TINY_DIT), TINY_DIT).set_dtype(torch.bfloat16)
+    tensors = {}
+    for name in ("video_patch_proj", "blocks.0.attn.out_proj"):  # native names, as ComfyUI-trained files spell them
+        linear = model.get_submodule(name)
+        tensors[f"diffusion_model.{name}.lora_A.weight"] = torch.randn(4, linear.in_features) * 0.01
+        tensors[f"diffusion_model.{name}.lora_B.weight"] = torch.randn(linear.out_features, 4) * 0.01
+    save_file(tensors, str(tmp_path / "x.safetensors"))
+    lora = load_lora(tmp_path / "x.safetensors")
+    apply_loras(model, [lora], partition="fl2va", mode="dynamic")
+    hooks = [hook for module in model.modules() for hook in module._forward_hooks.values()
+             if isinstance(hook, _DeltaHook)]
+    held = sum(t.numel() * t.element_size() for hook in hooks for term in hook.terms for t in term[3:]
+               if t is not None)
+    assert {t.dtype for hook in hooks for term in hook.terms for t in term[3:] if t is not None} == {
+        torch.float32, torch.bfloat16}
+    assert hooked_bytes([(lora, 1.0)], "fl2va", 2, fp32_modules(TINY_DIT)) == held
+    assert hooked_bytes([(lora, 1.0)], "fl2va", 2) < held
+
+
 # ---------------------------------------------------------------------------------------------------
 # Turbo contracts (h3-model.md H.3 / H.4 / D).
 LIGHTX2V_TABLE = [  # file, metadata alpha (None: absent), steps (sigma points), video shift, effective scale, partition
