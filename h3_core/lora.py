@@ -398,7 +398,7 @@ class _DeltaHook:
         # LoKr: (W1, W2) made once, small; LoHa: its four factors, the delta made at each forward (never kept)
         self.factored = [
             (r.rows, r.scale, r.factored.kind, r.order,
-             r.factored.kronecker_factors(device, dtype) if r.factored.kind == "lokr"
+             tuple(w.to(dtype) for w in r.factored.kronecker_factors(device)) if r.factored.kind == "lokr"
              else tuple(r.factored.factors[name].to(device, dtype) for name in ("w1_a", "w1_b", "w2_a", "w2_b")))
             for r in resolved if r.factored is not None
         ]

@@ -671,7 +671,7 @@ def _factored_term(module: _Module, ctx: _AlphaContext, alpha_sources: dict, qkv
         raise LoRAError(f"Module '{module.source}' mixes LoKr (lokr_) and LoHa (hada_) factors; one module has one.")
     kind = kinds.pop()
     factors = {role.split("_", 1)[1]: tensor for role, (_, tensor) in roles.items()}
-    for role, (key, tensor) in roles.items():
+    for key, tensor in roles.values():
         if tensor.ndim != 2:
             raise LoRAError(f"'{key}' has shape {list(tensor.shape)}; H3's adapters are on Linear layers, whose "
                             "LoKr / LoHa factors are matrices.")
@@ -681,8 +681,8 @@ def _factored_term(module: _Module, ctx: _AlphaContext, alpha_sources: dict, qkv
     for alternatives in _FACTOR_SETS[kind]:
         complete = [names for names in alternatives if all(name in factors for name in names)]
         if not complete:
-            wanted = " or ".join("+".join(f"{'lokr' if kind == 'lokr' else 'hada'}_{n}" for n in names)
-                                 for names in alternatives)
+            prefix = "lokr" if kind == "lokr" else "hada"
+            wanted = " or ".join("+".join(f"{prefix}_{name}" for name in names) for names in alternatives)
             raise LoRAError(f"Module '{module.source}' lacks its {wanted} tensor(s) (it has "
                             f"{', '.join(key for key, _ in roles.values())}).")
     fits = all(factors[f"{w}_a"].shape[1] == factors[f"{w}_b"].shape[0]
