@@ -395,13 +395,19 @@ class _DeltaHook:
              None if r.delta is None else r.delta.to(device, dtype))
             for r in resolved if r.factored is None
         ]
-        # LoKr: (W1, W2) made once, small; LoHa: its four factors, the delta made at each forward (never kept)
-        self.factored = [
-            (r.rows, r.scale, r.factored.kind, r.order,
-             tuple(w.to(dtype) for w in r.factored.kronecker_factors(device)) if r.factored.kind == "lokr"
-             else tuple(r.factored.factors[name].to(device, dtype) for name in ("w1_a", "w1_b", "w2_a", "w2_b")))
-            for r in resolved if r.factored is not None
-        ]
+        # LoKr: (W1, W2) made once, small; LoHa: its four factors, the delta made at each forward (never kept), its
+        # row order moved into w1_a and w2_a (a Hadamard product's rows are its factors' rows)
+        self.factored = []
+        for r in resolved:
+            if r.factored is None:
+                continue
+            if r.factored.kind == "lokr":
+                factors, order = tuple(w.to(dtype) for w in r.factored.kronecker_factors(device)), r.order
+            else:
+                f = r.factored.factors
+                w1_a, w2_a = (f["w1_a"], f["w2_a"]) if r.order is None else (f["w1_a"][r.order], f["w2_a"][r.order])
+                factors, order = tuple(t.to(device, dtype) for t in (w1_a, f["w1_b"], w2_a, f["w2_b"])), None
+            self.factored.append((r.rows, r.scale, r.factored.kind, order, factors))
 
     def __call__(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
         x = args[0]
@@ -432,7 +438,8 @@ class _DeltaHook:
                 self.factored[index] = (rows, scale, kind, order, factors)
             x_in = x.to(factors[0].dtype)
             target = out[..., rows]
-            if order is None and target.dtype == x_in.dtype and _add_factored(target, x_in, kind, factors, scale):
+            if target.dtype == x_in.dtype and (_add_factored(target, x_in, kind, factors, scale) if order is None
+                                               else _add_reordered(target, x_in, factors, order, scale)):
                 continue
             contribution = _factored_product(x_in, kind, factors)
             if order is not None:
@@ -463,6 +470,23 @@ def _add_factored(target: torch.Tensor, x: torch.Tensor, kind: str, factors: tup
         inner = torch.matmul(grouped[start : start + step], w2.t())  # [step, b, c]
         grid[start : start + step].baddbmm_(w1.expand(inner.shape[0], *w1.shape), inner, alpha=scale)
         del inner  # freed before the next slice's is made
+    return True
+
+
+def _add_reordered(target: torch.Tensor, x: torch.Tensor, factors: tuple[torch.Tensor, ...], order: torch.Tensor,
+                   scale: float) -> bool:
+    """target += scale * (x kron(W1, W2)^T)[..., order] for a LoKr whose rows our layer holds in another order
+    (diffusers' SwiGLU halves, interleaved qkv heads), a slice of tokens at a time so that the product and its
+    reordered copy stay under LOKR_CHUNK_ELEMENTS. False where `target` cannot be seen as a matrix."""
+    try:
+        matrix = target.view(-1, target.shape[-1])
+    except RuntimeError:
+        return False
+    flat, order = x.reshape(-1, x.shape[-1]), order.to(x.device)
+    step = max(1, LOKR_CHUNK_ELEMENTS // (2 * matrix.shape[1]))
+    for start in range(0, matrix.shape[0], step):
+        matrix[start : start + step].add_(_factored_product(flat[start : start + step], "lokr", factors)[:, order],
+                                          alpha=scale)
     return True
 
 

@@ -119,7 +119,7 @@ _REFUSED_ROLES = {
     "set_weight": "replaces a whole parameter (a FastVideo VSA gate `to_gate_compress`, which the base model does "
                   "not have: h3_core runs VSA gates only in a VSA-trained transformer such as FastH3 8-Step V2); use "
                   "the dense (`dense-datafree`) variant of the adapter",
-    "dora_scale": "is a DoRA magnitude vector; DoRA adapters are not supported, only plain LoRA",
+    "dora_scale": "is a DoRA magnitude vector; DoRA adapters are not supported, only LoRA, LoKr and LoHa",
     "lora_bias": "is a LoRA bias (peft `lora_bias=True`), which is not supported",
     "tucker": "is a LyCORIS Tucker core, made for convolutions; H3's adapters are on Linear layers (LoKr and LoHa "
               "without Tucker cores are read)",

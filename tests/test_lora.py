@@ -692,7 +692,7 @@ def test_schedule_defaults_build_a_dual_clock_schedule():
 
 
 
-@pytest.mark.parametrize("kind", ["lowrank", "dense", "lokr", "loha"])
+@pytest.mark.parametrize("kind", ["lowrank", "dense", "lokr", "loha", "lokr-reordered", "loha-reordered"])
 @pytest.mark.parametrize("layout", ["rows", "permuted"])
 def test_a_dynamic_lora_adds_its_product_without_an_output_wide_temporary(layout, kind, monkeypatch):
     """The hook adds scale * (x A^T) B^T (or a dense delta's, a LoKr's or a LoHa's scale * x D^T) into its rows of
@@ -708,16 +708,19 @@ def test_a_dynamic_lora_adds_its_product_without_an_output_wide_temporary(layout
     linear = torch.nn.Linear(32, 2048, bias=False).requires_grad_(False)
     x = torch.randn(2, 256, 32, generator=generator)
     down, up = torch.randn(4, 32, generator=generator), torch.randn(1024, 4, generator=generator)
-    factored = None
-    if kind == "lokr":  # [32 * 32, 4 * 8]; x W2^T made 100 of the 512 rows at a time
+    factored, order = None, None
+    if kind.startswith("lokr"):  # [32 * 32, 4 * 8]; x W2^T made 100 of the 512 rows at a time
         monkeypatch.setattr("h3_core.lora.LOKR_CHUNK_ELEMENTS", 4 * 32 * 100)
         factored = Term("lokr", "t", "weight", ("t",), factors={"w1": torch.randn(32, 4, generator=generator),
                                                                "w2": torch.randn(32, 8, generator=generator)})
-    elif kind == "loha":
+    elif kind.startswith("loha"):
         factored = Term("loha", "t", "weight", ("t",), factors={"w1_a": up, "w1_b": down, "w2_a": up.flip(0),
                                                                "w2_b": down.flip(1)})
+    if kind.endswith("reordered"):  # diffusers' SwiGLU rows [value; gate] onto our [gate; value]
+        order = torch.cat([torch.arange(512, 1024), torch.arange(512)])
     delta = up @ down if factored is None else factored.factored_delta()
-    factors = {"lowrank": (down, up, None), "dense": (None, None, delta)}.get(kind, (None, None, None, factored))
+    delta = delta if order is None else delta[order]
+    factors = {"lowrank": (down, up, None), "dense": (None, None, delta)}.get(kind, (None, None, None, factored, order))
     hook = _DeltaHook(linear, [_Resolved(linear, "t", "weight", slice(512, 1536), 0.7, *factors)])
     with torch.no_grad():
         base = linear(x)
@@ -731,6 +734,6 @@ def test_a_dynamic_lora_adds_its_product_without_an_output_wide_temporary(layout
     largest = max(event.cpu_memory_usage for event in profiled.events())
     if layout == "rows":  # the [rows, rank] product only (LoKr: x W2^T [100, 4, 32]; LoHa: its delta)
         rows = x.shape[0] * x.shape[1]
-        assert out is base and largest <= {"loha": rows * 64, "lokr": 100 * 128}.get(kind, rows * 4) * 4
+        assert out is base and largest <= {"loha": rows * 64, "lokr": 100 * 128}.get(kind[:4], rows * 4) * 4
     else:
         assert largest >= x.shape[0] * x.shape[1] * 1024 * 4
