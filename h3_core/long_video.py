@@ -550,7 +550,10 @@ def sample_long_video(
         timeline.append(window, latents.video if kept is None else conditioning.kept_window(window),
                         latents.audio if drive is None else window_slice(drive, window))
         if on_window is not None and index + 1 < len(new):
-            made = ResumePoint(seed, generator.get_state(), conditioning.media_origin, timeline.frames)
+            # where it stopped, for a run continued from it; none for a run that holds its sound or video fixed,
+            # which continue_from cannot go on with (the rest would be made afresh)
+            made = None if drive is not None or kept is not None else ResumePoint(
+                seed, generator.get_state(), conditioning.media_origin, timeline.frames)
             on_window(AVLatents(*timeline.latents(), resume=made), index + 1, len(new))
     return AVLatents(*timeline.latents())
 

@@ -1007,6 +1007,10 @@ def _save_windows(path: Path, metadata: dict[str, str], notes: Callable[[str], N
     """A long video's clip so far, saved where its whole clip will be (replaced whole after each window): a run
     stopped later keeps it, and --continue-from makes the rest."""
     clip.save(path, {**metadata, "windows": f"{made} of {count}"})
+    if clip.resume is None:  # a driving track or a kept video: --continue-from would make the rest of it anew
+        notes(f"long video: windows 1-{made} of {count} saved to {path} (a run that holds its sound or video "
+              "fixed cannot be continued: were it to stop, run it again)")
+        return
     notes(f"long video: windows 1-{made} of {count} saved to {path} (were the run to stop, continue it with "
           f"--continue-from {path} --seed {metadata['seed']})")
 

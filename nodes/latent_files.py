@@ -94,6 +94,10 @@ def save_unfinished(clip: AVLatents, made: int, count: int, **facts) -> None:
     except Exception as error:  # a full disk, say: the run's own error is what the user must see
         log.warning("H3: the long video's finished windows could not be saved: %s", error)
         return
+    if clip.resume is None:  # a driving track or a kept video: continue_from would make the rest of it anew
+        log.warning("H3: the long video stopped after window %d of %d; those windows are saved as %s. A run with "
+                    "drive_audio or keep_video cannot be continued from them: queue it again.", made, count, reserved)
+        return
     log.warning("H3: the long video stopped after window %d of %d; those windows are saved as %s: move the file "
                 "to the input folder and give it to H3 Continuation's continue_from (through H3 Load Latent), same "
                 "duration and seed, to make the rest.", made, count, reserved)

@@ -277,7 +277,11 @@ def test_cli_long_video_with_window_prompts_and_drive_audio(tmp_path, capsys):
     assert tensors["video"].shape == (1, 24, 142, 8, 14)
     expected = encode_track(tiny_random_audio_vae(), load_track(tmp_path / "track.wav"), 481)
     assert torch.equal(tensors["audio"], expected)
-    assert re.search(r"long.safetensors: t2va, seed 0, 481 frames", capsys.readouterr().out)
+    said = capsys.readouterr()
+    assert re.search(r"long.safetensors: t2va, seed 0, 481 frames", said.out)
+    # its track cannot go with --continue-from: the clip saved after window 1 is not offered to continue
+    assert (f"windows 1-1 of 2 saved to {out} (a run that holds its sound or video fixed cannot be continued: were "
+            "it to stop, run it again)") in said.err
 
 
 def test_a_long_run_that_stops_keeps_its_finished_windows(tmp_path, monkeypatch, capsys):

@@ -1133,6 +1133,12 @@ def test_a_continuation_that_stops_saves_its_finished_windows(comfy, monkeypatch
     with caplog.at_level("WARNING", logger="h3"):
         continuation.execute(model, *args[:7], 4, *args[8:], continue_from=first)  # another seed: said
     assert "saved by a run with seed 3 that stopped; with seed 4 the rest differs" in caplog.text
+    # a run with drive_audio or keep_video hands its clip without a resume point: not offered to continue
+    from h3_core.output import AVLatents
+
+    with caplog.at_level("WARNING", logger="h3"):
+        files.save_unfinished(AVLatents(first["video"], first["audio"]), 1, 2)
+    assert "A run with drive_audio or keep_video cannot be continued from them: queue it again." in caplog.text
 
 
 def test_continuation_makes_the_sound_for_a_kept_clip(comfy):
