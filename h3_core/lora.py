@@ -436,70 +436,55 @@ class _DeltaHook:
             if any(t.device != x.device for t in factors):  # moved once, as the factors above
                 factors = tuple(t.to(x.device) for t in factors)
                 self.factored[index] = (rows, scale, kind, order, factors)
-            x_in = x.to(factors[0].dtype)
-            target = out[..., rows]
-            if target.dtype == x_in.dtype and (_add_factored(target, x_in, kind, factors, scale) if order is None
-                                               else _add_reordered(target, x_in, factors, order, scale)):
-                continue
-            contribution = _factored_product(x_in, kind, factors)
-            if order is not None:
-                contribution = contribution[..., order.to(x.device)]
+            x_in, target = x.to(factors[0].dtype), out[..., rows]
+            if kind == "loha":  # its delta made for this layer at each forward, never kept; then as a dense one
+                w1_a, w1_b, w2_a, w2_b = factors
+                delta = (w1_a @ w1_b) * (w2_a @ w2_b)
+                if target.dtype == delta.dtype and _add_product(target, x_in, delta, scale):
+                    continue
+                contribution = F.linear(x_in, delta)
+            else:
+                if target.dtype == x_in.dtype and _add_kronecker(target, x_in, *factors, order, scale):
+                    continue
+                contribution = _kronecker_product(x_in, *factors)
+                if order is not None:
+                    contribution = contribution[..., order.to(x.device)]
             out[..., rows] += (contribution * scale).to(out.dtype)
         return out
 
 
-LOKR_CHUNK_ELEMENTS = 2**25  # a dynamic LoKr's temporary: 64 MiB in bf16, whatever the rows
+LOKR_CHUNK_ELEMENTS = 2**25  # a dynamic LoKr's temporaries: 64 MiB in bf16, whatever the rows
 
 
-def _add_factored(target: torch.Tensor, x: torch.Tensor, kind: str, factors: tuple[torch.Tensor, ...],
-                  scale: float) -> bool:
-    """target += scale * x D^T in place (as `_add_product`): a LoHa's D made for the layer and added in one GEMM; a
-    LoKr's W1 (X W2^T) as batched GEMMs into `target` seen as [rows, a, c], a slice of rows at a time so that the
-    temporary X W2^T stays under LOKR_CHUNK_ELEMENTS. False where `target` cannot be seen so."""
-    if kind == "loha":
-        w1_a, w1_b, w2_a, w2_b = factors
-        return _add_product(target, x, (w1_a @ w1_b) * (w2_a @ w2_b), scale)
-    w1, w2 = factors
-    try:
-        grid = target.view(-1, w1.shape[0], w2.shape[0])  # [rows, a, c]
-    except RuntimeError:
-        return False
-    grouped = x.reshape(-1, w1.shape[1], w2.shape[1])  # [rows, b, d]
-    step = max(1, LOKR_CHUNK_ELEMENTS // (w1.shape[1] * w2.shape[0]))
-    for start in range(0, grid.shape[0], step):
-        inner = torch.matmul(grouped[start : start + step], w2.t())  # [step, b, c]
-        grid[start : start + step].baddbmm_(w1.expand(inner.shape[0], *w1.shape), inner, alpha=scale)
-        del inner  # freed before the next slice's is made
-    return True
-
-
-def _add_reordered(target: torch.Tensor, x: torch.Tensor, factors: tuple[torch.Tensor, ...], order: torch.Tensor,
-                   scale: float) -> bool:
-    """target += scale * (x kron(W1, W2)^T)[..., order] for a LoKr whose rows our layer holds in another order
-    (diffusers' SwiGLU halves, interleaved qkv heads), a slice of tokens at a time so that the product and its
-    reordered copy stay under LOKR_CHUNK_ELEMENTS. False where `target` cannot be seen as a matrix."""
+def _add_kronecker(target: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                   order: torch.Tensor | None, scale: float) -> bool:
+    """target += scale * x kron(W1, W2)^T in place (as `_add_product`), a slice of tokens at a time so that its
+    temporaries stay under LOKR_CHUNK_ELEMENTS: W1 (X W2^T) as batched GEMMs into `target` seen as [tokens, a, c];
+    with an `order` of our rows (diffusers' SwiGLU halves, interleaved qkv heads), the slice's product reordered and
+    added. False where `target` cannot be seen as a matrix."""
     try:
         matrix = target.view(-1, target.shape[-1])
     except RuntimeError:
         return False
-    flat, order = x.reshape(-1, x.shape[-1]), order.to(x.device)
-    step = max(1, LOKR_CHUNK_ELEMENTS // (2 * matrix.shape[1]))
+    grouped = x.reshape(-1, w1.shape[1], w2.shape[1])  # [tokens, b, d]
+    # X W2^T [step, b, c]; with an order also the product and its reordered copy [step, a * c] each
+    step = max(1, LOKR_CHUNK_ELEMENTS // (w1.shape[1] * w2.shape[0] if order is None else 2 * matrix.shape[1]))
     for start in range(0, matrix.shape[0], step):
-        matrix[start : start + step].add_(_factored_product(flat[start : start + step], "lokr", factors)[:, order],
-                                          alpha=scale)
+        inner = torch.matmul(grouped[start : start + step], w2.t())
+        rows = matrix[start : start + step]
+        if order is None:
+            rows.view(-1, w1.shape[0], w2.shape[0]).baddbmm_(w1.expand(inner.shape[0], *w1.shape), inner, alpha=scale)
+        else:
+            rows.add_(torch.matmul(w1, inner).reshape(rows.shape)[:, order.to(x.device)], alpha=scale)
+        del inner  # freed before the next slice's is made
     return True
 
 
-def _factored_product(x: torch.Tensor, kind: str, factors: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """x D^T for a LoKr's D = kron(W1, W2) without making D (x's last dim seen as [b, d]: W1 X W2^T), or a LoHa's
-    D = (w1_a w1_b) * (w2_a w2_b), made for this one layer."""
-    if kind == "lokr":
-        w1, w2 = factors
-        grouped = x.reshape(*x.shape[:-1], w1.shape[1], w2.shape[1])  # [..., b, d]
-        product = torch.matmul(w1, torch.matmul(grouped, w2.t()))  # [..., a, c]
-        return product.reshape(*x.shape[:-1], w1.shape[0] * w2.shape[0])
-    w1_a, w1_b, w2_a, w2_b = factors
-    return F.linear(x, (w1_a @ w1_b) * (w2_a @ w2_b))
+def _kronecker_product(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """x kron(W1, W2)^T without making the kron (x's last dim seen as [b, d]: W1 X W2^T)."""
+    grouped = x.reshape(*x.shape[:-1], w1.shape[1], w2.shape[1])  # [..., b, d]
+    product = torch.matmul(w1, torch.matmul(grouped, w2.t()))  # [..., a, c]
+    return product.reshape(*x.shape[:-1], w1.shape[0] * w2.shape[0])
 
 
 def _add_product(target: torch.Tensor, low: torch.Tensor, up: torch.Tensor, scale: float) -> bool:
