@@ -381,7 +381,8 @@ def _resolve(model: nn.Module, lora: LoRA, term: Term, strength: float, weights:
 class _DeltaHook:
     """Forward hook adding the unmerged adapters' contribution to one module's output.
 
-    Linear: y += scale * (x A^T) B^T on the term's output rows (dense: x D^T, bias + db).
+    Linear: y += scale * (x A^T) B^T on the term's output rows (dense: x D^T, bias + db; LoKr: W1 X W2^T; LoHa: as
+    a rank r1 * r2 pair or its dense delta).
     RMSNorm: y += normalize(x) * D (RMSNorm is linear in its weight, so this is exact).
     """
 
@@ -395,8 +396,8 @@ class _DeltaHook:
              None if r.delta is None else r.delta.to(device, dtype))
             for r in resolved if r.factored is None
         ]
-        # LoKr: (W1, W2) made once, small; LoHa: its four factors, the delta made at each forward (never kept), its
-        # row order moved into w1_a and w2_a (a Hadamard product's rows are its factors' rows)
+        # LoKr: (W1, W2) made once, small; LoHa: its four factors, its rank r1 * r2 pair or its delta made at each
+        # forward (never kept), its row order moved into w1_a and w2_a (a Hadamard product's rows are its factors' rows)
         self.factored = []
         for r in resolved:
             if r.factored is None:
@@ -417,11 +418,10 @@ class _DeltaHook:
             self.terms = [(*term[:3], *(None if t is None else t.to(x.device) for t in term[3:])) for term in self.terms]
         for param, rows, scale, down, up, delta in self.terms:
             if down is not None:
-                low = F.linear(x.to(down.dtype), down)  # [..., rank]: small
-                target = out[..., rows]
-                if target.dtype == low.dtype and _add_product(target, low, up, scale):
+                x_in, target = x.to(down.dtype), out[..., rows]
+                if target.dtype == x_in.dtype and _add_product(target, x_in, up, scale, down):
                     continue
-                contribution = F.linear(low, up) * scale
+                contribution = F.linear(F.linear(x_in, down), up) * scale
             elif param == "bias":
                 contribution = delta * scale
             elif isinstance(module, LINEARS):
@@ -437,12 +437,15 @@ class _DeltaHook:
                 factors = tuple(t.to(x.device) for t in factors)
                 self.factored[index] = (rows, scale, kind, order, factors)
             x_in, target = x.to(factors[0].dtype), out[..., rows]
-            if kind == "loha":  # its delta made for this layer at each forward, never kept; then as a dense one
+            if kind == "loha":  # made for this layer at each forward, never kept: as a low-rank pair where cheaper
                 w1_a, w1_b, w2_a, w2_b = factors
-                delta = (w1_a @ w1_b) * (w2_a @ w2_b)
-                if target.dtype == delta.dtype and _add_product(target, x_in, delta, scale):
+                if loha_is_low_rank(w1_a.shape[0], w1_b.shape[1], w1_b.shape[0], w2_b.shape[0]):
+                    up, down = loha_low_rank_factors(*factors)
+                else:
+                    up, down = (w1_a @ w1_b) * (w2_a @ w2_b), None  # its dense delta
+                if target.dtype == x_in.dtype and _add_product(target, x_in, up, scale, down):
                     continue
-                contribution = F.linear(x_in, delta)
+                contribution = F.linear(x_in if down is None else F.linear(x_in, down), up)
             else:
                 if target.dtype == x_in.dtype and _add_kronecker(target, x_in, *factors, order, scale):
                     continue
@@ -453,13 +456,13 @@ class _DeltaHook:
         return out
 
 
-LOKR_CHUNK_ELEMENTS = 2**25  # a dynamic LoKr's temporaries: 64 MiB in bf16, whatever the rows
+FACTORED_CHUNK_ELEMENTS = 2**25  # a dynamic LoKr's or LoHa's slice of temporaries: 64 MiB in bf16, whatever the rows
 
 
 def _add_kronecker(target: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                    order: torch.Tensor | None, scale: float) -> bool:
     """target += scale * x kron(W1, W2)^T in place (as `_add_product`), a slice of tokens at a time so that its
-    temporaries stay under LOKR_CHUNK_ELEMENTS: W1 (X W2^T) as batched GEMMs into `target` seen as [tokens, a, c];
+    temporaries stay under FACTORED_CHUNK_ELEMENTS: W1 (X W2^T) as batched GEMMs into `target` seen as [tokens, a, c];
     with an `order` of our rows (diffusers' SwiGLU halves, interleaved qkv heads), the slice's product reordered and
     added. False where `target` cannot be seen as a matrix."""
     try:
@@ -468,7 +471,7 @@ def _add_kronecker(target: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: 
         return False
     grouped = x.reshape(-1, w1.shape[1], w2.shape[1])  # [tokens, b, d]
     # X W2^T [step, b, c]; with an order also the product and its reordered copy [step, a * c] each
-    step = max(1, LOKR_CHUNK_ELEMENTS // (w1.shape[1] * w2.shape[0] if order is None else 2 * matrix.shape[1]))
+    step = max(1, FACTORED_CHUNK_ELEMENTS // (w1.shape[1] * w2.shape[0] if order is None else 2 * matrix.shape[1]))
     for start in range(0, matrix.shape[0], step):
         inner = torch.matmul(grouped[start : start + step], w2.t())
         rows = matrix[start : start + step]
@@ -487,16 +490,49 @@ def _kronecker_product(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> t
     return product.reshape(*x.shape[:-1], w1.shape[0] * w2.shape[0])
 
 
-def _add_product(target: torch.Tensor, low: torch.Tensor, up: torch.Tensor, scale: float) -> bool:
-    """target += scale * low @ up^T in one GEMM into `target` (a view of the hooked output; `up` a low-rank B or a
-    dense delta, `low` then the input): no temporary of the output's width (two of them at fc1, 4.1 GiB at a 5 s
-    clip's rows on an H200, were not in the memory plan). False where `target` cannot be seen as a matrix in place."""
+def _add_product(target: torch.Tensor, x: torch.Tensor, up: torch.Tensor, scale: float,
+                 down: torch.Tensor | None = None) -> bool:
+    """target += scale * x D^T in place, D = `up` (a dense delta) or `up` @ `down` (low-rank, its [tokens, rank]
+    product made FACTORED_CHUNK_ELEMENTS at a time), GEMMs into `target` (a view of the hooked output): no temporary
+    of the output's width (two of them at fc1, 4.1 GiB at a 5 s clip's rows on an H200, were not in the memory
+    plan). False where `target` cannot be seen as a matrix in place."""
     try:
         matrix = target.view(-1, target.shape[-1])
     except RuntimeError:
         return False
-    matrix.addmm_(low.reshape(-1, low.shape[-1]), up.t(), alpha=scale)
+    flat = x.reshape(-1, x.shape[-1])
+    if down is None:
+        matrix.addmm_(flat, up.t(), alpha=scale)
+        return True
+    step = max(1, FACTORED_CHUNK_ELEMENTS // down.shape[0])
+    for start in range(0, flat.shape[0], step):
+        matrix[start : start + step].addmm_(F.linear(flat[start : start + step], down), up.t(), alpha=scale)
     return True
+
+
+def loha_is_low_rank(out_features: int, in_features: int, rank1: int, rank2: int) -> bool:
+    """Whether a hooked LoHa is cheaper added as a rank1 * rank2 product (`loha_low_rank_factors`) than through its
+    dense delta (a second GEMM the size of its layer's, +80-117% on an H100): fewer multiply-adds per token."""
+    return rank1 * rank2 * (out_features + in_features) < out_features * in_features
+
+
+def loha_low_rank_factors(w1_a: torch.Tensor, w1_b: torch.Tensor, w2_a: torch.Tensor,
+                          w2_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U [out, r1 * r2], V [r1 * r2, in]) with U V = (w1_a w1_b) * (w2_a w2_b): the Hadamard product of two sums of
+    r1 and r2 outer products is the sum of the r1 * r2 outer products of the factors' elementwise products."""
+    up = (w1_a[:, :, None] * w2_a[:, None, :]).flatten(1)
+    down = (w1_b[:, None, :] * w2_b[None, :, :]).flatten(0, 1)
+    return up, down
+
+
+def loha_transient_elements(term: Term) -> int:
+    """The most a hooked LoHa makes while its layer runs: U, V and a slice of x V^T, or its delta and the two
+    products it is made from."""
+    (out_features, in_features), f = term.factored_shape, term.factors
+    rank1, rank2 = f["w1_b"].shape[0], f["w2_b"].shape[0]
+    if loha_is_low_rank(out_features, in_features, rank1, rank2):
+        return rank1 * rank2 * (out_features + in_features) + FACTORED_CHUNK_ELEMENTS
+    return 3 * out_features * in_features
 
 
 @dataclass
@@ -651,10 +687,10 @@ def hooked_bytes(loras: Sequence[tuple[LoRA, float]], partition: str, element_si
                 held = sum(t.numel() for t in (term.down, term.up, term.delta) if t is not None)
                 if term.kind == "lokr":  # W1 and W2, kept whole; a slice of x W2^T while its layer runs
                     held += sum(w.numel() for w in term.kronecker_factors(device="meta"))
-                    transient = max(transient, LOKR_CHUNK_ELEMENTS * size)
-                elif term.kind == "loha":  # its factors, and while its layer runs its delta and the two products
+                    transient = max(transient, FACTORED_CHUNK_ELEMENTS * size)
+                elif term.kind == "loha":  # its factors, and what it makes while its layer runs
                     held += sum(t.numel() for t in term.factors.values())
-                    transient = max(transient, 3 * math.prod(term.factored_shape) * size)
+                    transient = max(transient, loha_transient_elements(term) * size)
                 total += held * size
     return total + transient
 
