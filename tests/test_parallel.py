@@ -639,6 +639,65 @@ def test_ranks_served_with_other_model_options_are_refused():
                                                      "--attention-window-dense-steps", "1"))
 
 
+def _serve_rank_1(spec_args: list[str], init_method: str):
+    """`python -m h3_core.parallel` serving rank 1 of 2 on the CPU, as a second machine would."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "h3_core.parallel", "--model", TINY_RANDOM, "--dtype", "fp32", "--attention", "sdpa",
+         "--devices", "cpu", "--init-method", init_method, "--world-size", "2", "--first-rank", "1", *spec_args],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+
+
+def _tcp_rendezvous() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_rank_on_another_machine_that_fails_is_named_with_its_error(tmp_path):
+    """A served rank has no queue to the caller: its failure (here its copy of the adapter is damaged) reaches
+    the caller through the rendezvous store, named with its rank and error, not as rank 0 losing its connection;
+    one that goes away without a word (killed) is said to be on another machine."""
+    from lora_files import fused, random_spec, write_native
+
+    (tmp_path / "here").mkdir()
+    good = write_native(tmp_path / "here" / "adapter.safetensors", fused(random_spec(TINY_DIT, seed=8, shared_qkv_a=True)))
+    damaged = tmp_path / "there" / "adapter.safetensors"  # compared by file name: the same adapter, it seems
+    damaged.parent.mkdir()
+    damaged.write_bytes(good.read_bytes()[:200])
+    spec = ModelSpec(TINY_RANDOM, dtype=torch.float32, attention="sdpa", loras=((str(good), 0.7),))
+    init_method = _tcp_rendezvous()
+    server = _serve_rank_1(["--lora", f"{damaged}:0.7"], init_method)
+    try:
+        with pytest.raises(ParallelWorkerError) as failed:
+            ParallelRunner(spec, ["cpu"], init_method=init_method, world_size=2, threads=1)
+        assert server.wait(timeout=120) == 1
+    finally:
+        server.kill()
+    message = str(failed.value)
+    assert re.search(r"^H3 worker rank 1 on cpu of \S+ failed \(CheckpointError: .*there/adapter\.safetensors is not a readable safetensors file.*\), so H3 worker "
+                     r"rank 0 on cpu failed: ", message), message
+
+    spec = ModelSpec(TINY_RANDOM, dtype=torch.float32, attention="sdpa")
+    init_method = _tcp_rendezvous()
+    server = _serve_rank_1([], init_method)
+    try:
+        runner = ParallelRunner(spec, ["cpu"], init_method=init_method, world_size=2, threads=1)
+        os.killpg(server.pid, signal.SIGKILL)  # the machine's ranks gone at once, no report left
+        server.wait(timeout=60)
+        with pytest.raises(ParallelWorkerError, match=r"^a rank on another machine \(ranks 1-1, served by `python -m "
+                                                      r"h3_core.parallel` there\) went away without a report"):
+            sample(runner, conditioning(False), seed=3, steps=STEPS)
+        assert runner.closed
+    finally:
+        server.kill()
+
+
 def test_a_batch_starts_the_workers_again_after_one_fails(tmp_path, monkeypatch):
     """A worker failure ends its runner: the batch reports that job (on_failure) and starts the workers again
     for the next, instead of failing every later job on a closed runner."""

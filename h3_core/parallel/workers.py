@@ -42,7 +42,7 @@ from ..placement import check_devices
 from ..runtime import compile_failed, empty_caches
 from ..sampler import AUDIO_SHIFT, VIDEO_SHIFT, StepState
 from ..tiny import TINY_RANDOM, TINY_SEED, seeded_random_weights
-from . import sequence, sharding
+from . import peer_reports, sequence, sharding
 
 # Idle ranks wait for the next request inside a CPU broadcast; it must outlast any pause between requests.
 CONTROL_TIMEOUT = timedelta(days=30)
@@ -206,17 +206,40 @@ def _worker(setup: _Setup, requests, results, interrupt) -> None:
         if results is not None:
             results.put(pickle.dumps(message))
 
+    store = None
     try:
+        store = _join(setup)
         _serve(setup, requests, send, interrupt)
     except BaseException as error:  # noqa: BLE001  every failure must reach the caller
-        send("error", setup.rank, setup.device, f"{type(error).__name__}: {error}", traceback.format_exc(),
-             compile_failed(error))
+        summary = f"{type(error).__name__}: {error}"
+        peer_reports.report(store, setup.rank, setup.device, summary)
+        wait = peer_reports.PEER_WAIT_S if peer_reports.lost_a_peer(error) else 0.0
+        peers = peer_reports.peer_failures(store, setup.rank, setup.world, wait)
+        send("error", setup.rank, setup.device, summary, traceback.format_exc(), compile_failed(error), peers)
         if results is None:
             traceback.print_exc()
         else:
             results.close()
             results.join_thread()
         os._exit(1)  # peers may be blocked in a collective with us; the caller stops them
+
+
+def _join(setup: _Setup) -> dist.Store:
+    """Meet the other ranks; returns the rendezvous store, where a failing rank leaves its report."""
+    device = torch.device(setup.device)
+    if setup.threads:
+        torch.set_num_threads(setup.threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = _private_store(setup.init_method)  # opened as a path: a URL would cut it at a '?' in TMPDIR
+    if store:
+        store = dist.FileStore(store, setup.world)
+        store.set_timeout(default_pg_timeout)  # a file:// rendezvous's; a given store keeps its own 5 minutes
+    else:  # tcp:// or env://, as init_process_group would meet them
+        store, _, _ = next(dist.rendezvous(setup.init_method, setup.rank, setup.world, timeout=default_pg_timeout))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=setup.rank,
+                            world_size=setup.world)
+    return store
 
 
 def _load(setup: _Setup, device: torch.device, control, weights):
@@ -271,19 +294,6 @@ def _portable_rows(state: StepState) -> dict:
 
 def _serve(setup: _Setup, requests, send, interrupt) -> None:
     device = torch.device(setup.device)
-    if setup.threads:
-        torch.set_num_threads(setup.threads)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    store = _private_store(setup.init_method)  # opened as a path: a URL would cut it at a '?' in TMPDIR
-    if store:
-        file_store = dist.FileStore(store, setup.world)
-        file_store.set_timeout(default_pg_timeout)  # a file:// rendezvous's; a given store keeps its own 5 minutes
-        meeting = dict(store=file_store)
-    else:
-        meeting = dict(init_method=setup.init_method)
-    dist.init_process_group(backend, rank=setup.rank, world_size=setup.world, **meeting)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     _check_same_options(setup, control)
     weights = dist.new_group() if setup.shard_weights else None  # weight gathers don't queue behind attention
@@ -358,6 +368,7 @@ class _Pool:
         self.requests, self.results, self.interrupt = ctx.Queue(), ctx.Queue(), ctx.Event()
         self.tempdir = tempdir
         self.devices = [s.device for s in setups]
+        self.world = setups[0].world  # ranks here and on other machines
         self.processes = [
             ctx.Process(
                 target=_worker,
@@ -408,16 +419,24 @@ class _Pool:
             self._fail(*message[1:])
         return message
 
-    def _fail(self, rank: int, device: str, summary: str, worker_traceback: str, compiling: bool = False) -> None:
+    def _fail(self, rank: int, device: str, summary: str, worker_traceback: str, compiling: bool = False,
+              peers: Sequence[tuple[int, str, str]] = ()) -> None:
         late = self._late_reports()
         killed = [(other, process.exitcode) for other, process in enumerate(self.processes)
                   if other != rank and process.exitcode is not None and process.exitcode < 0]
         self.stop(graceful=False)
         cause = ""
-        if killed:  # the report is a survivor's (its collective lost a peer): name the rank that died first
+        if peers:  # the report is a survivor's, and the rank it lost left its own in the store
+            other, where, told = peers[0]
+            cause = f"H3 worker rank {other} on {where} failed ({told}), so "
+        elif killed:  # the report is a survivor's (its collective lost a peer): name the rank that died first
             other, code = killed[0]
             cause = (f"H3 worker rank {other} on {self.devices[other]} was killed ({_signal_name(-code)}; out "
                      "of memory?), so ")
+        elif self.world > len(self.processes) and peer_reports.lost_a_peer(RuntimeError(summary)):
+            cause = (f"a rank on another machine (ranks {len(self.processes)}-{self.world - 1}, served by `python -m "
+                     "h3_core.parallel` there) went away without a report (killed, or its machine lost; its own "
+                     "output may say why), so ")
         error = ParallelWorkerError(
             f"{cause}H3 worker rank {rank} on {device} failed: {summary}\n"
             + (f"--- traceback in the worker ---\n{worker_traceback}" if worker_traceback else "")
