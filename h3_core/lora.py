@@ -506,7 +506,10 @@ def _add_product(target: torch.Tensor, x: torch.Tensor, up: torch.Tensor, scale:
         return True
     step = max(1, FACTORED_CHUNK_ELEMENTS // down.shape[0])
     for start in range(0, flat.shape[0], step):
-        matrix[start : start + step].addmm_(F.linear(flat[start : start + step], down), up.t(), alpha=scale)
+        low = F.linear(flat[start : start + step], down)
+        if low.dtype != matrix.dtype:  # under autocast: the first slice says so, before anything is added
+            return False
+        matrix[start : start + step].addmm_(low, up.t(), alpha=scale)
     return True
 
 

@@ -742,3 +742,21 @@ def test_a_dynamic_lora_adds_its_product_without_an_output_wide_temporary(layout
         assert out is base and largest <= (bound or rows * 4) * 4
     else:
         assert largest >= x.shape[0] * x.shape[1] * 1024 * 4
+
+
+def test_a_dynamic_lora_under_autocast_takes_the_plain_sum():
+    """Under autocast the hook's products come out in the autocast dtype: the in-place GEMM (which needs one dtype)
+    is left before it adds anything, and the plain sum is taken."""
+    from h3_core.lora import _DeltaHook, _Resolved
+
+    generator = torch.Generator().manual_seed(5)
+    linear = torch.nn.Linear(32, 64, bias=False).requires_grad_(False)
+    x = torch.randn(3, 40, 32, generator=generator)
+    down, up = torch.randn(4, 32, generator=generator), torch.randn(64, 4, generator=generator)
+    hook = _DeltaHook(linear, [_Resolved(linear, "t", "weight", slice(0, 64), 0.5, down, up, None)])
+    with torch.no_grad():
+        base = linear(x)
+        want = base.double() + 0.5 * x.double() @ (up @ down).double().T
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = hook(linear, (x,), base.clone())
+    assert out.dtype == torch.float32 and (out.double() - want).abs().max() < 0.02 * want.abs().max()

@@ -647,7 +647,7 @@ def _serve_rank_1(spec_args: list[str], init_method: str):
     return subprocess.Popen(
         [sys.executable, "-m", "h3_core.parallel", "--model", TINY_RANDOM, "--dtype", "fp32", "--attention", "sdpa",
          "--devices", "cpu", "--init-method", init_method, "--world-size", "2", "--first-rank", "1", *spec_args],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True)
 
 
@@ -696,6 +696,37 @@ def test_a_rank_on_another_machine_that_fails_is_named_with_its_error(tmp_path):
         assert runner.closed
     finally:
         server.kill()
+
+
+def test_a_rank_that_lost_a_peer_names_the_rank_that_failed_on_its_own(monkeypatch):
+    """Reports through the store: a rank whose collective lost a peer names the rank that failed on its own first
+    (not a bystander that also lost it); a rank that failed on its own names nobody; a store that stops answering
+    does not hold a failing rank past EXCHANGE_LIMIT_S."""
+    import threading
+    import time
+
+    from h3_core.parallel import peer_reports
+
+    store = dist.HashStore()
+    lost = RuntimeError("[pair.cc:553] Connection closed by peer [10.0.0.2]:4242")
+    assert peer_reports.exchange(store, 1, 4, "cuda:0", lost, f"RuntimeError: {lost}") == []  # none told yet
+    assert peer_reports.exchange(store, 3, 4, "cuda:1", MemoryError("CUDA out of memory"), "MemoryError: CUDA out "
+                                 "of memory") == []  # its own failure: it waits for nobody
+    peers = peer_reports.exchange(store, 0, 4, "cuda:0", lost, f"RuntimeError: {lost}")
+    assert [(rank, summary.split(":")[0]) for rank, _, summary in peers] == [(3, "MemoryError"), (1, "RuntimeError")]
+    assert peers[0][1].startswith("cuda:1 of ")
+    peer_reports.forget(store, 3)
+    assert [rank for rank, *_ in peer_reports.exchange(store, 2, 4, "cpu", lost, "x")] == [0, 1]
+    assert peer_reports.lost_a_peer("DistBackendError: [Rank 0] Watchdog caught collective operation timeout")
+
+    class Stopped:  # its host frozen: every call blocks
+        def __getattr__(self, name):
+            return lambda *args: threading.Event().wait()
+
+    monkeypatch.setattr(peer_reports, "EXCHANGE_LIMIT_S", 0.5)
+    start = time.monotonic()
+    assert peer_reports.exchange(Stopped(), 0, 2, "cpu", lost, "x") == []
+    assert time.monotonic() - start < 2
 
 
 def test_a_batch_starts_the_workers_again_after_one_fails(tmp_path, monkeypatch):

@@ -34,7 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.constants import default_pg_timeout
+from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
 
 from ..config import TINY_DIT, DiTConfig
 from ..dit import H3DiT
@@ -212,9 +212,7 @@ def _worker(setup: _Setup, requests, results, interrupt) -> None:
         _serve(setup, requests, send, interrupt)
     except BaseException as error:  # noqa: BLE001  every failure must reach the caller
         summary = f"{type(error).__name__}: {error}"
-        peer_reports.report(store, setup.rank, setup.device, summary)
-        wait = peer_reports.PEER_WAIT_S if peer_reports.lost_a_peer(error) else 0.0
-        peers = peer_reports.peer_failures(store, setup.rank, setup.world, wait)
+        peers = peer_reports.exchange(store, setup.rank, setup.world, setup.device, error, summary)
         send("error", setup.rank, setup.device, summary, traceback.format_exc(), compile_failed(error), peers)
         if results is None:
             traceback.print_exc()
@@ -225,19 +223,23 @@ def _worker(setup: _Setup, requests, results, interrupt) -> None:
 
 
 def _join(setup: _Setup) -> dist.Store:
-    """Meet the other ranks; returns the rendezvous store, where a failing rank leaves its report."""
+    """Meet the other ranks as init_process_group(init_method=...) would (the same store, timeout and key prefix);
+    returns the rendezvous store, where a failing rank leaves its report (peer_reports)."""
     device = torch.device(setup.device)
     if setup.threads:
         torch.set_num_threads(setup.threads)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = _private_store(setup.init_method)  # opened as a path: a URL would cut it at a '?' in TMPDIR
-    if store:
-        store = dist.FileStore(store, setup.world)
-        store.set_timeout(default_pg_timeout)  # a file:// rendezvous's; a given store keeps its own 5 minutes
-    else:  # tcp:// or env://, as init_process_group would meet them
-        store, _, _ = next(dist.rendezvous(setup.init_method, setup.rank, setup.world, timeout=default_pg_timeout))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=setup.rank,
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = default_pg_nccl_timeout if backend == "nccl" and default_pg_nccl_timeout else default_pg_timeout
+    private = _private_store(setup.init_method)  # opened as a path: a URL would cut it at a '?' in TMPDIR
+    if private:
+        store = dist.FileStore(private, setup.world)
+    else:  # tcp:// or env://
+        store, _, _ = next(dist.rendezvous(setup.init_method, setup.rank, setup.world, timeout=timeout))
+    store.set_timeout(timeout)
+    peer_reports.forget(store, setup.rank)
+    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=setup.rank,
                             world_size=setup.world)
     return store
 
@@ -433,7 +435,7 @@ class _Pool:
             other, code = killed[0]
             cause = (f"H3 worker rank {other} on {self.devices[other]} was killed ({_signal_name(-code)}; out "
                      "of memory?), so ")
-        elif self.world > len(self.processes) and peer_reports.lost_a_peer(RuntimeError(summary)):
+        elif self.world > len(self.processes) and peer_reports.lost_a_peer(summary):
             cause = (f"a rank on another machine (ranks {len(self.processes)}-{self.world - 1}, served by `python -m "
                      "h3_core.parallel` there) went away without a report (killed, or its machine lost; its own "
                      "output may say why), so ")
