@@ -680,8 +680,8 @@ def test_a_rank_on_another_machine_that_fails_is_named_with_its_error(tmp_path):
     finally:
         server.kill()
     message = str(failed.value)
-    assert re.search(r"^H3 worker rank 1 on cpu of \S+ failed \(CheckpointError: .*there/adapter\.safetensors is not a readable safetensors file.*\), so H3 worker "
-                     r"rank 0 on cpu failed: ", message), message
+    assert re.search(r"^H3 worker rank 1 on cpu of \S+ failed \(CheckpointError: .*there/adapter\.safetensors is not a "
+                     r"readable safetensors file.*\), so H3 worker rank 0 on cpu failed: ", message), message
 
     spec = ModelSpec(TINY_RANDOM, dtype=torch.float32, attention="sdpa")
     init_method = _tcp_rendezvous()

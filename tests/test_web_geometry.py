@@ -163,3 +163,34 @@ def test_the_text_encoder_loader_is_found_through_reroutes():
     assert found == ["H3TextEncoderLoader", "H3TextEncoderLoader", None, None, None,
                                       "H3TextEncoderLoader"]
     assert "linkOrigin(node.graph, input.link)" in (JS.parent / "h3_conditioning.js").read_text()
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed: the JS is not run")
+def test_the_text_encoder_loader_is_found_through_subgraph_inputs():
+    """H3 Conditioning inside a subgraph whose text_encoder comes in through the subgraph's input: the loader is
+    found where the subgraph's node is fed (the frontend's shapes: links from the input node's id, -10, at the
+    input's slot; `rootGraph`, its `subgraphs` Map, `isSubgraphNode()`), through nested subgraphs too; a subgraph
+    placed by two nodes cannot say which loader it gets (the release canvas is shown, as before)."""
+    body = """
+    const graphOf = (nodes, links, extra = {}) => {
+      const g = {nodes, links, getNodeById: (id) => nodes.find((n) => n.id === id) ?? null, ...extra};
+      nodes.forEach((n) => { n.graph = g; });
+      return g;
+    };
+    const holder = (id, subgraph, link) => ({id, type: "sub", isSubgraphNode: () => true, subgraph,
+                                             inputs: [{name: "other", link: null}, {name: "text_encoder", link}]});
+    const root = graphOf([{id: 1, type: "H3TextEncoderLoader", inputs: []}], new Map([[20, {origin_id: 1}]]));
+    root.rootGraph = root;
+    const io = {slots: [{name: "text_encoder"}]};
+    const inner = graphOf([], {30: {origin_id: g.SUBGRAPH_INPUT_ID, origin_slot: 0}}, {rootGraph: root, inputNode: io});
+    const outer = graphOf([], {40: {originIsIoNode: true, origin_slot: 0}, 41: {originIsIoNode: true, origin_slot: 0}},
+                          {rootGraph: root, inputNode: io});
+    outer.nodes.push(Object.assign(holder(7, inner, 41), {graph: outer}));
+    root.nodes.push(Object.assign(holder(5, outer, 20), {graph: root}));
+    root.subgraphs = new Map([["outer", outer], ["inner", inner]]);
+    const found = [g.linkOrigin(inner, 30)?.type ?? null, g.linkOrigin(outer, 40)?.type ?? null];
+    root.nodes.push(Object.assign(holder(6, outer, 20), {graph: root}));  // placed twice
+    found.push(g.linkOrigin(outer, 40)?.type ?? null);
+    console.log(JSON.stringify(found));
+    """
+    assert _run_js(body, None) == ["H3TextEncoderLoader", "H3TextEncoderLoader", None]

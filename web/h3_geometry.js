@@ -77,16 +77,38 @@ export function resolveRequest(values, rules = RELEASE_RULES) {
   return { ...out, width: w, height: h };
 }
 
-// The node a link comes from, through Reroute nodes (each passes its one input on); null when it cannot be told
-// (a subgraph's input, say). `graph.links` is an object or a Map, as frontends keep it.
+// The node a link comes from, through Reroute nodes (each passes its one input on) and out of a subgraph through
+// its input slot to what feeds the subgraph's node; null when it cannot be told (a subgraph placed by several
+// nodes, say). `graph.links` is an object or a Map, as frontends keep it.
 export function linkOrigin(graph, linkId) {
   for (let hops = 0; linkId != null && hops < 64; hops++) {
     const link = graph?.links?.[linkId] ?? graph?.links?.get?.(linkId);
+    if (link && (link.originIsIoNode || link.origin_id === SUBGRAPH_INPUT_ID)) {
+      const holders = subgraphNodes(graph);
+      if (holders.length !== 1) return null;
+      const name = graph.inputNode?.slots?.[link.origin_slot]?.name;
+      const inputs = holders[0].inputs ?? [];
+      const input = inputs.find((i) => name != null && i.name === name) ?? inputs[link.origin_slot];
+      [graph, linkId] = [holders[0].graph, input?.link];
+      continue;
+    }
     const origin = link ? graph.getNodeById(link.origin_id) : null;
     if (!origin || origin.type !== "Reroute") return origin ?? null;
     linkId = origin.inputs?.[0]?.link;
   }
   return null;
+}
+
+// The frontend's id for a subgraph's input node, where the links from its input slots start.
+export const SUBGRAPH_INPUT_ID = -10;
+
+// The nodes that place `subgraph`, in the root graph and in every subgraph definition.
+function subgraphNodes(subgraph) {
+  const root = subgraph?.rootGraph;
+  if (!root || root === subgraph) return [];
+  const graphs = [root, ...(root.subgraphs?.values?.() ?? [])];
+  return graphs.flatMap((g) => [...(g.nodes ?? g._nodes ?? [])])
+    .filter((node) => node.isSubgraphNode?.() && node.subgraph === subgraph);
 }
 
 // A typed or pasted path as the nodes read it (nodes/model_folders.clean_path): spaces around it and one pair of
