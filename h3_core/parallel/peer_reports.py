@@ -32,7 +32,8 @@ def lost_a_peer(error: BaseException | str) -> bool:
 
 
 def forget(store: dist.Store, rank: int) -> None:
-    """Drop a report this rank left in an earlier run on the same store (a torchrun agent's outlives a run)."""
+    """Drop a report left under this rank in an earlier run on the same store (under torchrun, env:// meets in the
+    agent's store, which outlives a run; the runner's own stores are new for each)."""
     store.delete_key(KEY.format(rank=rank))
 
 

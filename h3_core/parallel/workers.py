@@ -436,9 +436,10 @@ class _Pool:
             cause = (f"H3 worker rank {other} on {self.devices[other]} was killed ({_signal_name(-code)}; out "
                      "of memory?), so ")
         elif self.world > len(self.processes) and peer_reports.lost_a_peer(summary):
-            cause = (f"a rank on another machine (ranks {len(self.processes)}-{self.world - 1}, served by `python -m "
-                     "h3_core.parallel` there) went away without a report (killed, or its machine lost; its own "
-                     "output may say why), so ")
+            first, last = len(self.processes), self.world - 1
+            served = f"rank {first}" if first == last else f"ranks {first}-{last}"
+            cause = (f"a rank on another machine ({served}, served by `python -m h3_core.parallel` there) went away "
+                     "without a report (killed, or its machine lost; its own output may say why), so ")
         error = ParallelWorkerError(
             f"{cause}H3 worker rank {rank} on {device} failed: {summary}\n"
             + (f"--- traceback in the worker ---\n{worker_traceback}" if worker_traceback else "")
