@@ -4,8 +4,9 @@ installed; skips with a message otherwise. Starts the server on a free loopback 
 linked into custom_nodes (and a tiny Turbo LoRA under the file name the turbo workflow names), then:
 /object_info and the template list, every API workflow to an MP4 on tiny-random with progress and
 previews on the websocket, an output list, node errors at queue time, a bad sigma ladder, an interrupt
-mid-sampling, /free releasing our models, and our latents through ComfyUI's own AV latent nodes. Also, in
-process: Load Video's VIDEO class read from its file, and ComfyUI's own H3 audio VAE on our latents."""
+mid-sampling, /free releasing our models, our latents through ComfyUI's own AV latent nodes, and the real-file
+templates through /prompt's checks. Also, in process: Load Video's VIDEO class read from its file, and ComfyUI's
+own H3 audio VAE on our latents."""
 
 import asyncio
 import json
@@ -141,7 +142,7 @@ def server():
     (nodes_dir / "comfyui-h3").symlink_to(PACK, target_is_directory=True)
     config = work / "extra_model_paths.yaml"
     config.write_text(f"h3test:\n  base_path: {work}\n  custom_nodes: custom_nodes\n  loras: loras\n"
-                      "  diffusion_models: diffusion_models\n")
+                      "  diffusion_models: diffusion_models\n  text_encoders: text_encoders\n  vae: vae\n")
     port = _free_port()
     log = open(work / "server.log", "w")  # noqa: SIM115 (closed after the server stops)
     process = subprocess.Popen(
@@ -704,6 +705,38 @@ def test_workflow_nodes_and_inputs_exist_in_this_comfyui(server):
         problems += [f"{path.name}: {node['type']} unknown" for node in json.loads(path.read_text())["nodes"]
                      if node["type"] not in info and node["type"] not in frontend_only]
     assert not problems, "\n".join(problems)
+
+
+# the folder each node that takes a file name lists it from (nodes/loaders.py, nodes/sampler.py; ComfyUI's input/)
+FILE_FOLDERS = {"H3ModelLoader": "diffusion_models", "H3TextEncoderLoader": "text_encoders", "H3VAELoader": "vae",
+                "H3LoRAApply": "loras", "LoadImage": "input", "LoadAudio": "input", "LoadVideo": "input"}
+
+
+def test_real_file_templates_pass_a_real_prompt_check(server):
+    """workflows/templates (the Comfy-Org file names, LoadImage / LoadAudio / LoadVideo) queue on a real /prompt
+    once their files are there (empty stand-ins: the check reads names, not contents): every value in this
+    ComfyUI's option lists, every input and link accepted. The runs then stop at the first file read."""
+    base, work = server
+    placed = []
+    try:
+        for path in sorted((PACK / "workflows" / "templates").glob("*.json")):
+            graph = json.loads(path.read_text())
+            for node in graph.values():
+                folder = FILE_FOLDERS.get(node["class_type"])
+                for name, value in node["inputs"].items():
+                    if folder and isinstance(value, str) and "." in value and name not in ("prompt", "folder"):
+                        file = work / folder / value
+                        if not file.exists():
+                            file.parent.mkdir(parents=True, exist_ok=True)
+                            file.write_bytes(b"")
+                            placed.append(file)
+            status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "templates"})
+            assert status == 200 and not body.get("node_errors"), f"{path.name}: {json.dumps(body)[:3000]}"
+            assert _wait(base, body["prompt_id"])["status"]["status_str"] == "error"  # an empty stand-in read
+    finally:
+        for file in placed:
+            file.unlink(missing_ok=True)
+    assert placed  # the models and media the templates name
 
 
 def test_load_videos_file_video_is_read_from_its_file_with_its_trim(tmp_path, monkeypatch):
