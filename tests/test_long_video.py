@@ -165,6 +165,20 @@ def test_window_prompts_each_encode_with_one_media_clock(models):
     assert same.texts[0][0] is same.texts[1][0]  # one prompt is encoded once
 
 
+def test_a_window_prompt_encodes_as_its_own_request_would(models):
+    """A later window's prompt goes through the same presentation (its labels, the references shown as the first
+    window shows them) and encoder as a request of that prompt alone: the same text states and tags."""
+    image = Image.fromarray(np.full((96, 160, 3), (200, 120, 40), np.uint8))
+    conditioning = encode(models, task="ref2va", references=[("image", image)],
+                          window_prompts=["<Picture 1> on a beach.", "A fox beside <Picture 1> as the sun sets."])
+    for (states, tags), prompt in zip(conditioning.texts, ["<Picture 1> on a beach.",
+                                                            "A fox beside <Picture 1> as the sun sets."]):
+        alone = encode_request(Request("ref2va", prompt, references=[("image", image)], num_frames=277), models["text"],
+                               models["video"], rules=TINY_CANVAS)
+        assert torch.equal(states, alone.text_states) and torch.equal(tags, alone.text_tags)
+    assert conditioning.texts[0][0].shape != conditioning.texts[1][0].shape  # two prompts, each its own states
+
+
 def test_drive_audio_is_held_and_returned(models):
     seconds = torch.arange(32000 * 21) / 32000
     track = DecodedAudio(torch.stack([torch.sin(2 * np.pi * 220 * seconds), torch.sin(2 * np.pi * 110 * seconds)]),
