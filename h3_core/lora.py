@@ -418,40 +418,33 @@ class _DeltaHook:
             self.terms = [(*term[:3], *(None if t is None else t.to(x.device) for t in term[3:])) for term in self.terms]
         for param, rows, scale, down, up, delta in self.terms:
             if down is not None:
-                x_in, target = x.to(down.dtype), out[..., rows]
-                if target.dtype == x_in.dtype and _add_product(target, x_in, up, scale, down):
-                    continue
-                contribution = F.linear(F.linear(x_in, down), up) * scale
+                _add_linear(out, rows, x.to(down.dtype), up, scale, down)
             elif param == "bias":
-                contribution = delta * scale
+                out[..., rows] += (delta * scale).to(out.dtype)
             elif isinstance(module, LINEARS):
-                target = out[..., rows]
-                if target.dtype == delta.dtype and _add_product(target, x.to(delta.dtype), delta, scale):
-                    continue
-                contribution = F.linear(x.to(delta.dtype), delta) * scale
+                _add_linear(out, rows, x.to(delta.dtype), delta, scale)
             else:
-                contribution = F.rms_norm(x, module.normalized_shape, delta.to(x.dtype), module.eps) * scale
-            out[..., rows] += contribution.to(out.dtype)
+                out[..., rows] += (F.rms_norm(x, module.normalized_shape, delta.to(x.dtype), module.eps)
+                                   * scale).to(out.dtype)
         for index, (rows, scale, kind, order, factors) in enumerate(self.factored):
             if any(t.device != x.device for t in factors):  # moved once, as the factors above
                 factors = tuple(t.to(x.device) for t in factors)
                 self.factored[index] = (rows, scale, kind, order, factors)
-            x_in, target = x.to(factors[0].dtype), out[..., rows]
+            x_in = x.to(factors[0].dtype)
             if kind == "loha":  # made for this layer at each forward, never kept: as a low-rank pair where cheaper
                 w1_a, w1_b, w2_a, w2_b = factors
                 if loha_is_low_rank(w1_a.shape[0], w1_b.shape[1], w1_b.shape[0], w2_b.shape[0]):
                     up, down = loha_low_rank_factors(*factors)
+                    _add_linear(out, rows, x_in, up, scale, down)
                 else:
-                    up, down = (w1_a @ w1_b) * (w2_a @ w2_b), None  # its dense delta
-                if target.dtype == x_in.dtype and _add_product(target, x_in, up, scale, down):
-                    continue
-                contribution = F.linear(x_in if down is None else F.linear(x_in, down), up)
-            else:
-                if target.dtype == x_in.dtype and _add_kronecker(target, x_in, *factors, order, scale):
-                    continue
-                contribution = _kronecker_product(x_in, *factors)
-                if order is not None:
-                    contribution = contribution[..., order.to(x.device)]
+                    _add_linear(out, rows, x_in, (w1_a @ w1_b) * (w2_a @ w2_b), scale)  # its dense delta
+                continue
+            target = out[..., rows]
+            if target.dtype == x_in.dtype and _add_kronecker(target, x_in, *factors, order, scale):
+                continue
+            contribution = _kronecker_product(x_in, *factors)
+            if order is not None:
+                contribution = contribution[..., order.to(x.device)]
             out[..., rows] += (contribution * scale).to(out.dtype)
         return out
 
@@ -488,6 +481,16 @@ def _kronecker_product(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> t
     grouped = x.reshape(*x.shape[:-1], w1.shape[1], w2.shape[1])  # [..., b, d]
     product = torch.matmul(w1, torch.matmul(grouped, w2.t()))  # [..., a, c]
     return product.reshape(*x.shape[:-1], w1.shape[0] * w2.shape[0])
+
+
+def _add_linear(out: torch.Tensor, rows: slice, x: torch.Tensor, up: torch.Tensor, scale: float,
+                down: torch.Tensor | None = None) -> None:
+    """out[..., rows] += scale * x D^T (D = `up`, or `up` @ `down`): in place where the output allows
+    (`_add_product`), else as a plain sum."""
+    target = out[..., rows]
+    if target.dtype == x.dtype and _add_product(target, x, up, scale, down):
+        return
+    out[..., rows] += (F.linear(x if down is None else F.linear(x, down), up) * scale).to(out.dtype)
 
 
 def _add_product(target: torch.Tensor, x: torch.Tensor, up: torch.Tensor, scale: float,
