@@ -167,22 +167,61 @@ TINY_VIDEO_VAE = VideoVAEConfig(
 # Encoder: causal 3D CNN
 
 
+# A CUDA kernel indexing with 32 bits refuses a larger tensor (F.pad: "input tensor must fit into 32-bit index
+# math"): an untiled 17-frame 1344x768 clip pads 128 channels at full size to 2.5e9 values. A convolution whose
+# padded input or output would pass `INDEX_LIMIT` is made in bands of output rows of at most `BAND_VALUES`.
+INDEX_LIMIT = 2**31 - 1
+BAND_VALUES = 2**30
+# Padding modes whose edge rows come from the rows next to that edge, so a band can be padded on its own.
+BANDABLE_PADDING = frozenset({"reflect", "replicate", "constant"})
+
+
 class CausalConv3d(nn.Conv3d):
-    """Conv3d with symmetric spatial padding (reflect in the release) and causal temporal padding:
-    kernel_t - 1 zero frames in front, none behind, so frame t never sees frames after t."""
+    """Conv3d with spatial padding (reflect in the release; symmetric but for Downsample's) and causal temporal
+    padding: kernel_t - 1 zero frames in front, none behind, so frame t never sees frames after t.
+
+    `spatial_padding`: pixels on every side, or (left, right, top, bottom) as F.pad orders them."""
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, spatial_padding=0, padding_mode="reflect"):
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=0)
-        self.spatial_padding = spatial_padding
+        pads = (spatial_padding,) * 4 if isinstance(spatial_padding, int) else tuple(spatial_padding)
+        self.spatial_padding = pads
         self.spatial_padding_mode = padding_mode
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        p = self.spatial_padding
-        if p:
-            x = F.pad(x, (p, p, p, p, 0, 0), mode=self.spatial_padding_mode)
+    def _pad(self, x: torch.Tensor, top: int, bottom: int) -> torch.Tensor:
+        left, right = self.spatial_padding[:2]
+        if left or right or top or bottom:
+            x = F.pad(x, (left, right, top, bottom, 0, 0), mode=self.spatial_padding_mode)
         if self.kernel_size[0] > 1:
             x = F.pad(x, (0, 0, 0, 0, self.kernel_size[0] - 1, 0))
-        return F.conv3d(x, self.weight, self.bias, self.stride)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        left, right, top, bottom = self.spatial_padding
+        batch, _, frames, height, width = x.shape
+        (kt, kh, kw), (st, sh, sw) = self.kernel_size, self.stride
+        padded_row = x.shape[1] * (frames + kt - 1) * (width + left + right)
+        out_row = self.out_channels * ((frames - 1) // st + 1) * ((width + left + right - kw) // sw + 1)
+        out_h = (height + top + bottom - kh) // sh + 1
+        fits = batch * max(padded_row * (height + top + bottom), out_row * out_h) <= INDEX_LIMIT
+        if fits or self.spatial_padding_mode not in BANDABLE_PADDING:
+            return F.conv3d(self._pad(x, top, bottom), self.weight, self.bias, self.stride)
+        return self._forward_in_bands(x, out_h, max(1, BAND_VALUES // (batch * max(sh * padded_row, out_row))))
+
+    def _forward_in_bands(self, x: torch.Tensor, out_h: int, band_rows: int) -> torch.Tensor:
+        """The same convolution, `band_rows` output rows at a time: each band reads the input rows its kernel
+        covers and pads only where they meet the picture's edge, as the whole would be padded there."""
+        top, height, kh, sh = self.spatial_padding[2], x.shape[3], self.kernel_size[1], self.stride[1]
+        out = None
+        for first in range(0, out_h, band_rows):
+            last = min(first + band_rows, out_h)
+            low, high = first * sh - top, (last - 1) * sh + kh - top  # input rows, padding rows outside 0..height
+            rows = x[:, :, :, max(low, 0):min(high, height)]
+            band = F.conv3d(self._pad(rows, max(-low, 0), max(high - height, 0)), self.weight, self.bias, self.stride)
+            if out is None:
+                out = band.new_empty(*band.shape[:3], out_h, band.shape[4])
+            out[:, :, :, first:last] = band
+        return out
 
 
 class FrameGroupNorm(nn.GroupNorm):
@@ -213,18 +252,16 @@ class ResnetBlock(nn.Module):
 
 
 class Downsample(nn.Module):
-    """Strided 3x3x3 conv, stride (t, s, s). A spatial stride of 2 is preceded by a reflect pad of one
-    pixel at the bottom and right only, so a side n becomes ceil(n / 2)."""
+    """Strided 3x3x3 conv, stride (t, s, s). A spatial stride of 2 pads one pixel (the config's mode) at the
+    bottom and right only, so a side n becomes ceil(n / 2)."""
 
     def __init__(self, channels: int, temporal_stride: int, spatial_stride: int, padding_mode: str):
         super().__init__()
-        self.spatial_stride = spatial_stride
-        self.padding_mode = padding_mode
-        self.conv = CausalConv3d(channels, channels, 3, stride=(temporal_stride, spatial_stride, spatial_stride))
+        pad = 1 if spatial_stride == 2 else 0
+        self.conv = CausalConv3d(channels, channels, 3, stride=(temporal_stride, spatial_stride, spatial_stride),
+                                 spatial_padding=(0, pad, 0, pad), padding_mode=padding_mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.spatial_stride == 2:
-            x = F.pad(x, (0, 1, 0, 1, 0, 0), mode=self.padding_mode)
         return self.conv(x)
 
 

@@ -142,6 +142,37 @@ def test_encode_matches_reference(reference, ours, frames, height, width, tiles)
     assert_close(posterior.logvar, expected.logvar)
 
 
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "constant"])
+def test_an_encode_too_large_for_32_bit_indexing_is_made_in_bands_equal_to_the_reference(monkeypatch, mode):
+    """A convolution whose padded input or output passes the 32-bit index limit runs in bands of output rows
+    (limits lowered here so the tiny model meets them): equal to diffusers' whole padded convolution, stride 2
+    and its one-sided bottom / right pad included, in each padding mode that can be banded."""
+    import h3_core.vae_video as vae_video
+
+    config = tiny_config(seed=5, spatial_padding_mode=mode)
+    reference = reference_video_vae(config, seed=9)
+    model = VideoVAE(config).eval().requires_grad_(False)
+    model.load_state_dict(convert_state_dict(reference.state_dict(), "diffusers", config))
+    pixels = torch.randn(1, 3, 22, 35, 50)  # odd height: the stride-2 pads' bottom row lands in the last band
+    reference_tiling(reference, None)
+    expected = reference.encode(pixels).latent_dist
+    bands = []
+    banded = vae_video.CausalConv3d._forward_in_bands
+
+    def counted(self, x, out_h, band_rows):
+        bands.append(-(-out_h // band_rows))
+        return banded(self, x, out_h, band_rows)
+
+    monkeypatch.setattr(vae_video, "INDEX_LIMIT", 3000)
+    monkeypatch.setattr(vae_video, "BAND_VALUES", 6000)
+    monkeypatch.setattr(vae_video.CausalConv3d, "_forward_in_bands", counted)
+    posterior = model.encode(pixels, tiled=False)
+    convolutions = sum(isinstance(m, vae_video.CausalConv3d) for m in model.encoder.modules())
+    assert len(bands) >= convolutions and max(bands) >= 4  # every convolution banded (twice: two clips)
+    assert_close(posterior.mean, expected.mean)
+    assert_close(posterior.logvar, expected.logvar)
+
+
 @pytest.mark.parametrize(
     "latent_frames, height, width, tiles",
     [
