@@ -11,7 +11,8 @@ quantize; per tensor in ComfyUI's `fp8_scaled` files): W ~= weight * scale. It c
 Only the 200 token-wise block linears (qkv, out, fc1, fc2 of the 50 blocks) and, on request, the
 AdaLN projections are ever FP8: the fp32 patch projections, time embedder and output heads, the text
 projection and the token refiner stay as they are (they are < 1% of the work and the most sensitive).
-ComfyUI's int8 files (`*_int8_convrot`) are held the same weight-only way: int8 with a scale per row, each
+A file's float8_e5m2 linears are kept weight-only (the FP8 matmul takes e4m3). ComfyUI's int8 files
+(`*_int8_convrot`) are held the same weight-only way: int8 with a scale per row, each
 weight's ConvRot rotation (a Hadamard matrix over groups of input columns) turned back as it is rebuilt. Its
 int4 files (format `convrot_w4a4`: two signed 4-bit values a byte, the even column in the low nibble, a scale
 per row, ConvRot-rotated) too, weight-only: the activations stay in the compute dtype (ComfyUI's own kernels
@@ -521,18 +522,20 @@ class FP8Load:
         compute = dtype or torch.bfloat16
         matmul = "scaled" if mode == "fp8-lossy" else "dequantize"
         eligible = storable_linears(model, fp32_modules)
-        # int8 has no FP8 matmul: under fp8-lossy an int8 (or e5m2) file's block linears are turned back to
+        blocks = set(block_linear_names(model))
+        # int8 and e5m2 have no FP8 matmul here: under fp8-lossy such a file's block linears are turned back to
         # `compute` and quantized to e4m3 like a bf16 file's (int8 tensor cores are not used)
-        requantized = set(block_linear_names(model)) if mode == "fp8-lossy" else set()
+        requantized = blocks if mode == "fp8-lossy" else set()
         kept, dense_dtype = set(), {}
         for layer, entry in file_layers.items():
             module = _file_layer(model, layer)
-            if layer in requantized and entry.dtype == torch.int8:
+            if layer in requantized and entry.dtype != FP8:
                 dense_dtype[layer] = compute
             elif mode != "dense" and layer in eligible and _keepable(module, entry):
-                kept.add(layer)  # int8 (ComfyUI's int8 files) is kept weight-only, whatever `matmul` says
-                model.set_submodule(layer, _held_as_stored(module, entry, compute, matmul))
-            else:  # e5m2, the fp32 heads and anything else a file may hold quantized: dequantized once here
+                kept.add(layer)  # int8 and e5m2 are kept weight-only whatever `matmul` says (FP8Linear.set_matmul);
+                layer_matmul = matmul if layer in blocks else "dequantize"  # AdaLN and refiner: weight-only
+                model.set_submodule(layer, _held_as_stored(module, entry, compute, layer_matmul))
+            else:  # the fp32 heads and anything else a file may hold quantized: dequantized once here
                 dense_dtype[layer] = torch.float32 if layer.startswith(fp32_modules) else compute
         quantized = set()
         if mode in ("fp8-lossy", "fp8-weights-lossy"):
@@ -548,7 +551,7 @@ class FP8Load:
 
     @classmethod
     def weight_only(cls, model: nn.Module, file_layers: dict[str, FP8Entry], dtype: torch.dtype) -> "FP8Load":
-        """For a model without FP8 modes (the text encoder): every e4m3 or int8 linear of the file kept as
+        """For a model without FP8 modes (the text encoder): every e4m3, e5m2 or int8 linear of the file kept as
         stored (a weight-only FP8Linear computing in `dtype`: a byte a weight), anything else the file
         quantizes dequantized into `dtype` at load."""
         kept, dense_dtype = set(), {}
@@ -595,7 +598,7 @@ class FP8Load:
             else:
                 dense = dequantize(parts["weight"].to(device), parts["scale"].to(device), self.dense_dtype[layer],
                                    entry.rotation, entry.packed)
-                if layer in self.quantized:  # an int8 (or e5m2) block linear under fp8-lossy
+                if layer in self.quantized:  # an int8 or e5m2 block linear under fp8-lossy
                     weight, scale = quantize_weight(dense)
                     yield f"{layer}.weight", weight, where
                     yield f"{layer}.weight_scale", scale, where
@@ -621,7 +624,8 @@ def _file_layer(model: nn.Module, layer: str) -> nn.Module:
 
 
 def _keepable(module: nn.Module, entry: FP8Entry) -> bool:
-    return entry.dtype in (FP8, torch.int8) and isinstance(module, nn.Linear)
+    """e4m3, e5m2 and int8 weights are held a byte a weight, as ComfyUI holds them (int4 packed in int8)."""
+    return entry.dtype in (FP8, torch.float8_e5m2, torch.int8) and isinstance(module, nn.Linear)
 
 
 def _held_as_stored(module: nn.Linear, entry: FP8Entry, compute: torch.dtype, matmul: str) -> FP8Linear:

@@ -242,8 +242,9 @@ QUANTIZED_IN_FILE = [f"blocks.{i}.{leaf}" for i in range(2) for leaf in BLOCK_LI
 ]
 
 
-def write_fp8_scaled(path, model, style, prefix="model.diffusion_model.", layers=QUANTIZED_IN_FILE):
-    """An fp8_scaled file in ComfyUI's layouts: per-tensor fp32 scales, e4m3 weights, input scales.
+def write_fp8_scaled(path, model, style, prefix="model.diffusion_model.", layers=QUANTIZED_IN_FILE,
+                     dtype=torch.float8_e4m3fn):
+    """An fp8_scaled file in ComfyUI's layouts: per-tensor fp32 scales, e4m3 (or `dtype`) weights, input scales.
     style "comfy_quant": `X.comfy_quant` JSON tensors; "metadata": `_quantization_metadata`;
     "uint8": comfy_quant with the FP8 bytes stored as uint8; "scaled_fp8": the older marker layout.
     Returns the dequantized weights (what the file means)."""
@@ -252,8 +253,8 @@ def write_fp8_scaled(path, model, style, prefix="model.diffusion_model.", layers
     quant_layers = {}
     for layer in layers:
         weight = tensors.pop(f"{layer}.weight").float()
-        scale = weight.abs().amax() / E4M3_MAX
-        q = (weight / scale).to(torch.float8_e4m3fn)
+        scale = weight.abs().amax() / torch.finfo(dtype).max
+        q = (weight / scale).to(dtype)
         meant[layer] = q.float() * scale
         if style == "scaled_fp8":
             tensors[f"{layer}.weight"] = q
@@ -263,13 +264,13 @@ def write_fp8_scaled(path, model, style, prefix="model.diffusion_model.", layers
         tensors[f"{layer}.weight"] = q.view(torch.uint8) if style == "uint8" else q
         tensors[f"{layer}.weight_scale"] = scale
         tensors[f"{layer}.input_scale"] = torch.tensor(0.25)
-        conf = {"format": "float8_e4m3fn"}
+        conf = {"format": str(dtype).removeprefix("torch.")}
         if style == "metadata":
             quant_layers[prefix + layer] = conf
         else:
             tensors[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
     if style == "scaled_fp8":
-        tensors["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+        tensors["scaled_fp8"] = torch.empty(0, dtype=dtype)
     metadata = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": quant_layers})} if quant_layers else None
     save_file({prefix + k: v for k, v in tensors.items()}, str(path), metadata=metadata)
     return meant
@@ -322,6 +323,9 @@ def test_fp8_file_with_scaled_matmul(tmp_path, bf16_model):
     model = load_dit(path, dtype=torch.float32, linears="fp8-lossy")
     fc2 = model.blocks[1].mlp.fc2
     assert fc2.matmul == "scaled" and fc2.weight_scale.shape == () and fc2.bias is None  # one scale, as in the file
+    # FP8 activations only in the blocks: the file's AdaLN and refiner linears stay weight-only (as a bf16 file's do)
+    for layer in ("blocks.0.adaln_proj.linear", "token_refiner.blocks.1.mlp.fc1"):
+        assert model.get_submodule(layer).matmul == "dequantize", layer
     # the file's weight (one scale) against activations scaled per row, in independent float64 arithmetic
     x = torch.randn(3, 5, fc2.in_features)
     xq, xs = reference_quantize(x.reshape(-1, fc2.in_features), per_row=True)
@@ -330,6 +334,33 @@ def test_fp8_file_with_scaled_matmul(tmp_path, bf16_model):
     dense = load_dit(path, dtype=torch.float32, linears="dense")
     for a, b in zip(forward(dense), forward(model)):
         assert cosine(a, b) > 0.99
+
+
+@pytest.mark.parametrize("style", ["comfy_quant", "scaled_fp8"])
+def test_an_e5m2_file_is_held_a_byte_a_weight_as_planned(tmp_path, bf16_model, style):
+    """A float8_e5m2 file's linears are kept as stored (weight-only: the FP8 matmul takes e4m3), so the memory
+    plan's byte a weight holds; under fp8-lossy its block linears are requantized to e4m3 like an int8 file's.
+    They were dequantized to bf16 at load, two bytes a weight against the plan's one."""
+    path = tmp_path / "minimax_h3_fl2va_fp8_e5m2.safetensors"
+    meant = write_fp8_scaled(path, bf16_model, style, dtype=torch.float8_e5m2)
+    source = with_config(locate_dit(path))
+    blocks = [layer for layer in QUANTIZED_IN_FILE if layer.startswith("blocks.") and "adaln" not in layer]
+    for mode in ("checkpoint", "fp8-weights-lossy"):
+        model = load_dit(path, dtype=torch.bfloat16, linears=mode)
+        for layer in set(QUANTIZED_IN_FILE) - {"final_layer.video_out"}:
+            module = model.get_submodule(layer)
+            assert isinstance(module, FP8Linear) and module.weight.dtype == torch.float8_e5m2, (mode, layer)
+            assert module.matmul == "dequantize", (mode, layer)
+            assert torch.equal(module.dequantized_weight().float(), meant[layer].bfloat16().float()), (mode, layer)
+        assert fp8.held_format(model) == "fp8" == held_linears(source, mode), mode
+    dense = load_dit(path, dtype=torch.float32, linears="dense")
+    lossy = load_dit(path, dtype=torch.float32, linears="fp8-lossy")
+    for layer in blocks:
+        module = lossy.get_submodule(layer)
+        weight, scale = fp8.quantize_weight(dense.get_submodule(layer).weight)
+        assert module.weight.dtype == fp8.FP8 and module.matmul == "scaled", layer
+        assert torch.equal(module.weight, weight) and torch.equal(module.weight_scale, scale), layer
+    assert fp8.held_format(lossy) == "fp8-scaled" == held_linears(source, "fp8-lossy")
 
 
 @CPU_SCALED
