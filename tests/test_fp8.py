@@ -339,12 +339,10 @@ def test_fp8_file_with_scaled_matmul(tmp_path, bf16_model):
 @pytest.mark.parametrize("style", ["comfy_quant", "scaled_fp8"])
 def test_an_e5m2_file_is_held_a_byte_a_weight_as_planned(tmp_path, bf16_model, style):
     """A float8_e5m2 file's linears are kept as stored (weight-only: the FP8 matmul takes e4m3), so the memory
-    plan's byte a weight holds; under fp8-lossy its block linears are requantized to e4m3 like an int8 file's.
-    They were dequantized to bf16 at load, two bytes a weight against the plan's one."""
+    plan's byte a weight holds. They were dequantized to bf16 at load, two bytes a weight against the plan's one."""
     path = tmp_path / "minimax_h3_fl2va_fp8_e5m2.safetensors"
     meant = write_fp8_scaled(path, bf16_model, style, dtype=torch.float8_e5m2)
     source = with_config(locate_dit(path))
-    blocks = [layer for layer in QUANTIZED_IN_FILE if layer.startswith("blocks.") and "adaln" not in layer]
     for mode in ("checkpoint", "fp8-weights-lossy"):
         model = load_dit(path, dtype=torch.bfloat16, linears=mode)
         for layer in set(QUANTIZED_IN_FILE) - {"final_layer.video_out"}:
@@ -353,6 +351,15 @@ def test_an_e5m2_file_is_held_a_byte_a_weight_as_planned(tmp_path, bf16_model, s
             assert module.matmul == "dequantize", (mode, layer)
             assert torch.equal(module.dequantized_weight().float(), meant[layer].bfloat16().float()), (mode, layer)
         assert fp8.held_format(model) == "fp8" == held_linears(source, mode), mode
+
+
+@CPU_SCALED
+def test_an_e5m2_files_block_linears_are_requantized_to_e4m3_under_fp8_lossy(tmp_path, bf16_model):
+    """The FP8 matmul takes e4m3: under fp8-lossy an e5m2 file's block linears are requantized as an int8 file's."""
+    path = tmp_path / "minimax_h3_fl2va_fp8_e5m2.safetensors"
+    write_fp8_scaled(path, bf16_model, "comfy_quant", dtype=torch.float8_e5m2)
+    source = with_config(locate_dit(path))
+    blocks = [layer for layer in QUANTIZED_IN_FILE if layer.startswith("blocks.") and "adaln" not in layer]
     dense = load_dit(path, dtype=torch.float32, linears="dense")
     lossy = load_dit(path, dtype=torch.float32, linears="fp8-lossy")
     for layer in blocks:
