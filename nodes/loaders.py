@@ -127,7 +127,8 @@ class H3ModelLoader(io.ComfyNode):
                                        "output channel), computed in the model dtype: the bf16 DiT's block weights go "
                                        "from 38 to 19 GB, so fewer stream on a small GPU (an int8, int4, nvfp4 or "
                                        "GGUF file's stay as they are). fp8-lossy: FP8 matmuls too (Ada / Hopper; an "
-                                       "int8, int4, nvfp4 or GGUF file's block weights are requantized to FP8), "
+                                       "e5m2, int8, int4, nvfp4 or GGUF file's block weights are requantized to "
+                                       "e4m3), "
                                        "about 10% faster per step on an H200. The two *-lossy modes change the "
                                        "output slightly (fp8-lossy: video cosine 0.9976 against bf16 on random weights)."),
             ],
