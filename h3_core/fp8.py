@@ -532,7 +532,7 @@ class FP8Load:
             if layer in requantized and entry.dtype != FP8:
                 dense_dtype[layer] = compute
             elif mode != "dense" and layer in eligible and _keepable(module, entry):
-                kept.add(layer)  # int8 and e5m2 are kept weight-only whatever `matmul` says (FP8Linear.set_matmul);
+                kept.add(layer)  # int8 and e5m2 stay weight-only whatever `matmul` says (FP8Linear.set_matmul)
                 layer_matmul = matmul if layer in blocks else "dequantize"  # AdaLN and refiner: weight-only
                 model.set_submodule(layer, _held_as_stored(module, entry, compute, layer_matmul))
             else:  # the fp32 heads and anything else a file may hold quantized: dequantized once here
