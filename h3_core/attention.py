@@ -41,6 +41,10 @@ _PACKAGES = {"flash4": "flash-attn-4", "flash3": "flash-attn-3 (hopper/ build)",
              "sage": "sageattention", "int8qk-fp8pv-lossy": "triton",
              "flash3-fp8-lossy": "flash-attn-3 (hopper/ build)"}
 _HOPPER_OR_NEWER = {"flash4": (9, 10), "flash3": (9,)}  # compute-capability majors each kernel is built for
+_HALF_PRECISION = (torch.float16, torch.bfloat16)
+# Kernels that take fp16 / bf16 activations only (FlashAttention's "only supports fp16, bf16"): a float32 DiT is
+# refused them, and "auto" gives it sdpa. The lossy FP8 / int8 kernels quantize their inputs first.
+_HALF_PRECISION_ONLY = ("flash4", "flash3", "flash", "sage")
 
 
 def _importable(name: str, module: str) -> bool:
@@ -59,17 +63,25 @@ def available_backends() -> list[str]:
     return ["sdpa"] + [name for name, module in _MODULES.items() if _importable(name, module)]
 
 
-def resolve_backend(requested: str = "auto", device: torch.device | str | None = None, window: bool = False) -> str:
+def resolve_backend(requested: str = "auto", device: torch.device | str | None = None, window: bool = False,
+                    dtype: torch.dtype | None = None) -> str:
     """The backend to use for `requested` ("auto" or a name); an unavailable name is an error. `window`:
-    it must run the attention window (local_attention.py), and "auto" picks among those that can."""
+    it must run the attention window (local_attention.py), and "auto" picks among those that can. `dtype`: the
+    DiT's compute dtype where known (None: not yet known), since FlashAttention and SageAttention run fp16 / bf16
+    only."""
     known = ("auto",) + EXACT_BACKENDS + LOSSY_BACKENDS
     if requested not in known:
         raise ValueError(f"Unknown attention backend {requested!r}; choose one of {', '.join(known)}.")
+    full_precision = dtype is not None and dtype not in _HALF_PRECISION
+    if full_precision and requested in _HALF_PRECISION_ONLY:
+        raise ValueError(f"Attention backend {requested!r} runs fp16 or bf16 only, and this DiT computes in "
+                         f"{str(dtype).removeprefix('torch.')}: choose sdpa (or auto), or a bf16 / fp16 model dtype.")
     available = available_backends()
     if requested == "auto":
         device = torch.device(device) if device is not None else None
         major = torch.cuda.get_device_capability(device)[0] if device is not None and device.type == "cuda" else None
-        fitting = [name for name in ("flash3", "flash4") if name in available and major in _HOPPER_OR_NEWER[name]]
+        fitting = [name for name in ("flash3", "flash4") if name in available and major in _HOPPER_OR_NEWER[name]
+                   and not full_precision]
         if window:
             fitting = [name for name in fitting if _runs_window(name)]
         chosen = fitting[0] if fitting else "sdpa"

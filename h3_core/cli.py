@@ -1002,7 +1002,7 @@ def run_denoise(args) -> int:
     if idle_window:
         raise ValueError(f"{idle_window} (--attention-window-dense-steps)")
     # an unavailable backend (or one that cannot run the window) fails before any loading
-    resolve_backend(args.attention, device, window=args.attention_window_lossy > 0)
+    resolve_backend(args.attention, device, window=args.attention_window_lossy > 0, dtype=dtype)
     check_seeds(args.seed)
     check_budget(args.gpu_memory)
     if args.text_states is not None and not args.text_states.is_file():

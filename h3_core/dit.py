@@ -371,7 +371,8 @@ class H3DiT(nn.Module):
 
     def set_attention_backend(self, requested: str = "auto") -> str:
         """Use `requested` ("auto" = fastest exact available) in every attention; returns the name chosen."""
-        backend = resolve_backend(requested, self.condition_proj.weight.device, window=bool(self.attention_window))
+        backend = resolve_backend(requested, self.condition_proj.weight.device, window=bool(self.attention_window),
+                                  dtype=self.dtype)
         for module in self.modules():
             if isinstance(module, Attention):
                 module.backend = backend
@@ -400,7 +401,8 @@ class H3DiT(nn.Module):
         backend, whose "auto" picks one that runs that window (a named one that cannot is refused, and
         the model keeps its previous settings). Returns the backend's name."""
         window, dense_steps = check_window_setting(window, dense_steps)
-        chosen = resolve_backend(backend, self.condition_proj.weight.device, window=window > 0)  # may refuse
+        chosen = resolve_backend(backend, self.condition_proj.weight.device, window=window > 0,  # may refuse
+                                 dtype=self.dtype)
         self.attention_window, self.attention_window_dense_steps = window, dense_steps
         return self.set_attention_backend(chosen)
 

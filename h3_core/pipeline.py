@@ -529,7 +529,8 @@ def generate_batch(
         for warning in sampled_prompt_warnings(item.request) + resume_seed_warnings(item.request, seeds):
             notes(f"warning: {name + ': ' if len(prepared) > 1 else ''}{warning}")
     partition = prepared[0].partition
-    resolve_backend(settings.attention, device, window=window > 0)  # these need no model: said before a download
+    # these need no model: said before a download
+    resolve_backend(settings.attention, device, window=window > 0, dtype=settings.dtype)
     check_linear_mode(settings.linears, device)
     loras = [(load_lora(path, unknown=settings.lora_unknown_keys), float(strength)) for path, strength in settings.loras]
     source = resolve_model_source(model, partition, files)

@@ -160,9 +160,9 @@ class H3ModelLoader(io.ComfyNode):
                                                    int(attention_window_dense_steps or 0))
         # an unavailable kernel (or one that cannot run the window), or FP8 matmuls the device lacks, fail
         # before any weight is read
-        chosen = resolve_backend(attention, target, window=window > 0)
-        check_linear_mode(linears, target)
         dtype = DTYPES[weight_dtype]
+        chosen = resolve_backend(attention, target, window=window > 0, dtype=dtype)
+        check_linear_mode(linears, target)
         tiny = checkpoint == TINY_RANDOM and not clean_path(folder)
         path = None if tiny else model_path("diffusion_models", checkpoint, folder)
         label = f"H3 DiT ({partition}, {TINY_RANDOM if tiny else Path(path).name})"

@@ -14,6 +14,7 @@ from fa3_stand_in import FA3_STAND_IN
 
 from h3_core import attention as attention_module
 from h3_core.attention import attention, available_backends, query_rows, resolve_backend
+from h3_core.tiny import tiny_random_dit
 
 STAND_IN = '''
 import torch.nn.functional as F
@@ -201,6 +202,34 @@ def test_auto_prefers_flash3_then_flash4_on_hopper(fake_flash4, tmp_path, monkey
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
     assert {"flash3", "flash4", "flash3-fp8-lossy"} <= set(available_backends())
     assert resolve_backend("auto", "cuda:0") == expected
+    sys.modules.pop("flash_attn_interface", None)
+
+
+@pytest.mark.parametrize("major", [9, 10])
+def test_a_float32_dit_gets_sdpa_from_auto_and_is_refused_flash_kernels(fake_flash4, tmp_path, monkeypatch, major):
+    """FlashAttention (and SageAttention) run fp16 / bf16 only: "auto" picked FA3 / FA4 for an fp32 DiT on
+    Hopper / Blackwell, whose first attention then failed ("only supports fp16, bf16"); now auto gives it sdpa and
+    a named half-precision kernel is refused before any weight is read (the lossy FP8 / int8 ones quantize first)."""
+    fake_flash4(STAND_IN)
+    (tmp_path / "flash_attn_interface.py").write_text(FA3_STAND_IN)
+    monkeypatch.delitem(sys.modules, "flash_attn_interface", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+    fast = "flash3" if major == 9 else "flash4"
+    for dtype in (torch.bfloat16, torch.float16, None):
+        assert resolve_backend("auto", "cuda:0", dtype=dtype) == fast
+    assert resolve_backend("auto", "cuda:0", dtype=torch.float32) == "sdpa"
+    for name in ("flash3", "flash4"):
+        with pytest.raises(ValueError, match=f"'{name}' runs fp16 or bf16 only.*float32.*sdpa"):
+            resolve_backend(name, "cuda:0", dtype=torch.float32)
+        assert resolve_backend(name, "cuda:0", dtype=torch.bfloat16) == name
+    assert resolve_backend("flash3-fp8-lossy", "cuda:0", dtype=torch.float32) == "flash3-fp8-lossy"
+    dit = tiny_random_dit(torch.float32)  # the model says its own dtype
+    with pytest.raises(ValueError, match="runs fp16 or bf16 only"):
+        dit.set_attention("flash3")
+    with pytest.raises(ValueError, match="runs fp16 or bf16 only"):
+        dit.set_attention_backend("flash4")
+    assert dit.blocks[0].attn.backend == "sdpa"  # kept
+    assert tiny_random_dit(torch.bfloat16).set_attention("flash3") == "flash3"
     sys.modules.pop("flash_attn_interface", None)
 
 
