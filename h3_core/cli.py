@@ -61,8 +61,8 @@ from .weights import HEADER_DTYPES, read_headers
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LINEARS_HELP = "; ".join(f"{name}: {what}" for name, what in LINEAR_MODES.items())
-ATTENTION_HELP = (f"attention kernel: auto (the fastest exact one installed: FlashAttention 3 or 4 on Hopper/Blackwell, "
-                  f"else sdpa), "
+ATTENTION_HELP = (f"attention kernel: auto (the fastest exact one installed: FlashAttention 3 or 4 on Hopper/Blackwell "
+                  f"for a bf16 / fp16 model, else sdpa), "
                   f"{', '.join(EXACT_BACKENDS)} (exact), {', '.join(LOSSY_BACKENDS)} (lossy, only when named)")
 WINDOW_HELP = ("lossy speed-up, 0 = off: each target video row attends only the video within FRAMES latent frames "
                "(about 3.4 pixel frames each) of itself, plus every row before the target video (text, keyframes, "

@@ -89,7 +89,7 @@ class H3ModelLoader(io.ComfyNode):
                                        "'checkpoint' keeps each tensor's stored dtype (a GGUF file's DiT: bf16)."),
                 io.Combo.Input("attention", options=["auto", *EXACT_BACKENDS, *LOSSY_BACKENDS], default="auto",
                                tooltip="Attention kernel: auto picks the fastest exact one installed (FlashAttention 3 or 4 on "
-                                       "Hopper/Blackwell, else torch's SDPA); sage and the *-lossy ones trade "
+                                       "Hopper/Blackwell for a bf16 / fp16 DiT, else torch's SDPA); sage and the *-lossy ones trade "
                                        "accuracy for speed and are only used when picked."),
                 io.Float.Input("gpu_memory_gb", default=0.0, min=0.0, max=4096.0, step=0.5, optional=True,
                                tooltip="GPU memory the DiT may use, in GiB; 0 = automatic: what ComfyUI has free once "
