@@ -369,10 +369,16 @@ class H3DiT(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.condition_proj.weight.dtype
 
+    @property
+    def attention_dtype(self) -> torch.dtype:
+        """What the attention kernels are given: the blocks' qkv output, in that linear's compute dtype (a file read
+        at its stored dtypes may keep other tensors in fp32)."""
+        return compute_dtype(self.blocks[0].attn.qkv_proj) if len(self.blocks) else self.dtype
+
     def set_attention_backend(self, requested: str = "auto") -> str:
         """Use `requested` ("auto" = fastest exact available) in every attention; returns the name chosen."""
         backend = resolve_backend(requested, self.condition_proj.weight.device, window=bool(self.attention_window),
-                                  dtype=self.dtype)
+                                  dtype=self.attention_dtype)
         for module in self.modules():
             if isinstance(module, Attention):
                 module.backend = backend
@@ -402,7 +408,7 @@ class H3DiT(nn.Module):
         the model keeps its previous settings). Returns the backend's name."""
         window, dense_steps = check_window_setting(window, dense_steps)
         chosen = resolve_backend(backend, self.condition_proj.weight.device, window=window > 0,  # may refuse
-                                 dtype=self.dtype)
+                                 dtype=self.attention_dtype)
         self.attention_window, self.attention_window_dense_steps = window, dense_steps
         return self.set_attention_backend(chosen)
 
