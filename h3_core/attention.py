@@ -241,7 +241,7 @@ def flash3_query_rows(rows: int, head_dim: int, dtype: torch.dtype) -> int:
     forward pair CTAs in 2-CTA clusters that share each K/V load (in a build with clusters, the default).
     On an H200 a compiled 124-frame forward (38,222 rows, 299 tiles) went from 5.144 to 5.111 s with a
     copy of q into the padded buffer included (bench/RESULTS.md)."""
-    if dtype not in (torch.bfloat16, torch.float16) or head_dim != 128:
+    if dtype not in _HALF_PRECISION or head_dim != 128:
         return rows  # other tiles; and FA3 pairs 8-bit CTAs only at head_dim 192
     tiles = -(-rows // FLASH3_QUERY_TILE)
     return rows if tiles % 2 == 0 else (tiles + 1) * FLASH3_QUERY_TILE

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -56,7 +55,6 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 MODEL_INDEX = {  # the diffusers-format root's entries for the text components (h3-model.md I.1)
     "_class_name": "MiniMaxH3Pipeline",
     "_diffusers_version": "0.42.1",
@@ -75,12 +73,6 @@ PROMPTS = {
 }
 
 
-def _add_tokenizer(target, source) -> None:
-    target.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        shutil.copy(source / name, target / name)
-
-
 @pytest.fixture(scope="module")
 def disk(tmp_path_factory):
     """One tiny tokenizer, processor config and model written in every layout; returns the layout roots."""
@@ -92,15 +84,13 @@ def disk(tmp_path_factory):
 
     diffusers_root = root / "MiniMax-H3-diffusers"
     model.save_pretrained(str(diffusers_root / "text_encoder"), safe_serialization=True)
-    _add_tokenizer(diffusers_root / "tokenizer", tokenizer)
+    tiny_qwen.copy_tokenizer(tokenizer, diffusers_root / "tokenizer")
     tiny_qwen.write_processor(diffusers_root / "processor", nested=True)
-    _add_tokenizer(diffusers_root / "processor", tokenizer)
+    tiny_qwen.copy_tokenizer(tokenizer, diffusers_root / "processor")
     (diffusers_root / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=2))
 
     release = tiny_qwen.write_original_release(root / "MiniMax-H3", model, tokenizer)
-    (release / "FL2VA" / "tokenizer" / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     hf = tiny_qwen.write_hf_folder(root / "qwen3vl-hf", model, tokenizer)
-    (hf / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return {"diffusers": diffusers_root, "release": release, "partition": release / "FL2VA", "hf": hf}
 
 
@@ -332,7 +322,7 @@ def test_which_processor_file_is_read_is_the_same(disk, tmp_path, case):
 
     root = tmp_path / "repo"
     processor = root / "processor"
-    _add_tokenizer(processor, disk["diffusers"] / "tokenizer")
+    tiny_qwen.copy_tokenizer(disk["diffusers"] / "tokenizer", processor)
     for name, payload in PROCESSOR_FILES[case].items():
         (processor / name).write_text(json.dumps(payload))
     if HAS_TORCHVISION and "video_preprocessor_config.json" not in PROCESSOR_FILES[case] and not any(

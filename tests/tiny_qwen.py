@@ -197,7 +197,7 @@ def write_original_release(root: Path, model, tokenizer_folder: Path) -> Path:
     write_sharded(encoder, original_keys(model.state_dict()), unused_last)
     config = dict(model.config.to_dict())
     (encoder / "config.json").write_text(json.dumps(config, indent=2))
-    _copy_tokenizer(tokenizer_folder, partition / "tokenizer")
+    copy_tokenizer(tokenizer_folder, partition / "tokenizer")
     write_processor(partition / "processor")
     index = {
         "_class_name": "MiniMaxH3Pipeline",
@@ -212,7 +212,7 @@ def write_original_release(root: Path, model, tokenizer_folder: Path) -> Path:
 def write_hf_folder(folder: Path, model, tokenizer_folder: Path) -> Path:
     """transformers' own save_pretrained (safetensors) + tokenizer + nested processor config, one folder."""
     model.save_pretrained(str(folder), safe_serialization=True)
-    _copy_tokenizer(tokenizer_folder, folder)
+    copy_tokenizer(tokenizer_folder, folder)
     write_processor(folder, nested=True)
     return folder
 
@@ -223,7 +223,9 @@ def write_single_file(path: Path, model, layers: int = 50, prefix: str = "") -> 
     return path
 
 
-def _copy_tokenizer(source: Path, target: Path) -> None:
+def copy_tokenizer(source: Path, target: Path) -> None:
+    """The tokenizer's files into `target` (its chat template too, where `source` has one)."""
     target.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (target / name).write_bytes((source / name).read_bytes())
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if name != "chat_template.jinja" or (source / name).is_file():
+            (target / name).write_bytes((source / name).read_bytes())
