@@ -61,17 +61,18 @@ class DiTSource:
         return gguf_file.is_gguf(self.files[0])
 
 
-def held_linears(source: DiTSource | None, mode: str) -> str:
+def held_linears(source: DiTSource | None, mode: str, dtype_bytes: int = 2) -> str:
     """How a load of `source` (None: a model made here, dense) in linears `mode` (fp8.LINEAR_MODES) holds the
     block linears (memory_plan.HELD_FORMATS): as the file stores them unless dequantized ("dense") or
-    requantized to FP8 ("fp8-lossy"); a dense file's as the mode makes them."""
+    requantized to FP8 ("fp8-lossy"); a dense file's as the mode makes them. `dtype_bytes`: the model dtype's,
+    what a GGUF file's plain block linears are read in."""
     if mode == "fp8-lossy":
         return "fp8-scaled"
     dense = "fp8" if mode == "fp8-weights-lossy" else "dense"
     if source is None or mode == "dense":
         return dense
     if any(entry.quantized for entry in source.gguf_tensors.values()):
-        return _gguf_held(source.gguf_tensors)
+        return _gguf_held(source.gguf_tensors, 1 if mode == "fp8-weights-lossy" else dtype_bytes)
     layers = {**source.fp8_layers, **source.nvfp4_layers}
     if not layers or not _every_block_linear(layers, source.config):  # blocks the file left dense cost the most
         return dense
@@ -188,16 +189,16 @@ def _gguf_file(path: Path) -> DiTSource:
     return DiTSource((path,), "native", "stacked", None, f"GGUF file ({named}{', '.join(kinds)})", gguf_tensors=tensors)
 
 
-def _gguf_held(tensors: dict) -> str:
-    """memory_plan's held format for a GGUF file's block linears: the costliest block's bytes a weight (plain
-    ones counted as bf16)."""
+def _gguf_held(tensors: dict, plain_bytes: int) -> str:
+    """memory_plan's held format for a GGUF file's block linears: the costliest block's bytes a weight, plain
+    (unquantized) ones at `plain_bytes` (the model dtype's, or FP8's where fp8-weights-lossy quantizes them)."""
     blocks: dict[str, list[float]] = {}
     for name, entry in tensors.items():
         parts = name.split(".")
         if parts[0] == "blocks" and parts[-1] == "weight" and ".".join(parts[2:-1]) in fp8.BLOCK_LINEARS:
             weights = math.prod(entry.shape)
             totals = blocks.setdefault(parts[1], [0.0, 0.0])
-            totals[0] += weights * (entry.bytes_per_weight if entry.quantized else 2)
+            totals[0] += weights * (entry.bytes_per_weight if entry.quantized else plain_bytes)
             totals[1] += weights
     return gguf_held(blocks.values())
 

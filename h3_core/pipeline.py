@@ -1194,7 +1194,7 @@ def sampling_plan(config, dit_source, partition: str, settings: GenerateSettings
     itemsize = 2 if dtype is None else dtype.itemsize  # None: as stored (the release's bf16); fp32 was planned as bf16
     other = hooked_bytes(loras, partition, itemsize, fp32_modules(config)) if stored else 0
     plan = plan_for(config, layout, steps, device, settings.gpu_memory, dtype_bytes=itemsize,
-                    held=held_linears(dit_source, settings.linears),
+                    held=held_linears(dit_source, settings.linears, itemsize),
                     adaln_bytes=None if reader is None else reader.adaln_nbytes,
                     other_bytes=other)
     if not plan.fits:

@@ -17,6 +17,7 @@ from h3_core.config import DiTConfig, TINY_DIT
 from h3_core.dit import H3DiT, rope_inverse_frequencies
 from h3_core.gguf_file import GGUFEntry, GGUFLinear, GGUFLoad
 from h3_core.memory_plan import block_weight_bytes, check_held, plan_memory
+from h3_core.parallel.workers import ModelSpec
 from h3_core.tiny import TINY_SEED, seeded_random_weights, tiny_random_dit
 
 pytest.importorskip("gguf", reason="GGUF files are read and written with the gguf package (a dependency)")
@@ -259,6 +260,21 @@ def test_memory_plan_counts_what_gguf_blocks_hold(tmp_path):
     expected = f"gguf:{costliest / sum(weights.values()):.6g}"
     assert held_linears(locate_dit(path), "checkpoint") == expected == fp8.held_format(load_dit(path))
     assert held_linears(locate_dit(path), "dense") == "dense"
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float16, torch.float32])
+@pytest.mark.parametrize("mode", ["checkpoint", "fp8-weights-lossy"])
+def test_the_plan_counts_plain_gguf_block_linears_as_they_are_read(tmp_path, dtype, mode):
+    """A GGUF file's unquantized block linear is read in the model dtype (fp32: four bytes a weight, once planned as
+    two), or as FP8 under fp8-weights-lossy; the plan (here and on split workers) counts what the load holds."""
+    path = tmp_path / "plain.gguf"
+    gguf_files.write_gguf(path, native_tensors(tiny_random_dit()),
+                          {**qtypes("Q4_0", others=False), "blocks.1.mlp.fc2.weight": "F32"})
+    itemsize = (dtype or torch.bfloat16).itemsize
+    held = fp8.held_format(load_dit(path, dtype=dtype, linears=mode))
+    assert held_linears(locate_dit(path), mode, itemsize) == held
+    spec = ModelSpec(str(path), dtype=dtype or torch.bfloat16, linears=mode)
+    assert spec.held_linears() == held
 
 
 def test_streamed_gguf_blocks_equal_resident_ones(tmp_path):

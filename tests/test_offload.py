@@ -382,7 +382,9 @@ def test_the_run_plans_the_dit_in_the_dtype_it_is_read_in(monkeypatch):
     from h3_core.memory_plan import plan_for
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    monkeypatch.setattr(pipeline, "held_linears", lambda source, linears: "dense")  # a bf16 release's files
+    told = []  # what a GGUF file's plain block linears are counted at
+    monkeypatch.setattr(pipeline, "held_linears",  # a bf16 release's files
+                        lambda source, linears, dtype_bytes: told.append(dtype_bytes) or "dense")
     monkeypatch.setattr(pipeline, "holds_stored_linears", lambda source: False)
     release = SimpleNamespace(config=REAL)
     layout = build_request_layout(1344, 768, 124, torch.ones(512, dtype=torch.long))
@@ -392,6 +394,7 @@ def test_the_run_plans_the_dit_in_the_dtype_it_is_read_in(monkeypatch):
         plans[itemsize] = pipeline.sampling_plan(REAL, release, "fl2va", settings, [], layout, 50)
         assert plans[itemsize] == plan_for(REAL, layout, 50, "cuda", 80, dtype_bytes=itemsize)
     assert not plans[2].streams and plans[4].streams  # bf16 fits 80 GiB; float32 does not
+    assert told == [4, 2]
 
 
 @pytest.mark.parametrize("streams", [True, False])

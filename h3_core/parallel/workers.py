@@ -88,7 +88,8 @@ class ModelSpec:
 
         if self.source == TINY_RANDOM:
             return held_linears(None, self.linears)
-        return held_linears(with_config(locate_dit(self.source, self.partition)), self.linears)  # every block counted
+        located = with_config(locate_dit(self.source, self.partition))  # every block counted
+        return held_linears(located, self.linears, (self.dtype or torch.bfloat16).itemsize)
 
     def adaln_bytes(self) -> int | None:
         """What the timestep-only weights take on each worker as it will hold them, from the headers (None:
