@@ -161,7 +161,7 @@ class H3ModelLoader(io.ComfyNode):
         # an unavailable kernel (or one that cannot run the window), or FP8 matmuls the device lacks, fail
         # before any weight is read
         dtype = DTYPES[weight_dtype]
-        chosen = resolve_backend(attention, target, window=window > 0, dtype=dtype)
+        resolve_backend(attention, target, window=window > 0, dtype=dtype)  # None ("checkpoint"): checked again below
         check_linear_mode(linears, target)
         tiny = checkpoint == TINY_RANDOM and not clean_path(folder)
         path = None if tiny else model_path("diffusion_models", checkpoint, folder)
@@ -178,23 +178,27 @@ class H3ModelLoader(io.ComfyNode):
                              compile=bool(compile), attention_window=window, attention_window_dense_steps=dense_steps)
             patcher = manage_runner(label, spec, split, bool(shard_weights))
             return io.NodeOutput(ModelHandle(patcher.model, partition, spec.source, target, tiny, patcher=patcher))
-        # kernel, window, compile and budget are applied at each run (chosen for the compute device; a student's VSA
-        # is on; compiled blocks are traced at the first run, streaming hooks running around them)
-        run = DiTRunSettings(chosen, window, dense_steps, bool(compile), float(gpu_memory_gb) or None)
         weights = (str(path or TINY_RANDOM), files_fingerprint(path) if path else "", partition, dtype, linears, str(target))
-        patcher = _SHARED_DITS.get(weights)
-        if patcher is None:  # no live loader output holds these weights
-            reader = None
-            if tiny:
-                dit = tiny_random_dit(dtype, target)
-                apply_linear_mode(dit, linears, target)
-            else:  # headers only: the weights are read at the first run, once the prompt is encoded
-                reader = DiTReader(source, partition, dtype, linears=linears, device=target)
-                dit = reader.model
-            dit.set_attention(chosen, window, dense_steps)
+        patcher = _SHARED_DITS.get(weights)  # a live loader output holding these weights, if any
+        reader = None
+        if patcher is not None:
+            dit = patcher.model.dit
+        elif tiny:
+            dit = tiny_random_dit(dtype, target)
+            apply_linear_mode(dit, linears, target)
+        else:  # headers only: the weights are read at the first run, once the prompt is encoded
+            reader = DiTReader(source, partition, dtype, linears=linears, device=target)
+            dit = reader.model
+        # the kernel for what the DiT computes in, known now (a file read as stored may hold fp32, which
+        # FlashAttention cannot run); kernel, window, compile and budget are applied at each run (chosen for the
+        # compute device; a student's VSA is on; compiled blocks are traced at the first run, streaming hooks
+        # running around them)
+        chosen = resolve_backend(attention, target, window=window > 0, dtype=dit.attention_dtype)
+        run = DiTRunSettings(chosen, window, dense_steps, bool(compile), float(gpu_memory_gb) or None)
+        dit.set_attention(chosen, window, dense_steps)
+        if patcher is None:
             patcher = manage_dit(label, dit, target, tiny, run.budget_gib, reader)
             _SHARED_DITS[weights] = patcher
-        dit = patcher.model.dit
         return io.NodeOutput(ModelHandle(dit, partition, str(path or TINY_RANDOM), target, tiny, patcher=patcher, run=run))
 
 

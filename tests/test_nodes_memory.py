@@ -305,6 +305,28 @@ def test_the_loader_reads_no_weight_and_the_first_run_reads_them(comfy, monkeypa
     assert bf16.dit.dtype == torch.bfloat16 and unread < bf16.patcher.model.reader.nbytes * 1.01
 
 
+def test_auto_attention_follows_the_dtype_a_file_is_read_in(comfy, tmp_path, monkeypatch):
+    """weight_dtype "checkpoint" leaves the dtype to the file: "auto" was resolved before it was known, so an fp32
+    file on a Hopper GPU with FlashAttention 3 got flash3 and was refused ("runs fp16 or bf16 only") for a kernel the
+    user never named. Now auto is resolved for what the read DiT computes in (the headers say it before any read)."""
+    from fa3_stand_in import FA3_STAND_IN
+
+    c = comfy
+    (tmp_path / "flash_attn_interface.py").write_text(FA3_STAND_IN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn_interface", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(c.loaders, "device", lambda: torch.device("cuda:0"))  # nothing is read or placed on it
+    stored = c.loaders.H3ModelLoader.execute(FOUR_BLOCKS, "", "fl2va", "checkpoint", "auto").values[0]
+    assert stored.dit.attention_dtype == torch.float32  # the file's dtype, from its headers
+    assert stored.run.attention == "sdpa" == stored.dit.blocks[0].attn.backend
+    bf16 = c.loaders.H3ModelLoader.execute(FOUR_BLOCKS, "", "fl2va", "bf16", "auto").values[0]
+    assert bf16.run.attention == "flash3" == bf16.dit.blocks[0].attn.backend
+    with pytest.raises(ValueError, match="'flash3' runs fp16 or bf16 only.*float32"):
+        c.loaders.H3ModelLoader.execute(FOUR_BLOCKS, "", "fl2va", "checkpoint", "flash3")
+    sys.modules.pop("flash_attn_interface", None)
+
+
 def test_loader_input_checks(comfy):
     c = comfy
     from h3_core.dit import _CompiledForward
