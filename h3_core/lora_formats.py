@@ -21,6 +21,8 @@ model's head_dim is known (at apply time). diffusers' SwiGLU stores `ff.net.0.pr
 
 Recognized layouts (the `format` label; first match wins):
 - "kohya": keys `lora_unet_<flattened native name>.lora_down/lora_up/alpha` (musubi-tuner).
+- "simpletuner-lycoris": keys `lycoris_<flattened name>` with LyCORIS's LoKr / LoHa (or LoRA) factors, the name
+  the diffusers module's (SimpleTuner trains the diffusers transformer) or a native one.
 - "diffsynth": native names with peft's `.default.` infix; fused qkv B rows per-head interleaved.
 - "flashgen": native names, metadata `key_format=minimax-h3-native` (FlashGen); qkv B per-head
   interleaved (vLLM-Omni reorders them so; see `QKV_ROWS`).
@@ -95,6 +97,21 @@ _FLAT_STANDALONE = {
     "final_layer_video_out": "final_layer.video_out", "final_layer_audio_out": "final_layer.audio_out",
     "final_layer_norm": "final_layer.norm", "token_refiner_final_norm": "token_refiner.final_norm",
 }
+# the same for diffusers' names (SimpleTuner's `lycoris_` keys flatten the diffusers transformer's)
+_FLAT_DIFFUSERS_BLOCK = re.compile(r"(transformer_blocks|token_refiner_refiner_blocks)_(\d+)_(.+)")
+_FLAT_DIFFUSERS_MEMBERS = {
+    "attn_to_q": "attn.to_q", "attn_to_k": "attn.to_k", "attn_to_v": "attn.to_v", "attn_to_out_0": "attn.to_out.0",
+    "attn_norm_q": "attn.norm_q", "attn_norm_k": "attn.norm_k", "ff_net_0_proj": "ff.net.0.proj",
+    "ff_net_2": "ff.net.2", "norm1": "norm1", "norm2": "norm2", "adaln_proj_linear": "adaln_proj.linear",
+}
+_FLAT_DIFFUSERS_STANDALONE = {
+    "proj_in": "proj_in", "audio_proj_in": "audio_proj_in", "context_embedder": "context_embedder",
+    "time_embedder_linear_1": "time_embedder.linear_1", "time_embedder_linear_2": "time_embedder.linear_2",
+    "norm_out_norm": "norm_out.norm", "norm_out_linear": "norm_out.linear", "proj_out": "proj_out",
+    "audio_proj_out": "audio_proj_out",
+}
+# the prefixes of flattened spellings (every '.' of the module name turned '_'), and the format each names
+FLAT_PREFIXES = {"lora_unet_": "kohya", "lycoris_": "simpletuner-lycoris"}
 _DIFFUSERS_BLOCK = re.compile(r"(?:transformer_blocks|token_refiner\.refiner_blocks)\.\d+\.")
 # One public report spells the LightX2V v0.1 attention as q_proj/k_proj/v_proj under diffusers block
 # names (h3-model.md Open question 9); those map unambiguously onto the q/k/v parts.
@@ -315,7 +332,7 @@ def parse_lora(
             listed = ", ".join(unmapped[:8]) + (f" and {len(unmapped) - 8} more" if len(unmapped) > 8 else "")
             message = (f"{len(unmapped)} tensor(s) of {path.name or 'the LoRA'} name no MiniMax-H3 module: {listed}. "
                        "H3 LoRAs target our attention/FFN/AdaLN/projection modules in the native, diffusers, "
-                       "kohya (lora_unet_) or DiffSynth spelling.")
+                       "kohya (lora_unet_), SimpleTuner LyCORIS (lycoris_) or DiffSynth spelling.")
             _unknown_keys(message, unknown, notes)
         formats.add(fmt)
         rows = qkv_layout or ("interleaved" if fmt == "diffsynth" else QKV_ROWS.get(declared, "stacked"))
@@ -385,6 +402,20 @@ def _native_of_flat(flat: str) -> str | None:
     return None
 
 
+def _unflattened(flat: str) -> str | None:
+    """The dotted module name (native or diffusers) a flattened one spells, None if it spells none."""
+    native = _native_of_flat(flat)
+    if native is not None:
+        return native
+    if flat in _FLAT_DIFFUSERS_STANDALONE:
+        return _FLAT_DIFFUSERS_STANDALONE[flat]
+    match = _FLAT_DIFFUSERS_BLOCK.fullmatch(flat)
+    if match and match.group(3) in _FLAT_DIFFUSERS_MEMBERS:
+        blocks = "transformer_blocks" if match.group(1) == "transformer_blocks" else "token_refiner.refiner_blocks"
+        return f"{blocks}.{match.group(2)}.{_FLAT_DIFFUSERS_MEMBERS[match.group(3)]}"
+    return None
+
+
 def _is_native(name: str) -> bool:
     return bool(_NATIVE_LINEAR.fullmatch(name) or _NATIVE_NORM.fullmatch(name))
 
@@ -443,7 +474,7 @@ def _block_diagonal_qkv(modules: dict[str, "_Module"]) -> bool:
 def _modules_of(group, prefixed, path, declared, lightx2v):
     """Recognize one partition group's layout; return (format, {source module: _Module}, unmapped keys)."""
     keys = list(group)
-    kohya = any(k.startswith("lora_unet_") for k in keys)
+    flat = next((prefix for prefix in FLAT_PREFIXES if any(k.startswith(prefix) for k in keys)), None)
     peft_infix = any(".default." in k for k in keys)
     peft_dump = any(k.startswith("base_model.model.") for k in keys)
     modules: dict[str, _Module] = {}
@@ -462,25 +493,26 @@ def _modules_of(group, prefixed, path, declared, lightx2v):
         source, role = split
         if role in _REFUSED_ROLES:
             raise LoRAError(f"'{key}' {_REFUSED_ROLES[role]}.")
-        if kohya:
-            if not source.startswith("lora_unet_"):  # a text encoder's (lora_te_): for the unknown-keys rule
+        dotted = source
+        if flat:  # a key without the prefix (a text encoder's lora_te_): for the unknown-keys rule
+            dotted = _unflattened(source[len(flat):]) if source.startswith(flat) else None
+            if dotted is None:
                 unmapped.append(key)
                 continue
-            target, part, naming = _native_of_flat(source[len("lora_unet_"):]), None, "native"
-        elif _is_native(source):
-            target, part, naming = source, None, "native"
+        if _is_native(dotted):
+            target, part, naming = dotted, None, "native"
         else:
-            mapped = _from_diffusers(source)
+            mapped = _from_diffusers(dotted)
             target, part = mapped if mapped else (None, None)
             naming = "diffusers"
         if target is None or not _is_native(target):
             unmapped.append(key)
             continue
-        if source != "token_refiner.final_norm":
+        if dotted != "token_refiner.final_norm":
             namings.add(naming)
         # only diffusers' own SwiGLU name stores [value; gate]: a native `mlp.fc1` under diffusers block names
         # (a hybrid spelling) is [gate; value] already
-        swap = source.endswith("ff.net.0.proj")
+        swap = dotted.endswith("ff.net.0.proj")
         module = modules.setdefault(source, _Module(target, part, swap, source))
         if role in module.tensors:
             raise LoRAError(f"'{key}' and '{module.tensors[role][0]}' are the same tensor of module '{source}'.")
@@ -497,8 +529,8 @@ def _modules_of(group, prefixed, path, declared, lightx2v):
             "one file must use one spelling."
         )
     naming = namings.pop() if namings else "native"
-    if kohya:
-        fmt = "kohya"
+    if flat:
+        fmt = FLAT_PREFIXES[flat]
     elif naming == "native":
         if peft_infix:
             fmt = "diffsynth"

@@ -174,6 +174,34 @@ def test_tensors_holding_nan_are_refused(tmp_path):
         load_lora(path)
 
 
+@pytest.mark.parametrize("flat_prefix", ["lora_unet_", "lycoris_"])
+@pytest.mark.parametrize("spelling", ["native", "diffusers"])
+def test_every_linear_flattened_is_read_as_that_linear(tmp_path, flat_prefix, spelling):
+    """A flattened key (kohya's lora_unet_, SimpleTuner's lycoris_: every '.' turned '_') names the same module, with
+    the same q / k / v part and SwiGLU row order, as the dotted name it flattens, in either spelling: every Linear
+    of our tiny DiT and of diffusers' is tried."""
+    from reference_checkpoints import reference_dit
+
+    model = tiny_random_dit() if spelling == "native" else reference_dit(TINY_DIT)
+    linears = {name: module for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    dotted_prefix = "diffusion_model." if spelling == "native" else "transformer."
+
+    def read(name_of, down, up):
+        tensors, random = {}, torch.Generator().manual_seed(0)
+        for name, linear in linears.items():
+            tensors[f"{name_of(name)}.{down}"] = torch.randn(1, linear.in_features, generator=random)
+            tensors[f"{name_of(name)}.{up}"] = torch.randn(linear.out_features, 1, generator=random)
+        save_file(tensors, str(tmp_path / "adapter.safetensors"))
+        terms = [term for terms in load_lora(tmp_path / "adapter.safetensors").parts.values() for term in terms]
+        return {(term.target, term.part): (term.down, term.up) for term in terms}, len(terms)
+
+    flattened, count = read(lambda name: flat_prefix + name.replace(".", "_"), "lora_down.weight", "lora_up.weight")
+    dotted, _ = read(lambda name: dotted_prefix + name, "lora_A.weight", "lora_B.weight")
+    assert count == len(linears) and flattened.keys() == dotted.keys()
+    for module, (down, up) in dotted.items():  # SwiGLU B rows swapped alike
+        assert torch.equal(flattened[module][0], down) and torch.equal(flattened[module][1], up), module
+
+
 def test_a_kohya_file_with_text_encoder_keys_follows_the_unknown_keys_rule(tmp_path):
     modules = fused(random_spec(TINY_DIT, shared_qkv_a=True))
     path = write_kohya(tmp_path / "kohya.safetensors", modules, {name: 4.0 for name in modules})

@@ -79,11 +79,15 @@ def kohya_key(module):
     return "lora_unet_" + module.replace(".", "_")
 
 
-@pytest.mark.parametrize("spelling", ["diffusers", "kohya"])
+@pytest.mark.parametrize("spelling", ["diffusers", "simpletuner-lycoris", "kohya"])
 def test_lokr_and_loha_merge_dynamic_and_remove(tmp_path, spelling):
+    """SimpleTuner writes LyCORIS adapters of the diffusers transformer as `lycoris_<its name, '.' -> '_'>`: read as
+    the same modules (once refused: no key named an H3 module)."""
     reference = reference_dit(TINY_DIT, seed=1)
-    if spelling == "diffusers":
-        tensors, factors = tensors_of(DIFFUSERS_SPEC, lambda module: f"transformer.{module}")
+    if spelling != "kohya":
+        prefixed = spelling == "diffusers"
+        tensors, factors = tensors_of(DIFFUSERS_SPEC, lambda module: f"transformer.{module}" if prefixed
+                                      else "lycoris_" + module.replace(".", "_"))
         merged = {k: v.clone().double() for k, v in reference.state_dict().items()}
         for module, (kind, _, alpha) in DIFFUSERS_SPEC.items():
             merged[f"{module}.weight"] += 0.7 * delta_of(kind, factors[module], alpha)
@@ -116,7 +120,7 @@ def test_lokr_and_loha_merge_dynamic_and_remove(tmp_path, spelling):
     assert all(torch.equal(a, b) for a, b in zip(run_ours(model, inputs), plain))
 
     # what the hooks hold: LoKr's W1 and W2 whole, LoHa's four factors
-    spec = DIFFUSERS_SPEC if spelling == "diffusers" else NATIVE_SPEC
+    spec = NATIVE_SPEC if spelling == "kohya" else DIFFUSERS_SPEC
     held = 0
     for module, (kind, shapes, _) in spec.items():
         f = factors[module]
