@@ -539,6 +539,7 @@ class RunnerPlacement(Placement):
             raise ValueError(f"Splitting the DiT needs two or more devices, got {[str(d) for d in devices]}.")
         self.spec, self.devices, self.shard_weights = spec, devices, shard_weights
         self.config = spec.dit_config()  # a checkpoint's shape from its headers: nothing loads yet
+        self._dtype = spec.compute_dtype()
         self.runner = None
         self.previews = False
         self.loras: tuple[list, str | None] = ([], None)  # (LoRA, strength) list and partition for the next runs
@@ -548,8 +549,8 @@ class RunnerPlacement(Placement):
 
     @property
     def dtype(self) -> torch.dtype:
-        """What the workers' DiT computes in (a file's own dtype when the spec names none: bf16)."""
-        return self.spec.dtype or torch.bfloat16
+        """What the workers' DiT computes in (a file's own dtype when the spec names none)."""
+        return self._dtype
 
     def _device_bytes(self) -> int:
         from .memory_plan import adaln_weight_bytes, block_weight_bytes, shared_weight_bytes

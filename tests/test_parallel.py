@@ -807,3 +807,21 @@ def test_a_killed_caller_leaves_no_worker_and_no_rendezvous_folder(tmp_path):
             time.sleep(0.2)
         else:
             pytest.fail(f"worker {pid} outlived its caller")
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
+def test_a_split_dit_read_as_stored_is_sized_in_the_files_dtype(tmp_path, stored):
+    """A split DiT whose loader reads the file as stored (weight_dtype "checkpoint") computes in the file's dtype:
+    it was sized and planned as bf16 whatever the file held (an fp32 file's weights at half their bytes)."""
+    from safetensors.torch import save_file
+
+    from h3_core.placement import RunnerPlacement
+    from h3_core.tiny import tiny_random_dit
+
+    path = tmp_path / "dit.safetensors"
+    save_file({f"model.diffusion_model.{key}": value.contiguous()
+               for key, value in tiny_random_dit(stored).state_dict().items()}, str(path))
+    as_stored = RunnerPlacement("H3 DiT", ModelSpec(str(path), dtype=None), ["cpu", "cpu"])
+    named = RunnerPlacement("H3 DiT", ModelSpec(str(path), dtype=stored), ["cpu", "cpu"])
+    assert as_stored.dtype == stored == named.dtype and as_stored.size == named.size
+    assert ModelSpec(str(path), dtype=None).held_linears() == "dense"

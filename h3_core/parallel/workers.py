@@ -89,7 +89,16 @@ class ModelSpec:
         if self.source == TINY_RANDOM:
             return held_linears(None, self.linears)
         located = with_config(locate_dit(self.source, self.partition))  # every block counted
-        return held_linears(located, self.linears, (self.dtype or torch.bfloat16).itemsize)
+        return held_linears(located, self.linears, self.compute_dtype().itemsize)
+
+    def compute_dtype(self) -> torch.dtype:
+        """What the workers' DiT computes in: `dtype`, or where that is None (as stored) what the file's blocks
+        hold, from the headers (a GGUF file's: bf16)."""
+        if self.dtype is not None or self.source == TINY_RANDOM:
+            return self.dtype or torch.float32  # the tiny model is made in float32
+        from ..checkpoint import DiTReader
+
+        return DiTReader(self.source, self.partition, None, self.config, self._read_linears(), "meta").model.attention_dtype
 
     def adaln_bytes(self) -> int | None:
         """What the timestep-only weights take on each worker as it will hold them, from the headers (None:
