@@ -190,7 +190,7 @@ def locate_text_encoder(
         config = _read_config(folder / "config.json")
         files = _shards(folder, layers)
         roots = [folder, folder.parent]
-        origin = "original partition" if (folder.parent / "tokenizer").is_dir() else "HF-layout folder"
+        origin = _folder_origin(folder)
 
     tokenizer_roots = [Path(tokenizer).expanduser()] if tokenizer is not None else roots
     tokenizer_folder = _find(tokenizer_roots, "tokenizer", TOKENIZER_MARKERS)
@@ -211,6 +211,21 @@ def locate_text_encoder(
             "or in a processor/ folder inside it)."
         )
     return TextEncoderSource(tuple(files), config, tokenizer_folder, processor_folder, origin, gguf_tensors, vision)
+
+
+def _folder_origin(folder: Path) -> str:
+    """What a text encoder folder is part of, for messages: a repository whose model_index.json names
+    transformers' Qwen3VLForConditionalGeneration is the diffusers-format root; one beside a tokenizer/ otherwise an
+    original partition (whose index names MiniMax's own encoder class); else a model folder on its own."""
+    if not (folder.parent / "tokenizer").is_dir():
+        return "HF-layout folder"
+    index = folder.parent / "model_index.json"
+    try:
+        entry = read_json(index).get("text_encoder") if index.is_file() else None
+    except CheckpointError:
+        entry = None  # an unreadable index says nothing; the weights are checked as they load
+    return "diffusers folder" if isinstance(entry, list) and "Qwen3VLForConditionalGeneration" in entry else \
+        "original partition"
 
 
 def _gguf_text_encoder(path: Path) -> dict:

@@ -179,6 +179,16 @@ def test_both_sides_read_the_release_subfolders(disk, reference):
     assert source.files == (root / "text_encoder" / "model.safetensors",)
 
 
+def test_each_layout_is_named_for_what_it_is(disk):
+    """`h3 inspect` and load messages name the layout: the diffusers-format root was called an original partition
+    (both hold tokenizer/ beside text_encoder/; their model_index.json name different encoder classes)."""
+    from h3_core.text_checkpoint import locate_text_encoder
+
+    origins = {name: locate_text_encoder(disk[name]).origin for name in ("diffusers", "release", "partition", "hf")}
+    assert origins == {"diffusers": "diffusers folder", "release": "original partition",
+                       "partition": "original partition", "hf": "HF-layout folder"}
+
+
 # ---------------------------------------------------------------------------------------------
 # The tokenizer
 
