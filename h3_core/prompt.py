@@ -41,6 +41,7 @@ import collections
 import functools
 import hashlib
 import logging
+import platform
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -320,7 +321,8 @@ def _torchvision_resize(images: torch.Tensor, size: tuple[int, int], mode: str) 
     native = flat.dtype in (torch.float32, torch.float64) or (
         flat.dtype == torch.uint8
         and flat.device.type == "cpu"
-        and (mode == "bicubic" or torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+        and (mode == "bicubic" or torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+             or platform.machine() in ("aarch64", "arm64"))  # as torchvision decides (Apple silicon included)
     )
     dtype = flat.dtype
     if not native:

@@ -466,6 +466,26 @@ def test_video_pixels_equal_transformers_with_torchvision():
         assert torch.equal(pixels, expected["pixel_values_videos"])
 
 
+@pytest.mark.parametrize("machine, capability", [("x86_64", "AVX2"), ("x86_64", "AVX512"), ("x86_64", "DEFAULT"),
+                                                   ("arm64", "DEFAULT"), ("aarch64", "DEFAULT")])
+def test_uint8_bilinear_resizes_take_torchvisions_path_on_every_cpu(monkeypatch, machine, capability):
+    """torchvision resizes uint8 bilinear natively where the CPU has AVX2 / AVX512 or is ARM (Apple silicon), else
+    through float32: ours took the float path on ARM, another rounding than torchvision's there."""
+    pytest.importorskip("torchvision", reason="torchvision is the oracle (installed with ComfyUI)")
+    import platform
+
+    from torchvision.transforms.v2 import InterpolationMode
+    from torchvision.transforms.v2.functional import resize
+
+    from h3_core.prompt import _torchvision_resize
+
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    images = torch.randint(0, 256, (2, 3, 37, 53), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    expected = resize(images, [24, 70], interpolation=InterpolationMode.BILINEAR, antialias=True)
+    assert torch.equal(_torchvision_resize(images, (24, 70), "bilinear"), expected)
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading
 
