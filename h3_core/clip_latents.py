@@ -29,7 +29,7 @@ from .references import (
     MediaInputError,
     count_at_24fps,
     frame_on_canvas,
-    frames_at_24fps,
+    slot_sources,
     vae_frame_count,
 )
 from .vae_video import condition_latents, frames_to_model_space
@@ -102,7 +102,8 @@ def encode_clip(video_vae, audio_vae, frames: np.ndarray, fps: float, width: int
         raise RequestError(str(error)) from None
     count = clip_frame_count(frames.shape[0], fps)
     sound = None if waveform is None else DecodedAudio(waveform, sample_rate)
-    on_canvas = (frame_on_canvas(frame, width, height) for frame in frames_at_24fps(frames, fps)[:count])
+    # each slot's frame as it is encoded: a clip below 24 fps is not repeated out whole first
+    on_canvas = (frame_on_canvas(frames[index], width, height) for index in slot_sources(frames.shape[0], fps, count))
     return encode_clip_frames(video_vae, audio_vae, on_canvas, sound,
                               None if on_clip is None else lambda done: on_clip(done, count))
 

@@ -445,12 +445,21 @@ def count_at_24fps(count: int, fps: float) -> int:
     return count if fps == FPS else math.floor(count * (FPS / fps) + 0.5)
 
 
-def frames_at_24fps(frames: np.ndarray, fps: float) -> np.ndarray:
-    """[N, H, W, 3] at `fps` -> the 24 fps slot grid by dropping and repeating whole frames."""
+def slot_sources(count: int, fps: float, limit: int | None = None) -> np.ndarray:
+    """Which of `count` frames at `fps` fills each slot of the 24 fps grid (whole frames dropped and repeated: frame
+    i starts at slot round(i * 24 / fps) and lasts until the next one starts), for the first `limit` slots."""
+    total = count_at_24fps(count, fps)
+    slots = np.arange(total if limit is None else min(limit, total))
+    starts = np.floor(np.arange(count) * (FPS / fps) + 0.5).astype(np.int64)
+    return np.searchsorted(starts, slots, side="right") - 1
+
+
+def frames_at_24fps(frames: np.ndarray, fps: float, limit: int | None = None) -> np.ndarray:
+    """[N, H, W, 3] at `fps` -> the 24 fps slot grid by dropping and repeating whole frames; only its first `limit`
+    frames are made (a clip at 1 fps is 24 times as many frames at 24)."""
     if fps == FPS:
-        return frames
-    slots = np.floor(np.arange(frames.shape[0]) * (FPS / fps) + 0.5).astype(np.int64)
-    return np.repeat(frames, np.diff(slots, append=count_at_24fps(frames.shape[0], fps)), axis=0)
+        return frames[:limit]
+    return frames[slot_sources(frames.shape[0], fps, limit)]
 
 
 def prepare_video_frames(
@@ -458,7 +467,7 @@ def prepare_video_frames(
 ) -> np.ndarray:
     """Reference frames [N, H, W, 3] uint8 at `fps` -> 24 fps, at most `num_frames`, on the canvas of
     their own aspect ratio (LANCZOS per frame; untouched when already there)."""
-    frames = frames_at_24fps(frames, fps)[:num_frames]
+    frames = frames_at_24fps(frames, fps, num_frames)
     width, height = rules.canvas(frames.shape[2], frames.shape[1])
     if frames.shape[1:3] == (height, width):
         return frames

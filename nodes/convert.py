@@ -342,7 +342,7 @@ def video_at_24fps(video, what: str, max_frames: int, fit=None, with_audio: bool
         audio = clip.audio if with_audio else None
         if audio is not None and sound_frames is not None:
             audio = audio[:, :round(sound_frames / geometry.FPS * clip.sample_rate)]
-        return DecodedVideo(frames_at_24fps(clip.frames, clip.fps)[:max_frames], float(geometry.FPS), audio,
+        return DecodedVideo(frames_at_24fps(clip.frames, clip.fps, max_frames), float(geometry.FPS), audio,
                             None if audio is None else clip.sample_rate)
     path, start, duration = on_disk
     spans = [seconds for seconds in (duration, sound_frames and sound_frames / geometry.FPS) if seconds]

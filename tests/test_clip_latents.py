@@ -26,6 +26,34 @@ def clip(frames: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (frames, 100, 180, 3), dtype=np.uint8)
 
 
+@pytest.mark.parametrize("fps", [1.0, 7.5, 23.976, 24.0, 30.0, 60.0])
+def test_a_slow_clip_in_memory_is_not_repeated_out_whole(vaes, fps):
+    """A clip below 24 fps (images given at 1 fps) was repeated onto the whole 24 fps grid before the first frame
+    was encoded: 60 images at 1 fps held 24 times over. Now each slot's frame is taken as it is encoded; the first
+    `limit` slots are those of the whole grid, at any rate."""
+    import tracemalloc
+
+    frames = np.random.default_rng(0).integers(0, 256, (60, 64, 128, 3), dtype=np.uint8)
+    whole = frames_at_24fps(frames, fps)
+    for limit in (0, 1, 22, 56, 10**6):
+        assert np.array_equal(frames_at_24fps(frames, fps, limit), whole[:limit])
+
+    class Stop(Exception):
+        pass
+
+    def stop(done, total):
+        raise Stop  # after the first VAE clip, as an interrupt would
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(Stop):
+            encode_clip(*vaes, frames, fps, 128, 64, on_clip=stop)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * frames.nbytes  # before: 24 x the frames at 1 fps
+
+
 def test_frames_are_encoded_as_a_guide_clip_and_the_sound_as_a_driving_track(vaes):
     video_vae, audio_vae = vaes
     frames = clip(75)  # 2.5 s at 30 fps: 60 frames at 24 fps, cut to 56
