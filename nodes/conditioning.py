@@ -42,6 +42,7 @@ from .common import (
 )
 from .convert import (
     SOCKET_KINDS,
+    UNKNOWN_KIND,
     audio_to_decoded,
     build_request,
     image_to_uint8,
@@ -180,14 +181,18 @@ class H3Conditioning(io.ComfyNode):
 
 def linked_media(node_class, input_types) -> tuple[dict, list[str], str | None]:
     """What a node's validate_inputs sees of its links: their types by input, the media kinds linked to the
-    reference slots in slot order, and what is wrong with them (a reference that is no IMAGE, VIDEO or
-    AUDIO; a link of the wrong type, `wrong_link`), or None."""
+    reference slots in slot order (UNKNOWN_KIND for a link that may bring any of them: an any-type "*", ComfyUI's
+    Switch, a union; its value is checked when the node runs), and what is wrong with them (a reference link
+    ComfyUI's own rule refuses for IMAGE, VIDEO or AUDIO; a link of the wrong type, `wrong_link`), or None."""
+    from comfy_execution.validation import validate_node_input
+
     types = (input_types or {}) if isinstance(input_types, dict) else {}
-    kinds = [SOCKET_KINDS.get(kind, kind) for name, kind in sorted(types.items(), key=lambda item: _slot(item[0]))
-             if name.startswith("references.")]
-    wrong = [kind for kind in kinds if kind not in SOCKET_KINDS.values()]
+    linked = [kind for name, kind in sorted(types.items(), key=lambda item: _slot(item[0]))
+              if name.startswith("references.")]
+    wrong = [str(kind) for kind in linked if not validate_node_input(kind, ",".join(SOCKET_KINDS))]
     if wrong:
-        return types, kinds, f"References must be IMAGE, VIDEO or AUDIO; got {', '.join(wrong)}."
+        return types, [], f"References must be IMAGE, VIDEO or AUDIO; got {', '.join(wrong)}."
+    kinds = [SOCKET_KINDS.get(kind, UNKNOWN_KIND) for kind in linked]
     return types, kinds, wrong_link(node_class, types)
 
 

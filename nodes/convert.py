@@ -394,6 +394,7 @@ def reference_kind(value) -> str:
 
 
 SOCKET_KINDS = {"IMAGE": "image", "VIDEO": "video", "AUDIO": "audio"}
+UNKNOWN_KIND = "media"  # a reference link whose kind shows only when the node runs (an any-type or Switch output)
 
 
 def ordered_references(values: dict | None) -> list[tuple[str, str, Any]]:
@@ -429,7 +430,8 @@ def refuse_extra_inputs(extra: dict) -> None:
 
 
 def media_problem(task: str, reference_kinds: list[str], keyframes: int) -> str | None:
-    """What is wrong with the media wired to a request of `task` (checked before anything runs), or None."""
+    """What is wrong with the media wired to a request of `task` (checked before anything runs), or None.
+    `reference_kinds` may hold UNKNOWN_KIND: such a reference counts, its kind does not (checked when it runs)."""
     if task == "t2va" and (reference_kinds or keyframes):
         return "t2va takes a prompt only: disconnect the keyframes (fl2va) and references (ref2va), or change the task."
     if task == "fl2va":

@@ -188,6 +188,17 @@ def test_continuation_wiring_checks_at_queue_time(comfy):
     assert "needs an image or video" in check(input_types={"references.ref0": "AUDIO", **vae}, task="ref2va")
     assert "References must be IMAGE, VIDEO or AUDIO; got LATENT" in check(
         input_types={"references.ref0": "LATENT", **vae}, task="ref2va")
+    # a link that may bring any medium (an any-type "*", ComfyUI's Switch, a union with IMAGE): ComfyUI's own rule
+    # takes it, so its kind is checked when the node runs; it still counts as a reference (once refused outright)
+    for anything in ("*", "COMFY_MATCHTYPE_V3", "IMAGE,MASK"):
+        assert check(input_types={"references.ref0": anything, **vae}, task="ref2va") is True, anything
+        assert check(input_types={"references.ref0": "AUDIO", "references.ref1": anything, **vae},
+                     task="ref2va") is True, anything  # perhaps the image the audio needs
+        assert "t2va takes a prompt only" in check(input_types={"references.ref0": anything, **vae}, task="t2va")
+    assert "References must be IMAGE, VIDEO or AUDIO; got MASK,LATENT" in check(
+        input_types={"references.ref0": "MASK,LATENT", **vae}, task="ref2va")
+    assert "at most 12 references in total, got 13" in check(
+        input_types={**{f"references.ref{i}": "*" for i in range(13)}, **vae}, task="ref2va")
     assert "task must be one of t2va, ref2va; got 'fl2va'" in check(input_types={}, task="fl2va")
     assert check(input_types={"references.ref0": "IMAGE", **vae}, task=None) is True  # a linked task: at run time
     assert "The VAEs encode references and drive_audio: connect H3 VAE Loader's vae" in check(
