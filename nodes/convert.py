@@ -144,6 +144,8 @@ def _check_image(image: torch.Tensor, what: str) -> torch.Tensor:
         raise ValueError(f"{what} holds no pictures (an empty batch, {list(image.shape)}): connect one that has some.")
     if image.ndim != 4 or image.shape[-1] not in (1, 3, 4):
         raise ValueError(f"{what} must be a ComfyUI IMAGE [B, H, W, C] with C = 1, 3 or 4; got {list(image.shape)}.")
+    if image.shape[1] == 0 or image.shape[2] == 0:  # a crop with bad settings, say
+        raise ValueError(f"{what} has no pixels ({image.shape[2]}x{image.shape[1]}): connect a picture of some size.")
     return image
 
 
@@ -213,8 +215,10 @@ def _check_audio(audio: dict, what: str) -> tuple[torch.Tensor, int]:
     if not isinstance(audio, dict) or "waveform" not in audio or "sample_rate" not in audio:
         raise ValueError(f"{what} must be a ComfyUI AUDIO dict with 'waveform' [B, C, N] and 'sample_rate'.")
     waveform, rate = audio["waveform"], int(audio["sample_rate"])
-    if not isinstance(waveform, torch.Tensor) or waveform.ndim != 3 or waveform.shape[0] < 1:
+    if not isinstance(waveform, torch.Tensor) or waveform.ndim != 3:
         raise ValueError(f"{what}: waveform must be a tensor [B, C, N]; got {getattr(waveform, 'shape', waveform)!r}.")
+    if waveform.shape[0] == 0:
+        raise ValueError(f"{what} holds no sounds (an empty batch, {list(waveform.shape)}): connect one that has one.")
     if waveform.shape[0] > 1:
         raise ValueError(f"{what} is a batch of {waveform.shape[0]} sounds; H3 takes one here (one slot or input "
                          "for each sound).")

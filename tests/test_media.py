@@ -195,6 +195,8 @@ def test_colour_and_stereo_tones_survive(tmp_path):
 def test_bad_frames_and_audio_raise_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="even"):
         write_mp4(tmp_path / "odd.mp4", np.zeros((2, 63, 96, 3), np.uint8))
+    with pytest.raises(ValueError, match=r"even and positive .* got 96x0"):  # was "No usable H.264 encoder"
+        write_mp4(tmp_path / "flat.mp4", np.zeros((2, 0, 96, 3), np.uint8))
     with pytest.raises(ValueError, match="channels-first"):
         write_mp4(tmp_path / "chw.mp4", torch.zeros(2, 3, 64, 96))
     with pytest.raises(ValueError, match="uint8 .* or floating point"):

@@ -45,6 +45,9 @@ def test_image_round_trip_and_channels():
         convert.image_to_pil(torch.rand(1, 3, 16, 24, 2))
     with pytest.raises(ValueError, match=r"^first_image holds no pictures \(an empty batch, \[0, 16, 24, 3\]\)"):
         convert.image_to_pil(torch.rand(0, 16, 24, 3), "first_image")
+    for empty in ((1, 0, 24, 3), (2, 16, 0, 3), (0, 0, 3)):  # a crop node with bad settings: zero rows or columns
+        with pytest.raises(ValueError, match=r"^images has no pixels \(\d+x\d+\): connect a picture of some size"):
+            convert.image_to_uint8(torch.rand(*empty), "images")
 
 
 def test_audio_conversions():
@@ -52,6 +55,8 @@ def test_audio_conversions():
     decoded = convert.audio_to_decoded({"waveform": waveform, "sample_rate": 16000})
     assert isinstance(decoded, DecodedAudio) and decoded.sample_rate == 16000 and decoded.waveform.shape == (1, 16000)
     stereo = convert.audio_to_stereo_32k({"waveform": waveform, "sample_rate": 16000})
+    with pytest.raises(ValueError, match=r"^audio holds no sounds \(an empty batch, \[0, 2, 32000\]\)"):
+        convert.audio_to_stereo_32k({"waveform": torch.zeros(0, 2, 32000), "sample_rate": 32000}, "audio")
     assert stereo.shape == (2, 32000) and stereo.dtype == np.float32
     audio = convert.waveform_to_audio([torch.ones(2, 1000), torch.ones(2, 5000)], num_frames=5)
     assert audio["sample_rate"] == 32000 and audio["waveform"].shape == (1, 2, round(5 * 32000 / 24))
