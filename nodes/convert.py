@@ -569,9 +569,12 @@ def from_core_av(video, audio) -> list[dict]:
     for index in range(video.shape[0]):
         latents = AVLatents(video[index:index + 1].detach().float().cpu(),
                             audio[index].detach().float().cpu().permute(1, 0, 2).contiguous())
+        steps = latents.video.shape[2]
+        if steps < 7 or (steps - 2) % geometry.LATENTS_PER_CHUNK:
+            latents.check()  # the video part's own message, before a frame count is made of it
         have, frames = latents.audio.shape[2], latents.num_frames
         expected = geometry.audio_latents(frames)
-        if have != expected and (latents.video.shape[2] - 2) % geometry.LATENTS_PER_CHUNK == 0:
+        if have != expected:
             per_second = geometry.AUDIO_LATENTS_PER_SECOND  # a sound and a video encoded apart rarely agree
             raise ValueError(f"The audio part holds {have} latents a channel ({have / per_second:.3f} s of sound), but "
                              f"the video part's {frames} frames ({frames / geometry.FPS:.3f} s) take {expected}: make "
