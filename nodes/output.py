@@ -159,18 +159,19 @@ def _frames_and_soundtrack(images, audio, video):
     problem = _source_problem(images is not None, video is not None)
     if problem:
         raise ValueError(problem)
+    given = None if audio is None else audio_to_stereo_32k(audio, "audio")  # a bad sound refused before any frame
     if images is not None:
-        return image_to_uint8(images, "images"), None if audio is None else audio_to_stereo_32k(audio, "audio")
+        return image_to_uint8(images, "images"), given
     stated = getattr(video, "get_frame_rate", None)  # said before the whole clip is decoded just to be refused
     if callable(stated):
         _check_rate(float(stated()))
     if video_file(video) is not None:  # read from its file as uint8 frames: get_components() stacks float32 ones
         clip = video_at_24fps(video, "video", _ALL_FRAMES, with_audio=audio is None)  # (4x the bytes) of it all
-        return clip.frames, audio_to_stereo_32k(audio, "audio") if audio is not None else clip.audio
+        return clip.frames, given if audio is not None else clip.audio
     decoded = video_to_decoded(video, "video")
     _check_rate(decoded.fps)
     if audio is not None:
-        return decoded.frames, audio_to_stereo_32k(audio, "audio")
+        return decoded.frames, given
     soundtrack = None if decoded.audio is None else resample_audio(decoded.audio, decoded.sample_rate)
     return decoded.frames, soundtrack
 
