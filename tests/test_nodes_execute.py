@@ -1353,7 +1353,8 @@ def test_av_save_takes_a_video_with_its_soundtrack(comfy):
     undecoded = SimpleNamespace(get_frame_rate=lambda: Fraction(24),  # a bad audio input: said before any frame
                                 get_components=lambda: pytest.fail("decoded whole, then refused for its audio input"))
     with pytest.raises(ValueError, match="audio is a batch of 2 sounds"):
-        save.execute(filename_prefix="H3/video", video=undecoded, audio={**tone, "waveform": tone["waveform"].repeat(2, 1, 1)})
+        save.execute(filename_prefix="H3/video", video=undecoded,
+                     audio={**tone, "waveform": tone["waveform"].repeat(2, 1, 1)})
     with pytest.raises(ValueError, match="either images .frames at 24 fps. or a video, not both"):
         save.execute(torch.rand(3, 32, 48, 3), "H3/video", video=video(24))
     with pytest.raises(ValueError, match="got neither"):
