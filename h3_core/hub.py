@@ -44,12 +44,25 @@ def fetch_release(repo: str, partition: str, parts: Sequence[str]) -> Path:
     index = [f"{PARTITIONS[partition][0]}/model_index.json"] if "dit" in parts else []
     root = Path(snapshot_download(repo, allow_patterns=index + release_patterns(partition, parts)))
     missing = [folder for folder in folders if not (root / folder).is_dir()]
+    if missing and _offline():  # the cache's snapshot as far as it goes, not the repo's listing
+        raise CheckpointError(
+            f"Not in the Hugging Face cache ({root}): {', '.join(missing)} of {repo}, and the Hub is not asked "
+            "(HF_HUB_OFFLINE is set). Go online once, or download them with `hf download "
+            f"{repo} {' '.join('--include ' + repr(pattern) for pattern in release_patterns(partition, parts))}`.")
     if missing:
         raise CheckpointError(
             f"Hub repo {repo} has no {', '.join(missing)}. A repo id is read in the original release's layout "
             "(MiniMaxAI/MiniMax-H3: FL2VA/ and Ref2VA/, each with transformer/, text_encoder/, tokenizer/, "
             "processor/, video_vae/ and audio_vae/); download another repo's files and give their paths.")
     return root
+
+
+def _offline() -> bool:
+    """Whether huggingface_hub is told to stay offline (HF_HUB_OFFLINE), as it decides."""
+    from huggingface_hub import constants
+
+    check = getattr(constants, "is_offline_mode", None)
+    return bool(check() if callable(check) else constants.HF_HUB_OFFLINE)
 
 
 def hub_error_text(error: BaseException) -> str:

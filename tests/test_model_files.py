@@ -233,6 +233,31 @@ def test_a_hub_repo_in_another_layout_is_refused_naming_the_missing_folders(tmp_
            "original release's layout" in error, error
 
 
+def test_folders_missing_from_an_offline_cache_are_said_to_be_missing_from_the_cache(tmp_path, monkeypatch):
+    """Offline (HF_HUB_OFFLINE), huggingface_hub hands back the cache's snapshot as far as it goes: the folders a
+    cache lacks (only the VAEs fetched by an earlier `h3 encode`) were blamed on the repo's layout ("download
+    another repo's files"); now they are said to be missing from the cache, with the download that fills it."""
+    from huggingface_hub import constants
+
+    from h3_core.hub import fetch_release
+    from h3_core.weights import CheckpointError
+
+    cached = tmp_path / "cached"
+    (cached / "FL2VA" / "video_vae").mkdir(parents=True)
+    (cached / "FL2VA" / "video_vae" / "config.json").write_text("{}")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", _hub_serving(cached, tmp_path / "hub", []))
+    monkeypatch.setattr(constants, "is_offline_mode", lambda: True, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(CheckpointError, match=r"^Not in the Hugging Face cache \(.*\): FL2VA/transformer of "
+                                              r"MiniMaxAI/MiniMax-H3, and the Hub is not asked \(HF_HUB_OFFLINE is "
+                                              r"set\)\..*hf download MiniMaxAI/MiniMax-H3 --include 'FL2VA/transformer/\*'"):
+        fetch_release("MiniMaxAI/MiniMax-H3", "fl2va", ["dit", "video_vae"])
+    monkeypatch.setattr(constants, "is_offline_mode", lambda: False, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    with pytest.raises(CheckpointError, match="has no FL2VA/transformer. A repo id is read in the original"):
+        fetch_release("MiniMaxAI/MiniMax-H3", "fl2va", ["dit", "video_vae"])  # online, the repo's own listing
+
+
 def test_encode_reads_the_given_vae_files(model_sets, tmp_path):
     """`h3 encode` with --video-vae and --audio-vae and no --model: the same latents as the release root's VAEs."""
     clip = model_sets["clip"]
