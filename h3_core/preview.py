@@ -29,7 +29,8 @@ def latent_rgb(frame: torch.Tensor, factors=None, bias=None) -> np.ndarray:
         rgb = ((rgb + 1.0) / 2.0).clamp(0.0, 1.0)
     else:
         centred = pixels - pixels.mean(dim=0)
-        _, vectors = torch.linalg.eigh(centred.T @ centred)  # ascending eigenvalues
+        unit = centred / centred.abs().max().clamp_min(torch.finfo(torch.float32).tiny)  # a diverging run's 1e19
+        _, vectors = torch.linalg.eigh(unit.T @ unit)  # ascending eigenvalues            # squares to inf otherwise
         axes = vectors[:, -3:].flip(-1)
         axes = axes * torch.where(axes.sum(dim=0) < 0, -1.0, 1.0)  # a fixed sign, so colours do not flip per step
         rgb = centred @ axes

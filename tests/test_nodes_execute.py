@@ -707,6 +707,10 @@ def test_preview_is_the_clean_estimate_of_the_middle_frame():
     for table in (None, factors):
         rgb = latent_rgb(broken, table)
         assert rgb.shape == (8, 14, 3) and (rgb[:4] == rgb[0, 0]).all()
+    # a run diverging to huge but finite values: the false colours of any scale are the same picture (the PCA's
+    # covariance of 1e19 values overflowed to inf, and eigh failed inside the step callback, ending the run)
+    frame = torch.randn(24, 8, 14, generator=torch.Generator().manual_seed(3))
+    assert all(np.array_equal(latent_rgb(frame * scale), latent_rgb(frame)) for scale in (1e-3, 1e19, 1e30))
 
 
 def test_vae_loader_weight_dtype_follows_the_reference_policy(comfy, tmp_path):
