@@ -248,7 +248,8 @@ class Mp4Writer:
         if self._size is None:
             if width % 2 or height % 2 or not (width and height):
                 raise ValueError(
-                    f"Frame width and height must be even and positive for H.264 4:2:0 (yuv420p), got {width}x{height}. "
+                    f"Frame width and height must be even and positive for H.264 4:2:0 (yuv420p), got "
+                    f"{width}x{height}. "
                     "H3 canvases are multiples of 32; crop or pad other frames by one pixel."
                 )
             self._open_container(width, height)

@@ -29,8 +29,9 @@ def latent_rgb(frame: torch.Tensor, factors=None, bias=None) -> np.ndarray:
         rgb = ((rgb + 1.0) / 2.0).clamp(0.0, 1.0)
     else:
         centred = pixels - pixels.mean(dim=0)
-        unit = centred / centred.abs().max().clamp_min(torch.finfo(torch.float32).tiny)  # a diverging run's 1e19
-        _, vectors = torch.linalg.eigh(unit.T @ unit)  # ascending eigenvalues            # squares to inf otherwise
+        # the axes of the frame scaled to 1: a diverging run's 1e19 values square to inf
+        unit = centred / centred.abs().max().clamp_min(torch.finfo(torch.float32).tiny)
+        _, vectors = torch.linalg.eigh(unit.T @ unit)  # ascending eigenvalues
         axes = vectors[:, -3:].flip(-1)
         axes = axes * torch.where(axes.sum(dim=0) < 0, -1.0, 1.0)  # a fixed sign, so colours do not flip per step
         rgb = centred @ axes

@@ -144,7 +144,7 @@ class TextEncoderSource:
     config: dict | None
     tokenizer_folder: Path | None
     processor_folder: Path | None
-    origin: str  # "original partition", "HF-layout folder", "single file" or "GGUF file", for messages
+    origin: str  # "original partition", "diffusers folder", "HF-layout folder", "single file" or "GGUF file"
     gguf_tensors: dict = field(default_factory=dict, compare=False)  # file key -> gguf_file.GGUFEntry (GGUF files)
     vision: VisionTowerFile | None = field(default=None, compare=False)  # a GGUF file's mmproj beside it
 

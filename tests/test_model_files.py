@@ -250,7 +250,8 @@ def test_folders_missing_from_an_offline_cache_are_said_to_be_missing_from_the_c
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(CheckpointError, match=r"^Not in the Hugging Face cache \(.*\): FL2VA/transformer of "
                                               r"MiniMaxAI/MiniMax-H3, and the Hub is not asked \(HF_HUB_OFFLINE is "
-                                              r"set\)\..*hf download MiniMaxAI/MiniMax-H3 --include 'FL2VA/transformer/\*'"):
+                                              r"set\)\..*hf download MiniMaxAI/MiniMax-H3 "
+                                              r"--include 'FL2VA/transformer/\*'"):
         fetch_release("MiniMaxAI/MiniMax-H3", "fl2va", ["dit", "video_vae"])
     monkeypatch.setattr(constants, "is_offline_mode", lambda: False, raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)

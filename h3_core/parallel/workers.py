@@ -98,7 +98,8 @@ class ModelSpec:
             return self.dtype or torch.float32  # the tiny model is made in float32
         from ..checkpoint import DiTReader
 
-        return DiTReader(self.source, self.partition, None, self.config, self._read_linears(), "meta").model.attention_dtype
+        reader = DiTReader(self.source, self.partition, None, self.config, self._read_linears(), "meta")
+        return reader.model.attention_dtype
 
     def adaln_bytes(self) -> int | None:
         """What the timestep-only weights take on each worker as it will hold them, from the headers (None:
