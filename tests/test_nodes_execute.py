@@ -625,6 +625,13 @@ def test_a_weight_file_saved_over_under_its_name_loads_again(comfy):
     both = vaes(video_vae="tiny-random", audio_vae="tiny-random", folder=str(folder))
     shard.write_bytes(b"0" * 10)
     assert both and vaes(video_vae="tiny-random", audio_vae="tiny-random", folder=str(folder)) != both
+    # the release's video VAE weights lie four levels down (FL2VA/video_vae/source/model.safetensors): missed
+    deep = folder / "FL2VA" / "video_vae" / "source" / "model.safetensors"
+    deep.parent.mkdir(parents=True)
+    deep.write_bytes(b"0" * 8)
+    before = vaes(video_vae="tiny-random", audio_vae="tiny-random", folder=str(folder))
+    deep.write_bytes(b"0" * 9)
+    assert vaes(video_vae="tiny-random", audio_vae="tiny-random", folder=str(folder)) != before
 
 
 def test_a_decode_moves_one_progress_bar_over_sound_then_frames(comfy):
