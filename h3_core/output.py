@@ -116,7 +116,9 @@ class AVLatents:
                 if missing:
                     raise ValueError(f"{path} lacks the tensor(s) {', '.join(sorted(missing))}; expected 'video' and "
                                      "'audio'.")
-                tensors = {name: file.get_tensor(name) for name in ("video", "audio")}
+                # copies, not views of the file's pages: one saved over under its name (or cut short) would change
+                # (or crash) what was loaded
+                tensors = {name: file.get_tensor(name).clone() for name in ("video", "audio")}
                 resume = ResumePoint.from_metadata(file.metadata(), str(path))
         except SafetensorError as error:  # an MP4 given for its latents, say
             raise ValueError(f"{path} is not a safetensors file of latents ({error}); give the .safetensors that "
