@@ -61,18 +61,24 @@ def typed_path(text: str, kind: str) -> str:
     does)."""
     import folder_paths
 
-    path = os.path.expanduser(clean_path(text))
+    typed = clean_path(text)
+    path = os.path.expanduser(typed)
     if not path:
         return ""
+    roots = model_roots()
+    allowed = any_folder_allowed()
+    fenced_in = lambda candidate: allowed or any(_inside(candidate, root) for root in roots)  # noqa: E731
     if not os.path.isabs(path):
         kinds = dict.fromkeys((kind, "checkpoints", *FENCED_KINDS))
         folders = [root for name in kinds for root in _folders_of(name)] + [folder_paths.models_dir]
-        path = next((os.path.join(root, path) for root in folders if os.path.exists(os.path.join(root, path))), path)
+        # only joins that stay inside the fence are looked at: '..' out of a model folder to a file that exists
+        # there, and one that does not, are refused alike (the refusal told which, so what lay where)
+        joins = [os.path.normpath(os.path.abspath(os.path.join(root, path))) for root in folders]
+        path = next((joined for joined in joins if fenced_in(joined) and os.path.exists(joined)), path)
     path = os.path.normpath(os.path.abspath(path))
-    roots = model_roots()
-    if any_folder_allowed() or any(_inside(path, root) for root in roots):
+    if fenced_in(path):
         return path
-    raise ValueError(f"{path!r} is outside ComfyUI's model folders ({', '.join(roots)}). Move it (or a link to it) "
+    raise ValueError(f"{typed!r} is outside ComfyUI's model folders ({', '.join(roots)}). Move it (or a link to it) "
                      f"into one of them, or add its folder to extra_model_paths.yaml; on a ComfyUI only you can reach, "
                      f"start ComfyUI with {ANY_FOLDER_VARIABLE}=1 to let the H3 loaders read any path.")
 

@@ -1740,6 +1740,12 @@ def test_a_typed_folder_outside_the_model_folders_is_refused(comfy, tmp_path_fac
         assert loaders.H3VAELoader.fingerprint_inputs(video_vae="tiny-random", audio_vae="tiny-random",
                                                       folder=folder) == ""
     assert comfy.record.freed == [] and comfy.record.loaded == []
+    # '..' from a model folder to a path that exists out there and to one that does not: refused alike, naming the
+    # path as typed (the refusal named the model folder's join where something existed there: what lay where)
+    for leaf in ("FL2VA", "no-such-folder"):
+        relative = os.path.relpath(outside.parent / leaf, comfy.tmp / "vae")
+        problem = loaders.H3VAELoader.validate_inputs(folder=relative)
+        assert problem.startswith(f"{relative!r} is outside ComfyUI's model folders"), problem
     # empty or linked boxes are fine at queue time
     assert loaders.H3ModelLoader.validate_inputs(folder="") is True
     assert loaders.H3TextEncoderLoader.validate_inputs(folder=None, tokenizer_folder=None) is True
