@@ -81,8 +81,19 @@ def config_errors(where):
                               "is its config damaged or another model's?") from error
 
 
+# how torch.save's files begin (a zip archive, since torch 1.6); no safetensors file does (its first 8 bytes, the
+# header's length, would say 67 MB)
+TORCH_ZIP_MAGIC = b"PK\x03\x04"
+
+
 def _not_safetensors(path: Path | str, error: Exception) -> CheckpointError:
     size = Path(path).stat().st_size
+    with open(path, "rb") as file:
+        head = file.read(4)
+    if head == TORCH_ZIP_MAGIC:  # only its first bytes read: a pickle is never loaded
+        return CheckpointError(f"{Path(path).name} is a pickle checkpoint (torch.save's format) under a .safetensors "
+                               "name; H3 loads only real .safetensors files, which cannot run code on load. Convert it "
+                               "to safetensors first.")
     return CheckpointError(f"{path} is not a readable safetensors file ({error}; {size:,} bytes: an interrupted "
                            "download, or another format under this name?).")
 

@@ -224,6 +224,10 @@ def test_pickles_are_refused(tmp_path, name):
     torch.save({"encoder.conv_in.weight": torch.zeros(1)}, path)
     with pytest.raises(CheckpointError, match="pickle checkpoint"):
         load_video_vae(path)
+    renamed = path.rename(tmp_path / "video_vae.safetensors")  # torch.save's file under a safetensors name
+    with pytest.raises(CheckpointError, match=r"^video_vae.safetensors is a pickle checkpoint \(torch.save's "
+                                              r"format\) under a .safetensors name"):
+        load_video_vae(renamed)
 
 
 def test_quantized_single_file_is_refused(tmp_path, reference, config):
