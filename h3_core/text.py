@@ -369,13 +369,21 @@ def load_text_encoder(
         tiny_model_dtype(device, dtype)  # float32 whatever is asked, but a dtype that is none is refused
         return tiny_random_text_encoder(device=device)
     source = locate_text_encoder_files(path, tokenizer, processor, layer)
-    vision = None if source.processor_folder is None else VisionProcessor.from_folder(source.processor_folder)
-    presenter = Presenter(load_tokenizer(source.tokenizer_folder), vision)
-    qwen_config = qwen3vl_config(config if config is not None else source.config, layer)
-    _check_compatible(qwen_config, presenter)  # before reading ~51 GB of weights
+    presenter, qwen_config = text_encoder_presenter(source, config, layer)  # before reading ~51 GB of weights
     model = load_qwen3vl(source, dtype, device, qwen_config, layer, on_tensor)
     return TextEncoder(model, presenter, layer, reader=lambda to, on_tensor=None: load_qwen3vl(
         source, dtype, to, qwen_config, layer, on_tensor))
+
+
+def text_encoder_presenter(source, config: dict | str | Path | None = None, layer: int = TEXT_ENCODER_LAYER):
+    """(Presenter, Qwen3-VL config) of a located text encoder (`locate_text_encoder_files`): its tokenizer and
+    processor read and checked against the model's config, a few MB: a host calls it before it makes room for the
+    weights, so a damaged or another model's tokenizer is refused before other models are moved out."""
+    vision = None if source.processor_folder is None else VisionProcessor.from_folder(source.processor_folder)
+    presenter = Presenter(load_tokenizer(source.tokenizer_folder), vision)
+    qwen_config = qwen3vl_config(config if config is not None else source.config, layer)
+    _check_compatible(qwen_config, presenter)
+    return presenter, qwen_config
 
 
 def locate_text_encoder_files(path: str | Path, tokenizer: str | Path | None = None,

@@ -19,7 +19,13 @@ from h3_core.parallel import ModelSpec
 from h3_core.placement import freed_on_failure, module_bytes
 from h3_core.pipeline import TINY_CANVAS
 from h3_core.references import RELEASE_CANVAS
-from h3_core.text import ENCODING_FLOOR_BYTES, load_text_encoder, locate_text_encoder_files, text_encoder_bytes
+from h3_core.text import (
+    ENCODING_FLOOR_BYTES,
+    load_text_encoder,
+    locate_text_encoder_files,
+    text_encoder_bytes,
+    text_encoder_presenter,
+)
 from h3_core.text_mmproj import MARKER as MMPROJ_MARKER
 from h3_core.text_mmproj import companions as mmproj_companions
 from h3_core.tiny import (
@@ -292,8 +298,10 @@ class H3TextEncoderLoader(io.ComfyNode):
         else:
             path = model_path("text_encoders", text_encoder, folder)
             tokenizer = typed_path(tokenizer_folder, "text_encoders") or None
-            # a missing tokenizer is refused before room is made (a single file's, if none is given, is fetched)
+            # a missing, damaged or mismatched tokenizer is refused before room is made (a single file's, if none
+            # is given, is fetched)
             found = locate_text_encoder_files(path, tokenizer)
+            text_encoder_presenter(found)
             dtype = DTYPES[weight_dtype]
             weight_bytes = text_encoder_bytes(path, dtype)
             stream = text_encoder_streams(weight_bytes + ENCODING_FLOOR_BYTES, target, budget)

@@ -1279,6 +1279,21 @@ def test_single_file_text_encoder_without_tokenizer_folder_is_refused_before_mak
     assert comfy.record.freed == [] and comfy.record.loaded == []  # no other model was asked to leave
 
 
+def test_a_damaged_tokenizer_folder_is_refused_before_making_room(comfy):
+    """The tokenizer (and processor) are read and checked against the model before room is asked of other models:
+    a damaged tokenizer.json was refused only after the DiT had been moved out for the text encoder."""
+    import tiny_qwen
+
+    tokenizer = tiny_qwen.write_tokenizer(comfy.tmp / "text_encoders" / "tok")
+    name = "qwen3vl_32b_minimax_h3_bf16.safetensors"
+    tiny_qwen.write_single_file(comfy.tmp / "text_encoders" / name,
+                                tiny_qwen.random_model(tiny_qwen.config_dict(tokenizer), seed=3))
+    (tokenizer / "tokenizer.json").write_text("{ damaged")
+    with pytest.raises(ValueError, match="The tokenizer in .*tok cannot be read"):
+        comfy.loaders.H3TextEncoderLoader.execute(name, "", str(tokenizer), "bf16")
+    assert comfy.record.freed == [] and comfy.record.loaded == []  # no other model was asked to leave
+
+
 def test_another_models_file_in_the_text_encoder_loader_is_refused_before_any_fetch_or_room(comfy, monkeypatch):
     """A DiT file picked in H3 Text Encoder Loader: said from its tensor names, before the release's tokenizer is
     fetched from the Hub for it and before ~54 GB of room were asked of other models."""
