@@ -496,7 +496,9 @@ def check_devices(devices, split: bool = False) -> list[torch.device]:
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"{device} does not exist here: this machine has {torch.cuda.device_count()} CUDA "
                              "device(s).")
-        if device.type not in ("cpu", "cuda", "meta") and not _available(device.type):
+        if device.type == "meta":  # it passed, and the run failed once models had loaded ("Cannot copy out of meta")
+            raise ValueError("meta is torch's device of shapes without data: nothing runs there; use cpu or cuda.")
+        if device.type not in ("cpu", "cuda") and not _available(device.type):
             raise ValueError(f"{device}: this torch build has no {device.type} device here; use cpu or cuda"
                              f"{' (mps on a Mac)' if device.type != 'mps' else ''}.")
     # after the GPUs are known to be there: a CPU-only build lacks both, and the missing GPU is the news

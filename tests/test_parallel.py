@@ -388,6 +388,10 @@ def test_bad_device_lists_are_refused_before_any_process_starts(monkeypatch, cap
                 check_devices([kind])
             assert h3(["generate", "--prompt", "x", "--save-latents", "x.safetensors", "--device", kind]) == 2
             assert f"h3: error: {kind}: this torch build has no {kind} device here" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="^meta is torch's device of shapes without data: nothing runs there"):
+        check_devices(["meta"])
+    assert h3(["generate", "--prompt", "x", "--save-latents", "x.safetensors", "--device", "meta"]) == 2
+    assert "h3: error: meta is torch's device of shapes without data" in capsys.readouterr().err
     with pytest.raises(ValueError, match="must be all CUDA devices or all 'cpu'; got cpu, meta"):
         pipeline.check_settings(pipeline.GenerateSettings(devices=["cpu", "meta"]))  # before any model loads
     with pytest.raises(ValueError, match="No devices to serve"):
