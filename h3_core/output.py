@@ -103,6 +103,9 @@ class AVLatents:
                       str(temporary), metadata=metadata)
             os.chmod(temporary, 0o666 & ~current_umask())  # safetensors writes 0600: a server of another user
             os.replace(temporary, path)                     # (ComfyUI's) could not read it
+        except SafetensorError as error:  # safetensors' own wording of a full disk, say: an OSError, naming the file
+            temporary.unlink(missing_ok=True)
+            raise OSError(f"Saving the latents to {path} failed: {error}") from None
         except BaseException:
             temporary.unlink(missing_ok=True)
             raise

@@ -10,6 +10,7 @@ import av
 import numpy as np
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from h3_core import geometry
 from h3_core.output import AVLatents, decode_audio, decode_video, write_mp4
@@ -187,6 +188,15 @@ def test_latents_are_saved_whole_or_not_at_all(tmp_path, monkeypatch):
     monkeypatch.setattr(output, "save_file", full_disk)
     with pytest.raises(OSError, match="No space left"):
         latents.save(tmp_path / "full.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere.txt", "linked.safetensors"]
+
+    def full_disk_in_safetensors_words(tensors, path, metadata=None):  # what safetensors itself raises there
+        Path(path).write_bytes(b"half a file")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(output, "save_file", full_disk_in_safetensors_words)
+    with pytest.raises(OSError, match=r"^Saving the latents to .*full.safetensors failed: .*No space left"):
+        latents.save(tmp_path / "full.safetensors")  # an OSError, which h3 says in one line (it was a traceback)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere.txt", "linked.safetensors"]
 
 
