@@ -580,9 +580,16 @@ class StageBars:
             bar.close()
 
 
+def _check_named(option: str, path: Path, example: str) -> None:
+    """An output option given an empty name (argparse makes "" the path "."): said so, not as a file named '.'."""
+    if not path.name:
+        raise ValueError(f"{option} must name a file such as {example}; got an empty name.")
+
+
 def run_encode(args) -> int:
     progress = StageBars(args.quiet)
     try:
+        _check_named("--out", args.out, "clip.safetensors")
         files = model_files(args)
         model = args.model or (None if files.given() else TINY_RANDOM)
         for option, path in (("the video", args.video), ("--audio", args.audio)):
@@ -991,6 +998,7 @@ def run_denoise(args) -> int:
     for name, shift in (("--video-shift", args.video_shift), ("--audio-shift", args.audio_shift)):
         check_shift(shift, name, bounded=True)
     schedule = DualClockSchedule.build(args.steps, args.video_shift, args.audio_shift)  # a bad one fails first
+    _check_named("--save-latents", args.save_latents, "clip.safetensors")
     if args.save_latents.suffix != ".safetensors":
         raise ValueError(f"--save-latents must name a .safetensors file, got {args.save_latents}.")
     check_writable(args.save_latents)

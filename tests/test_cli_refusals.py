@@ -407,6 +407,7 @@ def test_h3_denoise_refuses_bad_files_and_durations_before_running(tmp_path, cap
         (["--duration", "1e9", *out], "The duration must be between 4 and 15 seconds"),
         (["--video-shift", "1e39", *out], "--video-shift must be a number from 0.01 to 100"),
         (["--save-latents", str(tmp_path / "folder.safetensors")], "folder.safetensors is a folder"),
+        (["--save-latents", ""], r"--save-latents must name a file such as clip.safetensors; got an empty name"),
         (["--text-states", str(tmp_path / "junk.safetensors"), *out], "junk.safetensors is not a readable safetensors"),
         (["--text-states", str(tmp_path / "empty.safetensors"), *out], r"must be \[1, T >= 1, \d+\] .* got \[1, 0, 48\]"),
     ):
@@ -414,6 +415,8 @@ def test_h3_denoise_refuses_bad_files_and_durations_before_running(tmp_path, cap
         error = capsys.readouterr().err
         assert re.search(message, error) and "Traceback" not in error, error
     assert not (tmp_path / "x.safetensors").exists()
+    assert main(["encode", str(tmp_path / "clip.mp4"), "--out", ""]) == 2  # argparse made "" the path "."
+    assert "--out must name a file such as clip.safetensors; got an empty name" in capsys.readouterr().err
 
 
 def test_an_adapter_for_another_model_size_is_refused_before_any_model_loads(tmp_path, no_model_loads, capsys):
