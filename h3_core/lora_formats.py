@@ -243,7 +243,11 @@ class ParsedLoRA:
 # ---------------------------------------------------------------------------------------------------
 def read_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """All tensors and the `__metadata__` of one LoRA file. Pickles are refused: they run code on load."""
+    if str(path).strip() in ("", "."):  # Path("") is "."
+        raise LoRAError("The LoRA path is empty; give a LoRA's .safetensors file.")
     path = Path(path).expanduser()
+    if path.is_dir():  # said as a folder, not as a file of another format
+        raise LoRAError(f"{path} is a folder; give the LoRA's .safetensors file in it.")
     try:
         check_safetensors_file(path, "LoRA")
     except CheckpointError as error:

@@ -632,6 +632,11 @@ def test_refused_files(tmp_path):
     (tmp_path / "x.ckpt").write_bytes(b"\x80\x04")
     with pytest.raises(LoRAError, match="pickle"):
         load_lora(tmp_path / "x.ckpt")
+    (tmp_path / "epochs").mkdir()  # said as what they are (h3 --lora '': " is not a .safetensors file")
+    with pytest.raises(LoRAError, match=r"^The LoRA path is empty; give a LoRA's .safetensors file\.$"):
+        load_lora("")
+    with pytest.raises(LoRAError, match=r"epochs is a folder; give the LoRA's .safetensors file in it\.$"):
+        load_lora(tmp_path / "epochs")
     save_file({"transformer_blocks.0.attn.to_gate_compress.set_weight": torch.zeros(64, 64)}, str(tmp_path / "vsa.safetensors"))
     with pytest.raises(LoRAError, match="VSA"):
         load_lora(tmp_path / "vsa.safetensors")
