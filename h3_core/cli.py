@@ -489,13 +489,15 @@ def _long_video(args, request: Request, kept: AVLatents | None = None) -> Reques
 
 # The engine's refusals name its fields (the ComfyUI nodes' inputs); the command line says the option typed.
 _FIELD_OPTIONS = {"aspect_ratio": "--aspect-ratio", "reference_images": "--reference-images",
-                  "window_frames": "--window-frames", "overlap_frames": "--overlap-frames"}
+                  "window_frames": "--window-frames", "overlap_frames": "--overlap-frames",
+                  "frame_index": "--guide FRAME", "start_seconds": "@START"}
 _LEADING_OPTIONS = {"steps": "--steps", "outputs": "--outputs", "crf": "--crf", "seed": "--seed",
                     "drive audio": "--drive-audio"}
 
 
 def in_flags(message: str) -> str:
-    """An engine message as the command line's user reads it: `aspect_ratio` anywhere, and `steps`, `outputs`, `crf`,
+    """An engine message as the command line's user reads it: `aspect_ratio` (a guide's `frame_index`, a reference's
+    `start_seconds`, ...) anywhere, and `steps`, `outputs`, `crf`,
     `seed`, `drive audio` opening it, become the option's name (one already named with its option is left)."""
     for field, option in _FIELD_OPTIONS.items():
         message = re.sub(rf"\b{field}\b(?! \(--)", option, message)

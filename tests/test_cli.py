@@ -156,7 +156,7 @@ def test_generate_with_guides_from_files(tmp_path, capsys):
     assert a.keys() == b.keys() and not torch.equal(a["video"], b["video"]) and not torch.equal(a["audio"], b["audio"])
     capsys.readouterr()
     assert main([*base, "--guide", f"107:image={image}", "--save-latents", str(tmp_path / "x.safetensors")]) == 2
-    assert "frame_index 107 is outside the video's 107 frames" in capsys.readouterr().err
+    assert "--guide FRAME 107 is outside the video's 107 frames" in capsys.readouterr().err  # the option, not a field
     assert not (tmp_path / "x.safetensors").exists()
 
 

@@ -232,6 +232,9 @@ def test_a_reference_started_past_its_end_says_so(tmp_path, no_model_loads, caps
             f"audio={tmp_path}/voice.wav@100", "--prompt", "x", "--out", str(tmp_path / "o.mp4")]
     assert main(argv) == 2
     assert "--ref #2 (audio) starts at 100 s, past its end (5.000 s long)" in capsys.readouterr().err
+    argv[4] = f"image={tmp_path}/cat.png@5"  # named as the command line spells it, not the engine's start_seconds
+    assert main(argv) == 2
+    assert "--ref #1 is an image; @START applies to video and audio clips only" in capsys.readouterr().err
 
 
 def test_prompt_labels_no_reference_carries_are_warned_of(tmp_path, monkeypatch, capsys):
