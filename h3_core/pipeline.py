@@ -324,7 +324,13 @@ def resolve_model_source(model: str | None, partition: str, files: ModelFiles = 
             raise CheckpointError(f"{FILE_OPTIONS[name]} {path} does not exist.")
     path, bundled = None if model is None else Path(model).expanduser(), []
     if path is not None and path.is_file() and path.suffix.lower() != ".gguf":
-        check_safetensors_file(path, "DiT", " (or GGUF, .gguf)")  # a pickle is refused first, whatever else is missing
+        # a pickle is refused first, whatever else is missing; without a DiT to read (h3 encode), a file serves
+        # only as an all-in-one file holding the VAEs
+        if dit:
+            check_safetensors_file(path, "DiT", " (or GGUF, .gguf)")
+        else:
+            check_safetensors_file(path, "all-in-one model",
+                                   " (a release folder serves too; or give --video-vae and --audio-vae)")
         # an all-in-one file serves the models it holds that are not given on their own (an unreadable one is
         # said so by the DiT's loader, after what is missing)
         with contextlib.suppress(CheckpointError):

@@ -259,6 +259,15 @@ def test_folders_missing_from_an_offline_cache_are_said_to_be_missing_from_the_c
         fetch_release("MiniMaxAI/MiniMax-H3", "fl2va", ["dit", "video_vae"])  # online, the repo's own listing
 
 
+def test_encode_names_what_its_model_may_be(tmp_path, capsys):
+    """h3 encode reads no DiT: a --model file that is no safetensors was refused as a DiT file."""
+    (tmp_path / "note.txt").write_text("not a model")
+    assert main(["encode", str(_write_clip(tmp_path / "clip.mp4")), "--out", str(tmp_path / "x.safetensors"),
+                 "--model", str(tmp_path / "note.txt")]) == 2
+    assert ("note.txt is not a .safetensors file; all-in-one model files must be safetensors (a release folder "
+            "serves too; or give --video-vae and --audio-vae)") in capsys.readouterr().err
+
+
 def test_encode_reads_the_given_vae_files(model_sets, tmp_path):
     """`h3 encode` with --video-vae and --audio-vae and no --model: the same latents as the release root's VAEs."""
     clip = model_sets["clip"]
