@@ -7,6 +7,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -414,12 +415,17 @@ def wrong_link(node_class, input_types) -> str | None:
 
 def range_problem(node_class, **values) -> str | None:
     """ComfyUI's own min/max check of number widgets, which naming them in validate_inputs turns off (None: a
-    linked value, known when the node runs), against the node's schema, in ComfyUI's words."""
+    linked value, known when the node runs), against the node's schema, in ComfyUI's words; a linked value, which
+    ComfyUI checks not at all, must also be a number (a whole one for an INT input), and not NaN."""
     inputs = {port.id: port for port in node_class.define_schema().inputs}
     for name, value in values.items():
         low, high = getattr(inputs[name], "min", None), getattr(inputs[name], "max", None)
-        if value is None or not isinstance(value, (int, float)):
+        if value is None:
             continue
+        whole = inputs[name].get_io_type() == "INT"
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+        if not number or whole and (math.isinf(value) or value != int(value)):
+            return f"{name} must be {'a whole number' if whole else 'a number'} from {low} to {high}; got {value!r}."
         if low is not None and value < low:
             return f"{name}: Value {value} smaller than min of {low}."
         if high is not None and value > high:

@@ -75,6 +75,10 @@ class H3EmptyAVLatent(io.ComfyNode):
     def execute(cls, width, height, num_frames, conditioning=None) -> io.NodeOutput:
         if conditioning is not None:
             width, height, num_frames = conditioning.width, conditioning.height, conditioning.num_frames
+        else:  # a linked number was not checked at queue time
+            problem = range_problem(cls, width=width, height=height, num_frames=num_frames)
+            if problem:
+                raise ValueError(f"H3 Empty AV Latent: {problem}")
         try:
             geometry.check_canvas(width, height)
             num_frames = resolve_num_frames(num_frames=int(num_frames))

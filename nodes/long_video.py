@@ -38,7 +38,7 @@ from h3_core.long_video import (
     validate_long_video,
 )
 from h3_core.media_write import DEFAULT_CRF
-from h3_core.noise import SEED_BITS
+from h3_core.noise import SEED_BITS, check_seeds
 from h3_core.output import write_mp4
 from h3_core.pipeline import TASK_PARTITION, largest_layout
 from h3_core.placement import freed_on_failure
@@ -172,9 +172,17 @@ class H3Continuation(io.ComfyNode):
         refuse_empty_links(cls.hidden, vae=vae, drive_audio=drive_audio, guides=guides, continue_from=continue_from,
                            keep_video=keep_video,
                            **{f"references.{slot}": value for slot, value in (references or {}).items()})
-        problem = _task_problem(task) or steps_problem(steps) or shifts_problem(video_shift, audio_shift)
+        # linked numbers skipped validate_inputs' checks: a NaN window, 201 steps or a seed of -1 are refused here,
+        # before the text encoder and the DiT are placed
+        problem = (_task_problem(task) or range_problem(cls, duration=duration, window_frames=window_frames,
+                                                        overlap_frames=overlap_frames, steps=steps,
+                                                        video_shift=video_shift, audio_shift=audio_shift)
+                   or steps_problem(steps) or shifts_problem(video_shift, audio_shift))
+        if not problem and not isinstance(window_prompts or "", str):
+            problem = f"window_prompts must be text (one line per window); got {type(window_prompts).__name__}."
         if problem:
             raise ValueError(problem)
+        check_seeds(seed)
         wanted = TASK_PARTITION[task]
         if wanted != model.partition:
             raise ValueError(f"{task} runs on the {wanted} partition, but this model was loaded as "

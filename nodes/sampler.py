@@ -128,12 +128,15 @@ class H3Sampler(io.ComfyNode):
         if wanted != model.partition:
             raise ValueError(f"{conditioning.task} runs on the {wanted} partition, but this model was loaded as "
                              f"{model.partition}; set the loader's partition to {wanted}.")
-        check_seeds(seed, outputs)  # seed + i for every output, said before any model moves
-        # a linked denoise or outputs skipped validate_inputs' range check (0 outputs ran the DiT for nothing)
-        problem = range_problem(cls, denoise=denoise, outputs=outputs)
+        # a linked number skipped validate_inputs' range check (0 outputs ran the DiT for nothing; 2.0 failed in
+        # range() once the DiT was placed), a linked keep its choices
+        problem = range_problem(cls, steps=steps, denoise=denoise, outputs=outputs)
         problem = problem or steps_problem(steps) or shifts_problem(video_shift, audio_shift)
+        if not problem and keep not in KEEP_CHOICES:
+            problem = f"Value not in list: keep: {keep!r} not in {list(KEEP_CHOICES)}"
         if problem:
             raise ValueError(problem)
+        check_seeds(seed, outputs)  # seed + i for every output, said before any model moves
         video_sigmas = checked_sigmas(video_sigmas, "video_sigmas")
         audio_sigmas = checked_sigmas(audio_sigmas, "audio_sigmas")
         if (video_sigmas is None) != (audio_sigmas is None):  # the automatic ladder walks as many points

@@ -1677,6 +1677,40 @@ def test_av_save_wiring_is_checked_at_queue_time(comfy):
     assert check(input_types={"images": "IMAGE,MASK"}) is True  # a union that overlaps, as ComfyUI takes it
 
 
+def test_linked_numbers_are_checked_when_the_node_runs(comfy):
+    """ComfyUI checks a linked number not at all, and validate_inputs sees None for it: the sampler, H3 Continuation
+    and H3 Empty AV Latent check them before any model is placed (201 steps ran; 2.0 outputs failed in range() once
+    the DiT was placed; Continuation read a seed of -1 only after the text encoder and the DiT were, and took 3.7 as
+    3; a NaN window or frame count failed in int() with no name; a linked keep of 'both' got a message about it)."""
+    c = comfy
+    model, text, vae = _models(c)
+    cond = _cond(c, text, vae).values[0]
+    placed = len(c.record.loaded)
+    sampler = c.sampler.H3Sampler.execute
+    for options, message in ((dict(steps=201), r"^steps: Value 201 bigger than max of 200\."),
+                             (dict(steps=4.5), r"^steps must be a whole number from 0 to 200; got 4\.5\."),
+                             (dict(outputs=2.0 + 0.5), r"^outputs must be a whole number from 1 to 64; got 2\.5\."),
+                             (dict(outputs="2"), r"^outputs must be a whole number from 1 to 64; got '2'\."),
+                             (dict(denoise=float("nan")), r"^denoise must be a number from 0\.01 to 1\.0; got nan\."),
+                             (dict(keep="both"), r"^Value not in list: keep: 'both' not in \['none', 'video', 'audio'\]")):
+        settings = {"seed": 0, "steps": 3, "video_shift": 0.0, "audio_shift": 0.0, **options}
+        with pytest.raises(ValueError, match=message):
+            sampler(model, cond, **settings)
+    continuation = importlib.import_module("nodes.long_video").H3Continuation.execute
+    base = dict(prompt="a fox", task="t2va", duration=20.0, mode="continuation", window_frames=277,
+                overlap_frames=22, seed=0, steps=3, video_shift=0.0, audio_shift=0.0, aspect_ratio="auto", width=0,
+                height=0)
+    for options, message in ((dict(seed=-1), "seed must be an integer from 0"), (dict(seed=3.7), "seed must be an "
+                             "integer from 0"), (dict(steps=1000), "steps: Value 1000 bigger than max of 200"),
+                             (dict(window_frames=float("nan")), r"^window_frames must be a whole number .*; got nan"),
+                             (dict(window_prompts=5), "window_prompts must be text")):
+        with pytest.raises(ValueError, match=message):
+            continuation(model, text, **{**base, **options})
+    with pytest.raises(ValueError, match=r"^H3 Empty AV Latent: num_frames must be a whole number .*; got nan"):
+        c.latent.H3EmptyAVLatent.execute(224, 128, float("nan"))
+    assert len(c.record.loaded) == placed  # nothing was placed for any of them
+
+
 def test_sampler_and_decode_settings_are_checked_at_queue_time(comfy):
     """Known before anything runs, so refused then (they failed after the text encoder ran, or after sampling):
     keep or denoise < 1 with no latent linked, seeds past the generator's range, a decode's devices. Naming them
