@@ -615,6 +615,10 @@ def apply_loras(
         raise LoRAError(f"mode must be 'merge' or 'dynamic', got {mode!r}.")
     if partition not in PARTITIONS:
         raise LoRAError(f"partition must be one of {', '.join(PARTITIONS)}, got {partition!r}.")
+    loaded_as = getattr(model, "partition", None)  # a loaded DiT knows its partition (sample() checks it too)
+    if loaded_as in PARTITIONS and loaded_as != partition:
+        raise LoRAError(f"This DiT was loaded as the {loaded_as} partition; applying the {partition} layers to it "
+                        f"would merge another transformer's adapter into it. Give partition={loaded_as!r}.")
     if mode == "merge":
         _refuse_streamed(model, "merged into")
     pairs = [(item, 1.0) if isinstance(item, LoRA) else tuple(item) for item in loras]

@@ -475,3 +475,21 @@ def test_a_merge_into_a_streamed_dit_is_refused_and_allowed_once_it_is_unplaced(
     unplace(model, "cpu", streamer)
     assert not is_streamed(model) and remove_loras(model) == 2
     apply_loras(model, [(lora, 1.0)], partition="fl2va", mode="merge")
+
+
+def test_a_lora_is_applied_only_for_the_partition_its_dit_was_loaded_as(tmp_path):
+    """apply_loras(partition=) names which of a file's layers to take: a ref2va-only adapter merged silently into an
+    fl2va DiT (19 modules changed) when it was named; now the DiT's own partition must be the one named."""
+    from lora_files import write_diffusers
+
+    from h3_core.checkpoint import load_dit
+
+    path = write_diffusers(tmp_path / "ref_only.safetensors", {"transformer_ref": random_spec(TINY_DIT)})
+    lora = load_lora(path)
+    fl2va = load_dit("tiny-random", partition="fl2va")
+    before = {name: tensor.clone() for name, tensor in fl2va.state_dict().items()}
+    with pytest.raises(LoRAError, match=r"^This DiT was loaded as the fl2va partition; applying the ref2va layers"):
+        apply_loras(fl2va, [(lora, 1.0)], partition="ref2va")
+    assert all(torch.equal(tensor, before[name]) for name, tensor in fl2va.state_dict().items())
+    ref2va = load_dit("tiny-random", partition="ref2va")
+    assert apply_loras(ref2va, [(lora, 1.0)], partition="ref2va").loras[0].modules > 0  # its own: applied
