@@ -139,6 +139,9 @@ def decode_video(vae: VideoVAE, latents: torch.Tensor, devices: Sequence[str | t
     (`as_uint8` False: float32 in 0..1, unrounded, as an IMAGE holds them). `devices` (two or more): the chunks
     are decoded on all of them at once (`VideoVAE.decode_stream`). `tiled`: spatial tiles (None: the VAE
     config's, which for the release is on)."""
+    _check_decodable(latents, "video", 5, "[1, C, L, h, w]")
+    if latents.shape[0] != 1:  # the decoder's frames are the first item's: the others were dropped without a word
+        raise ValueError(f"decode_video takes one clip's latents [1, C, L, h, w]; got a batch of {latents.shape[0]}.")
     device = vae.post_quant_conv.weight.device
     raw = vae.denormalize_latents(latents.to(device))
     for block in vae.decode_stream(raw, tiled, devices=devices):
@@ -154,11 +157,22 @@ def decode_video(vae: VideoVAE, latents: torch.Tensor, devices: Sequence[str | t
         yield frames.permute(1, 2, 3, 0).cpu()
 
 
+def _check_decodable(latents, name: str, ndim: int, layout: str) -> None:
+    """A tensor of the decoder's rank, with values, all finite: said before the decoder runs (NaN sound was
+    returned without a word; numpy or an empty latent failed inside the VAE)."""
+    if not isinstance(latents, torch.Tensor) or latents.ndim != ndim or latents.numel() == 0:
+        shape = list(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
+        raise ValueError(f"The {name} latents must be a non-empty tensor {layout}; got {shape}.")
+    if not torch.isfinite(latents).all():
+        raise ValueError(f"The {name} latents hold NaN or infinite values; nothing to decode.")
+
+
 @torch.inference_mode()  # as decode_video's
 def decode_audio(vae: AudioVAE, latents: torch.Tensor, on_window=None) -> Iterator[torch.Tensor]:
     """Normalized audio latents [2, C, A] -> float32 waveform pieces [2, n] at 32 kHz, window by window;
     `on_window(done, total)` before the first (0 done: a bar shows while it decodes) and after each (a progress
     bar; a host may raise there to stop): a long clip's soundtrack is many windows."""
+    _check_decodable(latents, "audio", 3, "[2, C, A]")
     total = len(context_windows(latents.shape[-1], DECODE_WINDOW_LATENTS))
     if on_window is not None:
         on_window(0, total)

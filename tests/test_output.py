@@ -274,3 +274,20 @@ def test_a_minute_streams_in_the_memory_of_five_seconds(tmp_path):
     assert long["frames"] == 1450
     assert long["peak"] <= 2 * short["peak"]
     assert long["peak"] - long["rss_before"] < 1450 * 256 * 128 * 3 * 4  # never held the decoded clip
+
+
+def test_the_decoders_refuse_latents_they_cannot_decode_whole(vaes):
+    """decode_video kept the first of a batch of clips and dropped the rest without a word, decode_audio made NaN
+    sound of NaN latents, and numpy or empty latents failed inside the VAEs: each said before a decoder runs."""
+    video_vae, audio_vae = vaes
+    latents = random_latents(22)
+    with pytest.raises(ValueError, match=r"^decode_video takes one clip's latents \[1, C, L, h, w\]; got a batch of 2"):
+        next(decode_video(video_vae, torch.cat([latents.video, latents.video])))
+    broken = latents.audio.clone()
+    broken[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"^The audio latents hold NaN or infinite values"):
+        next(decode_audio(audio_vae, broken))
+    for wrong, name, decode in ((latents.video.numpy(), "video", lambda x: decode_video(video_vae, x)),
+                                (torch.zeros(2, 32, 0), "audio", lambda x: decode_audio(audio_vae, x))):
+        with pytest.raises(ValueError, match=rf"^The {name} latents must be a non-empty tensor"):
+            next(decode(wrong))
