@@ -369,7 +369,7 @@ def test_plan_for_a_layout_and_place_by_it(monkeypatch):
     # a budget the GPU cannot hold (32 on a 24 GiB card) was planned for as it stood: an OOM mid-run
     monkeypatch.setattr(memory_plan, "total_bytes", lambda device: 24 * GIB)
     with pytest.raises(ValueError, match=r"The GPU memory budget \(32 GiB\) is more than cuda has \(24.0 GiB in all\); "
-                                         r"give at most that, or 0 for what is free"):
+                                         r"give at most that, or none \(0 in the H3 loaders\) for what is free"):
         plan_for(REAL, layout, 50, "cuda", budget_gib=32)
     assert plan_for(REAL, layout, 50, "cuda", budget_gib=24).streams  # the whole card: planned as before
 
