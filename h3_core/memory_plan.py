@@ -286,7 +286,8 @@ def check_budget(budget_gib: float | None, device=None) -> None:
     whole = total_bytes(device)
     if whole is not None and budget_gib * GIB > whole:
         raise ValueError(f"The GPU memory budget ({budget_gib:g} GiB) is more than {device} has "
-                         f"({whole / GIB:.1f} GiB in all); give at most that, or none (0 in the H3 loaders) for what is free.")
+                         f"({whole / GIB:.1f} GiB in all); give at most that, or none (0 in the H3 loaders) for what "
+                         "is free.")
 
 
 def plan_for(config: DiTConfig, layout, steps: int, device, budget_gib: float | None = None,

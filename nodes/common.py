@@ -107,7 +107,8 @@ WEIGHT_SUFFIXES = (*SAFETENSORS_SUFFIXES, ".gguf", ".json")
 
 def files_fingerprint(*paths) -> str:
     """Name, modification time and size of each weight file at `paths` (a folder: its weight and config files
-    up to four levels down, as a release root holds them: FL2VA/video_vae/source/model.safetensors): a loader's `fingerprint_inputs`, so a file saved
+    up to four levels down, as a release root holds them: FL2VA/video_vae/source/model.safetensors): a loader's
+    `fingerprint_inputs`, so a file saved
     over under the same name (a new training epoch, a finished re-download) loads again instead of ComfyUI
     handing on the model read from the old one. Empty for what is not there: execute says so. A digest of
     those stamps: ComfyUI keeps the value in the prompt our saved files embed, where the paths, names and sizes

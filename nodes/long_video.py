@@ -182,6 +182,7 @@ class H3Continuation(io.ComfyNode):
             problem = f"window_prompts must be text (one line per window); got {type(window_prompts).__name__}."
         if problem:
             raise ValueError(problem)
+        steps = int(steps)  # a whole number by now; a linked 2.0 is 2
         check_seeds(seed)
         wanted = TASK_PARTITION[task]
         if wanted != model.partition:

@@ -136,6 +136,7 @@ class H3Sampler(io.ComfyNode):
             problem = f"Value not in list: keep: {keep!r} not in {list(KEEP_CHOICES)}"
         if problem:
             raise ValueError(problem)
+        steps, outputs = int(steps), int(outputs)  # whole numbers by now; a linked 2.0 is 2
         check_seeds(seed, outputs)  # seed + i for every output, said before any model moves
         video_sigmas = checked_sigmas(video_sigmas, "video_sigmas")
         audio_sigmas = checked_sigmas(audio_sigmas, "audio_sigmas")

@@ -1692,7 +1692,9 @@ def test_linked_numbers_are_checked_when_the_node_runs(comfy):
                              (dict(outputs=2.0 + 0.5), r"^outputs must be a whole number from 1 to 64; got 2\.5\."),
                              (dict(outputs="2"), r"^outputs must be a whole number from 1 to 64; got '2'\."),
                              (dict(denoise=float("nan")), r"^denoise must be a number from 0\.01 to 1\.0; got nan\."),
-                             (dict(keep="both"), r"^Value not in list: keep: 'both' not in \['none', 'video', 'audio'\]")):
+                             (dict(keep="both"), r"^Value not in list: keep: 'both' not in \['none', 'video', 'audio'\]"),
+                             (dict(outputs=2.0, steps=3.0, seed=2**64 - 1), r"^seed must be an integer .* \(and seed \+ 1 "
+                                                                            r"for 2 outputs\)")):  # 2.0 is taken as 2
         settings = {"seed": 0, "steps": 3, "video_shift": 0.0, "audio_shift": 0.0, **options}
         with pytest.raises(ValueError, match=message):
             sampler(model, cond, **settings)
