@@ -171,7 +171,9 @@ def test_read_ahead_brings_a_mapped_files_pages_in(tmp_path):
         deadline = time.monotonic() + 10
         while _resident_pages(tensor) < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert _resident_pages(tensor) == 1
+        # all of it, but for the few pages a busy machine's memory pressure may take back while we look (0.9986 of
+        # them once, beside another test suite); one call for the whole range brought in 0.06
+        assert _resident_pages(tensor) > 0.99
     finally:
         os.close(descriptor)
 
