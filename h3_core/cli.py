@@ -48,8 +48,8 @@ from .output import AVLatents
 from .parallel.workers import ParallelWorkerError
 from .placement import check_devices
 from .memory_plan import check_budget
-from .pipeline import (MAX_OUTPUTS, TINY_CANVAS, GenerateSettings, Job, ModelFiles, SamplingError, check_writable,
-                       encode_clip_file, generate_batch, load_sampling_dit, resolve_model_source, sample)
+from .pipeline import (MAX_OUTPUTS, TINY_CANVAS, GenerateSettings, Job, ModelFiles, SamplingError, check_output_name,
+                       check_writable, encode_clip_file, generate_batch, load_sampling_dit, resolve_model_source, sample)
 from .references import REFERENCE_IMAGE_MODES, MediaReference
 from .runtime import compile_failed, return_freed_memory_to_os, use_expandable_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, check_shift
@@ -582,16 +582,10 @@ class StageBars:
             bar.close()
 
 
-def _check_named(option: str, path: Path, example: str) -> None:
-    """An output option given an empty name (argparse makes "" the path "."): said so, not as a file named '.'."""
-    if not path.name:
-        raise ValueError(f"{option} must name a file such as {example}; got an empty name.")
-
-
 def run_encode(args) -> int:
     progress = StageBars(args.quiet)
     try:
-        _check_named("--out", args.out, "clip.safetensors")
+        check_output_name("--out", args.out, ".safetensors")
         files = model_files(args)
         model = args.model or (None if files.given() else TINY_RANDOM)
         for option, path in (("the video", args.video), ("--audio", args.audio)):
@@ -1000,7 +994,7 @@ def run_denoise(args) -> int:
     for name, shift in (("--video-shift", args.video_shift), ("--audio-shift", args.audio_shift)):
         check_shift(shift, name, bounded=True)
     schedule = DualClockSchedule.build(args.steps, args.video_shift, args.audio_shift)  # a bad one fails first
-    _check_named("--save-latents", args.save_latents, "clip.safetensors")
+    check_output_name("--save-latents", args.save_latents, ".safetensors")
     if args.save_latents.suffix != ".safetensors":
         raise ValueError(f"--save-latents must name a .safetensors file, got {args.save_latents}.")
     check_writable(args.save_latents)

@@ -84,8 +84,7 @@ class AVLatents:
             if not tensor.is_floating_point():
                 raise ValueError(f"The {name} latents are {str(tensor.dtype).removeprefix('torch.')}; latents are "
                                  "floating point (float32, bfloat16, float16, float8).")
-            if not torch.isfinite(tensor.float()).all():  # float8 has no isfinite of its own
-                raise ValueError(f"The {name} latents hold NaN or infinite values; nothing to decode.")
+            _check_finite(tensor, name)
         return self
 
     def save(self, path: str | Path, metadata: dict[str, str] | None = None) -> Path:
@@ -163,7 +162,11 @@ def _check_decodable(latents, name: str, ndim: int, layout: str) -> None:
     if not isinstance(latents, torch.Tensor) or latents.ndim != ndim or latents.numel() == 0:
         shape = list(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
         raise ValueError(f"The {name} latents must be a non-empty tensor {layout}; got {shape}.")
-    if not torch.isfinite(latents).all():
+    _check_finite(latents, name)
+
+
+def _check_finite(latents: torch.Tensor, name: str) -> None:
+    if not torch.isfinite(latents.float()).all():  # float8 has no isfinite of its own
         raise ValueError(f"The {name} latents hold NaN or infinite values; nothing to decode.")
 
 

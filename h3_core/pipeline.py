@@ -303,6 +303,14 @@ COMFYUI_FOLDERS = {"text_encoder": "a file from models/text_encoders", "video_va
                    "audio_vae": "one from models/vae"}
 
 
+def check_output_name(option: str, path: Path, suffix: str) -> None:
+    """An output path names a file: not empty (argparse and Path make "" the path ".") nor only the suffix (".mp4"
+    is a hidden file's name)."""
+    if not path.name or path.name.lower() == suffix:
+        name = repr(path.name) if path.name else "an empty name"
+        raise ValueError(f"{option} must name a file such as clip{suffix}; got {name}.")
+
+
 def resolve_model_source(model: str | None, partition: str, files: ModelFiles = ModelFiles(),
                          parts: Sequence[str] = tuple(FILE_OPTIONS), dit: bool = True) -> ModelSource:
     """`tiny-random`, an existing local path, or (only then) a Hugging Face repo id downloaded with
@@ -913,9 +921,7 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
     for option, path, suffix in (("--out", job.out, ".mp4"), ("--save-latents", job.save_latents, ".safetensors")):
         if path is None:
             continue
-        if not path.name or path.name.lower() == suffix:  # Path("") is "."; ".mp4" is a hidden file's name
-            name = repr(path.name) if path.name else "an empty name"
-            raise ValueError(f"{option} must name a file such as clip{suffix}; got {name}.")
+        check_output_name(option, path, suffix)
         if path.is_dir():
             raise ValueError(f"{option} {path} is a folder; give the output file's name.")
         mp4 = suffix == ".mp4"  # latents are saved as .safetensors exactly (AVLatents.save)
