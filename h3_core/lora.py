@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -621,7 +621,13 @@ def apply_loras(
                         f"would merge another transformer's adapter into it. Give partition={loaded_as!r}.")
     if mode == "merge":
         _refuse_streamed(model, "merged into")
-    pairs = [(item, 1.0) if isinstance(item, LoRA) else tuple(item) for item in loras]
+    if isinstance(loras, (str, Path)):  # else its letters were taken as (lora, strength) pairs
+        raise LoRAError(f"apply_loras takes loaded LoRAs, got the path {str(loras)!r}: read it with load_lora(path) "
+                        "and pass [lora] or [(lora, strength)].")
+    if isinstance(loras, LoRA) or not isinstance(loras, Iterable):
+        raise LoRAError(f"apply_loras takes a list of LoRAs or (lora, strength) pairs, got one "
+                        f"{type(loras).__name__}: pass [lora] or [(lora, strength)].")
+    pairs = [(item, 1.0) if isinstance(item, LoRA) else _pair(item) for item in loras]
     report = LoRAReport(partition, mode, [], [])
     by_module: dict[tuple[str, str], list[_Resolved]] = {}
     for lora, strength in pairs:
@@ -660,6 +666,15 @@ def apply_loras(
     for line in report.warnings:
         logger.warning(line)
     return report
+
+
+def _pair(item) -> tuple:
+    """One (lora, strength) pair of apply_loras' list, refused clearly when it is anything else."""
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        raise LoRAError(f"apply_loras takes LoRA objects from load_lora (or (lora, strength) pairs), got "
+                        f"{type(item).__name__}" + (f" of {len(item)}" if isinstance(item, (tuple, list)) else "")
+                        + ".")
+    return tuple(item)
 
 
 def check_loras(model, loras: Sequence[tuple[LoRA, float]], partition: str) -> None:
@@ -735,6 +750,10 @@ def _merge(by_module: dict, backup: bool) -> _Application:
             param = getattr(resolved[0].module, param_name)
             saved = param.detach().to("cpu", copy=True) if backup else None
             merged = (param.float() + _summed_delta(param, resolved)).to(param.dtype)
+            if not torch.isfinite(merged).all():  # else every step gives NaN, found only once sampling ends
+                raise LoRAError(f"Merging the LoRA into {resolved[0].target}.{param_name} gives infinite or NaN "
+                                f"weights in {str(param.dtype).removeprefix('torch.')}: a strength too large for "
+                                "it, or values in the adapter that are not finite. Nothing was applied.")
             if in_mapped_file(param, mapped):  # a safetensors / GGUF file's pages, mapped copy-on-write:
                 param.data = merged  # written, each would become the process's own until the file is unmapped
             else:

@@ -493,3 +493,31 @@ def test_a_lora_is_applied_only_for_the_partition_its_dit_was_loaded_as(tmp_path
     assert all(torch.equal(tensor, before[name]) for name, tensor in fl2va.state_dict().items())
     ref2va = load_dit("tiny-random", partition="ref2va")
     assert apply_loras(ref2va, [(lora, 1.0)], partition="ref2va").loras[0].modules > 0  # its own: applied
+
+
+def test_apply_loras_given_a_path_or_one_lora_says_what_to_pass(tmp_path):
+    path = write_peft(tmp_path / "style.safetensors", random_spec(TINY_DIT))
+    adapter, model = load_lora(path), tiny_random_dit()
+    for given, said in ((path, r"got the path '.*style\.safetensors': read it with load_lora\(path\) and pass \[lora\]"),
+                        (str(path), r"got the path '.*style\.safetensors'"),
+                        (adapter, r"got one LoRA: pass \[lora\] or \[\(lora, strength\)\]"),
+                        ([(adapter, 1.0, "merge")], r"got tuple of 3"),
+                        ([1.0], r"got float\.")):
+        with pytest.raises(LoRAError, match=said):
+            apply_loras(model, given, partition="fl2va")
+    assert applied_loras(model) == []
+
+
+def test_a_strength_that_overflows_the_merged_weights_is_refused_leaving_them_as_they_were(tmp_path):
+    """Merged at 1e10 into float16 weights (its largest value is 65504), a delta is infinite: every step would
+    give NaN, found only when sampling ends. Dynamic adapters are not checked here (theirs is made at each forward)."""
+    adapter = load_lora(write_peft(tmp_path / "style.safetensors", random_spec(TINY_DIT)))
+    model = tiny_random_dit().to(torch.float16)
+    before = _state(model)
+    with pytest.raises(LoRAError, match=r"gives infinite or NaN weights in float16: a strength too large "
+                                        r"for it, or values in the adapter that are not finite\. Nothing was applied"):
+        apply_loras(model, [(adapter, 1e10)], partition="fl2va")
+    assert applied_loras(model) == []
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
+    apply_loras(model, [(adapter, 2.0)], partition="fl2va")  # a usual strength still merges
+    assert applied_loras(model) != []
