@@ -990,7 +990,7 @@ def run_denoise(args) -> int:
     device = check_devices([args.device])[0]
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     width, height = _canvas(args)
-    frames = resolve_num_frames(duration=args.duration)
+    frames = resolve_num_frames(duration=args.duration, long_video="by `h3 generate --long-video`")  # not here
     for name, shift in (("--video-shift", args.video_shift), ("--audio-shift", args.audio_shift)):
         check_shift(shift, name, bounded=True)
     schedule = DualClockSchedule.build(args.steps, args.video_shift, args.audio_shift)  # a bad one fails first

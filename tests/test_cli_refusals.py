@@ -407,7 +407,8 @@ def test_h3_denoise_refuses_bad_files_and_durations_before_running(tmp_path, cap
     save_file({"prompt_embeds": torch.zeros(1, 0, 48)}, str(tmp_path / "empty.safetensors"))
     out = ["--save-latents", str(tmp_path / "x.safetensors")]
     for argv, message in (
-        (["--duration", "1e9", *out], "The duration must be between 4 and 15 seconds"),
+        (["--duration", "1e9", *out], r"The duration must be between 4 and 15 seconds, got 1000000000\.0 \(longer "
+                                      r"clips are made window by window by `h3 generate --long-video`\)"),  # not here
         (["--video-shift", "1e39", *out], "--video-shift must be a number from 0.01 to 100"),
         (["--save-latents", str(tmp_path / "folder.safetensors")], "folder.safetensors is a folder"),
         (["--save-latents", ""], r"--save-latents must name a file such as clip.safetensors; got an empty name"),
