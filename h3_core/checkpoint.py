@@ -23,7 +23,7 @@ from . import fp8, gguf_file, keymap, nvfp4
 from .config import DiTConfig
 from .dit import H3DiT, fp32_modules, rope_inverse_frequencies
 from .memory_plan import HELD_COST_ORDER, gguf_held
-from .placement import module_bytes
+from .placement import check_load_device, module_bytes
 from .tiny import TINY_RANDOM, tiny_model_dtype, tiny_random_dit
 from .weights import (
     CheckpointError,
@@ -401,6 +401,7 @@ def load_dit(
     dequantized ("dense"); the "fp8-*-lossy" modes also quantize dense block linears as they stream in.
     `tiny-random`: the embedded demo model (the same weights for both partitions, float32 on the CPU), made, not
     read; labelled with `partition` as a read DiT is, so sample() refuses the other partition's tasks alike."""
+    check_load_device(device)
     if str(path) == TINY_RANDOM:
         if partition not in PARTITIONS:
             raise ValueError(f"Unknown partition {partition!r}; choose one of {', '.join(PARTITIONS)}.")

@@ -600,6 +600,9 @@ def encode_request(
                   with room for that encoding (`TextEncoder.encoding_bytes`) and those.
     Everything is validated and decoded before the first model runs; models are used in the order
     text encoder, video VAE, audio VAE (so a caller can place one at a time)."""
+    if not isinstance(request, Request):  # named as the caller called it (validate's own message names validate)
+        raise RequestError(f"encode_request takes a Request, got {type(request).__name__}"
+                           + (": encode_long_video encodes a LongVideoRequest." if hasattr(request, "mode") else "."))
     plan = validate(request, rules)
     check_vaes(video_vae, audio_vae)
     if request.guides:

@@ -107,6 +107,11 @@ class LongVideoRequest:
     continue_from: AVLatents | None = None
     keep_video: AVLatents | None = None
 
+    def __post_init__(self):
+        if not isinstance(self.request, Request):  # else an AttributeError on its task, wherever it is first read
+            raise RequestError(f"A LongVideoRequest's request is a Request (task, prompt, canvas, duration), got "
+                               f"{type(self.request).__name__}.")
+
     @property
     def task(self) -> str:
         return self.request.task

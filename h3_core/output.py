@@ -60,6 +60,10 @@ class AVLatents:
     def check(self, video_channels: int = 24, audio_channels: int = 32) -> "AVLatents":
         """Shapes and values a decode can take; a clear error otherwise."""
         v, a = self.video, self.audio
+        for name, tensor in (("video", v), ("audio", a)):
+            if not isinstance(tensor, torch.Tensor):  # numpy arrays pass the shape checks, then fail on a method
+                raise ValueError(f"The {name} latents must be a torch tensor, got {type(tensor).__name__}"
+                                 + (": torch.from_numpy(array) makes one." if hasattr(tensor, "__array__") else "."))
         if v.ndim != 5 or v.shape[0] != 1 or v.shape[1] != video_channels:
             raise ValueError(f"Video latents must be [1, {video_channels}, L, h, w]; got {list(v.shape)}.")
         if (v.shape[2] - 2) % geometry.LATENTS_PER_CHUNK or v.shape[2] < 7:

@@ -111,6 +111,11 @@ def sample(
     if getattr(conditioning, "layout", None) is None:  # else an AttributeError deep in the run
         raise TypeError(f"sample takes a Conditioning (from encode_request), got {type(conditioning).__name__}"
                         + (": encode the request first." if isinstance(conditioning, Request) else "."))
+    if init is not None and not isinstance(init, AVLatents):  # else an AttributeError, or a TypeError after a step
+        raise TypeError(f"init takes AVLatents (from sample, or AVLatents.load for a saved file), got "
+                        f"{type(init).__name__}.")
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback takes a function called with each step's state, got {type(callback).__name__}.")
     made_for, task = getattr(dit, "partition", None), getattr(conditioning, "task", None)
     if made_for is not None and TASK_PARTITION.get(task, made_for) != made_for:  # same shapes: it would just run
         raise RequestError(f"A {task} conditioning runs on the {TASK_PARTITION[task]} DiT; this one was loaded as "

@@ -510,6 +510,18 @@ def check_devices(devices, split: bool = False) -> list[torch.device]:
     return devices
 
 
+def check_load_device(device, headers_only: bool = False) -> torch.device:
+    """The device a loader is asked to put weights on, refused with a clear message before any file is read
+    (else torch's own error, or a CPU build's "not compiled with CUDA", after the headers). `headers_only`:
+    the loader also takes "meta", where it reads the headers only."""
+    if headers_only and _device_name(device) and torch.device(device).type == "meta":
+        return torch.device("meta")
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):  # int: a GPU's index, as torch
+        raise ValueError(f"device must be a device name such as 'cpu', 'cuda' or 'cuda:1' (or a torch.device), "
+                         f"got {type(device).__name__}.")
+    return check_devices([device])[0]
+
+
 def _available(kind: str) -> bool:
     """Whether torch can use a device of this kind here (mps: a Mac with Metal; xpu: an Intel GPU build)."""
     backend = getattr(torch.backends, kind, None) if kind == "mps" else getattr(torch, kind, None)

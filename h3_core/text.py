@@ -40,7 +40,7 @@ from .prompt import (
     VisionProcessor,
     load_tokenizer,
 )
-from .placement import module_bytes
+from .placement import check_load_device, module_bytes
 from .runtime import empty_caches
 from .tiny import TINY_RANDOM
 from .text_checkpoint import (
@@ -362,6 +362,7 @@ def load_text_encoder(
     on_tensor  called (done, total) after each tensor read: a progress bar.
     Only the embedding, the first `layer` decoder layers and the vision tower are read, cast to
     `dtype` and put on `device` one tensor at a time. `tiny-random`: the embedded demo encoder (float32)."""
+    check_load_device(device)
     if str(path) == TINY_RANDOM:
         from .tiny import tiny_model_dtype
         from .tiny_text import tiny_random_text_encoder  # it loads its files through this function

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from .placement import check_load_device
 from .tiny import TINY_RANDOM, tiny_random_audio_vae
 from .vae_audio import AudioVAE, AudioVAEConfig
 from .weights import (
@@ -335,6 +336,7 @@ def load_audio_vae(
     it is widened. `dtype=None` keeps the checkpoint's dtypes. `device="meta"` reads the headers only
     (`check_audio_vae`). `tiny-random`: the embedded demo VAE (float32), made, not read. `on_tensor(done,
     total)` after each tensor read."""
+    check_load_device(device, headers_only=True)
     if str(path) == TINY_RANDOM:
         return tiny_random_audio_vae(device)
     with config_errors(f"The audio VAE at {path}"):

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from . import keymap
+from .placement import check_load_device
 from .tiny import TINY_RANDOM, tiny_random_video_vae
 from .vae_video import VideoVAE, VideoVAEConfig, keeps_fp32
 from .weights import (
@@ -354,6 +355,7 @@ def load_video_vae(
     checkpoint's (single files have none: the release's is the default). `device="meta"` reads the headers only
     (`check_video_vae`). `tiny-random`: the embedded demo VAE (float32), made, not read.
     """
+    check_load_device(device, headers_only=True)
     if str(path) == TINY_RANDOM:
         return tiny_random_video_vae(device)
     with config_errors(f"The video VAE at {path}"):

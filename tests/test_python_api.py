@@ -149,6 +149,7 @@ def test_a_script_passing_the_wrong_thing_is_told_what_to_pass(tmp_path):
     import torch
     from PIL import Image
 
+    from h3_core.output import AVLatents
     from h3_core.pipeline import (TINY_CANVAS, Job, encode_request, generate_batch, load_audio_vae, load_dit,
                                   load_text_encoder, load_video_vae, sample, write_mp4)
 
@@ -162,6 +163,12 @@ def test_a_script_passing_the_wrong_thing_is_told_what_to_pass(tmp_path):
     text_encoder = load_text_encoder("tiny-random")
     with pytest.raises(TypeError, match=r"video_vae must be a vae_video.VideoVAE, got AudioVAE \(the VAEs swapped\?\)"):
         encode_request(request, text_encoder, audio_vae, video_vae, rules=TINY_CANVAS)
+    from h3_core.long_video import LongVideoRequest
+
+    for given, said in ((None, r"got NoneType\."), ({"task": "t2va"}, r"got dict\."),
+                        (LongVideoRequest(request), "got LongVideoRequest: encode_long_video encodes a LongVideoRequest")):
+        with pytest.raises(RequestError, match=f"encode_request takes a Request, {said}"):
+            encode_request(given, text_encoder, video_vae, audio_vae, rules=TINY_CANVAS)
     cond = encode_request(request, text_encoder, video_vae, audio_vae, rules=TINY_CANVAS)
     dit = load_dit("tiny-random")
     for kwargs, error, said in (({"seed": None}, ValueError, "seed must be an integer"),
@@ -172,6 +179,21 @@ def test_a_script_passing_the_wrong_thing_is_told_what_to_pass(tmp_path):
     with pytest.raises(TypeError, match="sample takes a Conditioning .from encode_request., got Request: encode the "
                                         "request first"):
         sample(dit, request, seed=1, steps=2)
+    steps = []
+    for kwargs, said in (({"init": torch.zeros(1, 24, 7, 8, 14)}, r"init takes AVLatents \(from sample, or "
+                                                                  r"AVLatents\.load for a saved file\), got Tensor"),
+                         ({"callback": 5}, "callback takes a function called with each step's state, got int")):
+        with pytest.raises(TypeError, match=said):  # before the first step, not after it
+            sample(dit, cond, seed=1, steps=2, **kwargs, **({} if "callback" in kwargs else {"callback": steps.append}))
+    assert steps == []
+    for load in (load_dit, load_text_encoder, load_video_vae, load_audio_vae):
+        with pytest.raises(ValueError, match=r"'gpu': not a device name such as cpu, cuda or cuda:1"):
+            load("tiny-random", device="gpu")
+        with pytest.raises(ValueError, match=rf"cuda:{torch.cuda.device_count()} does not exist here: this machine "
+                                             rf"has {torch.cuda.device_count()} CUDA device"):
+            load("tiny-random", device=f"cuda:{torch.cuda.device_count()}")
+        with pytest.raises(ValueError, match="device must be a device name such as 'cpu'.*got float"):
+            load("tiny-random", device=1.5)
     ref2va = encode_request(Request("ref2va", "A fox.", references=[("image", Image.new("RGB", (96, 64)))],
                                     duration=4), text_encoder, video_vae, audio_vae, rules=TINY_CANVAS)
     with pytest.raises(RequestError, match="runs on the ref2va DiT; this one was loaded as the fl2va partition"):
@@ -188,6 +210,12 @@ def test_a_script_passing_the_wrong_thing_is_told_what_to_pass(tmp_path):
         write_mp4(tmp_path / "a.mp4", latents, audio_vae, video_vae)
     with pytest.raises(ValueError, match=r"a.webm: the file is an MP4 \(H.264 \+ AAC\); name it .mp4"):
         write_mp4(tmp_path / "a.webm", latents, video_vae, audio_vae)
+    for video, said in ((None, "got NoneType"), (latents.video.numpy(), r"got ndarray: torch\.from_numpy\(array\)")):
+        with pytest.raises(ValueError, match=f"The video latents must be a torch tensor, {said}"):
+            write_mp4(tmp_path / "a.mp4", AVLatents(video, latents.audio), video_vae, audio_vae)
+    with pytest.raises(RequestError, match=r"A LongVideoRequest's request is a Request \(task, prompt, canvas, "
+                                           r"duration\), got str"):
+        LongVideoRequest("A fox.", mode="full")
     assert not list(tmp_path.iterdir())
     # arrays in a neighbouring layout are told the one step that fixes them
     from h3_core.references import DecodedAudio
