@@ -26,8 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 
 from . import geometry, keymap
 from .attention import EXACT_BACKENDS, LOSSY_BACKENDS, resolve_backend
@@ -587,6 +586,9 @@ def run_encode(args) -> int:
     try:
         check_output_name("--out", args.out, ".safetensors")
         files = model_files(args)
+        if args.model is not None and not args.model.strip():  # else "" ran the demo model on the user's clip
+            raise ValueError(f"--model is empty; give a model path, a Hub repo id or {TINY_RANDOM} (or leave it out "
+                             "with the model files' own options).")
         model = args.model or (None if files.given() else TINY_RANDOM)
         for option, path in (("the video", args.video), ("--audio", args.audio)):
             if path is not None and not Path(path).expanduser().is_file():
@@ -957,13 +959,20 @@ def _canvas(args) -> tuple[int, int]:
 
 def _text_states(args, text_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     if args.text_states is not None:
-        try:
-            tensors = load_file(str(args.text_states))
+        try:  # the two tensors alone: a model file given by mistake is not read whole
+            with safe_open(str(args.text_states), "pt") as handle:
+                names = list(handle.keys())
+                tensors = {name: handle.get_tensor(name) for name in ("prompt_embeds", "text_token_tags")
+                           if name in names}
         except (SafetensorError, OSError) as error:
             raise ValueError(f"--text-states {args.text_states} is not a readable safetensors file ({error}).") from None
         if "prompt_embeds" not in tensors:
-            raise ValueError(f"{args.text_states} has no 'prompt_embeds' tensor (found: {', '.join(tensors)}).")
+            raise ValueError(f"--text-states {args.text_states} has no 'prompt_embeds' tensor (it holds {len(names)}, "
+                             f"e.g. {', '.join(map(repr, names[:3])) or 'none'}): give a text encoder's output saved with "
+                             "'prompt_embeds' [1, T, D] (text.TextConditioning.as_tensors()).")
         text = tensors["prompt_embeds"]
+        if text.is_floating_point() and text.element_size() == 1:  # float8: no isfinite, no matmul; widened
+            text = text.float()
         if text.ndim != 3 or text.shape[0] != 1 or text.shape[1] < 1 or text.shape[2] != text_dim:
             raise ValueError(f"'prompt_embeds' must be [1, T >= 1, {text_dim}] for this model, got {list(text.shape)}.")
         if not text.is_floating_point() or not bool(torch.isfinite(text).all()):  # else found after every step
@@ -998,6 +1007,8 @@ def run_denoise(args) -> int:
     if args.save_latents.suffix != ".safetensors":
         raise ValueError(f"--save-latents must name a .safetensors file, got {args.save_latents}.")
     check_writable(args.save_latents)
+    if not str(args.model).strip():  # else taken for a real model lacking text states
+        raise ValueError(f"--model is empty; give a model path, a Hub repo id or {TINY_RANDOM}.")
     if args.model != TINY_RANDOM and args.text_states is None:
         raise ValueError("A real model needs --text-states (prompt embeddings); `h3 generate` runs the text encoder.")
     _check_dense_steps(args)

@@ -405,8 +405,14 @@ def test_h3_denoise_refuses_bad_files_and_durations_before_running(tmp_path, cap
     (tmp_path / "folder.safetensors").mkdir()
     (tmp_path / "junk.safetensors").write_bytes(os.urandom(64))
     save_file({"prompt_embeds": torch.zeros(1, 0, 48)}, str(tmp_path / "empty.safetensors"))
+    save_file({f"blocks.{index}.weight": torch.zeros(1) for index in range(500)}, str(tmp_path / "model.safetensors"))
     out = ["--save-latents", str(tmp_path / "x.safetensors")]
     for argv, message in (
+        (["--text-states", str(tmp_path / "model.safetensors"), *out],  # a model given by mistake: not every name
+         r"model\.safetensors has no 'prompt_embeds' tensor \(it holds 500, e\.g\. 'blocks\.0\.weight', "
+         r"'blocks\.1\.weight', 'blocks\.10\.weight'\): give a text encoder's output saved with 'prompt_embeds' "
+         r"\[1, T, D\] \(text\.TextConditioning\.as_tensors\(\)\)\.\n$"),
+        (["--model", "", *out], r"--model is empty; give a model path, a Hub repo id or tiny-random\."),
         (["--duration", "1e9", *out], r"The duration must be between 4 and 15 seconds, got 1000000000\.0 \(longer "
                                       r"clips are made window by window by `h3 generate --long-video`\)"),  # not here
         (["--video-shift", "1e39", *out], "--video-shift must be a number from 0.01 to 100"),
@@ -421,6 +427,13 @@ def test_h3_denoise_refuses_bad_files_and_durations_before_running(tmp_path, cap
     assert not (tmp_path / "x.safetensors").exists()
     assert main(["encode", str(tmp_path / "clip.mp4"), "--out", ""]) == 2  # argparse made "" the path "."
     assert "--out must name a file such as clip.safetensors; got an empty name" in capsys.readouterr().err
+    # an unset shell variable ran the demo model on the user's clip
+    assert main(["encode", str(tmp_path / "clip.mp4"), "--out", str(tmp_path / "x.safetensors"), "--model", ""]) == 2
+    assert "--model is empty; give a model path, a Hub repo id or tiny-random" in capsys.readouterr().err
+    # float8 states (no isfinite for them) are widened, as float8 latents are
+    save_file({"prompt_embeds": torch.randn(1, 8, 48).to(torch.float8_e4m3fn)}, str(tmp_path / "fp8.safetensors"))
+    assert main(["denoise", "--steps", "2", "--text-states", str(tmp_path / "fp8.safetensors"), *out]) == 0
+    assert (tmp_path / "x.safetensors").is_file()
 
 
 def test_an_adapter_for_another_model_size_is_refused_before_any_model_loads(tmp_path, no_model_loads, capsys):
