@@ -942,8 +942,13 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
                            "which clip to keep.")
     plan = check(request, rules)
     for option, path in (("--out", job.out), ("--save-latents", job.save_latents)):
-        if path is not None:  # only for a request that passed its checks
-            check_writable(path, option)
+        if path is not None:  # only for a request that passed its checks; each name it will write (one folder)
+            check_writable(numbered(path, 0, outputs), option)
+            folder = next((name for name in (numbered(path, index, outputs) for index in range(1, outputs))
+                           if name.expanduser().is_dir()), None)
+            if folder is not None:  # else found when it is written, after the outputs before it
+                raise ValueError(f"{option} {folder} is a folder; give the output file's name (the run writes "
+                                 f"{outputs} numbered files).")
     if keep is not None:
         if long_video:
             raise RequestError("keep holds part of a given clip in one plain request; a long video keeps a clip's "
