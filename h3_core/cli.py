@@ -304,7 +304,7 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
     running.add_argument("--vae-dtype", default=None, choices=list(DTYPES),
                          help="video VAE dtype (default: --dtype's, as the reference pipeline: decoder linears in it, encoder "
                               "and norms fp32); fp32 decodes ~7.5x slower on an H200")
-    running.add_argument("--crf", type=int, default=DEFAULT_CRF, metavar="0-51",
+    running.add_argument("--crf", type=int, metavar="0-51",
                          help=f"the MP4's H.264 quality (default {DEFAULT_CRF}, visually lossless; 0 lossless, 51 worst; "
                               "each 6 more about halves the file)")
     add_dit_speed_options(running)
@@ -618,6 +618,9 @@ def run_generate(args) -> int:
         raise ValueError(f"--devices splits the DiT over two or more devices, got {args.devices!r}; for one, use "
                          "--device.")
     jobs = _batch_jobs(args) if args.batch is not None else [_job(args)]
+    if args.crf is not None and all(job.out is None for job in jobs):  # else accepted and ignored
+        raise ValueError(f"--crf {args.crf} sets the MP4's quality; this run writes no MP4 (no --out): drop it, or "
+                         "give --out FILE.mp4.")
     return_freed_memory_to_os()
     # a bad name, a missing GPU or a split this machine cannot run: said now
     device = (check_devices(devices, split=True) if devices else check_devices([args.device]))[0]
@@ -629,7 +632,8 @@ def run_generate(args) -> int:
                                 gpu_memory=args.gpu_memory, compile=args.compile,
                                 attention_window=args.attention_window_lossy,
                                 attention_window_dense_steps=args.attention_window_dense_steps,
-                                vae_dtype=DTYPES[args.vae_dtype] if args.vae_dtype else None, crf=args.crf)
+                                vae_dtype=DTYPES[args.vae_dtype] if args.vae_dtype else None,
+                                crf=DEFAULT_CRF if args.crf is None else args.crf)
     progress = StageBars(args.quiet)
     if device.type == "cuda":
         torch.cuda.init()  # the memory statistics need CUDA's state, and nothing has touched the GPU yet

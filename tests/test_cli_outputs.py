@@ -86,6 +86,18 @@ def test_a_bad_out_name_says_so_with_the_option(tmp_path, no_model_loads, capsys
     assert re.fullmatch(f"h3: error: {message}\n", error), error
 
 
+@pytest.mark.parametrize("option, name", [("--out", "m.mp4"), ("--save-latents", "m.safetensors")])
+def test_each_numbered_output_is_checked_before_the_run(tmp_path, no_model_loads, capsys, option, name):
+    """--outputs 3 writes m_00000 .. m_00002: a folder in the way of the third was found once the first two were
+    made (for latents as a raw errno naming a temporary file)."""
+    third = tmp_path / name.replace(".", "_00002.")
+    third.mkdir()
+    assert main(["generate", "--prompt", "x", "--steps", "2", "--outputs", "3", option, str(tmp_path / name)]) == 2
+    assert capsys.readouterr().err == (f"h3: error: {option} {third} is a folder; give the output file's name (the "
+                                       "run writes 3 numbered files).\n")
+    assert sorted(path.name for path in tmp_path.iterdir()) == [third.name]
+
+
 def test_a_refused_run_makes_no_output_folder(tmp_path, no_model_loads, capsys):
     """The output's folders are made when it is written: a run refused after the output check (a missing guide, a
     missing sound to encode) leaves none behind; a folder that cannot be made is still said before the run."""
@@ -138,6 +150,9 @@ def test_the_mp4s_quality_is_the_users(tmp_path, no_model_loads, monkeypatch, ca
     """--crf sets x264's constant quality of the MP4 (it was fixed at 18); out of 0..51 it is refused at once."""
     assert main(["generate", "--prompt", "x", "--crf", "52", "--out", str(tmp_path / "x.mp4")]) == 2
     assert "h3: error: --crf must be an integer from 0 (lossless) to 51 (worst), got 52." in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--crf", "10", "--save-latents", str(tmp_path / "x.safetensors")]) == 2
+    assert ("h3: error: --crf 10 sets the MP4's quality; this run writes no MP4 (no --out): drop it, or give --out "
+            "FILE.mp4.") in capsys.readouterr().err  # it was taken and ignored
     monkeypatch.undo()
     written = []
 
