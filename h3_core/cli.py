@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(sys.stdout, "reconfigure"):  # a name the output's encoding lacks (Windows' cp1252 when redirected)
         sys.stdout.reconfigure(errors="backslashreplace")  # is escaped, not an error once the run is done
     parser = build_parser()
-    args, unknown = parser.parse_known_args(_negative_guides(sys.argv[1:] if argv is None else argv))
+    argv = sys.argv[1:] if argv is None else argv
+    args, unknown = parser.parse_known_args(_negative_guides(argv))
     if unknown:  # said by the command's own parser, with its usage, and the option meant if one is close
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}{_unknown_hint(args.parser, unknown)}")
     # one device (worker processes keep torch's default); `h3 env` reports the user's own settings
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"h3: error: {error}", file=sys.stderr)
         return 1
     except (CheckpointError, ValueError, OSError, MediaError) as error:  # LoRAError is a ValueError
-        print(f"h3: error: {in_flags(str(error))}", file=sys.stderr)
+        print(f"h3: error: {in_flags(str(error), argv)}", file=sys.stderr)
         return 2
     except ParallelWorkerError as error:  # names the rank, with its traceback
         if getattr(args, "compile", False) and error.compile_failed:
@@ -494,16 +496,37 @@ _LEADING_OPTIONS = {"steps": "--steps", "outputs": "--outputs", "crf": "--crf", 
                     "drive audio": "--drive-audio"}
 
 
-def in_flags(message: str) -> str:
+def in_flags(message: str, typed: Sequence[str] = ()) -> str:
     """An engine message as the command line's user reads it: `aspect_ratio` (a guide's `frame_index`, a reference's
     `start_seconds`, ...) anywhere, and `steps`, `outputs`, `crf`,
-    `seed`, `drive audio` opening it, become the option's name (one already named with its option is left)."""
+    `seed`, `drive audio` opening it, become the option's name (one already named with its option is left).
+    What the user typed (`typed`: the command line's words) stays as typed: a file named aspect_ratio.png or
+    "seed 1.txt" is no option."""
+    fields = (*_FIELD_OPTIONS, *_LEADING_OPTIONS)
+    kept = sorted({part for word in typed for part in _typed_parts(str(word)) if any(f in part for f in fields)},
+                  key=len, reverse=True)
+    held: list[str] = []
+
+    def hold(match: re.Match) -> str:
+        held.append(match.group(0))
+        return f"\0{len(held) - 1}\0"
+
+    if kept:
+        message = re.sub("|".join(map(re.escape, kept)), hold, message)
     for field, option in _FIELD_OPTIONS.items():
         message = re.sub(rf"\b{field}\b(?! \(--)", option, message)
     for field, option in _LEADING_OPTIONS.items():
         if message.startswith(field + " ") or message.startswith(field + ":"):
-            return option + message[len(field):]
-    return message
+            message = option + message[len(field):]
+            break
+    return re.sub(r"\0(\d+)\0", lambda match: held[int(match.group(1))], message)
+
+
+def _typed_parts(word: str) -> set[str]:
+    """A command-line word and the paths inside it (--opt=PATH, --ref KIND=PATH@START, --guide F:KIND=PATH), as
+    typed and as a message shows a path (./ dropped, ~ expanded)."""
+    parts = {word, *re.split(r"[=@]", word), *([word.split("=", 1)[1]] if "=" in word else [])}
+    return {shown for part in parts if part for shown in (part, str(Path(part)), str(Path(part).expanduser()))}
 
 
 def _not_a_file(path: Path) -> str:

@@ -600,3 +600,22 @@ def test_a_guide_counted_from_the_end_needs_no_equals_sign(tmp_path, no_model_lo
     assert main(["info", " "]) == 2
     assert capsys.readouterr().err == ("h3: error: h3 info takes a path: a release root, a partition or diffusers "
                                        "folder, or a model file.\n")
+
+
+def test_a_path_that_spells_a_field_is_shown_as_typed(tmp_path, monkeypatch, no_model_loads, capsys):
+    """The engine's field names (aspect_ratio, start_seconds, window_frames; seed opening a message) become the
+    options' names, but not inside what the user typed: a file aspect_ratio.png was shown as --aspect-ratio.png."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "seed 1.txt").write_text("not a model")
+    for argv, said in (
+            (["generate", "--task", "fl2va", "--prompt", "x", "--first-image", "aspect_ratio.png", "--save-latents",
+              "o.safetensors"], "--first-image: no file at aspect_ratio.png."),
+            (["generate", "--task", "ref2va", "--prompt", "x", "--ref", "video=./takes/start_seconds.mp4@1",
+              "--save-latents", "o.safetensors"], "--ref #1 (video): no file at takes/start_seconds.mp4."),
+            (["info", "window_frames"], "window_frames holds no H3 model: window_frames does not exist."),
+            (["info", "seed 1.txt"], "seed 1.txt holds no H3 model."),
+            (["generate", "--prompt", "x", "--aspect-ratio", "7:3", "--out", "aspect_ratio.mp4"],  # still the option
+             "Unknown --aspect-ratio '7:3'")):
+        assert main(argv) == 2, argv
+        error = capsys.readouterr().err
+        assert error.startswith(f"h3: error: {said}"), error
