@@ -515,6 +515,9 @@ def in_flags(message: str, typed: Sequence[str] = ()) -> str:
         message = re.sub("|".join(map(re.escape, kept)), hold, message)
     for field, option in _FIELD_OPTIONS.items():
         message = re.sub(rf"\b{field}\b(?! \(--)", option, message)
+    # "shard_weights (--shard-weights)": the engine's name for it, then the option's; the user typed the latter
+    message = re.sub(r"\b([a-z][a-z_]*) \((--[a-z][a-z-]*)\)",
+                     lambda match: match[2] if match[1].replace("_", "-") == match[2][2:] else match[0], message)
     for field, option in _LEADING_OPTIONS.items():
         if message.startswith(field + " ") or message.startswith(field + ":"):
             message = option + message[len(field):]

@@ -1158,15 +1158,17 @@ def encode_clip_file(video: str | Path, model: str | None, out: str | Path, *, a
     height, or the video's own aspect ratio on the model's canvas. Everything is checked before a VAE loads.
     `progress("encode", frames done, frames expected)` after each 17 frames. The VAEs are `model`'s, or
     `files`' (then `model` may be None)."""
+    if Path(out).expanduser().is_dir():  # before its suffix: "/tmp must end in .safetensors" misled
+        raise ValueError(f"--out {out} is a folder; give the latents file's name (clip.safetensors).")
     if Path(out).suffix != ".safetensors":
-        raise ValueError(f"{out} must end in .safetensors.")
+        raise ValueError(f"--out {out} must end in .safetensors.")
     if (width is None) != (height is None):
         raise RequestError(f"Give width and height (--width, --height) together, or neither (then the video's aspect "
                            f"ratio sets the canvas); got {width}x{height}.")
     if width is not None:
         geometry.check_canvas(width, height)
     check_devices([device])
-    check_writable(out)
+    check_writable(out, "--out")
     try:  # the first frames are read now: a bad or short file is refused before a VAE is fetched or loads
         frames, width, height = stream_clip(video, canvas_rules(model), width, height)
         sound = file_soundtrack(video) if audio is None else \

@@ -35,9 +35,9 @@ def files(tmp_path):
 @pytest.mark.parametrize("options, message", [
     (["--steps", "0"], "error: --steps counts sigma points .* integer from 2 to 1000; got 0"),
     (["--steps", "1000000000"], "steps counts sigma points .* integer from 2 to 1000; got 1000000000"),
-    (["--video-shift", "0"], r"video_shift \(--video-shift\) must be a number from 0.01 to 100, got 0"),
-    (["--video-shift", "1e39"], r"video_shift \(--video-shift\) must be a number from 0.01 to 100, got 1e\+39"),
-    (["--audio-shift", "nan"], r"audio_shift \(--audio-shift\) must be a number from 0.01 to 100, got nan"),
+    (["--video-shift", "0"], r"--video-shift must be a number from 0.01 to 100, got 0"),
+    (["--video-shift", "1e39"], r"--video-shift must be a number from 0.01 to 100, got 1e\+39"),
+    (["--audio-shift", "nan"], r"--audio-shift must be a number from 0.01 to 100, got nan"),
     (["--width", "8192", "--height", "4096"], "Canvas 8192x4096 is too large: each side is at most 4096 pixels"),
     (["--seed", str(MAX_SEED + 1)], f"seed must be an integer from 0 to {MAX_SEED}; got {MAX_SEED + 1}"),
     (["--seed", "-1"], "error: --seed must be an integer from 0"),
@@ -607,6 +607,7 @@ def test_a_path_that_spells_a_field_is_shown_as_typed(tmp_path, monkeypatch, no_
     options' names, but not inside what the user typed: a file aspect_ratio.png was shown as --aspect-ratio.png."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "seed 1.txt").write_text("not a model")
+    (tmp_path / "clip.mp4").write_bytes(b"its name is refused first")
     for argv, said in (
             (["generate", "--task", "fl2va", "--prompt", "x", "--first-image", "aspect_ratio.png", "--save-latents",
               "o.safetensors"], "--first-image: no file at aspect_ratio.png."),
@@ -615,7 +616,12 @@ def test_a_path_that_spells_a_field_is_shown_as_typed(tmp_path, monkeypatch, no_
             (["info", "window_frames"], "window_frames holds no H3 model: window_frames does not exist."),
             (["info", "seed 1.txt"], "seed 1.txt holds no H3 model."),
             (["generate", "--prompt", "x", "--aspect-ratio", "7:3", "--out", "aspect_ratio.mp4"],  # still the option
-             "Unknown --aspect-ratio '7:3'")):
+             "Unknown --aspect-ratio '7:3'"),
+            (["generate", "--prompt", "x", "--out", "a.mp4", "--video-shift", "0"],  # not "video_shift (--video-shift)"
+             "--video-shift must be a number from 0.01 to 100, got 0.0."),
+            (["encode", "clip.mp4", "--out", "clip.mp4"], "--out clip.mp4 must end in .safetensors."),
+            (["encode", "clip.mp4", "--out", str(tmp_path)], f"--out {tmp_path} is a folder; give the latents file's "
+                                                              "name (clip.safetensors).")):
         assert main(argv) == 2, argv
         error = capsys.readouterr().err
         assert error.startswith(f"h3: error: {said}"), error

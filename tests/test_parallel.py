@@ -426,7 +426,9 @@ def test_cli_shard_weights_needs_devices(capsys):
     from h3_core.cli import main as h3
 
     assert h3(["generate", "--prompt", "x", "--save-latents", "x.safetensors", "--shard-weights"]) == 2
-    assert "give two or more with devices (--devices)" in capsys.readouterr().err
+    # the option's name alone: "shard_weights (--shard-weights)" was the engine's name, then the option's
+    assert ("h3: error: --shard-weights splits the DiT's weights over several devices; give two or more with "
+            "--devices.") in capsys.readouterr().err
 
 
 def test_gpu_memory_with_devices_says_it_does_not_limit_the_split_dit(monkeypatch, capsys, tmp_path):
