@@ -6,6 +6,7 @@ at) any path on the machine."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 ANY_FOLDER_VARIABLE = "H3_ALLOW_ANY_FOLDER"
 # the model kinds whose folders (models/..., or those extra_model_paths.yaml adds) a typed path may lie in
@@ -74,7 +75,12 @@ def typed_path(text: str, kind: str) -> str:
         # only joins that stay inside the fence are looked at: '..' out of a model folder to a file that exists
         # there, and one that does not, are refused alike (the refusal told which, so what lay where)
         joins = [os.path.normpath(os.path.abspath(os.path.join(root, path))) for root in folders]
-        path = next((joined for joined in joins if fenced_in(joined) and os.path.exists(joined)), path)
+        found = next((joined for joined in joins if fenced_in(joined) and os.path.exists(joined)), None)
+        if found is None and ".." not in Path(path).parts and not fenced_in(os.path.abspath(path)):
+            # a name with no way out, in none of them (a typo): "outside" sent the user to move what is not there
+            raise ValueError(f"{typed!r} is in none of ComfyUI's model folders (looked in "
+                             f"{', '.join(dict.fromkeys(folders))}): check the name, or give its full path.")
+        path = found or path
     path = os.path.normpath(os.path.abspath(path))
     if fenced_in(path):
         return path

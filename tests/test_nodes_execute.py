@@ -1822,6 +1822,13 @@ def test_a_relative_folder_is_looked_for_in_the_model_folders(comfy, monkeypatch
     assert loaders.H3VAELoader.validate_inputs(folder="MiniMax-H3/FL2VA") is True
     assert loaders.H3VAELoader.execute("tiny-random", "tiny-random", "MiniMax-H3/FL2VA").values[0].name == str(release)
     assert loaders.H3TextEncoderLoader.validate_inputs(folder="MiniMax-H3/FL2VA", tokenizer_folder="") is True
+    # a typo: not found where it was looked for (it was called outside the model folders, to be moved in)
+    for problem in (loaders.H3VAELoader.validate_inputs(folder="MiniMax-H3/FL2VAX"),
+                    loaders.H3ModelLoader.validate_inputs(folder="nope"),
+                    loaders.H3TextEncoderLoader.validate_inputs(folder="", tokenizer_folder="nope/tokenizer")):
+        assert re.fullmatch(r"'[\w/-]+' is in none of ComfyUI's model folders \(looked in .*\): check the name, or "
+                            r"give its full path\.", problem), problem
+        assert str(comfy.tmp / "vae") in problem and "H3_ALLOW_ANY_FOLDER" not in problem
 
 
 def test_the_vae_loader_shows_its_read_and_stops_on_cancel(comfy):
