@@ -127,7 +127,8 @@ class H3Conditioning(io.ComfyNode):
         text: no range; `canvas_problem` redoes the canvas's range check); its link-type check, off for every
         input once `input_types` is named, is redone by `linked_media`."""
         types, kinds, problem = linked_media(cls, input_types)
-        problem = problem or canvas_problem(width, height, zero="from the aspect ratio")
+        problem = problem or typed_reference_problem(references, types) or canvas_problem(width, height,
+                                                                                   zero="from the aspect ratio")
         if problem:
             return problem
         problem = prompt_problem(prompt)
@@ -194,6 +195,18 @@ def linked_media(node_class, input_types) -> tuple[dict, list[str], str | None]:
         return types, [], f"References must be IMAGE, VIDEO or AUDIO; got {', '.join(wrong)}."
     kinds = [SOCKET_KINDS.get(kind, UNKNOWN_KIND) for kind in linked]
     return types, kinds, wrong_link(node_class, types)
+
+
+def typed_reference_problem(references, types: dict) -> str | None:
+    """A value typed into a reference slot (an API client's graph; the canvas has no box there) is no medium:
+    refused at queue time, not when the node runs. ComfyUI hands validate_inputs every slot as None and the
+    linked ones' types in `types`: a slot without a type holds a value."""
+    typed = sorted((slot for slot in references if f"references.{slot}" not in types), key=_slot) \
+        if isinstance(references, dict) else []
+    if not typed:
+        return None
+    return (f"references.{typed[0]} holds a value, not a link: a reference is an IMAGE, VIDEO or AUDIO output linked "
+            "to it (from Load Image, Load Video or Load Audio).")
 
 
 def _slot(name: str) -> int:

@@ -50,7 +50,7 @@ from .common import (
     markers_problem, reserved_output, saved_file_metadata, shift_inputs, shifts_problem, step_preview, steps_problem,
 )
 from .conditioning import (UnreadVideoGuide, guide_media, guide_media_inputs, guide_source_problem, linked_media,
-                           reference_images_input, reference_input, validate_guide_links)
+                           reference_images_input, reference_input, typed_reference_problem, validate_guide_links)
 from .convert import (audio_to_decoded, build_request, media_problem, ordered_references, pack_latents,
                       refuse_empty_latent, refuse_extra_inputs, unpack_latents)
 from .latent_files import save_unfinished
@@ -140,7 +140,8 @@ class H3Continuation(io.ComfyNode):
         `range_problem` redo the named numbers'); its link-type check, off for every input once `input_types`
         is named, is redone by `linked_media`."""
         types, kinds, problem = linked_media(cls, input_types)
-        problem = problem or canvas_problem(width, height, zero="from the aspect ratio")
+        problem = problem or typed_reference_problem(references, types) or canvas_problem(width, height,
+                                                                                   zero="from the aspect ratio")
         # said beside the others, as ComfyUI says its own range errors beside a node's
         ranged = (range_problem(cls, duration=duration, window_frames=window_frames, overlap_frames=overlap_frames,
                                 steps=steps, video_shift=video_shift, audio_shift=audio_shift)

@@ -417,6 +417,14 @@ def test_bad_prompt_is_a_node_error_and_server_goes_on(server):
     assert "references.ref1 is connected, but GetVideoComponents gave nothing for it" in json.dumps(
         history["status"]["messages"]), history["status"]
 
+    # a value typed into a reference slot (no canvas box there) is a node error at queue time, not at run time
+    graph = json.loads((PACK / "workflows" / "api" / "ref2va_images.json").read_text())
+    cond = _node(graph, "H3Conditioning")
+    graph[cond]["inputs"]["references.ref1"] = "foo.png"
+    status, body = _post(f"{base}/prompt", {"prompt": graph, "client_id": "x"})
+    assert status == 400 and ("references.ref1 holds a value, not a link: a reference is an IMAGE, VIDEO or AUDIO "
+                              "output linked to it") in json.dumps(body.get("node_errors", {}).get(cond)), body
+
     # a slot past ref11: ComfyUI drops it from its checks and hands it to the node, which names it
     graph = json.loads((PACK / "workflows" / "api" / "ref2va_images.json").read_text())
     cond = _node(graph, "H3Conditioning")

@@ -151,6 +151,14 @@ def test_conditioning_media_checks(comfy):
     assert "t2va takes a prompt only" in check(input_types={"first_image": "IMAGE"}, task="t2va")
     assert check(input_types={"references.ref0": "IMAGE", "references.ref1": "AUDIO", "vae": "H3_VAE"},
                  task="ref2va") is True
+    # as ComfyUI hands them over: every slot None, a typed value's slot without a type (it passed, then failed
+    # when the node ran); both nodes
+    for node in (c.conditioning.H3Conditioning, importlib.import_module("nodes.long_video").H3Continuation):
+        linked = {"references.ref0": "IMAGE", "vae": "H3_VAE"}
+        assert node.validate_inputs(input_types=linked, task="ref2va", references={"ref0": None}) is True
+        assert node.validate_inputs(input_types=linked, task="ref2va", references={"ref0": None, "ref1": None}) == (
+            "references.ref1 holds a value, not a link: a reference is an IMAGE, VIDEO or AUDIO output linked to it "
+            "(from Load Image, Load Video or Load Audio).")
     assert "connect H3 VAE Loader's vae" in check(input_types={"first_image": "IMAGE"}, task="fl2va")
     assert check(input_types={"first_image": "IMAGE"}, task=None) is True  # a linked task is checked at run time
     assert "The prompt is empty" in check(input_types={}, task="t2va", prompt="  ")
