@@ -997,9 +997,10 @@ def _text_states(args, text_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         except (SafetensorError, OSError) as error:
             raise ValueError(f"--text-states {args.text_states} is not a readable safetensors file ({error}).") from None
         if "prompt_embeds" not in tensors:
+            some = ", ".join(map(repr, names[:3])) or "none"
             raise ValueError(f"--text-states {args.text_states} has no 'prompt_embeds' tensor (it holds {len(names)}, "
-                             f"e.g. {', '.join(map(repr, names[:3])) or 'none'}): give a text encoder's output saved with "
-                             "'prompt_embeds' [1, T, D] (text.TextConditioning.as_tensors()).")
+                             f"e.g. {some}): give a text encoder's output saved with 'prompt_embeds' [1, T, D] "
+                             "(text.TextConditioning.as_tensors()).")
         text = tensors["prompt_embeds"]
         if text.is_floating_point() and text.element_size() == 1:  # float8: no isfinite, no matmul; widened
             text = text.float()

@@ -127,8 +127,8 @@ class H3Conditioning(io.ComfyNode):
         text: no range; `canvas_problem` redoes the canvas's range check); its link-type check, off for every
         input once `input_types` is named, is redone by `linked_media`."""
         types, kinds, problem = linked_media(cls, input_types)
-        problem = problem or typed_reference_problem(references, types) or canvas_problem(width, height,
-                                                                                   zero="from the aspect ratio")
+        problem = (problem or typed_reference_problem(references, types)
+                   or canvas_problem(width, height, zero="from the aspect ratio"))
         if problem:
             return problem
         problem = prompt_problem(prompt)

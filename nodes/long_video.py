@@ -140,8 +140,8 @@ class H3Continuation(io.ComfyNode):
         `range_problem` redo the named numbers'); its link-type check, off for every input once `input_types`
         is named, is redone by `linked_media`."""
         types, kinds, problem = linked_media(cls, input_types)
-        problem = problem or typed_reference_problem(references, types) or canvas_problem(width, height,
-                                                                                   zero="from the aspect ratio")
+        problem = (problem or typed_reference_problem(references, types)
+                   or canvas_problem(width, height, zero="from the aspect ratio"))
         # said beside the others, as ComfyUI says its own range errors beside a node's
         ranged = (range_problem(cls, duration=duration, window_frames=window_frames, overlap_frames=overlap_frames,
                                 steps=steps, video_shift=video_shift, audio_shift=audio_shift)

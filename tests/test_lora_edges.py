@@ -498,7 +498,8 @@ def test_a_lora_is_applied_only_for_the_partition_its_dit_was_loaded_as(tmp_path
 def test_apply_loras_given_a_path_or_one_lora_says_what_to_pass(tmp_path):
     path = write_peft(tmp_path / "style.safetensors", random_spec(TINY_DIT))
     adapter, model = load_lora(path), tiny_random_dit()
-    for given, said in ((path, r"got the path '.*style\.safetensors': read it with load_lora\(path\) and pass \[lora\]"),
+    for given, said in ((path, r"got the path '.*style\.safetensors': read it with load_lora\(path\) and pass "
+                               r"\[lora\]"),
                         (str(path), r"got the path '.*style\.safetensors'"),
                         (adapter, r"got one LoRA: pass \[lora\] or \[\(lora, strength\)\]"),
                         ([(adapter, 1.0, "merge")], r"got tuple of 3"),

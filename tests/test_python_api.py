@@ -166,7 +166,8 @@ def test_a_script_passing_the_wrong_thing_is_told_what_to_pass(tmp_path):
     from h3_core.long_video import LongVideoRequest
 
     for given, said in ((None, r"got NoneType\."), ({"task": "t2va"}, r"got dict\."),
-                        (LongVideoRequest(request), "got LongVideoRequest: encode_long_video encodes a LongVideoRequest")):
+                        (LongVideoRequest(request),
+                         "got LongVideoRequest: encode_long_video encodes a LongVideoRequest")):
         with pytest.raises(RequestError, match=f"encode_request takes a Request, {said}"):
             encode_request(given, text_encoder, video_vae, audio_vae, rules=TINY_CANVAS)
     cond = encode_request(request, text_encoder, video_vae, audio_vae, rules=TINY_CANVAS)
