@@ -1035,8 +1035,6 @@ def run_denoise(args) -> int:
         check_shift(shift, name, bounded=True)
     schedule = DualClockSchedule.build(args.steps, args.video_shift, args.audio_shift)  # a bad one fails first
     check_output_name("--save-latents", args.save_latents, ".safetensors")
-    if args.save_latents.suffix != ".safetensors":
-        raise ValueError(f"--save-latents must name a .safetensors file, got {args.save_latents}.")
     check_writable(args.save_latents)
     if not str(args.model).strip():  # else taken for a real model lacking text states
         raise ValueError(f"--model is empty; give a model path, a Hub repo id or {TINY_RANDOM}.")

@@ -308,12 +308,19 @@ COMFYUI_FOLDERS = {"text_encoder": "a file from models/text_encoders", "video_va
                    "audio_vae": "one from models/vae"}
 
 
-def check_output_name(option: str, path: Path, suffix: str) -> None:
-    """An output path names a file: not empty (argparse and Path make "" the path ".") nor only the suffix (".mp4"
-    is a hidden file's name)."""
+def check_output_name(option: str, path: str | Path, suffix: str) -> None:
+    """An output path names a `suffix` file: not empty (argparse and Path make "" the path ".") nor only the
+    suffix (".mp4" is a hidden file's name), not a folder, and ending in `suffix` (an MP4's in any case; latents
+    exactly, as AVLatents.save takes them)."""
+    path = Path(path)
     if not path.name or path.name.lower() == suffix:
         name = repr(path.name) if path.name else "an empty name"
         raise ValueError(f"{option} must name a file such as clip{suffix}; got {name}.")
+    if path.expanduser().is_dir():
+        raise ValueError(f"{option} {path} is a folder; give the output file's name.")
+    any_case = suffix == ".mp4"
+    if (path.suffix.lower() if any_case else path.suffix) != suffix:
+        raise ValueError(f"{option} {path} must end in {suffix}{' (any case)' if any_case else ''}.")
 
 
 def resolve_model_source(model: str | None, partition: str, files: ModelFiles = ModelFiles(),
@@ -927,11 +934,6 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
         if path is None:
             continue
         check_output_name(option, path, suffix)
-        if path.is_dir():
-            raise ValueError(f"{option} {path} is a folder; give the output file's name.")
-        mp4 = suffix == ".mp4"  # latents are saved as .safetensors exactly (AVLatents.save)
-        if (path.suffix.lower() if mp4 else path.suffix) != suffix:
-            raise ValueError(f"{option} {path} must end in {suffix}{' (any case)' if mp4 else ''}.")
     outputs = settings.outputs if job.outputs is None else job.outputs
     if isinstance(outputs, bool) or not isinstance(outputs, numbers.Integral) or not 1 <= outputs <= MAX_OUTPUTS:
         raise ValueError(f"outputs must be an integer of at least 1 and at most {MAX_OUTPUTS}, got {outputs!r}.")
@@ -943,12 +945,7 @@ def _prepare(job: Job, rules: CanvasRules, settings: GenerateSettings) -> _Prepa
     plan = check(request, rules)
     for option, path in (("--out", job.out), ("--save-latents", job.save_latents)):
         if path is not None:  # only for a request that passed its checks; each name it will write (one folder)
-            check_writable(numbered(path, 0, outputs), option)
-            folder = next((name for name in (numbered(path, index, outputs) for index in range(1, outputs))
-                           if name.expanduser().is_dir()), None)
-            if folder is not None:  # else found when it is written, after the outputs before it
-                raise ValueError(f"{option} {folder} is a folder; give the output file's name (the run writes "
-                                 f"{outputs} numbered files).")
+            check_writable(numbered(path, 0, outputs), option)  # the others: `_check_batch`
     if keep is not None:
         if long_video:
             raise RequestError("keep holds part of a given clip in one plain request; a long video keeps a clip's "
@@ -1040,7 +1037,8 @@ def _save_windows(path: Path, metadata: dict[str, str], notes: Callable[[str], N
 
 def _check_batch(prepared: list[_Prepared], names: list[str]) -> None:
     """One DiT partition for the whole batch, no two outputs written to one file, and no output written over
-    a file a job reads (the same file: by path, link or hard link)."""
+    a file a job reads (the same file: by path, link or hard link), nor one of several numbered outputs into a
+    folder of its name."""
     partitions = sorted({item.partition for item in prepared})
     if len(partitions) > 1:
         raise RequestError("A batch runs one DiT: t2va and fl2va jobs use the FL2VA partition, ref2va jobs Ref2VA; "
@@ -1066,6 +1064,9 @@ def _check_batch(prepared: list[_Prepared], names: list[str]) -> None:
                             else f"{written[key]} and {name}")
                     raise ValueError(f"{both} both write {path}.")
                 written[key] = name
+                if resolved.is_dir():  # else found when it is written, after the outputs before it
+                    raise ValueError(f"{option} {path} is a folder; give the output file's name (the run writes "
+                                     f"{item.outputs} numbered files).")
                 stat = resolved.stat() if resolved.exists() else None
                 if stat is not None and (stat.st_dev, stat.st_ino) in read:
                     reader, read_option, read_path = read[stat.st_dev, stat.st_ino]
@@ -1158,10 +1159,7 @@ def encode_clip_file(video: str | Path, model: str | None, out: str | Path, *, a
     height, or the video's own aspect ratio on the model's canvas. Everything is checked before a VAE loads.
     `progress("encode", frames done, frames expected)` after each 17 frames. The VAEs are `model`'s, or
     `files`' (then `model` may be None)."""
-    if Path(out).expanduser().is_dir():  # before its suffix: "/tmp must end in .safetensors" misled
-        raise ValueError(f"--out {out} is a folder; give the latents file's name (clip.safetensors).")
-    if Path(out).suffix != ".safetensors":
-        raise ValueError(f"--out {out} must end in .safetensors.")
+    check_output_name("--out", out, ".safetensors")
     if (width is None) != (height is None):
         raise RequestError(f"Give width and height (--width, --height) together, or neither (then the video's aspect "
                            f"ratio sets the canvas); got {width}x{height}.")

@@ -620,8 +620,8 @@ def test_a_path_that_spells_a_field_is_shown_as_typed(tmp_path, monkeypatch, no_
             (["generate", "--prompt", "x", "--out", "a.mp4", "--video-shift", "0"],  # not "video_shift (--video-shift)"
              "--video-shift must be a number from 0.01 to 100, got 0.0."),
             (["encode", "clip.mp4", "--out", "clip.mp4"], "--out clip.mp4 must end in .safetensors."),
-            (["encode", "clip.mp4", "--out", str(tmp_path)], f"--out {tmp_path} is a folder; give the latents file's "
-                                                              "name (clip.safetensors).")):
+            (["encode", "clip.mp4", "--out", str(tmp_path)], f"--out {tmp_path} is a folder; give the output file's "
+                                                              "name.")):
         assert main(argv) == 2, argv
         error = capsys.readouterr().err
         assert error.startswith(f"h3: error: {said}"), error
