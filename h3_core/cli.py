@@ -257,7 +257,7 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
     request.add_argument("--height", type=int, metavar="PX", help="explicit height (multiple of 32; with --width)")
     request.add_argument("--duration", type=float, metavar="SECONDS",
                          help="seconds, 4-15, default 5 (snapped up to 17n+5 frames at 24 fps); with --long-video up to "
-                              "300 (30 in full mode)")
+                              "300 (30 in full mode), default the --drive-audio track's length when one is given")
     long = gen.add_argument_group("long video, and clips of yours")
     long.add_argument("--long-video", action="store_true",
                       help="long video (t2va / ref2va): windows that each continue the previous one's latent tail")
@@ -273,7 +273,8 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
                            "--duration counts the whole clip)")
     long.add_argument("--drive-audio", type=Path, metavar="PATH",
                       help="generate to this soundtrack: it becomes the output audio, held fixed while sampling "
-                           "(cut or padded with silence to the duration); works with or without --long-video")
+                           "(cut or padded with silence to the duration; with --long-video and no --duration, all of "
+                           "it); works with or without --long-video")
     long.add_argument("--keep", choices=["video", "audio"],
                       help="with --from: keep that part of the given clip and generate the other (video: the sound for "
                            "your video; audio: a video to your sound); its canvas and length; not in the release's "
@@ -479,6 +480,8 @@ def _long_video(args, request: Request, kept: AVLatents | None = None) -> Reques
     mode = args.long_video_mode or "continuation"
     if mode == "full" and (args.window_frames is not None or args.overlap_frames is not None):
         raise ValueError("--window-frames and --overlap-frames plan continuation windows; full mode is one window.")
+    if args.drive_audio is not None and args.duration is None:  # as long as the track
+        request = dataclasses.replace(request, duration=None)
     return LongVideoRequest(
         request, mode,
         DEFAULT_WINDOW_FRAMES if args.window_frames is None else args.window_frames,

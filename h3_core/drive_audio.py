@@ -17,7 +17,7 @@ import torch
 
 from . import geometry, media_read
 from .continuation import Window, audio_at
-from .media import MediaError, audio_samples_for_frames, resample_audio
+from .media import SAMPLE_RATE, MediaError, audio_samples_for_frames, resample_audio
 from .references import DecodedAudio, MediaInputError
 
 
@@ -43,6 +43,15 @@ def drive_seconds(num_frames: int) -> float:
     return num_frames / geometry.FPS + 1.0
 
 
+def track_frames(source, max_frames: int, what: str = "drive audio") -> int:
+    """The frames on the 17n + 5 grid a whole driving track covers (0 below 5): the most that fit in it, its
+    last fraction of a second cut rather than padded with silence. The track is read for `max_frames` and a
+    second more at most, so a longer one counts more than `max_frames`."""
+    samples = load_track(source, what, max_seconds=drive_seconds(max_frames)).shape[1]
+    frames, first, chunk = samples * geometry.FPS // SAMPLE_RATE, geometry.LATENTS_PER_CHUNK, geometry.FRAMES_PER_CHUNK
+    return 0 if frames < first else frames - (frames - first) % chunk
+
+
 def load_track(source, what: str = "drive audio", max_seconds: float | None = None) -> torch.Tensor:
     """A path (any audio PyAV reads) or a `DecodedAudio` (mono or stereo, any rate) -> float32 [2, N] at 32 kHz; a
     file read for at most `max_seconds` (the clip's length: an album-long file is not held whole)."""
@@ -57,7 +66,7 @@ def load_track(source, what: str = "drive audio", max_seconds: float | None = No
             raise MediaInputError(
                 f"{what}: give a path to an audio file or a DecodedAudio(waveform, sample_rate), got {type(source).__name__}."
             )
-    except (MediaError, ValueError) as error:
+    except (MediaError, ValueError, FileNotFoundError) as error:
         if isinstance(error, MediaInputError):
             raise
         raise MediaInputError(f"{what}: {error}") from error

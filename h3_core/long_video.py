@@ -64,7 +64,7 @@ from .continuation import (
     sampled,
     video_at,
 )
-from .drive_audio import check_track, drive_seconds, encode_track, load_track, window_slice
+from .drive_audio import check_track, drive_seconds, encode_track, load_track, track_frames, window_slice
 from .encode_memory import encode_working_bytes
 from .guides import GuideMedia, guide_encode_bytes, guide_frame_count
 from .layout import TEXT_TAG, GuideBlock, PackedLayout, ReferenceBlock, build_window_layout, pack_audio
@@ -89,7 +89,8 @@ class LongVideoRequest:
     window_frames   continuation window, 17n + 5 in 107..345; overlap_frames: 17n + 5, shorter than it
     window_prompts  optional: one prompt per window, in order (else `request.prompt` in every window; with
                     them `request.prompt` may be empty)
-    drive_audio     optional driving soundtrack (a path or a `DecodedAudio`): the output's audio, held fixed
+    drive_audio     optional driving soundtrack (a path or a `DecodedAudio`): the output's audio, held fixed;
+                    with `duration` None the clip lasts as long as the track (the most 17n + 5 frames it covers)
     guides          optional `guides.GuideMedia`s, their frame indices counting frames of the whole clip
     continue_from   optional `AVLatents` of a clip already made: kept as they are, continued from their end
                     on their canvas; `duration` then counts the whole clip, the given one included
@@ -221,6 +222,34 @@ def _total_frames(request: Request, mode: str, kept_frames: int = 0) -> int:
     return total
 
 
+def _track_length(track, mode: str) -> int:
+    """The whole clip's frames when a driving track sets them (no duration given): all of the track, within
+    the lengths `mode` makes."""
+    longest = long_video_frames(mode_seconds(mode), mode)
+    try:
+        frames = track_frames(track, longest)
+    except MediaInputError as error:
+        raise RequestError(str(error)) from None
+    if frames > longest:
+        raise RequestError(f"The driving track lasts more than {mode_seconds(mode):g} s, the longest a {mode} long "
+                           f"video makes: give a duration of at most {mode_seconds(mode):g} s to use its first seconds"
+                           + (", or use continuation mode." if mode == "full" else "."))
+    if frames < MIN_FRAMES:
+        raise RequestError(f"The driving track lasts under {MIN_FRAMES / geometry.FPS:.2f} s ({MIN_FRAMES} frames), "
+                           f"the shortest clip H3 makes: give a duration (at least 4 s), and the track is padded "
+                           "with silence to it.")
+    return frames
+
+
+def covers_track(duration: float, track, mode: str = "continuation") -> bool:
+    """Whether `duration` seconds reach the end of a driving track long enough to be a clip by itself: a host
+    whose duration box always holds a number (ComfyUI's) then asks for all of the track (duration None) rather
+    than for silence after it."""
+    longest = long_video_frames(mode_seconds(mode), mode)
+    whole = track_frames(track, longest)
+    return MIN_FRAMES <= whole <= longest and duration * geometry.FPS >= whole
+
+
 def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_CANVAS) -> LongVideoPlan:
     """Every limit of a long request and its window plan, before any model runs (RequestError otherwise)."""
     if not isinstance(request, LongVideoRequest):
@@ -238,7 +267,10 @@ def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_
         raise RequestError(clash)
     base, given_frames = _continued(request)
     base, kept_frames = _kept_clip(request, base)
-    total = _total_frames(base, request.mode, kept_frames)
+    if request.drive_audio is not None and base.duration is None and base.num_frames is None:
+        total = _track_length(request.drive_audio, request.mode)
+    else:
+        total = _total_frames(base, request.mode, kept_frames)
     try:
         windows = tuple(plan_request(total, request.mode, request.window_frames, request.overlap_frames, given_frames))
     except ValueError as error:

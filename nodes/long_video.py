@@ -15,7 +15,7 @@ import folder_paths
 from comfy_api.latest import InputImpl, io, ui
 
 from h3_core import geometry
-from h3_core.conditioning import EMPTY_PROMPT, Request, RequestError, blank
+from h3_core.conditioning import EMPTY_PROMPT, MIN_FRAMES, Request, RequestError, blank
 from h3_core.continuation import (
     DEFAULT_OVERLAP_FRAMES,
     DEFAULT_WINDOW_FRAMES,
@@ -29,6 +29,7 @@ from h3_core.continuation import (
 from h3_core.long_video import (
     LONG_VIDEO_TASKS,
     LongVideoRequest,
+    covers_track,
     encode_long_video,
     given_clips_clash,
     resume_seed_warnings,
@@ -104,7 +105,9 @@ class H3Continuation(io.ComfyNode):
                             tooltip="From H3 VAE Loader; needed for references, a driving soundtrack and guides."),
                 io.Audio.Input("drive_audio", optional=True,
                                tooltip="Optional driving soundtrack: it becomes the output audio, held fixed while "
-                                       "the video is generated to it (cut or padded with silence to the duration)."),
+                                       "the video is generated to it, for its first `duration` seconds (all of it "
+                                       f"when shorter; one under {MIN_FRAMES / geometry.FPS:.2f} s is padded with "
+                                       "silence to the duration)."),
                 reference_input(),
                 H3Guides.Input("guides", optional=True,
                                tooltip="From H3 Continuation Guide: images, clips and sounds at frames of the whole "
@@ -202,6 +205,9 @@ class H3Continuation(io.ComfyNode):
         kept = None if keep_video is None else unpack_latents(keep_video)
         if kept is not None and duration * geometry.FPS >= kept.num_frames:
             duration = None  # the whole clip
+        drive = None if drive_audio is None else audio_to_decoded(drive_audio, "drive_audio")
+        if drive is not None and covers_track(duration, drive, mode):
+            duration = None  # the whole track
         if guides and vae is None:
             raise ValueError("Guides are encoded with the VAE: connect H3 VAE Loader's vae to H3 Continuation.")
         with freed_on_failure(device()):
@@ -209,7 +215,7 @@ class H3Continuation(io.ComfyNode):
                 build_request(task, prompt, None, None, references, aspect_ratio, width, height, duration,
                               reference_images),
                 mode, int(window_frames), int(overlap_frames), split_window_prompts(window_prompts or ""),
-                None if drive_audio is None else audio_to_decoded(drive_audio, "drive_audio"), tuple(guides or ()),
+                drive, tuple(guides or ()),
                 given, kept,
             )
             request = _with_video_guides_read(request, text_encoder.canvas)

@@ -298,6 +298,44 @@ def test_cli_long_video_with_window_prompts_and_drive_audio(tmp_path, capsys):
             "it to stop, run it again)") in said.err
 
 
+def test_a_driving_track_without_a_duration_sets_the_clip_length(tmp_path, capsys):
+    """No duration with a driving track: the clip lasts as long as the track (the most 17n + 5 frames within it,
+    the rest of its last frame cut rather than padded with silence); a duration still cuts or pads it."""
+    from h3_core.drive_audio import track_frames
+    from h3_core.long_video import covers_track
+
+    def plan(track, mode="continuation", duration=None):
+        request = LongVideoRequest(Request("t2va", PROMPT, duration=duration), mode, drive_audio=track)
+        return validate_long_video(request, TINY_CANVAS)
+
+    rate = 32000
+    assert track_frames(DecodedAudio(torch.zeros(2, 142667), rate), 7213) == 107  # 107 frames and a sample
+    assert track_frames(DecodedAudio(torch.zeros(2, 142666), rate), 7213) == 90
+    assert track_frames(DecodedAudio(torch.zeros(1, 4 * 8000), 8000), 7213) == 90  # mono, another rate: 4 s
+    song = write_wav(tmp_path / "song.wav", 10.3)  # 247 frames -> 243
+    assert plan(song).num_frames == 243 and plan(song, "full").num_frames == 243
+    assert plan(song, duration=12.0).num_frames == 294  # padded with silence, as asked
+    assert plan(song, duration=5.0).num_frames == 124
+    assert covers_track(10.2, song) and covers_track(300.0, song) and not covers_track(10.0, song)
+    assert not covers_track(20.0, write_wav(tmp_path / "short.wav", 4.4))  # padded to the duration instead
+    with pytest.raises(RequestError, match=r"lasts under 4.46 s \(107 frames\).* give a duration"):
+        plan(tmp_path / "short.wav")
+    with pytest.raises(RequestError, match="more than 30 s, the longest a full long video makes.*continuation mode"):
+        plan(write_wav(tmp_path / "album.wav", 31.5, rate=8000), "full")
+    assert plan(tmp_path / "album.wav").num_frames == 753  # 756 frames
+    with pytest.raises(RequestError, match="drive audio: No media file at .*missing.wav"):
+        plan(tmp_path / "missing.wav")
+    # the command line: --long-video --drive-audio without --duration makes the whole track
+    out = tmp_path / "song.safetensors"
+    argv = ["generate", "--device", "cpu", "--long-video", "--steps", "2", "--prompt", PROMPT, "--drive-audio",
+            str(write_wav(tmp_path / "six.wav", 6.0)), "--save-latents", str(out)]
+    assert main(argv) == 0
+    assert load_file(str(out))["video"].shape[2] == geometry.latent_frames(141)  # 144 frames -> 141
+    assert main(argv[:3] + ["--duration", "5"] + argv[3:]) == 0  # a duration as before
+    assert load_file(str(out))["video"].shape[2] == geometry.latent_frames(124)
+    capsys.readouterr()
+
+
 def test_a_long_run_that_stops_keeps_its_finished_windows(tmp_path, monkeypatch, capsys):
     """With --save-latents, the clip so far is saved after each window: a run that fails (or is stopped) in its
     second window leaves the first, which --continue-from extends to the whole clip, as said: the clip the run

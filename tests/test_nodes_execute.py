@@ -1202,6 +1202,23 @@ def test_continuation_makes_the_sound_for_a_kept_clip(comfy):
     assert len(c.record.loaded) == loads  # refused before any model moved
 
 
+def test_continuation_makes_a_video_as_long_as_its_driving_track(comfy):
+    """drive_audio: a duration at or past the track's end makes the clip as long as the track (its last fraction
+    of a frame cut), not the track padded with silence; a shorter one its first seconds; a track too short to be
+    a clip by itself is padded to the duration."""
+    c = comfy
+    model, text, vae = _models(c)
+    continuation = importlib.import_module("nodes.long_video").H3Continuation
+    args = (text, "a drum solo", "t2va", 300.0, "continuation", 107, 22, 3, 2, 0.0, 0.0, "auto", 0, 0)
+    song = {"waveform": torch.randn(1, 2, 16000 * 6) * 0.1, "sample_rate": 16000}  # 144 frames
+    clip, frames = continuation.execute(model, *args, vae=vae, drive_audio=song).values
+    assert frames == 141 and clip["video"].shape[2] == 42 and clip["audio"].shape[-1] == 235  # 141 frames of sound
+    first, frames = continuation.execute(model, *args[:3], 5.0, *args[4:], vae=vae, drive_audio=song).values
+    assert frames == 124 and first["audio"].shape[-1] == 207
+    short = {"waveform": torch.randn(1, 2, 16000 * 3) * 0.1, "sample_rate": 16000}
+    assert continuation.execute(model, *args[:3], 8.0, *args[4:], vae=vae, drive_audio=short).values[1] == 192
+
+
 def test_vae_encode_turns_a_video_into_a_latent_to_extend(comfy):
     c = comfy
     model, text, vae = _models(c)

@@ -174,12 +174,39 @@ def test_canvas_workflow_matches_the_schemas_and_its_api_graph(schemas, path):
     assert not problems, "\n".join(problems)
 
 
+def _in_order_within(part: list, whole: list) -> bool:
+    rest = iter(whole)
+    return all(any(value == other for other in rest) for value in part)
+
+
+@pytest.mark.parametrize("path", CANVAS, ids=[p.stem for p in CANVAS])
+def test_canvas_named_widget_values_agree(path):
+    """The frontend saves each widget's value twice, by position and by name (`widgets_values_named`), and a
+    setting restores a node from the names: a canvas edited by position only would open with stale values there
+    (session 51 found old file names, another template's prompt and file prefix)."""
+    workflow = json.loads(path.read_text())
+    template = json.loads((ROOT / "workflows" / "templates" / path.name).read_text())
+    problems = []
+    for node in workflow["nodes"]:
+        named = node.get("widgets_values_named")
+        if named is None:
+            problems.append(f"{node['id']} {node['type']}: no widgets_values_named")
+            continue
+        if not _in_order_within(list(named.values()), node.get("widgets_values") or []):
+            problems.append(f"{node['id']} {node['type']}: by name {named}, by position {node['widgets_values']}")
+        api_inputs = template.get(str(node["id"]), {}).get("inputs", {})
+        for name, value in named.items():
+            if name in api_inputs and not isinstance(api_inputs[name], list) and api_inputs[name] != value:
+                problems.append(f"{node['id']} {node['type']}.{name}: by name {value!r}, API graph {api_inputs[name]!r}")
+    assert not problems, "\n".join(problems)
+
+
 def test_every_task_has_an_api_prompt_and_a_template():
     names = {p.stem for p in (ROOT / "workflows" / "api").glob("*.json")}
     canvas = {p.stem for p in CANVAS}
     wanted = {"t2va", "t2va_turbo", "fl2va_first", "fl2va_last", "fl2va_first_last", "ref2va_images",
               "ref2va_image_audio", "ref2va_video", "t2va_guides", "long_video", "long_video_guides", "extend_video",
-              "extend_my_video", "sound_for_my_video"}
+              "extend_my_video", "sound_for_my_video", "video_for_my_sound"}
     assert wanted <= names and wanted == canvas
 
 

@@ -15,7 +15,8 @@ t2va over 20 s in two continuation windows; long_video_guides: the same with an 
 at 12.5 s (the second window) and a sound in the last 2.5 s (H3 Continuation Guide); extend_video: a
 t2va clip sampled, then extended to 15 s by H3 Continuation (continue_from); extend_my_video: a video of
 your own (H3 VAE Encode) extended the same way; sound_for_my_video: the sound made for a video of your own
-(H3 Continuation's keep_video), window by window.
+(H3 Continuation's keep_video), window by window; video_for_my_sound: a video made to a sound of your own (H3
+Continuation's drive_audio), as long as the sound.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = ("A red fox trots along a beach at sunset; waves crash softly, gulls call, and a woman laughs "
           "somewhere behind the camera.")
+MUSIC_VIDEO_PROMPT = ("A music video: a dancer in a red coat moves to the beat on a rain-soaked rooftop at night, "
+                      "city lights behind her, the camera circling slowly.")
 SOUND_PROMPT = ("The sound of this scene as it happens: footsteps, wind and the world around the camera, with "
                 "no music.")
 TURBO_LORA = "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors"
@@ -214,6 +217,22 @@ def build_sound_for_my_video(real: bool) -> dict:
     return g.nodes
 
 
+def build_video_for_my_sound(real: bool) -> dict:
+    """A video made to a sound of your own (a song, a voice-over) by H3 Continuation's drive_audio, window by
+    window, as long as the sound (the duration reaches past its end)."""
+    g = Graph()
+    model, text, vae = _loaders(g, real)
+    song = [g.add("LoadAudio", audio="h3_my_song.wav"), 0] if real else [
+        g.add("EmptyAudio", duration=6.0, sample_rate=32000, channels=2), 0]  # tiny: 141 frames in two windows
+    clip = g.add("H3Continuation", model=[model, 0], text_encoder=[text, 0], vae=[vae, 0], drive_audio=song,
+                 prompt=MUSIC_VIDEO_PROMPT, task="t2va", duration=300.0, mode="continuation",
+                 window_frames=277 if real else 107, overlap_frames=22, seed=0, steps=0 if real else 2,
+                 video_shift=0.0, audio_shift=0.0, aspect_ratio="auto", width=0, height=0, window_prompts="")
+    g.add("H3SaveMP4", vae=[vae, 0], latent=[clip, 0], filename_prefix="H3/video_for_my_sound", tiling="release",
+          devices="")
+    return g.nodes
+
+
 def link_models(canvas: dict) -> dict:
     """Name each node's files in its `properties.models` (file, folder, URL): ComfyUI's frontend offers to
     download the ones a node selects (a widget value) that the user does not have."""
@@ -237,7 +256,8 @@ def main() -> None:
         (out / "extend_video.json").write_text(json.dumps(build_extend_video(real), indent=2) + "\n")
         (out / "extend_my_video.json").write_text(json.dumps(build_extend_my_video(real), indent=2) + "\n")
         (out / "sound_for_my_video.json").write_text(json.dumps(build_sound_for_my_video(real), indent=2) + "\n")
-    print(f"wrote {len(TASKS) + 5} API prompts to workflows/api and workflows/templates")
+        (out / "video_for_my_sound.json").write_text(json.dumps(build_video_for_my_sound(real), indent=2) + "\n")
+    print(f"wrote {len(TASKS) + 6} API prompts to workflows/api and workflows/templates")
     canvases = sorted((ROOT / "example_workflows").glob("*.json"))  # what tools/canvas.mjs made of the templates
     for path in canvases:
         path.write_text(json.dumps(link_models(json.loads(path.read_text())), indent=2, ensure_ascii=False) + "\n")
