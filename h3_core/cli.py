@@ -475,7 +475,9 @@ def _long_video(args, request: Request, kept: AVLatents | None = None) -> Reques
             raise ValueError(f"{', '.join(given)}: only with --long-video.")
         if args.drive_audio is None:
             return request
-        resolve_num_frames(request.duration, long_video=request.names.long_video)  # a plain request: 4-15 s
+        frames = resolve_num_frames(request.duration, long_video=request.names.long_video)  # a plain request: 4-15 s
+        if args.duration is None:
+            _note_longer_track(args.drive_audio, frames)
         return LongVideoRequest(request, mode="full", drive_audio=args.drive_audio)
     mode = args.long_video_mode or "continuation"
     if mode == "full" and (args.window_frames is not None or args.overlap_frames is not None):
@@ -489,6 +491,21 @@ def _long_video(args, request: Request, kept: AVLatents | None = None) -> Reques
         tuple(args.window_prompt), args.drive_audio,
         continue_from=None if args.continue_from is None else _saved_latents(args.continue_from), keep_video=kept,
     )
+
+
+def _note_longer_track(track: Path, frames: int) -> None:
+    """A driving track longer than the default clip it drives (no --duration, no --long-video): said, with how
+    to use more of it. A file the header says nothing of (or that cannot be read, refused later) is not said."""
+    from .media_read import probe
+
+    try:
+        info = probe(track)
+    except (MediaError, OSError):
+        return
+    seconds = (info.audio and info.audio.duration_seconds) or info.duration_seconds
+    if seconds and seconds * geometry.FPS > frames + geometry.FRAMES_PER_CHUNK:
+        _note(f"warning: --drive-audio {track.name} lasts {seconds:.1f} s; this clip uses its first "
+              f"{frames / geometry.FPS:.2f} s: give --duration (4-15 s), or --long-video for all of it.")
 
 
 # The engine's refusals name its fields (the ComfyUI nodes' inputs); the command line says the option typed.

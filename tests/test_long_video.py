@@ -333,7 +333,14 @@ def test_a_driving_track_without_a_duration_sets_the_clip_length(tmp_path, capsy
     assert load_file(str(out))["video"].shape[2] == geometry.latent_frames(141)  # 144 frames -> 141
     assert main(argv[:3] + ["--duration", "5"] + argv[3:]) == 0  # a duration as before
     assert load_file(str(out))["video"].shape[2] == geometry.latent_frames(124)
-    capsys.readouterr()
+    assert "warning" not in capsys.readouterr().err
+    # one request (no --long-video) takes 5 s by default: a longer track is said, with how to use more of it
+    assert main(argv[:3] + argv[4:]) == 0
+    assert load_file(str(out))["video"].shape[2] == geometry.latent_frames(124)
+    assert ("h3: warning: --drive-audio six.wav lasts 6.0 s; this clip uses its first 5.17 s: give --duration (4-15 "
+            "s), or --long-video for all of it.") in capsys.readouterr().err
+    assert main(argv[:3] + argv[4:] + ["--duration", "5"]) == 0
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_a_long_run_that_stops_keeps_its_finished_windows(tmp_path, monkeypatch, capsys):
