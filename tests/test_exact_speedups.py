@@ -166,6 +166,26 @@ def test_compiled_blocks_share_one_graph_and_respect_hooks_added_later(tmp_path)
         assert close(model(**inputs), plain) and counters["stats"]["unique_graphs"] == 1
 
 
+def test_compiled_blocks_compile_each_new_length(monkeypatch):
+    """A graph per sequence length (canvas, duration, prompt length): past dynamo's limit of graphs (8 by default,
+    1 here) a new length ran eager for the rest of the process, slower and unlike the same request in a fresh one."""
+    import torch._dynamo.config
+    from torch._dynamo.utils import counters
+
+    from h3_core.tiny import tiny_random_dit
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    dit = tiny_random_dit(torch.float32).compile_blocks()
+    counters.clear()
+    with torch.inference_mode():
+        for rows in (40, 48):
+            hidden = dit.config.hidden_size
+            dit.blocks[0](torch.randn(1, rows, hidden), torch.zeros(6, 6 * hidden), torch.zeros(rows, dtype=torch.long), None)
+    assert counters["stats"]["unique_graphs"] == 2
+    assert torch._dynamo.config.recompile_limit == 1  # dynamo's own setting as it was, for other models
+
+
 def test_compiled_blocks_can_be_switched_off_and_on_again():
     """set_compiled(False) gives back the eager forwards; True again reuses the kept compiled ones (no new compile)."""
     from h3_core.tiny import tiny_random_dit
