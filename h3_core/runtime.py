@@ -52,8 +52,10 @@ def use_expandable_segments(environ=os.environ) -> bool:
     memory with 1.9 GiB reserved but unusable (freed pieces too small for the next 1 GiB activation);
     with expandable segments the same request fit at 24 and 16 GiB. Only effective before CUDA's first
     allocation in this process. Returns whether it set the variable: not on Windows or macOS, where torch
-    has no expandable segments (it warns and keeps fixed ones)."""
-    if not EXPANDABLE_SEGMENTS or any(environ.get(name) for name in ALLOCATOR_VARIABLES):
+    has no expandable segments (it warns and keeps fixed ones), nor once CUDA runs in this process (`h3`'s main
+    called from a script that used the GPU already): the variable would then misstate the allocator to the
+    memory plans that read it (`fixed_allocator_segments`)."""
+    if not EXPANDABLE_SEGMENTS or any(environ.get(name) for name in ALLOCATOR_VARIABLES) or torch.cuda.is_initialized():
         return False
     environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return True

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from h3_core import fp8, media_write, runtime
 from h3_core.cli import main
@@ -218,8 +219,6 @@ def test_a_worker_exits_when_its_parent_is_gone_though_the_parent_id_stays():
 
 def test_a_dit_split_over_gpus_is_refused_at_once_without_nccl(monkeypatch, tmp_path, capsys):
     """Windows' and macOS' torch have no NCCL: the workers started, loaded, then failed in their process group."""
-    import torch
-
     from h3_core.placement import check_devices
 
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
@@ -237,8 +236,6 @@ def test_a_dit_split_over_gpus_is_refused_at_once_without_nccl(monkeypatch, tmp_
 def test_a_layout_goes_to_mps_without_float64_and_gives_the_same_rotary_tables(monkeypatch):
     """MPS has no float64: moving the layout's float64 positions there raised a TypeError at the first step.
     They go as float32, which is what the DiT reads them in: the same tables."""
-    import torch
-
     from h3_core.dit import rope_tables
     from h3_core.layout import build_request_layout
 
@@ -263,6 +260,17 @@ def test_a_layout_goes_to_mps_without_float64_and_gives_the_same_rotary_tables(m
     inv_freq = torch.rand(8)
     for ours, theirs in zip(rope_tables(on_mps.position_ids, inv_freq), rope_tables(layout.position_ids, inv_freq)):
         assert torch.equal(ours, theirs)
+
+
+def test_expandable_segments_only_before_cuda_runs(monkeypatch):
+    """h3's main called in a process whose CUDA already runs (fixed segments): it set the variable all the same,
+    and the plans of later runs in that process trusted it (no room left for fragmentation)."""
+    monkeypatch.setattr(runtime, "EXPANDABLE_SEGMENTS", True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    environ = {}
+    assert not runtime.use_expandable_segments(environ) and environ == {}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert runtime.use_expandable_segments(environ) and environ == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
 def test_windows_and_macos_have_no_expandable_segments(monkeypatch):
