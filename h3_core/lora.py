@@ -803,22 +803,23 @@ def _undo(application: _Application) -> None:
             param.copy_((param.float() - _summed_delta(param, resolved)).to(param.dtype))
 
 
-def remove_loras(model: nn.Module) -> int:
-    """Undo every `apply_loras` on `model`, newest first; returns how many applications were undone."""
+def remove_loras(model: nn.Module, keep: int = 0) -> int:
+    """Undo the `apply_loras` on `model` newest first, all but the first `keep` (a split model's workers keep the
+    adapters merged at load while those of its runs change); returns how many applications were undone."""
     stack = model.__dict__.get(_STATE, [])
-    if any(application.mode == "merge" for application in stack):
+    undone = stack[keep:]
+    if any(application.mode == "merge" for application in undone):
         _refuse_streamed(model, "taken out of")
         present = {id(module) for module in model.modules()}
-        gone = [module for application in stack if application.mode == "merge"
+        gone = [module for application in undone if application.mode == "merge"
                 for module, *_ in application.entries if id(module) not in present]
         if gone:  # checked before any is undone: half a removal would leave neither model
             raise LoRAError(f"{len(gone)} layer(s) a LoRA was merged into were replaced since (e.g. by an FP8 linear "
                             "mode); the merge cannot be taken out of them. Read the DiT again for its base weights.")
-    count = len(stack)
     with torch.no_grad():
-        while stack:
+        while len(stack) > keep:
             _undo(stack.pop())
-    return count
+    return len(undone)
 
 
 def applied_loras(model: nn.Module) -> list[tuple[str, list[str]]]:

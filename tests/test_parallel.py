@@ -501,6 +501,25 @@ def test_loras_hooked_into_the_workers_match_one_process(two_ranks):
         sharded.close()
 
 
+def test_a_runs_adapters_come_and_go_above_the_specs_own_loras(tmp_path):
+    """use_loras([]) took out every LoRA on the workers' DiT, the spec's own too (merged at load): the runner then
+    sampled the bare base model."""
+    from lora_files import fused, random_spec, write_native
+
+    from h3_core.lora import load_lora
+
+    own = write_native(tmp_path / "own.safetensors", fused(random_spec(HEADS4, seed=8, shared_qkv_a=True)))
+    other = load_lora(write_native(tmp_path / "other.safetensors", fused(random_spec(HEADS4, seed=9, shared_qkv_a=True))))
+    runner = ParallelRunner(dataclasses.replace(SPEC, loras=((str(own), 0.7),)), ["cpu", "cpu"], threads=1)
+    try:
+        first = sample(runner, conditioning(False), seed=3, steps=STEPS)
+        runner.use_loras([(other, 0.5)], "fl2va")
+        runner.use_loras([], "fl2va")
+        assert_close(sample(runner, conditioning(False), seed=3, steps=STEPS), first)
+    finally:
+        runner.close()
+
+
 def test_a_sharded_worker_reads_onto_the_cpu_and_checks_fp8_matmuls_where_it_runs(monkeypatch, tmp_path):
     """Sharded workers read their model into CPU memory first: `fp8-lossy` was checked for FP8 matmuls there,
     which torch 2.11's CPU lacks, so every GPU worker refused it. The check is for the device it runs on."""

@@ -306,16 +306,17 @@ def _portable_rows(state: StepState) -> dict:
 
 
 def _serve(setup: _Setup, requests, send, interrupt) -> None:
+    from ..lora import applied_loras
+    from ..pipeline import SamplingError, sample
+
     device = torch.device(setup.device)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     _check_same_options(setup, control)
     weights = dist.new_group() if setup.shard_weights else None  # weight gathers don't queue behind attention
     dit = _load(setup, device, control, weights)
+    loaded = len(applied_loras(dit))  # the spec's own LoRAs, which the runs' adapters come and go above
     _check_same_options(setup, control, dit.config)
     send("ready", setup.rank, dit.config, getattr(dit, "load_notes", []))
-
-    from ..pipeline import SamplingError, sample
-
     while True:
         box = [requests.get() if setup.rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=control)
@@ -323,7 +324,7 @@ def _serve(setup: _Setup, requests, send, interrupt) -> None:
         if kind == "stop":
             break
         if kind == "loras":
-            _use_loras(dit, *rest, send if setup.rank == 0 else None)
+            _use_loras(dit, *rest, send if setup.rank == 0 else None, keep=loaded)
             continue
         options, preview = rest
 
@@ -353,13 +354,13 @@ def _serve(setup: _Setup, requests, send, interrupt) -> None:
     dist.destroy_process_group()
 
 
-def _use_loras(dit: H3DiT, adapters: list, partition: str, send) -> None:
-    """Replace the adapters hooked into this worker's DiT (dynamic, as a one-device run hooks them).
-    Every rank holds the same model and adapters, so a bad adapter fails the same everywhere, before any
-    weight changes: it is reported and the workers stay up."""
+def _use_loras(dit: H3DiT, adapters: list, partition: str, send, keep: int = 0) -> None:
+    """Replace the adapters hooked into this worker's DiT (dynamic, as a one-device run hooks them), above its
+    first `keep` applications (the spec's LoRAs, applied at load). Every rank holds the same model and adapters,
+    so a bad adapter fails the same everywhere, before any weight changes: it is reported and the workers stay up."""
     from ..lora import LoRAError, apply_loras, remove_loras
 
-    remove_loras(dit)
+    remove_loras(dit, keep)
     warnings = []
     try:
         if adapters:
