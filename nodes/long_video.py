@@ -206,7 +206,7 @@ class H3Continuation(io.ComfyNode):
         if kept is not None and duration * geometry.FPS >= kept.num_frames:
             duration = None  # the whole clip
         drive = None if drive_audio is None else audio_to_decoded(drive_audio, "drive_audio")
-        if drive is not None and covers_track(duration, drive, mode):
+        if drive is not None and duration is not None and covers_track(duration, drive, mode):
             duration = None  # the whole track
         if guides and vae is None:
             raise ValueError("Guides are encoded with the VAE: connect H3 VAE Loader's vae to H3 Continuation.")

@@ -1217,6 +1217,8 @@ def test_continuation_makes_a_video_as_long_as_its_driving_track(comfy):
     assert frames == 124 and first["audio"].shape[-1] == 207
     short = {"waveform": torch.randn(1, 2, 16000 * 3) * 0.1, "sample_rate": 16000}
     assert continuation.execute(model, *args[:3], 8.0, *args[4:], vae=vae, drive_audio=short).values[1] == 192
+    with pytest.raises(ValueError, match="cannot go with drive_audio"):  # linked past the queue-time check
+        continuation.execute(model, *args, vae=vae, drive_audio=song, keep_video=clip)
 
 
 def test_vae_encode_turns_a_video_into_a_latent_to_extend(comfy):
