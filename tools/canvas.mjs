@@ -44,12 +44,13 @@ async function openApp(browser) {
 }
 
 async function build(browser) {
-  const page = await openApp(browser);
   const dir = path.join(ROOT, "workflows", "templates");
   const out = path.join(ROOT, "example_workflows");
   fs.mkdirSync(out, { recursive: true });
   for (const file of fs.readdirSync(dir).filter((f) => f.endsWith(".json")).sort()) {
     const api = JSON.parse(fs.readFileSync(path.join(dir, file), "utf8"));
+    // a page per file: in one page a canvas was once saved with the previous file's note
+    const page = await openApp(browser);
     const canvas = await page.evaluate(async ({ api, name, note }) => {
       await window.app.loadApiJson(api, name);
       const graph = window.app.graph;
@@ -61,6 +62,7 @@ async function build(browser) {
       return graph.serialize();
     }, { api, name: file, note: NOTE + (has(api, "H3LoRAApply") ? LORA_LINE : "")
       + (has(api, "H3Conditioning") ? CONDITIONING_LINE : "") });
+    await page.close();
     fs.writeFileSync(path.join(out, file), JSON.stringify(canvas, null, 2) + "\n");
     console.log(`example_workflows/${file}: ${canvas.nodes.length} nodes, ${canvas.links.length} links`);
   }
