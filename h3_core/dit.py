@@ -45,9 +45,10 @@ from .runtime import pinnable_bytes
 
 MODALITIES = 3  # AdaLN table rows per timestep: 0 video, 1 text, 2 audio
 _COMPILED_TABLE_ROWS = MODALITIES * len(RowClock)  # a step has at most one distinct timestep per row clock
-# Compiled blocks share one cache of graphs (one per code object, whatever the model), a graph per sequence length,
-# which canvas, duration, references and prompt length all change. Past dynamo's own limit (8 graphs) a new length
-# ran eager for the rest of the process: slower, and another result for the same request than in a fresh one.
+# Compiled blocks share one cache of graphs (one per code object, whatever the model). The row count is dynamic in
+# them, so one graph serves every sequence length (canvas, duration, references, prompt length); what still makes
+# new graphs (an attention window's size, a shape the kernels specialize on) may make up to this many. Past dynamo's
+# own limit (8) a new one ran eager for the rest of the process: slower, and another result than in a fresh one.
 _COMPILED_LENGTHS = 64
 FP32_MODULES = ("video_patch_proj", "audio_patch_proj", "time_embedder", "final_layer.video_out", "final_layer.audio_out")
 
@@ -324,6 +325,8 @@ class _CompiledForward:
         if any(module._forward_hooks or module._forward_pre_hooks for module in inner):
             return self.eager(x, table, adaln_index, rope, window)
         padded = F.pad(table, (0, 0, 0, max(0, _COMPILED_TABLE_ROWS - table.shape[0])))  # never cut a larger table
+        for rows, dim in ((x, 1), (adaln_index, 0), *((part, 0) for part in rope or ())):  # S, whatever it is
+            torch._dynamo.maybe_mark_dynamic(rows, dim)
         limit = max(_COMPILED_LENGTHS, torch._dynamo.config.recompile_limit)
         with torch._dynamo.config.patch(recompile_limit=limit):
             return self.compiled(x, padded, adaln_index, rope, window)
