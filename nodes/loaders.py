@@ -114,9 +114,9 @@ class H3ModelLoader(io.ComfyNode):
                                          "whole DiT."),
                 io.Boolean.Input("compile", default=False, optional=True,
                                  tooltip="torch.compile the repeated block: about 10% faster per step on an H200 once "
-                                         "the first run has paid the compile (tens of seconds, again for each new "
-                                         "sequence length: another canvas, duration, reference or prompt length); "
-                                         "not bitwise exact. Blocks carrying a LoRA run uncompiled."),
+                                         "the first run has paid the compile (tens of seconds; later canvases, durations "
+                                         "and prompts reuse it); not bitwise exact. Blocks carrying a LoRA run "
+                                         "uncompiled."),
                 io.Int.Input("attention_window_lossy", default=0, min=0, max=256, optional=True,
                              tooltip="Lossy speed-up, 0 = off (full attention, as the model was trained). N > 0: "
                                      "each video token attends only the video within N latent frames (about 3.4 "
