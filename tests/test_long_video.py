@@ -300,7 +300,7 @@ def test_cli_long_video_with_window_prompts_and_drive_audio(tmp_path, capsys):
 
 def test_a_driving_track_without_a_duration_sets_the_clip_length(tmp_path, capsys):
     """No duration with a driving track: the clip lasts as long as the track (the most 17n + 5 frames within it,
-    the rest of its last frame cut rather than padded with silence); a duration still cuts or pads it."""
+    what is left over cut rather than padded with silence); a duration still cuts or pads it."""
     from h3_core.drive_audio import track_frames
     from h3_core.long_video import covers_track
 

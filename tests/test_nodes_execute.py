@@ -1203,9 +1203,9 @@ def test_continuation_makes_the_sound_for_a_kept_clip(comfy):
 
 
 def test_continuation_makes_a_video_as_long_as_its_driving_track(comfy):
-    """drive_audio: a duration at or past the track's end makes the clip as long as the track (its last fraction
-    of a frame cut), not the track padded with silence; a shorter one its first seconds; a track too short to be
-    a clip by itself is padded to the duration."""
+    """drive_audio: a duration at or past the track's end makes the clip as long as the track (the most 17n + 5
+    frames within it), not the track padded with silence; a shorter one its first seconds; a track too short to
+    be a clip by itself is padded to the duration."""
     c = comfy
     model, text, vae = _models(c)
     continuation = importlib.import_module("nodes.long_video").H3Continuation
