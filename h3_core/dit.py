@@ -49,7 +49,7 @@ _COMPILED_TABLE_ROWS = MODALITIES * len(RowClock)  # a step has at most one dist
 # them, so one graph serves every sequence length (canvas, duration, references, prompt length); what still makes
 # new graphs (an attention window's size, a shape the kernels specialize on) may make up to this many. Past dynamo's
 # own limit (8) a new one ran eager for the rest of the process: slower, and another result than in a fresh one.
-_COMPILED_LENGTHS = 64
+_COMPILED_GRAPHS = 64
 FP32_MODULES = ("video_patch_proj", "audio_patch_proj", "time_embedder", "final_layer.video_out", "final_layer.audio_out")
 
 
@@ -327,7 +327,7 @@ class _CompiledForward:
         padded = F.pad(table, (0, 0, 0, max(0, _COMPILED_TABLE_ROWS - table.shape[0])))  # never cut a larger table
         for rows, dim in ((x, 1), (adaln_index, 0), *((part, 0) for part in rope or ())):  # S, whatever it is
             torch._dynamo.maybe_mark_dynamic(rows, dim)
-        limit = max(_COMPILED_LENGTHS, torch._dynamo.config.recompile_limit)
+        limit = max(_COMPILED_GRAPHS, torch._dynamo.config.recompile_limit)
         with torch._dynamo.config.patch(recompile_limit=limit):
             return self.compiled(x, padded, adaln_index, rope, window)
 

@@ -18,7 +18,7 @@ import torch
 from . import geometry, media_read
 from .continuation import Window, audio_at
 from .media import SAMPLE_RATE, MediaError, audio_samples_for_frames, resample_audio
-from .references import DecodedAudio, MediaInputError
+from .references import DecodedAudio, MediaInputError, vae_frame_count
 
 
 def check_track(source, what: str = "drive audio", seconds: float = 1.0) -> None:
@@ -44,12 +44,12 @@ def drive_seconds(num_frames: int) -> float:
 
 
 def track_frames(source, max_frames: int, what: str = "drive audio") -> int:
-    """The frames on the 17n + 5 grid a whole driving track covers (0 below 5): the most that fit in it, its
-    last fraction of a second cut rather than padded with silence. The track is read for `max_frames` and a
-    second more at most, so a longer one counts more than `max_frames`."""
+    """The frames on the 17n + 5 grid a whole driving track covers (0 under the VAE's shortest clip, 22): the most
+    that fit in it, what is left over cut rather than padded with silence. The track is read for `max_frames` and
+    a second more at most, so a longer one counts more than `max_frames`."""
     samples = load_track(source, what, max_seconds=drive_seconds(max_frames)).shape[1]
-    frames, first, chunk = samples * geometry.FPS // SAMPLE_RATE, geometry.LATENTS_PER_CHUNK, geometry.FRAMES_PER_CHUNK
-    return 0 if frames < first else frames - (frames - first) % chunk
+    frames = samples * geometry.FPS // SAMPLE_RATE
+    return vae_frame_count(frames) if frames >= geometry.FRAMES_PER_CHUNK + geometry.LATENTS_PER_CHUNK else 0
 
 
 def load_track(source, what: str = "drive audio", max_seconds: float | None = None) -> torch.Tensor:

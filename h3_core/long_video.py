@@ -245,9 +245,10 @@ def covers_track(duration: float, track, mode: str = "continuation") -> bool:
     """Whether `duration` seconds reach the end of a driving track long enough to be a clip by itself: a host
     whose duration box always holds a number (ComfyUI's) then asks for all of the track (duration None) rather
     than for silence after it."""
-    longest = long_video_frames(mode_seconds(mode), mode)
-    whole = track_frames(track, longest)
-    return MIN_FRAMES <= whole <= longest and duration * geometry.FPS >= whole
+    try:
+        return duration * geometry.FPS >= _track_length(track, mode)
+    except RequestError:  # not a clip's length by itself, or unreadable (which the request's checks say)
+        return False
 
 
 def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_CANVAS) -> LongVideoPlan:
