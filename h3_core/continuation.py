@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from . import geometry
+from .layout import FRAME_TIME
 
 DEFAULT_WINDOW_FRAMES = 277
 DEFAULT_OVERLAP_FRAMES = 22
@@ -30,7 +31,6 @@ MIN_SECONDS = 4.0  # as for one request: 107 frames
 MAX_CONTINUATION_SECONDS = 300.0
 MAX_FULL_SECONDS = 30.0
 MODES = ("continuation", "full")
-ROPE_UNITS_PER_FRAME = geometry.AUDIO_LATENTS_PER_SECOND / geometry.FPS  # 5/3
 
 
 def audio_at(frame: int) -> int:
@@ -71,7 +71,7 @@ class Window:
     @property
     def time_offset(self) -> float:
         """Added to the RoPE time of target, reference and guide media rows (not text or still images)."""
-        return self.start * ROPE_UNITS_PER_FRAME
+        return self.start * FRAME_TIME
 
     @property
     def guide_latent_frames(self) -> int:

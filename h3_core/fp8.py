@@ -36,7 +36,6 @@ from . import keymap
 from .weights import CheckpointError, HEADER_DTYPES, open_safetensors
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
 MIN_SCALE = 1e-12  # an all-zero row or tensor quantizes to zeros with this scale, not to NaN
 MATMULS = ("dequantize", "scaled")
 BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
@@ -292,8 +291,8 @@ def block_linear_names(model: nn.Module, adaln: bool = False) -> list[str]:
 def quantize_blocks(model: nn.Module, matmul: str = "scaled", activations: str = "row", adaln: bool = False,
                     device: torch.device | str | None = None) -> list[str]:
     """Swap the block linears (and, with `adaln`, the AdaLN projections) of an H3DiT for FP8Linear,
-    quantized per output channel where they sit. Already-FP8 linears only get the new `matmul`; NVFP4 ones
-    stay NVFP4 weight-only, or are rebuilt and quantized for "scaled".
+    quantized per output channel where they sit. Already-FP8 linears only get the new `matmul`; other stored ones
+    (NVFP4, GGUF) stay weight-only, or are rebuilt and quantized for "scaled".
     `device` (default: where the weights are) is where the model will compute: "scaled" there needs
     FP8 matmul support. Lossy: returns the names swapped, so a caller can say what changed."""
     if matmul not in MATMULS:
@@ -306,7 +305,7 @@ def quantize_blocks(model: nn.Module, matmul: str = "scaled", activations: str =
         module = model.get_submodule(name)
         if isinstance(module, FP8Linear):
             module.set_matmul(matmul, activations)
-        elif isinstance(module, StoredLinear):  # NVFP4: already smaller weight-only; rebuilt for FP8 matmuls
+        elif isinstance(module, StoredLinear):  # NVFP4 / GGUF: already smaller weight-only; rebuilt for FP8 matmuls
             if matmul == "scaled":
                 model.set_submodule(name, FP8Linear.from_linear(module.as_dense(), matmul, activations))
         else:

@@ -44,7 +44,7 @@ from .references import (
     MediaInputError, as_rgb, encode_audio, encode_image, encode_video, frames_on_canvas, load_image, prepare_audio,
 )
 
-MIN_CLIP_FRAMES = geometry.LATENTS_PER_CHUNK  # 5: shorter batches are one image
+MIN_GUIDE_CLIP_FRAMES = geometry.LATENTS_PER_CHUNK  # 5: shorter batches are one image
 GUIDE_KINDS = ("image", "video", "audio")
 
 
@@ -106,9 +106,9 @@ def clip_room(frame_index: int, num_frames: int) -> int:
 
 def guide_frame_count(count: int) -> int:
     """Pixel frames a batch of `count` images anchors: 1 below 5, else the largest 17n + 5 <= count."""
-    if count < MIN_CLIP_FRAMES:
+    if count < MIN_GUIDE_CLIP_FRAMES:
         return 1
-    return (count - MIN_CLIP_FRAMES) // geometry.FRAMES_PER_CHUNK * geometry.FRAMES_PER_CHUNK + MIN_CLIP_FRAMES
+    return (count - MIN_GUIDE_CLIP_FRAMES) // geometry.FRAMES_PER_CHUNK * geometry.FRAMES_PER_CHUNK + MIN_GUIDE_CLIP_FRAMES
 
 
 def resolve_frame_index(frame_index: int, num_frames: int, frames: int = 1) -> int:

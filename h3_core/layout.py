@@ -29,6 +29,9 @@ VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2  # checkpoint contract
 # frame 5/3. A latent frame starts (1, 4, 4, 4, 4, 1, 4, ...) pixel frames after the previous one:
 # the VAE's first latent of a chunk covers one frame, the other four cover four each.
 FRAME_TIME = geometry.AUDIO_LATENTS_PER_SECOND / geometry.FPS
+# Visual conditions (keyframes, references, guides) sit just off clean: t = 1 is off-distribution. The noise mix
+# (noise.condition_rows) and the clock the DiT reads for those rows (row_timesteps) both use it.
+VISUAL_CONDITION_T = 0.999
 PIXEL_FRAMES_PER_LATENT = (1, 4, 4, 4, 4)
 SPATIAL_SCALE = 32.0
 
@@ -195,9 +198,7 @@ class PackedLayout:
         grid = (self.latent_frames, self.latent_height // ph, self.latent_width // pw)
         return vsa_tiles((text, condition, audio), grid, device or self.position_ids.device)
 
-    def row_timesteps(
-        self, t_video: float, t_audio: float, visual_condition_floor: float = 0.999
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def row_timesteps(self, t_video: float, t_audio: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's distinct timesteps [K] float32 (sorted) and each row's index into them [S] int64.
 
         t = 1 - sigma (1 is clean). Equal to `torch.unique(per_row_t, sorted=True, return_inverse=True)`
@@ -205,7 +206,7 @@ class PackedLayout:
         """
         t_video, t_audio = float(t_video), float(t_audio)
         per_clock = torch.tensor(  # indexed by RowClock
-            [t_video, t_audio, max(t_video, visual_condition_floor), 1.0],
+            [t_video, t_audio, max(t_video, VISUAL_CONDITION_T), 1.0],
             dtype=torch.float32,
             device=self.row_clock.device,
         )

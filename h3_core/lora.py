@@ -64,7 +64,7 @@ from .lora_formats import (
     read_safetensors,
 )
 from .runtime import file_mapped_ranges, in_mapped_file
-from .sampler import AUDIO_SHIFT, MAX_STEPS, VIDEO_SHIFT, DualClockSchedule
+from .sampler import AUDIO_SHIFT, MAX_STEPS, VIDEO_SHIFT, DualClockSchedule, shift_time
 
 __all__ = [
     "LoRA", "LoRAError", "LoRAReport", "SamplerSettings", "TurboContract",
@@ -138,8 +138,8 @@ class TurboContract:
 
 
 def shifted(base: tuple[float, ...], shift: float) -> tuple[float, ...]:
-    """The rectified-flow time shift s = shift * u / (1 + (shift - 1) * u) of each base position u."""
-    return tuple(shift * u / (1.0 + (shift - 1.0) * u) for u in base)
+    """`shift_time` of each base position u, in Python floats (the ladder is handed on as custom sigmas)."""
+    return tuple(shift_time(float(u), shift) for u in base)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -594,7 +594,7 @@ class LoRAReport:
 
 def run_mode(model: nn.Module) -> str:
     """How a run applies LoRAs to a freshly loaded `model`: merged into its weights, unless it holds linears as a
-    file stores them (FP8, int8, int4, NVFP4), which a merge would have to quantize again: then hooked ("dynamic")."""
+    file stores them (FP8, int8, int4, NVFP4, GGUF), which a merge would have to quantize again: then hooked ("dynamic")."""
     return "dynamic" if any(isinstance(module, StoredLinear) for module in model.modules()) else "merge"
 
 

@@ -23,7 +23,6 @@ from . import geometry
 
 FPS = geometry.FPS  # 24
 SAMPLE_RATE = 32000  # the audio VAE's rate
-AUDIO_CHANNELS = geometry.AUDIO_CHANNELS  # 2
 # Resample long waveforms in pieces so no single PyAV frame gets huge.
 _RESAMPLE_PIECE = 1 << 16
 

@@ -12,7 +12,7 @@ import numbers
 
 import torch
 
-from .layout import PackedLayout, patchify
+from .layout import VISUAL_CONDITION_T, PackedLayout, patchify
 
 
 MAX_SEED = 2**64 - 1  # what torch's generator (and ComfyUI's seed widget) takes
@@ -51,15 +51,12 @@ def target_noise(
     return patchify(video), audio[None]
 
 
-VISUAL_CONDITION_T = 0.999  # visual conditioning sits just off clean: t = 1 is off-distribution
-
-
-def condition_rows(latents: list[torch.Tensor], generator: torch.Generator, t: float = VISUAL_CONDITION_T) -> torch.Tensor:
+def condition_rows(latents: list[torch.Tensor], generator: torch.Generator) -> torch.Tensor:
     """Visual conditions [1, C, L_i, h_i, w_i] (packed order) -> their rows [1, N, C*4], each mixed once to
-    x = t*z + (1-t)*noise with one draw per condition from the request generator (before the target's)."""
+    x = t*z + (1-t)*noise at t = VISUAL_CONDITION_T with one draw per condition from the request generator (before the target's)."""
     packed = []
     for condition in latents:
         noise = torch.randn(condition.shape, generator=generator, dtype=torch.float32)
-        level = torch.tensor(t, dtype=torch.float32)
+        level = torch.tensor(VISUAL_CONDITION_T, dtype=torch.float32)
         packed.append(patchify(level * condition.float().cpu() + (1.0 - level) * noise))
     return torch.cat(packed, dim=1)

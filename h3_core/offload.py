@@ -81,13 +81,13 @@ class BlockStreamer:
         self.loaded: dict[int, tuple[int, torch.cuda.Event | None]] = {}  # block -> (slot, copy done)
         self.model = weakref.ref(dit)
         try:
-            self._place(dit, pin_bytes)
+            self._place(pin_bytes)
         except BaseException:  # out of memory partway: every block back in CPU memory as it was, no pins held
             unplace(dit, "cpu", self)
             raise
         dit.__dict__[STREAMER] = weakref.ref(self)  # what `is_streamed` reads
 
-    def _place(self, dit: H3DiT, pin_bytes: int | None) -> None:
+    def _place(self, pin_bytes: int | None) -> None:
         resident = self.resident
         slabs = PinnedSlabs(pin_bytes) if self.device.type == "cuda" else None
         slot_bytes = 0

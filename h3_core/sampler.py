@@ -38,8 +38,13 @@ def sigma_ladder(points: int, shift: float) -> torch.Tensor:
 
 def _shifted_grid(points: int, shift: float) -> torch.Tensor:
     check_shift(shift)
-    base = torch.linspace(1.0, 0.0, int(points), dtype=torch.float32)
-    return torch.unique_consecutive(shift * base / (1 + (shift - 1) * base))
+    return torch.unique_consecutive(shift_time(torch.linspace(1.0, 0.0, int(points), dtype=torch.float32), shift))
+
+
+def shift_time(u, shift: float):
+    """The rectified-flow time shift s = shift * u / (1 + (shift - 1) * u) of a position u in [0, 1] (a float or a
+    tensor), for uniform grids here and published ladders (lora.py) alike."""
+    return shift * u / (1 + (shift - 1) * u)
 
 
 # Bounds of what a user may ask for (the release runs 50 points at shifts 12 / 3): a shift of 1e39 made NaN sigmas,

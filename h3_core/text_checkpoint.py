@@ -27,7 +27,6 @@ Tensor names may be spelled `model.language_model.*` / `model.visual.*` (transfo
 from __future__ import annotations
 
 import copy
-import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +50,6 @@ from .weights import (
     tensor_names,
 )
 
-log = logging.getLogger("h3")
 MIN_TRANSFORMERS = (5, 17)  # pyproject.toml's floor: the Qwen3-VL classes as this engine drives them
 
 

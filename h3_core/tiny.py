@@ -3,10 +3,16 @@ seed, so every command runs on a fresh CPU machine without weights (and tests ne
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .config import TINY_DIT
 from .dit import H3DiT
+
+if TYPE_CHECKING:  # built on demand below: a DiT-only user never imports the VAEs
+    from .vae_audio import AudioVAE
+    from .vae_video import VideoVAE
 
 TINY_RANDOM = "tiny-random"
 TINY_SEED = 20261129
