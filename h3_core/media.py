@@ -97,8 +97,11 @@ def as_uint8_frames(frames: Any, what: str = "Video frames") -> np.ndarray:
         raise ValueError(f"{what} reach {highest:g}; floating point frames are 0..1 (values in 0..255? "
                          "divide them by 255, or pass uint8).")
     out = np.empty(array.shape, np.uint8)
+    # float64 is scaled in float64, as the reference rounds it: in float32 a value just over a half level can land on
+    # it and round down (0.68431374265 * 255 = 174.500004, 174.5 in float32)
+    precision = np.float64 if array.dtype.itemsize > 4 else np.float32
     for chunk in chunks:
-        scaled = np.clip(array[chunk].astype(np.float32, copy=False), 0.0, 1.0)  # a new array, changed in place
+        scaled = np.clip(array[chunk].astype(precision, copy=False), 0.0, 1.0)  # a new array, changed in place
         out[chunk] = np.rint(np.multiply(scaled, 255.0, out=scaled), out=scaled)
     return out
 

@@ -438,6 +438,19 @@ def test_a_killed_writers_temporary_file_goes_with_the_next_write_of_its_name(tm
     assert files_in(tmp_path) == sorted(["out.mp4", running.name, other.name])
 
 
+def test_float64_frames_round_at_their_own_precision():
+    """diffusers rounds a float64 picture's levels in float64; through float32 a value just over a half level
+    landed on it and rounded down (found by the edge-shape parity review: references 1 level darker)."""
+    values = np.array([0.6843137426534533, 0.5823529516960055, 0.5, 0.25], np.float64)
+    assert np.float32(values[0]) * np.float32(255) == np.float32(174.5)  # the case: float32 lands on the half
+    frames = np.broadcast_to(values[:, None, None, None], (4, 1, 1, 3))
+    assert as_uint8_frames(frames)[:, 0, 0, 0].tolist() == np.rint(values * 255).tolist() == [175, 149, 128, 64]
+    from diffusers.image_processor import VaeImageProcessor  # how the reference makes an image reference's pixels
+
+    assert [image.getpixel((0, 0))[0] for image in VaeImageProcessor.numpy_to_pil(np.ascontiguousarray(frames))] == [
+        175, 149, 128, 64]
+
+
 def test_float_frames_become_uint8_a_few_at_a_time():
     """H3 AV Save's IMAGE became uint8 through three float32 copies of the whole batch (a 75 s clip at 1344x768:
     ~40 GB); now a few frames at a time, with the same levels."""
