@@ -48,7 +48,7 @@ from .output import AVLatents
 from .parallel.workers import ParallelWorkerError
 from .placement import check_devices
 from .memory_plan import check_budget
-from .pipeline import (MAX_OUTPUTS, TINY_CANVAS, GenerateSettings, Job, ModelFiles, SamplingError, check_output_name,
+from .pipeline import (MAX_OUTPUTS, MODEL_DTYPES, TINY_CANVAS, GenerateSettings, Job, ModelFiles, SamplingError, check_output_name,
                        check_writable, encode_clip_file, generate_batch, load_sampling_dit, resolve_model_source, sample)
 from .references import REFERENCE_IMAGE_MODES, MediaReference
 from .runtime import compile_failed, return_freed_memory_to_os, use_expandable_segments
@@ -59,7 +59,6 @@ from .vae_audio_checkpoint import locate_audio_vae
 from .vae_video_checkpoint import locate_video_vae
 from .weights import HEADER_DTYPES, read_headers
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LINEARS_HELP = "; ".join(f"{name}: {what}" for name, what in LINEAR_MODES.items())
 ATTENTION_HELP = (f"attention kernel: auto (the fastest exact one installed: FlashAttention 3 or 4 on Hopper/Blackwell "
                   f"for a bf16 / fp16 model, else sdpa), "
@@ -303,8 +302,8 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
                              "... with --outputs above 1, as --out is)")
     running = gen.add_argument_group("devices, speed and memory")
     running.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
-    running.add_argument("--dtype", default=None, choices=list(DTYPES), help="model dtype (default: bf16 on GPU, fp32 on CPU)")
-    running.add_argument("--vae-dtype", default=None, choices=list(DTYPES),
+    running.add_argument("--dtype", default=None, choices=list(MODEL_DTYPES), help="model dtype (default: bf16 on GPU, fp32 on CPU)")
+    running.add_argument("--vae-dtype", default=None, choices=list(MODEL_DTYPES),
                          help="video VAE dtype (default: --dtype's, as the reference pipeline: decoder linears in it, encoder "
                               "and norms fp32); fp32 decodes ~7.5x slower on an H200")
     running.add_argument("--crf", type=int, metavar="0-51",
@@ -361,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "aspect ratio on the model's canvas)")
     enc.add_argument("--height", type=int, help="canvas height (multiple of 32; with --width)")
     enc.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
-    enc.add_argument("--vae-dtype", default=None, choices=list(DTYPES), help="video VAE linears (default bf16; tiny-random on the CPU: fp32)")
+    enc.add_argument("--vae-dtype", default=None, choices=list(MODEL_DTYPES), help="video VAE linears (default bf16; tiny-random on the CPU: fp32)")
     enc.add_argument("--quiet", "-q", action="store_true", help=QUIET_HELP)
     enc.set_defaults(run=run_encode, parser=enc)
 
@@ -394,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     den.add_argument("--seed", type=int, default=0, help="noise seed, 0 to 2^64-1 (default 0). " + SEED_BITS)
     den.add_argument("--save-latents", type=Path, required=True, help="output .safetensors: 'video' and 'audio'")
     den.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
-    den.add_argument("--dtype", default=None, choices=list(DTYPES),
+    den.add_argument("--dtype", default=None, choices=list(MODEL_DTYPES),
                      help="model dtype (default: bf16 on GPU, fp32 on CPU; fp32 heads stay fp32)")
     add_dit_speed_options(den)
     den.add_argument("--gpu-memory", type=float, metavar="GIB",
@@ -641,13 +640,12 @@ def run_encode(args) -> int:
                 raise FileNotFoundError(f"{option} {path}: {_not_a_file(Path(path).expanduser())}")
         latents = encode_clip_file(args.video, model, args.out, audio=args.audio, width=args.width,
                                    height=args.height, device=args.device,
-                                   vae_dtype=DTYPES[args.vae_dtype] if args.vae_dtype else None, progress=progress,
+                                   vae_dtype=MODEL_DTYPES[args.vae_dtype] if args.vae_dtype else None, progress=progress,
                                    files=files)
     finally:
         progress.close()
-    _, _, _, latent_height, latent_width = latents.video.shape
-    print(f"{args.out}: {latents.num_frames} frames at {latent_width * 16}x{latent_height * 16} "
-          f"({latents.num_frames / 24:.2f} s)")
+    width, height = latents.canvas
+    print(f"{args.out}: {latents.num_frames} frames at {width}x{height} ({latents.num_frames / geometry.FPS:.2f} s)")
     return 0
 
 
@@ -670,7 +668,7 @@ def run_generate(args) -> int:
     return_freed_memory_to_os()
     # a bad name, a missing GPU or a split this machine cannot run: said now
     device = (check_devices(devices, split=True) if devices else check_devices([args.device]))[0]
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = MODEL_DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     settings = GenerateSettings(args.seed, args.outputs, args.steps, args.video_shift, args.audio_shift,
                                 str(device), dtype, args.attention, [lora_option(spec) for spec in args.lora],
                                 lora_unknown_keys=args.lora_unknown_keys,
@@ -678,7 +676,7 @@ def run_generate(args) -> int:
                                 gpu_memory=args.gpu_memory, compile=args.compile,
                                 attention_window=args.attention_window_lossy,
                                 attention_window_dense_steps=args.attention_window_dense_steps,
-                                vae_dtype=DTYPES[args.vae_dtype] if args.vae_dtype else None,
+                                vae_dtype=MODEL_DTYPES[args.vae_dtype] if args.vae_dtype else None,
                                 crf=DEFAULT_CRF if args.crf is None else args.crf)
     progress = StageBars(args.quiet)
     if device.type == "cuda":
@@ -1048,7 +1046,7 @@ def run_denoise(args) -> int:
     random) text states, the latents saved as `h3 generate --save-latents` saves them. The DiT is placed by
     the request's memory plan, as generate places it (streamed where it does not fit)."""
     device = check_devices([args.device])[0]
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = MODEL_DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     width, height = _canvas(args)
     frames = resolve_num_frames(duration=args.duration, long_video="by `h3 generate --long-video`")  # not here
     for name, shift in (("--video-shift", args.video_shift), ("--audio-shift", args.audio_shift)):

@@ -48,7 +48,7 @@ from . import geometry
 from .encode_memory import encode_working_bytes
 from .layout import (REFERENCE_KINDS, GuideBlock, PackedLayout, ReferenceBlock, build_ref2va_layout, build_t2va_layout,
                      patched_rows)
-from .prompt import MAX_KEYFRAMES, VISION_TOKENS, control_token_warnings, label_warnings, reference_mix_problem
+from .prompt import MAX_KEYFRAMES, TASKS, VISION_TOKENS, control_token_warnings, label_warnings, reference_mix_problem
 from .references import (
     RELEASE_CANVAS,
     CanvasRules,
@@ -69,7 +69,6 @@ from .references import (
 )
 from .vae_audio import AudioVAEConfig
 
-TASKS = ("t2va", "fl2va", "ref2va")
 EMPTY_PROMPT = "The prompt is empty; H3 needs a non-empty text prompt for every task."
 MIN_SECONDS, MAX_SECONDS, DEFAULT_SECONDS = 4.0, 15.0, 5.0
 MIN_FRAMES = geometry.frames_for_duration(MIN_SECONDS)  # 107

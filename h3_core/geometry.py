@@ -113,6 +113,11 @@ def align_frames(num_frames: int) -> int:
     return FRAMES_PER_CHUNK * chunks + LATENTS_PER_CHUNK
 
 
+def floor_frames(num_frames: int) -> int:
+    """The largest 17n + 5 (n >= 0) not over `num_frames` (>= 5): a clip cut to what the VAE takes unpadded."""
+    return (num_frames - LATENTS_PER_CHUNK) // FRAMES_PER_CHUNK * FRAMES_PER_CHUNK + LATENTS_PER_CHUNK
+
+
 def frames_for_duration(seconds: float) -> int:
     """Pixel frames for a duration: round(seconds * 24), then snapped up to 17k + 5."""
     if not (math.isfinite(seconds) and seconds > 0):
@@ -139,6 +144,11 @@ def latent_frames(num_frames: int) -> int:
             f"(e.g. 124, 243), got {num_frames}; align_frames() snaps a count up to the grid."
         )
     return (num_frames - LATENTS_PER_CHUNK) // FRAMES_PER_CHUNK * LATENTS_PER_CHUNK + 2
+
+
+def pixel_frames(latent_frames: int) -> int:
+    """Pixel frames (17n + 5) that L = 5n + 2 video latent frames decode to: `latent_frames`' inverse."""
+    return (latent_frames - 2) // LATENTS_PER_CHUNK * FRAMES_PER_CHUNK + LATENTS_PER_CHUNK
 
 
 def audio_latents(num_frames: int) -> int:

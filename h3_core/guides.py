@@ -108,7 +108,7 @@ def guide_frame_count(count: int) -> int:
     """Pixel frames a batch of `count` images anchors: 1 below 5, else the largest 17n + 5 <= count."""
     if count < MIN_GUIDE_CLIP_FRAMES:
         return 1
-    return (count - MIN_GUIDE_CLIP_FRAMES) // geometry.FRAMES_PER_CHUNK * geometry.FRAMES_PER_CHUNK + MIN_GUIDE_CLIP_FRAMES
+    return geometry.floor_frames(count)
 
 
 def resolve_frame_index(frame_index: int, num_frames: int, frames: int = 1) -> int:

@@ -266,8 +266,9 @@ def validate_long_video(request: LongVideoRequest, rules: CanvasRules = RELEASE_
                               request.keep_video is not None)
     if clash:
         raise RequestError(clash)
-    base, given_frames = _continued(request)
-    base, kept_frames = _kept_clip(request, base)
+    base, given_frames = _on_clip_canvas(request.request, request.continue_from, "continue_from", "continue",
+                                         "A continued clip")
+    base, kept_frames = _on_clip_canvas(base, request.keep_video, "keep_video", "keep", "A kept clip")
     if request.drive_audio is not None and base.duration is None and base.num_frames is None:
         total = _track_length(request.drive_audio, request.mode)
     else:
@@ -366,33 +367,18 @@ def _on_canvas(request: Request, clip: AVLatents, what: str) -> Request:
     return dataclasses.replace(request, aspect_ratio=None, width=width, height=height)
 
 
-def _kept_clip(request: LongVideoRequest, base: Request) -> tuple[Request, int]:
-    """With `keep_video`: the request on the kept clip's canvas and the clip's frame count (else as it is and 0)."""
-    kept = request.keep_video
-    if kept is None:
+def _on_clip_canvas(base: Request, clip, field: str, use: str, what: str) -> tuple[Request, int]:
+    """`base` on the canvas of `clip` (the `field` given to `use` it; `what` in errors) and the clip's frame
+    count; `base` as it is and 0 without one. A canvas the request names that is not the clip's is refused."""
+    if clip is None:
         return base, 0
-    if not isinstance(kept, AVLatents):
-        raise RequestError(f"keep_video takes the AVLatents of a clip, got {type(kept).__name__}.")
+    if not isinstance(clip, AVLatents):
+        raise RequestError(f"{field} takes the AVLatents of a clip, got {type(clip).__name__}.")
     try:
-        kept.check()
+        clip.check()
     except ValueError as error:
-        raise RequestError(f"The clip to keep: {error}") from None
-    return _on_canvas(base, kept, "A kept clip"), kept.num_frames
-
-
-def _continued(request: LongVideoRequest) -> tuple[Request, int]:
-    """The request on the given clip's canvas and that clip's frame count (the request as it is and 0 without
-    one); a canvas the request names that is not the clip's is refused."""
-    given = request.continue_from
-    if given is None:
-        return request.request, 0
-    if not isinstance(given, AVLatents):
-        raise RequestError(f"continue_from takes the AVLatents of a clip, got {type(given).__name__}.")
-    try:
-        given.check()
-    except ValueError as error:
-        raise RequestError(f"The clip to continue: {error}") from None
-    return _on_canvas(request.request, given, "A continued clip"), given.num_frames
+        raise RequestError(f"The clip to {use}: {error}") from None
+    return _on_canvas(base, clip, what), clip.num_frames
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from .media import FPS, MediaError, UnreadableMediaError, resample_audio
 
 # A frame stamped up to this much before `start_seconds` still counts as at the start (timestamps
 # are rationals in the stream's time base; a float start rarely equals them exactly).
-_START_TOLERANCE_SECONDS = 1e-3
+START_TOLERANCE_SECONDS = 1e-3
 _LIMITED_RANGE, _FULL_RANGE = 1, 2  # FFmpeg's AVCOL_RANGE_MPEG / AVCOL_RANGE_JPEG
 _HDR_TRANSFERS = {16: "PQ", 18: "HLG"}  # FFmpeg's AVCOL_TRC_SMPTE2084 / AVCOL_TRC_ARIB_STD_B67
 _BT2020_PRIMARIES = 9  # AVCOL_PRI_BT2020
@@ -186,7 +186,7 @@ def _decoded_from(container, stream, start_seconds: float) -> Iterator:
             container.seek(int((origin + start_seconds) / stream.time_base), stream=stream)
             frames = container.decode(stream)
             first = next(frames, None)
-            if first is not None and (first.time is None or first.time - origin <= start_seconds + _START_TOLERANCE_SECONDS):
+            if first is not None and (first.time is None or first.time - origin <= start_seconds + START_TOLERANCE_SECONDS):
                 return itertools.chain([first], frames)
         except av.error.FFmpegError:
             pass
@@ -336,7 +336,7 @@ def _frames_on_24fps_grid(container, stream, fps: float, start_seconds: float, m
 
     for decoded, frame in enumerate(_decoded_from(container, stream, start_seconds)):
         seconds = frame.time - origin if frame.pts is not None else decoded / fps
-        if seconds < start_seconds - _START_TOLERANCE_SECONDS:
+        if seconds < start_seconds - START_TOLERANCE_SECONDS:
             continue
         if base is None:  # a picture starting later than the sound (by over a frame) holds its first frame till then
             base = start_seconds if seconds - start_seconds > 1.0 / fps else seconds

@@ -48,8 +48,7 @@ class AVLatents:
     @property
     def num_frames(self) -> int:
         """Pixel frames these latents decode to (L = 5n + 2 -> F = 17n + 5)."""
-        latent_frames = self.video.shape[2]
-        return (latent_frames - 2) // geometry.LATENTS_PER_CHUNK * geometry.FRAMES_PER_CHUNK + geometry.LATENTS_PER_CHUNK
+        return geometry.pixel_frames(self.video.shape[2])
 
     @property
     def canvas(self) -> tuple[int, int]:

@@ -818,7 +818,7 @@ def _job_failed(name: str, job: Job, error: Exception, device: torch.device, on_
     on_failure(name, job, error)
 
 
-MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MODEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # the dtypes a model runs in, by name
 
 
 @contextlib.contextmanager
@@ -853,7 +853,7 @@ def check_settings(settings: GenerateSettings) -> int:
         raise ValueError("shard_weights (--shard-weights) splits the DiT's weights over several devices; give two or "
                          "more with devices (--devices).")
     for name, dtype in (("dtype (--dtype)", settings.dtype), ("vae_dtype (--vae-dtype)", settings.vae_dtype)):
-        if dtype is not None and dtype not in MODEL_DTYPES:
+        if dtype is not None and dtype not in MODEL_DTYPES.values():
             raise ValueError(f"{name} must be one of torch.bfloat16, torch.float16, torch.float32; got {dtype!r}.")
     check_budget(settings.gpu_memory)
     check_crf(settings.crf)

@@ -68,8 +68,6 @@ IMAGE_FILE_FORMATS = ("JPEG", "PNG", "WEBP", "HEIF")  # Pillow's names; HEIC fil
 MAX_IMAGE_FILE_BYTES = 30 * 1024 * 1024
 AUDIO_FILE_CODECS = ("pcm_", "mp3")  # WAV holds PCM; prefixes of FFmpeg decoder names (mp3float, pcm_s16le)
 MAX_AUDIO_FILE_BYTES = 15 * 1024 * 1024
-# A frame stamped up to this much before `start_seconds` counts as at the start (as media_read does).
-_START_TOLERANCE_SECONDS = 1e-3
 
 
 class MediaInputError(ValueError):
@@ -295,7 +293,7 @@ def _video_audio(video, what: str) -> tuple[np.ndarray | None, int | None]:
 
 def _first_frame_at(start_seconds: float, fps: float) -> int:
     """Index of the first frame at or after `start_seconds` (frame i shows at i / fps)."""
-    return max(0, math.ceil((start_seconds - _START_TOLERANCE_SECONDS) * fps))
+    return max(0, math.ceil((start_seconds - media_read.START_TOLERANCE_SECONDS) * fps))
 
 
 def video_has_sound(source) -> bool:
@@ -485,8 +483,7 @@ def onto_own_canvas(frame: np.ndarray, rules: CanvasRules = RELEASE_CANVAS) -> n
 
 def vae_frame_count(num_frames: int) -> int:
     """A reference video's frame count snapped *down* to 17n + 5 (at least 22) so the VAE needs no padding."""
-    chunks = max(1, (num_frames - geometry.LATENTS_PER_CHUNK) // geometry.FRAMES_PER_CHUNK)
-    return chunks * geometry.FRAMES_PER_CHUNK + geometry.LATENTS_PER_CHUNK
+    return max(geometry.floor_frames(num_frames), geometry.FRAMES_PER_CHUNK + geometry.LATENTS_PER_CHUNK)
 
 
 def prepare_audio(waveform, sample_rate: int, num_frames: int) -> torch.Tensor:

@@ -18,7 +18,8 @@ from h3_core import geometry
 from h3_core.conditioning import EMPTY_PROMPT, RequestError, blank, check_prompt_markers
 from h3_core.media import SAMPLE_RATE
 from h3_core.media_write import DEFAULT_CRF, remove_dead_writes
-from h3_core.sampler import check_shift
+from h3_core.pipeline import MODEL_DTYPES
+from h3_core.sampler import AUDIO_SHIFT, MAX_SHIFT, VIDEO_SHIFT, check_shift
 from h3_core.weights import SAFETENSORS_SUFFIXES
 
 CATEGORY = "H3"
@@ -29,7 +30,7 @@ H3Cond = io.Custom("H3_COND")
 H3Latent = io.Custom("H3_LATENT")
 H3Guides = io.Custom("H3_GUIDES")
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "checkpoint": None}
+DTYPES = {**MODEL_DTYPES, "checkpoint": None}  # "checkpoint": as the file stores its weights
 
 
 def device() -> torch.device:
@@ -327,10 +328,10 @@ def saved_file_metadata(hidden, num_frames: int) -> dict[str, str]:
 def shift_inputs() -> list:
     """The video and audio sigma shifts, as every sampling node takes them (0 = automatic)."""
     return [
-        io.Float.Input("video_shift", default=0.0, min=0.0, max=100.0, step=0.1,
-                       tooltip="Video sigma shift; 0 = automatic: the Turbo contract's, else 12."),
-        io.Float.Input("audio_shift", default=0.0, min=0.0, max=100.0, step=0.1,
-                       tooltip="Audio sigma shift; 0 = automatic: the Turbo contract's, else 3."),
+        io.Float.Input("video_shift", default=0.0, min=0.0, max=MAX_SHIFT, step=0.1,
+                       tooltip=f"Video sigma shift; 0 = automatic: the Turbo contract's, else {VIDEO_SHIFT:g}."),
+        io.Float.Input("audio_shift", default=0.0, min=0.0, max=MAX_SHIFT, step=0.1,
+                       tooltip=f"Audio sigma shift; 0 = automatic: the Turbo contract's, else {AUDIO_SHIFT:g}."),
     ]
 
 

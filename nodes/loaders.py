@@ -17,7 +17,7 @@ from h3_core.local_attention import check_setting as check_window_setting
 from h3_core.memory_plan import check_budget
 from h3_core.parallel import ModelSpec
 from h3_core.placement import freed_on_failure, module_bytes
-from h3_core.pipeline import TINY_CANVAS
+from h3_core.pipeline import MODEL_DTYPES, TINY_CANVAS
 from h3_core.references import RELEASE_CANVAS
 from h3_core.text import (
     ENCODING_FLOOR_BYTES,
@@ -247,7 +247,7 @@ class H3TextEncoderLoader(io.ComfyNode):
                                         "(or FL2VA/). Empty: the release's, fetched once from the Hugging Face Hub "
                                         "(MiniMaxAI/MiniMax-H3, about 7 MiB) into its cache. Like folder, it must lie in "
                                         "ComfyUI's model folders."),
-                io.Combo.Input("weight_dtype", options=["bf16", "fp16", "fp32"], default="bf16",
+                io.Combo.Input("weight_dtype", options=list(MODEL_DTYPES), default="bf16",
                                tooltip="dtype the encoder runs in."),
                 io.Float.Input("gpu_memory_gb", default=0.0, min=0.0, max=4096.0, step=0.5, optional=True,
                                tooltip="GPU memory the text encoder may use, in GiB; 0 = automatic: what ComfyUI "

@@ -153,3 +153,14 @@ def test_duration_for_frames_is_their_length_to_a_tenth_and_resolves_to_them():
         assert frames / 24 - 0.1 < duration_for_frames(frames) <= frames / 24
     with pytest.raises(ValueError, match="108 frames is not 17n \\+ 5"):
         duration_for_frames(108)
+
+
+def test_floor_frames_and_pixel_frames_walk_the_17n_plus_5_grid():
+    """floor_frames: the largest 17n + 5 not over a count (a clip cut to what the VAE takes unpadded);
+    pixel_frames: what L = 5n + 2 latent frames decode to, the inverse of latent_frames."""
+    grid = range(5, 1000, 17)
+    for count in range(5, 1000):
+        assert geometry.floor_frames(count) == max(frames for frames in grid if frames <= count)
+    for frames in grid:
+        assert geometry.pixel_frames(geometry.latent_frames(frames)) == frames
+    assert [geometry.pixel_frames(latents) for latents in (2, 7, 32, 42)] == [5, 22, 107, 141]

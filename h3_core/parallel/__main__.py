@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from ..cli import add_dit_speed_options, lora_option
+from ..pipeline import MODEL_DTYPES
 from ..local_attention import check_setting as check_window_setting
 from .workers import ModelSpec, serve_ranks
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="the same checkpoint path the caller's node loads")
     parser.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"],
                         help="the caller's DiT partition (default fl2va)")
-    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="the caller's weight dtype (default bf16)")
+    parser.add_argument("--dtype", default="bf16", choices=list(MODEL_DTYPES), help="the caller's weight dtype (default bf16)")
     add_dit_speed_options(parser)  # the same as the caller's
     parser.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                         help="the same adapters, in the same order, as the caller")
@@ -42,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         loras = tuple((str(path), strength) for path, strength in map(lora_option, args.lora))
         window, dense_steps = check_window_setting(args.attention_window_lossy, args.attention_window_dense_steps)
-        spec = ModelSpec(args.model, args.partition, DTYPES[args.dtype], args.attention, loras, args.linears,
+        spec = ModelSpec(args.model, args.partition, MODEL_DTYPES[args.dtype], args.attention, loras, args.linears,
                          compile=args.compile, attention_window=window, attention_window_dense_steps=dense_steps,
                          lora_unknown_keys=args.lora_unknown_keys)
         return serve_ranks(spec, devices, args.init_method, args.world_size, args.first_rank, args.shard_weights)
