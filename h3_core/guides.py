@@ -197,9 +197,12 @@ def guide_encode_bytes(frames, waveform, sample_rate: int | None, width: int, he
 
 
 def encode_guide(pixels: np.ndarray | None, waveform, sample_rate: int | None, width: int, height: int,
-                 num_frames: int, video_vae=None, audio_vae=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                 num_frames: int, video_vae=None, audio_vae=None,
+                 on_clip=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """A checked guide's media (`check_guide`'s frames) on a `width` x `height` canvas of a `num_frames`-frame
-    video -> (video latents [1, C, L, h, w] or None, sound latents [2, Ca, A] or None), normalized, CPU."""
+    video -> (video latents [1, C, L, h, w] or None, sound latents [2, Ca, A] or None), normalized, CPU.
+    `on_clip(done, total)` after each 17 frames of a clip encoded: progress, and a host may raise there to stop
+    (a clip is a VAE run of up to 362 frames)."""
     if pixels is not None and video_vae is None:
         raise RequestError(f"Guide frames are encoded with the video VAE{NO_VAE}")
     if waveform is not None and audio_vae is None:
@@ -208,7 +211,10 @@ def encode_guide(pixels: np.ndarray | None, waveform, sample_rate: int | None, w
     if pixels is not None:
         count = guide_frame_count(pixels.shape[0])
         fitted = frames_on_canvas(pixels[:count], width, height)
-        latents = encode_image(video_vae, Image.fromarray(fitted[0])) if count == 1 else encode_video(video_vae, fitted)
+        if count == 1:
+            latents = encode_image(video_vae, Image.fromarray(fitted[0]))
+        else:
+            latents = encode_video(video_vae, fitted, None if on_clip is None else lambda done: on_clip(done, count))
     if waveform is not None:
         prepared = prepare_audio(waveform, int(sample_rate), num_frames)
         sound = unpack_audio(encode_audio(audio_vae, prepared))[0]
@@ -216,16 +222,17 @@ def encode_guide(pixels: np.ndarray | None, waveform, sample_rate: int | None, w
 
 
 def add_guide(conditioning: Conditioning, frame_index: int, video_vae=None, audio_vae=None, frames=None,
-              waveform=None, sample_rate: int | None = None) -> Conditioning:
+              waveform=None, sample_rate: int | None = None, on_clip=None) -> Conditioning:
     """`conditioning` with one more guide at pixel frame `frame_index` (negative: from the end).
 
     frames     a PIL image, or uint8 frames [N, H, W, 3] at 24 fps (N >= 5: a clip); needs `video_vae`
     waveform   a sound [C, M] (mono or stereo) at `sample_rate`; needs `audio_vae`
+    on_clip    `encode_guide`'s: (frames encoded, of how many) after each 17 frames of a clip
     Everything is checked before a model runs."""
     pixels, anchor, keep = check_guide(conditioning.task, conditioning.num_frames, frame_index, frames, waveform,
                                        sample_rate)
     latents, sound = encode_guide(pixels, waveform, sample_rate, conditioning.width, conditioning.height,
-                                  conditioning.num_frames, video_vae, audio_vae)
+                                  conditioning.num_frames, video_vae, audio_vae, on_clip)
     rows = None if sound is None else pack_audio(sound[None, ..., :keep])  # each channel's first `keep`
     block = GuideBlock(anchor, 0 if latents is None else latents.shape[2],
                        0 if rows is None else rows.shape[1] // geometry.AUDIO_CHANNELS)

@@ -640,9 +640,11 @@ def generate_batch(
                 conditioning = item.encode(item.request, text_encoder, video_vae, audio_vae, rules=source.canvas,
                                            before_models=room_to_encode(text_encoder, settings, notes, beside),
                                            **staged)
-                for media in item.guide_media:
+                for index, media in enumerate(item.guide_media, 1):
+                    guide = f"{stage}: guide {index}/{len(item.guide_media)}"  # a clip: up to 362 frames
                     conditioning = add_guide(conditioning, media.frame_index, video_vae, audio_vae, media.frames,
-                                             media.waveform, media.sample_rate)
+                                             media.waveform, media.sample_rate,
+                                             lambda done, total, guide=guide: progress(guide, done, total))
                 conditionings[number] = conditioning
             except Exception as error:
                 if on_failure is None:

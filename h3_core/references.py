@@ -583,13 +583,13 @@ def encode_image(vae, image: Image.Image) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encode_video(vae, frames: np.ndarray) -> torch.Tensor:
+def encode_video(vae, frames: np.ndarray, on_clip=None) -> torch.Tensor:
     """Video reference frames [N, H, W, 3] -> normalized latents [1, C, L, H/16, W/16] of their first
     `vae_frame_count(N)` frames (L = 5n + 2), float32, CPU. The frames stay in CPU memory; each 17-frame
-    clip visits the VAE's device as it is encoded."""
+    clip visits the VAE's device as it is encoded (then `on_clip(frames so far)`, if given)."""
     count = vae_frame_count(frames.shape[0])
     pixels = torch.from_numpy(np.ascontiguousarray(frames[:count])).permute(3, 0, 1, 2)[None]
-    return encode_condition(vae, pixels).cpu()
+    return encode_condition(vae, pixels, on_clip=on_clip).cpu()
 
 
 @torch.no_grad()

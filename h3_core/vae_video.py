@@ -760,15 +760,31 @@ def fp16_round_trip(latents: torch.Tensor) -> torch.Tensor:
     return latents.to(torch.float16).float()
 
 
-def encode_condition(vae: VideoVAE, frames: torch.Tensor, seed: int = CONDITION_ENCODE_SEED) -> torch.Tensor:
+def encode_condition(vae: VideoVAE, frames: torch.Tensor, seed: int = CONDITION_ENCODE_SEED,
+                     on_clip: Callable[[int], None] | None = None) -> torch.Tensor:
     """The release's conditioning recipe for keyframes and image / video references.
 
     frames [1, 3, F, H, W] (uint8 or 0..1; F = 1 for an image, 17n + 5 for a video) -> normalized
     float32 latents [1, C, L, H/16, W/16]: ImageNet-normalize, encode (tiled as configured),
     *sample* the posterior with a fresh CPU generator seeded `seed` (not the request's), round to
-    float16 and back, then normalize with latents_mean / latents_std.
+    float16 and back, then normalize with latents_mean / latents_std. `on_clip(done)`: the frames encoded
+    so far, after each 17-frame clip of a video (progress; a host may raise there to stop).
     """
-    return condition_latents(vae, vae.encode_moments(frames, prepare=frames_to_model_space), seed)
+    if on_clip is None or frames.shape[2] == 1:
+        moments = vae.encode_moments(frames, prepare=frames_to_model_space)
+    else:  # the same clips `encode_moments` cuts, each reported once encoded
+        clips = frames.split(vae.config.temporal_chunking.clip_length, dim=2)
+        moments = vae.encode_moments_of_clips(_reported(clips, on_clip), prepare=frames_to_model_space)
+    return condition_latents(vae, moments, seed)
+
+
+def _reported(clips: Iterable[torch.Tensor], on_clip: Callable[[int], None]) -> Iterator[torch.Tensor]:
+    """`clips`, calling `on_clip(frames so far)` when the next one is asked for (the last one encoded)."""
+    done = 0
+    for clip in clips:
+        yield clip
+        done += clip.shape[2]
+        on_clip(done)
 
 
 def condition_latents(vae: VideoVAE, moments: torch.Tensor, seed: int = CONDITION_ENCODE_SEED) -> torch.Tensor:

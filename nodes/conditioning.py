@@ -35,6 +35,7 @@ from .common import (
     canvas_problem,
     check_interrupt,
     device,
+    progress_and_interrupt,
     progress_bar,
     prompt_problem,
     refuse_empty_links,
@@ -252,9 +253,9 @@ class H3AddGuide(io.ComfyNode):
                     media.sample_rate)
         place([vae.patcher], guide_encode_bytes(media.frames, media.waveform, media.sample_rate, conditioning.width,
                                                 conditioning.height, vae.video, vae.audio))
-        with freed_on_failure(device()):
+        with freed_on_failure(device()):  # a clip's 17-frame steps move the bar and may be interrupted
             guided = add_guide(conditioning, media.frame_index, vae.video, vae.audio, media.frames, media.waveform,
-                               media.sample_rate)
+                               media.sample_rate, on_clip=progress_and_interrupt())
         return io.NodeOutput(guided)
 
 

@@ -271,6 +271,27 @@ def test_an_interrupt_is_heard_between_guide_encodes(models, monkeypatch):
     assert len(encodes) == 1
 
 
+def test_an_interrupt_is_heard_inside_a_guide_clip(models, monkeypatch):
+    """A guide clip's encode (up to 362 frames) is heard between its 17-frame clips, not only before it."""
+    class Stop(Exception):
+        pass
+
+    vae, clips = models["video"], []
+    real = vae._encode_clip
+    monkeypatch.setattr(vae, "_encode_clip", lambda *a, **k: clips.append(1) or real(*a, **k))
+
+    def between_calls():
+        if clips:  # pressed while the guide's first 17 frames encode
+            raise Stop
+
+    frames = np.full((56, 64, 96, 3), 90, np.uint8)
+    request = LongVideoRequest(Request("t2va", PROMPT, duration=20.0), guides=[GuideMedia(100, frames)])
+    with pytest.raises(Stop):
+        encode_long_video(request, models["text"], vae, models["audio"], rules=TINY_CANVAS,
+                          between_calls=between_calls)
+    assert len(clips) == 1  # of the clip's 4
+
+
 def test_generate_decodes_the_whole_clip_once(tmp_path, monkeypatch):
     decoded = []
     monkeypatch.setattr(pipeline, "write_mp4", lambda path, latents, *a, **k: decoded.append(latents.num_frames))

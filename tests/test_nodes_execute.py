@@ -492,6 +492,27 @@ def test_interrupt_stops_and_frees(comfy):
     assert [value for value, _, _ in c.record.progress] == [1, 2]  # stopped right after the step it was asked
 
 
+def test_a_guide_clip_shows_its_encoding_and_stops_when_interrupted(comfy):
+    """H3 Add Guide encodes a clip (up to 362 frames) 17 frames at a time, moving ComfyUI's bar and checking its
+    interrupt after each (found by the progress review: no bar, and Cancel waited for the whole encode)."""
+    c = comfy
+    model, text, vae = _models(c)
+    cond = _cond(c, text, vae).values[0]
+    clip = torch.rand(60, 128, 224, 3)  # its first 56 frames (17n + 5) are the guide
+    c.record.progress.clear()
+    guided = c.conditioning.H3AddGuide.execute(cond, vae, 0, image=clip).values[0]
+    assert [(value, total) for value, total, _ in c.record.progress] == [(17, 56), (34, 56), (51, 56), (56, 56)]
+    assert guided.guides[0].latent_frames == 17  # 56 frames: L = 5 * 3 + 2
+    c.record.progress.clear()
+    c.record.interrupt_after = 2
+    try:
+        with pytest.raises(sys.modules["comfy.model_management"].InterruptProcessingException):
+            c.conditioning.H3AddGuide.execute(cond, vae, 0, image=clip)
+    finally:
+        c.record.interrupt_after = None
+    assert len(c.record.progress) == 2  # stopped after the clip it was asked at, not at the end
+
+
 def test_av_save_shows_its_encoding_and_stops_when_interrupted(comfy):
     """H3 AV Save encodes a clip held in memory 17 frames at a time, moving ComfyUI's bar and checking its
     interrupt after each (a 30 s clip took minutes with neither); interrupted, it leaves no file behind."""

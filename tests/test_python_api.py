@@ -140,6 +140,15 @@ def test_generate_reports_the_encoding_as_it_goes(tmp_path):
              save_latents=tmp_path / "fox.safetensors", progress=lambda stage, done, total: seen.append((stage, done, total)))
     assert ("text encoder", 1, 1) in seen
     assert [entry for entry in seen if entry[0] == "encode"][-1] == ("encode", 2, 2)  # the prompt, then the keyframe
+    from h3_core.guides import GuideMedia  # a guide clip (up to 362 frames) reported 17 frames at a time
+
+    seen.clear()
+    clip = np.full((40, 128, 224, 3), 90, np.uint8)  # its first 39 frames (17n + 5)
+    generate(Request("t2va", "a fox", duration=4, guides=(GuideMedia(0, clip),)), "tiny-random",
+             GenerateSettings(steps=2), save_latents=tmp_path / "guided.safetensors",
+             progress=lambda stage, done, total: seen.append((stage, done, total)))
+    assert [entry for entry in seen if entry[0].startswith("encode: guide")] == [
+        ("encode: guide 1/1", 17, 39), ("encode: guide 1/1", 34, 39), ("encode: guide 1/1", 39, 39)]
 
 
 def test_a_script_passing_the_wrong_thing_is_told_what_to_pass(tmp_path):

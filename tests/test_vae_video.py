@@ -225,6 +225,9 @@ def test_condition_recipe_matches_reference(reference, ours, frames):
     # difference to one fp16 step, which never happens here.
     assert torch.equal(latents, expected)
     assert not torch.equal(latents, encode_condition(ours, pixels, seed=43))  # the seed is used
+    done = []  # a host's progress: the frames encoded after each 17-frame clip, the latents unchanged
+    assert torch.equal(encode_condition(ours, pixels, on_clip=done.append), expected)
+    assert done == ([] if frames == 1 else [17, 22])
 
 
 def test_reduced_precision_policy_matches_reference(tmp_path, reference, config):
