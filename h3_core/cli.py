@@ -1086,14 +1086,13 @@ def run_denoise(args) -> int:
     timings = {}
 
     started = time.perf_counter()
-    model, _, streamer = load_sampling_dit(source, dit_source, args.partition, settings, (), conditioning, args.steps,
-                                           _note)
-    backend = model.blocks[0].attn.backend
-    timings["load"] = time.perf_counter() - started
-
-    started = time.perf_counter()
     bars = StageBars(args.quiet)
     try:
+        model, _, streamer = load_sampling_dit(source, dit_source, args.partition, settings, (), conditioning,
+                                               args.steps, _note, lambda done, total: bars("read DiT", done, total))
+        backend = model.blocks[0].attn.backend
+        timings["load"] = time.perf_counter() - started
+        started = time.perf_counter()
         latents = sample(model, conditioning, args.seed, args.steps, args.video_shift, args.audio_shift,
                          callback=lambda state: bars("denoise", state.step, state.total))
     finally:

@@ -624,7 +624,7 @@ def generate_batch(
     def run() -> list[GenerateResult]:
         clock = time.perf_counter()
         # the VAEs first: they sit beside the text encoder while it encodes, so it is placed in what they leave
-        video_vae, audio_vae = load_vaes(source, device, settings.vae_dtype or model_dtype(source, settings))
+        video_vae, audio_vae = load_vaes(source, device, settings.vae_dtype or model_dtype(source, settings), progress)
         notes(f"video VAE: decoder linears in {str(video_vae.dtype).removeprefix('torch.')} (encoder and norms float32)")
         beside = module_bytes([video_vae, audio_vae]) if device.type == "cuda" else 0
         progress("text encoder", 0, 1)
@@ -1145,11 +1145,18 @@ def _budget_bytes(settings: GenerateSettings, device: torch.device, beside: int 
     return max(int(settings.gpu_memory * GIB) - beside, 0) if settings.gpu_memory else free_bytes(device)
 
 
-def load_vaes(source, device: torch.device, dtype: torch.dtype):
-    """(video VAE with its decoder linears in `dtype`, audio VAE) of a model source, on `device`."""
+def load_vaes(source, device: torch.device, dtype: torch.dtype, progress: Progress | None = None):
+    """(video VAE with its decoder linears in `dtype`, audio VAE) of a model source, on `device`; `progress`
+    gets "read video VAE" and "read audio VAE" (tensors read, of how many: the release's video VAE is 9.7 GiB)."""
     if source.tiny:
         return tiny_random_video_vae(device).set_dtype(dtype), tiny_random_audio_vae(device)
-    return load_video_vae(source.video_vae, dtype=dtype, device=device), load_audio_vae(source.audio_vae, device=device)
+    video_vae = load_video_vae(source.video_vae, dtype=dtype, device=device, on_tensor=_stage(progress, "read video VAE"))
+    return video_vae, load_audio_vae(source.audio_vae, device=device, on_tensor=_stage(progress, "read audio VAE"))
+
+
+def _stage(progress: Progress | None, stage: str):
+    """`progress` as an engine step's (done, total) callback for `stage` (None without one)."""
+    return None if progress is None else lambda done, total: progress(stage, done, total)
 
 
 def encode_clip_file(video: str | Path, model: str | None, out: str | Path, *, audio: str | Path | None = None,
@@ -1181,7 +1188,7 @@ def encode_clip_file(video: str | Path, model: str | None, out: str | Path, *, a
         check_audio_vae(source.audio_vae)
     device = torch.device(device)
     dtype = vae_dtype or (tiny_model_dtype(device, None) if source.tiny else torch.bfloat16)
-    video_vae, audio_vae = load_vaes(source, device, dtype)
+    video_vae, audio_vae = load_vaes(source, device, dtype, progress)
     expected = expected_clip_frames(video)
     on_clip = None if progress is None else (lambda done: progress("encode", done, max(done, expected)))
     try:  # the rest of the frames are decoded as the video VAE takes them, 17 at a time

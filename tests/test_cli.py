@@ -330,3 +330,36 @@ def test_denoise_places_the_dit_by_its_memory_plan(tmp_path, monkeypatch, capsys
     assert main(base + ["--gpu-memory", "1e-6", "--save-latents", str(tmp_path / "no.safetensors")]) == 2
     assert "even with every DiT block streamed from the CPU, more than --gpu-memory" in capsys.readouterr().err
     assert not (tmp_path / "no.safetensors").exists()
+
+
+def test_reading_the_vaes_and_the_dit_shows_progress(tmp_path, tiny_config, monkeypatch):
+    """h3 denoise read its DiT, and h3 generate / h3 encode their VAEs (the release's video VAE: 9.7 GiB), with no
+    bar (found by the progress review)."""
+    from types import SimpleNamespace
+
+    import audio_vae_checkpoints
+    import video_vae_checkpoints
+
+    from h3_core import cli
+    from h3_core.pipeline import load_vaes
+
+    stages = []
+    monkeypatch.setattr(cli.StageBars, "__call__", lambda self, stage, done, total: stages.append((stage, done, total)))
+    write_diffusers_folder(tmp_path / "transformer", reference_dit(tiny_config))
+    save_file({"prompt_embeds": torch.randn(1, 5, 48), "text_token_tags": torch.tensor([1, 1, 1, 1, 1])},
+              str(tmp_path / "prompt.safetensors"))
+    assert main(["denoise", "--model", str(tmp_path), "--text-states", str(tmp_path / "prompt.safetensors"), "--width",
+                 "96", "--height", "64", "--steps", "2", "--save-latents", str(tmp_path / "out.safetensors")]) == 0
+    read = [(done, total) for stage, done, total in stages if stage == "read DiT"]
+    assert read and read[-1][0] == read[-1][1] > 1 and stages[-1][0] == "denoise"  # read first, then the steps
+
+    video = video_vae_checkpoints.write_diffusers_folder(
+        tmp_path / "video_vae", video_vae_checkpoints.reference_video_vae(video_vae_checkpoints.tiny_config()))
+    audio = audio_vae_checkpoints.write_diffusers_folder(tmp_path / "audio_vae",
+                                                         audio_vae_checkpoints.reference_audio_vae())
+    stages.clear()
+    load_vaes(SimpleNamespace(tiny=False, video_vae=video, audio_vae=audio), torch.device("cpu"), torch.float32,
+              lambda stage, done, total: stages.append((stage, done, total)))
+    for stage in ("read video VAE", "read audio VAE"):
+        done, total = [entry[1:] for entry in stages if entry[0] == stage][-1]
+        assert done == total > 1
