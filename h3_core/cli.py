@@ -48,8 +48,9 @@ from .output import AVLatents
 from .parallel.workers import ParallelWorkerError
 from .placement import check_devices
 from .memory_plan import check_budget
-from .pipeline import (MAX_OUTPUTS, MODEL_DTYPES, TINY_CANVAS, GenerateSettings, Job, ModelFiles, SamplingError, check_output_name,
-                       check_writable, encode_clip_file, generate_batch, load_sampling_dit, resolve_model_source, sample)
+from .pipeline import (MAX_OUTPUTS, MODEL_DTYPES, TINY_CANVAS, GenerateSettings, Job, ModelFiles, SamplingError,
+                       check_output_name, check_writable, encode_clip_file, generate_batch, load_sampling_dit,
+                       resolve_model_source, sample)
 from .references import REFERENCE_IMAGE_MODES, MediaReference
 from .runtime import compile_failed, return_freed_memory_to_os, use_expandable_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, check_shift
@@ -302,7 +303,8 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
                              "... with --outputs above 1, as --out is)")
     running = gen.add_argument_group("devices, speed and memory")
     running.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
-    running.add_argument("--dtype", default=None, choices=list(MODEL_DTYPES), help="model dtype (default: bf16 on GPU, fp32 on CPU)")
+    running.add_argument("--dtype", default=None, choices=list(MODEL_DTYPES),
+                         help="model dtype (default: bf16 on GPU, fp32 on CPU)")
     running.add_argument("--vae-dtype", default=None, choices=list(MODEL_DTYPES),
                          help="video VAE dtype (default: --dtype's, as the reference pipeline: decoder linears in it, encoder "
                               "and norms fp32); fp32 decodes ~7.5x slower on an H200")
@@ -360,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "aspect ratio on the model's canvas)")
     enc.add_argument("--height", type=int, help="canvas height (multiple of 32; with --width)")
     enc.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
-    enc.add_argument("--vae-dtype", default=None, choices=list(MODEL_DTYPES), help="video VAE linears (default bf16; tiny-random on the CPU: fp32)")
+    enc.add_argument("--vae-dtype", default=None, choices=list(MODEL_DTYPES),
+                     help="video VAE linears (default bf16; tiny-random on the CPU: fp32)")
     enc.add_argument("--quiet", "-q", action="store_true", help=QUIET_HELP)
     enc.set_defaults(run=run_encode, parser=enc)
 
@@ -624,6 +627,7 @@ class StageBars:
     def close(self) -> None:
         for bar in self.bars.values():
             bar.close()
+        self.bars.clear()  # a stage met again (the DiT read anew after a worker failed) gets a bar of its own
 
 
 def run_encode(args) -> int:
@@ -640,7 +644,8 @@ def run_encode(args) -> int:
                 raise FileNotFoundError(f"{option} {path}: {_not_a_file(Path(path).expanduser())}")
         latents = encode_clip_file(args.video, model, args.out, audio=args.audio, width=args.width,
                                    height=args.height, device=args.device,
-                                   vae_dtype=MODEL_DTYPES[args.vae_dtype] if args.vae_dtype else None, progress=progress,
+                                   vae_dtype=MODEL_DTYPES[args.vae_dtype] if args.vae_dtype else None,
+                                   progress=progress,
                                    files=files)
     finally:
         progress.close()

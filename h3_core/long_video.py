@@ -470,11 +470,14 @@ class LongConditioning:
 def encode_long_video(
     request: LongVideoRequest, text_encoder, video_vae=None, audio_vae=None, *, rules: CanvasRules = RELEASE_CANVAS,
     between_calls: Callable[[], None] | None = None, before_models: Callable[[int, int], None] | None = None,
+    on_stage: Callable[[int, int], None] | None = None,
 ) -> LongConditioning:
     """Validate, then encode every distinct prompt, the references (once) and the driving track (once).
     `between_calls` is called between model calls and the text encoder's layers: a host may raise there to
-    stop (an interrupt). `before_models` is called once before any model runs, with the most rows the text
-    encoder will run for one prompt (0: it remembers them all) and the most device memory one of the VAEs'
+    stop (an interrupt). `on_stage(done, total)` after each encode: the first request's prompt and media, then
+    each other window prompt, the driving track and each guide (tens of prompts for a long video).
+    `before_models` is called once before any model runs, with the most rows the text encoder will run for one
+    prompt (0: it remembers them all) and the most device memory one of the VAEs'
     encodes needs besides their weights, so a host places only the models that run, with room for their work."""
     plan = validate_long_video(request, rules)
     if request.drive_audio is not None and audio_vae is None:
@@ -506,21 +509,39 @@ def encode_long_video(
             before_models(max([first_rows, *(presentation.num_tokens for presentation in presented.values()
                                              if not text_encoder.remembers(presentation))]), max(media, later))
 
-    on_stage = None if between_calls is None else (lambda done, total: between_calls())
-    first = encode_request(plan.first, text_encoder, video_vae, audio_vae, rules=rules, on_stage=on_stage,
+    later_stages = len(presented) + (request.drive_audio is not None) + len(request.guides)
+    first_stages, later_done = 1, 0  # encode_request's own count (known once it reports), the later ones done
+
+    def first_stage(done: int, total: int) -> None:
+        nonlocal first_stages
+        first_stages = total
+        if between_calls is not None:
+            between_calls()
+        if on_stage is not None:
+            on_stage(done, total + later_stages)
+
+    def after() -> None:  # one more of the later encodes done
+        nonlocal later_done
+        later_done += 1
+        if on_stage is not None:
+            on_stage(first_stages + later_done, first_stages + later_stages)
+
+    first = encode_request(plan.first, text_encoder, video_vae, audio_vae, rules=rules, on_stage=first_stage,
                            before_models=placing)
     texts = {plan.prompts[0]: (first.text_states, first.text_tags)}
     for prompt, presentation in presented.items():
-        encoded = text_encoder.encode(presentation, between_calls)
-        texts[prompt] = (encoded.prompt_embeds, encoded.token_tags)
+        states = text_encoder.encode(presentation, between_calls)
+        texts[prompt] = (states.prompt_embeds, states.token_tags)
+        after()
     drive = None
     if request.drive_audio is not None:
         if between_calls is not None:
             between_calls()
         track = load_track(request.drive_audio, max_seconds=drive_seconds(plan.num_frames))
         drive = encode_track(audio_vae, track, plan.num_frames)
+        after()
     guides = encode_window_guides(plan.task, plan.windows, plan.width, plan.height, plan.num_frames, request.guides,
-                                  video_vae, audio_vae, _locked(request), between_calls)
+                                  video_vae, audio_vae, _locked(request), between_calls, after)
     kept = request.keep_video
     if kept is not None:
         kept = kept.video[:, :, : geometry.latent_frames(plan.num_frames)].float().cpu()

@@ -594,7 +594,8 @@ class LoRAReport:
 
 def run_mode(model: nn.Module) -> str:
     """How a run applies LoRAs to a freshly loaded `model`: merged into its weights, unless it holds linears as a
-    file stores them (FP8, int8, int4, NVFP4, GGUF), which a merge would have to quantize again: then hooked ("dynamic")."""
+    file stores them (FP8, int8, int4, NVFP4, GGUF), which a merge would have to quantize again: then hooked
+    ("dynamic")."""
     return "dynamic" if any(isinstance(module, StoredLinear) for module in model.modules()) else "merge"
 
 

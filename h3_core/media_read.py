@@ -186,7 +186,9 @@ def _decoded_from(container, stream, start_seconds: float) -> Iterator:
             container.seek(int((origin + start_seconds) / stream.time_base), stream=stream)
             frames = container.decode(stream)
             first = next(frames, None)
-            if first is not None and (first.time is None or first.time - origin <= start_seconds + START_TOLERANCE_SECONDS):
+            at_start = first is not None and (first.time is None
+                                              or first.time - origin <= start_seconds + START_TOLERANCE_SECONDS)
+            if at_start:
                 return itertools.chain([first], frames)
         except av.error.FFmpegError:
             pass

@@ -53,7 +53,8 @@ def target_noise(
 
 def condition_rows(latents: list[torch.Tensor], generator: torch.Generator) -> torch.Tensor:
     """Visual conditions [1, C, L_i, h_i, w_i] (packed order) -> their rows [1, N, C*4], each mixed once to
-    x = t*z + (1-t)*noise at t = VISUAL_CONDITION_T with one draw per condition from the request generator (before the target's)."""
+    x = t*z + (1-t)*noise at t = VISUAL_CONDITION_T with one draw per condition from the request generator (before
+    the target's)."""
     packed = []
     for condition in latents:
         noise = torch.randn(condition.shape, generator=generator, dtype=torch.float32)

@@ -634,12 +634,10 @@ def generate_batch(
         conditionings = [None] * len(prepared)  # None: the job failed
         for number, item in enumerate(prepared):
             stage = f"encode job {number + 1}/{len(prepared)}" if len(prepared) > 1 else "encode"
-            staged = {} if item.encode is not encode_request else {  # the prompt, then each picture or sound
-                "on_stage": lambda done, total, stage=stage: progress(stage, done, total)}
-            try:
+            try:  # the prompt, then each picture or sound (a long video: each other window prompt, the track, guides)
                 conditioning = item.encode(item.request, text_encoder, video_vae, audio_vae, rules=source.canvas,
                                            before_models=room_to_encode(text_encoder, settings, notes, beside),
-                                           **staged)
+                                           on_stage=lambda done, total, stage=stage: progress(stage, done, total))
                 for index, media in enumerate(item.guide_media, 1):
                     guide = f"{stage}: guide {index}/{len(item.guide_media)}"  # a clip: up to 362 frames
                     conditioning = add_guide(conditioning, media.frame_index, video_vae, audio_vae, media.frames,
@@ -820,7 +818,7 @@ def _job_failed(name: str, job: Job, error: Exception, device: torch.device, on_
     on_failure(name, job, error)
 
 
-MODEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # the dtypes a model runs in, by name
+MODEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # what a model runs in, by name
 
 
 @contextlib.contextmanager
@@ -1150,7 +1148,8 @@ def load_vaes(source, device: torch.device, dtype: torch.dtype, progress: Progre
     gets "read video VAE" and "read audio VAE" (tensors read, of how many: the release's video VAE is 9.7 GiB)."""
     if source.tiny:
         return tiny_random_video_vae(device).set_dtype(dtype), tiny_random_audio_vae(device)
-    video_vae = load_video_vae(source.video_vae, dtype=dtype, device=device, on_tensor=_stage(progress, "read video VAE"))
+    video_vae = load_video_vae(source.video_vae, dtype=dtype, device=device,
+                               on_tensor=_stage(progress, "read video VAE"))
     return video_vae, load_audio_vae(source.audio_vae, device=device, on_tensor=_stage(progress, "read audio VAE"))
 
 

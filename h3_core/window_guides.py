@@ -119,10 +119,10 @@ def sound_slices(windows: Sequence[Window], anchor: int, latents: int) -> list[t
 
 def encode_window_guides(task: str, windows: Sequence[Window], width: int, height: int, num_frames: int,
                          guides: Sequence[GuideMedia], video_vae=None, audio_vae=None,
-                         locked: str | None = None, between_calls=None) -> list[WindowGuide]:
+                         locked: str | None = None, between_calls=None, after_each=None) -> list[WindowGuide]:
     """Every guide encoded once and shared out to its windows, in guide order; `between_calls()` before each
     and after each 17 frames of a clip (a host's interrupt check: a guide clip's encode is a VAE run of up to
-    362 frames)."""
+    362 frames), `after_each()` once each is encoded (progress)."""
     shares = []
     checked = check_window_guides(task, windows, num_frames, guides, locked)
     for guide, (pixels, anchor, _) in zip(guides, checked):
@@ -131,6 +131,8 @@ def encode_window_guides(task: str, windows: Sequence[Window], width: int, heigh
         video, sound = encode_guide(pixels, guide.waveform, guide.sample_rate, width, height, num_frames,
                                     video_vae, audio_vae,
                                     None if between_calls is None else lambda done, total: between_calls())
+        if after_each is not None:
+            after_each()
         owner = owning_window(windows, anchor)
         slices = [] if sound is None else sound_slices(windows, anchor, sound.shape[-1])
         with_sound = {window.index: (local, first, count) for window, local, first, count in slices}

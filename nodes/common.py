@@ -70,6 +70,22 @@ def progress_and_interrupt(total: int = 1):
     return report
 
 
+def stage_progress():
+    """An engine encode's `on_stage(done, total)`: ComfyUI's bar (made at the first call) moved when `done` moves,
+    the interrupt checked on every call (the text encoder calls between its layers with `done` unchanged)."""
+    bar, shown = None, 0
+
+    def on_stage(done: int, total: int) -> None:
+        nonlocal bar, shown
+        bar = bar or progress_bar(total)
+        if done != shown:
+            bar.update_absolute(done, total)
+            shown = done
+        check_interrupt()
+
+    return on_stage
+
+
 def decode_progress(frames: int):
     """(on_sound, on_frames) for a decode: one progress bar over the soundtrack's windows, then the frames (two
     bars in a row took ComfyUI's from 100% back to 1% inside one node)."""

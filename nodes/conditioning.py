@@ -33,12 +33,11 @@ from .common import (
     H3TextEncoder,
     canvas_inputs,
     canvas_problem,
-    check_interrupt,
     device,
     progress_and_interrupt,
-    progress_bar,
     prompt_problem,
     refuse_empty_links,
+    stage_progress,
     wrong_link,
 )
 from .convert import (
@@ -163,20 +162,10 @@ class H3Conditioning(io.ComfyNode):
         validate(request, text_encoder.canvas)  # every limit, before any model moves
         for warning in prompt_warnings(request):  # as h3 generate says them
             logging.getLogger("h3").warning("H3: %s", warning)
-        bar, shown = None, 0
-
-        def on_stage(done: int, total: int) -> None:  # after each model call, and between text encoder layers
-            nonlocal bar, shown
-            bar = bar or progress_bar(total)
-            if done != shown:
-                bar.update_absolute(done, total)
-                shown = done
-            check_interrupt()
-
         with freed_on_failure(device()):
             # the encoder is loaded only to run: another length or canvas of a prompt reuses its states
             cond = encode_request(request, text_encoder.encoder, video_vae, audio_vae,
-                                  rules=text_encoder.canvas, on_stage=on_stage,
+                                  rules=text_encoder.canvas, on_stage=stage_progress(),
                                   before_models=functools.partial(place_for_encoding, text_encoder, vae))
         return io.NodeOutput(cond, cond.width, cond.height, cond.num_frames)
 

@@ -268,7 +268,8 @@ class H3TextEncoderLoader(io.ComfyNode):
         return folder_problem(folder, "text_encoders") or folder_problem(tokenizer_folder, "text_encoders") or True
 
     @classmethod
-    def fingerprint_inputs(cls, text_encoder=None, folder="", tokenizer_folder="", **_) -> str:
+    def fingerprint_inputs(cls, text_encoder=None, folder="", tokenizer_folder="", weight_dtype="bf16",
+                           gpu_memory_gb=0.0) -> str:
         """The chosen file (or folder) as it is on disk now, a GGUF encoder's vision tower (whichever mmproj
         file lies beside it) and the tokenizer folder's files. One saved over, added or removed loads the encoder
         again (ComfyUI would hand the cached one on). A linked name or folder (None here) is not followed:

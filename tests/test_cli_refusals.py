@@ -551,6 +551,20 @@ def test_progress_written_to_a_log_is_not_redrawn_ten_times_a_second(capsys, mon
     assert capsys.readouterr().err.count("\r") <= 12  # every 30 s, not hundreds of redraws
 
 
+def test_a_stage_met_again_gets_a_bar_again(capsys):
+    """A stage named again after another began (the DiT read anew after a worker failed) updated a closed bar,
+    which shows nothing (found by the progress review)."""
+    from h3_core.cli import StageBars
+
+    bars = StageBars()
+    bars("read DiT", 0, 10)
+    bars("sample 1/1", 1, 4)
+    bars("read DiT", 3, 10)
+    assert not bars.bars["read DiT"].disable and bars.bars["read DiT"].n == 3 and list(bars.bars) == ["read DiT"]
+    bars.close()
+    assert capsys.readouterr().err.count("read DiT:") == 2  # drawn again (a closed bar draws nothing)
+
+
 def test_generate_help_is_grouped_and_gives_the_ranges(capsys):
     """48 options were one list, without the ranges the refusals name."""
     with pytest.raises(SystemExit):

@@ -271,6 +271,21 @@ def test_an_interrupt_is_heard_between_guide_encodes(models, monkeypatch):
     assert len(encodes) == 1
 
 
+def test_the_encode_of_a_long_video_reports_each_prompt_track_and_guide(models):
+    """H3 Continuation and h3 generate --long-video showed no progress while every window prompt, the driving
+    track and each guide encoded (tens of prompts for a long video; found by the progress review)."""
+    stages = []
+    track = DecodedAudio(np.zeros((2, 32000 * 20), np.float32), 32000)
+    request = LongVideoRequest(Request("t2va", "", duration=20.0), window_prompts=["A fox.", "A cat."],
+                               drive_audio=track, guides=[GuideMedia(100, Image.new("RGB", (96, 64), "teal"))])
+    encode_long_video(request, models["text"], models["video"], models["audio"], rules=TINY_CANVAS,
+                      on_stage=lambda done, total: stages.append((done, total)))
+    (first,) = {total for done, total in stages[:1]}
+    # after the first window's request: the second window's prompt, the driving track, the guide
+    assert stages[-3:] == [(first - 2, first), (first - 1, first), (first, first)]
+    assert {total for _, total in stages} == {first} and [done for done, _ in stages] == sorted(d for d, _ in stages)
+
+
 def test_an_interrupt_is_heard_inside_a_guide_clip(models, monkeypatch):
     """A guide clip's encode (up to 362 frames) is heard between its 17-frame clips, not only before it."""
     class Stop(Exception):

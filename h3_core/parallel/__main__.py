@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 
 from ..cli import add_dit_speed_options, lora_option
-from ..pipeline import MODEL_DTYPES
 from ..local_attention import check_setting as check_window_setting
+from ..pipeline import MODEL_DTYPES
 from .workers import ModelSpec, serve_ranks
-
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="the same checkpoint path the caller's node loads")
     parser.add_argument("--partition", default="fl2va", choices=["fl2va", "ref2va"],
                         help="the caller's DiT partition (default fl2va)")
-    parser.add_argument("--dtype", default="bf16", choices=list(MODEL_DTYPES), help="the caller's weight dtype (default bf16)")
+    parser.add_argument("--dtype", default="bf16", choices=list(MODEL_DTYPES),
+                        help="the caller's weight dtype (default bf16)")
     add_dit_speed_options(parser)  # the same as the caller's
     parser.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                         help="the same adapters, in the same order, as the caller")
