@@ -590,8 +590,8 @@ def encode_request(
     video_vae     `vae_video.VideoVAE`, needed for keyframes and image/video references.
     audio_vae     `vae_audio.AudioVAE`, needed for audio references and video soundtracks.
     on_stage      called (done, total) after each model call (the text, each keyframe or reference), and
-                  with `done` unchanged between the text encoder's layers: a host shows progress there,
-                  and may raise to stop (an interrupt).
+                  with `done` unchanged between the text encoder's layers and a video reference's 17-frame
+                  clips: a host shows progress there, and may raise to stop (an interrupt).
     before_models called once, after the media are read and before any model runs, with how many rows the
                   text encoder will run (0: it will not: precomputed states, or ones it remembers) and the
                   device memory the VAEs' encodes of the media need besides their weights
@@ -642,6 +642,10 @@ def encode_request(
             on_stage(done, stages)
         return result
 
+    # inside a model call (between the text encoder's layers, a video reference's 17-frame clips): the count as it is,
+    # so a host may stop there
+    within = None if on_stage is None else (lambda *_: on_stage(done, stages))
+
     media = encode_working_bytes(video_vae, audio_vae, _pictures(keyframes, prepared),
                                  [reference.audio.shape[-1] for reference in prepared if reference.has_audio])
     if precomputed:
@@ -655,8 +659,7 @@ def encode_request(
         )
         if before_models is not None:
             before_models(0 if text_encoder.remembers(presentation) else presentation.num_tokens, media)
-        between_layers = None if on_stage is None else (lambda: on_stage(done, stages))
-        text = staged(text_encoder.encode(presentation, between_layers))
+        text = staged(text_encoder.encode(presentation, within))
         states, tags = text.prompt_embeds, text.token_tags
 
     visual = [staged(encode_image(video_vae, keyframe)) for keyframe in keyframes]
@@ -664,7 +667,7 @@ def encode_request(
         if reference.kind == "image":
             visual.append(staged(encode_image(video_vae, reference.image)))
         elif reference.kind == "video":
-            visual.append(staged(encode_video(video_vae, reference.frames)))
+            visual.append(staged(encode_video(video_vae, reference.frames, within)))
     audio = [staged(encode_audio(audio_vae, reference.audio)) for reference in prepared if reference.has_audio]
     channels = audio_vae.config.latent_channels if audio_vae is not None else AudioVAEConfig().latent_channels
     audio_rows = torch.cat(audio, dim=1) if audio else torch.zeros(1, 0, channels)

@@ -179,6 +179,27 @@ def test_a_window_prompt_encodes_as_its_own_request_would(models):
     assert conditioning.texts[0][0].shape != conditioning.texts[1][0].shape  # two prompts, each its own states
 
 
+def test_an_interrupt_is_heard_inside_a_video_reference(models, monkeypatch):
+    """A video reference (up to 15 s: 362 frames) is encoded clip by clip; a host's stop was heard only after all
+    of them."""
+    class Stop(Exception):
+        pass
+
+    vae, clips = models["video"], []
+    real = vae._encode_clip
+    monkeypatch.setattr(vae, "_encode_clip", lambda *a, **k: clips.append(1) or real(*a, **k))
+
+    def on_stage(done, total):
+        if clips:  # pressed while the reference's first 17 frames encode
+            raise Stop
+
+    video = DecodedVideo(np.full((56, 64, 96, 3), 90, np.uint8), 24.0)
+    with pytest.raises(Stop):
+        encode_request(Request("ref2va", "<Video 1> on a beach.", references=[("video", video)], duration=4),
+                       models["text"], vae, models["audio"], rules=TINY_CANVAS, on_stage=on_stage)
+    assert len(clips) == 1  # of the reference's 4
+
+
 def test_drive_audio_is_held_and_returned(models):
     seconds = torch.arange(32000 * 21) / 32000
     track = DecodedAudio(torch.stack([torch.sin(2 * np.pi * 220 * seconds), torch.sin(2 * np.pi * 110 * seconds)]),
@@ -280,7 +301,7 @@ def test_the_encode_of_a_long_video_reports_each_prompt_track_and_guide(models):
                                drive_audio=track, guides=[GuideMedia(100, Image.new("RGB", (96, 64), "teal"))])
     encode_long_video(request, models["text"], models["video"], models["audio"], rules=TINY_CANVAS,
                       on_stage=lambda done, total: stages.append((done, total)))
-    (first,) = {total for done, total in stages[:1]}
+    first = stages[0][1]  # the total, from the first report on
     # after the first window's request: the second window's prompt, the driving track, the guide
     assert stages[-3:] == [(first - 2, first), (first - 1, first), (first, first)]
     assert {total for _, total in stages} == {first} and [done for done, _ in stages] == sorted(d for d, _ in stages)
