@@ -133,14 +133,8 @@ def encode_clip_frames(video_vae, audio_vae, frames: Iterable[np.ndarray],
     except MediaInputError as error:
         raise RequestError(str(error)) from None
     pieces = VaeClips(frames)
-
-    def clips() -> Iterator[torch.Tensor]:
-        for piece in pieces:
-            yield _as_pixels(piece)
-            if on_clip is not None:  # runs when the VAE asks for the next clip: this one is encoded
-                on_clip(pieces.kept)
-
-    moments = video_vae.encode_moments_of_clips(clips(), prepare=frames_to_model_space)
+    moments = video_vae.encode_moments_of_clips(map(_as_pixels, pieces), prepare=frames_to_model_space,
+                                                on_clip=on_clip)
     video = condition_latents(video_vae, moments).cpu()
     count = pieces.kept
     if callable(sound):

@@ -516,21 +516,24 @@ class VideoVAE(nn.Module):
 
     @torch.no_grad()
     def encode_moments(self, pixels: torch.Tensor, tiled: bool | None = None,
-                       prepare: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                       prepare: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                       on_clip: Callable[[int], None] | None = None) -> torch.Tensor:
         """Model-space pixels [B, 3, F, H, W] -> moments [B, 2C, L, H/16, W/16], in 17-frame clips
         (one frame alone), each clip spatially tiled unless `tiled=False` (default: the config's).
 
         `prepare` (elementwise, e.g. `frames_to_model_space`) turns each clip into model space after it
-        reaches the VAE's device: a long clip can stay uint8 in CPU memory, one clip at a time on the device."""
-        return self.config.temporal_chunking.encode(self._clip_encoder(tiled, prepare), pixels)
+        reaches the VAE's device: a long clip can stay uint8 in CPU memory, one clip at a time on the device.
+        `on_clip(frames encoded so far)` after each 17-frame clip of a video (`TemporalChunking.encode_clips`)."""
+        return self.config.temporal_chunking.encode(self._clip_encoder(tiled, prepare), pixels, on_clip)
 
     @torch.no_grad()
     def encode_moments_of_clips(self, clips: Iterable[torch.Tensor], tiled: bool | None = None,
-                                prepare: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                                prepare: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                                on_clip: Callable[[int], None] | None = None) -> torch.Tensor:
         """`encode_moments` of a video given as its consecutive 17-frame clips [B, 3, 17, H, W] (the last may
         be shorter; `TemporalChunking.encode_clips`): made one at a time by the caller, e.g. as a file is
         decoded, so the frames are never all in memory."""
-        return self.config.temporal_chunking.encode_clips(self._clip_encoder(tiled, prepare), clips)
+        return self.config.temporal_chunking.encode_clips(self._clip_encoder(tiled, prepare), clips, on_clip)
 
     def _clip_encoder(self, tiled: bool | None, prepare: Callable[[torch.Tensor], torch.Tensor] | None):
         tiled = self.config.encoder_tiling if tiled is None else tiled
@@ -770,21 +773,8 @@ def encode_condition(vae: VideoVAE, frames: torch.Tensor, seed: int = CONDITION_
     float16 and back, then normalize with latents_mean / latents_std. `on_clip(done)`: the frames encoded
     so far, after each 17-frame clip of a video (progress; a host may raise there to stop).
     """
-    if on_clip is None or frames.shape[2] == 1:
-        moments = vae.encode_moments(frames, prepare=frames_to_model_space)
-    else:  # the same clips `encode_moments` cuts, each reported once encoded
-        clips = frames.split(vae.config.temporal_chunking.clip_length, dim=2)
-        moments = vae.encode_moments_of_clips(_reported(clips, on_clip), prepare=frames_to_model_space)
+    moments = vae.encode_moments(frames, prepare=frames_to_model_space, on_clip=on_clip)
     return condition_latents(vae, moments, seed)
-
-
-def _reported(clips: Iterable[torch.Tensor], on_clip: Callable[[int], None]) -> Iterator[torch.Tensor]:
-    """`clips`, calling `on_clip(frames so far)` when the next one is asked for (the last one encoded)."""
-    done = 0
-    for clip in clips:
-        yield clip
-        done += clip.shape[2]
-        on_clip(done)
 
 
 def condition_latents(vae: VideoVAE, moments: torch.Tensor, seed: int = CONDITION_ENCODE_SEED) -> torch.Tensor:

@@ -194,19 +194,28 @@ class TemporalChunking:
         )
         return chunks * head + tail - padded_frames
 
-    def encode(self, encode_clip: Tile, pixels: torch.Tensor) -> torch.Tensor:
+    def encode(self, encode_clip: Tile, pixels: torch.Tensor,
+               on_clip: Callable[[int], None] | None = None) -> torch.Tensor:
         """[B, 3, F, H, W] -> moments [B, 2C, L, h, w]. One frame is encoded alone (1 -> 1 latent, no
-        padding to a clip); F > 1 goes through 17-frame clips, one at a time."""
+        padding to a clip); F > 1 goes through 17-frame clips, one at a time (`encode_clips`)."""
         num_frames = pixels.shape[2]
         if num_frames == 1:
             return encode_clip(pixels)
-        return self.encode_clips(encode_clip, pixels.split(self.clip_length, dim=2))
+        return self.encode_clips(encode_clip, pixels.split(self.clip_length, dim=2), on_clip)
 
-    def encode_clips(self, encode_clip: Tile, clips: Iterable[torch.Tensor]) -> torch.Tensor:
+    def encode_clips(self, encode_clip: Tile, clips: Iterable[torch.Tensor],
+                     on_clip: Callable[[int], None] | None = None) -> torch.Tensor:
         """`encode` of a video given as its consecutive 17-frame clips [B, 3, 17, H, W] (the last may be
         shorter: it is padded with its last frame): the clips may be made as they are consumed, so a long
-        video need never be in memory whole."""
-        moments = torch.cat([encode_clip(self._padded(clip)) for clip in clips], dim=2)
+        video need never be in memory whole. `on_clip(frames encoded so far)` after each clip, before the
+        next is made: a host shows progress there and may raise to stop."""
+        parts, done = [], 0
+        for clip in clips:
+            parts.append(encode_clip(self._padded(clip)))
+            done += clip.shape[2]
+            if on_clip is not None:
+                on_clip(done)
+        moments = torch.cat(parts, dim=2)
         return moments[:, :, : moments.shape[2] - self.token_drop]
 
     def _padded(self, clip: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,9 @@ def test_frames_are_encoded_as_a_guide_clip_and_the_sound_as_a_driving_track(vae
     fitted = np.stack([np.asarray(cover_crop(Image.fromarray(f), 224, 128)) for f in frames_at_24fps(frames, 30.0)[:56]])
     assert torch.equal(latents.video, encode_video(video_vae, fitted))
     assert torch.equal(latents.audio, encode_track(audio_vae, load_track(DecodedAudio(sound, 44100)), 56))
-    quiet = encode_clip(video_vae, audio_vae, frames, 30.0, 224, 128)
+    reported = []  # a host's progress after each 17 frames encoded, then the last 5
+    quiet = encode_clip(video_vae, audio_vae, frames, 30.0, 224, 128, on_clip=lambda *done: reported.append(done))
+    assert reported == [(17, 56), (34, 56), (51, 56), (56, 56)]
     silence = encode_track(audio_vae, torch.zeros(2, 32000 * 3), 56)
     assert torch.equal(quiet.video, latents.video) and torch.equal(quiet.audio, silence)
 
