@@ -628,8 +628,7 @@ def generate_batch(
         notes(f"video VAE: decoder linears in {str(video_vae.dtype).removeprefix('torch.')} (encoder and norms float32)")
         beside = module_bytes([video_vae, audio_vae]) if device.type == "cuda" else 0
         progress("text encoder", 0, 1)
-        text_encoder = load_text_encoder_for(source, settings, notes,
-                                             lambda done, total: progress("read text encoder", done, total), beside)
+        text_encoder = load_text_encoder_for(source, settings, notes, _stage(progress, "read text encoder"), beside)
         progress("text encoder", 1, 1)
         conditionings = [None] * len(prepared)  # None: the job failed
         for number, item in enumerate(prepared):
@@ -637,12 +636,11 @@ def generate_batch(
             try:  # the prompt, then each picture or sound (a long video: each other window prompt, the track, guides)
                 conditioning = item.encode(item.request, text_encoder, video_vae, audio_vae, rules=source.canvas,
                                            before_models=room_to_encode(text_encoder, settings, notes, beside),
-                                           on_stage=lambda done, total, stage=stage: progress(stage, done, total))
+                                           on_stage=_stage(progress, stage))
                 for index, media in enumerate(item.guide_media, 1):
-                    guide = f"{stage}: guide {index}/{len(item.guide_media)}"  # a clip: up to 362 frames
                     conditioning = add_guide(conditioning, media.frame_index, video_vae, audio_vae, media.frames,
-                                             media.waveform, media.sample_rate,
-                                             lambda done, total, guide=guide: progress(guide, done, total))
+                                             media.waveform, media.sample_rate,  # a clip: up to 362 frames
+                                             _stage(progress, f"{stage}: guide {index}/{len(item.guide_media)}"))
                 conditionings[number] = conditioning
             except Exception as error:
                 if on_failure is None:
@@ -663,7 +661,7 @@ def generate_batch(
 
         def sampling_dit():
             loaded = load_sampling_dit(source, dit_source, partition, settings, loras, largest, schedule.steps, notes,
-                                       lambda done, total: progress("read DiT", done, total), reader)
+                                       _stage(progress, "read DiT"), reader)
             held[:] = [loaded]
             return loaded
 
@@ -686,8 +684,8 @@ def generate_batch(
                 video_path = write_mp4(
                     video_path, latents, video_vae, audio_vae,
                     metadata={"comment": f"MiniMax-H3 {request.task}, seed {seed}", "title": _title(request)},
-                    on_frames=lambda done, total: progress(decode_stage, done, total),
-                    on_sound=lambda done, total: progress(sound_stage, done, total),  # before the first frame
+                    on_frames=_stage(progress, decode_stage),
+                    on_sound=_stage(progress, sound_stage),  # before the first frame
                     # video chunks split over the devices once the DiT's workers have left them
                     devices=settings.devices if len(settings.devices) > 1 and dit is None else None,
                     crf=settings.crf,
