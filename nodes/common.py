@@ -58,24 +58,13 @@ def progress_bar(total: int):
     return comfy.utils.ProgressBar(total)
 
 
-def progress_and_interrupt(total: int = 1):
-    """An engine loop's `(done, total)` callback: ComfyUI's progress bar moved, then its interrupt checked (a
-    raise there stops the loop)."""
-    bar = progress_bar(total)
-
-    def report(done: int, total: int) -> None:
-        bar.update_absolute(done, total)
-        check_interrupt()
-
-    return report
-
-
-def stage_progress():
-    """An engine encode's `on_stage(done, total)`: ComfyUI's bar (made at the first call) moved when `done` moves,
-    the interrupt checked on every call (the text encoder calls between its layers with `done` unchanged)."""
+def progress_and_interrupt():
+    """An engine loop's `(done, total)` callback: ComfyUI's progress bar (made at the first call: a node whose
+    loop never runs shows none) moved when the count moves, then its interrupt checked on every call (a raise
+    there stops the loop; the text encoder calls between its layers with the count unchanged)."""
     bar, shown = None, 0
 
-    def on_stage(done: int, total: int) -> None:
+    def report(done: int, total: int) -> None:
         nonlocal bar, shown
         bar = bar or progress_bar(total)
         if done != shown:
@@ -83,13 +72,13 @@ def stage_progress():
             shown = done
         check_interrupt()
 
-    return on_stage
+    return report
 
 
 def decode_progress(frames: int):
     """(on_sound, on_frames) for a decode: one progress bar over the soundtrack's windows, then the frames (two
     bars in a row took ComfyUI's from 100% back to 1% inside one node)."""
-    report = progress_and_interrupt(frames)
+    report = progress_and_interrupt()
     windows = [0]
 
     def on_sound(done: int, total: int) -> None:

@@ -37,7 +37,6 @@ from .common import (
     progress_and_interrupt,
     prompt_problem,
     refuse_empty_links,
-    stage_progress,
     wrong_link,
 )
 from .convert import (
@@ -165,7 +164,7 @@ class H3Conditioning(io.ComfyNode):
         with freed_on_failure(device()):
             # the encoder is loaded only to run: another length or canvas of a prompt reuses its states
             cond = encode_request(request, text_encoder.encoder, video_vae, audio_vae,
-                                  rules=text_encoder.canvas, on_stage=stage_progress(),
+                                  rules=text_encoder.canvas, on_stage=progress_and_interrupt(),
                                   before_models=functools.partial(place_for_encoding, text_encoder, vae))
         return io.NodeOutput(cond, cond.width, cond.height, cond.num_frames)
 

@@ -47,9 +47,9 @@ from h3_core.placement import freed_on_failure
 from .common import (
     CATEGORY, SAVE_HIDDEN, H3VAE, H3Guides, H3Latent, H3Model, H3TextEncoder, LINK_HIDDEN, canvas_inputs,
     canvas_problem, check_interrupt, check_prefix, crf_input, decode_inputs, decode_options, decode_progress,
-    device, devices_problem, preview_settings, prefix_problem, progress_bar, range_problem,
+    device, devices_problem, preview_settings, prefix_problem, progress_and_interrupt, progress_bar, range_problem,
     refuse_empty_links, markers_problem, reserved_output, saved_file_metadata, shift_inputs, shifts_problem,
-    stage_progress, step_preview, steps_problem,
+    step_preview, steps_problem,
 )
 from .conditioning import (UnreadVideoGuide, guide_media, guide_media_inputs, guide_source_problem, linked_media,
                            reference_images_input, reference_input, typed_reference_problem, validate_guide_links)
@@ -229,7 +229,7 @@ class H3Continuation(io.ComfyNode):
                 logging.getLogger("h3").warning("H3: %s", warning)
             cond = encode_long_video(request, text_encoder.encoder, None if vae is None else vae.video,
                                      None if vae is None else vae.audio, rules=text_encoder.canvas,
-                                     between_calls=check_interrupt, on_stage=stage_progress(),
+                                     between_calls=check_interrupt, on_stage=progress_and_interrupt(),
                                      before_models=functools.partial(place_for_encoding, text_encoder, vae))
 
         dit = model.dit

@@ -140,7 +140,7 @@ class H3AVSave(io.ComfyNode):
             filename_prefix, folder_paths.get_output_directory(), width, height)
         with reserved_output(folder, filename, counter) as reserved:  # a bar, and ComfyUI's interrupt, per 17 frames
             path = write_mp4(reserved, frames, waveform, crf=crf, metadata=saved_file_metadata(cls.hidden, count),
-                             on_frames=progress_and_interrupt(count))
+                             on_frames=progress_and_interrupt())
         file = path.name  # another where a program holds that name open (Windows)
         preview = ui.PreviewVideo([ui.SavedResult(file, subfolder, io.FolderType.output)])
         return io.NodeOutput(InputImpl.VideoFromFile(str(path)), ui=preview)

@@ -128,6 +128,7 @@ class Recorder:
 
     def __init__(self):
         self.loaded, self.freed, self.progress = [], [], []
+        self.bars = 0  # progress bars made
         self.interrupt_after: int | None = None  # raise after this many progress updates
         self.free_bytes = 1 << 40  # what get_free_memory reports
 
@@ -241,6 +242,7 @@ def install(tmp_path: Path, loras: list[str] = (), previews: bool = True) -> Rec
     class ProgressBar:
         def __init__(self, total):
             self.total = total
+            record.bars += 1
 
         def update_absolute(self, value, total=None, preview=None):
             record.progress.append((value, total, preview))

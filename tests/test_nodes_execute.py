@@ -500,8 +500,12 @@ def test_a_guide_clip_shows_its_encoding_and_stops_when_interrupted(comfy):
     cond = _cond(c, text, vae).values[0]
     clip = torch.rand(60, 128, 224, 3)  # its first 56 frames (17n + 5) are the guide
     c.record.progress.clear()
+    bars = c.record.bars
     guided = c.conditioning.H3AddGuide.execute(cond, vae, 0, image=clip).values[0]
     assert [(value, total) for value, total, _ in c.record.progress] == [(17, 56), (34, 56), (51, 56), (56, 56)]
+    assert c.record.bars == bars + 1
+    c.conditioning.H3AddGuide.execute(cond, vae, 0, image=clip[:1])  # one picture: no bar that never moves
+    assert c.record.bars == bars + 1 and len(c.record.progress) == 4
     assert guided.guides[0].latent_frames == 17  # 56 frames: L = 5 * 3 + 2
     c.record.progress.clear()
     c.record.interrupt_after = 2
