@@ -52,7 +52,7 @@ from .pipeline import (MAX_OUTPUTS, MODEL_DTYPES, TINY_CANVAS, GenerateSettings,
                        check_output_name, check_writable, encode_clip_file, generate_batch, load_sampling_dit,
                        resolve_model_source, sample)
 from .references import REFERENCE_IMAGE_MODES, MediaReference
-from .runtime import compile_failed, return_freed_memory_to_os, use_expandable_segments
+from .runtime import GIB, compile_failed, return_freed_memory_to_os, use_expandable_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, check_shift
 from .text_checkpoint import all_model_names, checkpoint_layers, locate_text_encoder, source_tensor_names
 from .tiny import TINY_RANDOM
@@ -877,7 +877,7 @@ def _batch_jobs(args) -> list[Job]:
 
 def _peak(device: torch.device) -> str:
     if device.type == "cuda":
-        return f"peak GPU {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+        return f"peak GPU {torch.cuda.max_memory_allocated(device) / GIB:.2f} GiB"
     try:
         import resource  # Unix only: on Windows the CPU line names no peak
     except ImportError:
@@ -950,7 +950,7 @@ def _gguf_sizes(entries: dict) -> dict:
     for entry in entries.values():
         bytes_by_type[entry.qtype] = bytes_by_type.get(entry.qtype, 0) + math.prod(entry.raw_shape)
     return {"files": 1, "tensors": len(entries),
-            "gib_by_type": {k: round(v / 2**30, 3) for k, v in sorted(bytes_by_type.items())}}
+            "gib_by_type": {k: round(v / GIB, 3) for k, v in sorted(bytes_by_type.items())}}
 
 
 def _text_encoder_info(path: str) -> dict:
@@ -989,7 +989,7 @@ def _sizes(files, only=None) -> dict:
         bytes_by_dtype[name] = bytes_by_dtype.get(name, 0) + tensor.numel() * tensor.element_size()
         count += 1
     return {"files": len(files), "tensors": count,
-            "gib_by_dtype": {k: round(v / 2**30, 3) for k, v in sorted(bytes_by_dtype.items())}}
+            "gib_by_dtype": {k: round(v / GIB, 3) for k, v in sorted(bytes_by_dtype.items())}}
 
 
 def _canvas(args) -> tuple[int, int]:

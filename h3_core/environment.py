@@ -14,9 +14,8 @@ import torch
 from . import attention
 from .fp8 import scaled_mm_supported
 from .geometry import canvas_size
-from .runtime import host_memory_available
+from .runtime import GIB, host_memory_available
 
-GIB = 2**30
 # distributions whose versions matter to a run (None where not installed)
 PACKAGES = ("comfyui-h3", "torch", "transformers", "safetensors", "huggingface_hub", "av", "numpy", "pillow", "gguf",
             "triton", "flash-attn-4", "flash-attn-3", "flash-attn", "sageattention", "diffusers")

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 
 from .config import DiTConfig
 from .dit import MODALITIES
-from .runtime import fixed_allocator_segments
+from .runtime import GIB, fixed_allocator_segments
 
-GIB = 2**30
 # Kept free inside every budget: the caching allocator's block rounding and fragmentation, and library
 # workspaces (a 24 GiB cap ran out with 23.5 GiB allocated when the plan used the whole budget).
 HEADROOM_FRACTION, HEADROOM_BYTES = 0.05, 256 * 2**20

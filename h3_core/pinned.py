@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .runtime import GIB
+
 log = logging.getLogger("h3_core")
 
-GIB = 2**30
 MAX_SLAB = 8 * GIB  # the largest buffer asked for: the most an unload holds twice while its blocks get copies
 SLAB_ALIGN = 4096  # each block starts on a page
 

@@ -16,12 +16,13 @@ import torch
 
 from . import cgroup
 
+GIB = 2**30
 ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the old name and torch 2.9's
 EXPANDABLE_SEGMENTS = sys.platform.startswith("linux")  # where torch's CUDA allocator has them
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 MADV_WILLNEED = 3  # Linux madvise advice: read these pages in now, without waiting for them
-PIN_RESERVE_BYTES = 4 << 30  # CPU memory pinning leaves free for everything else (as ComfyUI's budget does)
+PIN_RESERVE_BYTES = 4 * GIB  # CPU memory pinning leaves free for everything else (as ComfyUI's budget does)
 READ_AHEAD_CHUNK = 128 << 10  # bytes a madvise call asks for: a disk's smallest read-ahead size, so none is cut
 
 
@@ -129,7 +130,7 @@ def host_memory_warning(nbytes: int, what: str) -> str | None:
     available = host_memory_available()
     if available is None or nbytes <= available:
         return None
-    return (f"{what} needs about {nbytes / 2**30:.1f} GiB of CPU memory and {available / 2**30:.1f} GiB is "
+    return (f"{what} needs about {nbytes / GIB:.1f} GiB of CPU memory and {available / GIB:.1f} GiB is "
             "available. Weights read as stored (a bf16 file in bf16, FP8 and GGUF linears) stay the file's pages, "
             "which the OS reads from disk again when short (slower); the others may swap, or the system may stop "
             "this process. Free other models first, or load a smaller (FP8) file.")

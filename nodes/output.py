@@ -11,7 +11,7 @@ from h3_core.media import resample_audio
 from h3_core.media_write import DEFAULT_CRF, write_mp4
 from h3_core.output import decode_audio, decode_video
 from h3_core.placement import freed_on_failure
-from h3_core.runtime import host_memory_available
+from h3_core.runtime import GIB, host_memory_available
 
 from .common import (
     CATEGORY, SAVE_HIDDEN, H3VAE, H3Latent, crf_input, decode_inputs, decode_options, decode_progress, devices_problem,
@@ -91,7 +91,7 @@ def check_image_room(frames: int, latent_height: int, latent_width: int) -> None
     available = host_memory_available()
     if available is not None and need > available:
         raise ValueError(f"H3 VAE Decode holds all {frames} frames ({width}x{height}) in CPU memory as an IMAGE: "
-                         f"{need / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB available. Use H3 Save "
+                         f"{need / GIB:.1f} GiB, more than the {available / GIB:.1f} GiB available. Use H3 Save "
                          "MP4 (streamed), which writes each frame as it is decoded, or free memory first.")
 
 
