@@ -605,7 +605,8 @@ def _kept(args, request: Request) -> tuple[Request, AVLatents | None]:
 class StageBars:
     """A pipeline progress callback, (stage, done, total): one progress bar on stderr per stage, the last
     stage's closed when the next begins. Written to a file or a pipe (a log), a bar is redrawn every 30 s
-    instead of ten times a second."""
+    instead of ten times a second, and each stage's last state stays as a line of its own (on a terminal the
+    next stage's bar takes its place)."""
 
     def __init__(self, quiet: bool = False):
         self.bars = {}
@@ -617,9 +618,9 @@ class StageBars:
         bar = self.bars.get(stage)
         if bar is None:
             self.close()
-            redraw = 0.1 if sys.stderr.isatty() else 30.0
-            bar = self.bars[stage] = tqdm(total=total, desc=stage, file=sys.stderr, leave=False, mininterval=redraw,
-                                          disable=self.quiet)
+            terminal = sys.stderr.isatty()
+            bar = self.bars[stage] = tqdm(total=total, desc=stage, file=sys.stderr, leave=not terminal,
+                                          mininterval=0.1 if terminal else 30.0, disable=self.quiet)
         if total != bar.total:
             bar.total = total
         bar.update(done - bar.n)

@@ -551,6 +551,21 @@ def test_progress_written_to_a_log_is_not_redrawn_ten_times_a_second(capsys, mon
     assert capsys.readouterr().err.count("\r") <= 12  # every 30 s, not hundreds of redraws
 
 
+def test_each_stage_written_to_a_log_ends_with_a_line_of_its_own(capsys):
+    """A stage shorter than 30 s was drawn at 0% and then blanked (a terminal's closing), so a log showed no
+    end to it (found by the progress review)."""
+    from h3_core.cli import StageBars
+
+    bars = StageBars()
+    bars("read DiT", 0, 10)
+    bars("read DiT", 10, 10)
+    bars("sample 1/1", 4, 4)
+    bars.close()
+    lines = [line.split("\r")[-1] for line in capsys.readouterr().err.split("\n")[:-1]]
+    assert [line.split("|")[0] for line in lines] == ["read DiT: 100%", "sample 1/1: 100%"]
+    assert "10/10" in lines[0] and "4/4" in lines[1]
+
+
 def test_a_stage_met_again_gets_a_bar_again(capsys):
     """A stage named again after another began (the DiT read anew after a worker failed) updated a closed bar,
     which shows nothing (found by the progress review)."""
@@ -562,7 +577,8 @@ def test_a_stage_met_again_gets_a_bar_again(capsys):
     bars("read DiT", 3, 10)
     assert not bars.bars["read DiT"].disable and bars.bars["read DiT"].n == 3 and list(bars.bars) == ["read DiT"]
     bars.close()
-    assert capsys.readouterr().err.count("read DiT:") == 2  # drawn again (a closed bar draws nothing)
+    lines = [line.split("\r")[-1].split("|")[0] for line in capsys.readouterr().err.split("\n")[:-1]]
+    assert lines == ["read DiT:   0%", "sample 1/1:  25%", "read DiT:  30%"]  # drawn again (a closed bar draws nothing)
 
 
 def test_generate_help_is_grouped_and_gives_the_ranges(capsys):
