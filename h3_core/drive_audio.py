@@ -23,7 +23,7 @@ from .references import DecodedAudio, MediaInputError, vae_frame_count
 
 def check_track(source, what: str = "drive audio", seconds: float = 1.0) -> None:
     """Checks before any model runs: a file with an audio stream whose first `seconds` (the part the clip will
-    use) decode, or a valid DecodedAudio."""
+    use) decode, or a DecodedAudio whose first `seconds` are a valid waveform."""
     if isinstance(source, (str, Path)):
         path = Path(source)
         if not path.is_file():
@@ -35,7 +35,7 @@ def check_track(source, what: str = "drive audio", seconds: float = 1.0) -> None
         except MediaError as error:
             raise MediaInputError(f"{what}: {error}") from error
         return
-    load_track(source, what)
+    load_track(source, what, max_seconds=seconds)
 
 
 def drive_seconds(num_frames: int) -> float:
@@ -53,15 +53,18 @@ def track_frames(source, max_frames: int, what: str = "drive audio") -> int:
 
 
 def load_track(source, what: str = "drive audio", max_seconds: float | None = None) -> torch.Tensor:
-    """A path (any audio PyAV reads) or a `DecodedAudio` (mono or stereo, any rate) -> float32 [2, N] at 32 kHz; a
-    file read for at most `max_seconds` (the clip's length: an album-long file is not held whole)."""
+    """A path (any audio PyAV reads) or a `DecodedAudio` (mono or stereo, any rate) -> float32 [2, N] at 32 kHz, at
+    most its first `max_seconds` (the clip's length: an album-long file is not held whole, nor a long waveform
+    resampled whole), cut at the native rate as a file read is."""
     try:
         if isinstance(source, (str, Path)):
             waveform = media_read.read_audio(Path(source), max_seconds=max_seconds)
         elif isinstance(source, DecodedAudio):
             if not (isinstance(source.sample_rate, (int, np.integer)) and source.sample_rate > 0):
                 raise MediaInputError(f"{what}: the sample rate must be a positive integer, got {source.sample_rate!r}.")
-            waveform = resample_audio(source.waveform, int(source.sample_rate))
+            rate = int(source.sample_rate)
+            given = source.waveform if max_seconds is None else source.waveform[..., : round(max_seconds * rate)]
+            waveform = resample_audio(given, rate)
         else:
             raise MediaInputError(
                 f"{what}: give a path to an audio file or a DecodedAudio(waveform, sample_rate), got {type(source).__name__}."

@@ -128,6 +128,18 @@ def test_a_long_video_reads_its_driving_track_no_longer_than_the_clip(tmp_path, 
     # room was made for the track's encode (cut to the clip) before any model ran
     assert told == [encode_working_bytes(audio_vae.config, audio_samples_for_frames(124))]
 
+    # a waveform in memory (a ComfyUI AUDIO) is cut as the file is before it is resampled: it was resampled whole,
+    # once for the check and again for the encode
+    from h3_core import drive_audio
+
+    resampled, resample = [], drive_audio.resample_audio
+    monkeypatch.setattr(drive_audio, "resample_audio", lambda w, r: resampled.append(w.shape[-1]) or resample(w, r))
+    request = LongVideoRequest(Request("t2va", "a drum solo", duration=5.0),
+                               drive_audio=DecodedAudio(torch.zeros(2, rate * 30), rate))
+    in_memory = encode_long_video(request, tiny_random_text_encoder(), None, audio_vae, rules=TINY_CANVAS)
+    assert resampled and max(resampled) == round((124 / 24 + 1.0) * rate)
+    assert torch.equal(in_memory.drive_audio, conditioning.drive_audio)
+
 
 def test_a_track_undecodable_past_its_first_second_is_refused_before_models(tmp_path):
     """An AAC track garbled half way: the checks read only its first second, so it passed them and the run
