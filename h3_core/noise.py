@@ -12,6 +12,7 @@ import numbers
 
 import torch
 
+from .config import DiTConfig
 from .layout import VISUAL_CONDITION_T, PackedLayout, patchify
 
 
@@ -36,7 +37,8 @@ def request_generator(seed: int) -> torch.Generator:
 
 
 def target_noise(
-    layout: PackedLayout, generator: torch.Generator, latent_channels: int = 24, audio_latent_channels: int = 32
+    layout: PackedLayout, generator: torch.Generator, latent_channels: int = DiTConfig.in_channels,
+    audio_latent_channels: int = DiTConfig.audio_in_channels,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Noise for the generated rows: video [1, Nv_target, C*4] and audio [1, 2A, Ca], fp32 on the CPU (no draw
     for a modality the layout holds fixed)."""

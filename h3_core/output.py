@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from . import geometry
 from .conditioning import check_vaes
+from .config import DiTConfig
 from .continuation import MAX_CONTINUATION_SECONDS
 from .media_write import DEFAULT_CRF, Mp4Writer, part_path
 from .resume_point import ResumePoint
@@ -56,7 +57,8 @@ class AVLatents:
         latent_height, latent_width = self.video.shape[3:]
         return latent_width * geometry.VAE_SPATIAL_FACTOR, latent_height * geometry.VAE_SPATIAL_FACTOR
 
-    def check(self, video_channels: int = 24, audio_channels: int = 32) -> "AVLatents":
+    def check(self, video_channels: int = DiTConfig.in_channels,
+              audio_channels: int = DiTConfig.audio_in_channels) -> "AVLatents":
         """Shapes and values a decode can take; a clear error otherwise."""
         v, a = self.video, self.audio
         for name, tensor in (("video", v), ("audio", a)):
