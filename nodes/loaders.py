@@ -49,6 +49,7 @@ from .common import (
     device_list,
     files_fingerprint,
     model_choices,
+    progress_and_interrupt,
     vae_device,
 )
 from .convert import DiTRunSettings, ModelHandle, TextEncoderHandle, VAEHandle
@@ -59,7 +60,6 @@ from .memory import (
     manage_dit,
     manage_runner,
     manage_text_encoder,
-    read_bar,
     streamed_text_encoder_home,
     text_encoder_streams,
 )
@@ -311,7 +311,7 @@ class H3TextEncoderLoader(io.ComfyNode):
                 warn_unless_room(weight_bytes, "The text encoder")
             with freed_on_failure(target):
                 encoder = load_text_encoder(path, dtype, home, tokenizer=found.tokenizer_folder,
-                                            processor=found.processor_folder, on_tensor=read_bar())
+                                            processor=found.processor_folder, on_tensor=progress_and_interrupt())
             name, canvas = str(path), RELEASE_CANVAS
         patcher = manage_text_encoder(f"H3 text encoder ({Path(name).name})", encoder, target, stream, budget)
         return io.NodeOutput(TextEncoderHandle(encoder, name, canvas, patcher=patcher))
@@ -371,12 +371,12 @@ class H3VAELoader(io.ComfyNode):
         make_room(module_bytes(checked), target)
         with freed_on_failure(target):
             if video_path:
-                video = load_video_vae(video_path, dtype=dtype, device=target, on_tensor=read_bar())
+                video = load_video_vae(video_path, dtype=dtype, device=target, on_tensor=progress_and_interrupt())
             else:
                 video = tiny_random_video_vae(target)  # fp32; like the tiny DiT, kept so on the CPU
                 if dtype is not None and target.type != "cpu":
                     video.set_dtype(dtype)
-            audio = (load_audio_vae(audio_path, device=target, on_tensor=read_bar()) if audio_path
+            audio = (load_audio_vae(audio_path, device=target, on_tensor=progress_and_interrupt()) if audio_path
                      else tiny_random_audio_vae(target))
         name = folder or f"{video_vae} + {audio_vae}"
         patcher = manage(f"H3 VAEs ({name})", [video, audio], target, "vae")

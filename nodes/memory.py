@@ -28,6 +28,7 @@ from h3_core.lora import apply_loras, hooked_bytes, remove_loras
 from h3_core.memory_plan import GIB, usable_bytes, working_bytes
 from h3_core.placement import DiTPlacement, Placement, RunnerPlacement, TextEncoderPlacement, spill_device
 
+from .common import progress_and_interrupt
 from .host_memory import track
 
 
@@ -136,30 +137,15 @@ def place(patchers, working_bytes: int = 0) -> None:
     mm.load_models_gpu([p for p in patchers if p is not None], memory_required=working_bytes)
 
 
-def read_bar():
-    """An `on_tensor(done, total)` for reading weights from files inside a node: a progress bar over the
-    tensors, and the node's cancel checked after each (the 66 GB DiT takes from seconds to a minute)."""
-    from .common import check_interrupt, progress_bar
-
-    bar = None
-
-    def on_tensor(done: int, total: int) -> None:
-        nonlocal bar
-        bar = bar or progress_bar(total)
-        bar.update_absolute(done, total)
-        check_interrupt()
-
-    return on_tensor
-
-
 @contextlib.contextmanager
 def read_progress(placement):
     """While `placement` may read its weights from files (a first run, or after letting them go), its
-    reads show a `read_bar`."""
+    reads show a progress bar over the tensors, the node's cancel checked after each (the 66 GB DiT takes from
+    seconds to a minute)."""
     if placement is None:  # a handle made outside the loaders has nothing to read
         yield
         return
-    placement.on_read = read_bar()
+    placement.on_read = progress_and_interrupt()
     try:
         yield
     finally:
