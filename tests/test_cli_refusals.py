@@ -551,6 +551,12 @@ def test_progress_written_to_a_log_is_not_redrawn_ten_times_a_second(capsys, mon
     assert capsys.readouterr().err.count("\r") <= 12  # every 30 s, not hundreds of redraws
 
 
+def logged_lines(err: str) -> list[str]:
+    """Each line of stderr written to a log as a reader sees it: a bar redrawn after a carriage return, its last
+    drawing."""
+    return [line.split("\r")[-1] for line in err.split("\n")[:-1]]
+
+
 def test_each_stage_written_to_a_log_ends_with_a_line_of_its_own(capsys):
     """A stage shorter than 30 s was drawn at 0% and then blanked (a terminal's closing), so a log showed no
     end to it (found by the progress review)."""
@@ -561,7 +567,7 @@ def test_each_stage_written_to_a_log_ends_with_a_line_of_its_own(capsys):
     bars("read DiT", 10, 10)
     bars("sample 1/1", 4, 4)
     bars.close()
-    lines = [line.split("\r")[-1] for line in capsys.readouterr().err.split("\n")[:-1]]
+    lines = logged_lines(capsys.readouterr().err)
     assert [line.split("|")[0] for line in lines] == ["read DiT: 100%", "sample 1/1: 100%"]
     assert "10/10" in lines[0] and "4/4" in lines[1]
 
@@ -577,7 +583,7 @@ def test_a_stage_met_again_gets_a_bar_again(capsys):
     bars("read DiT", 3, 10)
     assert not bars.bars["read DiT"].disable and bars.bars["read DiT"].n == 3 and list(bars.bars) == ["read DiT"]
     bars.close()
-    lines = [line.split("\r")[-1].split("|")[0] for line in capsys.readouterr().err.split("\n")[:-1]]
+    lines = [line.split("|")[0] for line in logged_lines(capsys.readouterr().err)]
     assert lines == ["read DiT:   0%", "sample 1/1:  25%", "read DiT:  30%"]  # drawn again (a closed bar draws nothing)
 
 
