@@ -34,6 +34,7 @@ Choices where the sources leave room (each is a named constant below):
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import operator
@@ -589,9 +590,10 @@ def encode_request(
                   this request's presentation instead (they are checked for shape only).
     video_vae     `vae_video.VideoVAE`, needed for keyframes and image/video references.
     audio_vae     `vae_audio.AudioVAE`, needed for audio references and video soundtracks.
-    on_stage      called (done, total) after each model call (the text, each keyframe or reference), and
-                  with `done` unchanged between the text encoder's layers and a video reference's 17-frame
-                  clips: a host shows progress there, and may raise to stop (an interrupt).
+    on_stage      called (done, total) before each of the text encoder's layers (one step each: a streamed
+                  encoder takes tens of seconds), after each keyframe or reference (one step each), and with
+                  `done` unchanged between a video reference's 17-frame clips: a host shows progress there,
+                  and may raise to stop (an interrupt).
     before_models called once, after the media are read and before any model runs, with how many rows the
                   text encoder will run (0: it will not: precomputed states, or ones it remembers) and the
                   device memory the VAEs' encodes of the media need besides their weights
@@ -632,19 +634,21 @@ def encode_request(
         raise RequestError(f"This request has audio references or video soundtracks: they are encoded by the audio VAE{NO_VAE}")
 
     visual_count = len(keyframes) + sum(reference.kind != "audio" for reference in prepared)
-    stages = (not precomputed) + visual_count + sum(reference.has_audio for reference in prepared)
+    text_steps = 0 if precomputed else text_encoder.layer  # its decoder layers
+    stages = text_steps + visual_count + sum(reference.has_audio for reference in prepared)
     done = 0
 
-    def staged(result):
+    def staged(result, steps: int = 1):
         nonlocal done
-        done += 1
+        done += steps
         if on_stage is not None:
             on_stage(done, stages)
         return result
 
-    # inside a model call (between the text encoder's layers, a video reference's 17-frame clips): the count as it is,
-    # so a host may stop there
+    # inside a model call (a video reference's 17-frame clips): the count as it is, so a host may stop there
     within = None if on_stage is None else (lambda *_: on_stage(done, stages))
+    layers_run = itertools.count()  # before each text encoder layer: those before it done
+    before_layer = None if on_stage is None else (lambda: on_stage(done + next(layers_run), stages))
 
     media = encode_working_bytes(video_vae, audio_vae, _pictures(keyframes, prepared),
                                  [reference.audio.shape[-1] for reference in prepared if reference.has_audio])
@@ -659,7 +663,7 @@ def encode_request(
         )
         if before_models is not None:
             before_models(0 if text_encoder.remembers(presentation) else presentation.num_tokens, media)
-        text = staged(text_encoder.encode(presentation, within))
+        text = staged(text_encoder.encode(presentation, before_layer), text_steps)  # remembered: all at once
         states, tags = text.prompt_embeds, text.token_tags
 
     visual = [staged(encode_image(video_vae, keyframe)) for keyframe in keyframes]

@@ -474,8 +474,9 @@ def encode_long_video(
 ) -> LongConditioning:
     """Validate, then encode every distinct prompt, the references (once) and the driving track (once).
     `between_calls` is called between model calls and the text encoder's layers: a host may raise there to
-    stop (an interrupt). `on_stage(done, total)` after each encode: the first request's prompt and media, then
-    each other window prompt, the driving track and each guide (tens of prompts for a long video).
+    stop (an interrupt). `on_stage(done, total)` as the encodes go: the first request's prompt and media, then
+    each other window prompt (a step per text encoder layer, as encode_request counts), the driving track and
+    each guide (tens of prompts for a long video).
     `before_models` is called once before any model runs, with the most rows the text encoder will run for one
     prompt (0: it remembers them all) and the most device memory one of the VAEs'
     encodes needs besides their weights, so a host places only the models that run, with room for their work."""
@@ -509,7 +510,8 @@ def encode_long_video(
             before_models(max([first_rows, *(presentation.num_tokens for presentation in presented.values()
                                              if not text_encoder.remembers(presentation))]), max(media, later))
 
-    later_stages = len(presented) + (request.drive_audio is not None) + len(request.guides)
+    # a prompt counts its text encoder layers, as encode_request counts the first one's
+    later_stages = len(presented) * text_encoder.layer + (request.drive_audio is not None) + len(request.guides)
     first_stages, later_done = 1, 0  # encode_request's own count (known once it reports), the later ones done
 
     def first_stage(done: int, total: int) -> None:
@@ -520,19 +522,26 @@ def encode_long_video(
         if on_stage is not None:
             on_stage(done, total + later_stages)
 
-    def after() -> None:  # one more of the later encodes done
+    def after(steps: int = 1) -> None:  # one more of the later encodes done (a prompt: its layers)
         nonlocal later_done
-        later_done += 1
+        later_done += steps
         if on_stage is not None:
             on_stage(first_stages + later_done, first_stages + later_stages)
+
+    def before_layer(layers_done: int) -> None:  # inside a later prompt's encode
+        if between_calls is not None:
+            between_calls()
+        if on_stage is not None:
+            on_stage(first_stages + later_done + layers_done, first_stages + later_stages)
 
     first = encode_request(plan.first, text_encoder, video_vae, audio_vae, rules=rules, on_stage=first_stage,
                            before_models=placing)
     texts = {plan.prompts[0]: (first.text_states, first.text_tags)}
     for prompt, presentation in presented.items():
-        states = text_encoder.encode(presentation, between_calls)
+        layers = itertools.count()
+        states = text_encoder.encode(presentation, lambda: before_layer(next(layers)))
         texts[prompt] = (states.prompt_embeds, states.token_tags)
-        after()
+        after(text_encoder.layer)
     drive = None
     if request.drive_audio is not None:
         if between_calls is not None:

@@ -302,9 +302,11 @@ def test_the_encode_of_a_long_video_reports_each_prompt_track_and_guide(models):
     encode_long_video(request, models["text"], models["video"], models["audio"], rules=TINY_CANVAS,
                       on_stage=lambda done, total: stages.append((done, total)))
     first = stages[0][1]  # the total, from the first report on
+    assert first == 2 * models["text"].layer + 2  # each window prompt's text encoder layers, the track, the guide
     # after the first window's request: the second window's prompt, the driving track, the guide
     assert stages[-3:] == [(first - 2, first), (first - 1, first), (first, first)]
     assert {total for _, total in stages} == {first} and [done for done, _ in stages] == sorted(d for d, _ in stages)
+    assert sorted({done for done, _ in stages}) == list(range(first + 1))  # a step per layer: no prompt a jump
 
 
 def test_an_interrupt_is_heard_inside_a_guide_clip(models, monkeypatch):

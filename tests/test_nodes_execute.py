@@ -1516,15 +1516,22 @@ def test_conditioning_shows_progress_per_model_call_and_stops_on_interrupt(comfy
     refs = {"ref0": torch.rand(1, 160, 160, 3), "ref1": video, "ref2": audio}
     start = len(c.record.progress)
     _cond(c, text, vae, "ref2va", references=refs)
-    # the text, the image, the video, the audio: one step each
-    assert [(value, total) for value, total, _ in c.record.progress[start:]] == [(1, 4), (2, 4), (3, 4), (4, 4)]
-    c.record.interrupt_after = len(c.record.progress) + 1  # stop after the text encoder's call
-    with pytest.raises(c.memory.mm.InterruptProcessingException):
-        _cond(c, text, vae, "ref2va", references=refs)
-    assert c.record.progress[-1][:2] == (1, 4)
-    c.record.interrupt_after = len(c.record.progress)  # stop inside the text encoder, between its layers
+    # a step per text encoder layer, then the image, the video, the audio
+    steps = text.encoder.layer + 3
+    shown = [(value, total) for value, total, _ in c.record.progress[start:]]
+    assert shown == [(n, steps) for n in range(1, steps + 1)]
+    c.record.interrupt_after = len(c.record.progress) + 1  # stop after the text encoder's first layer
     ran = []
     layers = text.encoder.model.language_model.layers
+    hook = layers[1].register_forward_hook(lambda module, args, output: ran.append(module))
+    try:
+        with pytest.raises(c.memory.mm.InterruptProcessingException):
+            _cond(c, text, vae, "ref2va", references=refs)
+    finally:
+        hook.remove()
+    assert c.record.progress[-1][:2] == (1, steps) and ran == []
+    c.record.interrupt_after = len(c.record.progress)  # stop inside the text encoder, between its layers
+    ran = []
     hook = layers[0].register_forward_hook(lambda module, args, output: ran.append(module))
     try:
         with pytest.raises(c.memory.mm.InterruptProcessingException):

@@ -981,7 +981,8 @@ def test_a_vsa_student_samples_on_its_ladder_with_sparse_attention(comfy, monkey
     assert len(calls) == 8 * CONFIG.num_layers and {call[4] for call in calls} == {0.8}
     assert all(call[5] is not None for call in calls)
     text = c.loaders.H3TextEncoderLoader.execute("tiny-random", "", "", "bf16").values[0]
-    c.record.interrupt_after = len(c.record.progress) + 2  # its encode (1 of 1), then a step: 8 a window too
+    # its encode (a step per text encoder layer), then a sampling step: 8 a window too
+    c.record.interrupt_after = len(c.record.progress) + text.encoder.layer + 1
     with pytest.raises(c.memory.mm.InterruptProcessingException):
         importlib.import_module("nodes.long_video").H3Continuation.execute(
             model, text, "a fox on a beach", "t2va", 8.0, "continuation", 107, 22, 3, 0, 0.0, 0.0, "auto", 0, 0)
