@@ -61,7 +61,7 @@ def progress_bar(total: int):
 def progress_and_interrupt():
     """An engine loop's `(done, total)` callback: ComfyUI's progress bar (made at the first call: a node whose
     loop never runs shows none) moved when the count moves, then its interrupt checked on every call (a raise
-    there stops the loop; the text encoder calls between its layers with the count unchanged)."""
+    there stops the loop; a video reference's clips are reported with the count unchanged)."""
     bar, shown = None, 0
 
     def report(done: int, total: int) -> None:
