@@ -69,8 +69,8 @@ def test_a_worker_hands_its_cached_gpu_memory_back_after_each_request():
     layout = build_request_layout(1344, 768, 124, tags)  # ~38k rows: activations of some MiB even at tiny width
     text = torch.randn(1, 7, SPEC.config.text_dim, generator=torch.Generator().manual_seed(5))
     request = Conditioning("t2va", 1344, 768, 124, layout, text, tags, [])
-    runner = ParallelRunner(SPEC, ["cuda:0"])
     pynvml.nvmlInit()
+    runner = ParallelRunner(SPEC, ["cuda:0"])
     try:
         worker = runner._pool.processes[0].pid
         gpus = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
