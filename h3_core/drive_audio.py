@@ -63,7 +63,9 @@ def load_track(source, what: str = "drive audio", max_seconds: float | None = No
             if not (isinstance(source.sample_rate, (int, np.integer)) and source.sample_rate > 0):
                 raise MediaInputError(f"{what}: the sample rate must be a positive integer, got {source.sample_rate!r}.")
             rate = int(source.sample_rate)
-            given = source.waveform if max_seconds is None else source.waveform[..., : round(max_seconds * rate)]
+            given = source.waveform  # anything but an array is refused by resample_audio, which says what it takes
+            if max_seconds is not None and isinstance(given, (np.ndarray, torch.Tensor)):
+                given = given[..., : round(max_seconds * rate)]
             waveform = resample_audio(given, rate)
         else:
             raise MediaInputError(

@@ -185,3 +185,5 @@ def test_bad_tracks_are_refused_clearly(tmp_path):
         load_track(np.zeros((2, 100), np.float32))
     with pytest.raises(MediaInputError, match="sample rate"):
         load_track(DecodedAudio(torch.zeros(2, 100), 0))
+    with pytest.raises(MediaInputError, match="drive audio: Audio waveform must be a numpy array or a torch tensor"):
+        check_track(DecodedAudio([0.0] * 8000, 8000), seconds=0.5)  # cut only once it is an array
