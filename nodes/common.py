@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import logging
@@ -440,7 +439,7 @@ def range_problem(node_class, **values) -> str | None:
     return None
 
 
-@functools.cache
 def socket_types(node_class) -> dict[str, str]:
-    """Each input's socket type in a node's schema (read once: the types never change, a combo's files do)."""
+    """Each input's socket type in a node's schema (read at every call, not cached: ComfyUI validates a fresh
+    copy of the class each time, which a cache keyed on it would keep alive, one per queued prompt)."""
     return {port.id: port.get_io_type() for port in node_class.define_schema().inputs}

@@ -269,6 +269,16 @@ def test_a_wrong_link_into_any_input_is_refused_at_queue_time(comfy):
                 continue
             assert node.validate_inputs(input_types={name: "WRONG"}) == f"{name} takes {port.type}, got WRONG.", name
             assert "takes" not in str(node.validate_inputs(input_types={name: port.type})), name
+    # ComfyUI validates a fresh copy of the class for each queued prompt: none is kept (a cache on the class did)
+    import gc
+    import weakref
+
+    copy = type("H3ConditioningClone", (comfy.conditioning.H3Conditioning,), {})
+    kept = weakref.ref(copy)
+    assert copy.validate_inputs(input_types={"prompt": "WRONG"}) == "prompt takes STRING, got WRONG."
+    del copy
+    gc.collect()
+    assert kept() is None
 
 
 def test_a_canvas_the_model_cannot_make_is_refused_at_queue_time(comfy):
