@@ -101,10 +101,33 @@ def model_choices(kind: str, also: tuple[str, ...] = (), unless: str | None = No
     names = set(folder_paths.get_filename_list(kind))
     if also:
         for folder in folder_paths.get_folder_paths(kind):
-            found, _ = folder_paths.recursive_search(folder, excluded_dir_names=[".git"])
+            found = files_under(folder)
             names.update(name for name in folder_paths.filter_files_extensions(found, also)
                          if unless is None or unless not in Path(name).name.lower())
     return [TINY_RANDOM] + sorted(names)
+
+
+_walked: dict[str, tuple[list[str], dict[str, float]]] = {}  # folder -> (its files, each directory's mtime)
+
+
+def files_under(folder: str) -> list[str]:
+    """ComfyUI's recursive_search of `folder`, walked again only when one of its directories changed (a file
+    added, removed or renamed), as ComfyUI's own file lists are: the loaders' schemas list GGUF files on ComfyUI's
+    server thread at every queue, and walking a large or network model folder each time stalls it."""
+    import folder_paths
+
+    walked = _walked.get(folder)
+    if walked is None or not _unchanged(walked[1]):
+        walked = _walked[folder] = folder_paths.recursive_search(folder, excluded_dir_names=[".git"])
+    return walked[0]
+
+
+def _unchanged(mtimes: dict[str, float]) -> bool:
+    """Whether every directory still has its recorded mtime (none recorded: a folder not there, looked for again)."""
+    try:
+        return bool(mtimes) and all(os.path.getmtime(directory) == mtime for directory, mtime in mtimes.items())
+    except OSError:
+        return False
 
 
 WEIGHT_SUFFIXES = (*SAFETENSORS_SUFFIXES, ".gguf", ".json")

@@ -15,7 +15,7 @@ from comfy_api.latest import io, ui
 from h3_core.output import AVLatents
 
 from .common import (CATEGORY, SAVE_HIDDEN, H3Latent, PrefixCheckedSave, check_prefix, files_fingerprint,
-                     reserved_output, saved_file_metadata)
+                     files_under, reserved_output, saved_file_metadata)
 from .convert import pack_latents, refuse_empty_latent, unpack_latents
 
 KEPT_FACTS = ("seed", "task", "steps")  # the facts of a sampled latent its file keeps (as text)
@@ -23,7 +23,7 @@ KEPT_FACTS = ("seed", "task", "steps")  # the facts of a sampled latent its file
 
 def latent_files() -> list[str]:
     """The .safetensors files in ComfyUI's input folder and its subfolders, as paths relative to it."""
-    found, _ = folder_paths.recursive_search(folder_paths.get_input_directory(), excluded_dir_names=[".git"])
+    found = files_under(folder_paths.get_input_directory())
     return [name.replace(os.sep, "/") for name in folder_paths.filter_files_extensions(found, [".safetensors"])]
 
 

@@ -281,9 +281,10 @@ def install(tmp_path: Path, loras: list[str] = (), previews: bool = True) -> Rec
     folder_paths.get_folder_paths = lambda kind: [str(folders.get(kind, tmp_path / kind))]
     folder_paths.models_dir = str(tmp_path)  # the kinds' folders lie in it, as in ComfyUI's models/
 
-    def recursive_search(folder, excluded_dir_names=None):
+    def recursive_search(folder, excluded_dir_names=None):  # the files, and each directory's mtime (as ComfyUI's)
         found = [str(p.relative_to(folder)) for p in Path(folder).rglob("*") if p.is_file()]
-        return found, {}
+        folders = [Path(folder), *(p for p in Path(folder).rglob("*") if p.is_dir())] if Path(folder).is_dir() else []
+        return found, {str(p): p.stat().st_mtime for p in folders}
 
     folder_paths.recursive_search = recursive_search
     folder_paths.filter_files_extensions = lambda files, suffixes: sorted(

@@ -1577,6 +1577,27 @@ def test_decode_nodes_share_the_clips_over_devices(comfy):
     assert b"crf=40.0" in Path(long_video.H3SaveMP4.execute(vae, out, "H3/coarse", crf=40).values[0][1]).read_bytes()
 
 
+def test_gguf_files_are_listed_by_walking_a_model_folder_again_only_once_it_changed(comfy, monkeypatch):
+    """The loaders list GGUF files (which ComfyUI's own lists leave out) on ComfyUI's server thread at every queue:
+    a large or network model folder was walked each time, stalling the server (found by the threads review)."""
+    import folder_paths
+
+    from nodes.common import model_choices
+
+    walks, walk = [], folder_paths.recursive_search
+    monkeypatch.setattr(folder_paths, "recursive_search", lambda folder, **k: walks.append(folder) or walk(folder, **k))
+    folder = comfy.tmp / "diffusion_models"
+    (folder / "quantized").mkdir(parents=True, exist_ok=True)
+    (folder / "quantized" / "h3-Q8_0.gguf").write_bytes(b"")
+    listed = model_choices("diffusion_models", (".gguf",))
+    assert "quantized/h3-Q8_0.gguf" in listed and len(walks) == 1
+    assert model_choices("diffusion_models", (".gguf",)) == listed and len(walks) == 1  # nothing changed: no walk
+    (folder / "quantized" / "h3-Q4_K.gguf").write_bytes(b"")  # a file added in a subfolder
+    assert "quantized/h3-Q4_K.gguf" in model_choices("diffusion_models", (".gguf",)) and len(walks) == 2
+    (folder / "quantized" / "h3-Q8_0.gguf").unlink()
+    assert "quantized/h3-Q8_0.gguf" not in model_choices("diffusion_models", (".gguf",)) and len(walks) == 3
+
+
 def test_a_gguf_text_encoder_is_offered_and_reads_its_mmproj(comfy, monkeypatch):
     """A llama.cpp GGUF of the encoder's language model in models/text_encoders: listed (ComfyUI lists its own
     suffixes only), loaded with its linears in GGML blocks; a keyframe is refused, saying the file has no vision
