@@ -1530,25 +1530,23 @@ def test_conditioning_shows_progress_per_model_call_and_stops_on_interrupt(comfy
     steps = text.encoder.layer + 3
     shown = [(value, total) for value, total, _ in c.record.progress[start:]]
     assert shown == [(n, steps) for n in range(1, steps + 1)]
-    c.record.interrupt_after = len(c.record.progress) + 1  # stop after the text encoder's first layer
-    ran = []
     layers = text.encoder.model.language_model.layers
-    hook = layers[1].register_forward_hook(lambda module, args, output: ran.append(module))
-    try:
-        with pytest.raises(c.memory.mm.InterruptProcessingException):
-            _cond(c, text, vae, "ref2va", references=refs)
-    finally:
-        hook.remove()
-    assert c.record.progress[-1][:2] == (1, steps) and ran == []
-    c.record.interrupt_after = len(c.record.progress)  # stop inside the text encoder, between its layers
-    ran = []
-    hook = layers[0].register_forward_hook(lambda module, args, output: ran.append(module))
-    try:
-        with pytest.raises(c.memory.mm.InterruptProcessingException):
-            _cond(c, text, vae, "ref2va", references=refs)
-    finally:
-        hook.remove()
-    assert ran == [] and len(c.record.progress) == c.record.interrupt_after  # before its first layer ran
+
+    def interrupted_before(layer: int) -> bool:
+        """Cancel pressed at `interrupt_after` stops the encode, and `layer` never ran."""
+        ran = []
+        hook = layers[layer].register_forward_hook(lambda module, args, output: ran.append(module))
+        try:
+            with pytest.raises(c.memory.mm.InterruptProcessingException):
+                _cond(c, text, vae, "ref2va", references=refs)
+        finally:
+            hook.remove()
+        return ran == []
+
+    c.record.interrupt_after = len(c.record.progress) + 1  # stop after the text encoder's first layer
+    assert interrupted_before(1) and c.record.progress[-1][:2] == (1, steps)
+    c.record.interrupt_after = len(c.record.progress)  # stop inside the text encoder, before its first layer
+    assert interrupted_before(0) and len(c.record.progress) == c.record.interrupt_after
     assert all(not layer._forward_pre_hooks for layer in layers)
 
 
