@@ -34,7 +34,6 @@ Choices where the sources leave room (each is a named constant below):
 
 from __future__ import annotations
 
-import itertools
 import math
 import numbers
 import operator
@@ -647,8 +646,7 @@ def encode_request(
 
     # inside a model call (a video reference's 17-frame clips): the count as it is, so a host may stop there
     within = None if on_stage is None else (lambda *_: on_stage(done, stages))
-    layers_run = itertools.count()  # before each text encoder layer: those before it done
-    before_layer = None if on_stage is None else (lambda: on_stage(done + next(layers_run), stages))
+    before_layer = None if on_stage is None else (lambda layers_done: on_stage(done + layers_done, stages))
 
     media = encode_working_bytes(video_vae, audio_vae, _pictures(keyframes, prepared),
                                  [reference.audio.shape[-1] for reference in prepared if reference.has_audio])

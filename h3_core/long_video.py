@@ -522,24 +522,25 @@ def encode_long_video(
         if on_stage is not None:
             on_stage(done, total + later_stages)
 
+    def report(within: int = 0) -> None:  # the later encodes done, `within` steps into the next one
+        if on_stage is not None:
+            on_stage(first_stages + later_done + within, first_stages + later_stages)
+
     def after(steps: int = 1) -> None:  # one more of the later encodes done (a prompt: its layers)
         nonlocal later_done
         later_done += steps
-        if on_stage is not None:
-            on_stage(first_stages + later_done, first_stages + later_stages)
+        report()
 
     def before_layer(layers_done: int) -> None:  # inside a later prompt's encode
         if between_calls is not None:
             between_calls()
-        if on_stage is not None:
-            on_stage(first_stages + later_done + layers_done, first_stages + later_stages)
+        report(layers_done)
 
     first = encode_request(plan.first, text_encoder, video_vae, audio_vae, rules=rules, on_stage=first_stage,
                            before_models=placing)
     texts = {plan.prompts[0]: (first.text_states, first.text_tags)}
     for prompt, presentation in presented.items():
-        layers = itertools.count()
-        states = text_encoder.encode(presentation, lambda: before_layer(next(layers)))
+        states = text_encoder.encode(presentation, before_layer)
         texts[prompt] = (states.prompt_embeds, states.token_tags)
         after(text_encoder.layer)
     drive = None

@@ -150,13 +150,14 @@ class TextEncoder:
         return presentation.digest in self._remembered
 
     @torch.no_grad()
-    def encode(self, presentation: Presentation, between_layers: Callable[[], None] | None = None
+    def encode(self, presentation: Presentation, between_layers: Callable[[int], None] | None = None
                ) -> TextConditioning:
         """The hidden state after decoder layer `layer` for every row of `presentation`. `between_layers` is
-        called before each decoder layer runs: a host may raise there to stop (an interrupt) without waiting
-        for the whole encoder (50 layers of the 32B: tens of seconds when they stream from CPU memory).
-        The states of the last few presentations are remembered: the same prompt and media again (another
-        length or canvas of one request, a batch's repeated prompt) costs no encoder run."""
+        called before each decoder layer runs, with the number of layers done (a host's progress): it may raise
+        there to stop (an interrupt) without waiting for the whole encoder (50 layers of the 32B: tens of
+        seconds when they stream from CPU memory). The states of the last few presentations are remembered: the
+        same prompt and media again (another length or canvas of one request, a batch's repeated prompt) costs no
+        encoder run."""
         if not isinstance(presentation, Presentation):
             raise TypeError(
                 f"encode takes a Presentation (see TextEncoder.present), got {type(presentation).__name__}."
@@ -171,7 +172,7 @@ class TextEncoder:
         text = self._remembered[key]  # a copy given out: a caller changing its states in place changes no later call's
         return TextConditioning(text.prompt_embeds.clone(), text.token_tags.clone())
 
-    def _run(self, presentation: Presentation, between_layers: Callable[[], None] | None) -> TextConditioning:
+    def _run(self, presentation: Presentation, between_layers: Callable[[int], None] | None) -> TextConditioning:
         model = self._loaded()
         config = model.config
         if (presentation.image_token_id, presentation.video_token_id) != (config.image_token_id, config.video_token_id):
@@ -195,8 +196,8 @@ class TextEncoder:
         }
         model.rope_deltas = None  # transformers caches multimodal RoPE offsets for generation; start clean
         hooks = [] if between_layers is None else [  # before a streamed layer's copy to the device
-            layer.register_forward_pre_hook(lambda module, args: between_layers(), prepend=True)
-            for layer in model.language_model.layers
+            layer.register_forward_pre_hook(lambda module, args, done=done: between_layers(done), prepend=True)
+            for done, layer in enumerate(model.language_model.layers)
         ]
         try:
             output = model(

@@ -191,27 +191,27 @@ def test_t2va_equals_diffusers(tiny, encoder, monkeypatch):
 
 
 def test_between_layers_runs_before_each_decoder_layer_and_can_stop_the_encode(encoder):
-    """A host's interrupt check runs between the decoder layers (the result unchanged), and raising there
-    stops the encode mid-way and leaves no hook behind."""
+    """A host's interrupt check runs between the decoder layers, told how many are done (the result unchanged),
+    and raising there stops the encode mid-way and leaves no hook behind."""
     presentation = encoder.presenter.t2va(PROMPT)
     layers = encoder.model.language_model.layers
     calls = []
-    got = encoder.forget().encode(presentation, lambda: calls.append(len(calls)))  # a remembered prompt runs no layer
-    assert len(calls) == len(layers) > 1
+    got = encoder.forget().encode(presentation, calls.append)  # a remembered prompt runs no layer
+    assert calls == list(range(len(layers))) and len(layers) > 1
     assert torch.equal(got.prompt_embeds, encoder.forget().encode(presentation).prompt_embeds)
     encoder.forget()
 
     class Stop(Exception):
         pass
 
-    def stop_at_the_second():
-        if len(calls) == len(layers) + 1:
+    def stop_at_the_second(layers_done):
+        if layers_done == 1:
             raise Stop
-        calls.append(len(calls))
+        calls.append(layers_done)
 
     with pytest.raises(Stop):
         encoder.encode(presentation, stop_at_the_second)
-    assert len(calls) == len(layers) + 1 and all(not layer._forward_pre_hooks for layer in layers)
+    assert calls[len(layers):] == [0] and all(not layer._forward_pre_hooks for layer in layers)
 
 
 @pytest.mark.parametrize(
