@@ -54,6 +54,7 @@ from .pipeline import (MAX_OUTPUTS, MODEL_DTYPES, TINY_CANVAS, GenerateSettings,
 from .references import REFERENCE_IMAGE_MODES, MediaReference
 from .runtime import GIB, compile_failed, return_freed_memory_to_os, use_expandable_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, check_shift
+from .stage_bars import StageBars
 from .text_checkpoint import all_model_names, checkpoint_layers, locate_text_encoder, source_tensor_names
 from .tiny import TINY_RANDOM
 from .vae_audio_checkpoint import locate_audio_vae
@@ -600,35 +601,6 @@ def _kept(args, request: Request) -> tuple[Request, AVLatents | None]:
     width, height = given.canvas
     return dataclasses.replace(request, width=width, height=height, duration=None,
                                num_frames=given.num_frames), given
-
-
-class StageBars:
-    """A pipeline progress callback, (stage, done, total): one progress bar on stderr per stage, the last
-    stage's closed when the next begins. Written to a file or a pipe (a log), a bar is redrawn every 30 s
-    instead of ten times a second, and each stage's last state stays as a line of its own (on a terminal the
-    next stage's bar takes its place)."""
-
-    def __init__(self, quiet: bool = False):
-        self.bars = {}
-        self.quiet = quiet
-
-    def __call__(self, stage: str, done: int, total: int) -> None:
-        from tqdm import tqdm
-
-        bar = self.bars.get(stage)
-        if bar is None:
-            self.close()
-            terminal = sys.stderr.isatty()
-            bar = self.bars[stage] = tqdm(total=total, desc=stage, file=sys.stderr, leave=not terminal,
-                                          mininterval=0.1 if terminal else 30.0, disable=self.quiet)
-        if total != bar.total:
-            bar.total = total
-        bar.update(done - bar.n)
-
-    def close(self) -> None:
-        for bar in self.bars.values():
-            bar.close()
-        self.bars.clear()  # a stage met again (the DiT read anew after a worker failed) gets a bar of its own
 
 
 def run_encode(args) -> int:

@@ -5,6 +5,7 @@
     sample(dit, conditioning, seed, ...)                          -> AVLatents   (the dual-clock denoise)
     write_mp4(path, latents, video_vae, audio_vae)                -> Path        (streamed decode + mux)
     generate(...)                                                 -> everything above, with a progress callback
+                                                                     (StageBars(): a bar per stage, as `h3` draws)
     generate_batch(jobs, ...)                                     -> the same for many requests, each model loaded once
 """
 
@@ -63,6 +64,7 @@ from .runtime import EXPANDABLE_SEGMENTS, empty_caches, fixed_allocator_segments
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT, DualClockSchedule, StepCallback, check_shift, check_steps
 from .sampler import denoise as denoise_loop
 from .sparse_attention import STUDENT_SPARSITY
+from .stage_bars import StageBars  # noqa: F401 (engine API, above)
 from .text import ENCODING_FLOOR_BYTES, load_text_encoder, locate_text_encoder_files, spread_counts, text_encoder_sizes
 from .text_checkpoint import GGUF_NO_VISION, TEXT_ENCODER_LAYER
 from .tiny import TINY_RANDOM, tiny_model_dtype, tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae

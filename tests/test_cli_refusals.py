@@ -540,7 +540,7 @@ def test_progress_written_to_a_log_is_not_redrawn_ten_times_a_second(capsys, mon
 
     import tqdm.std
 
-    from h3_core.cli import StageBars
+    from h3_core.stage_bars import StageBars
 
     clock = itertools.count(0.0, 0.05)  # tqdm's clock: each reading 50 ms on
     monkeypatch.setattr(tqdm.std, "time", lambda: next(clock))
@@ -560,7 +560,7 @@ def logged_lines(err: str) -> list[str]:
 def test_each_stage_written_to_a_log_ends_with_a_line_of_its_own(capsys):
     """A stage shorter than 30 s was drawn at 0% and then blanked (a terminal's closing), so a log showed no
     end to it (found by the progress review)."""
-    from h3_core.cli import StageBars
+    from h3_core.stage_bars import StageBars
 
     bars = StageBars()
     bars("read DiT", 0, 10)
@@ -575,7 +575,7 @@ def test_each_stage_written_to_a_log_ends_with_a_line_of_its_own(capsys):
 def test_a_stage_met_again_gets_a_bar_again(capsys):
     """A stage named again after another began (the DiT read anew after a worker failed) updated a closed bar,
     which shows nothing (found by the progress review)."""
-    from h3_core.cli import StageBars
+    from h3_core.stage_bars import StageBars
 
     bars = StageBars()
     bars("read DiT", 0, 10)
