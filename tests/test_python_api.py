@@ -29,7 +29,7 @@ def test_readme_python_example_runs(tmp_path, monkeypatch, capsys):
     (tmp_path / "readme_example.py").write_text(example)  # run as a user's script would be (and no exec here:
     runpy.run_path(str(tmp_path / "readme_example.py"), run_name="__main__")  # the registry's checks flag it)
     shown = capsys.readouterr()
-    printed, bars = shown.out.splitlines(), [line.split("\r")[-1] for line in shown.err.splitlines()]
+    printed, bars = shown.out.splitlines(), shown.err.splitlines()  # each drawing of a bar (\r splits too)
     assert all(any(line.startswith(f"{stage}: 100%") and f"| {count}/{count} " in line for line in bars)
                for stage, count in [("sample 1/1", 7), ("decode 1/1", 124)])  # a bar per stage, ended (in a log)
     assert "out/fox_py.mp4 7 (1, 24, 37, 8, 14) (2, 32, 207)" in printed
