@@ -107,7 +107,8 @@ def model_choices(kind: str, also: tuple[str, ...] = (), unless: str | None = No
     return [TINY_RANDOM] + sorted(names)
 
 
-_walked: dict[str, tuple[list[str], dict[str, float]]] = {}  # folder -> (its files, each directory's mtime)
+# folder -> (its files, each directory's mtime); a key per folder ComfyUI names (its model folders and input folder)
+_walked: dict[str, tuple[list[str], dict[str, float]]] = {}
 
 
 def files_under(folder: str) -> list[str]:
