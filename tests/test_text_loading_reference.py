@@ -416,5 +416,7 @@ def test_text_conditions_equal_with_each_sides_own_loading(ours, reference, monk
     assert got.prompt_embeds.dtype == embeds.dtype == torch.float32
     if same_backend or task == "t2va":
         assert (got.prompt_embeds - embeds).abs().max().item() <= ATOL
+    else:  # pixels a uint8 level apart where they were resized: the states near (0.13% at most with torchvision 0.29)
+        assert ((got.prompt_embeds - embeds).norm() / embeds.norm()).item() < 5e-3
     if task != "t2va":
         assert int((np.asarray(seen["mm"]) > 0).sum()) > 0  # pictures really reached the processors
