@@ -492,14 +492,24 @@ def test_sampler_keeps_a_clips_video_and_makes_its_sound(comfy):
 
 
 def test_interrupt_stops_and_frees(comfy):
+    """Cancel stops the sampler after the step it came in, and the traceback ComfyUI keeps holds none of the
+    run's tensors (its frames' locals cleared: the latents and activations go at once)."""
     c = comfy
     model, text, vae = _models(c)
     cond = _cond(c, text, vae).values[0]
     c.record.progress.clear()
     c.record.interrupt_after = 2
-    with pytest.raises(sys.modules["comfy.model_management"].InterruptProcessingException):
+    with pytest.raises(sys.modules["comfy.model_management"].InterruptProcessingException) as caught:
         c.sampler.H3Sampler.execute(model, cond, 0, 20, 0.0, 0.0)
     assert [value for value, _, _ in c.record.progress] == [1, 2]  # stopped right after the step it was asked
+    trace = caught.value.__traceback__
+    while trace.tb_frame.f_code.co_name != "execute":  # the node's own frame was still running: its inputs stay
+        trace = trace.tb_next
+    below = []
+    while (trace := trace.tb_next) is not None:
+        below.append(trace.tb_frame.f_code.co_name)
+        assert trace.tb_frame.f_locals == {}, below
+    assert len(below) > 2, below
 
 
 def test_a_guide_clip_shows_its_encoding_and_stops_when_interrupted(comfy):
