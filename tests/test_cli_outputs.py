@@ -1,8 +1,10 @@
 """`h3 generate`'s outputs: never one of the run's own input files, and their names checked with the option
 named, before any model loads."""
 
+import errno
 import os
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -98,7 +100,7 @@ def test_each_numbered_output_is_checked_before_the_run(tmp_path, no_model_loads
     assert sorted(path.name for path in tmp_path.iterdir()) == [third.name]
 
 
-def test_a_refused_run_makes_no_output_folder(tmp_path, no_model_loads, capsys):
+def test_a_refused_run_makes_no_output_folder(tmp_path, no_model_loads, capsys, monkeypatch):
     """The output's folders are made when it is written: a run refused after the output check (a missing guide, a
     missing sound to encode) leaves none behind; a folder that cannot be made is still said before the run."""
     for argv in (["generate", "--prompt", "x", "--steps", "2", "--out", str(tmp_path / "new" / "deeper" / "x.mp4"),
@@ -111,9 +113,17 @@ def test_a_refused_run_makes_no_output_folder(tmp_path, no_model_loads, capsys):
         assert not (tmp_path / "new").exists(), argv
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
-    if not os.access(locked, os.W_OK):  # root writes anywhere
-        assert main(["generate", "--prompt", "x", "--out", str(locked / "new" / "x.mp4")]) == 2
-        assert re.search(r"Cannot write --out \S*locked/new/x.mp4: Permission denied", capsys.readouterr().err)
+    if os.access(locked, os.W_OK):  # root writes anywhere: the refusal a user would meet, made for it
+        made = tempfile.NamedTemporaryFile
+
+        def refused(*args, dir=None, **kwargs):
+            if Path(dir) == locked:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dir))
+            return made(*args, dir=dir, **kwargs)
+
+        monkeypatch.setattr(tempfile, "NamedTemporaryFile", refused)
+    assert main(["generate", "--prompt", "x", "--out", str(locked / "new" / "x.mp4")]) == 2
+    assert re.search(r"Cannot write --out \S*locked/new/x.mp4: Permission denied", capsys.readouterr().err)
 
 
 def test_an_upper_case_mp4_is_taken(tmp_path, monkeypatch, capsys):
