@@ -239,6 +239,7 @@ def test_generate_turns_on_expandable_segments(monkeypatch, capsys, configured, 
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     argv = ["generate", "--prompt", "x", "--duration", "40", "--out", "o.mp4"] + (["--devices", devices] if devices else [])
     assert main(argv) == 2  # refused (40 s) after the setting, before any model
+    assert "duration must be between 4 and 15 seconds, got 40.0" in capsys.readouterr().err  # not refused earlier
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == expected
 
 

@@ -131,7 +131,7 @@ def test_latent_frames_rejects_off_grid_counts():
     for frames in (123, 125, 0, 17):
         with pytest.raises(ValueError, match="17n \\+ 5"):
             geometry.latent_frames(frames)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="frame count must be positive, got 0"):
         geometry.align_frames(0)
 
 

@@ -248,7 +248,7 @@ def test_node_chain_on_tiny_random(tmp_path):
     video_vae, audio_vae = tiny_random_video_vae(), tiny_random_audio_vae()
     request = convert.build_request("fl2va", "a red fox on a beach", first_image=torch.rand(1, 128, 224, 3),
                                     duration=4.0)
-    with pytest.raises(RequestError):  # limits are checked by the engine (4-15 s)
+    with pytest.raises(RequestError, match="between 4 and 15 seconds, got 2.0"):  # limits: the engine's
         encode_request(convert.build_request("t2va", "x", duration=2.0), None, rules=TINY_CANVAS)
     cond = encode_request(request, tiny_random_text_encoder(), video_vae, audio_vae, rules=TINY_CANVAS)
     assert cond.num_frames == 107

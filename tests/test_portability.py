@@ -161,7 +161,7 @@ def test_two_batch_lines_writing_one_name_in_two_cases_are_refused_where_names_i
     assert re.search(r"lines 1 and 2 both write \S*take.mp4", capsys.readouterr().err)
 
 
-def test_a_ranks_lora_keeps_its_windows_drive(monkeypatch):
+def test_a_ranks_lora_keeps_its_windows_drive(monkeypatch, capsys):
     """python -m h3_core.parallel split --lora at its last colon: C:\\loras\\a.safetensors became path 'C' and a
     traceback for its 'strength'. It reads --lora as h3 generate does."""
     import importlib
@@ -173,8 +173,11 @@ def test_a_ranks_lora_keeps_its_windows_drive(monkeypatch):
               "--first-rank", "1"]
     assert ranks.main(common + ["--lora", "C:\\loras\\a.safetensors", "--lora", "C:\\loras\\b.safetensors:0.5"]) == 0
     assert seen == [(("C:\\loras\\a.safetensors", 1.0), ("C:\\loras\\b.safetensors", 0.5))]
-    with pytest.raises(SystemExit):  # said by its parser, with its usage
+    with pytest.raises(SystemExit) as stop:  # said by its parser, with its usage
         ranks.main(common + ["--lora", "b.safetensors:strong"])
+    said = capsys.readouterr().err
+    assert stop.value.code == 2 and "usage:" in said
+    assert "--lora 'b.safetensors:strong': the strength after ':' must be a number." in said
 
 
 def _watched_worker(ready):

@@ -102,14 +102,18 @@ def test_window_prompts_without_a_request_prompt_run(tmp_path):
         assert container.metadata.get("title") == "A fox on a beach."
 
 
-def test_the_tiny_text_encoder_leaves_transformers_progress_bars_as_it_found_them():
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_tiny_text_encoder_leaves_transformers_progress_bars_as_it_found_them(enabled):
     from transformers.utils import logging as transformers_logging
 
     from h3_core.tiny_text import tiny_random_text_encoder
 
-    transformers_logging.enable_progress_bar()
-    tiny_random_text_encoder()
-    assert transformers_logging.is_progress_bar_enabled()
+    (transformers_logging.enable_progress_bar if enabled else transformers_logging.disable_progress_bar)()
+    try:
+        tiny_random_text_encoder()
+        assert transformers_logging.is_progress_bar_enabled() == enabled
+    finally:
+        transformers_logging.enable_progress_bar()  # transformers' default, for the tests after this one
 
 
 def test_making_the_tiny_models_leaves_the_callers_random_sequence_alone():
