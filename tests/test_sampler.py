@@ -4,7 +4,7 @@ import pytest
 import torch
 from diffusers import MiniMaxH3Scheduler
 
-from h3_core.sampler import DualClockSchedule, custom_ladder, euler_step, sigma_ladder
+from h3_core.sampler import DualClockSchedule, check_shift, custom_ladder, euler_step, sigma_ladder
 
 
 @pytest.mark.parametrize("points", [50, 9, 5])
@@ -50,6 +50,19 @@ def test_bad_step_counts_are_refused(bad):
 def test_bad_custom_sigmas_are_refused(bad):
     with pytest.raises(ValueError, match="sigmas"):
         custom_ladder(bad)
+
+
+def test_the_shortest_custom_ladder_is_one_step():
+    assert custom_ladder([0.5, 0.0]).tolist() == [0.5, 0.0]
+    assert DualClockSchedule.build(video_sigmas=[0.5, 0.0], audio_sigmas=[0.25, 0.0]).num_calls == 1
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_shift_must_be_a_positive_finite_number(bad):
+    with pytest.raises(ValueError, match=f"video_shift must be a positive number, got {bad}"):
+        DualClockSchedule.build(5, video_shift=bad)
+    with pytest.raises(ValueError, match=f"audio_shift must be a number from 0.01 to 100, got {bad}"):
+        check_shift(bad, "audio_shift", bounded=True)
 
 
 def test_custom_sigmas_equal_reference():
@@ -197,16 +210,18 @@ def test_preview_estimate_is_the_steps_own_clean_estimate():
     states = []
 
     def keep(state):
-        states.append((state.video_rows.clone(), state.video_velocity.clone(), state.video_estimate_frame()))
+        states.append((state.video_rows.clone(), state.video_velocity.clone(), state.video_estimate_frame(),
+                       state.video_estimate_frame(1)))
 
     sample(tiny_random_dit(), cond, 0, 5, callback=keep)
     layout, schedule = cond.layout, DualClockSchedule.build(5)
-    (before, _, _), (_, velocity, estimate) = states[1], states[2]  # the third step: sigma -> sigma_next, both > 0
+    (before, _, _, _), (_, velocity, estimate, second) = states[1], states[2]  # the third step: sigma > sigma_next > 0
     sigma = schedule.video[2]
     assert 0 < schedule.video[3] < sigma
     target = slice(layout.num_condition_video_rows, None)
     x0 = before[:, target] + sigma * velocity[:, target].float()
-    expected = unpatchify(x0, layout.latent_frames, layout.latent_height, layout.latent_width)[0, :, layout.latent_frames // 2]
-    assert torch.allclose(estimate, expected, atol=1e-5)
+    clean = unpatchify(x0, layout.latent_frames, layout.latent_height, layout.latent_width)[0]
+    assert torch.allclose(estimate, clean[:, layout.latent_frames // 2], atol=1e-5)
+    assert torch.allclose(second, clean[:, 1], atol=1e-5)  # another frame than the middle one, counted from the start
     assert not torch.allclose(estimate, unpatchify(before[:, target], layout.latent_frames, layout.latent_height,
                                                    layout.latent_width)[0, :, layout.latent_frames // 2], atol=1e-2)
