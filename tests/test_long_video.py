@@ -371,6 +371,8 @@ def test_a_driving_track_without_a_duration_sets_the_clip_length(tmp_path, capsy
     assert track_frames(DecodedAudio(torch.zeros(2, 142667), rate), 7213) == 107  # 107 frames and a sample
     assert track_frames(DecodedAudio(torch.zeros(2, 142666), rate), 7213) == 90
     assert track_frames(DecodedAudio(torch.zeros(1, 4 * 8000), 8000), 7213) == 90  # mono, another rate: 4 s
+    assert track_frames(DecodedAudio(torch.zeros(2, 29334), rate), 7213) == 22  # the VAE's shortest clip, just
+    assert track_frames(DecodedAudio(torch.zeros(2, 29333), rate), 7213) == 0  # under it: no clip
     song = write_wav(tmp_path / "song.wav", 10.3)  # 247 frames -> 243
     assert plan(song).num_frames == 243 and plan(song, "full").num_frames == 243
     assert plan(song, duration=12.0).num_frames == 294  # padded with silence, as asked
