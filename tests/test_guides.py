@@ -28,7 +28,7 @@ from h3_core.layout import (
     unpack_audio,
 )
 from h3_core.pipeline import TINY_CANVAS, sample
-from h3_core.references import encode_audio, encode_video, frames_on_canvas, prepare_audio
+from h3_core.references import DecodedAudio, encode_audio, encode_video, frames_on_canvas, prepare_audio
 from h3_core.tiny import tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
 
 WIDTH, HEIGHT, FRAMES = 224, 128, 107  # the tiny canvas, 4 s
@@ -156,6 +156,7 @@ def test_guide_inputs_are_checked_before_any_model_runs(models):
     plain = encoded("t2va")
     assert [guide_frame_count(n) for n in (1, 4, 5, 21, 22, 40)] == [1, 1, 5, 5, 22, 39]
     assert resolve_frame_index(-1, FRAMES) == FRAMES - 1
+    assert resolve_frame_index(0, FRAMES, FRAMES) == 0 and resolve_frame_index(-FRAMES, FRAMES, FRAMES) == 0  # all of it
     with pytest.raises(RequestError, match=r"frame_index 107 is outside the video's 107 frames; use 0\.\.106"):
         add_guide(plain, FRAMES, video_vae, frames=picture(1)[0])
     with pytest.raises(RequestError, match="A 124-frame guide clip is longer than the video's 107 frames"):
@@ -239,3 +240,24 @@ def test_ref2va_guides_pack_before_the_references_from_the_target_origin(models)
     assert guided.audio_condition_rows.shape[1] == 2 * guided.guides[0].audio_latents == 2 * 40
     out = sample(dit, guided, seed=2, steps=3)
     assert not torch.equal(out.video, sample(dit, plain, seed=2, steps=3).video)
+
+
+def test_sound_guides_pack_in_the_order_added_before_the_references_sound(models):
+    """ref2va with a reference sound and two guide sounds: the audio condition rows are the first guide's, the
+    second's (placed after every sound guided before it), then the reference's."""
+    _, video_vae, audio_vae = models
+    states, tags = text()
+    rng = np.random.default_rng(11)
+    voice, first, second = (rng.standard_normal((2, 32000 * seconds)).astype(np.float32) * 0.1 for seconds in (3, 1, 1))
+    references = [("image", Image.fromarray(picture(7)[0])), ("audio", DecodedAudio(voice, 32000))]
+    request = Request("ref2va", "a fox", references=references, width=WIDTH, height=HEIGHT, num_frames=FRAMES)
+    plain = encode_request(request, video_vae=video_vae, audio_vae=audio_vae, text_states=states, text_tags=tags,
+                           rules=TINY_CANVAS)
+    heard = plain.audio_condition_rows
+    alone = [add_guide(plain, frame, audio_vae=audio_vae, waveform=sound, sample_rate=32000)
+             for frame, sound in ((0, first), (60, second))]
+    own = [guided.audio_condition_rows[:, : guided.audio_condition_rows.shape[1] - heard.shape[1]] for guided in alone]
+    assert heard.shape[1] > 0 and all(rows.shape[1] > 0 for rows in own)
+    assert all(torch.equal(guided.audio_condition_rows[:, rows.shape[1]:], heard) for guided, rows in zip(alone, own))
+    both = add_guide(alone[0], 60, audio_vae=audio_vae, waveform=second, sample_rate=32000)
+    assert torch.equal(both.audio_condition_rows, torch.cat([*own, heard], 1))
