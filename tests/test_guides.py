@@ -156,7 +156,8 @@ def test_guide_inputs_are_checked_before_any_model_runs(models):
     plain = encoded("t2va")
     assert [guide_frame_count(n) for n in (1, 4, 5, 21, 22, 40)] == [1, 1, 5, 5, 22, 39]
     assert resolve_frame_index(-1, FRAMES) == FRAMES - 1
-    assert resolve_frame_index(0, FRAMES, FRAMES) == 0 and resolve_frame_index(-FRAMES, FRAMES, FRAMES) == 0  # all of it
+    assert resolve_frame_index(0, FRAMES, FRAMES) == 0  # a clip as long as the video, from either end
+    assert resolve_frame_index(-FRAMES, FRAMES, FRAMES) == 0
     with pytest.raises(RequestError, match=r"frame_index 107 is outside the video's 107 frames; use 0\.\.106"):
         add_guide(plain, FRAMES, video_vae, frames=picture(1)[0])
     with pytest.raises(RequestError, match="A 124-frame guide clip is longer than the video's 107 frames"):
