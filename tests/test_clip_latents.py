@@ -195,3 +195,16 @@ def test_cli_encodes_a_video_file_for_continue_from(tmp_path, capsys, vaes, monk
     assert "Give width and height (--width, --height) together" in capsys.readouterr().err
     assert main(["encode", str(path), "--out", str(out), "--audio", str(tmp_path / "nope.wav")]) == 2
     assert f"--audio {tmp_path / 'nope.wav'}: no such file." in capsys.readouterr().err  # said no option
+
+
+@pytest.mark.parametrize("start, max_frames", [(0.0, 10_000), (2.0, 10_000), (0.5, 60), (3.9, 10_000)])
+def test_a_files_expected_clip_length_is_what_encoding_it_from_its_start_keeps(tmp_path, start, max_frames):
+    """The progress bar's total and the memory placed before a file's encode: the frames kept from `start`."""
+    from h3_core.clip_latents import expected_clip_frames
+    from h3_core.media_write import write_mp4
+
+    path = tmp_path / "five_seconds.mp4"
+    write_mp4(path, clip(120)[:, :96, :176])
+    frames, _, _ = stream_clip(path, RELEASE_CANVAS, 64, 64, max_frames, start)
+    kept = sum(chunk.shape[0] for chunk in VaeClips(frames))
+    assert expected_clip_frames(path, start, max_frames) == kept == {0.0: 107, 2.0: 56, 0.5: 56, 3.9: 22}[start]
