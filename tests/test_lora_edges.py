@@ -174,6 +174,30 @@ def test_tensors_holding_nan_are_refused(tmp_path):
         load_lora(path)
 
 
+def test_factors_stored_as_fp8_apply_as_their_values_and_a_nan_among_them_is_refused(tmp_path):
+    """FP8 LoRAs exist (adapters cut for FP8 checkpoints); torch has no isfinite of FP8, so the file's check
+    reads them widened."""
+    path = write_peft(tmp_path / "fp8.safetensors", random_spec(TINY_DIT))
+    tensors = {key: tensor.to(torch.float8_e4m3fn) for key, tensor in load_file(str(path)).items()}
+    save_file(tensors, str(path))
+    widened = tmp_path / "widened.safetensors"
+    save_file({key: tensor.float() for key, tensor in tensors.items()}, str(widened))
+    merged = []
+    for adapter in (path, widened):
+        model = tiny_random_dit()
+        apply_loras(model, [(load_lora(adapter), 0.7)], partition="fl2va", mode="merge")
+        merged.append(model.state_dict())
+    assert merged[0].keys() == merged[1].keys()
+    assert all(torch.equal(merged[0][key], merged[1][key]) for key in merged[0])
+    plain = tiny_random_dit().state_dict()
+    assert sum(not torch.equal(merged[0][key], plain[key]) for key in plain) > 10  # the adapter was applied
+    key = sorted(tensors)[3]
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, str(path))
+    with pytest.raises(LoRAError, match=rf"'{key}' of fp8\.safetensors holds NaN or infinite values"):
+        load_lora(path)
+
+
 @pytest.mark.parametrize("flat_prefix", ["lora_unet_", "lycoris_"])
 @pytest.mark.parametrize("spelling", ["native", "diffusers"])
 def test_every_linear_flattened_is_read_as_that_linear(tmp_path, flat_prefix, spelling):
