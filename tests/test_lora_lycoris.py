@@ -169,6 +169,10 @@ def test_lokr_on_interleaved_qkv_rows_is_reordered(tmp_path):
     ({"lora_unet_blocks_0_attn_out_proj.lokr_w1": torch.zeros(4, 8),
       "lora_unet_blocks_0_attn_out_proj.lokr_w2_a": torch.zeros(16, 2),
       "lora_unet_blocks_0_attn_out_proj.lokr_w2_b": torch.zeros(3, 8)}, "lokr factors of .* do not fit together"),
+    ({"lora_unet_blocks_0_attn_out_proj.hada_w1_a": torch.zeros(64, 2),  # each pair whole, the products unequal
+      "lora_unet_blocks_0_attn_out_proj.hada_w1_b": torch.zeros(2, 64),
+      "lora_unet_blocks_0_attn_out_proj.hada_w2_a": torch.zeros(32, 2),
+      "lora_unet_blocks_0_attn_out_proj.hada_w2_b": torch.zeros(2, 64)}, "loha factors of .* do not fit together"),
     ({"lora_unet_blocks_0_attn_out_proj.lokr_w1": torch.zeros(4, 8),
       "lora_unet_blocks_0_attn_out_proj.lokr_w2": torch.zeros(16, 4)}, "has input width 32; 'blocks.0.attn.out_proj' "
                                                                         "takes 64"),
