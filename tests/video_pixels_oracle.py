@@ -12,10 +12,12 @@ import numpy as np
 import torch
 
 RECORDING = Path(__file__).parent / "data" / "qwen3vl_video_pixels.safetensors"
-SIZES = {  # the tiny processor's pixel budget (clips made smaller), and one that makes them larger
+SIZES = {  # the tiny processor's pixel budget (clips made smaller), one that makes them larger, one capped per frame
     "tiny": {"shortest_edge": 1024, "longest_edge": 16384},
     "upscaled": {"shortest_edge": 30000, "longest_edge": 10**8},
+    "capped": {"shortest_edge": 4096, "longest_edge": 8192},  # per frame: the floor, 1.05 x shortest_edge, wins
 }
+CAP_PIXELS_PER_FRAME = {"capped"}  # the sizes read with the processor's cap_pixels_per_frame set
 CLIPS = [(3, 1, 64, 96), (5, 2, 70, 100)]  # frames, seed, height, width
 
 
@@ -35,7 +37,7 @@ def native_uint8_resize() -> bool:
 def processor_config(size: str) -> dict:
     from h3_core.tiny_text import VIDEO_PROCESSOR
 
-    return dict(VIDEO_PROCESSOR, size=SIZES[size])
+    return dict(VIDEO_PROCESSOR, size=SIZES[size], cap_pixels_per_frame=size in CAP_PIXELS_PER_FRAME)
 
 
 def stock_pixels() -> dict[str, torch.Tensor]:
@@ -48,7 +50,8 @@ def stock_pixels() -> dict[str, torch.Tensor]:
         stock = Qwen3VLVideoProcessor(
             **{k: v for k, v in config.items() if not k.endswith("_class") and k != "video_processor_type"}
         )
-        out = stock(videos=clips(), do_sample_frames=False, cap_pixels_per_frame=False, return_tensors="pt")
+        out = stock(videos=clips(), do_sample_frames=False, cap_pixels_per_frame=config["cap_pixels_per_frame"],
+                    return_tensors="pt")
         recorded[f"{size}.pixels"] = out["pixel_values_videos"].contiguous()
         recorded[f"{size}.grid"] = out["video_grid_thw"].contiguous()
     return recorded
