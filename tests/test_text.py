@@ -1134,6 +1134,27 @@ def test_a_damaged_tokenizer_is_named(tmp_path):
         load_tokenizer(folder)
 
 
+def test_a_tokenizer_folders_own_code_is_never_run(tmp_path):
+    """A shared tokenizer folder may name Python of its own (tokenizer_config's auto_map); running it would run
+    whatever its author wrote. The stock tokenizer is loaded instead, the file untouched."""
+    import json
+
+    from h3_core.prompt import load_tokenizer
+
+    folder = tiny_qwen.write_tokenizer(tmp_path / "tokenizer")
+    ran = tmp_path / "ran"
+    (folder / "custom_tokenizer.py").write_text(
+        f"import pathlib\npathlib.Path({str(ran)!r}).write_text('ran')\n"
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class CustomTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, "custom_tokenizer.CustomTokenizer"]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = load_tokenizer(folder)
+    assert not ran.exists() and type(tokenizer).__name__ != "CustomTokenizer"
+    assert tokenizer("<d>hi</d>", add_special_tokens=False)["input_ids"][0] == tokenizer.convert_tokens_to_ids("<d>")
+
+
 def test_a_tokenizer_without_the_dialogue_tokens_is_warned_of(tmp_path, caplog):
     """A stock Qwen3-VL tokenizer (no MiniMax <d> / </d>) loads and runs, but splits dialogue marks into text the
     model never read: said once it loads; the release's tokenizer says nothing."""
