@@ -297,3 +297,14 @@ def test_a_clip_made_at_the_longest_duration_can_be_kept_whole(mode, frames):
     assert long_video_frames(mode_seconds(mode), mode) == frames
     plan = validate_long_video(LongVideoRequest(Request("t2va", PROMPT), mode=mode, keep_video=clip), TINY_CANVAS)
     assert plan.num_frames == frames
+
+
+def test_a_duration_of_the_kept_clips_own_length_keeps_it_all():
+    """20 s is the 481-frame clip's own length on the 17n + 5 grid: kept whole. A duration past the clip is refused
+    (20.75 s would need 498 frames)."""
+    plan = validate_long_video(LongVideoRequest(Request("t2va", PROMPT, duration=20.0), keep_video=kept_clip(481)),
+                               TINY_CANVAS)
+    assert plan.num_frames == 481
+    with pytest.raises(RequestError, match=r"The kept clip lasts 481 frames \(20.04 s\); 20.75 s would need 498"):
+        validate_long_video(LongVideoRequest(Request("t2va", PROMPT, duration=20.75), keep_video=kept_clip(481)),
+                            TINY_CANVAS)
