@@ -17,6 +17,7 @@ Validation tests pass models that fail the test if touched: every limit is check
 
 from __future__ import annotations
 
+import dataclasses
 import fractions
 import math
 import os
@@ -318,6 +319,13 @@ def test_ref2va_equals_diffusers(tiny_text, video_vaes, audio_vaes, case):
     if case == "mix":
         assert [z.shape[2] for z in ours.visual_condition_latents] == [17, 1, 1]  # 60 frames -> 56 -> 17 latents
         assert ours.layout.num_condition_audio_rows == 2 * (100 + 88)  # 2.5 s soundtrack, 2.2 s voice
+        # the memory plan's blocks, from the media's sizes before any encode: the images' exactly, the video's
+        # picture a second short (2.5 s -> 36 frames -> 22 -> 7 latents), sound left out; never more than encoded
+        planned = validate(request, TINY_RULES).reference_blocks
+        encoded = [block for block in ours.reference_blocks if block.kind != "audio"]
+        assert [block.kind for block in planned] == [block.kind for block in encoded] == ["video", "image", "image"]
+        assert planned[1:] == tuple(encoded[1:]) and planned[0].latent_frames == 7
+        assert planned[0] == dataclasses.replace(encoded[0], latent_frames=7, audio_latents=0)
 
 
 def test_precomputed_text_states_skip_the_encoder(tiny_text, video_vaes):
