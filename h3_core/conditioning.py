@@ -159,10 +159,6 @@ class RequestPlan:
     # the reference blocks the media's sizes already fix, for planning memory before encoding (_sized_blocks)
     reference_blocks: tuple[ReferenceBlock, ...] = ()
 
-    @property
-    def seconds(self) -> float:
-        return self.num_frames / geometry.FPS
-
 
 # ----------------------------------------------------------------------------------------------
 # Validation
