@@ -857,3 +857,16 @@ def test_a_silent_video_carries_no_audio_label(tmp_path):
         assert prompt_warnings(request) == ["the prompt names <Audio 2>, but the request carries 1 audio label."]
         request = Request("ref2va", prompt, references=[("video", sounding), ("video", sounding)])
         assert prompt_warnings(request) == []
+
+
+def test_fl2va_keyframes_are_the_requests_pictures():
+    """An fl2va request's keyframes are what the vision tower reads and what <Picture N> names: both keyframes
+    are two pictures, a first frame alone one (the prompt's <Picture 2> is then warned of)."""
+    from h3_core.conditioning import prompt_warnings, shows_pictures
+
+    prompt = "<Picture 1> turns into <Picture 2>."
+    both = Request("fl2va", prompt, first_image=picture(64, 36, 1), last_image=picture(64, 36, 2))
+    first = Request("fl2va", prompt, first_image=picture(64, 36, 1))
+    assert shows_pictures(both) and shows_pictures(first)
+    assert prompt_warnings(both) == []
+    assert prompt_warnings(first) == ["the prompt names <Picture 2>, but the request carries 1 picture label."]
