@@ -870,3 +870,12 @@ def test_fl2va_keyframes_are_the_requests_pictures():
     assert shows_pictures(both) and shows_pictures(first)
     assert prompt_warnings(both) == []
     assert prompt_warnings(first) == ["the prompt names <Picture 2>, but the request carries 1 picture label."]
+
+
+@pytest.mark.parametrize("references", ["photo.png", MediaReference("image", "photo.png"), {"image": "photo.png"}, 3])
+def test_references_not_given_as_a_list_are_refused_as_such(references):
+    """One path or one reference where a list belongs is refused as such, not read item by item (a path's letters
+    as references)."""
+    with pytest.raises(RequestError, match=r"references must be a list of \(kind, source\[, start_seconds\]\) or "
+                                           r"MediaReference entries\."):
+        validate(Request("ref2va", PROMPT, references=references))
