@@ -378,6 +378,7 @@ def test_a_driving_track_without_a_duration_sets_the_clip_length(tmp_path, capsy
     assert plan(song, duration=12.0).num_frames == 294  # padded with silence, as asked
     assert plan(song, duration=5.0).num_frames == 124
     assert covers_track(10.2, song) and covers_track(300.0, song) and not covers_track(10.0, song)
+    assert covers_track(243 / 24, song)  # exactly the frames the track sets
     assert not covers_track(20.0, write_wav(tmp_path / "short.wav", 4.4))  # padded to the duration instead
     with pytest.raises(RequestError, match=r"lasts under 4.46 s \(107 frames\).* give a duration"):
         plan(tmp_path / "short.wav")
