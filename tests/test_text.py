@@ -1136,7 +1136,7 @@ def test_a_damaged_tokenizer_is_named(tmp_path):
 
 def test_a_tokenizer_folders_own_code_is_never_run(tmp_path):
     """A shared tokenizer folder may name Python of its own (tokenizer_config's auto_map); running it would run
-    whatever its author wrote. The stock tokenizer is loaded instead, the file untouched."""
+    whatever its author wrote. The stock tokenizer is loaded instead, that code never imported."""
     import json
 
     from h3_core.prompt import load_tokenizer
