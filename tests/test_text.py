@@ -490,7 +490,9 @@ def test_uint8_bilinear_resizes_take_torchvisions_path_on_every_cpu(monkeypatch,
     torchvision = pytest.importorskip("torchvision", reason="torchvision is the oracle (installed with ComfyUI)")
     import platform
 
-    if machine != "x86_64" and tuple(int(part) for part in torchvision.__version__.split(".")[:2]) < (0, 29):
+    from packaging.version import Version
+
+    if machine != "x86_64" and Version(torchvision.__version__) < Version("0.29"):
         pytest.skip(f"torchvision {torchvision.__version__} resizes through float32 on ARM; ours follows 0.29's rule")
 
     from torchvision.transforms.v2 import InterpolationMode
