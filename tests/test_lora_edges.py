@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from lora_files import fused, random_spec, write_kohya, write_native, write_peft
+from lora_files import Spec, fused, random_spec, write_kohya, write_native, write_peft
 from safetensors.torch import load_file, save_file
 from test_fp8 import forward
 
@@ -111,11 +111,14 @@ def test_a_strength_that_is_no_number_is_refused_by_the_shape_check(tmp_path):
 
 def test_a_turbo_name_with_no_usable_step_count_is_refused_naming_the_file(tmp_path):
     spec = random_spec(TINY_DIT)
-    for steps, calls in (("0step", 0), ("99999step", 99999)):
+    for steps, calls in (("0step", 0), ("1000step", 1000), ("99999step", 99999)):
         name = f"minimax_h3_fl2v_turbo_{steps}_v1.0.safetensors"
         with pytest.raises(LoRAError, match=rf"minimax_h3_fl2v_turbo_{steps}_v1\.0 names a schedule of {calls} "
                                             r"model calls \(from its file name\); a schedule makes 1 to 999\."):
             load_lora(write_peft(tmp_path / name, spec))
+    for calls in (1, 999):  # the ends of what a schedule makes
+        name = f"minimax_h3_fl2v_turbo_{calls}step_v1.0.safetensors"
+        assert load_lora(write_peft(tmp_path / name, spec)).contract.forwards == calls
 
 
 def test_an_upper_case_suffix_keeps_a_release_name(tmp_path):
@@ -133,12 +136,17 @@ def _with_metadata(path, metadata):
 def test_turbo_metadata_is_checked_and_weighed_against_the_name(tmp_path):
     with pytest.raises(LoRAError, match=r"base_schedule \[1\.0, nan, 0\.0\] must be strictly decreasing"):
         load_lora(_with_metadata(tmp_path / "a.safetensors", {"base_schedule": "1.0,nan,0.0"}))
+    with pytest.raises(LoRAError, match=r"base_schedule \[1\.0, 0\.5, 0\.5, 0\.0\] must be strictly decreasing"):
+        load_lora(_with_metadata(tmp_path / "a.safetensors", {"base_schedule": "1,0.5,0.5,0"}))  # a repeated point
     with pytest.raises(LoRAError, match=r"names task\(s\) 't2v' in 'tasks'; H3's tasks are t2va, fl2va, ref2va\."):
         load_lora(_with_metadata(tmp_path / "b.safetensors", {"base_schedule": "1,0.5,0", "tasks": "t2v"}))
     # a ladder in the metadata, the partition in the name: a ref2v Turbo stays a ref2va adapter
     ref2v = load_lora(_with_metadata(tmp_path / "minimax_h3_ref2v_turbo_4step_v0.1_bf16.safetensors",
                                      {"base_schedule": "1,0.75,0.5,0.25,0"}))
     assert ref2v.contract.identified_by == "metadata" and ref2v.partition == "ref2va" and ref2v.notes == []
+    agreeing = load_lora(_with_metadata(tmp_path / "minimax_h3_fl2v_turbo_4step_v1.0_768p_bf16.safetensors",
+                                        {"base_schedule": "1,0.75,0.5,0.25,0", "tasks": "fl2va"}))
+    assert agreeing.contract.tasks == ("fl2va",) and agreeing.notes == []  # name and metadata agree: nothing to say
     with pytest.raises(LoRAError, match="distilled for ref2va .*not on fl2va"):
         check_loras(TINY_DIT, [(ref2v, 1.0)], "fl2va")
     disagreeing = load_lora(_with_metadata(tmp_path / "minimax_h3_fl2v_turbo_8step_v1.0_bf16.safetensors",
@@ -162,6 +170,12 @@ def test_a_distilled_ladder_stays_when_steps_asks_for_its_own_length(tmp_path):
     assert same.video_sigmas == own.video_sigmas is not None and same.notes == ()
     other = sampler_settings(contract, steps=6)
     assert other.video_sigmas is None and "steps=6 overrides the contract's 5" in other.notes[0]
+    # a ladder given is weighed against the contract's ladder for that clock (video shift 12, audio 3)
+    assert sampler_settings(contract, video_sigmas=own.video_sigmas, audio_sigmas=own.audio_sigmas).notes == ()
+    halved = [sigma / 2 if 0 < sigma < 1 else sigma for sigma in own.video_sigmas]
+    (note,) = sampler_settings(contract, video_sigmas=halved).notes
+    assert note.startswith("user video_sigmas=[1, 0.48276, 0.44444, 0.33962, 0] overrides the contract's "
+                           "[1, 0.96552, 0.88889, 0.67925, 0] ")
 
 
 def test_tensors_holding_nan_are_refused(tmp_path):
@@ -527,7 +541,9 @@ def test_apply_loras_given_a_path_or_one_lora_says_what_to_pass(tmp_path):
                         (str(path), r"got the path '.*style\.safetensors'"),
                         (adapter, r"got one LoRA: pass \[lora\] or \[\(lora, strength\)\]"),
                         ([(adapter, 1.0, "merge")], r"got tuple of 3"),
-                        ([1.0], r"got float\.")):
+                        ([1.0], r"got float\."),
+                        ([(str(path), 1.0)], r"takes LoRA objects from load_lora \(or \(lora, strength\) pairs\), "
+                                             r"got str\.")):
         with pytest.raises(LoRAError, match=said):
             apply_loras(model, given, partition="fl2va")
     assert applied_loras(model) == []
@@ -546,3 +562,45 @@ def test_a_strength_that_overflows_the_merged_weights_is_refused_leaving_them_as
     assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
     apply_loras(model, [(adapter, 2.0)], partition="fl2va")  # a usual strength still merges
     assert applied_loras(model) != []
+
+
+def test_a_name_in_lightx2v_form_that_was_never_published_is_read_with_a_note(tmp_path):
+    unpublished = load_lora(write_peft(tmp_path / "minimax_h3_fl2v_turbo_6step_v1.0_bf16.safetensors",
+                                       random_spec(TINY_DIT)))
+    assert (unpublished.contract.steps, unpublished.contract.video_shift) == (7, 12.0)
+    assert unpublished.notes == ["minimax_h3_fl2v_turbo_6step_v1.0_bf16.safetensors follows LightX2V's Turbo naming "
+                                 "but is not a published artifact; its schedule is read from the name pattern"]
+
+
+def test_a_q_factor_with_the_wrong_row_count_is_refused_naming_the_rows_of_each_part(tmp_path):
+    generator = torch.Generator().manual_seed(3)
+    factors = {"transformer_blocks.0.attn.to_q": (torch.randn(4, TINY_DIT.hidden_size, generator=generator),
+                                                  torch.randn(32, 4, generator=generator))}  # q has 64 rows
+    adapter = load_lora(write_peft(tmp_path / "q.safetensors", Spec(factors)))
+    with pytest.raises(LoRAError, match=r"^'transformer_blocks\.0\.attn\.to_q\.lora_B\.default\.weight' of "
+                                        r"q\.safetensors has 32 output rows for the q part of "
+                                        r"'blocks\.0\.attn\.qkv_proj', whose stacked q/k/v weight has 192 rows "
+                                        r"\(64 per part\)\.$"):
+        check_loras(TINY_DIT, [(adapter, 1.0)], "fl2va")
+
+
+def test_a_dynamic_norm_delta_fits_a_block_whose_weights_are_empty_between_forwards(tmp_path):
+    """A split DiT's sharded blocks (parallel/sharding.py) point their weights at empty tensors between forwards:
+    a dynamic adapter is weighed against the shapes the modules declare, so a dense RMSNorm delta still fits."""
+    generator = torch.Generator().manual_seed(5)
+    delta = {"transformer_blocks.0.attn.norm_q.diff": 0.1 * torch.randn(TINY_DIT.attention_head_dim, generator=generator)}
+    save_file(delta, str(tmp_path / "norm.safetensors"))
+    adapter = load_lora(tmp_path / "norm.safetensors")
+    model = tiny_random_dit()
+    norm = model.get_submodule("blocks.0.attn.q_norm")
+    whole = norm.weight.data
+    norm.weight.data = torch.empty(0)  # as sharding leaves it
+    apply_loras(model, [adapter], partition="fl2va", mode="dynamic")
+    norm.weight.data = whole  # as the gather before a forward fills it
+    dynamic = torch.cat([out.flatten() for out in _forward(model)])
+    remove_loras(model)
+    plain = torch.cat([out.flatten() for out in _forward(model)])
+    apply_loras(model, [adapter], partition="fl2va")
+    merged = torch.cat([out.flatten() for out in _forward(model)])
+    assert not torch.equal(dynamic, plain)
+    torch.testing.assert_close(dynamic, merged)
