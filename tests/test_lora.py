@@ -526,8 +526,13 @@ def test_unknown_file_is_a_plain_lora_and_overrides_are_reported(tmp_path):
     assert len(laddered.notes) == 2 and "None" not in " ".join(laddered.notes)
     assert "video_sigmas=[1, 0.5, 0] overrides the contract's 9-point ladder at video shift 12" in laddered.notes[0]
     other = load_lora(_turbo_file(tmp_path / "minimax_h3_fl2v_turbo_4step_v1.2_768p_bf16.safetensors", "8")).contract
-    with pytest.raises(LoRAError, match="different schedules"):
-        sampler_settings([turbo, other])
+    ladder = [1.0, 0.5, 0.0]
+    for partial in ({}, {"video_sigmas": ladder}, {"audio_sigmas": ladder}, {"steps": 7, "video_shift": 8.0},
+                    {"steps": 7, "audio_shift": 3.0}, {"video_shift": 8.0, "audio_shift": 3.0}):
+        with pytest.raises(LoRAError, match="different schedules"):  # all of one way is needed, not some
+            sampler_settings([turbo, other], **partial)
+    both = sampler_settings([turbo, other], video_sigmas=ladder, audio_sigmas=[1.0, 0.25, 0.0])
+    assert (both.steps, both.video_sigmas, both.audio_sigmas) == (3, (1.0, 0.5, 0.0), (1.0, 0.25, 0.0))
     chosen = sampler_settings([turbo, other], steps=7, video_shift=8.0, audio_shift=3.0)
     assert chosen.steps == 7 and chosen.source.startswith("user settings") and "different schedules" in chosen.notes[0]
 

@@ -604,3 +604,14 @@ def test_a_dynamic_norm_delta_fits_a_block_whose_weights_are_empty_between_forwa
     merged = torch.cat([out.flatten() for out in _forward(model)])
     assert not torch.equal(dynamic, plain)
     torch.testing.assert_close(dynamic, merged)
+
+
+def test_a_dense_delta_of_another_shape_is_refused_naming_both_shapes(tmp_path):
+    """Checked against the model's shapes before any weight is read."""
+    width = TINY_DIT.video_patch_dim
+    for name, shape, said in (
+            ("wide", (TINY_DIT.hidden_size, width + 1), r"has shape \[64, 97\]; 'video_patch_proj\.weight' is \[64, 96\]\.$"),
+            ("tall", (TINY_DIT.hidden_size + 1, width), r"has 65 output rows; 'video_patch_proj\.weight' has 64\.$")):
+        save_file({"proj_in.diff": torch.zeros(shape)}, str(tmp_path / f"{name}.safetensors"))
+        with pytest.raises(LoRAError, match=rf"^'proj_in\.diff' of {name}\.safetensors {said}"):
+            check_loras(TINY_DIT, [(load_lora(tmp_path / f"{name}.safetensors"), 1.0)], "fl2va")

@@ -135,6 +135,27 @@ def test_lokr_and_loha_merge_dynamic_and_remove(tmp_path, spelling):
     assert hooked_bytes([(lora, 0.7)], "fl2va", 2) == 2 * (held + pairs + FACTORED_CHUNK_ELEMENTS)
 
 
+def test_a_loha_too_wide_for_its_low_rank_form_is_hooked_through_its_dense_delta(tmp_path):
+    """A LoHa whose rank r1 * r2 pair would cost more than its layer (r1 * r2 * (out + in) >= out * in) is hooked
+    through its dense delta, made at each forward: the merged output, and the memory plan counts that delta and
+    the two products it is made from."""
+    spec = {"blocks.1.attn.out_proj": ("hada", {"w1_a": (64, 8), "w1_b": (8, 64), "w2_a": (64, 8), "w2_b": (8, 64)},
+                                       None)}  # 8 * 8 * (64 + 64) > 64 * 64
+    tensors, factors = tensors_of(spec, kohya_key)
+    lora = load_lora(write(tmp_path / "wide.safetensors", tensors))
+    model = ours_from(reference_dit(TINY_DIT, seed=1), TINY_DIT)
+    inputs = packed(TINY_DIT)
+    plain = run_ours(model, inputs)
+    apply_loras(model, [(lora, 0.7)], partition="fl2va", mode="merge")
+    merged_out = run_ours(model, inputs)
+    assert not dit_outputs_close(merged_out, plain, atol=1e-4)
+    remove_loras(model)
+    apply_loras(model, [(lora, 0.7)], partition="fl2va", mode="dynamic")
+    assert dit_outputs_close(run_ours(model, inputs), merged_out)
+    held = sum(t.numel() for t in factors["blocks.1.attn.out_proj"].values())
+    assert hooked_bytes([(lora, 0.7)], "fl2va", 2) == 2 * (held + 3 * 64 * 64)
+
+
 def test_lokr_on_interleaved_qkv_rows_is_reordered(tmp_path):
     """A DiffSynth-spelled (peft `.default.` over native names) fused qkv holds per-head interleaved rows: a LoKr
     delta there is reordered as a whole (its factors cannot be), merged and hooked alike."""
