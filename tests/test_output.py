@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors import SafetensorError
+from safetensors.torch import save_file
 
 from h3_core import geometry
 from h3_core.output import AVLatents, decode_audio, decode_video, write_mp4
@@ -163,6 +164,8 @@ def test_latents_round_trip_through_safetensors(tmp_path):
     ],
 )
 def test_wrong_latent_shapes_are_clear_errors(tmp_path, vaes, video, audio, message):
+    with pytest.raises(ValueError, match=message):  # before any decoder (a latents file is checked as it loads)
+        AVLatents(torch.zeros(video), torch.zeros(audio)).check()
     with pytest.raises(ValueError, match=message):
         write_mp4(tmp_path / "x.mp4", AVLatents(torch.zeros(video), torch.zeros(audio)), *vaes)
     assert not (tmp_path / "x.mp4").exists()
@@ -240,6 +243,16 @@ def test_a_file_that_is_not_safetensors_is_no_latents_file(tmp_path):
         AVLatents.load(tmp_path / "clip.mp4")
 
 
+def test_a_safetensors_file_without_both_latents_is_refused_naming_what_it_lacks(tmp_path):
+    latents = random_latents(22)
+    save_file({"video": latents.video}, str(tmp_path / "video_only.safetensors"))
+    save_file({"blocks.0.attn.qkv_proj.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    for name, lacking in (("video_only", "audio"), ("model", "audio, video")):
+        with pytest.raises(ValueError, match=rf"{name}\.safetensors lacks the tensor\(s\) {lacking}; expected 'video' "
+                                             r"and 'audio'\.$"):
+            AVLatents.load(tmp_path / f"{name}.safetensors")
+
+
 def test_extreme_latents_from_elsewhere_are_named_as_a_cause_of_a_non_finite_decode(tmp_path, vaes):
     latents = random_latents(124)
     latents.video.mul_(1e30)  # finite, far beyond anything a sampler makes
@@ -281,7 +294,7 @@ def test_the_decoders_refuse_latents_they_cannot_decode_whole(vaes):
     sound of NaN latents, and numpy or empty latents failed inside the VAEs: each said before a decoder runs."""
     video_vae, audio_vae = vaes
     latents = random_latents(22)
-    with pytest.raises(ValueError, match=r"^decode_video takes one clip's latents \[1, C, L, h, w\]; got a batch of 2"):
+    with pytest.raises(ValueError, match=r"^decode_video takes one clip's latents \[1, C, L, h, w\]; got a batch of 2\."):
         next(decode_video(video_vae, torch.cat([latents.video, latents.video])))
     broken = latents.audio.clone()
     broken[0, 0, 0] = float("nan")
