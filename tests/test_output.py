@@ -202,6 +202,14 @@ def test_latents_are_saved_whole_or_not_at_all(tmp_path, monkeypatch):
         latents.save(tmp_path / "full.safetensors")  # an OSError, which h3 says in one line (it was a traceback)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere.txt", "linked.safetensors"]
 
+    def stopped_before_a_byte(tensors, path, metadata=None):  # Ctrl-C before the file was made
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(output, "save_file", stopped_before_a_byte)
+    with pytest.raises(KeyboardInterrupt):  # itself, not the missing hidden file's error
+        latents.save(tmp_path / "stopped.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere.txt", "linked.safetensors"]
+
 
 def test_latents_larger_or_longer_than_h3_makes_are_refused_as_they_load(tmp_path):
     """A 15 MB file of latents from elsewhere said 4800 px wide and took 18.5 GB to decode (the pack's canvas
