@@ -10,11 +10,12 @@ import av
 import numpy as np
 import pytest
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from h3_core import geometry
 from h3_core.output import AVLatents, decode_audio, decode_video, write_mp4
+from h3_core.resume_point import ResumePoint
 from h3_core.tiny import tiny_random_audio_vae, tiny_random_video_vae
 from h3_core.vae_video import model_space_to_frames
 
@@ -153,6 +154,23 @@ def test_latents_round_trip_through_safetensors(tmp_path):
     assert (tmp_path / "shared.safetensors").stat().st_mode & 0o777 == 0o640
 
 
+def test_latents_save_into_new_folders_only_as_safetensors_and_keep_metadata_beside_a_resume_point(tmp_path):
+    latents = random_latents(22)
+    with pytest.raises(ValueError, match=r"^Latents are saved as \.safetensors; got l\.pt\.$"):
+        latents.save(tmp_path / "l.pt")
+    assert not list(tmp_path.iterdir())
+    nested = latents.save(tmp_path / "runs" / "fox" / "l.safetensors")  # its folders made
+    assert torch.equal(AVLatents.load(nested).audio, latents.audio)
+    point = ResumePoint(7, torch.Generator().manual_seed(7).get_state(), 1.5, 22)
+    resumable = AVLatents(latents.video, latents.audio, point)
+    for metadata in (None, {"seed": "7"}):
+        path = resumable.save(tmp_path / "r.safetensors", metadata)
+        with safe_open(str(path), "pt") as file:
+            assert file.metadata().get("seed") == (metadata or {}).get("seed")  # the caller's entries kept
+        loaded = AVLatents.load(path).resume
+        assert repr(loaded) == repr(point) and torch.equal(loaded.generator_state, point.generator_state)
+
+
 @pytest.mark.parametrize(
     "video, audio, message",
     [
@@ -242,6 +260,9 @@ def test_latents_files_in_float8_are_widened_and_integer_ones_refused(tmp_path):
     assert torch.equal(loaded.video, latents.video.to(torch.float8_e4m3fn).float())
     with pytest.raises(ValueError, match="The audio latents are int64; latents are floating point"):
         AVLatents(latents.video, latents.audio.long()).check()
+    AVLatents(latents.video, latents.audio.to(torch.int8)).save(tmp_path / "int8.safetensors")  # one byte, not float
+    with pytest.raises(ValueError, match="The audio latents are int8; latents are floating point"):
+        AVLatents.load(tmp_path / "int8.safetensors").check()
 
 
 def test_a_file_that_is_not_safetensors_is_no_latents_file(tmp_path):
