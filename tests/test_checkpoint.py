@@ -301,6 +301,18 @@ def test_misshaped_tensor_is_named_with_shapes(tmp_path, reference, tiny_config)
         load_dit(path)
 
 
+def test_an_original_qkv_whose_rows_are_no_whole_heads_is_named_with_its_shape(tmp_path, reference, tiny_config):
+    """Original shards interleave q/k/v head by head: rows that are not whole heads of three cannot be taken apart."""
+    folder = write_original_partition(tmp_path, reference.state_dict(), tiny_config)
+    shard = shard_holding(folder, "blocks.0.attn.qkv_proj.weight")
+    tensors = load_file(str(shard))
+    tensors["blocks.0.attn.qkv_proj.weight"] = tensors["blocks.0.attn.qkv_proj.weight"][:-1].clone()
+    save_file(tensors, str(shard))
+    with pytest.raises(CheckpointError, match=rf"^'blocks\.0\.attn\.qkv_proj\.weight' in .*{shard.name} has shape "
+                                              r"\[191, 64\]; its rows must be a multiple of 3 x head_dim \(96\)\.$"):
+        load_dit(tmp_path)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.uint8, torch.bool])
 def test_a_weight_stored_as_integers_is_refused_from_the_headers(tmp_path, reference, tiny_config, dtype):
     """A DiT tensor of int32, uint8 or bool was cast to the model dtype (a bool norm weight became 1.0)."""
