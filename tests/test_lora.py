@@ -426,7 +426,7 @@ def test_lightx2v_turbo_contracts(tmp_path, file, alpha, steps, video_shift, sca
     contract = lora.contract
     assert (contract.steps, contract.forwards, contract.video_shift, contract.audio_shift) == (steps, steps - 1, video_shift, 3.0)
     assert lora.partition == partition and contract.identified_by == "file name"
-    assert not any("not a published artifact" in note for note in lora.notes)  # each row is one LightX2V published
+    assert not any("not a published artifact" in note for note in lora.notes)  # every row is a file LightX2V published
     assert {term.scale for term in lora.parts[None]} == {scale}
     settings = sampler_settings(contract)
     assert (settings.steps, settings.video_shift, settings.audio_shift, settings.notes) == (steps, video_shift, 3.0, ())

@@ -182,7 +182,7 @@ def test_latents_save_into_new_folders_only_as_safetensors_and_keep_metadata_bes
     ],
 )
 def test_wrong_latent_shapes_are_clear_errors(tmp_path, vaes, video, audio, message):
-    with pytest.raises(ValueError, match=message):  # before any decoder (a latents file is checked as it loads)
+    with pytest.raises(ValueError, match=message):  # by the check itself (what a latents file read back gets), no decoder
         AVLatents(torch.zeros(video), torch.zeros(audio)).check()
     with pytest.raises(ValueError, match=message):
         write_mp4(tmp_path / "x.mp4", AVLatents(torch.zeros(video), torch.zeros(audio)), *vaes)
