@@ -301,6 +301,13 @@ def test_misshaped_tensor_is_named_with_shapes(tmp_path, reference, tiny_config)
         load_dit(path)
 
 
+def test_the_embedded_model_takes_a_partition_name_only():
+    """`tiny-random` is made, not read, yet labelled with its partition as a read DiT is: a task is no partition."""
+    assert load_dit("tiny-random", partition="ref2va").partition == "ref2va"
+    with pytest.raises(ValueError, match=r"^Unknown partition 't2va'; choose one of fl2va, ref2va\.$"):
+        load_dit("tiny-random", partition="t2va")
+
+
 def test_an_original_qkv_whose_rows_are_no_whole_heads_is_named_with_its_shape(tmp_path, reference, tiny_config):
     """Original shards interleave q/k/v head by head: rows that are not whole heads of three cannot be taken apart."""
     folder = write_original_partition(tmp_path, reference.state_dict(), tiny_config)
