@@ -232,7 +232,7 @@ def _fp8_layers(files: tuple[Path, ...], supported: bool, rename=keymap.dit_name
     refused."""
     layers = fp8.checkpoint_fp8_layers(files, rename)
     if layers and not supported:
-        raise CheckpointError(f"{files[0]} holds FP8 weights; FP8 is read from ComfyUI-style single files "
+        raise CheckpointError(f"{_holder(files)} holds FP8 weights; FP8 is read from ComfyUI-style single files "
                               "(release names, fp8_scaled) only.")
     return layers
 
@@ -241,9 +241,14 @@ def _nvfp4_layers(files: tuple[Path, ...], supported: bool) -> dict:
     """The NVFP4 layers of a ComfyUI nvfp4 single file (native names, qkv stacked); refused anywhere else."""
     layers = nvfp4.checkpoint_nvfp4_layers(files, keymap.dit_name)
     if layers and not supported:
-        raise CheckpointError(f"{files[0]} holds NVFP4 weights; NVFP4 is read from ComfyUI-style single files "
+        raise CheckpointError(f"{_holder(files)} holds NVFP4 weights; NVFP4 is read from ComfyUI-style single files "
                               "(release names) only.")
     return layers
+
+
+def _holder(files: tuple[Path, ...]) -> Path:
+    """What a refusal names: the file, or a sharded folder (its first shard need not be the one that holds it)."""
+    return files[0] if len(files) == 1 else files[0].parent
 
 
 def _naming(keys: list[str], path: Path) -> str:

@@ -788,3 +788,24 @@ def test_compiled_blocks_rebuild_int8_and_int4_weights_as_eager_ones_do(tmp_path
     expected = forward(load_dit(tmp_path / "int8.safetensors", dtype=torch.float32))[0]
     compiled = load_dit(tmp_path / "int8.safetensors", dtype=torch.float32).compile_blocks()
     assert torch.allclose(forward(compiled)[0], expected, atol=1e-5)
+
+
+def test_fp8_in_a_sharded_folder_is_refused_naming_the_folder(tmp_path):
+    """FP8 is read from ComfyUI-style single files only; a sharded folder holding some is named as a whole (the
+    refusal named its first shard, which need not be the one holding FP8)."""
+    pytest.importorskip("diffusers", reason="the diffusers folder is written by diffusers (the test extra)")
+    from reference_checkpoints import reference_dit, write_diffusers_folder
+    from safetensors.torch import load_file
+
+    folder = write_diffusers_folder(tmp_path / "transformer", reference_dit(TINY_DIT, seed=4))
+    shards = sorted(folder.glob("*.safetensors"))
+    last = next(shard for shard in reversed(shards) if any(".weight" in key for key in load_file(str(shard))))
+    tensors = load_file(str(last))
+    name = next(key for key, tensor in tensors.items() if key.endswith(".weight") and tensor.ndim == 2)
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    tensors[name.removesuffix(".weight") + ".scale_weight"] = torch.tensor(1.0)
+    save_file(tensors, str(last))
+    assert len(shards) > 1 and last != shards[0]
+    with pytest.raises(CheckpointError, match=rf"^{folder} holds FP8 weights; FP8 is read from ComfyUI-style single "
+                                              r"files \(release names, fp8_scaled\) only\.$"):
+        locate_dit(folder)
