@@ -563,3 +563,13 @@ def test_configs_that_do_not_describe_a_model_are_clear_refusals(tmp_path):
                                ({"num_hidden_layers": "fifty"}, "ValueError")):
         with pytest.raises(CheckpointError, match=f"does not describe a model H3 can build \\({error}"):
             qwen3vl_config({"text_config": text_config, "vision_config": {}})
+
+
+def test_a_single_file_without_its_rope_table_takes_the_releases_ratio(tmp_path, reference, tiny_config):
+    """The release ships rope.inv_freq; a file without it is read with 16 frequencies per 128 channels."""
+    from h3_core.checkpoint import infer_config
+
+    tensors = original_state_dict(reference.state_dict(), tiny_config, qkv_layout="stacked")
+    del tensors["rope.inv_freq"]
+    save_file(tensors, str(tmp_path / "dit.safetensors"))
+    assert infer_config(locate_dit(tmp_path / "dit.safetensors")).rope_freq_dim == tiny_config.attention_head_dim // 8
