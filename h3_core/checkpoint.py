@@ -30,6 +30,7 @@ from .weights import (
     assign_strictly,
     check_safetensors_file,
     config_errors,
+    files_place,
     open_safetensors,
     read_headers,
     read_json,
@@ -232,7 +233,7 @@ def _fp8_layers(files: tuple[Path, ...], supported: bool, rename=keymap.dit_name
     refused."""
     layers = fp8.checkpoint_fp8_layers(files, rename)
     if layers and not supported:
-        raise CheckpointError(f"{_holder(files)} holds FP8 weights; FP8 is read from ComfyUI-style single files "
+        raise CheckpointError(f"{files_place(files)} holds FP8 weights; FP8 is read from ComfyUI-style single files "
                               "(release names, fp8_scaled) only.")
     return layers
 
@@ -241,14 +242,9 @@ def _nvfp4_layers(files: tuple[Path, ...], supported: bool) -> dict:
     """The NVFP4 layers of a ComfyUI nvfp4 single file (native names, qkv stacked); refused anywhere else."""
     layers = nvfp4.checkpoint_nvfp4_layers(files, keymap.dit_name)
     if layers and not supported:
-        raise CheckpointError(f"{_holder(files)} holds NVFP4 weights; NVFP4 is read from ComfyUI-style single files "
+        raise CheckpointError(f"{files_place(files)} holds NVFP4 weights; NVFP4 is read from ComfyUI-style single files "
                               "(release names) only.")
     return layers
-
-
-def _holder(files: tuple[Path, ...]) -> Path:
-    """What a refusal names: the file, or a sharded folder (its first shard need not be the one that holds it)."""
-    return files[0] if len(files) == 1 else files[0].parent
 
 
 def _naming(keys: list[str], path: Path) -> str:
@@ -515,7 +511,7 @@ class DiTReader:
                 return torch.float32  # the curve form's AdaLN is fp32 even when the file stores bf16 / fp16
             return self._nvfp4.dtype_for(name, self._gguf.dtype_for(name, dtype))
 
-        origin = f"{source.files[0].parent if len(source.files) > 1 else source.files[0]} ({source.origin})"
+        origin = f"{files_place(source.files)} ({source.origin})"
         tensors = self._fp8.stream(self._nvfp4.stream(self._gguf.stream(without_inv_freq(), device), device), device)
         assign_strictly(model, tensors, origin, release_policy, device, on_tensor)
 

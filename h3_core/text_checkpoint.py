@@ -42,6 +42,7 @@ from .weights import (
     assign_strictly,
     check_safetensors_file,
     config_errors,
+    files_place,
     read_headers,
     read_json,
     read_tensors,
@@ -569,5 +570,4 @@ def _rebuild_rotary_buffers(model: torch.nn.Module, device) -> None:
 
 
 def _origin(source: TextEncoderSource) -> str:
-    where = source.files[0] if len(source.files) == 1 else source.files[0].parent
-    return f"{where} ({source.origin})"
+    return f"{files_place(source.files)} ({source.origin})"

@@ -162,6 +162,12 @@ def shard_files(folder: Path, index_names: tuple[str, ...]) -> tuple[Path, ...]:
     return files
 
 
+def files_place(files: tuple[Path, ...]) -> Path:
+    """What a message names for a checkpoint's files: the one file, or the folder of its shards (the first shard
+    need not be the one a message is about)."""
+    return files[0] if len(files) == 1 else files[0].parent
+
+
 def tensor_names(files: Iterable[Path]) -> list[str]:
     """All tensor names of some safetensors files, from their headers only."""
     names = []
