@@ -41,6 +41,7 @@ from .weights import (
     assign_strictly,
     check_safetensors_file,
     config_errors,
+    files_place,
     open_safetensors,
     read_headers,
     read_json,
@@ -91,7 +92,7 @@ class VideoVAESource:
 
     @property
     def where(self) -> str:
-        return f"{self.files[0] if len(self.files) == 1 else self.files[0].parent} ({self.origin})"
+        return f"{files_place(self.files)} ({self.origin})"
 
 
 def locate_video_vae(path: str | Path) -> VideoVAESource:

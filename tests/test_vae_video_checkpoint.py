@@ -55,6 +55,7 @@ def test_original_release_layouts(tmp_path, reference, config, expected, where):
     path = {"root": tmp_path, "partition": tmp_path / "FL2VA", "video_vae": folder, "source": folder / "source"}[where]
     source = locate_video_vae(path)
     assert source.naming == "original" and source.files == (folder / "source" / "model.safetensors",)
+    assert source.where == f"{folder / 'source' / 'model.safetensors'} (original folder)"
     model = load_video_vae(path)
     assert model.config == config.replace(decoder_tiling=False)  # shapes, statistics and tiling from the two configs
     assert_same_weights(model, expected)
@@ -65,6 +66,7 @@ def test_diffusers_layout_sharded(tmp_path, reference, config, expected):
     assert len(list((tmp_path / "vae").glob("*.safetensors"))) > 2  # really sharded, with an index
     source = locate_video_vae(tmp_path)
     assert source.naming == "diffusers" and source.config == config
+    assert source.where == f"{tmp_path / 'vae'} (diffusers folder)"  # messages name the folder, not one shard
     assert_same_weights(load_video_vae(tmp_path / "vae"), expected)
 
 
