@@ -361,6 +361,14 @@ def test_an_index_names_shards_beside_it_only(tmp_path, reference, tiny_config, 
         load_dit(tmp_path)
 
 
+@pytest.mark.parametrize("index", [{}, {"weight_map": {}}, {"weight_map": ["model-00001-of-00003.safetensors"]}])
+def test_an_index_without_a_weight_map_is_refused_naming_it(tmp_path, reference, tiny_config, index):
+    folder = write_original_partition(tmp_path, reference.state_dict(), tiny_config)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json has no 'weight_map'\.$"):
+        load_dit(tmp_path)
+
+
 @pytest.mark.parametrize("field, value, wanted", [
     ("num_layers", "abc", "an integer of at least 1"), ("num_layers", None, "an integer of at least 1"),
     ("num_layers", 2.5, "an integer of at least 1"), ("ffn_hidden_size", "128", "ffn_dim must be an integer"),
