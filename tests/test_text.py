@@ -803,12 +803,9 @@ def test_builtin_config_is_qwen3vl_32b_cut_at_layer_50():
     assert (text.num_hidden_layers, text.hidden_size, text.intermediate_size) == (50, 5120, 25600)
     assert (text.num_attention_heads, text.num_key_value_heads, text.head_dim, text.vocab_size) == (64, 8, 128, 151936)
     assert text.rope_parameters["rope_theta"] == 5e6 and text.rope_parameters["mrope_section"] == [24, 20, 20]
-    assert (vision.depth, vision.hidden_size, vision.out_hidden_size, list(vision.deepstack_visual_indexes)) == (
-        27,
-        1152,
-        5120,
-        [8, 16, 24],
-    )
+    assert (vision.depth, vision.hidden_size, vision.intermediate_size, vision.num_heads) == (27, 1152, 4304, 16)
+    assert (vision.out_hidden_size, list(vision.deepstack_visual_indexes)) == (5120, [8, 16, 24])
+    assert (vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size) == (16, 2, 2)
     assert (config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id) == (
         151655,
         151656,
