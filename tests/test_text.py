@@ -816,6 +816,15 @@ def test_builtin_config_is_qwen3vl_32b_cut_at_layer_50():
         qwen3vl_config(qwen3vl_config(None, 40), 50)
 
 
+def test_a_config_without_both_halves_is_not_a_qwen3vl_config(tmp_path):
+    halves = dict(qwen3vl_config(None).to_dict())
+    with pytest.raises(CheckpointError, match=r"^A Qwen3-VL config needs 'text_config' and 'vision_config'\.$"):
+        qwen3vl_config({"text_config": halves["text_config"]})
+    (tmp_path / "config.json").write_text(json.dumps({"vision_config": halves["vision_config"]}))
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(tmp_path / 'config.json'))} is not a Qwen3-VL config"):
+        qwen3vl_config(tmp_path)
+
+
 def test_real_size_encoder_is_the_902_tensors_of_the_comfy_file():
     """Built on the meta device at the real config: embedding + 50 layers + vision tower = the 902
     tensors of `qwen3vl_32b_minimax_h3_bf16.safetensors` (25.75 B parameters, 51.5 GB in bf16), and
