@@ -363,6 +363,15 @@ def test_an_index_names_shards_beside_it_only(tmp_path, reference, tiny_config, 
         load_dit(tmp_path)
 
 
+def test_a_tensor_held_by_two_shards_is_refused_naming_the_second(tmp_path, reference, tiny_config):
+    folder = write_original_partition(tmp_path, reference.state_dict(), tiny_config, shards=2)
+    first, second = (folder / f"model-0000{i}-of-00002.safetensors" for i in (1, 2))
+    name, tensor = next(iter(load_file(first).items()))
+    save_file({**load_file(second), name: tensor}, str(second))
+    with pytest.raises(CheckpointError, match=rf"^Tensor '{re.escape(name)}' appears twice \(.*00002\.safetensors\)\.$"):
+        load_dit(tmp_path)
+
+
 def test_shards_without_their_index_are_refused_naming_the_index_wanted(tmp_path, reference, tiny_config):
     folder = write_original_partition(tmp_path, reference.state_dict(), tiny_config, shards=2)
     (folder / "model.safetensors.index.json").unlink()
