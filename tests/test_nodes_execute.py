@@ -1929,6 +1929,16 @@ def test_a_relative_folder_is_looked_for_in_the_model_folders(comfy, monkeypatch
         assert str(comfy.tmp / "vae") in problem and "H3_ALLOW_ANY_FOLDER" not in problem
 
 
+def test_a_path_on_another_windows_drive_is_outside_the_model_folders(monkeypatch):
+    """Windows paths on two drives have no common path (Python raises): such a path is outside, not an error."""
+    import ntpath
+
+    folders = importlib.import_module("nodes.model_folders")
+    monkeypatch.setattr(folders.os, "path", ntpath)
+    assert not folders._inside("D:\\models\\H3", "C:\\ComfyUI\\models")
+    assert folders._inside("c:\\comfyui\\Models\\vae\\H3", "C:\\ComfyUI\\models")  # case does not matter there
+
+
 def test_the_vae_loader_shows_its_read_and_stops_on_cancel(comfy):
     """The release's fp32 video VAE is 9.7 GiB: its read had no progress bar and could not be cancelled."""
     c = comfy
