@@ -186,7 +186,8 @@ def test_broken_gguf_files_are_refused_before_reading(tmp_path):
 def test_a_gguf_file_with_an_endless_metadata_array_is_refused_before_llama_cpps_reader(tmp_path, monkeypatch):
     """A 2 MB upload holding one metadata array of 2M bytes took llama.cpp's reader 23 s and 1.4 GB (Python
     objects per element; 100 MB: minutes and tens of GB): its header is walked first and the file refused. A
-    text encoder's vocabulary (strings, and the tokens' types) still reads."""
+    text encoder's vocabulary (strings, and the tokens' types) still reads, and so do fields of every fixed-size
+    type before it (a size mistaken there would throw the walk off the following fields)."""
     import time
 
     import gguf
@@ -198,6 +199,11 @@ def test_a_gguf_file_with_an_endless_metadata_array_is_refused_before_llama_cpps
     vocabulary = [f"token{i}" for i in range(2000)]
     for name, count in (("endless.gguf", 2_000_000), ("vocab.gguf", 0)):
         writer = gguf.GGUFWriter(str(tmp_path / name), arch="minimax_h3")
+        for kind in ("uint8", "int8", "uint16", "int16", "uint32", "int32", "float32", "bool", "uint64", "int64",
+                     "float64"):
+            getattr(writer, f"add_{kind}")(f"h3.test.{kind}", 1)
+            writer.add_key_value(f"h3.test.{kind}s", [1, 0, 1], gguf.GGUFValueType.ARRAY,
+                                 getattr(gguf.GGUFValueType, kind.upper()))
         writer.add_array("tokenizer.ggml.tokens", vocabulary)
         writer.add_array("tokenizer.ggml.token_type", [1] * len(vocabulary))
         if count:
