@@ -70,6 +70,11 @@ def test_a_gguf_file_keeps_its_quantized_linears(tmp_path):
         assert type(dense.get_submodule(layer)) is nn.Linear, layer
         assert torch.equal(module.dequantized_weight(), meant[f"{layer}.weight"]), layer
         assert torch.equal(dense.get_submodule(layer).weight, meant[f"{layer}.weight"]), layer
+        rebuilt = module.as_dense()  # what the lossy FP8 "scaled" mode quantizes (on a GPU)
+        assert type(rebuilt) is nn.Linear and torch.equal(rebuilt.weight, meant[f"{layer}.weight"]), layer
+        assert not rebuilt.weight.requires_grad and (rebuilt.bias is None) == (module.bias is None), layer
+        assert module.bias is None or torch.equal(rebuilt.bias, module.bias), layer
+    assert any(kept.get_submodule(layer).bias is not None for layer in BLOCKS + list(KEPT_OTHERS))
     for layer in DEQUANTIZED:
         module = kept.get_submodule(layer)
         assert type(module) is nn.Linear and module.weight.dtype == torch.float32, layer
