@@ -263,3 +263,18 @@ def test_node_chain_on_tiny_random(tmp_path):
         kinds = sorted(s.type for s in container.streams)
         video = container.streams.video[0]
         assert kinds == ["audio", "video"] and (video.width, video.height) == (cond.width, cond.height)
+
+
+def test_handles_print_without_their_models():
+    """ComfyUI prints a failed node's inputs into its error report: a handle's repr names what it holds, never the
+    module tree of a 33B DiT, a text encoder or the VAEs (nor a memory manager's patcher, nor LoRA tensors)."""
+    from h3_core.references import RELEASE_CANVAS
+
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    handles = (
+        convert.ModelHandle(module, "fl2va", "dit-name", torch.device("cpu"), loras=((module, 1.0),), patcher=module),
+        convert.TextEncoderHandle(module, "encoder-name", RELEASE_CANVAS, patcher=module),
+        convert.VAEHandle(module, module, "vae-name", patcher=module),
+    )
+    for handle, name in zip(handles, ("dit-name", "encoder-name", "vae-name"), strict=True):
+        assert name in repr(handle) and "Linear" not in repr(handle), repr(handle)
