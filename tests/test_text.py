@@ -816,6 +816,27 @@ def test_builtin_config_is_qwen3vl_32b_cut_at_layer_50():
         qwen3vl_config(qwen3vl_config(None, 40), 50)
 
 
+def test_a_load_checks_the_headers_then_reads_each_used_tensor_once(tiny, monkeypatch):
+    """Names, shapes and dtypes are checked on the headers first; then each tensor H3 uses is read once and no
+    other (the release's encoder is ~50 GB of them: a header check that read the data would read it twice)."""
+    import h3_core.text_checkpoint as text_checkpoint
+
+    source = locate_text_encoder(tiny["hf"])
+    read, reader = [], text_checkpoint.read_tensors
+
+    def counted(files, only=None):
+        for key, tensor, where in reader(files, only):
+            read.append(key)
+            yield key, tensor, where
+
+    monkeypatch.setattr(text_checkpoint, "read_tensors", counted)
+    model = load_qwen3vl(source, torch.float32)
+    names = text_checkpoint.source_tensor_names(source)
+    used = [name for name in names if text_checkpoint.model_name(name, text_checkpoint.TEXT_ENCODER_LAYER) is not None]
+    assert sorted(read) == sorted(used) and len(used) < len(names)  # the layers past 50 and the LM head stay unread
+    assert len(model.state_dict()) == len(used)
+
+
 def test_a_config_without_both_halves_is_not_a_qwen3vl_config(tmp_path):
     halves = dict(qwen3vl_config(None).to_dict())
     with pytest.raises(CheckpointError, match=r"^A Qwen3-VL config needs 'text_config' and 'vision_config'\.$"):
@@ -823,6 +844,13 @@ def test_a_config_without_both_halves_is_not_a_qwen3vl_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vision_config": halves["vision_config"]}))
     with pytest.raises(CheckpointError, match=rf"^{re.escape(str(tmp_path / 'config.json'))} is not a Qwen3-VL config"):
         qwen3vl_config(tmp_path)
+    damaged = dict(halves, text_config=dict(halves["text_config"], num_hidden_layers="many"))
+    (tmp_path / "config.json").write_text(json.dumps(damaged))
+    with pytest.raises(CheckpointError, match=rf"^The text encoder \(Qwen3-VL\) at {re.escape(str(tmp_path))} does not "
+                                              r"describe a model H3 can build \(ValueError"):
+        qwen3vl_config(tmp_path)
+    with pytest.raises(CheckpointError, match=r"^The text encoder \(Qwen3-VL\) does not describe"):
+        qwen3vl_config(damaged)
 
 
 def test_real_size_encoder_is_the_902_tensors_of_the_comfy_file():
