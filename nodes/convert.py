@@ -169,7 +169,8 @@ def image_to_pil(image: torch.Tensor, what: str = "image") -> Image.Image:
     log = logging.getLogger("h3")
     if image.shape[0] > 1:
         log.warning("H3: %s is a batch of %d images; its first is used.", what, image.shape[0])
-    if image.shape[-1] == 4 and bool((image[:1, ..., 3] < 1).any()):
+    opaque = 255 if image.dtype == torch.uint8 else 1.0  # a few nodes hand uint8 0..255 on
+    if image.shape[-1] == 4 and bool((image[:1, ..., 3] < opaque).any()):
         log.warning("H3: %s has transparent pixels; H3 takes RGB, so what lies under them is used (composite the "
                     "picture onto a background first to choose it).", what)
     return image_to_pils(image[:1], what)[0]

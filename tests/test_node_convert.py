@@ -278,3 +278,20 @@ def test_handles_print_without_their_models():
     )
     for handle, name in zip(handles, ("dit-name", "encoder-name", "vae-name"), strict=True):
         assert name in repr(handle) and "Linear" not in repr(handle), repr(handle)
+
+
+def test_a_keyframe_warns_of_the_batch_and_of_transparency_in_its_first_picture(caplog):
+    opaque = torch.ones(1, 4, 4, 4)
+    see_through = torch.cat([opaque, opaque * 0.5])  # the second picture, unused, is the transparent one
+    cases = (
+        (see_through, ["a batch of 2 images; its first is used"]),
+        (see_through.flip(0), ["a batch of 2 images; its first is used", "has transparent pixels"]),
+        ((opaque * 255).to(torch.uint8), []),
+        ((opaque * 128).to(torch.uint8), ["has transparent pixels"]),  # 0..255 pictures: half-transparent
+    )
+    for image, expected in cases:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="h3"):
+            convert.image_to_pil(image, "first_image")
+        said = [record.getMessage() for record in caplog.records]
+        assert len(said) == len(expected) and all(part in line for part, line in zip(expected, said)), said
