@@ -1,5 +1,6 @@
 """The ComfyUI <-> h3_core adapters of nodes/convert.py, on the CPU, without ComfyUI."""
 
+import re
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -295,3 +296,53 @@ def test_a_keyframe_warns_of_the_batch_and_of_transparency_in_its_first_picture(
             convert.image_to_pil(image, "first_image")
         said = [record.getMessage() for record in caplog.records]
         assert len(said) == len(expected) and all(part in line for part, line in zip(expected, said)), said
+
+
+@pytest.mark.parametrize("value, message", [
+    (np.zeros((1, 4, 4, 3)), r"first_image must be a ComfyUI IMAGE tensor \[B, H, W, C\], got ndarray\."),
+    (torch.zeros(1, 4, 4, 2), r"first_image must be a ComfyUI IMAGE \[B, H, W, C\] with C = 1, 3 or 4; got \[1, 4, 4, 2\]"),
+    (torch.zeros(4, 3), r"with C = 1, 3 or 4; got \[4, 3\]"),
+    (torch.zeros(0, 4, 4, 3), r"first_image holds no pictures \(an empty batch, \[0, 4, 4, 3\]\)"),
+    (torch.zeros(1, 0, 4, 3), r"first_image has no pixels \(4x0\)"),
+])
+def test_what_is_no_image_is_refused_saying_what_an_image_is(value, message):
+    with pytest.raises(ValueError, match=message):
+        convert.image_to_pil(value, "first_image")
+
+
+def test_one_picture_without_its_batch_dimension_is_an_image():
+    assert convert.image_to_pil(torch.ones(4, 6, 3)).size == (6, 4)
+
+
+@pytest.mark.parametrize("block", [torch.zeros(1, 2, 2, 3, dtype=torch.int32), torch.zeros(1, 2, 2, 4),
+                                   torch.zeros(2, 2, 3)])
+def test_frame_blocks_must_be_rgb_bytes_or_floats(block):
+    with pytest.raises(ValueError, match=rf"^Frames must be uint8 or float \[n, H, W, 3\]; got {block.dtype} "
+                                         rf"{re.escape(str(list(block.shape)))}\.$"):
+        convert.frames_to_image([block])
+
+
+MAX_KEYFRAMES = convert.MAX_KEYFRAMES
+
+
+@pytest.mark.parametrize("task, kinds, keyframes, problem", [
+    ("t2va", ["image"], 0, "t2va takes a prompt only"), ("t2va", [], 1, "t2va takes a prompt only"),
+    ("t2va", [], 0, None),
+    ("fl2va", ["audio"], 1, "fl2va takes first_image / last_image keyframes, not references"),
+    ("fl2va", [], 0, "fl2va needs first_image, last_image or both"),
+    ("fl2va", [], MAX_KEYFRAMES + 1, "fl2va needs first_image, last_image or both"),
+    ("fl2va", [], 1, None), ("fl2va", [], MAX_KEYFRAMES, None),
+    ("ref2va", ["image"], 1, "ref2va takes references, not first_image / last_image"),
+    ("ref2va", [], 0, "ref2va needs at least one image, video or audio reference"),
+    ("ref2va", ["image", "audio"], 0, None),
+])
+def test_the_media_each_task_takes(task, kinds, keyframes, problem):
+    said = convert.media_problem(task, kinds, keyframes)
+    assert said == problem if problem is None else said.startswith(problem), said
+
+
+def test_a_sound_needs_a_positive_sample_rate():
+    for rate in (0, -16000):
+        with pytest.raises(ValueError, match=rf"^audio: sample_rate must be positive, got {rate}\.$"):
+            convert.audio_to_decoded({"waveform": torch.zeros(1, 1, 100), "sample_rate": rate})
+    assert convert.audio_to_decoded({"waveform": torch.zeros(1, 1, 100), "sample_rate": 1}).sample_rate == 1
