@@ -367,8 +367,8 @@ def test_a_latent_saved_and_loaded_again_is_the_same_and_cli_files_load_too(comf
     path = c.tmp / "output" / "H3" / saved.filename
     with safe_open(str(path), "pt") as file:
         metadata = file.metadata()
-    assert {key: metadata[key] for key in ("width", "height", "frames", "seed", "task")} == {
-        "width": "224", "height": "128", "frames": "107", "seed": "5", "task": "t2va"}
+    assert {key: metadata[key] for key in ("width", "height", "frames", "seed", "task", "steps")} == {
+        "width": "224", "height": "128", "frames": "107", "seed": "5", "task": "t2va", "steps": "3"}
     assert '"class_type": "H3Sampler"' in metadata["prompt"]
     # the name it picked, taken meanwhile by another saver's file or a link: left as it is, the next counter used
     # (it was written over, or through the link)
@@ -390,7 +390,7 @@ def test_a_latent_saved_and_loaded_again_is_the_same_and_cli_files_load_too(comf
     assert schema.options["options"] == ["mine/clip.safetensors"]
     latent, width, height, frames = files.H3LoadLatent.execute("mine/clip.safetensors").values
     assert torch.equal(latent["video"], sampled["video"]) and torch.equal(latent["audio"], sampled["audio"])
-    assert (width, height, frames, latent["seed"], latent["task"]) == (224, 128, 107, 5, "t2va")
+    assert (width, height, frames, latent["seed"], latent["task"], latent["steps"]) == (224, 128, 107, 5, "t2va", 3)
     images, _ = c.output.H3VAEDecode.execute(vae, latent).values
     assert images.shape == (107, 128, 224, 3)
 
@@ -401,6 +401,11 @@ def test_a_latent_saved_and_loaded_again_is_the_same_and_cli_files_load_too(comf
     assert files.H3LoadLatent.fingerprint_inputs("mine/clip.safetensors") != before
     latent = files.H3LoadLatent.execute("mine/clip.safetensors").values[0]
     assert torch.equal(latent["video"], sampled["video"] * 0.5) and "seed" not in latent
+    # facts a hand-edited file spells wrong are left out, the others kept
+    AVLatents(sampled["video"], sampled["audio"]).save(c.tmp / "input" / "mine" / "clip.safetensors",
+                                                       {"seed": "five", "steps": "4", "task": "fl2va"})
+    latent = files.H3LoadLatent.execute("mine/clip.safetensors").values[0]
+    assert "seed" not in latent and (latent["steps"], latent["task"]) == (4, "fl2va")
 
     check = files.H3LoadLatent.validate_inputs
     assert check("mine/clip.safetensors") is True and check(None) is True
@@ -1214,6 +1219,15 @@ def test_a_continuation_that_stops_saves_its_finished_windows(comfy, monkeypatch
     with caplog.at_level("WARNING", logger="h3"):
         files.save_unfinished(AVLatents(first["video"], first["audio"]), 1, 2)
     assert "A run with drive_audio or keep_video cannot be continued from them: queue it again." in caplog.text
+    # a full disk: said in the log, never raised over the run's own error
+
+    def no_room(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files, "save_latent_file", no_room)
+    with caplog.at_level("WARNING", logger="h3"):
+        files.save_unfinished(AVLatents(first["video"], first["audio"]), 1, 2)
+    assert "the long video's finished windows could not be saved: [Errno 28] No space left on device" in caplog.text
 
 
 def test_continuation_makes_the_sound_for_a_kept_clip(comfy):
