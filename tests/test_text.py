@@ -837,6 +837,17 @@ def test_a_load_checks_the_headers_then_reads_each_used_tensor_once(tiny, monkey
     assert len(model.state_dict()) == len(used)
 
 
+def test_a_state_read_inside_the_deepstack_layers_is_refused(tiny):
+    """The first decoder layers take DeepStack vision features after them: a state read there is not the text
+    state a later layer's is. Read after the last of them, it loads."""
+    source = locate_text_encoder(tiny["hf"])
+    deepstack = len(tiny["config"]["vision_config"]["deepstack_visual_indexes"])
+    with pytest.raises(CheckpointError, match=rf"^Layer {deepstack} is one of the first {deepstack} layers that take "
+                                              "DeepStack vision features"):
+        load_qwen3vl(source, torch.float32, layers=deepstack)
+    assert len(load_qwen3vl(source, torch.float32, layers=deepstack + 1).language_model.layers) == deepstack + 1
+
+
 def test_a_config_without_both_halves_is_not_a_qwen3vl_config(tmp_path):
     halves = dict(qwen3vl_config(None).to_dict())
     with pytest.raises(CheckpointError, match=r"^A Qwen3-VL config needs 'text_config' and 'vision_config'\.$"):
