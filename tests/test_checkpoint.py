@@ -511,6 +511,9 @@ def test_a_missing_or_unreadable_config_is_named(tmp_path):
     (tmp_path / "bytes.json").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(CheckpointError, match=r"bytes\.json cannot be read \('utf-8' codec can't decode byte 0xff"):
         read_json(tmp_path / "bytes.json")
+    (tmp_path / "broken.json").write_text('{"weight_map": ')
+    with pytest.raises(CheckpointError, match=r"broken\.json is not valid JSON: Expecting value: line 1 column 16"):
+        read_json(tmp_path / "broken.json")
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(CheckpointError, match=r"list\.json must hold a JSON object\.$"):
         read_json(tmp_path / "list.json")

@@ -16,7 +16,7 @@ from audio_vae_checkpoints import (
 from safetensors.torch import load_file, save_file
 
 from h3_core.vae_audio import RELEASED_LATENTS_MEAN, RELEASED_LATENTS_STD
-from h3_core.vae_audio_checkpoint import CheckpointError, load_audio_vae, locate_audio_vae
+from h3_core.vae_audio_checkpoint import CheckpointError, check_audio_vae, load_audio_vae, locate_audio_vae
 
 STATISTICS = ("latents_mean", "latents_std")
 
@@ -67,6 +67,30 @@ def test_diffusers_folder(tmp_path, reference, expected, where):
     model = load_audio_vae(path)
     assert model.config == TINY_AUDIO_VAE
     assert_same_weights(model, expected)
+
+
+def test_a_diffusers_config_keeps_its_statistics_or_takes_the_released_ones_for_null(tmp_path, reference):
+    folder = write_diffusers_folder(tmp_path / "audio_vae", reference)
+    raw = json.loads((folder / "config.json").read_text())
+    shifted = [0.25] * raw["latent_channels"]
+    (folder / "config.json").write_text(json.dumps({**raw, "latents_mean": shifted}))
+    assert locate_audio_vae(folder).config.latents_mean == tuple(shifted)
+    (folder / "config.json").write_text(json.dumps({**raw, "latents_mean": None, "latents_std": None}))
+    config = locate_audio_vae(folder).config
+    assert (config.latents_mean, config.latents_std) == (RELEASED_LATENTS_MEAN, RELEASED_LATENTS_STD)
+
+
+def test_checking_a_file_reads_its_headers_only(tmp_path, reference, monkeypatch):
+    """A host refuses a broken audio VAE before it loads anything else: the check reads no tensor's data."""
+    import h3_core.vae_audio_checkpoint as vae_audio_checkpoint
+
+    folder = write_original_partition(tmp_path, reference)
+    monkeypatch.setattr(vae_audio_checkpoint, "read_tensors", lambda *_: pytest.fail("tensor data was read"))
+    model = check_audio_vae(folder)
+    assert model.config == TINY_AUDIO_VAE and all(t.is_meta for t in model.parameters())
+    rewrite(folder / "model.safetensors", lambda t: t.pop("pre_block.mlp.w2.bias"))
+    with pytest.raises(CheckpointError, match=r"is missing 1 tensor\(s\): pre_block\.mlp\.w2\.bias"):
+        check_audio_vae(folder)
 
 
 @pytest.mark.parametrize("prefix", ["", "audio_vae."])
@@ -129,6 +153,10 @@ def rewrite(path, change):
 FILE = r"in .*model\.safetensors"
 TENSOR_ERRORS = {
     "missing": (lambda t: t.pop("pre_block.mlp.w2.bias"), r"is missing 1 tensor\(s\): pre_block\.mlp\.w2\.bias"),
+    "five missing": (
+        lambda t: [t.pop(name) for name in sorted(name for name in t if name.endswith(".bias"))[:5]],
+        r"is missing 5 tensor\(s\): ([^ ,]+\.bias, ){4}[^ ,]+\.bias\.$",
+    ),
     "six missing": (  # five named, the rest counted
         lambda t: [t.pop(name) for name in sorted(name for name in t if name.endswith(".bias"))[:6]],
         r"is missing 6 tensor\(s\): ([^ ,]+\.bias, ){4}[^ ,]+\.bias and 1 more\.$",
@@ -151,7 +179,8 @@ TENSOR_ERRORS = {
     ),
     "mis-shaped magnitude": (
         lambda t: t.update({"decoder.conv_pre.weight_g": torch.ones(256)}),
-        rf"'decoder\.conv_pre\.weight_g' {FILE} has shape \[256\]",
+        rf"'decoder\.conv_pre\.weight_g' {FILE} has shape \[256\]; the magnitudes of a 'decoder\.conv_pre\.weight_v' "
+        r"of shape \[256, 64, 7\] must be \[256, 1, 1\]\.$",
     ),
     "wrong filter": (
         lambda t: t["decoder.activation_post.upsample.filter"].mul_(1.01),
