@@ -368,7 +368,8 @@ def test_a_tensor_held_by_two_shards_is_refused_naming_the_second(tmp_path, refe
     first, second = (folder / f"model-0000{i}-of-00002.safetensors" for i in (1, 2))
     name, tensor = next(iter(load_file(first).items()))
     save_file({**load_file(second), name: tensor}, str(second))
-    with pytest.raises(CheckpointError, match=rf"^Tensor '{re.escape(name)}' appears twice \(.*00002\.safetensors\)\.$"):
+    with pytest.raises(CheckpointError,
+                       match=rf"^Tensor '{re.escape(name)}' appears twice \(.*00002\.safetensors\)\.$"):
         load_dit(tmp_path)
 
 

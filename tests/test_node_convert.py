@@ -300,7 +300,8 @@ def test_a_keyframe_warns_of_the_batch_and_of_transparency_in_its_first_picture(
 
 @pytest.mark.parametrize("value, message", [
     (np.zeros((1, 4, 4, 3)), r"first_image must be a ComfyUI IMAGE tensor \[B, H, W, C\], got ndarray\."),
-    (torch.zeros(1, 4, 4, 2), r"first_image must be a ComfyUI IMAGE \[B, H, W, C\] with C = 1, 3 or 4; got \[1, 4, 4, 2\]"),
+    (torch.zeros(1, 4, 4, 2), r"first_image must be a ComfyUI IMAGE \[B, H, W, C\] with C = 1, 3 or 4; got "
+                              r"\[1, 4, 4, 2\]"),
     (torch.zeros(4, 3), r"with C = 1, 3 or 4; got \[4, 3\]"),
     (torch.zeros(0, 4, 4, 3), r"first_image holds no pictures \(an empty batch, \[0, 4, 4, 3\]\)"),
     (torch.zeros(1, 0, 4, 3), r"first_image has no pixels \(4x0\)"),
@@ -322,16 +323,13 @@ def test_frame_blocks_must_be_rgb_bytes_or_floats(block):
         convert.frames_to_image([block])
 
 
-MAX_KEYFRAMES = convert.MAX_KEYFRAMES
-
-
 @pytest.mark.parametrize("task, kinds, keyframes, problem", [
     ("t2va", ["image"], 0, "t2va takes a prompt only"), ("t2va", [], 1, "t2va takes a prompt only"),
     ("t2va", [], 0, None),
     ("fl2va", ["audio"], 1, "fl2va takes first_image / last_image keyframes, not references"),
     ("fl2va", [], 0, "fl2va needs first_image, last_image or both"),
-    ("fl2va", [], MAX_KEYFRAMES + 1, "fl2va needs first_image, last_image or both"),
-    ("fl2va", [], 1, None), ("fl2va", [], MAX_KEYFRAMES, None),
+    ("fl2va", [], convert.MAX_KEYFRAMES + 1, "fl2va needs first_image, last_image or both"),
+    ("fl2va", [], 1, None), ("fl2va", [], convert.MAX_KEYFRAMES, None),
     ("ref2va", ["image"], 1, "ref2va takes references, not first_image / last_image"),
     ("ref2va", [], 0, "ref2va needs at least one image, video or audio reference"),
     ("ref2va", ["image", "audio"], 0, None),

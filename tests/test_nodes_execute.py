@@ -1219,9 +1219,8 @@ def test_a_continuation_that_stops_saves_its_finished_windows(comfy, monkeypatch
     with caplog.at_level("WARNING", logger="h3"):
         files.save_unfinished(AVLatents(first["video"], first["audio"]), 1, 2)
     assert "A run with drive_audio or keep_video cannot be continued from them: queue it again." in caplog.text
-    # a full disk: said in the log, never raised over the run's own error
 
-    def no_room(*_):
+    def no_room(*_):  # a full disk: said in the log, never raised over the run's own error
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(files, "save_latent_file", no_room)

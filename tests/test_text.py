@@ -849,7 +849,7 @@ def test_a_state_read_inside_the_deepstack_layers_is_refused(tiny):
 
 
 def test_a_config_without_both_halves_is_not_a_qwen3vl_config(tmp_path):
-    halves = dict(qwen3vl_config(None).to_dict())
+    halves = qwen3vl_config(None).to_dict()
     with pytest.raises(CheckpointError, match=r"^A Qwen3-VL config needs 'text_config' and 'vision_config'\.$"):
         qwen3vl_config({"text_config": halves["text_config"]})
     (tmp_path / "config.json").write_text(json.dumps({"vision_config": halves["vision_config"]}))
