@@ -239,3 +239,36 @@ def test_quantized_single_file_is_refused(tmp_path, reference, config):
     )  # fmt: skip
     with pytest.raises(CheckpointError, match="quantized video VAE"):
         load_video_vae(path, config=config)
+
+
+def test_fields_a_release_config_may_leave_out_take_the_releases_values(tmp_path, reference, config):
+    """What the release hard-codes when its configs do not name it (clip length, tiling, channels, padding, the
+    decoder's rotary settings) is VideoVAEConfig's default."""
+    from h3_core.vae_video import VideoVAEConfig
+    from h3_core.vae_video_checkpoint import config_from_original
+
+    wrapper, source = original_configs(config)
+    optional_wrapper = ("vae_clip_length", "vae_token_drop", "vae_tile_size", "vae_tile_overlap_min",
+                        "vae_encoder_tiling", "vae_decoder_tiling")
+    vit = {key: value for key, value in source["vit_decoder_kwargs"].items() if not key.startswith("rope_")}
+    source = {key: value for key, value in source.items() if key not in ("in_channels", "out_ch", "padding_mode")}
+    got = config_from_original({key: value for key, value in wrapper.items() if key not in optional_wrapper},
+                               {**source, "vit_decoder_kwargs": vit})
+    release = VideoVAEConfig()
+    for field in ("clip_length", "token_drop", "tile_size", "tile_min_overlap", "encoder_tiling", "decoder_tiling",
+                  "in_channels", "out_channels", "spatial_padding_mode", "decoder_rope_theta", "decoder_rope_dim_ratio"):
+        assert getattr(got, field) == getattr(release, field), field
+    with pytest.raises(CheckpointError, match=r"^video_vae: .*latents_mean"):  # a config the model refuses
+        config_from_original({**wrapper, "latents_mean": [0.0]}, source)
+
+
+def test_a_single_file_missing_a_statistic_or_the_encoder_is_refused(tmp_path, reference, config):
+    path = write_comfy_single_file(tmp_path / "vae.safetensors", reference.state_dict(), config)
+    tensors = load_file(str(path))
+    save_file({name: tensor for name, tensor in tensors.items() if name != "latents_std"}, str(path))
+    with pytest.raises(CheckpointError, match=r"^vae\.safetensors holds 'latents_mean' without its partner\.$"):
+        load_video_vae(path)
+    save_file({name: tensor for name, tensor in tensors.items() if not name.startswith("encoder.")}, str(path))
+    with pytest.raises(CheckpointError, match=r"vae\.safetensors holds no H3 video VAE encoder tensors \(expected "
+                                              r"'encoder\.down\.N\.\*' or 'encoder\.down_blocks\.N\.\*'\)\.$"):
+        locate_video_vae(path)
