@@ -272,3 +272,18 @@ def test_a_single_file_missing_a_statistic_or_the_encoder_is_refused(tmp_path, r
     with pytest.raises(CheckpointError, match=r"vae\.safetensors holds no H3 video VAE encoder tensors \(expected "
                                               r"'encoder\.down\.N\.\*' or 'encoder\.down_blocks\.N\.\*'\)\.$"):
         locate_video_vae(path)
+
+
+def test_a_folder_without_weights_or_a_file_of_two_vaes_is_refused(tmp_path, reference, config):
+    folder = write_original_partition(tmp_path, reference.state_dict(), config)
+    (folder / "source" / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"video_vae has no video VAE weights: looked for source/model\.safetensors"
+                                              r", model\.safetensors, source/model\.safetensors\.$"):
+        locate_video_vae(folder)
+    single = write_comfy_single_file(tmp_path / "one.safetensors", reference.state_dict(), config, prefix="vae.")
+    tensors = load_file(str(single))
+    save_file({**tensors, **{"video_vae." + name.removeprefix("vae."): t.clone() for name, t in tensors.items()}},
+              str(tmp_path / "two.safetensors"))
+    with pytest.raises(CheckpointError, match=r"^two\.safetensors holds several video VAEs \(under 'vae\.', "
+                                              r"'video_vae\.'\)\.$"):
+        locate_video_vae(tmp_path / "two.safetensors")
