@@ -256,7 +256,8 @@ def test_fields_a_release_config_may_leave_out_take_the_releases_values(tmp_path
                                {**source, "vit_decoder_kwargs": vit})
     release = VideoVAEConfig()
     for field in ("clip_length", "token_drop", "tile_size", "tile_min_overlap", "encoder_tiling", "decoder_tiling",
-                  "in_channels", "out_channels", "spatial_padding_mode", "decoder_rope_theta", "decoder_rope_dim_ratio"):
+                  "in_channels", "out_channels", "spatial_padding_mode", "decoder_rope_theta",
+                  "decoder_rope_dim_ratio"):
         assert getattr(got, field) == getattr(release, field), field
     with pytest.raises(CheckpointError, match=r"^video_vae: .*latents_mean"):  # a config the model refuses
         config_from_original({**wrapper, "latents_mean": [0.0]}, source)
@@ -277,8 +278,9 @@ def test_a_single_file_missing_a_statistic_or_the_encoder_is_refused(tmp_path, r
 def test_a_folder_without_weights_or_a_file_of_two_vaes_is_refused(tmp_path, reference, config):
     folder = write_original_partition(tmp_path, reference.state_dict(), config)
     (folder / "source" / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match=r"video_vae has no video VAE weights: looked for source/model\.safetensors"
-                                              r", model\.safetensors, source/model\.safetensors\.$"):
+    with pytest.raises(CheckpointError, match=r"video_vae has no video VAE weights: looked for "
+                                              r"source/model\.safetensors, model\.safetensors, "
+                                              r"source/model\.safetensors\.$"):
         locate_video_vae(folder)
     single = write_comfy_single_file(tmp_path / "one.safetensors", reference.state_dict(), config, prefix="vae.")
     tensors = load_file(str(single))
