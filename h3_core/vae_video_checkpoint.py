@@ -162,7 +162,7 @@ def _original_folder(folder: Path) -> VideoVAESource:
         candidates[:0] = [folder / wrapper.get("source_path", "source") / name, folder / name]
     weights = next((c for c in candidates if c.is_file()), None)
     if weights is None:
-        looked = ", ".join(str(c.relative_to(folder)) for c in candidates)
+        looked = ", ".join(dict.fromkeys(str(c.relative_to(folder)) for c in candidates))  # each place once
         raise CheckpointError(f"{folder} has no video VAE weights: looked for {looked}.")
     check_safetensors_file(weights, "H3 video VAE")
     config = config_from_original(wrapper, source, folder)
