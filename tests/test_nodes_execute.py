@@ -1617,6 +1617,11 @@ def test_gguf_files_are_listed_by_walking_a_model_folder_again_only_once_it_chan
     assert "quantized/h3-Q4_K.gguf" in model_choices("diffusion_models", (".gguf",)) and len(walks) == 2
     (folder / "quantized" / "h3-Q8_0.gguf").unlink()
     assert "quantized/h3-Q8_0.gguf" not in model_choices("diffusion_models", (".gguf",)) and len(walks) == 3
+    folder.rename(comfy.tmp / "moved")  # the folder itself gone (unmounted, say): walked again, nothing listed
+    try:
+        assert "quantized/h3-Q4_K.gguf" not in model_choices("diffusion_models", (".gguf",)) and len(walks) == 4
+    finally:
+        (comfy.tmp / "moved").rename(folder)
 
 
 def test_a_gguf_text_encoder_is_offered_and_reads_its_mmproj(comfy, monkeypatch):
