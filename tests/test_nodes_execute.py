@@ -1991,7 +1991,8 @@ def test_a_pasted_path_in_quotes_is_the_path(comfy, tmp_path):
     ("H3/../clip", None), ("../clip", "leads outside ComfyUI's output folder"), ("H3/../../clip", "leads outside"),
     ("/tmp/clip", "an absolute path, or '..' past it"),
     ("..", "names no file"), ("H3/..", "names no file"), (".", "names no file"),  # '.._00001_.mp4', '._00001_.mp4'
-    ("d" * 255 + "/clip", None), ("d" * 300 + "/clip", f"folder name '{'d' * 40}'... is 300 bytes long; a folder name holds at most 255."),
+    ("d" * 255 + "/clip", None),
+    ("d" * 300 + "/clip", f"folder name '{'d' * 40}'... is 300 bytes long; a folder name holds at most 255."),
 ])
 def test_a_save_prefix_is_checked_at_queue_time(comfy, prefix, problem):
     """An over-long name failed with an OSError only after sampling and decoding; an empty one wrote a hidden

@@ -241,7 +241,7 @@ def test_quantized_single_file_is_refused(tmp_path, reference, config):
         load_video_vae(path, config=config)
 
 
-def test_fields_a_release_config_may_leave_out_take_the_releases_values(tmp_path, reference, config):
+def test_fields_a_release_config_may_leave_out_take_the_releases_values(config):
     """What the release hard-codes when its configs do not name it (clip length, tiling, channels, padding, the
     decoder's rotary settings) is VideoVAEConfig's default."""
     from h3_core.vae_video import VideoVAEConfig
