@@ -534,12 +534,12 @@ def latent_size_problem(latent: dict, width: int, height: int, num_frames: int) 
     latent_height, latent_width = geometry.latent_size(width, height)
     have = (latents.num_frames, *latents.video.shape[3:])
     if have != (num_frames, latent_height, latent_width):
-        latent_height, latent_width = (side * geometry.VAE_SPATIAL_FACTOR for side in latents.video.shape[3:])
-        return (f"The latent is {latent_width}x{latent_height}, {latents.num_frames} frames, but the conditioning "
+        have_width, have_height = latents.canvas
+        return (f"The latent is {have_width}x{have_height}, {latents.num_frames} frames, but the conditioning "
                 f"asks for {width}x{height}, {num_frames} frames; make the latent from the conditioning (connect it "
                 "to H3 Empty AV Latent), or for a clip of yours (H3 VAE Encode, H3 Load Latent) set H3 "
                 f"Conditioning's duration to {geometry.duration_for_frames(latents.num_frames):g} s and its size to "
-                f"{latent_width}x{latent_height}.")
+                f"{have_width}x{have_height}.")
     return None
 
 

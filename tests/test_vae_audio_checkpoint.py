@@ -150,15 +150,20 @@ def rewrite(path, change):
     save_file(tensors, str(path))
 
 
+def drop_biases(count):
+    """A change that removes the first `count` biases (by name) from a state dict."""
+    return lambda tensors: [tensors.pop(name) for name in sorted(n for n in tensors if n.endswith(".bias"))[:count]]
+
+
 FILE = r"in .*model\.safetensors"
 TENSOR_ERRORS = {
     "missing": (lambda t: t.pop("pre_block.mlp.w2.bias"), r"is missing 1 tensor\(s\): pre_block\.mlp\.w2\.bias"),
     "five missing": (
-        lambda t: [t.pop(name) for name in sorted(name for name in t if name.endswith(".bias"))[:5]],
+        drop_biases(5),
         r"is missing 5 tensor\(s\): ([^ ,]+\.bias, ){4}[^ ,]+\.bias\.$",
     ),
     "six missing": (  # five named, the rest counted
-        lambda t: [t.pop(name) for name in sorted(name for name in t if name.endswith(".bias"))[:6]],
+        drop_biases(6),
         r"is missing 6 tensor\(s\): ([^ ,]+\.bias, ){4}[^ ,]+\.bias and 1 more\.$",
     ),
     "unpaired weight norm": (
