@@ -449,6 +449,10 @@ def test_latents_cross_to_and_from_comfyuis_own_h3_latent(comfy, caplog):
     # another model's latent is named as such (it was told to join an H3 video and audio latent)
     with pytest.raises(ValueError, match=r"got a plain latent \[1, 4, 16, 16\], not a MiniMax H3 latent\.$"):
         c.latent.H3LatentFromLatent.execute({"samples": torch.zeros(1, 4, 16, 16)})
+    # a LATENT holding no tensor (a list of parts, nothing, not a dict at all) is refused as such
+    for odd in ({"samples": [video, audio]}, {"samples": None}, [video, audio]):
+        with pytest.raises(ValueError, match=r"got something else, not a MiniMax H3 latent\.$"):
+            c.latent.H3LatentFromLatent.execute(odd)
     # a noise mask is not carried over (a core sampler's output keeps the one it used): said, not silent
     with caplog.at_level(logging.WARNING, logger="h3"):
         (masked,) = c.latent.H3LatentFromLatent.execute({**core, "noise_mask": torch.zeros(1, 1, 8, 14)}).values[0]
@@ -1862,6 +1866,11 @@ def test_sampler_and_decode_settings_are_checked_at_queue_time(comfy):
     empty = comfy.latent.H3EmptyAVLatent.validate_inputs
     assert "H3 Empty AV Latent: " in empty(input_types={}, width=1344, height=768, num_frames=40)
     assert empty(input_types={}, width=1344, height=768, num_frames=124) is True
+    assert empty(input_types={}, width=1344, height=768, num_frames=362) is True  # 15 s, the widget's max
+    assert "num_frames: Value 363 bigger than max of 362" in empty(input_types={}, width=1344, height=768,
+                                                                    num_frames=363)
+    # a canvas and a length both wrong: the canvas is said (then the length, once it is mended)
+    assert "width=100" in empty(input_types={}, width=100, height=768, num_frames=40)
     assert empty(input_types={"conditioning": "H3_COND"}, width=1344, height=768, num_frames=1) is True
     assert "num_frames: Value 0 smaller than min of 1" in empty(input_types={}, width=1344, height=768, num_frames=0)
     streamed = importlib.import_module("nodes.long_video").H3SaveMP4.validate_inputs
