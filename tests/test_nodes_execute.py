@@ -442,15 +442,17 @@ def test_latents_cross_to_and_from_comfyuis_own_h3_latent(comfy, caplog):
     assert empty["empty"]
     same = c.sampler.H3Sampler.execute(model, cond, 5, 3, 0.0, 0.0, latent=empty).values[0][0]
     assert torch.equal(same["video"], sampled["video"])
-    with pytest.raises(ValueError, match="LATENT to H3 Latent: .*video and audio together .* Concat AV Latent"):
-        c.latent.H3LatentFromLatent.execute({"samples": video})
+    for part in (video, audio):  # an H3 video or audio latent alone is told to join the other
+        with pytest.raises(ValueError, match="LATENT to H3 Latent: .*video and audio together .* Concat AV Latent"):
+            c.latent.H3LatentFromLatent.execute({"samples": part})
     with pytest.raises(ValueError, match=r"LATENT to H3 Latent: The audio part must be \[B, 32, 2, A\]"):
         c.latent.H3LatentFromLatent.execute({"samples": nested((video, audio[:, :, 0]))})
     # another model's latent is named as such (it was told to join an H3 video and audio latent)
     with pytest.raises(ValueError, match=r"got a plain latent \[1, 4, 16, 16\], not a MiniMax H3 latent\.$"):
         c.latent.H3LatentFromLatent.execute({"samples": torch.zeros(1, 4, 16, 16)})
     # a LATENT holding no tensor (a list of parts, nothing, not a dict at all) is refused as such
-    for odd in ({"samples": [video, audio]}, {"samples": None}, [video, audio]):
+    three = {"samples": nested((video, audio, audio))}
+    for odd in ({"samples": [video, audio]}, {"samples": None}, [video, audio], three):
         with pytest.raises(ValueError, match=r"got something else, not a MiniMax H3 latent\.$"):
             c.latent.H3LatentFromLatent.execute(odd)
     # a noise mask is not carried over (a core sampler's output keeps the one it used): said, not silent
