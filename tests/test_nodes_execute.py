@@ -450,7 +450,7 @@ def test_latents_cross_to_and_from_comfyuis_own_h3_latent(comfy, caplog):
     # another model's latent is named as such (it was told to join an H3 video and audio latent)
     with pytest.raises(ValueError, match=r"got a plain latent \[1, 4, 16, 16\], not a MiniMax H3 latent\.$"):
         c.latent.H3LatentFromLatent.execute({"samples": torch.zeros(1, 4, 16, 16)})
-    # a LATENT holding no tensor (a list of parts, nothing, not a dict at all) is refused as such
+    # a LATENT holding something else (a list of parts, nothing, three parts; or no dict at all): refused as such
     three = {"samples": nested((video, audio, audio))}
     for odd in ({"samples": [video, audio]}, {"samples": None}, [video, audio], three):
         with pytest.raises(ValueError, match=r"got something else, not a MiniMax H3 latent\.$"):
