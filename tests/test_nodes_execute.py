@@ -4,6 +4,7 @@ sampler (output list, previews, custom sigmas, refinement, interrupt) -> decode 
 the memory-manager wrapper."""
 
 import importlib
+import itertools
 import json
 import logging
 import os
@@ -421,7 +422,7 @@ def test_a_latent_saved_and_loaded_again_is_the_same_and_cli_files_load_too(comf
         files.H3SaveLatent.execute(c.latent.H3EmptyAVLatent.execute(224, 128, 107).values[0], "H3/empty")
 
 
-def test_latents_cross_to_and_from_comfyuis_own_h3_latent(comfy, caplog):
+def test_latents_cross_to_and_from_comfyuis_own_h3_latent(comfy, caplog, monkeypatch):
     c = comfy
     model, text, vae = _models(c)
     cond = _cond(c, text, vae).values[0]
@@ -456,6 +457,7 @@ def test_latents_cross_to_and_from_comfyuis_own_h3_latent(comfy, caplog):
         with pytest.raises(ValueError, match=r"got something else, not a MiniMax H3 latent\.$"):
             c.latent.H3LatentFromLatent.execute(odd)
     # a noise mask is not carried over (a core sampler's output keeps the one it used): said, not silent
+    assert "noise mask" not in caplog.text  # (a LATENT without one: nothing to say)
     with caplog.at_level(logging.WARNING, logger="h3"):
         (masked,) = c.latent.H3LatentFromLatent.execute({**core, "noise_mask": torch.zeros(1, 1, 8, 14)}).values[0]
     assert torch.equal(masked["video"], sampled["video"]) and "noise mask is not carried over" in caplog.text
@@ -463,6 +465,10 @@ def test_latents_cross_to_and_from_comfyuis_own_h3_latent(comfy, caplog):
     before = sampled["video"].clone()
     video.add_(1)
     assert torch.equal(sampled["video"], before)
+    # a ComfyUI without joint AV latents is told to update, not shown an ImportError
+    monkeypatch.setitem(sys.modules, "comfy.nested_tensor", None)
+    with pytest.raises(RuntimeError, match=r"needs a ComfyUI with joint video \+ audio latents .* update ComfyUI\.$"):
+        c.latent.H3LatentToLatent.execute(sampled)
 
 
 def test_sampler_keeps_a_clips_video_and_makes_its_sound(comfy):
@@ -1313,7 +1319,7 @@ def test_vae_encode_turns_a_video_into_a_latent_to_extend(comfy):
     assert len(c.record.loaded) == loads  # refused before the VAEs were placed
 
 
-def test_vae_encode_reads_a_loaded_video_from_its_file(comfy):
+def test_vae_encode_reads_a_loaded_video_from_its_file(comfy, monkeypatch):
     """A Load Video VIDEO (VideoFromFile: a path and a trim window) is read from its file onto the canvas frame
     by frame, as `h3 encode` reads it, never decoded whole through get_components(); the trim is honoured."""
     from h3_core.clip_latents import encode_clip
@@ -1344,6 +1350,20 @@ def test_vae_encode_reads_a_loaded_video_from_its_file(comfy):
     assert whole[3] == 90
     with pytest.raises(ValueError, match="multiples of 32"):
         c.latent.H3VAEEncode.execute(vae, video=loaded(), width=200, height=128)
+    # a file that fails part-way (past the frames read up front to check it) is said as the video's fault
+    from h3_core import media_read
+    from h3_core.media import MediaError
+
+    read_frames = media_read.iter_video_frames
+
+    def fails_at_30(*args):
+        yield from itertools.islice(read_frames(*args), 30)
+        raise MediaError(f"{path}: invalid data at frame 30")
+
+    said = r"^video: .*mine\.mp4: invalid data at frame 30$"
+    with monkeypatch.context() as patch, pytest.raises(ValueError, match=said):
+        patch.setattr(media_read, "iter_video_frames", fails_at_30)
+        c.latent.H3VAEEncode.execute(vae, video=loaded())
     c.record.interrupt_after = len(c.record.progress) + 2  # cancelled after the second 17 frames
     with pytest.raises(c.memory.mm.InterruptProcessingException):
         c.latent.H3VAEEncode.execute(vae, video=loaded())
