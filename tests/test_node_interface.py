@@ -50,6 +50,7 @@ def test_each_kind_of_break_is_found(current):
         "must be optional": lambda c: c["H3Sampler"]["inputs"].update(extra={"type": "INT", "optional": False}),
         "new widgets go after": lambda c: c["H3Sampler"]["widgets"].insert(seed_at, "extra"),
         "new outputs go after": lambda c: c["H3Sampler"]["outputs"].insert(0, "IMAGE"),
+        "no longer an output node": lambda c: c["H3AVSave"].update(output_node=False),
     }
     for said, change in cases.items():
         problems = _with(current, change)
