@@ -51,6 +51,8 @@ def test_each_kind_of_break_is_found(current):
         "new widgets go after": lambda c: c["H3Sampler"]["widgets"].insert(seed_at, "extra"),
         "new outputs go after": lambda c: c["H3Sampler"]["outputs"].insert(0, "IMAGE"),
         "no longer an output node": lambda c: c["H3AVSave"].update(output_node=False),
+        "output 0 is no longer a list": lambda c: c["H3Sampler"]["list_outputs"].__setitem__(0, False),
+        "output 1 became a list": lambda c: c["H3VAEDecode"]["list_outputs"].__setitem__(1, True),
     }
     for said, change in cases.items():
         problems = _with(current, change)

@@ -8,7 +8,8 @@ must run them. So, against the record:
 - a new canvas widget comes after the recorded ones (a canvas workflow stores widget values by position);
 - a new output comes after the recorded ones (canvas links name output slots by position);
 - an output node stays one (ComfyUI runs a prompt from its output nodes: one ending in a node that no
-  longer is has nothing to run);
+  longer is has nothing to run), and a list output stays a list and a single one single (the nodes after
+  a list output run once per item);
 - a choice list keeps its choices, and a number range only widens.
 
 Run: python tools/node_interface.py            says whether the nodes keep the record
@@ -57,10 +58,12 @@ def _input(port) -> dict:
 
 
 def interface(schemas) -> dict:
-    """{node id: {"inputs": {name: facts}, "widgets": [names], "outputs": [types], "output_node": bool}}."""
+    """{node id: {"inputs": {name: facts}, "widgets": [names], "outputs": [types], "list_outputs": [bools],
+    "output_node": bool}}."""
     return {schema.node_id: {"inputs": {port.id: _input(port) for port in schema.inputs},
                              "widgets": widget_order(schema.inputs),
                              "outputs": [port.type for port in schema.outputs],
+                             "list_outputs": [bool(port.options.get("is_output_list")) for port in schema.outputs],
                              "output_node": bool(schema.is_output_node)}
             for schema in schemas}
 
@@ -98,6 +101,10 @@ def breaks(recorded: dict, current: dict) -> list[str]:
         if new["outputs"][: len(old["outputs"])] != old["outputs"]:
             problems.append(f"{node_id}: outputs {old['outputs']} became {new['outputs']} "
                             "(new outputs go after the recorded ones)")
+        for slot, (was, now) in enumerate(zip(old.get("list_outputs", []), new.get("list_outputs", []))):
+            if was != now:
+                problems.append(f"{node_id}: output {slot} {'is no longer' if was else 'became'} a list (the "
+                                "nodes after a list output run once per item)")
         if old.get("output_node") and not new.get("output_node"):
             problems.append(f"{node_id}: no longer an output node (a prompt ending in it would have nothing to run)")
     return problems
