@@ -1350,6 +1350,16 @@ def test_vae_encode_reads_a_loaded_video_from_its_file(comfy, monkeypatch):
     assert whole[3] == 90
     with pytest.raises(ValueError, match="multiples of 32"):
         c.latent.H3VAEEncode.execute(vae, video=loaded(), width=200, height=128)
+    # linked sizes (unchecked at queue time): one of the two is refused, not taken as "from the clip"
+    with pytest.raises(ValueError, match=r"^Give width and height together, or both 0 \(from the clip\); got 0x128\.$"):
+        c.latent.H3VAEEncode.execute(vae, video=loaded(), width=0, height=128)
+    # a file that cannot be read is said as the video's fault
+    (c.tmp / "broken.mp4").write_bytes(b"not a video" * 100)
+    broken = SimpleNamespace(get_stream_source=lambda: str(c.tmp / "broken.mp4"))
+    with pytest.raises(ValueError, match=r"^video: .*broken\.mp4"):
+        c.latent.H3VAEEncode.execute(vae, video=broken)
+    # a canvas given is the one the file's frames are cropped onto
+    assert c.latent.H3VAEEncode.execute(vae, video=loaded((1.0, 2.0)), width=128, height=128).values[1:3] == (128, 128)
     # a file that fails part-way (past the frames read up front to check it) is said as the video's fault
     from h3_core import media_read
     from h3_core.media import MediaError
