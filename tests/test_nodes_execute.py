@@ -942,6 +942,8 @@ def test_model_loader_linears_reach_the_tiny_model_and_the_workers(comfy, monkey
     monkeypatch.setattr(comfy.loaders, "manage_runner", lambda name, spec, *rest: specs.append(spec) or SimpleNamespace(model=None))
     loader.execute("tiny-random", "", "fl2va", "bf16", "auto", devices="cpu,cpu", linears="fp8-weights-lossy")
     assert specs[0].linears == "fp8-weights-lossy"
+    split = loader.execute("tiny-random", "", "fl2va", "bf16", "auto", devices="cpu:0,cpu:1").values[0]
+    assert split.device == torch.device("cpu", 0)  # rank 0's: where conditioning goes and results come back
     with pytest.raises(ValueError, match="Unknown linears mode 'fp4'"):
         loader.execute("tiny-random", "", "fl2va", "bf16", "auto", linears="fp4")
 
@@ -1884,6 +1886,9 @@ def test_sampler_and_decode_settings_are_checked_at_queue_time(comfy):
     assert "seed must be an integer from 0 to 18446744073709551615 (and seed + 3 for 4 outputs)" in check(
         input_types=linked, **{**fine, "seed": 2**64 - 2, "outputs": 4})
     assert "outputs: Value 65 bigger than max of 64" in check(input_types=linked, **{**fine, "outputs": 65})
+    # a linked seed or output count (None here) is checked with the other when the node runs
+    assert check(input_types={**linked, "seed": "INT"}, **{**fine, "seed": None, "outputs": 64}) is True
+    assert check(input_types={**linked, "outputs": "INT"}, **{**fine, "seed": 2**64 - 1, "outputs": None}) is True
     assert "denoise: Value 0.0 smaller than min of 0.01" in check(input_types=linked, **{**fine, "denoise": 0.0})
     assert "keep: 'both' not in" in check(input_types=linked, **{**fine, "keep": "both"})
     assert "latent takes H3_LATENT, got LATENT" in check(input_types={**linked, "latent": "LATENT"}, **fine)
