@@ -327,6 +327,21 @@ def test_auto_attention_follows_the_dtype_a_file_is_read_in(comfy, tmp_path, mon
     sys.modules.pop("flash_attn_interface", None)
 
 
+def test_a_kernel_without_the_window_is_refused_only_with_one(comfy, monkeypatch):
+    """FlashAttention 2 cannot run the attention window: with one asked for it is refused before the file is
+    read; without one it loads (the window check must not stand in the way of a kernel that runs no window)."""
+    import types
+
+    for name in ("flash_attn", "flash_attn.flash_attn_interface"):  # stand-ins: present, never called here
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    loader = comfy.loaders.H3ModelLoader
+    assert loader.execute(FOUR_BLOCKS, "", "fl2va", "bf16", "flash").values[0].run.attention == "flash"
+    said = "The attention window runs on the sdpa, flash3, flash3-fp8-lossy attention backends; 'flash' is chosen"
+    with monkeypatch.context() as patch, pytest.raises(ValueError, match=said):
+        patch.setattr(comfy.loaders, "locate_dit", lambda *_: pytest.fail("the file was read before the kernel check"))
+        loader.execute(FOUR_BLOCKS, "", "fl2va", "bf16", "flash", attention_window_lossy=1)
+
+
 def test_loader_input_checks(comfy):
     c = comfy
     from h3_core.dit import _CompiledForward
