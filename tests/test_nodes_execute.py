@@ -910,7 +910,7 @@ def test_model_loader_run_settings_apply_at_each_run_and_share_the_weights(comfy
     assert (windowed.dit.attention_window, windowed.dit.attention_window_dense_steps) == (4, 5)
     assert windowed.dit.blocks[0].attn.backend == "sdpa"
     plain = loader.execute("tiny-random", "", "fl2va", "bf16", "sdpa", compile=True).values[0]
-    assert plain.dit is windowed.dit and plain.patcher is windowed.patcher
+    assert plain.dit is windowed.dit and plain.patcher is windowed.patcher and plain.name == "tiny-random"
     _, text, vae = _models(c)
     cond = _cond(c, text, vae).values[0]
     c.sampler.H3Sampler.execute(plain, cond, 0, 2, 0.0, 0.0)

@@ -335,7 +335,8 @@ def test_a_kernel_without_the_window_is_refused_only_with_one(comfy, monkeypatch
     for name in ("flash_attn", "flash_attn.flash_attn_interface"):  # stand-ins: present, never called here
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     loader = comfy.loaders.H3ModelLoader
-    assert loader.execute(FOUR_BLOCKS, "", "fl2va", "bf16", "flash").values[0].run.attention == "flash"
+    flash = loader.execute(FOUR_BLOCKS, "", "fl2va", "bf16", "flash").values[0]
+    assert flash.run.attention == "flash" and flash.name.endswith(FOUR_BLOCKS)  # the name ComfyUI's reports show
     said = "The attention window runs on the sdpa, flash3, flash3-fp8-lossy attention backends; 'flash' is chosen"
     with monkeypatch.context() as patch, pytest.raises(ValueError, match=said):
         patch.setattr(comfy.loaders, "locate_dit", lambda *_: pytest.fail("the file was read before the kernel check"))
