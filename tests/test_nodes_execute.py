@@ -415,6 +415,8 @@ def test_a_latent_saved_and_loaded_again_is_the_same_and_cli_files_load_too(comf
     (c.tmp / "input" / "picture.png").write_bytes(b"png")
     for name in ("gone.safetensors", "../output/H3/keep_00001_.safetensors", "picture.png"):
         assert check(name).startswith(f"No latent file {name!r} in ComfyUI's input folder"), name
+        with pytest.raises(ValueError, match=rf"^No latent file {re.escape(repr(name))} in ComfyUI's input folder\.$"):
+            files.H3LoadLatent.execute(name)  # a linked name, not checked at queue time
     (c.tmp / "input" / "lora.safetensors").write_bytes((c.tmp / "output" / "H3" / saved.filename).read_bytes()[:8])
     with pytest.raises(ValueError, match="is not a safetensors file of latents"):
         files.H3LoadLatent.execute("lora.safetensors")
