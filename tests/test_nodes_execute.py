@@ -1222,7 +1222,8 @@ def test_a_continuation_that_stops_saves_its_finished_windows(comfy, monkeypatch
     with caplog.at_level("WARNING", logger="h3"), pytest.raises(c.memory.mm.InterruptProcessingException):
         continuation.execute(model, *args)
     (saved,) = (c.tmp / "output" / "H3").glob("unfinished_long_video_*.safetensors")
-    assert f"stopped after window 1 of 2; those windows are saved as {saved}" in caplog.text
+    assert f"stopped after window 1 of 2; those windows are saved as {saved}: move the file" in caplog.text
+    assert "give it to H3 Continuation's continue_from" in caplog.text and "cannot be continued" not in caplog.text
     monkeypatch.setattr(long_video_module, "sample", sample)
     shutil.copy(saved, c.tmp / "input" / saved.name)
     first, _, _, frames = files.H3LoadLatent.execute(saved.name).values
