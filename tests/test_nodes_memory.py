@@ -881,6 +881,30 @@ def test_our_models_take_turns_in_cpu_memory_too_small_for_both(comfy, caplog, m
     assert not _same(first, second)
 
 
+def test_our_models_let_go_largest_first_only_until_a_read_fits(comfy, monkeypatch):
+    """Room for a read is made by our models that can be read again, largest first, and no more of them than
+    it takes; not by the model that needs it, and not at all when others may not; whether it fits is said."""
+    from h3_core import runtime
+
+    host, free = comfy.host_memory, [10 * GIB]
+
+    class Held:  # a placement's part here: its CPU bytes, whether it can be read again, letting go
+        def __init__(self, size, releasable=True):
+            self.host_bytes, self.releasable = size, releasable
+
+        def release_weights(self):
+            free[0], self.host_bytes = free[0] + self.host_bytes, 0
+
+    big, small, kept = Held(40 * GIB), Held(20 * GIB), Held(60 * GIB, releasable=False)
+    for placement in (big, small, kept):
+        host.track(placement)
+    monkeypatch.setattr(runtime, "host_memory_available", lambda: free[0])
+    assert not host.make_host_room(30 * GIB, others=False) and free == [10 * GIB]  # ours left alone
+    assert host.make_host_room(30 * GIB)  # the big one went (10 + 40 GiB free, 4 of them headroom): enough
+    assert (big.host_bytes, small.host_bytes, kept.host_bytes) == (0, 20 * GIB, 60 * GIB)
+    assert not host.make_host_room(60 * GIB, needing=small) and small.host_bytes == 20 * GIB  # not for itself
+
+
 def test_a_model_unloaded_without_cpu_room_to_wait_in_lets_go_instead(comfy, caplog, monkeypatch):
     """ComfyUI unloading a model from the GPU moves it into CPU memory. Without room for it there, a model
     that can be read again lets go of its weights instead (and no other model is let go of for it: another
