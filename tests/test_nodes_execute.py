@@ -925,7 +925,7 @@ def test_model_loader_run_settings_apply_at_each_run_and_share_the_weights(comfy
     for other in (loader.execute("tiny-random", "", "fl2va", "bf16", "auto", linears="fp8-weights-lossy").values[0],
                   loader.execute("tiny-random", "", "ref2va", "bf16", "auto").values[0]):  # other weights
         assert other.dit is not plain.dit
-    # a window without dense steps (0, or None from an older prompt) is windowed from the first step
+    # a window without dense steps (0, or None: nothing given) is windowed from the first step
     for dense in (0, None):
         sparse = loader.execute("tiny-random", "", "fl2va", "bf16", "auto", attention_window_lossy=4,
                                 attention_window_dense_steps=dense).values[0]

@@ -900,7 +900,7 @@ def test_our_models_let_go_largest_first_only_until_a_read_fits(comfy, monkeypat
         host.track(placement)
     monkeypatch.setattr(runtime, "host_memory_available", lambda: free[0])
     assert not host.make_host_room(30 * GIB, others=False) and free == [10 * GIB]  # ours left alone
-    assert host.make_host_room(30 * GIB)  # the big one went (10 + 40 GiB free, 4 of them headroom): enough
+    assert host.make_host_room(30 * GIB)  # the big one went: 50 GiB free holds 30 and the 4 of headroom
     assert (big.host_bytes, small.host_bytes, kept.host_bytes) == (0, 20 * GIB, 60 * GIB)
     assert not host.make_host_room(60 * GIB, needing=small) and small.host_bytes == 20 * GIB  # not for itself
 
