@@ -411,6 +411,11 @@ def test_an_all_in_one_file_supplies_the_dit_text_encoder_and_audio_vae(model_se
     with pytest.raises(CheckpointError, match=r"all-in-one file holding the DiT and the text encoder and the video "
                                               r"VAE alone\. Give --audio-vae \(ComfyUI: one from models/vae\)"):
         resolve_model_source(str(without_audio), "fl2va")
+    without_video = tmp_path / "no_video.safetensors"  # the audio VAE's `audio_vae.` is no video VAE
+    save_file({k: v for k, v in load_file(bundle).items() if not k.startswith("vae.")}, str(without_video))
+    with pytest.raises(CheckpointError, match=r"holding the DiT and the text encoder and the audio VAE alone\. "
+                                              r"Give --video-vae \(ComfyUI: one from models/vae\)"):
+        resolve_model_source(str(without_video), "fl2va")
     capsys.readouterr()
     assert main(["info", bundle]) == 0
     info = json.loads(capsys.readouterr().out)
