@@ -882,8 +882,9 @@ def test_our_models_take_turns_in_cpu_memory_too_small_for_both(comfy, caplog, m
 
 
 def test_our_models_let_go_largest_first_only_until_a_read_fits(comfy, monkeypatch):
-    """Room for a read is made by our models that can be read again, largest first, and no more of them than
-    it takes; not by the model that needs it, and not at all when others may not; whether it fits is said."""
+    """A read that does not fit with its headroom asks ComfyUI's cache first, then our models that can be read
+    again let go, largest first, and no more of them than it takes; not the model that needs the room, and none
+    when others may not; whether it fits is said."""
     from h3_core import runtime
 
     host, free = comfy.host_memory, [10 * GIB]
@@ -899,7 +900,12 @@ def test_our_models_let_go_largest_first_only_until_a_read_fits(comfy, monkeypat
     for placement in (big, small, kept):
         host.track(placement)
     monkeypatch.setattr(runtime, "host_memory_available", lambda: free[0])
-    assert not host.make_host_room(30 * GIB, others=False) and free == [10 * GIB]  # ours left alone
+    asked = []  # ComfyUI's cache, asked first (here it frees nothing)
+    monkeypatch.setitem(sys.modules, "comfy.memory_management",
+                        SimpleNamespace(extra_ram_release=lambda target, free_active=False: asked.append(target)))
+    assert host.make_host_room(6 * GIB) and free == [10 * GIB] and asked == []  # fits with 4 GiB of headroom
+    assert not host.make_host_room(7 * GIB, others=False) and free == [10 * GIB]  # 11 GiB: ours left alone
+    assert asked == [11 * GIB]
     assert host.make_host_room(30 * GIB)  # the big one went: 50 GiB free holds 30 and the 4 of headroom
     assert (big.host_bytes, small.host_bytes, kept.host_bytes) == (0, 20 * GIB, 60 * GIB)
     assert not host.make_host_room(60 * GIB, needing=small) and small.host_bytes == 20 * GIB  # not for itself
