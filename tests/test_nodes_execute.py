@@ -152,6 +152,9 @@ def test_conditioning_media_checks(comfy):
     assert "t2va takes a prompt only" in check(input_types={"first_image": "IMAGE"}, task="t2va")
     assert check(input_types={"references.ref0": "IMAGE", "references.ref1": "AUDIO", "vae": "H3_VAE"},
                  task="ref2va") is True
+    # wrong links are named in slot order (ref2 before ref10), however ComfyUI orders them
+    assert "References must be IMAGE, VIDEO or AUDIO; got MASK, LATENT." in check(
+        input_types={"references.ref10": "LATENT", "references.ref2": "MASK", "vae": "H3_VAE"}, task="ref2va")
     # as ComfyUI hands them over: every slot None, a typed value's slot without a type (it passed, then failed
     # when the node ran); both nodes
     for node in (c.conditioning.H3Conditioning, importlib.import_module("nodes.long_video").H3Continuation):
@@ -182,6 +185,11 @@ def test_conditioning_media_checks(comfy):
         c.conditioning.H3Conditioning.execute(text, "a fox", "t2va", "auto", 320, 0, 4.0)
     with pytest.raises(ValueError, match="ref2va takes references, not first_image"):
         _cond(c, text, vae, "ref2va", first_image=image, references={"ref0": image})
+    # a linked task is checked against the media when the node runs, as validate_inputs checks a chosen one
+    with pytest.raises(ValueError, match=r"^fl2va needs first_image, last_image or both connected; a prompt alone"):
+        _cond(c, text, vae, "fl2va")
+    with pytest.raises(ValueError, match=r"^t2va takes a prompt only: disconnect the keyframes"):
+        _cond(c, text, vae, "t2va", first_image=image)
     with pytest.raises(ValueError, match="IMAGE, VIDEO or AUDIO"):
         _cond(c, text, vae, "ref2va", references={"ref0": "text"})
 
