@@ -159,10 +159,11 @@ def _original_folder(folder: Path) -> VideoVAESource:
     candidates = [folder / "source" / "model.safetensors"]
     if "source_safetensors_path" in wrapper:
         name = wrapper["source_safetensors_path"]
-        candidates[:0] = [folder / wrapper.get("source_path", "source") / name, folder / name]
+        named = [folder / wrapper.get("source_path", "source") / name, folder / name]
+        candidates = list(dict.fromkeys(named + candidates))  # each place once (the named one may be the default)
     weights = next((c for c in candidates if c.is_file()), None)
     if weights is None:
-        looked = ", ".join(dict.fromkeys(str(c.relative_to(folder)) for c in candidates))  # each place once
+        looked = ", ".join(str(c.relative_to(folder)) for c in candidates)
         raise CheckpointError(f"{folder} has no video VAE weights: looked for {looked}.")
     check_safetensors_file(weights, "H3 video VAE")
     config = config_from_original(wrapper, source, folder)

@@ -101,11 +101,11 @@ def breaks(recorded: dict, current: dict) -> list[str]:
         if new["outputs"][: len(old["outputs"])] != old["outputs"]:
             problems.append(f"{node_id}: outputs {old['outputs']} became {new['outputs']} "
                             "(new outputs go after the recorded ones)")
-        for slot, (was, now) in enumerate(zip(old.get("list_outputs", []), new.get("list_outputs", []))):
+        for slot, (was, now) in enumerate(zip(old["list_outputs"], new["list_outputs"])):
             if was != now:
                 problems.append(f"{node_id}: output {slot} {'is no longer' if was else 'became'} a list (the "
                                 "nodes after a list output run once per item)")
-        if old.get("output_node") and not new.get("output_node"):
+        if old["output_node"] and not new["output_node"]:
             problems.append(f"{node_id}: no longer an output node (a prompt ending in it would have nothing to run)")
     return problems
 
