@@ -3,6 +3,7 @@ arithmetic, the swap's reach, ComfyUI fp8_scaled files in their real on-disk lay
 that every lossy path is opt-in."""
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -419,6 +420,77 @@ def test_other_quantizations_and_broken_fp8_files_are_refused(tmp_path, bf16_mod
     save_file(bad_scale, str(tmp_path / "bad_scale.safetensors"))
     with pytest.raises(CheckpointError, match="one per output channel"):
         locate_dit(tmp_path / "bad_scale.safetensors")
+
+
+
+def _record(fmt: str, **extra) -> torch.Tensor:
+    return torch.tensor(list(json.dumps({"format": fmt, **extra}).encode()), dtype=torch.uint8)
+
+
+FC1 = "model.diffusion_model.blocks.0.mlp.fc1"
+
+
+def _int4_one_scale(tensors):
+    tensors[f"{FC1}.weight"] = torch.zeros(256, 32, dtype=torch.int8)
+    tensors[f"{FC1}.weight_scale"] = torch.tensor(1.0)
+    tensors[f"{FC1}.comfy_quant"] = _record("convrot_w4a4", convrot_groupsize=16)
+
+
+BROKEN_FILES = {  # what is wrong -> (the change to a bf16 repack, file metadata, the refusal)
+    "int8 record, bf16 weight": (
+        lambda t: t.update({f"{FC1}.weight_scale": torch.tensor(1.0), f"{FC1}.comfy_quant": _record("int8_tensorwise")}),
+        None, f"'{FC1}.weight' in bad.safetensors is marked int8 but stored as BF16."),
+    "int8 without a scale": (
+        lambda t: t.update({f"{FC1}.weight": torch.zeros(256, 64, dtype=torch.int8),
+                            f"{FC1}.comfy_quant": _record("int8_tensorwise")}),
+        None, f"'{FC1}.weight' in bad.safetensors is marked int8 but stored as I8 without a weight_scale."),
+    "FP8 record, bf16 weight": (
+        lambda t: t.update({f"{FC1}.weight_scale": torch.tensor(1.0), f"{FC1}.comfy_quant": _record("float8_e4m3fn")}),
+        None, f"'{FC1}.weight' in bad.safetensors is marked FP8 but stored as BF16."),
+    "a scale but no format": (
+        lambda t: t.update({f"{FC1}.weight_scale": torch.tensor(1.0)}),
+        None, f"'{FC1}.weight' in bad.safetensors has a scale but is stored as BF16 with no FP8 format named; "),
+    "int4 with one scale": (
+        _int4_one_scale, None, f"int4 layer '{FC1}.weight' in bad.safetensors needs a scale per row (256), has 1."),
+    "unreadable metadata": (
+        lambda t: None, {"_quantization_metadata": "{not json"},
+        "bad.safetensors has unreadable '_quantization_metadata'."),
+}
+
+
+@pytest.mark.parametrize("fault", list(BROKEN_FILES))
+def test_a_broken_quantized_file_is_refused_saying_what_is_wrong(tmp_path, bf16_model, fault):
+    """Each is said when the file's headers are read (locate_dit), before any weight is."""
+    change, metadata, message = BROKEN_FILES[fault]
+    tensors = {f"model.diffusion_model.{k}": v for k, v in native_tensors(bf16_model).items()}
+    change(tensors)
+    save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=metadata)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        locate_dit(tmp_path / "bad.safetensors")
+
+
+def test_quantized_weights_for_a_layer_the_model_lacks_are_refused(tmp_path, bf16_model):
+    tensors = {f"model.diffusion_model.{k}": v for k, v in native_tensors(bf16_model).items()}
+    tensors["model.diffusion_model.blocks.0.mlp.fc3.weight"] = torch.zeros(64, 64, dtype=torch.float8_e4m3fn)
+    tensors["model.diffusion_model.blocks.0.mlp.fc3.weight_scale"] = torch.tensor(1.0)
+    save_file(tensors, str(tmp_path / "extra.safetensors"))
+    with pytest.raises(CheckpointError, match=re.escape("The checkpoint has quantized weights for 'blocks.0.mlp.fc3', "
+                                                        "which this model does not have.")):
+        load_dit(tmp_path / "extra.safetensors")
+
+
+def test_bad_fp8_settings_are_refused_naming_the_choices():
+    linear = FP8Linear.from_linear(nn.Linear(64, 32), "dequantize")
+    with pytest.raises(ValueError, match=re.escape("Unknown FP8 matmul 'fast'; choose one of dequantize, scaled.")):
+        linear.set_matmul("fast")
+    with pytest.raises(ValueError, match=re.escape("FP8 activations are scaled per 'row' or per 'tensor', got 'column'.")):
+        linear.set_matmul("dequantize", "column")
+    with pytest.raises(ValueError, match=re.escape("Unknown FP8 matmul 'fast'; choose one of dequantize, scaled.")):
+        quantize_blocks(tiny_random_dit(), "fast")
+    with pytest.raises(ValueError, match=re.escape("A ConvRot group is a power of 4 (4, 16, 64, 256, ...); got 8.")):
+        fp8.hadamard_signs(8)
+    with pytest.raises(ValueError, match="A ConvRot weight with 24 input columns does not split into groups of 16."):
+        fp8.rotate_integers(torch.zeros(2, 24, dtype=torch.int8), 16)
 
 
 # ----------------------------------------------------------------------------------------------
