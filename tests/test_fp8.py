@@ -225,6 +225,12 @@ def test_scaled_matmul_needs_a_capable_device(monkeypatch):
     with pytest.raises(ValueError, match="fp8-weights-lossy"):
         quantize_blocks(tiny_random_dit(), "scaled")
     quantize_blocks(tiny_random_dit(), "dequantize")  # weight-only runs anywhere
+    quantize_blocks(tiny_random_dit(), "scaled", device="meta")  # a model being built: no device to ask yet
+    with pytest.raises(ValueError, match="FP8 matmuls are not supported on cpu"):
+        fp8.check_linear_mode("fp8-lossy", "cpu")
+    # without a device (a mode named before one is chosen), or a mode without FP8 matmuls, nothing is asked
+    assert fp8.check_linear_mode("fp8-lossy") == "fp8-lossy"
+    assert fp8.check_linear_mode("fp8-weights-lossy", "cpu") == "fp8-weights-lossy"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -315,6 +321,25 @@ def test_fp8_scaled_file_loads_into_fp8_linears(tmp_path, bf16_model, style):
     # and stays close to the bf16 model the file was made from
     for a, b in zip(forward(bf16_model), forward(model)):
         assert cosine(a, b) > 0.99
+    assert not any(p.requires_grad for layer in fp8_modules for p in model.get_submodule(layer).parameters())
+
+
+def test_a_plain_fp8_cast_file_is_read_as_fp8_with_scale_one(tmp_path, bf16_model):
+    """Files whose weights were only cast to e4m3fn (no scales, no quantization records) are FP8 with scale 1."""
+    tensors = native_tensors(bf16_model)
+    for layer in QUANTIZED_IN_FILE:
+        tensors[f"{layer}.weight"] = tensors[f"{layer}.weight"].to(torch.float8_e4m3fn)
+    path = tmp_path / "cast.safetensors"
+    save_file({f"model.diffusion_model.{k}": v for k, v in tensors.items()}, str(path))
+    assert locate_dit(path).fp8_layers["blocks.0.mlp.fc1"] == fp8.FP8Entry(torch.float8_e4m3fn, (), False)
+    model = load_dit(path, dtype=torch.bfloat16)
+    for layer in set(QUANTIZED_IN_FILE) - {"final_layer.video_out"}:
+        module = model.get_submodule(layer)
+        assert isinstance(module, FP8Linear) and module.weight_scale.item() == 1.0, layer
+        assert torch.equal(module.dequantized_weight(), tensors[f"{layer}.weight"].bfloat16()), layer
+    dense = load_dit(path, dtype=torch.bfloat16, linears="dense")
+    for a, b in zip(forward(model), forward(dense)):
+        assert torch.equal(a, b)
 
 
 @CPU_SCALED
@@ -418,7 +443,8 @@ def test_other_quantizations_and_broken_fp8_files_are_refused(tmp_path, bf16_mod
     bad_scale["model.diffusion_model.blocks.0.mlp.fc1.weight"] = torch.zeros(256, 64, dtype=torch.float8_e4m3fn)
     bad_scale["model.diffusion_model.blocks.0.mlp.fc1.weight_scale"] = torch.ones(3)
     save_file(bad_scale, str(tmp_path / "bad_scale.safetensors"))
-    with pytest.raises(CheckpointError, match="one per output channel"):
+    with pytest.raises(CheckpointError, match=re.escape("has shape [3]; expected one value or one per output "
+                                                        "channel (256).")):
         locate_dit(tmp_path / "bad_scale.safetensors")
 
 
@@ -487,6 +513,8 @@ def test_bad_fp8_settings_are_refused_naming_the_choices():
         linear.set_matmul("dequantize", "column")
     with pytest.raises(ValueError, match=re.escape("Unknown FP8 matmul 'fast'; choose one of dequantize, scaled.")):
         quantize_blocks(tiny_random_dit(), "fast")
+    assert [size for size in (0, 1, 2, 4, 8, 12, 16, 32, 64, 256, 1024) if fp8.is_rotation_group(size)] == [4, 16, 64, 256, 1024]
+    assert not fp8.is_rotation_group(True) and not fp8.is_rotation_group(16.0)
     with pytest.raises(ValueError, match=re.escape("A ConvRot group is a power of 4 (4, 16, 64, 256, ...); got 8.")):
         fp8.hadamard_signs(8)
     with pytest.raises(ValueError, match="A ConvRot weight with 24 input columns does not split into groups of 16."):
@@ -688,6 +716,9 @@ def test_a_convrot_record_is_read_as_comfyui_reads_it(tmp_path):
     assert locate_dit(path).fp8_layers[layer].rotation == 64
     weight = load_dit(path, dtype=torch.float32, linears="dense").get_submodule(layer).weight
     assert torch.allclose(weight.double(), meant64[layer], atol=1e-6)
+    # a rotated record without a group size rotates in ComfyUI's default groups of 256
+    _rewritten(path, {layer: {"format": "int8_tensorwise", "convrot": True}})
+    assert locate_dit(path).fp8_layers[layer].rotation == 256
 
 
 @CPU_SCALED
