@@ -1832,6 +1832,10 @@ def test_guide_wiring_is_checked_at_queue_time(comfy):
     assert "one of them" in check(input_types={"video": "VIDEO", "images": "IMAGE"})
     assert "one of them" in check(input_types={"audio": "AUDIO"})
     assert "video takes VIDEO, got IMAGE" in check(input_types={"video": "IMAGE"})
+    # and when they run (what switches give is known only then): the long video's guide reads its clip later
+    guide = importlib.import_module("nodes.long_video").H3ContinuationGuide
+    with pytest.raises(ValueError, match=r"^Connect an image or a video to one guide, not both\.$"):
+        guide.execute(0, image=torch.rand(1, 64, 96, 3), video=object())
 
 
 def test_av_save_wiring_is_checked_at_queue_time(comfy):
@@ -1876,8 +1880,8 @@ def test_linked_numbers_are_checked_when_the_node_runs(comfy):
                              "integer from 0"), (dict(steps=1000), "steps: Value 1000 bigger than max of 200"),
                              (dict(window_frames=float("nan")), r"^window_frames must be a whole number .*; got nan"),
                              (dict(window_prompts=5), "window_prompts must be text")):
-        with pytest.raises(ValueError, match=message):
-            continuation(model, text, **{**base, **options})
+        with pytest.raises(ValueError, match=message):  # no model or text encoder is looked at first
+            continuation(None, None, **{**base, **options})
     with pytest.raises(ValueError, match=r"^H3 Empty AV Latent: num_frames must be a whole number .*; got nan"):
         c.latent.H3EmptyAVLatent.execute(224, 128, float("nan"))
     assert len(c.record.loaded) == placed  # nothing was placed for any of them
