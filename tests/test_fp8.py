@@ -193,6 +193,7 @@ def test_swap_touches_only_the_block_linears_and_stays_close():
     assert names == [f"blocks.{i}.{leaf}" for i in range(2) for leaf in BLOCK_LINEARS]
     swapped = {n for n, m in model.named_modules() if isinstance(m, FP8Linear)}
     assert swapped == set(names)
+    assert not any(p.requires_grad for name in names for p in model.get_submodule(name).parameters())
     after = model.state_dict()
     for name, tensor in before.items():
         layer = name.rpartition(".")[0]
