@@ -597,6 +597,14 @@ def test_memory_plan_counts_one_byte_per_fp8_weight():
 # Off by default
 
 
+def test_with_loras_only_the_lossy_fp8_modes_read_the_file_as_stored():
+    """LoRAs merge into the dense weights before lossy FP8 linears are made, so those modes read the file as it
+    stores them; every other mode (and any mode without LoRAs) reads as asked."""
+    assert [fp8.read_mode(mode, loras=True) for mode in fp8.LINEAR_MODES] == [
+        "checkpoint", "dense", "checkpoint", "checkpoint"]
+    assert [fp8.read_mode(mode, loras=False) for mode in fp8.LINEAR_MODES] == list(fp8.LINEAR_MODES)
+
+
 def test_lossy_paths_are_off_by_default(tmp_path, bf16_model):
     from h3_core.attention import LOSSY_BACKENDS, resolve_backend
     from h3_core.cli import build_parser
