@@ -597,6 +597,20 @@ def test_memory_plan_counts_one_byte_per_fp8_weight():
 # Off by default
 
 
+@CPU_SCALED
+def test_each_linears_mode_applied_to_a_model_in_memory():
+    """What the tiny model and LoRA runs do after loading: only the lossy modes swap the block linears, each its way."""
+    blocks = [f"blocks.{i}.{leaf}" for i in range(2) for leaf in BLOCK_LINEARS]
+    for mode, matmul in (("checkpoint", None), ("dense", None), ("fp8-weights-lossy", "dequantize"),
+                         ("fp8-lossy", "scaled")):
+        model = tiny_random_dit(torch.float32)
+        assert fp8.apply_linear_mode(model, mode, "cpu") == ([] if matmul is None else blocks), mode
+        swapped = {name: module.matmul for name, module in model.named_modules() if isinstance(module, FP8Linear)}
+        assert swapped == ({} if matmul is None else dict.fromkeys(blocks, matmul)), mode
+    with pytest.raises(ValueError, match="Unknown linears mode 'fp4'"):
+        fp8.apply_linear_mode(tiny_random_dit(), "fp4")
+
+
 def test_with_loras_only_the_lossy_fp8_modes_read_the_file_as_stored():
     """LoRAs merge into the dense weights before lossy FP8 linears are made, so those modes read the file as it
     stores them; every other mode (and any mode without LoRAs) reads as asked."""

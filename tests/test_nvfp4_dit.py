@@ -3,6 +3,7 @@ and refiner linears held NVFP4 (half a byte a weight) and rebuilt as they are us
 dequantized at load (fp32 modules in fp32). The weights meant are those the tests' own writer
 (tests/nvfp4_files.py, checked against ComfyUI's kernels in test_fp8) quantized."""
 
+import re
 from dataclasses import replace
 
 import nvfp4_files
@@ -76,6 +77,22 @@ def test_an_nvfp4_file_keeps_its_linears_nvfp4(tmp_path, smoothed):
     assert fc1_bytes(kept) < fc1_bytes(dense) / 6  # half a byte a weight (and its scales) against four
 
 
+def test_block_scales_stored_as_bytes_are_read_as_e4m3(tmp_path):
+    """Some writers store the e4m3 block scales as uint8 (the same bytes): the weights are those of the e4m3 file."""
+    tensors = {PREFIX + k: v for k, v in native_tensors(tiny_random_dit()).items()}
+    meant = nvfp4_files.quantize_layers(tensors, BLOCKS, PREFIX)
+    for layer in BLOCKS:
+        key = f"{PREFIX}{layer}.weight_scale"
+        tensors[key] = tensors[key].view(torch.uint8)
+    save_file(tensors, str(tmp_path / "bytes.safetensors"))
+    dense = load_dit(tmp_path / "bytes.safetensors", dtype=torch.float32, linears="dense")
+    kept = load_dit(tmp_path / "bytes.safetensors", dtype=torch.float32)
+    for layer in BLOCKS:
+        weight = dense.get_submodule(layer).weight
+        assert torch.allclose(weight.double(), effective(meant[layer]), rtol=1e-6, atol=1e-9), layer
+        assert torch.equal(kept.get_submodule(layer).as_dense().weight, weight), layer
+
+
 @CPU_SCALED
 def test_nvfp4_under_the_lossy_fp8_modes(tmp_path):
     """fp8-weights-lossy keeps NVFP4 (already smaller); fp8-lossy rebuilds the block linears and quantizes them
@@ -110,6 +127,13 @@ def test_broken_nvfp4_files_are_refused_before_reading(tmp_path):
     save_file(cut, str(tmp_path / "cut.safetensors"))
     with pytest.raises(CheckpointError, match=r"NVFP4 layer 'blocks.0.mlp.fc1' \(256x64\) has the wrong sizes"):
         load_dit(tmp_path / "cut.safetensors")
+    signed = dict(tensors)
+    signed[PREFIX + "blocks.0.mlp.fc1.weight"] = signed[PREFIX + "blocks.0.mlp.fc1.weight"].view(torch.int8)
+    save_file(signed, str(tmp_path / "signed.safetensors"))
+    with pytest.raises(CheckpointError, match=re.escape(
+            "NVFP4 layer 'blocks.0.mlp.fc1' in signed.safetensors stores its weight as I8 and its block scales as "
+            "F8_E4M3; expected U8 and F8_E4M3.")):
+        locate_dit(tmp_path / "signed.safetensors")
     lacking = {k: v for k, v in tensors.items() if not k.endswith("fc1.weight_scale_2")}
     save_file(lacking, str(tmp_path / "lacking.safetensors"))
     with pytest.raises(CheckpointError, match="NVFP4 layer 'blocks.0.mlp.fc1' in lacking.safetensors lacks weight_scale_2"):
