@@ -1793,6 +1793,15 @@ def test_a_link_that_delivers_nothing_is_refused_not_left_out(comfy, monkeypatch
     assert long_video.H3ContinuationGuide.execute(10, image=image, audio=None).values[0] and not caplog.text
 
 
+def test_a_long_video_on_the_wrong_partition_is_refused_before_encoding(comfy):
+    """ref2va needs the ref2va DiT: said before the text encoder runs (None here: it is never asked)."""
+    model = comfy.loaders.H3ModelLoader.execute("tiny-random", "", "fl2va", "bf16", "auto").values[0]
+    continuation = importlib.import_module("nodes.long_video").H3Continuation.execute
+    with pytest.raises(ValueError, match=r"^ref2va runs on the ref2va partition, but this model was loaded as fl2va; "
+                                         r"set the loader's partition to ref2va\.$"):
+        continuation(model, None, "a fox", "ref2va", 20.0, "continuation", 277, 22, 0, 2, 0.0, 0.0, "auto", 0, 0)
+
+
 def test_a_reference_problem_names_its_slot(comfy):
     """The engine counts references in list order; the node's slots have gaps (ref0, ref3): errors name the slot."""
     c = comfy
