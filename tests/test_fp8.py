@@ -652,6 +652,15 @@ def convrot_matrix(group: int) -> torch.Tensor:
     return matrix / group**0.5
 
 
+def test_the_rotation_is_comfyuis_and_its_own_inverse():
+    """fp8.hadamard (what bench/text_encoder_quantized.py rotates with) against the documented construction."""
+    for group in (4, 16, 64):
+        rotation = fp8.hadamard(group)
+        assert rotation.dtype == torch.float32
+        torch.testing.assert_close(rotation.double(), convrot_matrix(group), rtol=0, atol=1e-7)
+        torch.testing.assert_close(rotation @ rotation, torch.eye(group), rtol=0, atol=1e-6)
+
+
 def write_convrot(path, model, layers, group=16, prefix="model.diffusion_model.", bits=8):
     """An `*_int8_convrot` file (`bits` 8) or an int4 ConvRot one (`bits` 4, format `convrot_w4a4`): each layer's
     weight rotated in groups of `group` input columns (x @ H^T), then rounded to +-127 (+-7) steps of one fp32
