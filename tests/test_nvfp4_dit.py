@@ -77,6 +77,17 @@ def test_an_nvfp4_file_keeps_its_linears_nvfp4(tmp_path, smoothed):
     assert fc1_bytes(kept) < fc1_bytes(dense) / 6  # half a byte a weight (and its scales) against four
 
 
+def test_many_tiles_of_block_scales_are_unswizzled_in_order():
+    """Block scales come in cuBLAS's 128x4 tiles: a weight of 17 x 2 tiles (2050 rows, padded to 2064; 5 blocks of
+    16 columns a row) is rebuilt as the writer meant it, every tile in its place."""
+    weight = torch.randn(2050, 72, generator=torch.Generator().manual_seed(5)) * 0.02
+    stored, meant = nvfp4_files.quantize(weight)
+    got = nvfp4.dequantize(stored["weight"], stored["weight_scale"], stored["weight_scale_2"], (2050, 72),
+                           torch.float32)
+    assert stored["weight_scale"].shape == (2176, 8)
+    assert torch.allclose(got.double(), meant, rtol=1e-6, atol=0)
+
+
 def test_block_scales_stored_as_bytes_are_read_as_e4m3(tmp_path):
     """Some writers store the e4m3 block scales as uint8 (the same bytes): the weights are those of the e4m3 file."""
     tensors = {PREFIX + k: v for k, v in native_tensors(tiny_random_dit()).items()}
