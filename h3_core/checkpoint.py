@@ -30,6 +30,7 @@ from .weights import (
     assign_strictly,
     check_safetensors_file,
     config_errors,
+    described,
     files_place,
     open_safetensors,
     read_headers,
@@ -511,7 +512,7 @@ class DiTReader:
                 return torch.float32  # the curve form's AdaLN is fp32 even when the file stores bf16 / fp16
             return self._nvfp4.dtype_for(name, self._gguf.dtype_for(name, dtype))
 
-        origin = f"{files_place(source.files)} ({source.origin})"
+        origin = described(source.files, source.origin)
         tensors = self._fp8.stream(self._nvfp4.stream(self._gguf.stream(without_inv_freq(), device), device), device)
         assign_strictly(model, tensors, origin, release_policy, device, on_tensor)
 

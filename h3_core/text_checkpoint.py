@@ -42,7 +42,7 @@ from .weights import (
     assign_strictly,
     check_safetensors_file,
     config_errors,
-    files_place,
+    described,
     read_headers,
     read_json,
     read_tensors,
@@ -570,4 +570,4 @@ def _rebuild_rotary_buffers(model: torch.nn.Module, device) -> None:
 
 
 def _origin(source: TextEncoderSource) -> str:
-    return f"{files_place(source.files)} ({source.origin})"
+    return described(source.files, source.origin)

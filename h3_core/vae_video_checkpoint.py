@@ -41,7 +41,7 @@ from .weights import (
     assign_strictly,
     check_safetensors_file,
     config_errors,
-    files_place,
+    described,
     open_safetensors,
     read_headers,
     read_json,
@@ -92,7 +92,7 @@ class VideoVAESource:
 
     @property
     def where(self) -> str:
-        return f"{files_place(self.files)} ({self.origin})"
+        return described(self.files, self.origin)
 
 
 def locate_video_vae(path: str | Path) -> VideoVAESource:

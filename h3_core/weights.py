@@ -168,6 +168,11 @@ def files_place(files: tuple[Path, ...]) -> Path:
     return files[0] if len(files) == 1 else files[0].parent
 
 
+def described(files: tuple[Path, ...], origin: str) -> str:
+    """A checkpoint as messages name it: its place (`files_place`) and what it was read as (`origin`)."""
+    return f"{files_place(files)} ({origin})"
+
+
 def tensor_names(files: Iterable[Path]) -> list[str]:
     """All tensor names of some safetensors files, from their headers only."""
     names = []
