@@ -77,6 +77,32 @@ def test_an_nvfp4_file_keeps_its_linears_nvfp4(tmp_path, smoothed):
     assert fc1_bytes(kept) < fc1_bytes(dense) / 6  # half a byte a weight (and its scales) against four
 
 
+def test_a_file_mixing_nvfp4_and_fp8_layers_keeps_each_as_stored(tmp_path):
+    """NVFP4 block linears beside FP8 AdaLN projections in one file: each reader sees only its own layers."""
+    tensors = {PREFIX + k: v for k, v in native_tensors(tiny_random_dit()).items()}
+    meant = nvfp4_files.quantize_layers(tensors, BLOCKS, PREFIX)
+    adaln = ["blocks.0.adaln_proj.linear", "blocks.1.adaln_proj.linear"]
+    for layer in adaln:
+        weight = tensors[f"{PREFIX}{layer}.weight"].float()
+        scale = weight.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
+        tensors[f"{PREFIX}{layer}.weight"] = (weight / scale).to(torch.float8_e4m3fn)
+        tensors[f"{PREFIX}{layer}.weight_scale"] = scale
+        tensors[f"{PREFIX}{layer}.comfy_quant"] = torch.tensor(list(b'{"format": "float8_e4m3fn"}'), dtype=torch.uint8)
+        meant[layer] = tensors[f"{PREFIX}{layer}.weight"].float() * scale
+    save_file(tensors, str(tmp_path / "mixed.safetensors"))
+    source = locate_dit(tmp_path / "mixed.safetensors")
+    assert set(source.nvfp4_layers) == set(BLOCKS) and set(source.fp8_layers) == set(adaln)
+    model = load_dit(tmp_path / "mixed.safetensors", dtype=torch.float32)
+    for layer in BLOCKS:
+        module = model.get_submodule(layer)
+        assert isinstance(module, NVFP4Linear), layer
+        assert torch.allclose(module.dequantized_weight().double(), effective(meant[layer]), rtol=1e-6, atol=1e-9)
+    for layer in adaln:
+        module = model.get_submodule(layer)
+        assert isinstance(module, fp8.FP8Linear) and module.weight.dtype == torch.float8_e4m3fn, layer
+        assert torch.equal(module.dequantized_weight(), meant[layer]), layer
+
+
 def test_many_tiles_of_block_scales_are_unswizzled_in_order():
     """Block scales come in cuBLAS's 128x4 tiles: a weight of 17 x 2 tiles (2050 rows, padded to 2064; 5 blocks of
     16 columns a row) is rebuilt as the writer meant it, every tile in its place."""
