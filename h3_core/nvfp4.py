@@ -4,7 +4,7 @@ FP4 tensor cores are Blackwell-only and not used).
 
 A layer's tensors, as ComfyUI and its comfy_kitchen kernels lay them out:
 - `X.weight` uint8 [round16(out), round16(in) / 2]: two E2M1 codes a byte, the even column in the high nibble;
-- `X.weight_scale` float8_e4m3fn, one scale per 16 weights of a row, in cuBLAS's blocked layout
+- `X.weight_scale` float8_e4m3fn (or its bytes as uint8), one scale per 16 weights of a row, in cuBLAS's blocked layout
   ([round128(rows), round4(in / 16)], each 128 x 4 tile stored as 32 x 16: row 32a + b at [b, a]);
 - `X.weight_scale_2` fp32, one per tensor. W = E2M1 value x block scale x tensor scale, cut to [out, in];
 - `X.pre_quant_scale` [in], when the file is AWQ-smoothed: the input is multiplied by it before the matmul;
@@ -119,7 +119,7 @@ def checkpoint_nvfp4_layers(files: Iterable[Path], rename: Callable[[str], str |
                 if piece["weight"].get_dtype() != "U8" or piece["weight_scale"].get_dtype() not in ("F8_E4M3", "U8"):
                     raise CheckpointError(
                         f"NVFP4 layer '{layer}' in {path.name} stores its weight as {piece['weight'].get_dtype()} and "
-                        f"its block scales as {piece['weight_scale'].get_dtype()}; expected U8 and F8_E4M3.")
+                        f"its block scales as {piece['weight_scale'].get_dtype()}; expected U8, and F8_E4M3 (or U8).")
                 layers[layer] = NVFP4Entry(*(tuple(piece[leaf].get_shape()) for leaf in STORED_LEAVES),
                                            smoothed=f"{layer}.pre_quant_scale" in keys)
     return layers

@@ -169,7 +169,7 @@ def test_broken_nvfp4_files_are_refused_before_reading(tmp_path):
     save_file(signed, str(tmp_path / "signed.safetensors"))
     with pytest.raises(CheckpointError, match=re.escape(
             "NVFP4 layer 'blocks.0.mlp.fc1' in signed.safetensors stores its weight as I8 and its block scales as "
-            "F8_E4M3; expected U8 and F8_E4M3.")):
+            "F8_E4M3; expected U8, and F8_E4M3 (or U8).")):
         locate_dit(tmp_path / "signed.safetensors")
     lacking = {k: v for k, v in tensors.items() if not k.endswith("fc1.weight_scale_2")}
     save_file(lacking, str(tmp_path / "lacking.safetensors"))
