@@ -2,6 +2,7 @@
 refiner linears held as their GGML blocks and rebuilt as they are used; every other quantized tensor
 dequantized at load. What each weight must be is what gguf's own dequantizer makes of the file (gguf_files)."""
 
+import re
 from dataclasses import replace
 
 import gguf_files
@@ -159,6 +160,12 @@ def test_broken_gguf_files_are_refused_before_reading(tmp_path):
     with pytest.raises(CheckpointError, match=r"'blocks.0.mlp.fc1.weight' in odd.gguf is stored as GGML type IQ2_XXS.*"
                                               r"may use F32, F16, BF16, Q8_0"):
         locate_dit(odd)
+
+    wide = dict(tensors, **{"blocks.1.mlp.fc1.weight": torch.zeros(256, 128)})  # block 0 sets the config's widths
+    gguf_files.write_gguf(tmp_path / "wide.gguf", wide, qtypes(others=False))
+    with pytest.raises(CheckpointError, match=re.escape("'blocks.1.mlp.fc1.weight' has shape [256, 128], expected "
+                                                        "[256, 64] for this config.")):
+        load_dit(tmp_path / "wide.gguf")
 
     lacking = {k: v for k, v in tensors.items() if k != "blocks.1.mlp.fc2.weight"}
     gguf_files.write_gguf(tmp_path / "lacking.gguf", lacking, qtypes(others=False))
