@@ -57,7 +57,10 @@ def test_an_nvfp4_file_keeps_its_linears_nvfp4(tmp_path, smoothed):
         weight = dense.get_submodule(layer).weight
         assert type(dense.get_submodule(layer)) is nn.Linear and weight.dtype == torch.float32
         assert torch.allclose(weight.double(), effective(meant[layer]), rtol=1e-6, atol=1e-9), layer
-        assert torch.equal(module.as_dense().weight, weight)
+        rebuilt, bias = module.as_dense(), dense.get_submodule(layer).bias  # the AdaLN projection has a bias
+        assert torch.equal(rebuilt.weight, weight) and not rebuilt.weight.requires_grad, layer
+        assert (rebuilt.bias is None) == (bias is None) and (bias is None or torch.equal(rebuilt.bias, bias)), layer
+    assert kept.blocks[1].adaln_proj.linear.bias is not None
     for layer, dtype in DEQUANTIZED.items():
         module = kept.get_submodule(layer)
         assert type(module) is nn.Linear and module.weight.dtype == dtype, layer
