@@ -160,8 +160,11 @@ def test_h3s_pinned_slabs_are_counted_in_comfyuis_pinned_total(comfy, monkeypatc
     assert slabs.room == 6 * GIB
     piece = slabs.take(GIB, 1)
     assert c.mm.TOTAL_PINNED_MEMORY == 5 * GIB and c.memory.pin_room() == 5 * GIB
-    slabs = piece = None
+    del slabs, piece  # given back
     assert c.mm.TOTAL_PINNED_MEMORY == 4 * GIB
+    c.mm.TOTAL_PINNED_MEMORY = 0  # ComfyUI recounted its pins while ours were out: giving ours back stops at none
+    c.memory.count_pins(-GIB)
+    assert c.mm.TOTAL_PINNED_MEMORY == 0 and c.memory.pin_room() == 10 * GIB
 
 
 def test_a_comfyui_leaves_no_pinned_memory_host_behind(tmp_path):
