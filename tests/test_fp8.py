@@ -514,7 +514,8 @@ def test_bad_fp8_settings_are_refused_naming_the_choices():
         linear.set_matmul("dequantize", "column")
     with pytest.raises(ValueError, match=re.escape("Unknown FP8 matmul 'fast'; choose one of dequantize, scaled.")):
         quantize_blocks(tiny_random_dit(), "fast")
-    assert [size for size in (0, 1, 2, 4, 8, 12, 16, 32, 64, 256, 1024) if fp8.is_rotation_group(size)] == [4, 16, 64, 256, 1024]
+    sizes = (0, 1, 2, 4, 8, 12, 16, 32, 64, 256, 1024)
+    assert [size for size in sizes if fp8.is_rotation_group(size)] == [4, 16, 64, 256, 1024]
     assert not fp8.is_rotation_group(True) and not fp8.is_rotation_group(16.0)
     with pytest.raises(ValueError, match=re.escape("A ConvRot group is a power of 4 (4, 16, 64, 256, ...); got 8.")):
         fp8.hadamard_signs(8)

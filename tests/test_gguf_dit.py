@@ -139,6 +139,21 @@ def test_flattened_tensors_take_their_original_shape(tmp_path):
     assert torch.equal(loaded.audio_patch_proj.weight, meant["audio_patch_proj.weight"])
     assert torch.equal(loaded.condition_proj.weight, meant["condition_proj.weight"])
 
+    # a field whose shape holds another count of weights ([512, 32] for 8,192) is refused, not read as garbage
+    import struct
+
+    data = bytearray(path.read_bytes())
+    key = f"comfy.gguf.orig_shape.{PREFIX}audio_patch_proj.weight".encode()
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)  # then: ARRAY, its element type, count, values
+    element, count = struct.unpack_from("<IQ", data, at + 4)
+    assert count == 2 and element in (4, 5)  # GGUF's UINT32 / INT32
+    struct.pack_into("<I", data, at + 16, 512)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=re.escape(f"'{PREFIX}audio_patch_proj.weight' in flat.gguf is stored as "
+                                                        "[32, 256] but its original shape field says [512, 32]: the "
+                                                        "element counts differ.")):
+        locate_dit(path)
+
 
 def test_broken_gguf_files_are_refused_before_reading(tmp_path):
     import gguf
@@ -186,12 +201,16 @@ def test_broken_gguf_files_are_refused_before_reading(tmp_path):
     with pytest.raises(CheckpointError, match="holds H3's Ref2VA DiT"):
         locate_dit(tmp_path / "minimax_h3_ref2va-Q8_0.gguf", "fl2va")
 
-    for stored_as in ("Q8_0", "Q4_0"):  # a damaged type field: the tensor's size no longer meets the next tensor
+    # a damaged type field: the tensor's size no longer meets the next tensor, which starts where the stored type's
+    # 256 x 64 weights end (Q8_0: 34 bytes a 32, Q4_0: 18)
+    for stored_as, written in (("Q8_0", 17408), ("Q4_0", 9216)):
         damaged = tmp_path / f"damaged-{stored_as}.gguf"
         write(damaged, blocks=stored_as)
         retype(damaged, "blocks.0.mlp.fc1.weight", "Q4_1" if stored_as == "Q8_0" else "Q8_0")
-        with pytest.raises(CheckpointError, match=rf"damaged-{stored_as}.gguf is damaged: its header says "
-                                                  r"'blocks.0.mlp.fc1.weight' is Q\d_\d \[256, 64\], \d+ bytes"):
+        said = (rf"damaged-{stored_as}.gguf is damaged: its header says 'blocks.0.mlp.fc1.weight' is Q\d_\d "
+                rf"\[256, 64\], \d+ bytes, but the next tensor's data \('[\w.]+'\) starts {written} bytes after "
+                r"its start")
+        with pytest.raises(CheckpointError, match=said):
             locate_dit(damaged)
 
 
