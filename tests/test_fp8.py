@@ -441,7 +441,6 @@ def test_other_quantizations_and_broken_fp8_files_are_refused(tmp_path, bf16_mod
     assert model.blocks[0].mlp.fc1.weight_scale.item() == 1.0
 
 
-
 def _record(fmt: str, **extra) -> torch.Tensor:
     return torch.tensor(list(json.dumps({"format": fmt, **extra}).encode()), dtype=torch.uint8)
 
