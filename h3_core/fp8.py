@@ -437,6 +437,10 @@ def checkpoint_fp8_layers(files: Iterable[Path], rename: Callable[[str], str | N
                 if packed and numel != shape[0]:
                     raise CheckpointError(f"int4 layer '{key}' in {path.name} needs a scale per row ({shape[0]}), "
                                           f"has {numel}.")
+                columns = shape[-1] * (2 if packed else 1)
+                if rotation and columns % rotation:  # else only the first rebuild of the weight would say it
+                    raise CheckpointError(f"'{key}' in {path.name} is rotated in groups of {rotation} input columns, "
+                                          f"but it has {columns}.")
                 layers[layer] = FP8Entry(dtype, () if numel == 1 else (shape[0],), scale_key is not None, rotation,
                                          packed)
     return layers
