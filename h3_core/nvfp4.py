@@ -231,9 +231,9 @@ class NVFP4Load:
         for name, tensor, where in items:
             layer, _, leaf = name.rpartition(".")
             entry = self.layers.get(layer)
+            if entry is not None and leaf == "weight_scale" and tensor.dtype == torch.uint8:
+                tensor = tensor.view(torch.float8_e4m3fn)  # the e4m3 bytes stored as uint8 (header check), kept or not
             if entry is None or layer in self.kept or leaf == "bias":
-                if entry is not None and leaf == "weight_scale" and tensor.dtype == torch.uint8:
-                    tensor = tensor.view(torch.float8_e4m3fn)  # the e4m3 bytes stored as uint8 (header check)
                 if entry is None or leaf not in DROPPED_LEAVES:
                     yield name, tensor, where
                 continue

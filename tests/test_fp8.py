@@ -441,7 +441,8 @@ def test_other_quantizations_and_broken_fp8_files_are_refused(tmp_path, bf16_mod
     assert model.blocks[0].mlp.fc1.weight_scale.item() == 1.0
 
 
-def _record(fmt: str, **extra) -> torch.Tensor:
+def comfy_quant(fmt: str, **extra) -> torch.Tensor:
+    """A layer's `X.comfy_quant` record: the JSON object's bytes as a uint8 tensor."""
     return torch.tensor(list(json.dumps({"format": fmt, **extra}).encode()), dtype=torch.uint8)
 
 
@@ -451,19 +452,21 @@ FC1 = "model.diffusion_model.blocks.0.mlp.fc1"
 def _int4_one_scale(tensors):
     tensors[f"{FC1}.weight"] = torch.zeros(256, 32, dtype=torch.int8)
     tensors[f"{FC1}.weight_scale"] = torch.tensor(1.0)
-    tensors[f"{FC1}.comfy_quant"] = _record("convrot_w4a4", convrot_groupsize=16)
+    tensors[f"{FC1}.comfy_quant"] = comfy_quant("convrot_w4a4", convrot_groupsize=16)
 
 
 BROKEN_FILES = {  # what is wrong -> (the change to a bf16 repack, file metadata, the refusal)
     "int8 record, bf16 weight": (
-        lambda t: t.update({f"{FC1}.weight_scale": torch.tensor(1.0), f"{FC1}.comfy_quant": _record("int8_tensorwise")}),
+        lambda t: t.update({f"{FC1}.weight_scale": torch.tensor(1.0),
+                            f"{FC1}.comfy_quant": comfy_quant("int8_tensorwise")}),
         None, f"'{FC1}.weight' in bad.safetensors is marked int8 but stored as BF16."),
     "int8 without a scale": (
         lambda t: t.update({f"{FC1}.weight": torch.zeros(256, 64, dtype=torch.int8),
-                            f"{FC1}.comfy_quant": _record("int8_tensorwise")}),
+                            f"{FC1}.comfy_quant": comfy_quant("int8_tensorwise")}),
         None, f"'{FC1}.weight' in bad.safetensors is marked int8 but stored as I8 without a weight_scale."),
     "FP8 record, bf16 weight": (
-        lambda t: t.update({f"{FC1}.weight_scale": torch.tensor(1.0), f"{FC1}.comfy_quant": _record("float8_e4m3fn")}),
+        lambda t: t.update({f"{FC1}.weight_scale": torch.tensor(1.0),
+                            f"{FC1}.comfy_quant": comfy_quant("float8_e4m3fn")}),
         None, f"'{FC1}.weight' in bad.safetensors is marked FP8 but stored as BF16."),
     "a scale but no format": (
         lambda t: t.update({f"{FC1}.weight_scale": torch.tensor(1.0)}),

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from test_fp8 import (BLOCK_LINEARS, CPU_SCALED, check_cuda_linears_equal_the_cpus, check_lora_hook_equals_merge,
-                      check_streamed_blocks_equal_resident, cosine, forward, native_tensors)
+                      check_streamed_blocks_equal_resident, comfy_quant, cosine, forward, native_tensors)
 from torch import nn
 
 from h3_core import fp8, nvfp4
@@ -90,7 +90,7 @@ def test_a_file_mixing_nvfp4_and_fp8_layers_keeps_each_as_stored(tmp_path):
         scale = weight.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
         tensors[f"{PREFIX}{layer}.weight"] = (weight / scale).to(torch.float8_e4m3fn)
         tensors[f"{PREFIX}{layer}.weight_scale"] = scale
-        tensors[f"{PREFIX}{layer}.comfy_quant"] = torch.tensor(list(b'{"format": "float8_e4m3fn"}'), dtype=torch.uint8)
+        tensors[f"{PREFIX}{layer}.comfy_quant"] = comfy_quant("float8_e4m3fn")
         meant[layer] = tensors[f"{PREFIX}{layer}.weight"].float() * scale
     save_file(tensors, str(tmp_path / "mixed.safetensors"))
     source = locate_dit(tmp_path / "mixed.safetensors")
