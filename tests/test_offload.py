@@ -13,7 +13,7 @@ from h3_core.config import DiTConfig, TINY_DIT
 from h3_core.memory_plan import GIB, activation_bytes, adaln_weight_bytes, block_weight_bytes, plan_memory, usable_bytes
 from h3_core.layout import build_request_layout
 from h3_core.noise import request_generator, target_noise
-from h3_core.offload import stream_blocks
+from h3_core.offload import is_streamed, stream_blocks
 from h3_core.sampler import DualClockSchedule, denoise
 from h3_core.dit import H3DiT
 from h3_core.tiny import seeded_random_weights, tiny_random_dit
@@ -27,7 +27,7 @@ def run(model, **kwargs):
         return denoise(model, layout, text, video, audio, DualClockSchedule.build(4), **kwargs)
 
 
-@pytest.mark.parametrize("resident, prefetch", [(0, 1), (1, 1), (0, 2)])
+@pytest.mark.parametrize("resident, prefetch", [(0, 1), (1, 1), (0, 2), (2, 1)])
 def test_streamed_equals_resident(resident, prefetch):
     config = replace(TINY_DIT, num_layers=4)
 
@@ -242,6 +242,45 @@ def test_a_dit_that_already_streams_is_not_streamed_again():
         stream_blocks(model, "cpu", resident=0)
     streamer.remove()
     stream_blocks(model, "cpu", resident=0).remove()  # once removed, it may stream again
+
+
+def test_an_old_streamers_second_remove_leaves_the_new_one_streaming():
+    """remove() unmarks the model only where it is this streamer's: a streamer removed again after the model was
+    streamed anew (a cleanup running twice) must not make the new streamer's blocks look unstreamed."""
+    model = seeded_random_weights(H3DiT(replace(TINY_DIT, num_layers=3)), 1).eval().requires_grad_(False)
+    old = stream_blocks(model, "cpu", resident=1)
+    old.remove()
+    new = stream_blocks(model, "cpu", resident=0)
+    old.remove()
+    assert is_streamed(model)
+    new.remove()
+    assert not is_streamed(model)
+
+
+def test_streaming_puts_the_shared_parts_on_the_device_and_every_adaln_projection_on_the_cpu():
+    """The AdaLN projections (the time embedder, each block's, the final layer's) stay on the CPU: the sampler's
+    tables bring each over once; the rest of the final layer, the other shared parts and the rope table go to the
+    device; the streamed blocks keep their CPU homes. ("meta" stands in for a GPU.)"""
+    model = seeded_random_weights(H3DiT(replace(TINY_DIT, num_layers=3)), 1).eval().requires_grad_(False)
+    streamer = stream_blocks(model, "meta", resident=0)
+    adaln = {id(p) for module in model.adaln_modules() for p in module.parameters()}
+    streamed = {id(p) for block in model.blocks for p in block.parameters()}
+    assert all(p.device.type == "cpu" for p in model.final_layer.adaln_proj.parameters())
+    assert any(p.device.type == "meta" for p in model.final_layer.parameters())
+    for name, param in model.named_parameters():
+        where = "cpu" if id(param) in adaln or id(param) in streamed else "meta"
+        assert param.device.type == where, f"{name} is on {param.device.type}, expected {where}"
+    assert model.rope_inv_freq.device.type == "meta"
+    streamer.remove()
+
+
+def test_the_weights_are_read_onto_the_device_only_where_the_plan_keeps_them_all_there():
+    from h3_core.memory_plan import MemoryPlan
+    from h3_core.offload import load_device
+
+    for prefetch, offload_adaln, where in ((0, False, "cuda"), (0, True, "cpu"), (1, False, "cpu"), (1, True, "cpu")):
+        plan = MemoryPlan(1, prefetch, offload_adaln, 0, True)
+        assert load_device(plan, "cuda") == torch.device(where), (prefetch, offload_adaln)
 
 
 def test_streamer_rejects_bad_counts():
