@@ -247,10 +247,11 @@ def test_a_dit_that_already_streams_is_not_streamed_again():
 def test_an_old_streamers_second_remove_leaves_the_new_one_streaming():
     """remove() unmarks the model only where it is this streamer's: a streamer removed again after the model was
     streamed anew (a cleanup running twice) must not make the new streamer's blocks look unstreamed."""
-    model = seeded_random_weights(H3DiT(replace(TINY_DIT, num_layers=3)), 1).eval().requires_grad_(False)
+    model = seeded_random_weights(H3DiT(replace(TINY_DIT, num_layers=4)), 1).eval().requires_grad_(False)
     old = stream_blocks(model, "cpu", resident=1)
     old.remove()
     new = stream_blocks(model, "cpu", resident=0)
+    assert len(new.slots) == 3  # by default one block is copied ahead: its slot, the computing one's and one free
     old.remove()
     assert is_streamed(model)
     new.remove()
@@ -272,6 +273,22 @@ def test_streaming_puts_the_shared_parts_on_the_device_and_every_adaln_projectio
         assert param.device.type == where, f"{name} is on {param.device.type}, expected {where}"
     assert model.rope_inv_freq.device.type == "meta"
     streamer.remove()
+
+
+def test_the_bytes_a_plan_keeps_off_the_device_are_known_before_placing():
+    """streamed_bytes (what ComfyUI is told before the model moves) equals what the streamer then keeps off the
+    device: the streamed blocks less their prefetch + 2 slots; nothing when every block stays."""
+    from h3_core.memory_plan import MemoryPlan
+    from h3_core.offload import streamed_bytes
+
+    model = seeded_random_weights(H3DiT(replace(TINY_DIT, num_layers=6)), 1).eval().requires_grad_(False)
+    for resident, prefetch in ((0, 1), (1, 1), (2, 1), (0, 2)):
+        streamer = stream_blocks(model, "cpu", resident=resident, prefetch=prefetch)
+        plan = MemoryPlan(resident, prefetch, True, 0, True)
+        assert streamed_bytes(model, plan) == streamer.offloaded_bytes > 0, (resident, prefetch)
+        streamer.remove()
+    assert streamed_bytes(model, MemoryPlan(6, 1, True, 0, True)) == 0  # streams, but every block is resident
+    assert streamed_bytes(model, MemoryPlan(0, 0, True, 0, True)) == 0
 
 
 def test_the_weights_are_read_onto_the_device_only_where_the_plan_keeps_them_all_there():
