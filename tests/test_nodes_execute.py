@@ -933,10 +933,10 @@ def test_model_loader_run_settings_apply_at_each_run_and_share_the_weights(comfy
     for other in (loader.execute("tiny-random", "", "fl2va", "bf16", "auto", linears="fp8-weights-lossy").values[0],
                   loader.execute("tiny-random", "", "ref2va", "bf16", "auto").values[0]):  # other weights
         assert other.dit is not plain.dit
-    # a window without dense steps (0, or None: nothing given) is windowed from the first step
-    for dense in (0, None):
+    # a window without dense steps (0, None, or the input left out of an API prompt) is windowed from the first step
+    for dense in ({"attention_window_dense_steps": 0}, {"attention_window_dense_steps": None}, {}):
         sparse = loader.execute("tiny-random", "", "fl2va", "bf16", "auto", attention_window_lossy=4,
-                                attention_window_dense_steps=dense).values[0]
+                                **dense).values[0]
         assert (sparse.dit.attention_window, sparse.dit.attention_window_dense_steps) == (4, 0)
 
 
