@@ -693,6 +693,26 @@ def test_the_text_encoder_is_placed_in_what_the_vaes_leave_of_the_budget(monkeyp
     assert "does not fit in 24.2 GiB" in notes[-1]
 
 
+def test_removing_hooks_cancels_the_read_aheads_still_queued():
+    """A read-ahead still queued when the hooks come off (the model about to let go of its mapped file) must not
+    run: remove() cancels it, waiting only for the one already reading."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from h3_core.offload import LayerVisits
+
+    model = seeded_random_weights(H3DiT(replace(TINY_DIT, num_layers=2)), 1).eval().requires_grad_(False)
+    streamer = stream_blocks(model, "cpu", resident=0)
+    streamer.reader = ThreadPoolExecutor(1)  # as where blocks are a file's pages
+    for hooked in (streamer, LayerVisits([torch.nn.Linear(2, 2)], "cpu")):
+        reading, ran = threading.Event(), []
+        current = hooked.reader.submit(reading.wait)
+        hooked.reader.submit(ran.append, "queued read-ahead")
+        threading.Timer(0.2, reading.set).start()
+        hooked.remove()
+        assert current.done() and ran == [] and hooked.reader is None
+
+
 def test_text_encoder_layers_visit_the_device_one_at_a_time():
     """stream_layers: the same prompt states as the resident encoder, every one of the 50 layers visited
     once per prompt, and the layers' weights still at home afterwards; to() ends the streaming."""
