@@ -19,6 +19,9 @@ import numpy as np
 import pytest
 import torch
 
+from h3_core.pipeline import TINY_CANVAS
+from h3_core.references import RELEASE_CANVAS
+
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_comfy  # noqa: E402
 
@@ -771,7 +774,7 @@ def test_a_failed_run_leaves_no_tensors_behind():
 def test_preview_is_the_clean_estimate_of_the_middle_frame():
     """At the last step the estimate is the result itself; a colour table maps channels as given."""
     from h3_core.conditioning import Request, encode_request
-    from h3_core.pipeline import TINY_CANVAS, sample
+    from h3_core.pipeline import sample
     from h3_core.preview import latent_rgb
     from h3_core.tiny import tiny_random_dit
     from h3_core.tiny_text import tiny_random_text_encoder
@@ -2005,6 +2008,7 @@ def test_a_relative_folder_is_looked_for_in_the_model_folders(comfy, monkeypatch
     assert loaders.H3VAELoader.validate_inputs(folder="FL2VA") is True
     vae = loaders.H3VAELoader.execute("tiny-random", "tiny-random", "FL2VA").values[0]
     assert vae.name == str(inside) and vae.video is not None
+    assert vae.canvas == RELEASE_CANVAS  # a release's VAE encodes clips on the release's canvas
     assert loaders.H3VAELoader.fingerprint_inputs(video_vae="tiny-random", audio_vae="tiny-random",
                                                   folder="FL2VA") != ""
     # a release folder kept once, under diffusion_models: the same relative path in every loader (the VAE and
@@ -2051,7 +2055,7 @@ def test_a_pasted_path_in_quotes_is_the_path(comfy, tmp_path):
         ["/m/H3", "/m/H3", '"/m/H3', "", "/m/H3"]
     assert folders.model_path("vae", "unused", f' "{tmp_path}" ') == str(tmp_path)
     vae = comfy.loaders.H3VAELoader.execute("tiny-random", "tiny-random", '  ""  ').values[0]  # nothing typed
-    assert vae.video is not None
+    assert vae.video is not None and vae.canvas == TINY_CANVAS  # the tiny VAEs, and the tiny model's canvas
     model = comfy.loaders.H3ModelLoader.execute("tiny-random", ' "" ', "fl2va", "bf16", "auto").values[0]
     assert model.tiny  # the tiny model, not a folder named '""'
     encoder = comfy.loaders.H3TextEncoderLoader.execute("tiny-random", "''", "", "bf16").values[0]
