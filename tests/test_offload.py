@@ -266,8 +266,6 @@ def test_streaming_puts_the_shared_parts_on_the_device_and_every_adaln_projectio
     streamer = stream_blocks(model, "meta", resident=0)
     adaln = {id(p) for module in model.adaln_modules() for p in module.parameters()}
     streamed = {id(p) for block in model.blocks for p in block.parameters()}
-    assert all(p.device.type == "cpu" for p in model.final_layer.adaln_proj.parameters())
-    assert any(p.device.type == "meta" for p in model.final_layer.parameters())
     for name, param in model.named_parameters():
         where = "cpu" if id(param) in adaln or id(param) in streamed else "meta"
         assert param.device.type == where, f"{name} is on {param.device.type}, expected {where}"
