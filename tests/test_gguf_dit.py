@@ -3,6 +3,7 @@ refiner linears held as their GGML blocks and rebuilt as they are used; every ot
 dequantized at load. What each weight must be is what gguf's own dequantizer makes of the file (gguf_files)."""
 
 import re
+import sys
 from dataclasses import replace
 
 import gguf_files
@@ -73,8 +74,10 @@ def test_a_gguf_file_keeps_its_quantized_linears(tmp_path):
         assert torch.equal(dense.get_submodule(layer).weight, meant[f"{layer}.weight"]), layer
         rebuilt = module.as_dense()  # what the lossy FP8 "scaled" mode quantizes (on a GPU)
         assert type(rebuilt) is nn.Linear and torch.equal(rebuilt.weight, meant[f"{layer}.weight"]), layer
-        assert not rebuilt.weight.requires_grad and (rebuilt.bias is None) == (module.bias is None), layer
+        assert not any(p.requires_grad for p in rebuilt.parameters()), layer
+        assert (rebuilt.bias is None) == (module.bias is None), layer
         assert module.bias is None or torch.equal(rebuilt.bias, module.bias), layer
+        assert f"bias={module.bias is not None}, gguf " in repr(module), layer
     assert any(kept.get_submodule(layer).bias is not None for layer in BLOCKS + list(KEPT_OTHERS))
     for layer in DEQUANTIZED:
         module = kept.get_submodule(layer)
@@ -155,13 +158,17 @@ def test_flattened_tensors_take_their_original_shape(tmp_path):
         locate_dit(path)
 
 
-def test_broken_gguf_files_are_refused_before_reading(tmp_path):
+def test_broken_gguf_files_are_refused_before_reading(tmp_path, monkeypatch):
     import gguf
     import numpy as np
+
+    from h3_core.gguf_file import gguf_entries
 
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file" * 8)
     with pytest.raises(CheckpointError, match="junk.gguf is not a readable GGUF file"):
         locate_dit(tmp_path / "junk.gguf")
+    with pytest.raises(CheckpointError, match=r"gone.gguf cannot be read \(No such file or directory\)"):
+        gguf_entries(tmp_path / "gone.gguf")  # deleted since it was listed
 
     tensors = native_tensors(tiny_random_dit())
     odd = tmp_path / "odd.gguf"
@@ -212,6 +219,12 @@ def test_broken_gguf_files_are_refused_before_reading(tmp_path):
                 r"its start")
         with pytest.raises(CheckpointError, match=said):
             locate_dit(damaged)
+
+    # a ComfyUI whose Python lacks the gguf package (a dependency, but installs go wrong): said, not an ImportError
+    write(tmp_path / "unread.gguf")
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(CheckpointError, match=r"Reading unread.gguf needs the 'gguf' package \(pip install gguf\)"):
+        locate_dit(tmp_path / "unread.gguf")
 
 
 def test_a_gguf_file_with_an_endless_metadata_array_is_refused_before_llama_cpps_reader(tmp_path, monkeypatch):
