@@ -10,13 +10,19 @@ import pytest
 import torch
 
 from h3_core.config import DiTConfig, TINY_DIT
-from h3_core.memory_plan import GIB, activation_bytes, adaln_weight_bytes, block_weight_bytes, plan_memory, usable_bytes
+from h3_core.memory_plan import (GIB, MemoryPlan, activation_bytes, adaln_weight_bytes, block_weight_bytes, plan_memory,
+                                 usable_bytes)
 from h3_core.layout import build_request_layout
 from h3_core.noise import request_generator, target_noise
 from h3_core.offload import is_streamed, stream_blocks
 from h3_core.sampler import DualClockSchedule, denoise
 from h3_core.dit import H3DiT
 from h3_core.tiny import seeded_random_weights, tiny_random_dit
+
+
+def _tiny_dit(layers: int, seed: int = 1) -> H3DiT:
+    """The tiny DiT with `layers` blocks of seeded random weights, for inference."""
+    return seeded_random_weights(H3DiT(replace(TINY_DIT, num_layers=layers)), seed).eval().requires_grad_(False)
 
 
 def run(model, **kwargs):
@@ -80,7 +86,7 @@ def test_removing_the_streamer_after_a_failed_forward_sends_every_block_home():
     """`remove()` right after a forward that failed (ComfyUI freeing the model after an out-of-memory) left the
     blocks that were in slots pointing into slots no one holds; every block must be back at its CPU weights, and
     a copy still queued must finish before the slots are given back."""
-    model = seeded_random_weights(H3DiT(replace(TINY_DIT, num_layers=4)), 3).eval().requires_grad_(False)
+    model = _tiny_dit(4, seed=3)
     streamer = stream_blocks(model, "cpu", resident=0, prefetch=1)
     model.blocks[2].forward = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("out of memory (injected)"))
     with pytest.raises(RuntimeError, match="injected"):
@@ -222,7 +228,6 @@ def test_streamed_blocks_are_pinned_only_within_the_memory_the_system_has_availa
     bf16 DiT on a 24 GB card) whatever the host had. place() now pins at most what is available less 4 GiB,
     within a host's own budget too; where the system does not say, the budget alone."""
     from h3_core import offload, runtime
-    from h3_core.memory_plan import MemoryPlan
 
     asked = []
     monkeypatch.setattr(offload, "stream_blocks", lambda *args: asked.append(args[-1]))
@@ -236,7 +241,7 @@ def test_streamed_blocks_are_pinned_only_within_the_memory_the_system_has_availa
 
 
 def test_a_dit_that_already_streams_is_not_streamed_again():
-    model = seeded_random_weights(H3DiT(replace(TINY_DIT, num_layers=3)), 1).eval().requires_grad_(False)
+    model = _tiny_dit(3)
     streamer = stream_blocks(model, "cpu", resident=1)
     with pytest.raises(ValueError, match="already stream"):
         stream_blocks(model, "cpu", resident=0)
@@ -247,7 +252,7 @@ def test_a_dit_that_already_streams_is_not_streamed_again():
 def test_an_old_streamers_second_remove_leaves_the_new_one_streaming():
     """remove() unmarks the model only where it is this streamer's: a streamer removed again after the model was
     streamed anew (a cleanup running twice) must not make the new streamer's blocks look unstreamed."""
-    model = seeded_random_weights(H3DiT(replace(TINY_DIT, num_layers=4)), 1).eval().requires_grad_(False)
+    model = _tiny_dit(4)
     old = stream_blocks(model, "cpu", resident=1)
     old.remove()
     new = stream_blocks(model, "cpu", resident=0)
@@ -262,7 +267,7 @@ def test_streaming_puts_the_shared_parts_on_the_device_and_every_adaln_projectio
     """The AdaLN projections (the time embedder, each block's, the final layer's) stay on the CPU: the sampler's
     tables bring each over once; the rest of the final layer, the other shared parts and the rope table go to the
     device; the streamed blocks keep their CPU homes. ("meta" stands in for a GPU.)"""
-    model = seeded_random_weights(H3DiT(replace(TINY_DIT, num_layers=3)), 1).eval().requires_grad_(False)
+    model = _tiny_dit(3)
     streamer = stream_blocks(model, "meta", resident=0)
     adaln = {id(p) for module in model.adaln_modules() for p in module.parameters()}
     streamed = {id(p) for block in model.blocks for p in block.parameters()}
@@ -276,10 +281,9 @@ def test_streaming_puts_the_shared_parts_on_the_device_and_every_adaln_projectio
 def test_the_bytes_a_plan_keeps_off_the_device_are_known_before_placing():
     """streamed_bytes (what ComfyUI is told before the model moves) equals what the streamer then keeps off the
     device: the streamed blocks less their prefetch + 2 slots; nothing when every block stays."""
-    from h3_core.memory_plan import MemoryPlan
     from h3_core.offload import streamed_bytes
 
-    model = seeded_random_weights(H3DiT(replace(TINY_DIT, num_layers=6)), 1).eval().requires_grad_(False)
+    model = _tiny_dit(6)
     for resident, prefetch in ((0, 1), (1, 1), (2, 1), (0, 2)):
         streamer = stream_blocks(model, "cpu", resident=resident, prefetch=prefetch)
         plan = MemoryPlan(resident, prefetch, True, 0, True)
@@ -290,7 +294,6 @@ def test_the_bytes_a_plan_keeps_off_the_device_are_known_before_placing():
 
 
 def test_the_weights_are_read_onto_the_device_only_where_the_plan_keeps_them_all_there():
-    from h3_core.memory_plan import MemoryPlan
     from h3_core.offload import load_device
 
     for prefetch, offload_adaln, where in ((0, False, "cuda"), (0, True, "cpu"), (1, False, "cpu"), (1, True, "cpu")):
@@ -458,7 +461,6 @@ def test_the_run_plans_the_dit_in_the_dtype_it_is_read_in(monkeypatch):
 def test_place_follows_the_plan(streams):
     """A streamed plan installs the streamer; a resident plan with AdaLN offloaded moves everything but
     the AdaLN weights. Either way the sampler's outputs equal the unplaced model's."""
-    from h3_core.memory_plan import MemoryPlan
     from h3_core.offload import place
 
     expected = run(tiny_random_dit())
@@ -488,7 +490,6 @@ def test_generate_streams_when_the_plan_says_so(tmp_path, monkeypatch):
     and a budget nothing fits in is refused before any DiT weight is read."""
     from h3_core import pipeline
     from h3_core.conditioning import RequestError
-    from h3_core.memory_plan import MemoryPlan
     from h3_core.output import AVLatents
 
     resident = _tiny_generate(tmp_path)
@@ -699,7 +700,7 @@ def test_removing_hooks_cancels_the_read_aheads_still_queued():
 
     from h3_core.offload import LayerVisits
 
-    model = seeded_random_weights(H3DiT(replace(TINY_DIT, num_layers=2)), 1).eval().requires_grad_(False)
+    model = _tiny_dit(2)
     streamer = stream_blocks(model, "cpu", resident=0)
     streamer.reader = ThreadPoolExecutor(1)  # as where blocks are a file's pages
     for hooked in (streamer, LayerVisits([torch.nn.Linear(2, 2)], "cpu")):
@@ -857,7 +858,7 @@ def test_unplace_hands_back_each_blocks_pinned_home_as_it_empties(monkeypatch):
     GiB handing each block's home back as it empties)."""
     from h3_core import offload
 
-    model = seeded_random_weights(H3DiT(replace(TINY_DIT, num_layers=4)), 1).eval().requires_grad_(False)
+    model = _tiny_dit(4)
     streamer = stream_blocks(model, "cpu", resident=1)
     homes = []
     monkeypatch.setattr(offload, "empty_host_cache", lambda: homes.append(len(streamer.home)))
@@ -872,11 +873,10 @@ def test_a_placement_that_fails_partway_is_undone_and_loads_again(monkeypatch, f
     (blocks on two devices) until the host let the model go. Now the move is undone: not loaded, every weight
     home, no hooks; the next load places it and samples as the resident model."""
     from h3_core import offload
-    from h3_core.memory_plan import MemoryPlan
     from h3_core.placement import DiTPlacement
 
     def fresh():
-        return seeded_random_weights(H3DiT(replace(TINY_DIT, num_layers=4)), 1).eval().requires_grad_(False)
+        return _tiny_dit(4)
 
     expected = run(fresh())
     model = fresh()
@@ -932,7 +932,6 @@ def test_with_the_gpu_as_offload_device_a_partly_held_model_waits_in_cpu_memory(
     stuck. A streamed model (or streamed text encoder) now waits in CPU memory; a whole one stays, as those modes
     keep ComfyUI's own. The size a host is told is what the plan keeps on the device, `loaded_bytes` once loaded."""
     from h3_core import offload
-    from h3_core.memory_plan import MemoryPlan
     from h3_core.placement import DiTPlacement, TextEncoderPlacement
     from h3_core.tiny_text import tiny_random_text_encoder
 
@@ -941,7 +940,7 @@ def test_with_the_gpu_as_offload_device_a_partly_held_model_waits_in_cpu_memory(
     real_unplace = offload.unplace
     monkeypatch.setattr(offload, "unplace", lambda dit, device, streamer=None: (
         homes.append(torch.device(device)), real_unplace(dit, device, streamer)))
-    model = seeded_random_weights(H3DiT(replace(TINY_DIT, num_layers=4)), 1).eval().requires_grad_(False)
+    model = _tiny_dit(4)
     placement = DiTPlacement("H3 DiT", model, gpu, gpu)
     for plan, home in ((MemoryPlan(1, 1, True, 0, True), torch.device("cpu")),  # streamed
                        (MemoryPlan(4, 0, True, 0, True), torch.device("cpu")),  # AdaLN weights parked
