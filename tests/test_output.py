@@ -220,6 +220,14 @@ def test_latents_are_saved_whole_or_not_at_all(tmp_path, monkeypatch):
         latents.save(tmp_path / "full.safetensors")  # an OSError, which h3 says in one line (it was a traceback)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere.txt", "linked.safetensors"]
 
+    def refused_before_a_byte(tensors, path, metadata=None):  # safetensors' words for a folder gone meanwhile
+        raise SafetensorError("Error while serializing: I/O error: No such file or directory (os error 2)")
+
+    monkeypatch.setattr(output, "save_file", refused_before_a_byte)
+    with pytest.raises(OSError, match=r"^Saving the latents to .*gone.safetensors failed: .*No such file"):
+        latents.save(tmp_path / "gone.safetensors")  # the error said, not the missing hidden file's
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere.txt", "linked.safetensors"]
+
     def stopped_before_a_byte(tensors, path, metadata=None):  # Ctrl-C before the file was made
         raise KeyboardInterrupt
 
