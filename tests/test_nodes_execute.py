@@ -742,6 +742,12 @@ def test_memory_wrapper_moves_and_reports(comfy, caplog):
         assert patcher.partially_unload("cpu", 1) == placement.size and patcher.loaded_size() == 0
         patcher.detach(unpatch_all=False)  # ComfyUI re-registering: nothing moves
         assert patcher.partially_load("cpu") == placement.size and patcher.loaded_size() == placement.size
+        patcher.unpatch_model(unpatch_weights=False)  # ComfyUI's "weights stay": nothing moves
+        assert patcher.loaded_size() == placement.size
+        patcher.unpatch_model()
+        assert patcher.loaded_size() == 0
+        assert patcher.patch_model(load_weights=False) is placement and patcher.loaded_size() == 0
+        assert patcher.patch_model() is placement and patcher.loaded_size() == placement.size
         patcher.detach()
         assert patcher.loaded_size() == 0
         del patcher, placement
@@ -749,8 +755,8 @@ def test_memory_wrapper_moves_and_reports(comfy, caplog):
 
         gc.collect()
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["H3: H3 test model unloaded from cpu to cpu (0.00 GiB)", "H3: H3 test model loaded on cpu (0.00 GiB)",
-                     "H3: H3 test model unloaded from cpu to cpu (0.00 GiB)", "H3: H3 test model released (0.00 GiB)"]
+    unloaded, loaded = "H3: H3 test model unloaded from cpu to cpu (0.00 GiB)", "H3: H3 test model loaded on cpu (0.00 GiB)"
+    assert lines == [unloaded, loaded, unloaded, loaded, unloaded, "H3: H3 test model released (0.00 GiB)"]
 
 
 def test_a_failed_run_leaves_no_tensors_behind():

@@ -400,6 +400,17 @@ def test_a_split_models_hooked_lora_factors_are_room_asked_of_comfyui(comfy, mon
     assert factors > 0 and asked[1] - asked[0] == factors
 
 
+def test_a_dit_run_on_the_cpu_asks_comfyui_to_free_nothing(comfy):
+    """Room is asked of ComfyUI on a GPU only: its free_memory on the CPU would unload the models it keeps there."""
+    c = comfy
+    model = _load(c, "tiny-random")
+    layout = _cond(c).layout
+    c.record.freed.clear()
+    with c.memory.dit_for_run(model, layout, STEPS) as plan:
+        assert not plan.streams
+    assert c.record.freed == []
+
+
 def test_two_cpu_devices_give_the_single_device_latents_and_unloading_stops_the_workers(comfy, caplog):
     c = comfy
     cond = _cond(c)
