@@ -26,7 +26,8 @@ import fake_comfy  # noqa: E402
 
 from h3_core.config import TINY_DIT  # noqa: E402
 from h3_core.dit import H3DiT  # noqa: E402
-from h3_core.memory_plan import GIB, HEADROOM_BYTES, HEADROOM_FRACTION, expected_peak, plan_for  # noqa: E402
+from h3_core.memory_plan import (GIB, HEADROOM_BYTES, HEADROOM_FRACTION, expected_peak, plan_for,  # noqa: E402
+                                 usable_bytes)
 from h3_core.tiny import TINY_SEED, seeded_random_weights  # noqa: E402
 
 FOUR_BLOCKS = "h3_tiny_4_blocks.safetensors"
@@ -579,6 +580,10 @@ def test_the_text_encoder_streams_when_it_does_not_fit_what_comfyui_has_free(com
     assert streams(50 * GIB, "cuda:0", 40.0)  # a budget wins over what is free
     assert not streams(50 * GIB, "cpu", None)  # a CPU host has nothing to stream to
     assert streams(3 * GIB, "cpu", 1.0)  # a budget is honoured anywhere (this is how the CPU tests stream)
+    fits = usable_bytes(4 * GIB)  # all a 4 GiB budget holds, less the allocator's headroom
+    assert not streams(fits, "cpu", 4.0) and streams(fits + 1, "cpu", 4.0)
+    c.record.free_bytes = 4 * GIB + c.mm.extra_reserved_memory()
+    assert not streams(fits, "cuda:0", None) and streams(fits + 1, "cuda:0", None)
 
 
 def test_the_vaes_beside_and_what_is_already_placed_count_for_a_resident_encoder(comfy, monkeypatch):
