@@ -670,6 +670,13 @@ def test_vae_decode_asks_comfyui_for_its_working_memory(comfy):
     assert c.record.loaded[-1] == (["H3 VAEs (tiny-random + tiny-random)"], want)
     long_video.H3SaveMP4.execute(vae, latent, "H3/long")
     assert c.record.loaded[-1] == (["H3 VAEs (tiny-random + tiny-random)"], want)
+    small_tiles = dataclasses.replace(vae.video.config, tile_size=64, tile_min_overlap=16)  # tiles the frames
+    tiled, untiled = (decode_working_bytes(dataclasses.replace(small_tiles, decoder_tiling=flag), frames, height, width, 4)
+                      for flag in (True, False))
+    assert tiled < untiled
+    handle = SimpleNamespace(video=SimpleNamespace(config=small_tiles, decoder=vae.video.decoder))
+    asked = [c.memory.decode_working_bytes(handle, latent["video"], flag) for flag in (None, True, False)]
+    assert asked == [tiled, tiled, untiled]
 
 
 def test_vae_encodes_ask_comfyui_for_their_working_memory(comfy):
