@@ -39,6 +39,8 @@ def test_each_kind_of_break_is_found(current):
     choice_input = next(name for name, facts in current["H3ModelLoader"]["inputs"].items() if "choices" in facts)
     ranged = next(name for name, facts in sampler["inputs"].items() if "max" in facts and "min" in facts)
     optional = next(name for name, facts in current["H3ModelLoader"]["inputs"].items() if facts["optional"])
+    references = current["H3Conditioning"]["inputs"]["references"]
+    assert references["min"] == 0 and references["each_optional"]  # a prompt may have no references
     cases = {
         "the node is gone": lambda c: c.pop("H3VAEDecode"),
         "the input is gone": lambda c: c["H3Sampler"]["inputs"].pop("seed"),
@@ -47,6 +49,9 @@ def test_each_kind_of_break_is_found(current):
         "choices": lambda c: c["H3ModelLoader"]["inputs"][choice_input]["choices"].pop(0),
         "rose to": lambda c: c["H3Sampler"]["inputs"][ranged].update(min=c["H3Sampler"]["inputs"][ranged]["min"] + 1),
         "fell to": lambda c: c["H3Sampler"]["inputs"][ranged].update(max=c["H3Sampler"]["inputs"][ranged]["max"] - 1),
+        "the inputs it grows became required": lambda c: c["H3Conditioning"]["inputs"]["references"].update(
+            each_optional=False),
+        "min 0 rose to 1": lambda c: c["H3Conditioning"]["inputs"]["references"].update(min=1),
         "must be optional": lambda c: c["H3Sampler"]["inputs"].update(extra={"type": "INT", "optional": False}),
         "new widgets go after": lambda c: c["H3Sampler"]["widgets"].insert(seed_at, "extra"),
         "new outputs go after": lambda c: c["H3Sampler"]["outputs"].insert(0, "IMAGE"),

@@ -49,7 +49,8 @@ def _input(port) -> dict:
     entry = {"type": port.type, "optional": port.optional}
     if port.type == "COMFY_AUTOGROW_V3":
         template = options["template"]
-        entry.update(type=f"{template.prefix}* of {template.input.type}", max=template.max)
+        entry.update(type=f"{template.prefix}* of {template.input.type}", min=template.min, max=template.max,
+                     each_optional=template.input.optional)
     elif port.type == "COMBO" and len(options.get("options", [])) > 1:  # a fixed list, not a model folder's
         entry["choices"] = list(options["options"])
     elif port.type in ("INT", "FLOAT"):
@@ -85,6 +86,8 @@ def breaks(recorded: dict, current: dict) -> list[str]:
                 problems.append(f"{node_id}.{name}: type {was['type']} became {now['type']}")
             if was["optional"] and not now["optional"]:
                 problems.append(f"{node_id}.{name}: optional became required")
+            if was.get("each_optional") and not now.get("each_optional"):
+                problems.append(f"{node_id}.{name}: the inputs it grows became required")
             lost = [choice for choice in was.get("choices", []) if choice not in now.get("choices", [])]
             if lost:
                 problems.append(f"{node_id}.{name}: choices {lost} are gone")
