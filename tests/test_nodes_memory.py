@@ -402,8 +402,8 @@ def test_a_split_models_hooked_lora_factors_are_room_asked_of_comfyui(comfy, mon
 
 
 def test_a_dit_run_on_the_cpu_asks_comfyui_to_free_nothing(comfy):
-    """Room is made on a GPU only, as ComfyUI's own loads do (load_models_gpu frees no CPU memory): the plan of a
-    CPU run does not depend on what else the host holds."""
+    """Room is made on a GPU only, as ComfyUI's own loads do (load_models_gpu frees no CPU memory): a CPU run asks
+    no other model to leave."""
     c = comfy
     model = _load(c, "tiny-random")
     layout = _cond(c).layout
