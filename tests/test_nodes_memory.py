@@ -609,6 +609,7 @@ def test_the_vaes_beside_and_what_is_already_placed_count_for_a_resident_encoder
     assert streams(18 * GIB, "cuda:0", None, beside=6 * GIB, held=[encoder])  # the VAEs beside it do not fit
     assert freed[-1] == (8 * GIB, "cuda:0", [encoder])
     assert not streams(18 * GIB, "cuda:0", 20.0, beside=6 * GIB, held=[encoder])  # its own budget has no VAE
+    assert freed[-1] == (2 * GIB, "cuda:0", [encoder])  # within a budget too, only the prompt's room was asked for
 
 
 def test_an_encode_that_does_not_fit_beside_a_resident_encoder_streams_it_from_then_on(comfy, monkeypatch, caplog):
