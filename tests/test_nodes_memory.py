@@ -528,6 +528,9 @@ def test_a_small_text_encoder_budget_streams_its_layers_with_the_resident_condit
         layer_bytes = sum(p.numel() * p.element_size() for p in layers.parameters())
         assert placement.stream and _layers_hooked(text.encoder)
         assert patcher.loaded_size() == patcher.model_size() == resident.patcher.model_size() - layer_bytes
+        # placed with room for its layers in flight and a short prompt's encode
+        assert c.record.loaded[-1] == (["H3 text encoder (tiny-random)"],
+                                       placement.working_bytes + text.encoder.encoding_bytes(0))
         got = _encode(c, text, vae)
         assert c.record.loaded[-1] == (["H3 text encoder (tiny-random)", "H3 VAEs (tiny-random + tiny-random)"],
                                        placement.working_bytes + 2 * GIB)  # two layers in flight + activations
