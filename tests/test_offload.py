@@ -35,13 +35,8 @@ def run(model, **kwargs):
 
 @pytest.mark.parametrize("resident, prefetch", [(0, 1), (1, 1), (0, 2), (2, 1)])
 def test_streamed_equals_resident(resident, prefetch):
-    config = replace(TINY_DIT, num_layers=4)
-
-    def fresh():
-        return seeded_random_weights(H3DiT(config), 1).eval().requires_grad_(False)
-
-    expected = run(fresh())
-    model = fresh()
+    expected = run(_tiny_dit(4))
+    model = _tiny_dit(4)
     streamer = stream_blocks(model, "cpu", resident=resident, prefetch=prefetch)
     assert len(streamer.slots) == min(4 - resident, prefetch + 2)
     fetched = []
@@ -64,13 +59,8 @@ def test_a_forward_that_failed_part_way_leaves_no_stale_block_in_the_slots():
     """A block failing mid-forward (an out-of-memory) skipped the hooks that mark its slot free: the next forward
     through the same streamer (h3 generate's next job of a batch) took other blocks' weights for blocks marked as
     still loaded, silently."""
-    config = replace(TINY_DIT, num_layers=6)
-
-    def fresh():
-        return seeded_random_weights(H3DiT(config), 7).eval().requires_grad_(False)
-
-    expected = run(fresh())
-    model = fresh()
+    expected = run(_tiny_dit(6, seed=7))
+    model = _tiny_dit(6, seed=7)
     streamer = stream_blocks(model, "cpu", resident=0, prefetch=1)
     model.blocks[2].forward = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("out of memory (injected)"))
     with pytest.raises(RuntimeError, match="injected"):
@@ -115,7 +105,7 @@ def test_streamed_blocks_not_pinned_stay_the_files_pages(tmp_path):
     from h3_core.runtime import file_mapped_ranges, in_mapped_file
 
     config = replace(TINY_DIT, num_layers=4)
-    expected = run(seeded_random_weights(H3DiT(config), 1).eval().requires_grad_(False))
+    expected = run(_tiny_dit(4))
     path = tmp_path / "dit.safetensors"
     save_file(seeded_random_weights(H3DiT(config), 1).state_dict(), str(path))
     model = DiTReader(path, config=config).read("cpu")
@@ -876,11 +866,8 @@ def test_a_placement_that_fails_partway_is_undone_and_loads_again(monkeypatch, f
     from h3_core import offload
     from h3_core.placement import DiTPlacement
 
-    def fresh():
-        return _tiny_dit(4)
-
-    expected = run(fresh())
-    model = fresh()
+    expected = run(_tiny_dit(4))
+    model = _tiny_dit(4)
     weights = {name: param.data for name, param in model.named_parameters()}
     placement = DiTPlacement("H3 DiT", model, "cpu", "cpu")
     placement.use(MemoryPlan(1, 1, True, 0, True))
