@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -123,6 +124,15 @@ def test_single_file_statistics(tmp_path, reference):
     assert (config.latents_mean, config.latents_std) == (RELEASED_LATENTS_MEAN, RELEASED_LATENTS_STD)
 
 
+def test_a_loaded_audio_vae_is_ready_to_run(tmp_path, reference):
+    """Loaded for inference: eval mode (no dropout) and no gradients kept, whatever the layout."""
+    folder = write_original_partition(tmp_path, reference)
+    single = write_comfy_single_file(tmp_path / "single.safetensors", reference)
+    for model in (load_audio_vae(folder), load_audio_vae(single)):
+        assert not any(module.training for module in model.modules())
+        assert not any(parameter.requires_grad for parameter in model.parameters())
+
+
 def test_the_audio_vae_runs_in_fp32_unless_asked(tmp_path, reference):
     """A community bf16 / fp16 file is widened to fp32 (run as stored, its encodes were off by ~2x a latent's
     std on the tiny model, its decodes audibly worse); dtype=None keeps what the file stores."""
@@ -191,6 +201,10 @@ TENSOR_ERRORS = {
         lambda t: t["decoder.activation_post.upsample.filter"].mul_(1.01),
         rf"'decoder\.activation_post\.upsample\.filter' {FILE} is not the Kaiser",
     ),
+    "mis-shaped filter": (
+        lambda t: t.update({"decoder.activation_post.upsample.filter": torch.zeros(1, 1, 10)}),
+        rf"'decoder\.activation_post\.upsample\.filter' {FILE} has shape \[1, 1, 10\], expected \[1, 1, 12\]",
+    ),
     "extra filter": (
         lambda t: t.update({"decoder.ups.9.0.upsample.filter": torch.zeros(1, 1, 12)}),
         rf"Unexpected tensor 'decoder\.ups\.9\.0\.upsample\.filter' {FILE}",
@@ -228,6 +242,29 @@ def test_config_disagreements(tmp_path, reference):
         load_audio_vae(folder)
 
 
+def test_a_config_h3_cannot_build_is_refused_with_its_reason(tmp_path, reference):
+    folder = write_original_partition(tmp_path, reference)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "latents_std": [0.0] * 32}))
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(folder))}: Invalid audio VAE config: latents_std "
+                                              "must be positive"):
+        load_audio_vae(folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "metadata.json").write_text(json.dumps({"metadata": {"args": []}}))
+    with pytest.raises(CheckpointError, match=r"metadata\.json has no 'metadata\.kwargs' object"):
+        load_audio_vae(folder)
+
+
+@pytest.mark.parametrize("layout, weights", [("original", "model.safetensors"),
+                                             ("diffusers", "diffusion_pytorch_model.safetensors")])
+def test_a_folder_without_its_weights_names_the_file_it_needs(tmp_path, reference, layout, weights):
+    folder = (write_original_partition(tmp_path, reference) if layout == "original" else
+              write_diffusers_folder(tmp_path / "audio_vae", reference))
+    (folder / weights).unlink()
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(folder))} has no {re.escape(weights)}\.$"):
+        load_audio_vae(tmp_path)
+
+
 def test_a_damaged_config_is_refused_where_the_files_are_found(tmp_path, reference):
     """The VAE Loader node and h3 encode find the files (locate) before loading: a null in metadata.json was a
     TypeError traceback there, a clear refusal only once loading."""
@@ -261,6 +298,20 @@ def test_pickles_are_refused(tmp_path, reference):
     (folder / "diffusion_pytorch_model.safetensors").rename(folder / "diffusion_pytorch_model.bin")
     with pytest.raises(CheckpointError, match="diffusion_pytorch_model.bin is a pickle"):
         load_audio_vae(tmp_path)
+
+
+@pytest.mark.parametrize("dropped, message", [
+    ("mean_proj.weight", r"single\.safetensors has no tensor 'mean_proj\.weight'; cannot tell the audio VAE's size\."),
+    ("decoder.resblocks.20.", r"single\.safetensors: 7 decoder upsamplers and 20 AMP blocks do not form stages\."),
+    ("decoder.ups.", r"single\.safetensors: 0 decoder upsamplers and 21 AMP blocks do not form stages\."),
+])
+def test_a_single_file_whose_size_cannot_be_read_says_why(tmp_path, reference, dropped, message):
+    """A single file's config comes from its tensors' shapes: 7 upsampling stages of 3 AMP blocks in the tiny
+    model; a file missing what tells a size, or whose blocks do not split into its stages, is refused by name."""
+    tensors = {k: v for k, v in comfy_state_dict(reference).items() if not k.startswith(dropped)}
+    save_file(tensors, str(tmp_path / "single.safetensors"))
+    with pytest.raises(CheckpointError, match=message):
+        load_audio_vae(tmp_path / "single.safetensors")
 
 
 def test_a_tensor_of_the_wrong_rank_in_a_single_file_is_a_clear_refusal(tmp_path, reference):

@@ -288,3 +288,53 @@ def test_a_folder_without_weights_or_a_file_of_two_vaes_is_refused(tmp_path, ref
     with pytest.raises(CheckpointError, match=r"^two\.safetensors holds several video VAEs \(under 'vae\.', "
                                               r"'video_vae\.'\)\.$"):
         locate_video_vae(tmp_path / "two.safetensors")
+
+
+def test_a_loaded_video_vae_is_ready_to_run(original):
+    """Loaded for inference: eval mode (no dropout) and no gradients kept."""
+    model = load_video_vae(original.parent.parent)
+    assert not any(module.training for module in model.modules())
+    assert not any(parameter.requires_grad for parameter in model.parameters())
+
+
+def test_the_release_configs_must_agree_on_the_latent_width(original, config):
+    """config.json and source/config.json both name the latent width (z_channels, embed_dim, latent_channels): a
+    folder whose files disagree is refused by the file that disagrees, not loaded at one of the widths."""
+    folder = original.parent.parent
+    wrapper, source = original_configs(config)
+    width = config.latent_channels
+    (folder / "source" / "config.json").write_text(json.dumps({**source, "embed_dim": width + 1}))
+    with pytest.raises(CheckpointError, match=rf"source/config\.json: embed_dim must equal z_channels \({width}\)\.$"):
+        load_video_vae(folder)
+    (folder / "source" / "config.json").write_text(json.dumps(source))
+    (folder / "config.json").write_text(json.dumps({**wrapper, "latent_channels": width + 1}))
+    with pytest.raises(CheckpointError, match=rf"video_vae/config\.json: latent_channels is not source z_channels "
+                                              rf"\({width}\)\.$"):
+        load_video_vae(folder)
+
+
+def test_a_diffusers_config_the_model_refuses_says_why(tmp_path, reference):
+    folder = write_diffusers_folder(tmp_path / "vae", reference)
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "latents_mean": [0.0]}))
+    with pytest.raises(CheckpointError, match=r"^diffusers video VAE config: .*latents_mean"):
+        load_video_vae(folder)
+
+
+def test_a_single_files_statistics_must_fit_its_config(tmp_path, reference, config):
+    path = write_comfy_single_file(tmp_path / "vae.safetensors", reference.state_dict(), config)
+    rewrite(path, lambda tensors: tensors.update(latents_std=torch.ones(config.latent_channels + 1)))
+    with pytest.raises(CheckpointError, match=rf"Tensor 'latents_std' in .*vae\.safetensors has shape "
+                                              rf"\[{config.latent_channels + 1}\], expected \[{config.latent_channels}\] "
+                                              "for this config"):
+        load_video_vae(path, config=config)
+
+
+def test_a_config_without_weights_beside_it_is_not_taken_for_a_diffusers_folder(tmp_path, reference):
+    """A folder is a diffusers VAE only with safetensors beside its config.json; one without (weights not yet
+    downloaded) is refused as no video VAE, naming what was expected."""
+    folder = write_diffusers_folder(tmp_path / "vae", reference)
+    for shard in folder.glob("*.safetensors"):
+        shard.unlink()
+    with pytest.raises(CheckpointError, match=r"is not an H3 video VAE: expected an original 'video_vae' folder"):
+        locate_video_vae(folder)
