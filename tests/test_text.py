@@ -978,6 +978,17 @@ def test_loader_errors(tiny, tmp_path):
         load_text_encoder(partition, processor=processor)
 
 
+def test_a_processor_folder_given_must_hold_one(tiny, tmp_path):
+    """A processor folder the user names is the one used: one without a processor config is refused, not
+    passed over for the model's own (which the user chose not to use)."""
+    empty = tmp_path / "no_processor"
+    empty.mkdir()
+    for tokenizer in (None, tiny["partition"]):
+        with pytest.raises(CheckpointError, match=rf"^{re.escape(str(empty))} holds no Qwen3-VL processor config"):
+            locate_text_encoder(tiny["partition"], tokenizer=tokenizer, processor=empty)
+    assert locate_text_encoder(tiny["partition"]).processor_folder == tiny["partition"] / "processor"
+
+
 def test_text_encoder_bytes_from_the_config_equal_the_loaded_weights(tiny):
     """What a host checks against its GPU before reading the weights is what loading then places."""
     from h3_core.text import text_encoder_bytes, text_encoder_sizes

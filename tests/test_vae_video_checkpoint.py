@@ -16,7 +16,13 @@ from video_vae_checkpoints import (
 )
 
 from h3_core.vae_video import FP32_MODULES
-from h3_core.vae_video_checkpoint import CheckpointError, convert_state_dict, load_video_vae, locate_video_vae
+from h3_core.vae_video_checkpoint import (
+    CheckpointError,
+    check_video_vae,
+    convert_state_dict,
+    load_video_vae,
+    locate_video_vae,
+)
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +151,23 @@ def test_missing_tensor_is_named(original):
     assert str(original.parent) in str(error.value)
 
 
+def test_checking_a_folder_reads_its_headers_only(original, monkeypatch):
+    """A host refuses a broken video VAE before it loads anything else: the check reads no tensor's data, and
+    gives the dtypes loading would (what it sizes the VAE's memory by)."""
+    import h3_core.vae_video_checkpoint as vae_video_checkpoint
+
+    folder = original.parent.parent
+    loaded = {name: t.dtype for name, t in load_video_vae(folder, dtype=torch.bfloat16).state_dict().items()}
+    monkeypatch.setattr(vae_video_checkpoint, "open_safetensors", lambda *_: pytest.fail("tensor data was read"))
+    checked = check_video_vae(folder, torch.bfloat16)
+    assert all(t.is_meta for t in checked.state_dict().values())
+    assert {name: t.dtype for name, t in checked.state_dict().items()} == loaded
+    assert {torch.float32, torch.bfloat16} <= set(loaded.values())
+    rewrite(original, lambda t: t.pop("decoder.transformer_blocks.0.ff.w2.bias"))
+    with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\): decoder\.transformer_blocks\.0\.ff\.w2\.bias\."):
+        check_video_vae(folder)
+
+
 def test_unexpected_tensor_is_named_with_its_file(original):
     rewrite(original, lambda t: t.update({"decoder.extra.weight": torch.zeros(2)}))
     with pytest.raises(CheckpointError, match=r"Unexpected tensor 'decoder\.extra\.weight' in .*model\.safetensors"):
@@ -175,6 +198,16 @@ def test_diffusers_folder_missing_a_qkv_part(tmp_path, reference):
     weights = folder / "diffusion_pytorch_model.safetensors"
     rewrite(weights, lambda t: t.pop("decoder.transformer_blocks.0.attn.to_v.bias"))
     with pytest.raises(CheckpointError, match=r"lacks to_v for this attention"):
+        load_video_vae(folder)
+
+
+def test_diffusers_attention_parts_that_do_not_fuse_are_refused(tmp_path, reference):
+    """to_q, to_k and to_v are fused into one qkv per head: parts of different shapes are named, not cut."""
+    folder = write_diffusers_folder(tmp_path / "vae", reference, max_shard_size="10GB")
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    key = "decoder.transformer_blocks.0.attn.to_k.weight"
+    rewrite(weights, lambda t: t.update({key: t[key][:-1].clone()}))
+    with pytest.raises(CheckpointError, match=r"in .*: to_q/to_k/to_v shapes .* do not fuse per head\.$"):
         load_video_vae(folder)
 
 
@@ -251,13 +284,14 @@ def test_fields_a_release_config_may_leave_out_take_the_releases_values(config):
     optional_wrapper = ("vae_clip_length", "vae_token_drop", "vae_tile_size", "vae_tile_overlap_min",
                         "vae_encoder_tiling", "vae_decoder_tiling")
     vit = {key: value for key, value in source["vit_decoder_kwargs"].items() if not key.startswith("rope_")}
-    source = {key: value for key, value in source.items() if key not in ("in_channels", "out_ch", "padding_mode")}
+    source = {key: value for key, value in source.items()
+              if key not in ("in_channels", "out_ch", "padding_mode", "norm_num_groups")}
     got = config_from_original({key: value for key, value in wrapper.items() if key not in optional_wrapper},
                                {**source, "vit_decoder_kwargs": vit})
     release = VideoVAEConfig()
     for field in ("clip_length", "token_drop", "tile_size", "tile_min_overlap", "encoder_tiling", "decoder_tiling",
                   "in_channels", "out_channels", "spatial_padding_mode", "decoder_rope_theta",
-                  "decoder_rope_dim_ratio"):
+                  "decoder_rope_dim_ratio", "norm_num_groups"):
         assert getattr(got, field) == getattr(release, field), field
     with pytest.raises(CheckpointError, match=r"^video_vae: .*latents_mean"):  # a config the model refuses
         config_from_original({**wrapper, "latents_mean": [0.0]}, source)
