@@ -419,7 +419,8 @@ def test_nonexistent_path(tmp_path):
 def test_pickle_files_are_refused(tmp_path, suffix):
     path = tmp_path / f"model{suffix}"
     path.write_bytes(b"not even opened")
-    with pytest.raises(CheckpointError, match="safetensors"):
+    with pytest.raises(CheckpointError, match=rf"^model\{suffix} is a pickle checkpoint \(\{suffix}\); H3 loads only "
+                                              r"\.safetensors files, which cannot run code on load"):
         load_dit(path)
 
 

@@ -931,9 +931,9 @@ def test_loader_errors(tiny, tmp_path):
     pickled.mkdir(parents=True)
     shutil.copy(partition / "text_encoder" / "config.json", pickled / "config.json")
     (pickled / "pytorch_model.bin").write_bytes(b"never unpickled")
-    with pytest.raises(CheckpointError, match="pickle"):
+    with pytest.raises(CheckpointError, match=r"holds only pickle weights \(pytorch_model\.bin\); H3 loads only "):
         load_text_encoder(pickled)
-    with pytest.raises(CheckpointError, match="pickle"):
+    with pytest.raises(CheckpointError, match=r"^pytorch_model\.bin is a pickle checkpoint"):
         load_text_encoder(pickled / "pytorch_model.bin", tokenizer=partition)
 
     with pytest.raises(CheckpointError, match="holds no tokenizer"):
@@ -948,6 +948,12 @@ def test_loader_errors(tiny, tmp_path):
         load_text_encoder(dit, tokenizer=partition, config=tiny["config"])
 
     tensors = tiny_qwen.comfy_keys(tiny["model"].state_dict())
+    scaled = _write(tmp_path / "scaled.safetensors",
+                    dict(tensors, **{"model.layers.0.mlp.down_proj.scale_weight": torch.ones(1)}))
+    with pytest.raises(CheckpointError, match=r"scaled\.safetensors .*is an old-style scaled FP8 text encoder; use the "
+                                              "bf16 file or a ComfyUI int8 ConvRot one"):
+        load_text_encoder(scaled, tokenizer=partition, config=tiny["config"])
+
     quantized = _write(
         tmp_path / "int8.safetensors", dict(tensors, **{"model.layers.0.mlp.down_proj.weight_scale": torch.ones(1)})
     )

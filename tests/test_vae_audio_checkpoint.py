@@ -292,7 +292,7 @@ def test_wrong_folder_and_file(tmp_path):
 
 def test_pickles_are_refused(tmp_path, reference):
     (tmp_path / "audio_vae.ckpt").write_bytes(b"not loaded")
-    with pytest.raises(CheckpointError, match="pickle"):
+    with pytest.raises(CheckpointError, match=r"^audio_vae\.ckpt is a pickle checkpoint \(\.ckpt\); H3 loads only "):
         load_audio_vae(tmp_path / "audio_vae.ckpt")
     folder = write_diffusers_folder(tmp_path / "audio_vae", reference)
     (folder / "diffusion_pytorch_model.safetensors").rename(folder / "diffusion_pytorch_model.bin")
