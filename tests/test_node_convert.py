@@ -15,6 +15,7 @@ from h3_core.media_write import write_mp4
 from h3_core.output import AVLatents, decode_audio, decode_video
 from h3_core.pipeline import TINY_CANVAS, sample
 from h3_core.references import DecodedAudio, DecodedVideo
+from h3_core.resume_point import ResumePoint
 from h3_core.tiny import tiny_random_audio_vae, tiny_random_dit, tiny_random_video_vae
 from nodes import convert
 
@@ -205,6 +206,11 @@ def test_latent_packing_checks():
     assert torch.equal(back.video, latents.video) and torch.equal(back.audio, latents.audio)
     with pytest.raises(ValueError, match="H3_LATENT"):
         convert.unpack_latents({"samples": torch.zeros(1, 4, 8, 8)})  # a core LATENT
+    assert "resume" not in packed  # a finished clip: nothing to go on from
+    stopped = ResumePoint(seed=3, generator_state=torch.Generator().manual_seed(3).get_state(), media_origin=0.5,
+                          frames=num_frames)
+    packed = convert.pack_latents(AVLatents(latents.video, latents.audio, stopped), seed=3, task="t2va")
+    assert convert.unpack_latents(packed).resume is stopped  # a stopped long video's clip: where it stopped goes along
 
 
 def test_core_av_layout_round_trip_and_checks():
@@ -344,3 +350,54 @@ def test_a_sound_needs_a_positive_sample_rate():
         with pytest.raises(ValueError, match=rf"^audio: sample_rate must be positive, got {rate}\.$"):
             convert.audio_to_decoded({"waveform": torch.zeros(1, 1, 100), "sample_rate": rate})
     assert convert.audio_to_decoded({"waveform": torch.zeros(1, 1, 100), "sample_rate": 1}).sample_rate == 1
+
+
+@pytest.mark.parametrize("audio, message", [
+    ({"waveform": torch.zeros(1, 2, 100)}, r"^drive_audio must be a ComfyUI AUDIO dict with 'waveform' \[B, C, N\] and "
+                                           r"'sample_rate'\.$"),
+    ({"sample_rate": 32000}, r"^drive_audio must be a ComfyUI AUDIO dict"),
+    (torch.zeros(1, 2, 100), r"^drive_audio must be a ComfyUI AUDIO dict"),
+    ({"waveform": [[[0.0]]], "sample_rate": 32000}, r"^drive_audio: waveform must be a tensor \[B, C, N\]; got "
+                                                    r"\[\[\[0\.0\]\]\]\.$"),
+    ({"waveform": torch.zeros(2, 100), "sample_rate": 32000}, r"^drive_audio: waveform must be a tensor \[B, C, N\]; "
+                                                              r"got torch\.Size\(\[2, 100\]\)\.$"),
+])
+def test_what_is_no_audio_is_refused_saying_what_an_audio_is(audio, message):
+    with pytest.raises(ValueError, match=message):
+        convert.audio_to_decoded(audio, "drive_audio")
+
+
+def test_decoded_audio_pieces_must_be_stereo():
+    with pytest.raises(ValueError, match=r"^No audio to make an AUDIO from\.$"):
+        convert.waveform_to_audio([])
+    with pytest.raises(ValueError, match=r"^Decoded audio must be \[2, N\]; got \[1, 10\]\.$"):
+        convert.waveform_to_audio([torch.zeros(1, 10)])
+
+
+@pytest.mark.parametrize("rate", [0, -24, float("nan")])
+def test_a_video_without_a_positive_frame_rate_is_refused(rate):
+    video = SimpleNamespace(get_components=lambda: SimpleNamespace(images=torch.rand(2, 8, 8, 3), frame_rate=rate,
+                                                                   audio=None))
+    with pytest.raises(ValueError, match=rf"^guide: frame rate must be positive, got {rate}\.$"):
+        convert.video_to_decoded(video, "guide")
+
+
+def test_a_video_in_memory_is_cut_to_24fps_with_its_sound_to_the_frames_asked():
+    """A VIDEO that is not a file on disk (another node's frames) comes through get_components: its frames put
+    on the 24 fps grid and cut, its sound cut to `sound_frames` frames however many frames are kept."""
+    images = torch.rand(48, 8, 8, 3)
+    sound = {"waveform": torch.rand(1, 2, 2 * 16000) - 0.5, "sample_rate": 16000}
+    video = SimpleNamespace(get_components=lambda: SimpleNamespace(images=images, frame_rate=Fraction(48), audio=sound))
+    clip = convert.video_at_24fps(video, "guide", max_frames=10, sound_frames=12)
+    assert clip.fps == 24.0 and clip.frames.shape == (10, 8, 8, 3)
+    assert np.array_equal(clip.frames, convert.image_to_uint8(images[0:20:2]))  # every other frame of 48 fps
+    assert clip.sample_rate == 16000 and torch.equal(torch.as_tensor(clip.audio), sound["waveform"][0, :, :8000])
+    silent = convert.video_at_24fps(video, "guide", max_frames=10, with_audio=False)
+    assert silent.audio is None and silent.sample_rate is None
+
+
+def test_an_empty_latent_is_refused_for_decoding():
+    convert.refuse_empty_latent({"video": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"^latent holds an empty latent \(H3 Empty AV Latent, or zeros\): connect a "
+                                         "sampled one"):
+        convert.refuse_empty_latent({"video": torch.zeros(1), "empty": True})
