@@ -195,6 +195,17 @@ def test_a_loaded_video_reference_is_read_from_its_file(tmp_path):
     assert convert.video_file(CroppedFile()) is None and convert.video_file(Resized()) is None
 
 
+def test_a_load_video_clip_is_read_from_its_file_with_its_sound_at_32khz(tmp_path):
+    path = tmp_path / "clip.mp4"
+    write_mp4(path, np.zeros((48, 64, 96, 3), np.uint8), (np.random.default_rng(0).random((2, 64000)) - 0.5) * 0.2)
+    loaded = SimpleNamespace(get_stream_source=lambda: str(path), get_active_trim_window=lambda: (0.0, 0.0))
+    clip = convert.video_at_24fps(loaded, "guide", max_frames=24)
+    assert clip.frames.shape == (24, 64, 96, 3) and clip.fps == 24.0
+    assert clip.sample_rate == 32000 and clip.audio.shape[0] == 2 and clip.audio.shape[1] > 32000
+    silent = convert.video_at_24fps(loaded, "guide", max_frames=24, with_audio=False)
+    assert silent.audio is None and silent.sample_rate is None
+
+
 def test_latent_packing_checks():
     from h3_core import geometry
 
@@ -231,6 +242,8 @@ def test_core_av_layout_round_trip_and_checks():
     first, second = convert.from_core_av(two_video, two_audio)
     assert first["video"].dtype == torch.float32 and torch.equal(first["video"], video.bfloat16().float())
     assert not first["empty"] and second["empty"] and second["audio"].shape == (2, 32, 37)
+    (silent,) = convert.from_core_av(video, torch.zeros_like(audio))  # pictures with a silent (zero) sound part
+    assert not silent["empty"]
 
     with pytest.raises(ValueError, match=r"video part must be \[B, 24, L, h, w\]"):
         convert.from_core_av(torch.zeros(1, 16, 7, 4, 6), audio)
@@ -392,7 +405,9 @@ def test_a_video_in_memory_is_cut_to_24fps_with_its_sound_to_the_frames_asked():
     assert clip.fps == 24.0 and clip.frames.shape == (10, 8, 8, 3)
     assert np.array_equal(clip.frames, convert.image_to_uint8(images[0:20:2]))  # every other frame of 48 fps
     assert clip.sample_rate == 16000 and torch.equal(torch.as_tensor(clip.audio), sound["waveform"][0, :, :8000])
-    silent = convert.video_at_24fps(video, "guide", max_frames=10, with_audio=False)
+    whole = convert.video_at_24fps(video, "guide", max_frames=10)  # no sound_frames: all of its sound
+    assert torch.equal(torch.as_tensor(whole.audio), sound["waveform"][0])
+    silent = convert.video_at_24fps(video, "guide", max_frames=10, with_audio=False, sound_frames=12)
     assert silent.audio is None and silent.sample_rate is None
 
 
@@ -401,3 +416,25 @@ def test_an_empty_latent_is_refused_for_decoding():
     with pytest.raises(ValueError, match=r"^latent holds an empty latent \(H3 Empty AV Latent, or zeros\): connect a "
                                          "sampled one"):
         convert.refuse_empty_latent({"video": torch.zeros(1), "empty": True})
+
+
+@pytest.mark.parametrize("vsa_gates, steps, source", [
+    (True, 9, "Turbo contract of FastVideo FastH3 8-Step V2"), (False, 50, "base model defaults: no Turbo contract")])
+def test_a_vsa_student_samples_on_its_own_ladder(vsa_gates, steps, source):
+    handle = convert.ModelHandle(dit=SimpleNamespace(config=SimpleNamespace(vsa_gates=vsa_gates)), partition="fl2va",
+                                 name="dit", device=torch.device("cpu"))
+    settings = handle.sampler_settings("t2va")
+    assert (settings.steps, settings.source) == (steps, source)
+
+
+def test_the_sampler_log_counts_the_sigma_points_walked(caplog):
+    """Two ladders of their own are walked together up to the shorter: the log says what will run."""
+    handle = convert.ModelHandle(dit=SimpleNamespace(config=SimpleNamespace(vsa_gates=False)), partition="fl2va",
+                                 name="dit", device=torch.device("cpu"))
+    with caplog.at_level("INFO", logger="h3"):
+        handle.sampler_settings("t2va", video_sigmas=[1.0, 0.5, 0.0], audio_sigmas=[1.0, 0.7, 0.4, 0.0])
+    assert "H3: sampler: 3 sigma points (2 model calls)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="h3"):
+        handle.sampler_settings("t2va", audio_sigmas=[1.0, 0.7, 0.4, 0.0])  # the video's from its shift and steps
+    assert "H3: sampler: 4 sigma points (3 model calls)" in caplog.text
