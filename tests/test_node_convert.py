@@ -411,11 +411,15 @@ def test_a_video_in_memory_is_cut_to_24fps_with_its_sound_to_the_frames_asked():
     assert silent.audio is None and silent.sample_rate is None
 
 
-def test_an_empty_latent_is_refused_for_decoding():
+def test_an_empty_latent_fixes_the_size_and_is_refused_for_decoding():
+    latent = convert.empty_latent(224, 128, 22)  # 22 frames: 7 latent frames, 37 audio latents; 16 pixels a latent
+    assert latent["video"].shape == (1, 24, 7, 8, 14) and latent["audio"].shape == (2, 32, 37)
+    assert not latent["video"].any() and not latent["audio"].any()
+    assert (latent["width"], latent["height"], latent["num_frames"], latent["empty"]) == (224, 128, 22, True)
     convert.refuse_empty_latent({"video": torch.zeros(1)})
     with pytest.raises(ValueError, match=r"^latent holds an empty latent \(H3 Empty AV Latent, or zeros\): connect a "
                                          "sampled one"):
-        convert.refuse_empty_latent({"video": torch.zeros(1), "empty": True})
+        convert.refuse_empty_latent(latent)
 
 
 @pytest.mark.parametrize("vsa_gates, steps, source", [
