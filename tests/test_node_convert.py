@@ -202,6 +202,8 @@ def test_a_load_video_clip_is_read_from_its_file_with_its_sound_at_32khz(tmp_pat
     clip = convert.video_at_24fps(loaded, "guide", max_frames=24)
     assert clip.frames.shape == (24, 64, 96, 3) and clip.fps == 24.0
     assert clip.sample_rate == 32000 and clip.audio.shape[0] == 2 and clip.audio.shape[1] > 32000
+    short = convert.video_at_24fps(loaded, "guide", max_frames=24, sound_frames=12)  # a guide's sound: 0.5 s asked
+    assert short.audio.shape == (2, 16000)
     silent = convert.video_at_24fps(loaded, "guide", max_frames=24, with_audio=False)
     assert silent.audio is None and silent.sample_rate is None
 
@@ -298,6 +300,9 @@ def test_handles_print_without_their_models():
     )
     for handle, name in zip(handles, ("dit-name", "encoder-name", "vae-name"), strict=True):
         assert name in repr(handle) and "Linear" not in repr(handle), repr(handle)
+    latent = convert.empty_latent(224, 128, 22)  # a latent prints its parts' shapes and its facts, not its values
+    assert repr(latent) == ("H3_LATENT({'video': [1, 24, 7, 8, 14], 'audio': [2, 32, 37]}, {'kind': 'h3_av_latent', "
+                            "'num_frames': 22, 'width': 224, 'height': 128, 'empty': True})")
 
 
 def test_a_keyframe_warns_of_the_batch_and_of_transparency_in_its_first_picture(caplog):
@@ -442,3 +447,31 @@ def test_the_sampler_log_counts_the_sigma_points_walked(caplog):
     with caplog.at_level("INFO", logger="h3"):
         handle.sampler_settings("t2va", audio_sigmas=[1.0, 0.7, 0.4, 0.0])  # the video's from its shift and steps
     assert "H3: sampler: 4 sigma points (3 model calls)" in caplog.text
+
+
+def test_what_is_no_reference_is_refused_saying_what_one_is():
+    with pytest.raises(ValueError, match=r"^A reference must be an IMAGE, VIDEO or AUDIO; got int\.$"):
+        convert.reference_kind(42)
+    assert [convert.reference_kind(value) for value in (torch.rand(1, 8, 8, 3), {"waveform": torch.zeros(1, 2, 8)},
+                                                        SimpleNamespace(get_components=None))] == \
+        ["image", "audio", "video"]
+    with pytest.raises(ValueError, match=r"^Unknown reference kind 'text'\.$"):
+        convert.reference_source("text", "a fox", "references.ref0")
+
+
+def test_slots_past_the_last_reference_are_refused_by_name():
+    convert.refuse_extra_inputs({})
+    with pytest.raises(ValueError, match=r"^references\.ref12, references\.ref13: no such input; references go from "
+                                         r"ref0 to ref11 \(H3 takes at most 12\)\.$"):
+        convert.refuse_extra_inputs({"references.ref13": 1, "references.ref12": 1})
+    with pytest.raises(ValueError, match=r"^strength: no such input\.$"):
+        convert.refuse_extra_inputs({"strength": 1})
+
+
+def test_a_latent_must_have_the_conditionings_size():
+    latent = convert.empty_latent(224, 128, 22)
+    assert convert.latent_size_problem(latent, 224, 128, 22) is None
+    for width, height, frames in ((256, 128, 22), (224, 160, 22), (224, 128, 39)):
+        problem = convert.latent_size_problem(latent, width, height, frames)
+        assert problem.startswith(f"The latent is 224x128, 22 frames, but the conditioning asks for {width}x{height}, "
+                                  f"{frames} frames")
