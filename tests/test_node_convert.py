@@ -475,3 +475,29 @@ def test_a_latent_must_have_the_conditionings_size():
         problem = convert.latent_size_problem(latent, width, height, frames)
         assert problem.startswith(f"The latent is 224x128, 22 frames, but the conditioning asks for {width}x{height}, "
                                   f"{frames} frames")
+
+
+def test_a_size_given_in_part_still_sets_the_aspect_ratio_aside():
+    """width or height alone is not dropped for the aspect ratio: h3_core refuses it, naming the one missing."""
+    request = convert.build_request("t2va", "x", width=256, aspect_ratio="16:9")
+    assert (request.width, request.height, request.aspect_ratio) == (256, None, None)
+    request = convert.build_request("t2va", "x", height=128, aspect_ratio="16:9")
+    assert (request.width, request.height, request.aspect_ratio) == (None, 128, None)
+
+
+def test_a_model_handle_knows_a_split_dit():
+    here = convert.ModelHandle(torch.nn.Linear(2, 2), "fl2va", "dit", torch.device("cpu"))
+    split = convert.ModelHandle(SimpleNamespace(config=None), "fl2va", "dit", torch.device("cuda:0"))
+    assert (here.split, split.split) == (False, True)
+
+
+def test_a_trim_window_in_frames():
+    assert [convert.trim_frames(seconds, 100) for seconds in (0.0, 0.01, 1.0, 2.51, 10.0)] == [100, 1, 24, 60, 100]
+
+
+def test_a_load_video_file_that_cannot_be_read_is_refused_naming_the_input(tmp_path):
+    path = tmp_path / "broken.mp4"
+    path.write_bytes(b"not a video")
+    loaded = SimpleNamespace(get_stream_source=lambda: str(path), get_active_trim_window=lambda: (0.0, 0.0))
+    with pytest.raises(ValueError, match=r"^guide: .*broken\.mp4"):
+        convert.video_at_24fps(loaded, "guide", max_frames=24)
