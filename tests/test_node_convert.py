@@ -427,25 +427,28 @@ def test_an_empty_latent_fixes_the_size_and_is_refused_for_decoding():
         convert.refuse_empty_latent(latent)
 
 
+def dit_handle(vsa_gates: bool) -> convert.ModelHandle:
+    """A Model Loader's handle of a DiT with or without VSA gates (a FastH3 8-Step V2 student has them)."""
+    return convert.ModelHandle(SimpleNamespace(config=SimpleNamespace(vsa_gates=vsa_gates)), "fl2va", "dit",
+                               torch.device("cpu"))
+
+
 @pytest.mark.parametrize("vsa_gates, steps, source", [
     (True, 9, "Turbo contract of FastVideo FastH3 8-Step V2"), (False, 50, "base model defaults: no Turbo contract")])
 def test_a_vsa_student_samples_on_its_own_ladder(vsa_gates, steps, source):
-    handle = convert.ModelHandle(dit=SimpleNamespace(config=SimpleNamespace(vsa_gates=vsa_gates)), partition="fl2va",
-                                 name="dit", device=torch.device("cpu"))
-    settings = handle.sampler_settings("t2va")
+    settings = dit_handle(vsa_gates).sampler_settings("t2va")
     assert (settings.steps, settings.source) == (steps, source)
 
 
 def test_the_sampler_log_counts_the_sigma_points_walked(caplog):
     """Two ladders of their own are walked together up to the shorter: the log says what will run."""
-    handle = convert.ModelHandle(dit=SimpleNamespace(config=SimpleNamespace(vsa_gates=False)), partition="fl2va",
-                                 name="dit", device=torch.device("cpu"))
+    handle = dit_handle(vsa_gates=False)
     with caplog.at_level("INFO", logger="h3"):
         handle.sampler_settings("t2va", video_sigmas=[1.0, 0.5, 0.0], audio_sigmas=[1.0, 0.7, 0.4, 0.0])
     assert "H3: sampler: 3 sigma points (2 model calls)" in caplog.text
     caplog.clear()
     with caplog.at_level("INFO", logger="h3"):
-        handle.sampler_settings("t2va", audio_sigmas=[1.0, 0.7, 0.4, 0.0])  # the video's from its shift and steps
+        handle.sampler_settings("t2va", audio_sigmas=[1.0, 0.7, 0.4, 0.0])  # the video: 50 steps, longer
     assert "H3: sampler: 4 sigma points (3 model calls)" in caplog.text
 
 
@@ -477,12 +480,16 @@ def test_a_latent_must_have_the_conditionings_size():
                                   f"{frames} frames")
 
 
-def test_a_size_given_in_part_still_sets_the_aspect_ratio_aside():
-    """width or height alone is not dropped for the aspect ratio: h3_core refuses it, naming the one missing."""
-    request = convert.build_request("t2va", "x", width=256, aspect_ratio="16:9")
-    assert (request.width, request.height, request.aspect_ratio) == (256, None, None)
-    request = convert.build_request("t2va", "x", height=128, aspect_ratio="16:9")
-    assert (request.width, request.height, request.aspect_ratio) == (None, 128, None)
+def test_a_size_given_in_part_is_refused_naming_the_half_given():
+    """width or height alone (the other left at 0) is refused as such, with an aspect ratio picked or not."""
+    from h3_core.conditioning import validate
+
+    for aspect_ratio in ("auto", "16:9"):
+        with pytest.raises(RequestError, match=r"^Give width and height together, or neither .*; only the width was "
+                                               r"given \(256\)\.$"):
+            validate(convert.build_request("t2va", "x", width=256, aspect_ratio=aspect_ratio))
+        with pytest.raises(RequestError, match=r"only the height was given \(128\)\.$"):
+            validate(convert.build_request("t2va", "x", height=128, aspect_ratio=aspect_ratio))
 
 
 def test_a_model_handle_knows_a_split_dit():
