@@ -67,7 +67,7 @@ def test_audio_conversions():
     with pytest.raises(ValueError, match="1 to 8 channels; got 9"):
         convert.audio_to_decoded({"waveform": torch.zeros(1, 9, 100), "sample_rate": 48000})
     with pytest.raises(ValueError, match="drive_audio is a batch of 2 sounds; H3 takes one here"):
-        convert.audio_to_decoded({"waveform": torch.zeros(2, 2, 100), "sample_rate": 48000}, "drive_audio")
+        convert.audio_to_decoded({"waveform": torch.zeros(2, 1, 100), "sample_rate": 48000}, "drive_audio")
     pcm = (waveform * 32768).round().to(torch.int16)  # a few nodes hand PCM samples on (they came out +-3000)
     as_pcm = convert.audio_to_decoded({"waveform": pcm, "sample_rate": 16000}).waveform
     assert as_pcm.dtype == torch.float32 and (as_pcm - waveform[0]).abs().max() <= 0.5 / 32768 + 1e-7
@@ -508,3 +508,11 @@ def test_a_load_video_file_that_cannot_be_read_is_refused_naming_the_input(tmp_p
     loaded = SimpleNamespace(get_stream_source=lambda: str(path), get_active_trim_window=lambda: (0.0, 0.0))
     with pytest.raises(ValueError, match=r"^guide: .*broken\.mp4"):
         convert.video_at_24fps(loaded, "guide", max_frames=24)
+
+
+def test_loras_are_listed_on_a_new_handle_in_the_order_applied():
+    """Apply LoRA returns a new handle: the loader's cached one stays without them (its DiT is never merged)."""
+    plain = dit_handle(vsa_gates=False)
+    first, second = object(), object()
+    both = plain.with_lora(first, 0.5).with_lora(second, 1)
+    assert plain.loras == () and both.loras == ((first, 0.5), (second, 1.0))
