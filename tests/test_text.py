@@ -995,6 +995,17 @@ def test_a_processor_folder_given_must_hold_one(tiny, tmp_path):
     assert locate_text_encoder(tiny["partition"]).processor_folder == tiny["partition"] / "processor"
 
 
+def test_a_tokenizer_folder_holding_the_processor_files_gives_both(tiny, tmp_path):
+    """An HF-layout tokenizer folder often carries the processor configs too: named as the tokenizer, it gives
+    both, before the model's own processor."""
+    mine = tmp_path / "mine"
+    shutil.copytree(tiny["partition"] / "tokenizer", mine / "tokenizer")
+    for config in (tiny["partition"] / "processor").iterdir():
+        shutil.copy(config, mine / "tokenizer" / config.name)
+    source = locate_text_encoder(tiny["partition"], tokenizer=mine)
+    assert source.tokenizer_folder == source.processor_folder == mine / "tokenizer"
+
+
 def test_text_encoder_bytes_from_the_config_equal_the_loaded_weights(tiny):
     """What a host checks against its GPU before reading the weights is what loading then places."""
     from h3_core.text import text_encoder_bytes, text_encoder_sizes
