@@ -20,6 +20,16 @@ from h3_core.tiny import tiny_random_audio_vae, tiny_random_dit, tiny_random_vid
 from nodes import convert
 
 
+def frames_video(images, frame_rate, audio=None):
+    """A VIDEO of frames in memory (ComfyUI's VideoFromComponents, e.g. from Create Video)."""
+    return SimpleNamespace(get_components=lambda: SimpleNamespace(images=images, frame_rate=frame_rate, audio=audio))
+
+
+def loaded_video(path):
+    """A Load Video VIDEO of a file on disk, not trimmed."""
+    return SimpleNamespace(get_stream_source=lambda: str(path), get_active_trim_window=lambda: (0.0, 0.0))
+
+
 def test_image_round_trip_and_channels():
     image = torch.rand(2, 16, 24, 3)
     pils = convert.image_to_pils(image)
@@ -109,14 +119,11 @@ def test_wide_sound_is_downmixed_as_reading_a_file_of_it_is(tmp_path, channels, 
 def test_video_components_to_decoded():
     images = torch.rand(30, 32, 48, 3)
     audio = {"waveform": torch.zeros(1, 2, 44100), "sample_rate": 44100}
-    video = SimpleNamespace(get_components=lambda: SimpleNamespace(images=images, frame_rate=Fraction(30000, 1001),
-                                                                   audio=audio))
-    decoded = convert.video_to_decoded(video)
+    decoded = convert.video_to_decoded(frames_video(images, Fraction(30000, 1001), audio))
     assert isinstance(decoded, DecodedVideo)
     assert decoded.frames.shape == (30, 32, 48, 3) and decoded.frames.dtype == np.uint8
     assert decoded.fps == pytest.approx(29.97, abs=1e-3) and decoded.sample_rate == 44100
-    silent = SimpleNamespace(get_components=lambda: SimpleNamespace(images=images, frame_rate=Fraction(24), audio=None))
-    assert convert.video_to_decoded(silent).audio is None
+    assert convert.video_to_decoded(frames_video(images, Fraction(24))).audio is None
     with pytest.raises(ValueError, match="VIDEO"):
         convert.video_to_decoded(images)
 
@@ -198,7 +205,7 @@ def test_a_loaded_video_reference_is_read_from_its_file(tmp_path):
 def test_a_load_video_clip_is_read_from_its_file_with_its_sound_at_32khz(tmp_path):
     path = tmp_path / "clip.mp4"
     write_mp4(path, np.zeros((48, 64, 96, 3), np.uint8), (np.random.default_rng(0).random((2, 64000)) - 0.5) * 0.2)
-    loaded = SimpleNamespace(get_stream_source=lambda: str(path), get_active_trim_window=lambda: (0.0, 0.0))
+    loaded = loaded_video(path)
     clip = convert.video_at_24fps(loaded, "guide", max_frames=24)
     assert clip.frames.shape == (24, 64, 96, 3) and clip.fps == 24.0
     assert clip.sample_rate == 32000 and clip.audio.shape[0] == 2 and clip.audio.shape[1] > 32000
@@ -394,10 +401,8 @@ def test_decoded_audio_pieces_must_be_stereo():
 
 @pytest.mark.parametrize("rate", [0, -24, float("nan")])
 def test_a_video_without_a_positive_frame_rate_is_refused(rate):
-    video = SimpleNamespace(get_components=lambda: SimpleNamespace(images=torch.rand(2, 8, 8, 3), frame_rate=rate,
-                                                                   audio=None))
     with pytest.raises(ValueError, match=rf"^guide: frame rate must be positive, got {rate}\.$"):
-        convert.video_to_decoded(video, "guide")
+        convert.video_to_decoded(frames_video(torch.rand(2, 8, 8, 3), rate), "guide")
 
 
 def test_a_video_in_memory_is_cut_to_24fps_with_its_sound_to_the_frames_asked():
@@ -405,7 +410,7 @@ def test_a_video_in_memory_is_cut_to_24fps_with_its_sound_to_the_frames_asked():
     on the 24 fps grid and cut, its sound cut to `sound_frames` frames however many frames are kept."""
     images = torch.rand(48, 8, 8, 3)
     sound = {"waveform": torch.rand(1, 2, 2 * 16000) - 0.5, "sample_rate": 16000}
-    video = SimpleNamespace(get_components=lambda: SimpleNamespace(images=images, frame_rate=Fraction(48), audio=sound))
+    video = frames_video(images, Fraction(48), sound)
     clip = convert.video_at_24fps(video, "guide", max_frames=10, sound_frames=12)
     assert clip.fps == 24.0 and clip.frames.shape == (10, 8, 8, 3)
     assert np.array_equal(clip.frames, convert.image_to_uint8(images[0:20:2]))  # every other frame of 48 fps
@@ -505,7 +510,7 @@ def test_a_trim_window_in_frames():
 def test_a_load_video_file_that_cannot_be_read_is_refused_naming_the_input(tmp_path):
     path = tmp_path / "broken.mp4"
     path.write_bytes(b"not a video")
-    loaded = SimpleNamespace(get_stream_source=lambda: str(path), get_active_trim_window=lambda: (0.0, 0.0))
+    loaded = loaded_video(path)
     with pytest.raises(ValueError, match=r"^guide: .*broken\.mp4"):
         convert.video_at_24fps(loaded, "guide", max_frames=24)
 

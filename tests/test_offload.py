@@ -107,7 +107,7 @@ def test_streamed_blocks_not_pinned_stay_the_files_pages(tmp_path):
     config = replace(TINY_DIT, num_layers=4)
     expected = run(_tiny_dit(4))
     path = tmp_path / "dit.safetensors"
-    save_file(seeded_random_weights(H3DiT(config), 1).state_dict(), str(path))
+    save_file(_tiny_dit(4).state_dict(), str(path))
     model = DiTReader(path, config=config).read("cpu")
     as_read = {i: [p.data for p in _streamed_parameters(block)] for i, block in enumerate(model.blocks)}
     mapped = file_mapped_ranges()
@@ -184,7 +184,7 @@ def test_streamed_blocks_on_file_are_read_ahead_before_their_copy(tmp_path, monk
 
     config = replace(TINY_DIT, num_layers=6)
     path = tmp_path / "dit.safetensors"
-    save_file(seeded_random_weights(H3DiT(config), 1).state_dict(), str(path))
+    save_file(_tiny_dit(6).state_dict(), str(path))
     model = DiTReader(path, config=config).read("cpu")
     events = []
     monkeypatch.setattr(offload, "read_ahead", lambda tensors: events.append(("read", len(tensors))) or True)
