@@ -112,6 +112,15 @@ def test_a_gguf_dit_computes_in_bf16_unless_told(tmp_path):
     assert cosine(forward(model)[0], forward(load_dit(path, dtype=torch.float32))[0]) > 0.999
 
 
+def test_a_gguf_files_rope_table_gives_its_frequency_count(tmp_path):
+    """16 frequencies per 128 channels is only what a file without rope.inv_freq is read with: a GGUF file that
+    ships the table is read with its length, as a safetensors one is."""
+    config = replace(TINY_DIT, rope_freq_dim=3)  # not attention_head_dim // 8 (4)
+    path = tmp_path / "dit.gguf"
+    write(path, seeded_random_weights(H3DiT(config), TINY_SEED))
+    assert infer_config(locate_dit(path)) == config
+
+
 @pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
 def test_k_quant_linears_equal_gguf_s_own_dequantizer(tmp_path, qtype):
     """K-quants and IQ4 types (random blocks: gguf has no quantizer for them) on a model whose linears are 256
