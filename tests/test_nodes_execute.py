@@ -1636,13 +1636,24 @@ def test_conditioning_shows_progress_per_model_call_and_stops_on_interrupt(comfy
     assert all(not layer._forward_pre_hooks for layer in layers)
 
 
-def test_decode_nodes_share_the_clips_over_devices(comfy):
+def test_decode_nodes_share_the_clips_over_devices(comfy, monkeypatch):
     """devices: the video's clips decode on each listed device at once; the frames equal one device's."""
+    import h3_core.vae_video as vae_video
+
     c = comfy
     model, text, vae = _models(c)
     out = c.sampler.H3Sampler.execute(model, _cond(c, text, vae).values[0], 0, 2, 0.0, 0.0).values[0][0]
+    shared_on, share = [], vae_video.decode_on_devices
+
+    def recorded(vae_, clips, devices, *rest):
+        shared_on.append(list(devices))
+        return share(vae_, clips, devices, *rest)
+
+    monkeypatch.setattr(vae_video, "decode_on_devices", recorded)
     one = c.output.H3VAEDecode.execute(vae, out).values[0]
+    assert shared_on == []
     assert torch.equal(c.output.H3VAEDecode.execute(vae, out, devices="cpu, cpu").values[0], one)
+    assert shared_on == [[torch.device("cpu")] * 2]  # the equal frames did come from both devices
     with pytest.raises(ValueError, match="cpu alone is one device; list two or more to share the decode"):
         c.output.H3VAEDecode.execute(vae, out, devices="cpu")
     with pytest.raises(ValueError, match="is not a list of device names"):
@@ -1652,6 +1663,7 @@ def test_decode_nodes_share_the_clips_over_devices(comfy):
 
     long_video = importlib.import_module("nodes.long_video")
     shared = Path(long_video.H3SaveMP4.execute(vae, out, "H3/shared", devices="cpu,cpu").values[0][1])
+    assert len(shared_on) == 2
     alone = Path(long_video.H3SaveMP4.execute(vae, out, "H3/alone").values[0][1])
     frames = []
     for path in (shared, alone):
