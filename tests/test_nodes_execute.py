@@ -83,6 +83,22 @@ def test_t2va_chain_with_output_list_previews_and_mp4(comfy):
     assert b"crf=30.0" in coarser.read_bytes() and coarser.stat().st_size < path.stat().st_size
 
 
+def test_the_crf_widget_offers_what_the_encoder_takes(comfy):
+    """Both MP4 savers' crf widget spans x264's whole range (0 lossless .. 51) and no more (a value the widget
+    offers but the encoder refuses would fail only after the decode), and may be left out: prompts scripted
+    before the input existed still run, at the default."""
+    from h3_core.media_write import DEFAULT_CRF, check_crf
+
+    for node in (comfy.output.H3AVSave, importlib.import_module("nodes.long_video").H3SaveMP4):
+        crf = {port.id: port for port in node.define_schema().inputs}["crf"]
+        assert (crf.options["default"], crf.optional) == (DEFAULT_CRF, True), node
+        for inside in (crf.min, crf.max):
+            check_crf(inside)
+        for outside in (crf.min - 1, crf.max + 1):
+            with pytest.raises(ValueError, match="crf must be an integer from 0"):
+                check_crf(outside)
+
+
 def test_vae_decode_refuses_an_image_larger_than_the_cpu_memory_before_decoding(comfy, monkeypatch):
     """An IMAGE holds every frame as float32 in CPU memory (300 s at 1344x768: 89 GB); one that cannot fit was
     decoded for minutes first and then ran the host out of memory."""
