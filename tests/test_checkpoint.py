@@ -211,6 +211,19 @@ def test_a_file_cast_whole_to_bf16_keeps_its_rope_table_check(tmp_path, referenc
         load_dit(tmp_path / "other.safetensors")
 
 
+def test_a_rope_table_of_another_length_than_the_config_says_is_refused(tmp_path, reference, tiny_config):
+    """A release folder's config.json names the rope table's length; a table of another length in its files
+    (a config edited, or taken from another model) is refused naming both, not read with the config's."""
+    folder = write_original_partition(tmp_path, reference.state_dict(), tiny_config)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "rope_inv_freq_len": tiny_config.rope_freq_dim - 1}))
+    shard = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]["rope.inv_freq"]
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"'rope.inv_freq' in {folder / shard} has shape [{tiny_config.rope_freq_dim}], expected "
+            f"[{tiny_config.rope_freq_dim - 1}].")):
+        load_dit(folder.parent)
+
+
 def test_loading_streams_one_tensor_at_a_time(tmp_path, reference, monkeypatch):
     """Tensors are read and assigned one by one (diffusers q/k/v wait for their siblings): never a second copy.
     (The check of the headers before, on meta tensors, is not counted.)"""
