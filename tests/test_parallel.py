@@ -422,6 +422,27 @@ def test_sharded_blocks_hold_only_their_shard_between_forwards(references, tmp_p
         dist.destroy_process_group()
 
 
+def test_each_rank_keeps_its_own_share_of_a_units_bytes():
+    """A unit's weights packed into bytes, padded to a multiple of P: rank r keeps bytes [r*n, (r+1)*n) as its
+    own copy (a view would keep the whole buffer alive on every rank), the shards put back together as the
+    all-gather does give every weight bitwise, and between forwards the parameters point at nothing."""
+    from h3_core.offload import _packing
+    from h3_core.parallel.sharding import _Unit
+
+    g = torch.Generator().manual_seed(0)
+    originals = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g).to(torch.bfloat16)]
+    world, packed = 3, _packing(originals)[1]
+    units = [_Unit([torch.nn.Parameter(t.clone(), requires_grad=False) for t in originals], world, rank, "cpu")
+             for rank in range(world)]
+    for unit in units:
+        assert unit.whole_bytes == world * unit.shard_bytes and packed <= unit.whole_bytes < packed + world
+        assert unit.shard.numel() == unit.shard.untyped_storage().nbytes() == unit.shard_bytes
+        assert all(p.numel() == 0 for p in unit.params)
+    units[1].point_into(torch.cat([unit.shard for unit in units]))
+    for param, original in zip(units[1].params, originals):
+        assert param.dtype == original.dtype and torch.equal(param, original)
+
+
 def test_cli_shard_weights_needs_devices(capsys):
     from h3_core.cli import main as h3
 
