@@ -443,6 +443,32 @@ def test_each_rank_keeps_its_own_share_of_a_units_bytes():
         assert param.dtype == original.dtype and torch.equal(param, original)
 
 
+def test_sharded_blocks_gather_the_next_block_while_one_computes(tmp_path, monkeypatch):
+    """Three blocks (two buffers take turns), a world of 1: every forward gathers only its first block before it
+    runs, each later block's gather started while the one before computed, and the result is the whole model's."""
+    import h3_core.parallel.sharding as sharding
+
+    spec = dataclasses.replace(SPEC, config=dataclasses.replace(HEADS4, num_layers=3))
+    want = sample(spec.load("cpu"), conditioning(False), seed=3, steps=STEPS)
+    waited, gather = [], sharding.all_gather_single
+
+    def recorded(*args, **kwargs):
+        waited.append(kwargs.get("async_op") is False)  # a block's gather the forward waits for; AdaLN's pass none
+        return gather(*args, **kwargs)
+
+    monkeypatch.setattr(sharding, "all_gather_single", recorded)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = spec.load("cpu")
+        shard_blocks(model, None, "cpu")
+        forwards = []
+        model.blocks[0].register_forward_pre_hook(lambda module, args: forwards.append(1))
+        assert_close(sample(model, conditioning(False), seed=3, steps=STEPS), want)
+    finally:
+        dist.destroy_process_group()
+    assert forwards and sum(waited) == len(forwards)
+
+
 def test_cli_shard_weights_needs_devices(capsys):
     from h3_core.cli import main as h3
 
