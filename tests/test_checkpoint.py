@@ -224,6 +224,21 @@ def test_a_rope_table_of_another_length_than_the_config_says_is_refused(tmp_path
         load_dit(folder.parent)
 
 
+def test_a_folder_without_both_a_config_and_weights_is_no_checkpoint(tmp_path, reference, tiny_config):
+    """A transformer folder needs config.json and its shards: one holding only either (a download stopped
+    early, weights copied without their config) is refused with what a checkpoint folder holds."""
+    folder = write_original_partition(tmp_path / "release", reference.state_dict(), tiny_config)
+    for kept in ("config.json", "model-00001-of-00003.safetensors"):
+        part = tmp_path / f"only-{kept}"
+        part.mkdir()
+        (part / kept).write_bytes((folder / kept).read_bytes())
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"{part} is not an H3 DiT checkpoint for partition 'fl2va': expected a folder with config.json and "
+                "*.safetensors shards (an original 'FL2VA/transformer' folder, a diffusers 'transformer' folder, or "
+                "either of their parents), or a single .safetensors or .gguf file.")):
+            locate_dit(part)
+
+
 def test_loading_streams_one_tensor_at_a_time(tmp_path, reference, monkeypatch):
     """Tensors are read and assigned one by one (diffusers q/k/v wait for their siblings): never a second copy.
     (The check of the headers before, on meta tensors, is not counted.)"""
