@@ -406,22 +406,6 @@ def test_bad_device_lists_are_refused_before_any_process_starts(monkeypatch, cap
     assert capsys.readouterr().err == "h3: error: H3 worker rank 1 on cpu failed: RuntimeError: boom\n"  # no traceback
 
 
-def test_sharded_blocks_hold_only_their_shard_between_forwards(references, tmp_path):
-    """One rank (a world of 1, in this process): the hooks gather, point, release and reuse buffers
-    without changing a bit, and no block weight is reachable between forwards."""
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        model = SPEC.load("cpu")
-        sharder = shard_blocks(model, None, "cpu")
-        assert all(p.numel() == 0 for block in model.blocks for p in block.parameters())
-        assert_close(sample(model, conditioning(True), seed=3, steps=STEPS), references[True])
-        assert all(p.numel() == 0 for block in model.blocks for p in block.parameters())
-        assert not sharder.pending
-    finally:
-        dist.destroy_process_group()
-
-
 def test_each_rank_keeps_its_own_share_of_a_units_bytes():
     """A unit's weights packed into bytes, padded to a multiple of P: rank r keeps bytes [r*n, (r+1)*n) as its
     own copy (a view would keep the whole buffer alive on every rank), the shards put back together as the
@@ -443,13 +427,14 @@ def test_each_rank_keeps_its_own_share_of_a_units_bytes():
         assert param.dtype == original.dtype and torch.equal(param, original)
 
 
-def test_sharded_blocks_gather_the_next_block_while_one_computes(tmp_path, monkeypatch):
-    """Three blocks (two buffers take turns), a world of 1: every forward gathers only its first block before it
-    runs, each later block's gather started while the one before computed, and the result is the whole model's."""
+def test_sharded_blocks_hold_only_their_shard_between_forwards(tmp_path, monkeypatch):
+    """One rank (a world of 1, in this process), three blocks (two buffers take turns): the hooks gather, point,
+    release and reuse buffers without changing a bit, every forward waits only for its first block's gather (each
+    later one started while the block before computed), and no block weight is reachable between forwards."""
     import h3_core.parallel.sharding as sharding
 
     spec = dataclasses.replace(SPEC, config=dataclasses.replace(HEADS4, num_layers=3))
-    want = sample(spec.load("cpu"), conditioning(False), seed=3, steps=STEPS)
+    want = sample(spec.load("cpu"), conditioning(True), seed=3, steps=STEPS)
     waited, gather = [], sharding.all_gather_single
 
     def recorded(*args, **kwargs):
@@ -460,10 +445,13 @@ def test_sharded_blocks_gather_the_next_block_while_one_computes(tmp_path, monke
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         model = spec.load("cpu")
-        shard_blocks(model, None, "cpu")
+        sharder = shard_blocks(model, None, "cpu")
         forwards = []
         model.blocks[0].register_forward_pre_hook(lambda module, args: forwards.append(1))
-        assert_close(sample(model, conditioning(False), seed=3, steps=STEPS), want)
+        assert all(p.numel() == 0 for block in model.blocks for p in block.parameters())
+        assert_close(sample(model, conditioning(True), seed=3, steps=STEPS), want)
+        assert all(p.numel() == 0 for block in model.blocks for p in block.parameters())
+        assert not sharder.pending
     finally:
         dist.destroy_process_group()
     assert forwards and sum(waited) == len(forwards)
