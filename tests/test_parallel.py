@@ -760,8 +760,9 @@ def test_a_rank_on_another_machine_that_fails_is_named_with_its_error(tmp_path):
 
 def test_a_rank_that_lost_a_peer_names_the_rank_that_failed_on_its_own(monkeypatch):
     """Reports through the store: a rank whose collective lost a peer names the rank that failed on its own first
-    (not a bystander that also lost it); a rank that failed on its own names nobody; a store that stops answering
-    does not hold a failing rank past EXCHANGE_LIMIT_S."""
+    (not a bystander that also lost it); a rank that failed on its own names nobody; a report written while a rank
+    waits for one (PEER_WAIT_S) is named; a store that stops answering does not hold a failing rank past
+    EXCHANGE_LIMIT_S."""
     import threading
     import time
 
@@ -778,6 +779,11 @@ def test_a_rank_that_lost_a_peer_names_the_rank_that_failed_on_its_own(monkeypat
     peer_reports.forget(store, 3)
     assert [rank for rank, *_ in peer_reports.exchange(store, 2, 4, "cpu", lost, "x")] == [0, 1]
     assert peer_reports.lost_a_peer("DistBackendError: [Rank 0] Watchdog caught collective operation timeout")
+    later = dist.HashStore()  # the failing rank's report written while the one that lost it waits for it
+    teller = threading.Timer(0.3, peer_reports.exchange, (later, 2, 3, "cpu", MemoryError("out"), "MemoryError: out"))
+    teller.start()
+    assert [rank for rank, *_ in peer_reports.exchange(later, 0, 3, "cpu", lost, "x")] == [2]
+    teller.join()
 
     class Stopped:  # its host frozen: every call blocks
         def __getattr__(self, name):
